@@ -1,0 +1,145 @@
+"""Load an HF-layout target checkpoint (config.json + safetensors, bf16/fp32 as save_pretrained writes it).
+
+HF stores ``nn.Linear`` weights as [out, in]; jaxdd keeps [in, out] with heads and experts as their own axes.
+``hf_to_jaxdd`` is the one place that knows the mapping. Quantized checkpoints (FP8 blocks, INT4
+pack-quantized) go through the converter in ``convert/`` instead.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from jaxdd.config import KimiConfig
+from jaxdd.target import KimiTarget
+
+# Junk buffers some exports carry, and vision parts of the K2.5/K2.6 wrapper.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_PREFIXES = ("vision_tower.", "mm_projector.")
+WRAPPER_PREFIX = "language_model."
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing files or tensors, or holds tensors that do not fit the config."""
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The shards of a checkpoint: those the index names, or every *.safetensors file."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (directory / n).exists()]
+        if missing:
+            raise CheckpointError(f"{index} names missing shard(s): {', '.join(missing)}")
+        return [directory / n for n in names]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors files")
+    return files
+
+
+def read_tensors(directory: Path) -> dict[str, Callable[[], np.ndarray]]:
+    """Lazy readers for every tensor, keyed by name with the K2.5 ``language_model.`` prefix stripped."""
+    readers: dict[str, Callable[[], np.ndarray]] = {}
+    for file in safetensors_files(directory):
+        with safe_open(file, framework="numpy") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name.endswith(IGNORED_SUFFIXES) or name.startswith(IGNORED_PREFIXES):
+                    continue
+                key = name.removeprefix(WRAPPER_PREFIX)
+                readers[key] = lambda file=file, name=name: safe_open(file, framework="numpy").get_tensor(name)
+    return readers
+
+
+def hf_to_jaxdd(config: KimiConfig) -> Iterator[tuple[tuple, list[str], Callable[..., np.ndarray]]]:
+    """(jaxdd state path, HF tensor names it is built from, function of those tensors) for every parameter."""
+    c = config
+    h, dn, dv = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
+
+    def t(w):
+        return w.T
+
+    def heads_in(w):  # [H*d, in] -> [in, H, d]
+        return w.T.reshape(w.shape[1], h, -1)
+
+    yield ("embed",), ["model.embed_tokens.weight"], lambda w: w
+    yield ("lm_head",), ["lm_head.weight"], t
+    yield ("final_norm", "weight"), ["model.norm.weight"], lambda w: w
+    for i in range(c.num_hidden_layers):
+        hf, jx = f"model.layers.{i}.", ("layers", i)
+        a = hf + "self_attn."
+        yield (*jx, "attn_norm", "weight"), [hf + "input_layernorm.weight"], lambda w: w
+        yield (*jx, "mlp_norm", "weight"), [hf + "post_attention_layernorm.weight"], lambda w: w
+        yield (*jx, "attn", "q_a_proj"), [a + "q_a_proj.weight"], t
+        yield (*jx, "attn", "q_a_norm", "weight"), [a + "q_a_layernorm.weight"], lambda w: w
+        yield (*jx, "attn", "q_b_proj"), [a + "q_b_proj.weight"], heads_in
+        yield (*jx, "attn", "kv_a_proj"), [a + "kv_a_proj_with_mqa.weight"], t
+        yield (*jx, "attn", "kv_a_norm", "weight"), [a + "kv_a_layernorm.weight"], lambda w: w
+        yield (*jx, "attn", "k_up"), [a + "kv_b_proj.weight"], lambda w: heads_in(w)[..., :dn]
+        yield (*jx, "attn", "v_up"), [a + "kv_b_proj.weight"], lambda w: heads_in(w)[..., dn:]
+        yield (*jx, "attn", "o_proj"), [a + "o_proj.weight"], lambda w: w.T.reshape(h, dv, -1)
+        m = hf + "mlp."
+        if not c.is_moe_layer(i):
+            for proj in ("gate", "up", "down"):
+                yield (*jx, "mlp", proj), [f"{m}{proj}_proj.weight"], t
+            continue
+        yield (*jx, "mlp", "router", "weight"), [m + "gate.weight"], t
+        yield (*jx, "mlp", "router", "bias"), [m + "gate.e_score_correction_bias"], lambda b: b
+        for proj in ("gate", "up", "down"):
+            names = [f"{m}experts.{e}.{proj}_proj.weight" for e in range(c.n_routed_experts)]
+            yield (*jx, "mlp", proj), names, lambda *ws: np.stack([w.T for w in ws])
+            if c.n_shared_experts:
+                yield (*jx, "mlp", "shared", proj), [f"{m}shared_experts.{proj}_proj.weight"], t
+
+
+def load_hf_target(directory: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> KimiTarget:
+    """Build a ``KimiTarget`` from an HF checkpoint directory; every tensor is checked against the config."""
+    directory = Path(directory)
+    if not (directory / "config.json").exists():
+        raise CheckpointError(f"{directory}: no config.json (is this an HF checkpoint directory?)")
+    config = KimiConfig.from_json_file(directory / "config.json")
+    readers = read_tensors(directory)
+    quantized = sorted(n for n in readers if n.endswith(("weight_scale_inv", "weight_packed")))
+    if quantized:
+        raise CheckpointError(
+            f"{directory} holds quantized tensors (e.g. {quantized[0]}); convert it with `python -m convert` first"
+        )
+    # MTP (next-n) layers beyond num_hidden_layers are not part of the target.
+    mtp = {n for n in readers if n.startswith("model.layers.") and int(n.split(".")[2]) >= config.num_hidden_layers}
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: KimiTarget(config, dtype, rngs=nnx.Rngs(0))))
+    values = nnx.to_pure_dict(abstract)
+    plan = list(hf_to_jaxdd(config))
+    wanted = {name for _, names, _ in plan for name in names}
+    missing = sorted(wanted - readers.keys())
+    unexpected = sorted(readers.keys() - wanted - mtp)
+    if missing or unexpected:
+        lines = [f"{directory}: tensors do not match the config"]
+        lines += [f"  missing: {n}" for n in missing[:20]] + ([f"  ... {len(missing) - 20} more"] if len(missing) > 20 else [])
+        lines += [f"  unexpected: {n}" for n in unexpected[:20]]
+        raise CheckpointError("\n".join(lines))
+
+    for path, names, build in plan:
+        leaf = _get(values, path)
+        array = build(*(readers[n]() for n in names))
+        if tuple(array.shape) != tuple(leaf.shape):
+            raise CheckpointError(f"{' + '.join(names[:2])}: shape {array.shape} does not fit {leaf.shape}")
+        _set(values, path, jnp.asarray(array, leaf.dtype))
+    nnx.replace_by_pure_dict(abstract, values)
+    return nnx.merge(graphdef, abstract)
+
+
+def _get(tree: dict, path: tuple):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+    _get(tree, path[:-1])[path[-1]] = value

@@ -1,0 +1,247 @@
+"""The Kimi K2.x / DeepSeek-V3 target model in Flax NNX: MLA attention over a latent cache and noaux_tc MoE.
+
+One forward serves every use: prefill, one-token decode, a causal block (linear verify) and a draft tree.
+The new tokens see the committed prefix of the cache (slots below ``cache.length``) plus whichever new tokens
+``visible`` allows, and their latent rows are written at slots ``length .. length + T - 1``; committing (moving
+``length``, or compacting an accepted tree path) is the caller's job.
+
+Weights use the JAX layout ``x @ W`` ([in, out]); ``jaxdd.hf_weights`` maps the HF names and transposes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdd.cache import LatentCache, write_rows
+from jaxdd.config import KimiConfig
+from jaxdd.layers import MLP, RMSNorm, apply_rope, param, rope_cos_sin, rope_frequencies
+
+MlaForm = Literal["naive", "absorbed"]
+
+
+class TargetOutput(NamedTuple):
+    hidden: jax.Array  # [B, T, D] after the final norm (feed to ``KimiTarget.logits``)
+    taps: jax.Array | None  # [B, T, len(taps) * D]: residual stream after each tapped layer, concatenated
+    cache: LatentCache  # new rows written, ``length`` unchanged
+
+
+def target_rope(config: KimiConfig):
+    """(inv_freq, amplitude) of the MLA rope slice."""
+    y = config.yarn
+    if y is None:
+        return rope_frequencies(config.qk_rope_head_dim, config.rope_theta)
+    return rope_frequencies(
+        config.qk_rope_head_dim,
+        config.rope_theta,
+        y.factor,
+        y.original_max_position_embeddings,
+        y.beta_fast,
+        y.beta_slow,
+        y.mscale,
+        y.mscale_all_dim,
+    )
+
+
+class MLAttention(nnx.Module):
+    """Multi-head latent attention. K/V live in the cache as one normed latent row plus one rope key per token.
+
+    ``naive`` expands the latents into per-head keys and values (HF's formulation); ``absorbed`` folds the
+    key up-projection into the query and the value up-projection after the attention (DeepSeek's decode form),
+    so attention runs over the 512 + 64 wide rows directly. They are equal up to float reassociation.
+    """
+
+    def __init__(self, config: KimiConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        c = config
+        h, dn, dr, dv = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.config = c
+        self.q_a_proj = param(rngs, (c.hidden_size, c.q_lora_rank), dtype, ("embed", "q_lora"))
+        self.q_a_norm = RMSNorm(c.q_lora_rank, c.latent_norm_eps, dtype, axis="q_lora")
+        self.q_b_proj = param(rngs, (c.q_lora_rank, h, dn + dr), dtype, ("q_lora", "heads", None))
+        self.kv_a_proj = param(rngs, (c.hidden_size, c.kv_lora_rank + dr), dtype, ("embed", None))
+        self.kv_a_norm = RMSNorm(c.kv_lora_rank, c.latent_norm_eps, dtype, axis=None)
+        # kv_b_proj split per head into its key half (nope channels) and value half.
+        self.k_up = param(rngs, (c.kv_lora_rank, h, dn), dtype, (None, "heads", None))
+        self.v_up = param(rngs, (c.kv_lora_rank, h, dv), dtype, (None, "heads", None))
+        self.o_proj = param(rngs, (h, dv, c.hidden_size), dtype, ("heads", None, "embed"))
+
+    def __call__(
+        self,
+        x: jax.Array,
+        cos_sin: tuple[jax.Array, jax.Array],
+        cache_rows: tuple[jax.Array, jax.Array],
+        mask: jax.Array,
+        form: MlaForm,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B,T,D]; cache_rows (latent [B,S,r], rope [B,S,dr]); mask [B,T,S+T] over (cache slots, new tokens).
+
+        Returns the attention output [B,T,D] and this step's latent and rope rows [B,T,*] for the cache.
+        """
+        c = self.config
+        cos, sin = cos_sin
+        q = self.q_a_norm(x @ self.q_a_proj[...])
+        q = jnp.einsum("btq,qhd->bthd", q, self.q_b_proj[...])
+        q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
+        q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None], c.rope_interleave)
+
+        kv = x @ self.kv_a_proj[...]
+        latent = self.kv_a_norm(kv[..., : c.kv_lora_rank])  # the norm covers the latent only, not the rope key
+        k_pe = apply_rope(kv[..., c.kv_lora_rank :], cos, sin, c.rope_interleave)
+
+        keys_latent = jnp.concatenate([cache_rows[0], latent], axis=1)  # [B, S+T, r]
+        keys_rope = jnp.concatenate([cache_rows[1], k_pe], axis=1)  # [B, S+T, dr]
+        rope_scores = jnp.einsum("bthd,bsd->bhts", q_pe, keys_rope)
+        if form == "absorbed":
+            q_latent = jnp.einsum("bthd,rhd->bthr", q_nope, self.k_up[...])
+            scores = jnp.einsum("bthr,bsr->bhts", q_latent, keys_latent) + rope_scores
+            probs = self._softmax(scores, mask)
+            out_latent = jnp.einsum("bhts,bsr->bthr", probs, keys_latent)
+            out = jnp.einsum("bthr,rhd->bthd", out_latent, self.v_up[...])
+        elif form == "naive":
+            k_nope = jnp.einsum("bsr,rhd->bshd", keys_latent, self.k_up[...])
+            values = jnp.einsum("bsr,rhd->bshd", keys_latent, self.v_up[...])
+            scores = jnp.einsum("bthd,bshd->bhts", q_nope, k_nope) + rope_scores
+            out = jnp.einsum("bhts,bshd->bthd", self._softmax(scores, mask), values)
+        else:
+            raise ValueError(f"form: expected 'naive' or 'absorbed', got {form!r}")
+        return jnp.einsum("bthd,hde->bte", out, self.o_proj[...]), latent, k_pe
+
+    def _softmax(self, scores: jax.Array, mask: jax.Array) -> jax.Array:
+        # HF: scale in the activation dtype, softmax in fp32, probabilities back in the activation dtype.
+        scores = (scores * self.config.softmax_scale).astype(jnp.float32)
+        scores = jnp.where(mask[:, None], scores, -jnp.inf)
+        return jax.nn.softmax(scores, axis=-1).astype(self.k_up.dtype)
+
+
+class Router(nnx.Module):
+    """noaux_tc routing: sigmoid scores; the correction bias picks experts but does not weight them."""
+
+    def __init__(self, config: KimiConfig, rngs: nnx.Rngs):
+        self.config = config
+        e = config.n_routed_experts
+        # fp32 like the reference (HF keeps gate.weight and e_score_correction_bias in fp32).
+        self.weight = param(rngs, (config.hidden_size, e), jnp.float32, ("embed", None))
+        self.bias = nnx.Param(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [N, D] -> (weights [N, k] fp32, expert ids [N, k] int32)."""
+        c = self.config
+        scores = jax.nn.sigmoid(x.astype(jnp.float32) @ self.weight[...])
+        choice = scores + self.bias[...]
+        if c.n_group > 1:
+            n, per_group = x.shape[0], c.n_routed_experts // c.n_group
+            grouped = choice.reshape(n, c.n_group, per_group)
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+            keep = jax.nn.one_hot(jax.lax.top_k(group_scores, c.topk_group)[1], c.n_group).sum(-2) > 0
+            choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(n, c.n_routed_experts)
+        experts = jax.lax.top_k(choice, c.num_experts_per_tok)[1]
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        return weights * c.routed_scaling_factor, experts
+
+
+class MoE(nnx.Module):
+    """Routed SwiGLU experts (grouped matmuls over expert-sorted tokens) plus unweighted shared experts."""
+
+    def __init__(self, config: KimiConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        c = config
+        e, d, f = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
+        self.config = c
+        self.router = Router(c, rngs)
+        self.gate = param(rngs, (e, d, f), dtype, ("experts", "embed", "expert_mlp"))
+        self.up = param(rngs, (e, d, f), dtype, ("experts", "embed", "expert_mlp"))
+        self.down = param(rngs, (e, f, d), dtype, ("experts", "expert_mlp", "embed"))
+        self.shared = MLP(d, f * c.n_shared_experts, dtype, rngs) if c.n_shared_experts else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts = self.router(x)
+        routed = self._experts(x, weights, experts)
+        if self.shared is not None:
+            routed = routed + self.shared(x)
+        return routed.reshape(shape)
+
+    def _experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        n, k = experts.shape
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        rows = x[order // k]
+        sizes = jnp.bincount(flat, length=self.config.n_routed_experts).astype(jnp.int32)
+        hidden = jax.nn.silu(jax.lax.ragged_dot(rows, self.gate[...], sizes)) * jax.lax.ragged_dot(
+            rows, self.up[...], sizes
+        )
+        out = jax.lax.ragged_dot(hidden, self.down[...], sizes)
+        out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
+        # Moonshot's moe_infer: expert outputs summed with their weights in fp32, then cast back.
+        return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights).astype(x.dtype)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: KimiConfig, layer: int, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.attn = MLAttention(config, dtype, rngs)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if config.is_moe_layer(layer):
+            self.mlp = MoE(config, dtype, rngs)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype, rngs)
+
+    def __call__(self, x, cos_sin, cache_rows, mask, form: MlaForm):
+        attn, latent, k_pe = self.attn(self.attn_norm(x), cos_sin, cache_rows, mask, form)
+        x = x + attn
+        return x + self.mlp(self.mlp_norm(x)), latent, k_pe
+
+
+class KimiTarget(nnx.Module):
+    def __init__(self, config: KimiConfig, dtype: jnp.dtype = jnp.bfloat16, *, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = dtype
+        self.embed = param(rngs, (config.vocab_size, config.hidden_size), dtype, ("vocab", "embed"))
+        self.layers = nnx.List(
+            [DecoderLayer(config, i, dtype, rngs) for i in range(config.num_hidden_layers)]
+        )
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = param(rngs, (config.hidden_size, config.vocab_size), dtype, ("embed", "vocab"))
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: LatentCache,
+        visible: jax.Array,
+        *,
+        taps: tuple[int, ...] = (),
+        form: MlaForm = "absorbed",
+    ) -> TargetOutput:
+        """tokens, positions [B, T] int32; visible [B, T, T] bool: may new token i attend to new token j.
+
+        Causal ``visible`` gives prefill / decode / linear verify; an ancestor-or-self mask gives tree verify
+        (with positions = start + depth).
+        """
+        slots = cache.slots
+        committed = jnp.arange(slots)[None, None, :] < cache.length[:, None, None]
+        mask = jnp.concatenate([jnp.broadcast_to(committed, visible.shape[:2] + (slots,)), visible], axis=-1)
+        inv_freq, amplitude = target_rope(self.config)
+        cos_sin = rope_cos_sin(positions, inv_freq, amplitude, self.dtype)
+
+        x = self.embed[...][tokens]
+        latent_cache, rope_cache, tapped = cache.latent, cache.rope, []
+        for i, layer in enumerate(self.layers):
+            x, latent, k_pe = layer(x, cos_sin, (latent_cache[i], rope_cache[i]), mask, form)
+            latent_cache = latent_cache.at[i].set(write_rows(latent_cache[i], latent, cache.length))
+            rope_cache = rope_cache.at[i].set(write_rows(rope_cache[i], k_pe, cache.length))
+            if i in taps:
+                tapped.append(x)
+        by_layer = dict(zip(sorted(set(taps)), tapped, strict=True))
+        tap_out = jnp.concatenate([by_layer[i] for i in taps], axis=-1) if taps else None
+        new_cache = cache.replace(latent=latent_cache, rope=rope_cache)
+        return TargetOutput(self.final_norm(x), tap_out, new_cache)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """fp32 logits for final hidden states (the untied lm_head)."""
+        return (hidden @ self.lm_head[...]).astype(jnp.float32)
