@@ -17,7 +17,7 @@ from flax import nnx
 from safetensors import safe_open
 
 from jaxdd.config import KimiConfig
-from jaxdd.target import KimiTarget
+from jaxdd.target import KimiTarget, abstract_target
 
 # Junk buffers some exports carry, and vision parts of the K2.5/K2.6 wrapper.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -113,7 +113,7 @@ def load_hf_target(directory: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> Ki
     # MTP (next-n) layers beyond num_hidden_layers are not part of the target.
     mtp = {n for n in readers if n.startswith("model.layers.") and int(n.split(".")[2]) >= config.num_hidden_layers}
 
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: KimiTarget(config, dtype, rngs=nnx.Rngs(0))))
+    graphdef, abstract = abstract_target(config, dtype)
     values = nnx.to_pure_dict(abstract)
     plan = list(hf_to_jaxdd(config))
     wanted = {name for _, names, _ in plan for name in names}

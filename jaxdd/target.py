@@ -245,3 +245,8 @@ class KimiTarget(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """fp32 logits for final hidden states (the untied lm_head)."""
         return (hidden @ self.lm_head[...]).astype(jnp.float32)
+
+
+def abstract_target(config: KimiConfig, dtype: jnp.dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's structure and its parameter shapes/dtypes, without allocating (for loading and restoring)."""
+    return nnx.split(nnx.eval_shape(lambda: KimiTarget(config, dtype, rngs=nnx.Rngs(0))))

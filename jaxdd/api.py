@@ -1,0 +1,173 @@
+"""The host-side API: load a target, run jitted forwards over a latent cache, with input checks.
+
+The jitted step takes the model as (graphdef, state) so the module stays out of the static arguments, and
+donates the cache so XLA writes the new rows in place.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxdd.cache import LatentCache
+from jaxdd.checkpoint import cast_target, is_jaxdd_checkpoint, load_target_checkpoint
+from jaxdd.config import KimiConfig
+from jaxdd.hf_weights import CheckpointError, load_hf_target
+from jaxdd.target import KimiTarget, MlaForm
+
+
+class InputError(ValueError):
+    """Token ids, positions, masks or cache sizes that the model cannot take."""
+
+
+class ForwardResult(NamedTuple):
+    logits: jax.Array  # [B, T, vocab] fp32
+    taps: jax.Array | None  # [B, T, len(taps) * hidden]
+    cache: LatentCache
+
+
+def load_target(path: str | Path, dtype: str | jnp.dtype = "bfloat16") -> Target:
+    """Load a target from an HF checkpoint directory (config.json + safetensors) or a jaxdd checkpoint."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    dtype = jnp.dtype(dtype)
+    if is_jaxdd_checkpoint(path):
+        return Target(load_target_checkpoint(path, dtype))
+    return Target(load_hf_target(path, dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "taps", "form", "commit"), donate_argnames=("cache",))
+def _forward(graphdef, state, tokens, positions, cache, visible, taps, form, commit) -> ForwardResult:
+    model = nnx.merge(graphdef, state)
+    out = model(tokens, positions, cache, visible, taps=taps, form=form)
+    cache = out.cache
+    if commit:
+        cache = cache.replace(length=cache.length + tokens.shape[1])
+    return ForwardResult(model.logits(out.hidden), out.taps, cache)
+
+
+class Target:
+    """A loaded target model.
+
+    >>> target = jaxdd.load_target("path/to/checkpoint", dtype="float32")
+    >>> logits = target.logits([[1, 2, 3]])                   # [1, 3, vocab] fp32 numpy
+    >>> cache = target.new_cache(batch=1, max_len=64)
+    >>> out = target.forward([[1, 2, 3]], cache)              # prefill; out.cache holds 3 tokens
+    >>> out = target.forward([[4]], out.cache)                # one-token decode
+    """
+
+    def __init__(self, model: KimiTarget):
+        self.model = model
+        self._graphdef, self._state = nnx.split(model)
+
+    @property
+    def config(self) -> KimiConfig:
+        return self.model.config
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.model.dtype)
+
+    def astype(self, dtype: str | jnp.dtype) -> Target:
+        return Target(cast_target(self.model, jnp.dtype(dtype)))
+
+    def new_cache(self, batch: int = 1, max_len: int = 256) -> LatentCache:
+        if batch < 1 or max_len < 1:
+            raise InputError(f"new_cache: batch and max_len must be >= 1, got batch={batch}, max_len={max_len}")
+        return LatentCache.zeros(self.config, batch, max_len, self.dtype)
+
+    def forward(
+        self,
+        token_ids,
+        cache: LatentCache,
+        *,
+        positions=None,
+        visible=None,
+        taps: tuple[int, ...] = (),
+        form: MlaForm | None = None,
+        commit: bool = True,
+    ) -> ForwardResult:
+        """Run new tokens [B, T] against ``cache`` (which is consumed: use the returned one).
+
+        positions: [B, T], default ``length + arange(T)``; visible: [B, T, T] bool, default causal (a tree
+        forward passes its ancestor-or-self mask and positions ``start + depth``). taps: layers whose output
+        to return, concatenated. form: "naive" or "absorbed" MLA; default naive for a prefill into an empty
+        cache, absorbed otherwise. commit: advance the cache length by T (False leaves the rows uncommitted).
+        """
+        tokens = self._check_tokens(token_ids, cache.batch)
+        b, t = tokens.shape
+        length = np.asarray(cache.length)
+        overflow = np.flatnonzero(length + t > cache.slots)
+        if overflow.size:
+            r = overflow[0]
+            raise InputError(
+                f"cache overflow: row {r} holds {length[r]} tokens, {t} more need {length[r] + t} slots, "
+                f"but the cache has {cache.slots}; create it with a larger max_len"
+            )
+        if positions is None:
+            positions = length[:, None] + np.arange(t)[None, :]
+        positions = self._check_positions(positions, (b, t), cache.slots)
+        visible = self._check_visible(visible, b, t)
+        bad_taps = [i for i in taps if not 0 <= i < self.config.num_hidden_layers]
+        if bad_taps:
+            raise InputError(f"taps: layer(s) {bad_taps} outside [0, {self.config.num_hidden_layers})")
+        if form is None:
+            form = "naive" if t > 1 and not length.any() else "absorbed"
+        return _forward(
+            self._graphdef, self._state, tokens, positions, cache, visible, tuple(taps), form, commit
+        )
+
+    def logits(self, token_ids, form: MlaForm | None = None) -> np.ndarray:
+        """fp32 logits [B, T, vocab] of a causal forward over ``token_ids`` from an empty cache."""
+        tokens = self._check_tokens(token_ids, None)
+        cache = self.new_cache(tokens.shape[0], tokens.shape[1])
+        return np.asarray(self.forward(tokens, cache, form=form).logits)
+
+    # --- input checks (host side: XLA would silently clamp or wrap) ---
+
+    def _check_tokens(self, token_ids, batch: int | None) -> jax.Array:
+        tokens = np.asarray(token_ids)
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        if tokens.ndim != 2 or tokens.shape[1] == 0 or not np.issubdtype(tokens.dtype, np.integer):
+            raise InputError(f"token_ids: expected a non-empty [batch, T] integer array, got shape {tokens.shape}")
+        if batch is not None and tokens.shape[0] != batch:
+            raise InputError(f"token_ids: batch {tokens.shape[0]} does not match the cache batch {batch}")
+        vocab = self.config.vocab_size
+        bad = np.argwhere((tokens < 0) | (tokens >= vocab))
+        if bad.size:
+            at = tuple(int(i) for i in bad[0])
+            raise InputError(f"token_ids: id {tokens[at]} at {at} outside the vocabulary [0, {vocab})")
+        return jnp.asarray(tokens, jnp.int32)
+
+    def _check_positions(self, positions, shape: tuple[int, int], slots: int) -> jax.Array:
+        positions = np.asarray(positions)
+        if positions.shape != shape or not np.issubdtype(positions.dtype, np.integer):
+            raise InputError(f"positions: expected integers of shape {shape}, got {positions.dtype} {positions.shape}")
+        limit = min(slots, self.config.max_position_embeddings)
+        bad = np.argwhere((positions < 0) | (positions >= limit))
+        if bad.size:
+            at = tuple(int(i) for i in bad[0])
+            raise InputError(
+                f"positions: {positions[at]} at {at} is beyond the cache ({slots} slots) or the model's "
+                f"max_position_embeddings ({self.config.max_position_embeddings})"
+            )
+        return jnp.asarray(positions, jnp.int32)
+
+    @staticmethod
+    def _check_visible(visible, b: int, t: int) -> jax.Array:
+        if visible is None:
+            return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+        visible = np.asarray(visible)
+        if visible.shape != (b, t, t) or visible.dtype != bool:
+            raise InputError(f"visible: expected a bool mask of shape {(b, t, t)}, got {visible.dtype} {visible.shape}")
+        if not visible[:, np.arange(t), np.arange(t)].all():
+            raise InputError("visible: every new token must see itself (the diagonal must be True)")
+        return jnp.asarray(visible)
