@@ -77,7 +77,8 @@ def rope_frequencies(
     Plain RoPE when ``yarn_factor`` is None; otherwise YaRN with HF's ``truncate=True`` correction range.
     """
     exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
-    pos_freqs = np.power(np.float32(theta), exponents, dtype=np.float32)
+    # theta ** e rounded once to fp32 (torch's fp32 pow agrees except for rare 1-ulp cases).
+    pos_freqs = (np.float64(theta) ** exponents.astype(np.float64)).astype(np.float32)
     inv_freq_extra = np.float32(1.0) / pos_freqs
     if yarn_factor is None:
         return inv_freq_extra, 1.0

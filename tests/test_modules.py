@@ -1,0 +1,166 @@
+"""Per-module cross-checks against the HF transformers DeepseekV3 modules (fp32, CPU, eager)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from reference import FLAVOURS, additive_mask, hf_model, rel_err
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+import jaxdd
+from jaxdd.layers import apply_rope, rms_norm, rope_cos_sin
+from jaxdd.target import target_rope
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=list(FLAVOURS))
+def pair(request, tmp_path_factory):
+    model = hf_model(FLAVOURS[request.param], seed=3)
+    directory = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(directory)
+    return model, jaxdd.load_target(directory, dtype="float32").model
+
+
+def hidden(rng, *shape) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def torch_of(x) -> torch.Tensor:
+    return torch.from_numpy(np.array(x))
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-5])
+def test_rms_norm(eps):
+    rng = np.random.default_rng(0)
+    x, w = hidden(rng, 3, 5, 64), hidden(rng, 64)
+    ref = hf.DeepseekV3RMSNorm(64, eps=eps)
+    ref.weight.data = torch_of(w)
+    with torch.no_grad():
+        expected = ref(torch_of(x)).numpy()
+    assert rel_err(rms_norm(jnp.asarray(x), jnp.asarray(w), eps), expected) < 1e-6
+    # bf16 follows HF's cast order: normalise in fp32, cast, then multiply by the weight in bf16.
+    with torch.no_grad():
+        expected16 = ref.to(torch.bfloat16)(torch_of(x).to(torch.bfloat16)).float().numpy()
+    actual16 = rms_norm(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), eps).astype(jnp.float32)
+    assert rel_err(actual16, expected16) < 1e-2
+
+
+def test_rope_cos_sin(pair):
+    model, target = pair
+    positions = np.array([[0, 1, 7, 100, 4095, 4096, 20000, 120000]])
+    with torch.no_grad():
+        cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), torch_of(positions))
+    inv_freq, amplitude = target_rope(target.config)
+    our_cos, our_sin = rope_cos_sin(jnp.asarray(positions), inv_freq, amplitude, jnp.float32)
+    half = cos.shape[-1] // 2  # HF repeats the frequencies: cat(freqs, freqs)
+    np.testing.assert_allclose(our_cos, cos[..., :half].numpy(), atol=1e-5)
+    np.testing.assert_allclose(our_sin, sin[..., :half].numpy(), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(inv_freq), model.model.rotary_emb.inv_freq.numpy())
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_apply_rope(interleaved):
+    rng = np.random.default_rng(1)
+    q, k = hidden(rng, 2, 4, 6, 8), hidden(rng, 2, 1, 6, 8)  # [B, heads, T, d]
+    angles = rng.uniform(-3, 3, (2, 6, 4)).astype(np.float32)
+    cos_full, sin_full = (torch_of(np.concatenate([f(angles)] * 2, -1)) for f in (np.cos, np.sin))
+    rotate = hf.apply_rotary_pos_emb_interleave if interleaved else hf.apply_rotary_pos_emb
+    q_ref, k_ref = rotate(torch_of(q), torch_of(k), cos_full, sin_full)
+    cos, sin = jnp.cos(angles)[:, None], jnp.sin(angles)[:, None]
+    np.testing.assert_allclose(apply_rope(jnp.asarray(q), cos, sin, interleaved), q_ref.numpy(), atol=1e-6)
+    np.testing.assert_allclose(apply_rope(jnp.asarray(k), cos, sin, interleaved), k_ref.numpy(), atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["naive", "absorbed"])
+def test_attention(pair, form):
+    model, target = pair
+    rng = np.random.default_rng(2)
+    b, t = 2, 7
+    x = hidden(rng, b, t, target.config.hidden_size)
+    positions = np.broadcast_to(np.arange(3, 3 + t), (b, t))
+    causal = np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))
+    layer = model.model.layers[1].self_attn
+    with torch.no_grad():
+        rope = model.model.rotary_emb(torch_of(x), torch_of(positions))
+        expected = layer(torch_of(x), rope, attention_mask=additive_mask(causal))[0].numpy()
+
+    inv_freq, amplitude = target_rope(target.config)
+    cos_sin = rope_cos_sin(jnp.asarray(positions), inv_freq, amplitude, jnp.float32)
+    c = target.config
+    empty = (jnp.zeros((b, 0, c.kv_lora_rank)), jnp.zeros((b, 0, c.qk_rope_head_dim)))
+    out, latent, k_pe = target.layers[1].attn(jnp.asarray(x), cos_sin, empty, jnp.asarray(causal), form)
+    assert rel_err(out, expected) < TOL
+    assert latent.shape == (b, t, c.kv_lora_rank) and k_pe.shape == (b, t, c.qk_rope_head_dim)
+
+
+def moe_layer(target) -> int:
+    return target.config.num_hidden_layers - 1
+
+
+def test_router(pair):
+    model, target = pair
+    x = hidden(np.random.default_rng(4), 33, target.config.hidden_size)
+    i = moe_layer(target)
+    with torch.no_grad():
+        _, ref_weights, ref_experts = model.model.layers[i].mlp.gate(torch_of(x))
+    weights, experts = target.layers[i].mlp.router(jnp.asarray(x))
+    # Order within a token's top-k is arbitrary (torch.topk(sorted=False)): compare sorted by expert id.
+    ref_order, order = np.argsort(ref_experts.numpy(), -1), np.argsort(np.asarray(experts), -1)
+    sorted_ref = np.take_along_axis(ref_experts.numpy(), ref_order, -1)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(experts), order, -1), sorted_ref)
+    np.testing.assert_allclose(
+        np.take_along_axis(np.asarray(weights), order, -1),
+        np.take_along_axis(ref_weights.numpy(), ref_order, -1),
+        rtol=1e-6,
+    )
+
+
+def test_router_bias_selects_but_does_not_weight(pair):
+    """A large bias on one expert forces it into every top-k, yet its weight is its unbiased sigmoid score."""
+    _, target = pair
+    router = target.layers[moe_layer(target)].mlp.router
+    x = jnp.asarray(hidden(np.random.default_rng(5), 9, target.config.hidden_size))
+    bias = router.bias[...]
+    router.bias[...] = bias.at[3].set(100.0)
+    try:
+        weights, experts = router(x)
+    finally:
+        router.bias[...] = bias
+    assert (np.asarray(experts) == 3).any(-1).all()
+    scores = 1 / (1 + np.exp(-(np.asarray(x) @ np.asarray(router.weight[...]))))
+    raw = np.take_along_axis(scores, np.asarray(experts), -1)
+    c = target.config
+    np.testing.assert_allclose(weights, raw / raw.sum(-1, keepdims=True) * c.routed_scaling_factor, rtol=1e-5)
+
+
+def test_moe(pair):
+    model, target = pair
+    x = hidden(np.random.default_rng(6), 2, 11, target.config.hidden_size)
+    i = moe_layer(target)
+    with torch.no_grad():
+        expected = model.model.layers[i].mlp(torch_of(x)).numpy()
+    assert rel_err(target.layers[i].mlp(jnp.asarray(x)), expected) < TOL
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_decoder_layer(pair, which):
+    model, target = pair
+    i = 0 if which == "dense" else moe_layer(target)
+    assert target.config.is_moe_layer(i) == (which == "moe")
+    rng = np.random.default_rng(7)
+    b, t = 2, 6
+    x = hidden(rng, b, t, target.config.hidden_size)
+    positions = np.broadcast_to(np.arange(t), (b, t))
+    causal = np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))
+    with torch.no_grad():
+        rope = model.model.rotary_emb(torch_of(x), torch_of(positions))
+        expected = model.model.layers[i](torch_of(x), attention_mask=additive_mask(causal), position_embeddings=rope)
+    inv_freq, amplitude = target_rope(target.config)
+    cos_sin = rope_cos_sin(jnp.asarray(positions), inv_freq, amplitude, jnp.float32)
+    c = target.config
+    empty = (jnp.zeros((b, 0, c.kv_lora_rank)), jnp.zeros((b, 0, c.qk_rope_head_dim)))
+    out, _, _ = target.layers[i](jnp.asarray(x), cos_sin, empty, jnp.asarray(causal), "absorbed")
+    assert rel_err(out, expected.numpy()) < TOL
