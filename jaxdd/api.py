@@ -120,9 +120,7 @@ class Target:
             raise InputError(f"taps: layer(s) {bad_taps} outside [0, {self.config.num_hidden_layers})")
         if form is None:
             form = "naive" if t > 1 and not length.any() else "absorbed"
-        return _forward(
-            self._graphdef, self._state, tokens, positions, cache, visible, tuple(taps), form, commit
-        )
+        return _forward(self._graphdef, self._state, tokens, positions, cache, visible, tuple(taps), form, commit)
 
     def logits(self, token_ids, form: MlaForm | None = None) -> np.ndarray:
         """fp32 logits [B, T, vocab] of a causal forward over ``token_ids`` from an empty cache."""

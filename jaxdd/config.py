@@ -160,14 +160,14 @@ class _Reader:
         return ConfigError(f"{self.prefix}{key}: {msg}")
 
     def get(self, key: str, kind: type, default: Any = dataclasses.MISSING) -> Any:
-        if key not in self.data or self.data[key] is None and kind is not type(None):
+        if key not in self.data or (self.data[key] is None and kind is not type(None)):
             if default is dataclasses.MISSING:
                 raise self._fail(key, "missing")
             return default
         value = self.data[key]
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
             raise self._fail(key, f"expected {kind.__name__}, got {value!r}")
         return value
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -57,10 +58,22 @@ def read_tensors(directory: Path) -> dict[str, Callable[[], np.ndarray]]:
     return readers
 
 
-def hf_to_jaxdd(config: KimiConfig) -> Iterator[tuple[tuple, list[str], Callable[..., np.ndarray]]]:
-    """(jaxdd state path, HF tensor names it is built from, function of those tensors) for every parameter."""
+class Mapping(NamedTuple):
+    """One jaxdd parameter built from HF tensors that all have ``hf_shape``."""
+
+    path: tuple
+    hf_names: list[str]
+    hf_shape: tuple[int, ...]
+    build: Callable[..., np.ndarray]
+
+
+def hf_to_jaxdd(config: KimiConfig) -> Iterator[Mapping]:
+    """How every jaxdd target parameter is built from the HF checkpoint's tensors."""
     c = config
-    h, dn, dv = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
+    d, h, dn, dr, dv = c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+
+    def same(w):
+        return w
 
     def t(w):
         return w.T
@@ -68,34 +81,42 @@ def hf_to_jaxdd(config: KimiConfig) -> Iterator[tuple[tuple, list[str], Callable
     def heads_in(w):  # [H*d, in] -> [in, H, d]
         return w.T.reshape(w.shape[1], h, -1)
 
-    yield ("embed",), ["model.embed_tokens.weight"], lambda w: w
-    yield ("lm_head",), ["lm_head.weight"], t
-    yield ("final_norm", "weight"), ["model.norm.weight"], lambda w: w
+    yield Mapping(("embed",), ["model.embed_tokens.weight"], (c.vocab_size, d), same)
+    yield Mapping(("lm_head",), ["lm_head.weight"], (c.vocab_size, d), t)
+    yield Mapping(("final_norm", "weight"), ["model.norm.weight"], (d,), same)
     for i in range(c.num_hidden_layers):
         hf, jx = f"model.layers.{i}.", ("layers", i)
         a = hf + "self_attn."
-        yield (*jx, "attn_norm", "weight"), [hf + "input_layernorm.weight"], lambda w: w
-        yield (*jx, "mlp_norm", "weight"), [hf + "post_attention_layernorm.weight"], lambda w: w
-        yield (*jx, "attn", "q_a_proj"), [a + "q_a_proj.weight"], t
-        yield (*jx, "attn", "q_a_norm", "weight"), [a + "q_a_layernorm.weight"], lambda w: w
-        yield (*jx, "attn", "q_b_proj"), [a + "q_b_proj.weight"], heads_in
-        yield (*jx, "attn", "kv_a_proj"), [a + "kv_a_proj_with_mqa.weight"], t
-        yield (*jx, "attn", "kv_a_norm", "weight"), [a + "kv_a_layernorm.weight"], lambda w: w
-        yield (*jx, "attn", "k_up"), [a + "kv_b_proj.weight"], lambda w: heads_in(w)[..., :dn]
-        yield (*jx, "attn", "v_up"), [a + "kv_b_proj.weight"], lambda w: heads_in(w)[..., dn:]
-        yield (*jx, "attn", "o_proj"), [a + "o_proj.weight"], lambda w: w.T.reshape(h, dv, -1)
-        m = hf + "mlp."
+        yield Mapping((*jx, "attn_norm", "weight"), [hf + "input_layernorm.weight"], (d,), same)
+        yield Mapping((*jx, "mlp_norm", "weight"), [hf + "post_attention_layernorm.weight"], (d,), same)
+        attn = (*jx, "attn")
+        yield Mapping((*attn, "q_a_proj"), [a + "q_a_proj.weight"], (c.q_lora_rank, d), t)
+        yield Mapping((*attn, "q_a_norm", "weight"), [a + "q_a_layernorm.weight"], (c.q_lora_rank,), same)
+        yield Mapping((*attn, "q_b_proj"), [a + "q_b_proj.weight"], (h * (dn + dr), c.q_lora_rank), heads_in)
+        yield Mapping((*attn, "kv_a_proj"), [a + "kv_a_proj_with_mqa.weight"], (c.kv_lora_rank + dr, d), t)
+        yield Mapping((*attn, "kv_a_norm", "weight"), [a + "kv_a_layernorm.weight"], (c.kv_lora_rank,), same)
+        kv_b = [a + "kv_b_proj.weight"], (h * (dn + dv), c.kv_lora_rank)
+        yield Mapping((*attn, "k_up"), *kv_b, lambda w: heads_in(w)[..., :dn])
+        yield Mapping((*attn, "v_up"), *kv_b, lambda w: heads_in(w)[..., dn:])
+        yield Mapping((*attn, "o_proj"), [a + "o_proj.weight"], (d, h * dv), lambda w: w.T.reshape(h, dv, d))
+        m, mlp = hf + "mlp.", (*jx, "mlp")
         if not c.is_moe_layer(i):
-            for proj in ("gate", "up", "down"):
-                yield (*jx, "mlp", proj), [f"{m}{proj}_proj.weight"], t
+            f = c.intermediate_size
+            for proj, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
+                yield Mapping((*mlp, proj), [f"{m}{proj}_proj.weight"], shape, t)
             continue
-        yield (*jx, "mlp", "router", "weight"), [m + "gate.weight"], t
-        yield (*jx, "mlp", "router", "bias"), [m + "gate.e_score_correction_bias"], lambda b: b
-        for proj in ("gate", "up", "down"):
+        yield Mapping((*mlp, "router", "weight"), [m + "gate.weight"], (c.n_routed_experts, d), t)
+        yield Mapping((*mlp, "router", "bias"), [m + "gate.e_score_correction_bias"], (c.n_routed_experts,), same)
+        f, shared = c.moe_intermediate_size, c.moe_intermediate_size * c.n_shared_experts
+        for proj, shape, shared_shape in (
+            ("gate", (f, d), (shared, d)),
+            ("up", (f, d), (shared, d)),
+            ("down", (d, f), (d, shared)),
+        ):
             names = [f"{m}experts.{e}.{proj}_proj.weight" for e in range(c.n_routed_experts)]
-            yield (*jx, "mlp", proj), names, lambda *ws: np.stack([w.T for w in ws])
+            yield Mapping((*mlp, proj), names, shape, lambda *ws: np.stack([w.T for w in ws]))
             if c.n_shared_experts:
-                yield (*jx, "mlp", "shared", proj), [f"{m}shared_experts.{proj}_proj.weight"], t
+                yield Mapping((*mlp, "shared", proj), [f"{m}shared_experts.{proj}_proj.weight"], shared_shape, t)
 
 
 def load_hf_target(directory: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> KimiTarget:
@@ -116,21 +137,24 @@ def load_hf_target(directory: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> Ki
     graphdef, abstract = abstract_target(config, dtype)
     values = nnx.to_pure_dict(abstract)
     plan = list(hf_to_jaxdd(config))
-    wanted = {name for _, names, _ in plan for name in names}
+    wanted = {name for mapping in plan for name in mapping.hf_names}
     missing = sorted(wanted - readers.keys())
     unexpected = sorted(readers.keys() - wanted - mtp)
     if missing or unexpected:
         lines = [f"{directory}: tensors do not match the config"]
-        lines += [f"  missing: {n}" for n in missing[:20]] + ([f"  ... {len(missing) - 20} more"] if len(missing) > 20 else [])
+        lines += [f"  missing: {n}" for n in missing[:20]] + (
+            [f"  ... {len(missing) - 20} more"] if len(missing) > 20 else []
+        )
         lines += [f"  unexpected: {n}" for n in unexpected[:20]]
         raise CheckpointError("\n".join(lines))
 
-    for path, names, build in plan:
-        leaf = _get(values, path)
-        array = build(*(readers[n]() for n in names))
-        if tuple(array.shape) != tuple(leaf.shape):
-            raise CheckpointError(f"{' + '.join(names[:2])}: shape {array.shape} does not fit {leaf.shape}")
-        _set(values, path, jnp.asarray(array, leaf.dtype))
+    for mapping in plan:
+        tensors = [readers[n]() for n in mapping.hf_names]
+        for name, tensor in zip(mapping.hf_names, tensors, strict=True):
+            if tuple(tensor.shape) != mapping.hf_shape:
+                raise CheckpointError(f"{name}: shape {tuple(tensor.shape)}, the config needs {mapping.hf_shape}")
+        leaf = _get(values, mapping.path)
+        _set(values, mapping.path, jnp.asarray(mapping.build(*tensors), leaf.dtype))
     nnx.replace_by_pure_dict(abstract, values)
     return nnx.merge(graphdef, abstract)
 

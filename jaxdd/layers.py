@@ -61,7 +61,7 @@ class MLP(nnx.Module):
 # Rotary embeddings
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def rope_frequencies(
     dim: int,
     theta: float,

@@ -202,9 +202,7 @@ class KimiTarget(nnx.Module):
         self.config = config
         self.dtype = dtype
         self.embed = param(rngs, (config.vocab_size, config.hidden_size), dtype, ("vocab", "embed"))
-        self.layers = nnx.List(
-            [DecoderLayer(config, i, dtype, rngs) for i in range(config.num_hidden_layers)]
-        )
+        self.layers = nnx.List([DecoderLayer(config, i, dtype, rngs) for i in range(config.num_hidden_layers)])
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = param(rngs, (config.hidden_size, config.vocab_size), dtype, ("embed", "vocab"))
 
@@ -225,7 +223,7 @@ class KimiTarget(nnx.Module):
         """
         slots = cache.slots
         committed = jnp.arange(slots)[None, None, :] < cache.length[:, None, None]
-        mask = jnp.concatenate([jnp.broadcast_to(committed, visible.shape[:2] + (slots,)), visible], axis=-1)
+        mask = jnp.concatenate([jnp.broadcast_to(committed, (*visible.shape[:2], slots)), visible], axis=-1)
         inv_freq, amplitude = target_rope(self.config)
         cos_sin = rope_cos_sin(positions, inv_freq, amplitude, self.dtype)
 

@@ -68,7 +68,9 @@ def test_tree_forward_matches_hf_with_4d_mask(pair):
     prefix_len, nodes = 5, 9
     prefix = rng.integers(0, target.config.vocab_size, (BATCH, prefix_len))
     tree = rng.integers(0, target.config.vocab_size, (BATCH, nodes))
-    depths, tree_visible = zip(*(tree_depths_and_mask(random_tree_parents(rng, nodes)) for _ in range(BATCH)))
+    depths, tree_visible = zip(
+        *(tree_depths_and_mask(random_tree_parents(rng, nodes)) for _ in range(BATCH)), strict=True
+    )
     depths, tree_visible = np.stack(depths), np.stack(tree_visible)
 
     prefill = target.forward(prefix, target.new_cache(BATCH, SLOTS))
