@@ -1,7 +1,7 @@
 """The host-side API: load a target, run jitted forwards over a latent cache, with input checks.
 
-The jitted step takes the model as (graphdef, state) so the module stays out of the static arguments, and
-donates the cache so XLA writes the new rows in place.
+The jitted step takes the model as a flat list of arrays (``jaxdd.jit_state``) and donates the cache so XLA
+writes the new rows in place.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxdd.cache import LatentCache
 from jaxdd.checkpoint import cast_target, is_jaxdd_checkpoint, load_target_checkpoint
 from jaxdd.config import KimiConfig
 from jaxdd.hf_weights import CheckpointError, load_hf_target
+from jaxdd.jit_state import split_module
 from jaxdd.target import KimiTarget, MlaForm
 
 
@@ -43,9 +43,9 @@ def load_target(path: str | Path, dtype: str | jnp.dtype = "bfloat16") -> Target
     return Target(load_hf_target(path, dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "taps", "form", "commit"), donate_argnames=("cache",))
-def _forward(graphdef, state, tokens, positions, cache, visible, taps, form, commit) -> ForwardResult:
-    model = nnx.merge(graphdef, state)
+@functools.partial(jax.jit, static_argnames=("spec", "taps", "form", "commit"), donate_argnames=("cache",))
+def _forward(spec, weights, tokens, positions, cache, visible, taps, form, commit) -> ForwardResult:
+    model = spec.merge(weights)
     out = model(tokens, positions, cache, visible, taps=taps, form=form)
     cache = out.cache
     if commit:
@@ -65,7 +65,7 @@ class Target:
 
     def __init__(self, model: KimiTarget):
         self.model = model
-        self._graphdef, self._state = nnx.split(model)
+        self._spec, self._weights = split_module(model)
 
     @property
     def config(self) -> KimiConfig:
@@ -120,7 +120,7 @@ class Target:
             raise InputError(f"taps: layer(s) {bad_taps} outside [0, {self.config.num_hidden_layers})")
         if form is None:
             form = "naive" if t > 1 and not length.any() else "absorbed"
-        return _forward(self._graphdef, self._state, tokens, positions, cache, visible, tuple(taps), form, commit)
+        return _forward(self._spec, self._weights, tokens, positions, cache, visible, tuple(taps), form, commit)
 
     def logits(self, token_ids, form: MlaForm | None = None) -> np.ndarray:
         """fp32 logits [B, T, vocab] of a causal forward over ``token_ids`` from an empty cache."""
@@ -128,9 +128,9 @@ class Target:
         cache = self.new_cache(tokens.shape[0], tokens.shape[1])
         return np.asarray(self.forward(tokens, cache, form=form).logits)
 
-    # --- input checks (host side: XLA would silently clamp or wrap) ---
+    # --- input checks, in numpy on the host (XLA would silently clamp or wrap) ---
 
-    def _check_tokens(self, token_ids, batch: int | None) -> jax.Array:
+    def _check_tokens(self, token_ids, batch: int | None) -> np.ndarray:
         tokens = np.asarray(token_ids)
         if tokens.ndim == 1:
             tokens = tokens[None]
@@ -143,9 +143,9 @@ class Target:
         if bad.size:
             at = tuple(int(i) for i in bad[0])
             raise InputError(f"token_ids: id {tokens[at]} at {at} outside the vocabulary [0, {vocab})")
-        return jnp.asarray(tokens, jnp.int32)
+        return tokens.astype(np.int32)
 
-    def _check_positions(self, positions, shape: tuple[int, int], slots: int) -> jax.Array:
+    def _check_positions(self, positions, shape: tuple[int, int], slots: int) -> np.ndarray:
         positions = np.asarray(positions)
         if positions.shape != shape or not np.issubdtype(positions.dtype, np.integer):
             raise InputError(f"positions: expected integers of shape {shape}, got {positions.dtype} {positions.shape}")
@@ -157,15 +157,15 @@ class Target:
                 f"positions: {positions[at]} at {at} is beyond the cache ({slots} slots) or the model's "
                 f"max_position_embeddings ({self.config.max_position_embeddings})"
             )
-        return jnp.asarray(positions, jnp.int32)
+        return positions.astype(np.int32)
 
     @staticmethod
-    def _check_visible(visible, b: int, t: int) -> jax.Array:
+    def _check_visible(visible, b: int, t: int) -> np.ndarray:
         if visible is None:
-            return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+            return np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))
         visible = np.asarray(visible)
         if visible.shape != (b, t, t) or visible.dtype != bool:
             raise InputError(f"visible: expected a bool mask of shape {(b, t, t)}, got {visible.dtype} {visible.shape}")
         if not visible[:, np.arange(t), np.arange(t)].all():
             raise InputError("visible: every new token must see itself (the diagonal must be True)")
-        return jnp.asarray(visible)
+        return visible

@@ -2,7 +2,7 @@
 
 One forward serves every use: prefill, one-token decode, a causal block (linear verify) and a draft tree.
 The new tokens see the committed prefix of the cache (slots below ``cache.length``) plus whichever new tokens
-``visible`` allows, and their latent rows are written at slots ``length .. length + T - 1``; committing (moving
+``visible`` allows; their latent rows are written at slots ``length .. length + T - 1``; committing (moving
 ``length``, or compacting an accepted tree path) is the caller's job.
 
 Weights use the JAX layout ``x @ W`` ([in, out]); ``jaxdd.hf_weights`` maps the HF names and transposes.
@@ -27,6 +27,16 @@ class TargetOutput(NamedTuple):
     hidden: jax.Array  # [B, T, D] after the final norm (feed to ``KimiTarget.logits``)
     taps: jax.Array | None  # [B, T, len(taps) * D]: residual stream after each tapped layer, concatenated
     cache: LatentCache  # new rows written, ``length`` unchanged
+
+
+def attention_mask(length: jax.Array, visible: jax.Array, slots: int) -> jax.Array:
+    """[B, T, slots]: committed slots (< length) for everyone; new token j's slot (length + j) where visible."""
+    slot = jnp.arange(slots)[None, None, :]
+    start = length[:, None, None]
+    new_index = jnp.clip(slot - start, 0, visible.shape[-1] - 1)
+    is_new = (slot >= start) & (slot < start + visible.shape[-1])
+    new_visible = jnp.take_along_axis(visible, jnp.broadcast_to(new_index, (*visible.shape[:2], slots)), axis=-1)
+    return (slot < start) | (is_new & new_visible)
 
 
 def target_rope(config: KimiConfig):
@@ -73,12 +83,14 @@ class MLAttention(nnx.Module):
         x: jax.Array,
         cos_sin: tuple[jax.Array, jax.Array],
         cache_rows: tuple[jax.Array, jax.Array],
+        length: jax.Array,
         mask: jax.Array,
         form: MlaForm,
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [B,T,D]; cache_rows (latent [B,S,r], rope [B,S,dr]); mask [B,T,S+T] over (cache slots, new tokens).
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """x [B,T,D]; cache_rows (latent [B,S,r], rope [B,S,dr]); mask [B,T,S] over the cache slots.
 
-        Returns the attention output [B,T,D] and this step's latent and rope rows [B,T,*] for the cache.
+        This step's rows are written at slots ``length .. length + T - 1`` first, so attention runs over the
+        cache alone (no concatenated copy of it per layer). Returns the output [B,T,D] and the updated rows.
         """
         c = self.config
         cos, sin = cos_sin
@@ -90,9 +102,9 @@ class MLAttention(nnx.Module):
         kv = x @ self.kv_a_proj[...]
         latent = self.kv_a_norm(kv[..., : c.kv_lora_rank])  # the norm covers the latent only, not the rope key
         k_pe = apply_rope(kv[..., c.kv_lora_rank :], cos, sin, c.rope_interleave)
+        keys_latent = write_rows(cache_rows[0], latent, length)  # [B, S, r]
+        keys_rope = write_rows(cache_rows[1], k_pe, length)  # [B, S, dr]
 
-        keys_latent = jnp.concatenate([cache_rows[0], latent], axis=1)  # [B, S+T, r]
-        keys_rope = jnp.concatenate([cache_rows[1], k_pe], axis=1)  # [B, S+T, dr]
         rope_scores = jnp.einsum("bthd,bsd->bhts", q_pe, keys_rope)
         if form == "absorbed":
             q_latent = jnp.einsum("bthd,rhd->bthr", q_nope, self.k_up[...])
@@ -107,7 +119,7 @@ class MLAttention(nnx.Module):
             out = jnp.einsum("bhts,bshd->bthd", self._softmax(scores, mask), values)
         else:
             raise ValueError(f"form: expected 'naive' or 'absorbed', got {form!r}")
-        return jnp.einsum("bthd,hde->bte", out, self.o_proj[...]), latent, k_pe
+        return jnp.einsum("bthd,hde->bte", out, self.o_proj[...]), (keys_latent, keys_rope)
 
     def _softmax(self, scores: jax.Array, mask: jax.Array) -> jax.Array:
         # HF: scale in the activation dtype, softmax in fp32, probabilities back in the activation dtype.
@@ -191,10 +203,10 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype, rngs)
 
-    def __call__(self, x, cos_sin, cache_rows, mask, form: MlaForm):
-        attn, latent, k_pe = self.attn(self.attn_norm(x), cos_sin, cache_rows, mask, form)
+    def __call__(self, x, cos_sin, cache_rows, length, mask, form: MlaForm):
+        attn, cache_rows = self.attn(self.attn_norm(x), cos_sin, cache_rows, length, mask, form)
         x = x + attn
-        return x + self.mlp(self.mlp_norm(x)), latent, k_pe
+        return x + self.mlp(self.mlp_norm(x)), cache_rows
 
 
 class KimiTarget(nnx.Module):
@@ -221,18 +233,15 @@ class KimiTarget(nnx.Module):
         Causal ``visible`` gives prefill / decode / linear verify; an ancestor-or-self mask gives tree verify
         (with positions = start + depth).
         """
-        slots = cache.slots
-        committed = jnp.arange(slots)[None, None, :] < cache.length[:, None, None]
-        mask = jnp.concatenate([jnp.broadcast_to(committed, (*visible.shape[:2], slots)), visible], axis=-1)
+        mask = attention_mask(cache.length, visible, cache.slots)
         inv_freq, amplitude = target_rope(self.config)
         cos_sin = rope_cos_sin(positions, inv_freq, amplitude, self.dtype)
 
         x = self.embed[...][tokens]
         latent_cache, rope_cache, tapped = cache.latent, cache.rope, []
         for i, layer in enumerate(self.layers):
-            x, latent, k_pe = layer(x, cos_sin, (latent_cache[i], rope_cache[i]), mask, form)
-            latent_cache = latent_cache.at[i].set(write_rows(latent_cache[i], latent, cache.length))
-            rope_cache = rope_cache.at[i].set(write_rows(rope_cache[i], k_pe, cache.length))
+            x, (latent, rope) = layer(x, cos_sin, (latent_cache[i], rope_cache[i]), cache.length, mask, form)
+            latent_cache, rope_cache = latent_cache.at[i].set(latent), rope_cache.at[i].set(rope)
             if i in taps:
                 tapped.append(x)
         by_layer = dict(zip(sorted(set(taps)), tapped, strict=True))

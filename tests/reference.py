@@ -91,7 +91,7 @@ def save_hf_model(model: DeepseekV3ForCausalLM, directory: Path) -> Path:
 def additive_mask(visible: np.ndarray) -> torch.Tensor:
     """bool [B, T, S] -> HF eager attention's additive float mask [B, 1, T, S]."""
     mask = torch.zeros(visible.shape, dtype=torch.float32)
-    mask[~torch.from_numpy(visible)] = torch.finfo(torch.float32).min
+    mask[~torch.from_numpy(np.array(visible))] = torch.finfo(torch.float32).min
     return mask[:, None]
 
 

@@ -90,10 +90,19 @@ def test_attention(pair, form):
     inv_freq, amplitude = target_rope(target.config)
     cos_sin = rope_cos_sin(jnp.asarray(positions), inv_freq, amplitude, jnp.float32)
     c = target.config
-    empty = (jnp.zeros((b, 0, c.kv_lora_rank)), jnp.zeros((b, 0, c.qk_rope_head_dim)))
-    out, latent, k_pe = target.layers[1].attn(jnp.asarray(x), cos_sin, empty, jnp.asarray(causal), form)
+    out, (latent, k_pe) = target.layers[1].attn(jnp.asarray(x), cos_sin, empty_rows(c, b, t), *causal_args(b, t), form)
     assert rel_err(out, expected) < TOL
     assert latent.shape == (b, t, c.kv_lora_rank) and k_pe.shape == (b, t, c.qk_rope_head_dim)
+
+
+def empty_rows(config, b: int, t: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """An empty cache of exactly t slots for one layer."""
+    return jnp.zeros((b, t, config.kv_lora_rank)), jnp.zeros((b, t, config.qk_rope_head_dim))
+
+
+def causal_args(b: int, t: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(length, mask) for t new tokens into an empty t-slot cache."""
+    return jnp.zeros((b,), jnp.int32), jnp.asarray(np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t)))
 
 
 def moe_layer(target) -> int:
@@ -161,6 +170,5 @@ def test_decoder_layer(pair, which):
     inv_freq, amplitude = target_rope(target.config)
     cos_sin = rope_cos_sin(jnp.asarray(positions), inv_freq, amplitude, jnp.float32)
     c = target.config
-    empty = (jnp.zeros((b, 0, c.kv_lora_rank)), jnp.zeros((b, 0, c.qk_rope_head_dim)))
-    out, _, _ = target.layers[i](jnp.asarray(x), cos_sin, empty, jnp.asarray(causal), "absorbed")
+    out, _ = target.layers[i](jnp.asarray(x), cos_sin, empty_rows(c, b, t), *causal_args(b, t), "absorbed")
     assert rel_err(out, expected.numpy()) < TOL

@@ -1,0 +1,1 @@
+"""Weight conversion between HF safetensors checkpoints and jaxdd checkpoints."""

@@ -1,0 +1,31 @@
+"""Pass NNX modules to jitted functions as a flat list of arrays.
+
+Flattening an NNX State to build jit's cache key costs about 0.9 ms per call for the tiny target (52 arrays),
+against 0.2 ms for a plain list; a decode step is about 1 ms. So modules are split once, the static structure
+(graphdef + treedef) goes in as a hashable static argument and the arrays as a list, merged inside the jit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleSpec:
+    """The static half of a split module: hashable, so it can be a static jit argument."""
+
+    graphdef: Any
+    treedef: Any
+
+    def merge(self, leaves: list[jax.Array]) -> nnx.Module:
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+
+
+def split_module(module: nnx.Module) -> tuple[ModuleSpec, list[jax.Array]]:
+    graphdef, state = nnx.split(module)
+    leaves, treedef = jax.tree.flatten(state)
+    return ModuleSpec(graphdef, treedef), leaves
