@@ -96,14 +96,7 @@ class KimiConfig:
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> KimiConfig:
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such config file") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_hf(data)
+        return cls.from_hf(_read_json(path))
 
     def to_hf(self) -> dict[str, Any]:
         """The equivalent HF ``deepseek_v3`` config dict (what transformers' DeepseekV3Config accepts)."""
@@ -124,6 +117,16 @@ class KimiConfig:
         if self.yarn is not None:
             d["rope_scaling"] = {"type": "yarn", **dataclasses.asdict(self.yarn)}
         return d
+
+
+def _read_json(path: str | Path) -> Any:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
 
 
 def yarn_mscale(scale: float, mscale: float) -> float:
@@ -239,8 +242,13 @@ def _parse_text(data: Mapping[str, Any], model_type: str, prefix: str) -> KimiCo
     return cfg
 
 
-def _parse_rope(data: Mapping[str, Any], r: _Reader) -> tuple[float, YarnConfig | None]:
-    """Read theta and YaRN from either the classic ``rope_theta`` + ``rope_scaling`` or v5 ``rope_parameters``."""
+def _parse_rope(data: Mapping[str, Any], r: _Reader, hf_defaults: bool = False) -> tuple[float, YarnConfig | None]:
+    """Read theta and YaRN from either the classic ``rope_theta`` + ``rope_scaling`` or v5 ``rope_parameters``.
+
+    Targets must spell out every YaRN field. Drafters (Qwen3 configs) get transformers' defaults for absent
+    ones when ``hf_defaults``: beta_fast 32, beta_slow 1, no mscale pair (amplitude 0.1 ln(factor) + 1),
+    original length = max_position_embeddings.
+    """
     if isinstance(data.get("rope_parameters"), Mapping):
         params, where = data["rope_parameters"], "rope_parameters"
         rope_theta = _Reader(params, f"{r.prefix}{where}.").get("rope_theta", float)
@@ -255,13 +263,19 @@ def _parse_rope(data: Mapping[str, Any], r: _Reader) -> tuple[float, YarnConfig 
     if kind not in ("yarn", "deepseek_yarn"):
         raise r._fail(f"{where}.type", f"only 'yarn' rope scaling is supported, got {kind!r}")
     y = _Reader(params, f"{r.prefix}{where}.")
+
+    def field(key: str, kind: type, default: Any) -> Any:
+        return y.get(key, kind, default) if hf_defaults else y.get(key, kind)
+
     yarn = YarnConfig(
         factor=y.get("factor", float),
-        original_max_position_embeddings=y.positive("original_max_position_embeddings"),
-        beta_fast=y.get("beta_fast", float),
-        beta_slow=y.get("beta_slow", float),
-        mscale=y.get("mscale", float),
-        mscale_all_dim=y.get("mscale_all_dim", float),
+        original_max_position_embeddings=field(
+            "original_max_position_embeddings", int, data.get("max_position_embeddings")
+        ),
+        beta_fast=field("beta_fast", float, 32.0),
+        beta_slow=field("beta_slow", float, 1.0),
+        mscale=field("mscale", float, 0.0),
+        mscale_all_dim=field("mscale_all_dim", float, 0.0),
     )
     return rope_theta, yarn
 
@@ -307,4 +321,109 @@ def _check_consistency(cfg: KimiConfig, r: _Reader) -> None:
                 f"{cfg.max_position_embeddings} / original_max_position_embeddings "
                 f"{cfg.yarn.original_max_position_embeddings} = {implied:g} disagrees with the YaRN factor "
                 f"{cfg.yarn.factor:g}",
+            )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DFlash drafter
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """z-lab dflash ``build_target_layer_ids``: spread the taps over layers 1 .. L-3 (Python's round)."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return tuple(round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """A DFlash drafter (z-lab ``DFlashDraftModel``): Qwen3-style layers fed with tapped target features."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    yarn: YarnConfig | None
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> DrafterConfig:
+        r = _Reader(config, "")
+        # dflash reads these from dflash_config first, then from the top level (``_draft_value``).
+        extra = config.get("dflash_config") or {}
+        if not isinstance(extra, Mapping):
+            raise r._fail("dflash_config", f"expected an object, got {extra!r}")
+        merged = dict(config) | dict(extra)
+        m = _Reader(merged, "")
+        r.equal("hidden_act", "silu", default="silu")
+        r.equal("attention_bias", False, default=False)
+        layers = r.positive("num_hidden_layers")
+        layer_types = config.get("layer_types") or ["full_attention"] * layers
+        if any(kind != "full_attention" for kind in layer_types) or config.get("is_causal"):
+            raise r._fail("layer_types", f"only non-causal full-attention drafters are supported, got {layer_types}")
+        heads = r.positive("num_attention_heads")
+        hidden = r.positive("hidden_size")
+        rope_theta, yarn = _parse_rope(config, r, hf_defaults=True)
+        if "target_layer_ids" in merged:
+            taps = tuple(m.get("target_layer_ids", list))
+        else:
+            taps = default_target_layer_ids(r.positive("num_target_layers"), layers)
+        if not taps or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in taps):
+            raise r._fail("dflash_config.target_layer_ids", f"expected non-negative layer indices, got {list(taps)}")
+        if "mask_token_id" not in merged:
+            raise r._fail("dflash_config.mask_token_id", "missing")
+        softcap = m.get("final_logit_softcapping", float, None)
+        cfg = cls(
+            hidden_size=hidden,
+            intermediate_size=r.positive("intermediate_size"),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=r.get("num_key_value_heads", int, heads),
+            head_dim=r.get("head_dim", int, hidden // heads),
+            rms_norm_eps=r.get("rms_norm_eps", float),
+            rope_theta=rope_theta,
+            yarn=yarn,
+            block_size=m.get("block_size", int, 16),
+            mask_token_id=m.get("mask_token_id", int),
+            target_layer_ids=taps,
+            input_embedding_scale=m.get("input_embedding_scale", float, 1.0),
+            output_multiplier=m.get("output_multiplier", float, 1.0),
+            final_logit_softcapping=softcap if softcap else None,
+        )
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise r._fail("num_key_value_heads", f"{cfg.num_key_value_heads} does not divide {heads} heads")
+        if cfg.block_size < 2:
+            raise r._fail("block_size", f"must be >= 2 (the bonus token plus at least one draft), got {cfg.block_size}")
+        return cfg
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> DrafterConfig:
+        return cls.from_hf(_read_json(path))
+
+    def check_fits(self, target: KimiConfig) -> None:
+        """Raise ConfigError unless this drafter can draft for ``target``."""
+        if self.hidden_size != target.hidden_size:
+            raise ConfigError(
+                f"drafter hidden_size {self.hidden_size} != target hidden_size {target.hidden_size} "
+                "(the drafter reads the target's embeddings and feeds its lm_head)"
+            )
+        bad = [i for i in self.target_layer_ids if i >= target.num_hidden_layers]
+        if bad:
+            raise ConfigError(
+                f"drafter target_layer_ids {list(bad)} outside the target's {target.num_hidden_layers} layers"
+            )
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise ConfigError(
+                f"drafter mask_token_id {self.mask_token_id} outside the vocabulary [0, {target.vocab_size})"
             )

@@ -1,4 +1,5 @@
-"""Load an HF-layout target checkpoint (config.json + safetensors, bf16/fp32 as save_pretrained writes it).
+"""Load HF-layout checkpoints (config.json + safetensors, bf16/fp32 as save_pretrained writes them): the Kimi
+target and the z-lab DFlash drafter.
 
 HF stores ``nn.Linear`` weights as [out, in]; jaxdd keeps [in, out] with heads and experts as their own axes.
 ``hf_to_jaxdd`` is the one place that knows the mapping. Quantized checkpoints (FP8 blocks, INT4
@@ -17,7 +18,8 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from jaxdd.config import KimiConfig
+from jaxdd.config import DrafterConfig, KimiConfig
+from jaxdd.drafter import DFlashDrafter, abstract_drafter
 from jaxdd.target import KimiTarget, abstract_target
 
 # Junk buffers some exports carry, and vision parts of the K2.5/K2.6 wrapper.
@@ -119,12 +121,49 @@ def hf_to_jaxdd(config: KimiConfig) -> Iterator[Mapping]:
                 yield Mapping((*mlp, "shared", proj), [f"{m}shared_experts.{proj}_proj.weight"], shared_shape, t)
 
 
+def drafter_hf_to_jaxdd(config: DrafterConfig) -> Iterator[Mapping]:
+    """How every drafter parameter is built from a z-lab ``DFlashDraftModel`` checkpoint."""
+    c = config
+    d, n, k, h = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+
+    def same(w):
+        return w
+
+    def t(w):
+        return w.T
+
+    def heads_out(w):  # [heads*h, d] -> [d, heads, h]
+        return w.T.reshape(d, -1, h)
+
+    yield Mapping(("fc",), ["fc.weight"], (d, len(c.target_layer_ids) * d), t)
+    yield Mapping(("hidden_norm", "weight"), ["hidden_norm.weight"], (d,), same)
+    yield Mapping(("norm", "weight"), ["norm.weight"], (d,), same)
+    for i in range(c.num_hidden_layers):
+        hf, jx = f"layers.{i}.", ("layers", i)
+        a = hf + "self_attn."
+        yield Mapping((*jx, "attn_norm", "weight"), [hf + "input_layernorm.weight"], (d,), same)
+        yield Mapping((*jx, "mlp_norm", "weight"), [hf + "post_attention_layernorm.weight"], (d,), same)
+        yield Mapping((*jx, "attn", "q_proj"), [a + "q_proj.weight"], (n * h, d), heads_out)
+        yield Mapping((*jx, "attn", "k_proj"), [a + "k_proj.weight"], (k * h, d), heads_out)
+        yield Mapping((*jx, "attn", "v_proj"), [a + "v_proj.weight"], (k * h, d), heads_out)
+        yield Mapping((*jx, "attn", "o_proj"), [a + "o_proj.weight"], (d, n * h), lambda w: w.T.reshape(n, h, d))
+        yield Mapping((*jx, "attn", "q_norm", "weight"), [a + "q_norm.weight"], (h,), same)
+        yield Mapping((*jx, "attn", "k_norm", "weight"), [a + "k_norm.weight"], (h,), same)
+        f = c.intermediate_size
+        for proj, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
+            yield Mapping((*jx, "mlp", proj), [f"{hf}mlp.{proj}_proj.weight"], shape, t)
+
+
+def _config_path(directory: Path) -> Path:
+    if not (directory / "config.json").exists():
+        raise CheckpointError(f"{directory}: no config.json (is this an HF checkpoint directory?)")
+    return directory / "config.json"
+
+
 def load_hf_target(directory: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> KimiTarget:
     """Build a ``KimiTarget`` from an HF checkpoint directory; every tensor is checked against the config."""
     directory = Path(directory)
-    if not (directory / "config.json").exists():
-        raise CheckpointError(f"{directory}: no config.json (is this an HF checkpoint directory?)")
-    config = KimiConfig.from_json_file(directory / "config.json")
+    config = KimiConfig.from_json_file(_config_path(directory))
     readers = read_tensors(directory)
     quantized = sorted(n for n in readers if n.endswith(("weight_scale_inv", "weight_packed")))
     if quantized:
@@ -133,21 +172,32 @@ def load_hf_target(directory: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> Ki
         )
     # MTP (next-n) layers beyond num_hidden_layers are not part of the target.
     mtp = {n for n in readers if n.startswith("model.layers.") and int(n.split(".")[2]) >= config.num_hidden_layers}
+    return _build(directory, readers, hf_to_jaxdd(config), abstract_target(config, dtype), ignored=mtp)
 
-    graphdef, abstract = abstract_target(config, dtype)
-    values = nnx.to_pure_dict(abstract)
-    plan = list(hf_to_jaxdd(config))
+
+def load_hf_drafter(directory: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> DFlashDrafter:
+    """Build a ``DFlashDrafter`` from a z-lab DFlash checkpoint directory (config.json + safetensors)."""
+    directory = Path(directory)
+    config = DrafterConfig.from_json_file(_config_path(directory))
+    readers = read_tensors(directory)
+    return _build(directory, readers, drafter_hf_to_jaxdd(config), abstract_drafter(config, dtype))
+
+
+def _build(directory: Path, readers, plan, abstract_model, ignored=frozenset()) -> nnx.Module:
+    """Fill an abstract model from HF tensors after checking names and shapes; one error lists all misfits."""
+    graphdef, abstract = abstract_model
+    plan = list(plan)
     wanted = {name for mapping in plan for name in mapping.hf_names}
     missing = sorted(wanted - readers.keys())
-    unexpected = sorted(readers.keys() - wanted - mtp)
+    unexpected = sorted(readers.keys() - wanted - ignored)
     if missing or unexpected:
         lines = [f"{directory}: tensors do not match the config"]
-        lines += [f"  missing: {n}" for n in missing[:20]] + (
-            [f"  ... {len(missing) - 20} more"] if len(missing) > 20 else []
-        )
+        lines += [f"  missing: {n}" for n in missing[:20]]
+        lines += [f"  ... {len(missing) - 20} more missing"] if len(missing) > 20 else []
         lines += [f"  unexpected: {n}" for n in unexpected[:20]]
         raise CheckpointError("\n".join(lines))
 
+    values = nnx.to_pure_dict(abstract)
     for mapping in plan:
         tensors = [readers[n]() for n in mapping.hf_names]
         for name, tensor in zip(mapping.hf_names, tensors, strict=True):

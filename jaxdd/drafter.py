@@ -1,0 +1,145 @@
+"""The DFlash drafter (z-lab ``DFlashDraftModel``) in Flax NNX.
+
+A stack of Qwen3-style layers without embedding or head: the block ``[bonus, MASK x (B-1)]`` is embedded with
+the target's embedding and its outputs go through the target's lm_head. The target's tapped hidden states of
+committed tokens enter as extra keys and values ("KV injection"): ``hidden_norm(fc(features))`` is projected by
+each layer's k/v projections (no input_layernorm on it) and cached once, at the tokens' absolute positions.
+Block queries attend to all cached context and to the whole block (non-causal); the block's own K/V is never
+cached.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from jaxdd.cache import write_rows
+from jaxdd.config import DrafterConfig
+from jaxdd.layers import MLP, RMSNorm, apply_rope, param, rope_cos_sin, rope_frequencies
+
+
+@struct.dataclass
+class DraftCache:
+    keys: jax.Array  # [layers, batch, slots, kv_heads, head_dim] (normed and rotated)
+    values: jax.Array  # [layers, batch, slots, kv_heads, head_dim]
+    length: jax.Array  # [batch] int32: context tokens cached
+
+    @classmethod
+    def zeros(cls, config: DrafterConfig, batch: int, slots: int, dtype: jnp.dtype) -> DraftCache:
+        shape = (config.num_hidden_layers, batch, slots, config.num_key_value_heads, config.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+
+def drafter_rope(config: DrafterConfig):
+    y = config.yarn
+    if y is None:
+        return rope_frequencies(config.head_dim, config.rope_theta)
+    return rope_frequencies(
+        config.head_dim,
+        config.rope_theta,
+        y.factor,
+        y.original_max_position_embeddings,
+        y.beta_fast,
+        y.beta_slow,
+        y.mscale,
+        y.mscale_all_dim,
+    )
+
+
+class DraftAttention(nnx.Module):
+    def __init__(self, config: DrafterConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.q_proj = param(rngs, (c.hidden_size, c.num_attention_heads, c.head_dim), dtype, ("embed", "heads", None))
+        self.k_proj = param(
+            rngs, (c.hidden_size, c.num_key_value_heads, c.head_dim), dtype, ("embed", "kv_heads", None)
+        )
+        self.v_proj = param(
+            rngs, (c.hidden_size, c.num_key_value_heads, c.head_dim), dtype, ("embed", "kv_heads", None)
+        )
+        self.o_proj = param(rngs, (c.num_attention_heads, c.head_dim, c.hidden_size), dtype, ("heads", None, "embed"))
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, axis=None)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, axis=None)
+
+    def keys_values(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """[B,T,D] -> normed, rotated keys and values [B,T,kv_heads,head_dim]."""
+        k = self.k_norm(jnp.einsum("btd,dkh->btkh", x, self.k_proj[...]))
+        v = jnp.einsum("btd,dkh->btkh", x, self.v_proj[...])
+        return apply_rope(k, cos[:, :, None], sin[:, :, None], interleaved=False), v
+
+    def __call__(self, x, cos_sin, cached: tuple[jax.Array, jax.Array], mask: jax.Array) -> jax.Array:
+        """x [B,T,D]; cached keys/values [B,S,kv,hd]; mask [B,T,S+T] over (cached context, block)."""
+        c = self.config
+        cos, sin = cos_sin
+        q = self.q_norm(jnp.einsum("btd,dnh->btnh", x, self.q_proj[...]))
+        q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleaved=False)
+        k, v = self.keys_values(x, cos, sin)
+        keys = jnp.concatenate([cached[0], k], axis=1)
+        values = jnp.concatenate([cached[1], v], axis=1)
+        b, t = x.shape[:2]
+        groups = c.num_attention_heads // c.num_key_value_heads
+        q = q.reshape(b, t, c.num_key_value_heads, groups, c.head_dim)
+        scores = jnp.einsum("btkgh,bskh->bkgts", q, keys).astype(jnp.float32) * c.head_dim**-0.5
+        scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("bkgts,bskh->btkgh", probs, values).reshape(b, t, c.num_attention_heads, c.head_dim)
+        return jnp.einsum("btnh,nhd->btd", out, self.o_proj[...])
+
+
+class DraftLayer(nnx.Module):
+    def __init__(self, config: DrafterConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.attn = DraftAttention(config, dtype, rngs)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype, rngs)
+
+    def __call__(self, x, cos_sin, cached, mask):
+        x = x + self.attn(self.attn_norm(x), cos_sin, cached, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DFlashDrafter(nnx.Module):
+    def __init__(self, config: DrafterConfig, dtype: jnp.dtype = jnp.bfloat16, *, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.dtype = dtype
+        self.fc = param(rngs, (len(c.target_layer_ids) * c.hidden_size, c.hidden_size), dtype, (None, "embed"))
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.layers = nnx.List([DraftLayer(c, dtype, rngs) for _ in range(c.num_hidden_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+
+    def _cos_sin(self, positions: jax.Array):
+        inv_freq, amplitude = drafter_rope(self.config)
+        return rope_cos_sin(positions, inv_freq, amplitude, self.dtype)
+
+    def inject(self, cache: DraftCache, features: jax.Array, positions: jax.Array, count: jax.Array) -> DraftCache:
+        """Cache the K/V of context tokens: features [B,C,K*D] (target taps) at positions [B,C]; commit count [B]."""
+        context = self.hidden_norm(features.astype(self.dtype) @ self.fc[...])
+        cos, sin = self._cos_sin(positions)
+        keys, values = cache.keys, cache.values
+        for i, layer in enumerate(self.layers):
+            k, v = layer.attn.keys_values(context, cos, sin)
+            keys = keys.at[i].set(write_rows(keys[i], k, cache.length))
+            values = values.at[i].set(write_rows(values[i], v, cache.length))
+        return cache.replace(keys=keys, values=values, length=cache.length + count)
+
+    def __call__(self, embeds: jax.Array, positions: jax.Array, cache: DraftCache, block_len: jax.Array) -> jax.Array:
+        """Final-normed hidden states [B,T,D] for the block embeddings [B,T,D] at positions [B,T].
+
+        Block keys at index >= block_len [B] are hidden (the reference drafts a shorter block near max length).
+        """
+        b, t = embeds.shape[:2]
+        slots = cache.keys.shape[2]
+        context = jnp.arange(slots)[None, :] < cache.length[:, None]
+        block = jnp.arange(t)[None, :] < block_len[:, None]
+        mask = jnp.broadcast_to(jnp.concatenate([context, block], axis=-1)[:, None, :], (b, t, slots + t))
+        cos_sin = self._cos_sin(positions)
+        x = embeds.astype(self.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos_sin, (cache.keys[i], cache.values[i]), mask)
+        return self.norm(x)
+
+
+def abstract_drafter(config: DrafterConfig, dtype: jnp.dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(nnx.eval_shape(lambda: DFlashDrafter(config, dtype, rngs=nnx.Rngs(0))))
