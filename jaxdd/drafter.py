@@ -140,6 +140,21 @@ class DFlashDrafter(nnx.Module):
             x = layer(x, cos_sin, (cache.keys[i], cache.values[i]), mask)
         return self.norm(x)
 
+    def propose(self, target, cache: DraftCache, bonus, start, block_len, block: int) -> jax.Array:
+        """Greedy drafts [B, block-1] for positions start+1 ..: one forward over ``[bonus, MASK x (block-1)]``.
+
+        The block is embedded with the target's embedding and read out through its lm_head.
+        """
+        c = self.config
+        masks = jnp.full((bonus.shape[0], block - 1), c.mask_token_id, jnp.int32)
+        noise = jnp.concatenate([bonus[:, None], masks], axis=1)
+        embeds = target.embed[...][noise] * c.input_embedding_scale
+        hidden = self(embeds, start[:, None] + jnp.arange(block)[None, :], cache, block_len)
+        logits = target.logits(hidden[:, 1:]) * c.output_multiplier
+        if c.final_logit_softcapping is not None:
+            logits = jnp.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
 
 def abstract_drafter(config: DrafterConfig, dtype: jnp.dtype) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(nnx.eval_shape(lambda: DFlashDrafter(config, dtype, rngs=nnx.Rngs(0))))

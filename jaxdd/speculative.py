@@ -1,0 +1,243 @@
+"""Decoding rounds: plain autoregressive (``ar``) and linear DFlash (``dflash``), as jitted static-shape steps.
+
+One DFlash round, for a committed prefix of length ``start`` and the bonus token at position ``start``:
+
+1. inject: the drafter caches K/V of the context features committed last round;
+2. draft:  the drafter denoises ``[bonus, MASK x (B-1)]`` in one forward; B-1 greedy draft tokens;
+3. verify: one causal target forward over ``[bonus, drafts]`` at positions ``start .. start+B-1``;
+4. accept: the longest draft prefix equal to the target's argmax; the target's next choice is the new bonus;
+5. commit: the accepted rows are already contiguous in the latent cache, so committing is moving ``length``;
+   the taps of the committed tokens become the next round's context.
+
+Semantics follow z-lab ``dflash.model.dflash_generate``: near ``max_length`` the block shrinks to
+``max_length - start`` tokens (the drafter hides the rest of the block, acceptance stops there), and a round
+stops at the first stop token. The host reads back one small array per round: the emitted tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxdd.api import InputError, Target
+from jaxdd.cache import LatentCache
+from jaxdd.drafter import DFlashDrafter, DraftCache
+from jaxdd.jit_state import ModuleSpec, split_module
+from jaxdd.target import KimiTarget
+
+Method = Literal["ar", "dflash"]
+MAX_STOP_TOKENS = 16  # stop ids are padded to this many so their number never changes a compiled shape
+MIN_BUCKET = 16
+
+
+@struct.dataclass
+class DecodeState:
+    target_cache: LatentCache
+    bonus: jax.Array  # [B] int32: the newest token, at position target_cache.length, not in the cache yet
+    draft_cache: DraftCache | None = None
+    context: jax.Array | None = None  # [B, block, taps * D]: features of the tokens committed last round
+    context_count: jax.Array | None = None  # [B] int32: how many rows of ``context`` are real
+
+
+@dataclasses.dataclass
+class Generation:
+    """What ``generate`` returns: new tokens (prompt excluded), tokens per round, timings in seconds."""
+
+    tokens: list[int]
+    acceptance_lengths: list[int]
+    prefill_seconds: float
+    decode_seconds: float
+
+    @property
+    def rounds(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def mean_acceptance(self) -> float:
+        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
+
+
+def bucket(n: int) -> int:
+    """The static size used for n: the next power of two, at least MIN_BUCKET."""
+    return max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
+
+
+def verify(target: KimiTarget, cache: LatentCache, tokens: jax.Array, taps: tuple[int, ...]):
+    """Step 3: causal target forward over the block; returns the target's argmax per position and the taps."""
+    b, t = tokens.shape
+    positions = cache.length[:, None] + jnp.arange(t)[None, :]
+    visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    out = target(tokens, positions, cache, visible, taps=taps, form="absorbed")
+    return jnp.argmax(target.logits(out.hidden), axis=-1).astype(jnp.int32), out.taps, out.cache
+
+
+def accept(drafts, posterior, block_len, limit, start, stop_ids):
+    """Step 4: (emitted [B, block], produced [B], stopped [B]).
+
+    ``emitted[:produced]`` are the new tokens: accepted drafts equal the target's choices, so they are simply
+    the target's argmax row, the last one being the bonus.
+    """
+    steps = jnp.arange(drafts.shape[1])[None, :]
+    matches = (drafts == posterior[:, :-1]) & (steps < block_len[:, None] - 1)
+    accepted = jnp.cumprod(matches, axis=1).sum(axis=1)
+    produced = jnp.minimum(accepted + 1, limit - start - 1)
+    is_stop = (posterior[:, :, None] == stop_ids[None, None, :]).any(-1)
+    is_stop &= jnp.arange(posterior.shape[1])[None, :] < produced[:, None]
+    stopped = is_stop.any(axis=1)
+    produced = jnp.where(stopped, jnp.argmax(is_stop, axis=1) + 1, produced)
+    return posterior, produced.astype(jnp.int32), stopped
+
+
+@functools.partial(jax.jit, static_argnames=("t_spec", "d_spec", "block"), donate_argnames=("state",))
+def dflash_round(
+    t_spec: ModuleSpec, t_weights, d_spec: ModuleSpec, d_weights, state: DecodeState, limit, stop_ids, block
+):
+    target, drafter = t_spec.merge(t_weights), d_spec.merge(d_weights)
+    start = state.target_cache.length
+    block_len = jnp.clip(limit - start, 1, block)
+    context_positions = (start - state.context_count)[:, None] + jnp.arange(block)[None, :]
+    draft_cache = drafter.inject(state.draft_cache, state.context, context_positions, state.context_count)
+    drafts = drafter.propose(target, draft_cache, state.bonus, start, block_len, block)
+    tokens = jnp.concatenate([state.bonus[:, None], drafts], axis=1)
+    posterior, features, cache = verify(target, state.target_cache, tokens, drafter.config.target_layer_ids)
+    emitted, produced, stopped = accept(drafts, posterior, block_len, limit, start, stop_ids)
+    new_state = DecodeState(
+        target_cache=cache.replace(length=start + produced),
+        bonus=jnp.take_along_axis(emitted, produced[:, None] - 1, axis=1)[:, 0],
+        draft_cache=draft_cache,
+        context=features,
+        context_count=produced,
+    )
+    return new_state, _report(emitted, produced, stopped)
+
+
+@functools.partial(jax.jit, static_argnames=("t_spec",), donate_argnames=("state",))
+def ar_step(t_spec: ModuleSpec, t_weights, state: DecodeState, stop_ids):
+    target = t_spec.merge(t_weights)
+    posterior, _, cache = verify(target, state.target_cache, state.bonus[:, None], ())
+    token = posterior[:, 0]
+    stopped = (token[:, None] == stop_ids[None, :]).any(-1)
+    new_state = state.replace(target_cache=cache.replace(length=cache.length + 1), bonus=token)
+    return new_state, _report(posterior, jnp.ones_like(token), stopped)
+
+
+def _report(emitted, produced, stopped) -> jax.Array:
+    """One int32 array [B, block + 2] (tokens | produced | stopped): a single device-to-host read per round."""
+    return jnp.concatenate([emitted, produced[:, None], stopped[:, None].astype(jnp.int32)], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("t_spec", "d_spec", "taps", "block"), donate_argnames=("state",))
+def prefill(t_spec, t_weights, d_spec, d_weights, state: DecodeState, tokens, prompt_len, taps, block):
+    """Run the (padded) prompt, commit ``prompt_len`` tokens, pick the first token, cache the drafter context."""
+    target = t_spec.merge(t_weights)
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
+    visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    out = target(tokens, positions, state.target_cache, visible, taps=taps, form="naive")
+    last = jnp.take_along_axis(out.hidden, (prompt_len - 1)[:, None, None], axis=1)
+    first = jnp.argmax(target.logits(last)[:, 0], axis=-1).astype(jnp.int32)
+    state = state.replace(target_cache=out.cache.replace(length=prompt_len), bonus=first)
+    if d_spec is None:
+        return state
+    drafter = d_spec.merge(d_weights)
+    draft_cache = drafter.inject(state.draft_cache, out.taps, positions, prompt_len)
+    context = jnp.zeros((b, block, out.taps.shape[-1]), out.taps.dtype)
+    return state.replace(draft_cache=draft_cache, context=context, context_count=jnp.zeros_like(prompt_len))
+
+
+class SpeculativeDecoder:
+    """Greedy generation with a target and, for ``dflash``, a drafter; compiled once per shape bucket."""
+
+    def __init__(self, target: Target, drafter: DFlashDrafter | None = None):
+        self.target = target
+        self.drafter = drafter
+        self._t_spec, self._t_weights = split_module(target.model)
+        if drafter is not None:
+            drafter.config.check_fits(target.config)
+            self._d_spec, self._d_weights = split_module(drafter)
+
+    def generate(
+        self,
+        prompt_ids,
+        *,
+        method: Method = "dflash",
+        max_new_tokens: int = 64,
+        stop_token_ids: list[int] | None = None,
+        block_size: int | None = None,
+    ) -> Generation:
+        """Greedy-decode up to ``max_new_tokens`` after ``prompt_ids`` (default stops: the target's EOS ids)."""
+        prompt = self.target._check_tokens(prompt_ids, None)
+        if prompt.shape[0] != 1:
+            raise InputError(f"prompt_ids: one prompt at a time, got batch {prompt.shape[0]}")
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+        stops = list(self.target.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        if len(stops) > MAX_STOP_TOKENS:
+            raise InputError(f"stop_token_ids: at most {MAX_STOP_TOKENS}, got {len(stops)}")
+        if method == "dflash":
+            if self.drafter is None:
+                raise InputError("method 'dflash' needs a drafter")
+            block = self.drafter.config.block_size if block_size is None else block_size
+            if block < 2:
+                raise InputError(f"block_size: must be >= 2, got {block}")
+        elif method == "ar":
+            block = 1
+        else:
+            raise InputError(f"method: expected 'ar' or 'dflash', got {method!r}")
+
+        prompt_len = prompt.shape[1]
+        max_length = prompt_len + max_new_tokens
+        padded = bucket(prompt_len)
+        slots = bucket(max(padded, max_length + block))
+        if max_length > self.target.config.max_position_embeddings:
+            raise InputError(
+                f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                f"max_position_embeddings ({self.target.config.max_position_embeddings})"
+            )
+        stop_ids = np.full((MAX_STOP_TOKENS,), -1, np.int32)
+        stop_ids[: len(stops)] = stops
+
+        t0 = time.perf_counter()
+        state = self._prefill(prompt, padded, slots, block if method == "dflash" else None)
+        first = int(state.bonus[0])
+        prefill_seconds = time.perf_counter() - t0
+
+        tokens, lengths = [first], []
+        start, stopped = prompt_len, first in stops
+        limit = np.array([max_length], np.int32)
+        t0 = time.perf_counter()
+        while start + 1 < max_length and not stopped:
+            if method == "dflash":
+                state, report = dflash_round(
+                    self._t_spec, self._t_weights, self._d_spec, self._d_weights, state, limit, stop_ids, block
+                )
+            else:
+                state, report = ar_step(self._t_spec, self._t_weights, state, stop_ids)
+            row = np.asarray(report[0])
+            produced, stopped = int(row[-2]), bool(row[-1])
+            tokens.extend(int(x) for x in row[:produced])
+            lengths.append(produced)
+            start += produced
+        return Generation(tokens, lengths, prefill_seconds, time.perf_counter() - t0)
+
+    def _prefill(self, prompt: np.ndarray, padded: int, slots: int, block: int | None) -> DecodeState:
+        tokens = np.zeros((1, padded), np.int32)
+        tokens[0, : prompt.shape[1]] = prompt[0]
+        dtype = self.target.dtype
+        state = DecodeState(
+            target_cache=LatentCache.zeros(self.target.config, 1, slots, dtype),
+            bonus=jnp.zeros((1,), jnp.int32),
+            draft_cache=None if block is None else DraftCache.zeros(self.drafter.config, 1, slots, dtype),
+        )
+        d_spec, d_weights, taps = None, None, ()
+        if block is not None:
+            d_spec, d_weights, taps = self._d_spec, self._d_weights, self.drafter.config.target_layer_ids
+        prompt_len = np.array([prompt.shape[1]], np.int32)
+        return prefill(self._t_spec, self._t_weights, d_spec, d_weights, state, tokens, prompt_len, taps, block)
