@@ -115,3 +115,76 @@ def rel_err(actual, expected) -> float:
     """max |actual - expected| / max |expected|."""
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     return float(np.abs(actual - expected).max() / np.abs(expected).max())
+
+
+# --- DFlash drafters (z-lab dflash.model.DFlashDraftModel) ---------------------------------------------------
+
+
+def drafter_config(block_size: int = 8, yarn: bool = False, **overrides) -> dict:
+    """A tiny Qwen3-style DFlash drafter for the 3-layer TINY_* targets (hidden 64, taps after layers 1 and 0)."""
+    config = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        vocab_size=256,
+        max_position_embeddings=4096,
+        num_target_layers=3,
+        block_size=block_size,
+        dflash_config={"mask_token_id": 255, "target_layer_ids": [1, 0]},
+    )
+    if yarn:  # Kimi drafters: YaRN over the whole head_dim with mscale = mscale_all_dim (amplitude 1)
+        config |= dict(
+            rope_theta=50000.0,
+            max_position_embeddings=64 * 4096,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 64.0,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        )
+    return config | overrides
+
+
+def hf_drafter(config: dict, seed: int):
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3Config
+
+    torch.manual_seed(seed)
+    return DFlashDraftModel(Qwen3Config(**config)).float().eval()
+
+
+def dflash_reference(drafter, target, prompt, max_new_tokens, block_size, stop_token_ids):
+    """z-lab dflash_generate (greedy) on CPU: (new tokens, per-round acceptance lengths)."""
+    import time
+
+    import dflash.model
+
+    dflash.model._cuda_time = time.perf_counter  # the reference times itself with torch.cuda.synchronize
+    result = dflash.model.dflash_generate(
+        drafter,
+        target,
+        torch.tensor([list(prompt)]),
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stop_token_ids,
+        block_size=block_size,
+        return_stats=True,
+    )
+    return result.output_ids[0, len(prompt) :].tolist(), list(result.acceptance_lengths)
+
+
+def hf_greedy(target, prompt, max_new_tokens: int) -> list[int]:
+    """Greedy decoding by full HF forwards (no cache, no stop tokens): the simplest possible reference."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]

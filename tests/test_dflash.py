@@ -1,0 +1,143 @@
+"""Linear DFlash against z-lab ``dflash.model.dflash_generate`` (greedy, fp32, CPU), and lossless decoding."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from oracle import OracleDrafter, patch_reference_drafter
+from reference import (
+    TINY_K2,
+    TINY_K25,
+    dflash_reference,
+    drafter_config,
+    hf_drafter,
+    hf_greedy,
+    hf_model,
+)
+
+import jaxdd
+from jaxdd.config import DrafterConfig
+from jaxdd.drafter import DFlashDrafter
+from jaxdd.hf_weights import load_hf_drafter
+from jaxdd.jit_state import count_compilations
+from jaxdd.speculative import SpeculativeDecoder
+
+PROMPTS = [[5, 17, 3, 250, 9, 1, 77], [200, 4, 4, 91, 36, 12, 8, 150, 61, 7, 33]]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module", params=[0, 1], ids=["seed0", "seed1"])
+def models(request, tmp_path_factory):
+    """A tiny HF target + DFlash drafter pair, and the same weights loaded into jaxdd."""
+    seed = request.param
+    target_config = TINY_K2 if seed == 0 else TINY_K25
+    ref_target = hf_model(target_config, seed)
+    ref_drafter = hf_drafter(drafter_config(yarn=seed == 1), seed)
+    root = tmp_path_factory.mktemp(f"pair{seed}")
+    ref_target.save_pretrained(root / "target")
+    ref_drafter.save_pretrained(root / "drafter")
+    target = jaxdd.load_target(root / "target", dtype="float32")
+    drafter = load_hf_drafter(root / "drafter", jnp.float32)
+    return ref_target, ref_drafter, SpeculativeDecoder(target, drafter)
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "long"])
+def test_matches_dflash_generate(models, block_size, prompt):
+    ref_target, ref_drafter, decoder = models
+    tokens, lengths = dflash_reference(ref_drafter, ref_target, prompt, MAX_NEW, block_size, stop_token_ids=None)
+    ours = decoder.generate(prompt, max_new_tokens=MAX_NEW, stop_token_ids=[], block_size=block_size)
+    assert ours.tokens == tokens
+    assert ours.acceptance_lengths == lengths
+
+
+def test_lossless_dflash_equals_ar_equals_hf_greedy(models):
+    ref_target, _, decoder = models
+    prompt = PROMPTS[0]
+    expected = hf_greedy(ref_target, prompt, MAX_NEW)
+    assert decoder.generate(prompt, method="ar", max_new_tokens=MAX_NEW, stop_token_ids=[]).tokens == expected
+    for block_size in (4, 16):
+        dflash = decoder.generate(prompt, max_new_tokens=MAX_NEW, stop_token_ids=[], block_size=block_size)
+        assert dflash.tokens == expected
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+def test_partly_right_drafts_match_reference(models, block_size):
+    """Drafts injected from the target's own greedy continuation: long acceptances, shortened last blocks and a
+    stop token inside a round all take the reference's path."""
+    ref_target, _, decoder = models
+    prompt, vocab = PROMPTS[1], TINY_K2["vocab_size"]
+    greedy = np.array(prompt + hf_greedy(ref_target, prompt, MAX_NEW + block_size))
+    right = np.random.default_rng(block_size).random(len(greedy)) < 0.85
+    config = DrafterConfig.from_hf(drafter_config(block_size=block_size))
+    oracle = SpeculativeDecoder(decoder.target, OracleDrafter(config, greedy, right, vocab))
+    patched = patch_reference_drafter(hf_drafter(drafter_config(block_size=block_size), 0), greedy, right, vocab)
+
+    continuation = greedy[len(prompt) : len(prompt) + MAX_NEW].tolist()
+    latest_new = max(continuation.index(token) for token in set(continuation))  # stops mid-generation
+    for stops in ([], [continuation[latest_new]]):
+        tokens, lengths = dflash_reference(patched, ref_target, prompt, MAX_NEW, block_size, stops or None)
+        ours = oracle.generate(prompt, max_new_tokens=MAX_NEW, stop_token_ids=stops, block_size=block_size)
+        assert (ours.tokens, ours.acceptance_lengths) == (tokens, lengths)
+        assert ours.tokens == continuation[: len(ours.tokens)]  # lossless
+        if not stops:
+            assert max(lengths) > 2  # long acceptances really happened
+            assert len(tokens) == MAX_NEW
+        else:
+            assert len(tokens) == latest_new + 1
+
+
+def test_stop_tokens_end_generation(models):
+    ref_target, ref_drafter, decoder = models
+    prompt = PROMPTS[0]
+    full = decoder.generate(prompt, max_new_tokens=MAX_NEW, stop_token_ids=[])
+    stop = full.tokens[5]
+    tokens, lengths = dflash_reference(ref_drafter, ref_target, prompt, MAX_NEW, 8, [stop])
+    ours = decoder.generate(prompt, max_new_tokens=MAX_NEW, stop_token_ids=[stop], block_size=8)
+    assert (ours.tokens, ours.acceptance_lengths) == (tokens, lengths)
+    assert ours.tokens[-1] == stop and stop not in ours.tokens[:-1]
+
+
+def test_compiles_once_per_bucket(models):
+    """Rounds never recompile, nor do prompts of another length inside the same bucket."""
+    _, _, decoder = models
+    decoder.generate(PROMPTS[0], max_new_tokens=MAX_NEW, stop_token_ids=[], block_size=8)  # warm
+    with count_compilations() as compiles:
+        result = decoder.generate(PROMPTS[1], max_new_tokens=MAX_NEW - 4, stop_token_ids=[], block_size=8)
+        decoder.generate([9, 9, 9], max_new_tokens=MAX_NEW, stop_token_ids=[], block_size=8)
+    assert result.rounds > 5
+    assert compiles.count == 0
+
+
+def test_bad_input(models, tmp_path):
+    _, _, decoder = models
+    with pytest.raises(jaxdd.InputError, match="id 256"):
+        decoder.generate([1, 256])
+    with pytest.raises(jaxdd.InputError, match="max_new_tokens: must be >= 1"):
+        decoder.generate([1, 2], max_new_tokens=0)
+    with pytest.raises(jaxdd.InputError, match="exceeds the model's max_position_embeddings"):
+        decoder.generate([1, 2], max_new_tokens=10**7)
+    with pytest.raises(jaxdd.InputError, match="block_size: must be >= 2"):
+        decoder.generate([1, 2], block_size=1)
+    with pytest.raises(jaxdd.InputError, match="method: expected 'ar' or 'dflash'"):
+        decoder.generate([1, 2], method="beam")
+    with pytest.raises(jaxdd.InputError, match="needs a drafter"):
+        SpeculativeDecoder(decoder.target).generate([1, 2])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"hidden_size": 32, "head_dim": 8}, "drafter hidden_size 32 != target hidden_size 64"),
+        ({"dflash_config": {"mask_token_id": 255, "target_layer_ids": [0, 3]}}, r"target_layer_ids \[3\] outside"),
+        ({"dflash_config": {"mask_token_id": 300, "target_layer_ids": [0, 1]}}, "mask_token_id 300 outside"),
+    ],
+)
+def test_drafter_that_does_not_fit(models, overrides, message):
+    _, _, decoder = models
+    config = DrafterConfig.from_hf(drafter_config(**overrides))
+
+    with pytest.raises(jaxdd.ConfigError, match=message):
+        SpeculativeDecoder(decoder.target, DFlashDrafter(config, jnp.float32, rngs=nnx.Rngs(0)))

@@ -1,0 +1,90 @@
+"""The DFlash drafter against z-lab ``DFlashDraftModel`` (fp32, CPU, eager)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from reference import drafter_config, hf_drafter, rel_err
+from transformers import DynamicCache
+
+from jaxdd.config import ConfigError, DrafterConfig, default_target_layer_ids
+from jaxdd.drafter import DraftCache
+from jaxdd.hf_weights import load_hf_drafter
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=["rope", "yarn"])
+def pair(request, tmp_path_factory):
+    reference = hf_drafter(drafter_config(yarn=request.param == "yarn"), seed=2)
+    directory = tmp_path_factory.mktemp(request.param)
+    reference.save_pretrained(directory)
+    return reference, load_hf_drafter(directory, jnp.float32)
+
+
+def reference_step(reference, cache, features, embeds, start):
+    """One reference drafter forward: new context features, then the block at positions start..start+B-1."""
+    ctx = features.shape[1]
+    positions = torch.arange(start - ctx, start + embeds.shape[1])[None]
+    with torch.no_grad():
+        hidden = reference(
+            position_ids=positions,
+            noise_embedding=torch.from_numpy(embeds),
+            target_hidden=torch.from_numpy(features),
+            past_key_values=cache,
+            use_cache=True,
+        ).numpy()
+    cache.crop(-embeds.shape[1])  # the reference keeps the context K/V only
+    return hidden
+
+
+def test_rounds_of_context_injection(pair):
+    """Prompt context, then two rounds of newly committed context: same hidden states as the reference."""
+    reference, drafter = pair
+    rng = np.random.default_rng(0)
+    block, width = 8, 2 * 64
+    cache_ref = DynamicCache(config=reference.config)
+    cache = DraftCache.zeros(drafter.config, 1, 64, jnp.float32)
+    start = 0
+    for ctx in (7, 3, 5):
+        features = rng.standard_normal((1, ctx, width)).astype(np.float32)
+        embeds = rng.standard_normal((1, block, 64)).astype(np.float32)
+        start += ctx
+        expected = reference_step(reference, cache_ref, features, embeds, start)
+        positions = jnp.arange(start - ctx, start)[None]
+        cache = drafter.inject(cache, jnp.asarray(features), positions, jnp.array([ctx]))
+        hidden = drafter(jnp.asarray(embeds), (start + jnp.arange(block))[None], cache, jnp.array([block]))
+        assert rel_err(hidden, expected) < TOL
+    assert int(cache.length[0]) == start
+
+
+def test_short_block_hides_the_rest(pair):
+    """Near max length the reference drafts a shorter block; masking the tail of a full block is the same."""
+    reference, drafter = pair
+    rng = np.random.default_rng(1)
+    features = rng.standard_normal((1, 6, 128)).astype(np.float32)
+    embeds = rng.standard_normal((1, 8, 64)).astype(np.float32)
+    expected = reference_step(reference, DynamicCache(config=reference.config), features, embeds[:, :3], 6)
+    cache = drafter.inject(
+        DraftCache.zeros(drafter.config, 1, 32, jnp.float32), jnp.asarray(features), jnp.arange(6)[None], jnp.array([6])
+    )
+    hidden = drafter(jnp.asarray(embeds), (6 + jnp.arange(8))[None], cache, jnp.array([3]))
+    assert rel_err(hidden[:, :3], expected) < TOL
+
+
+def test_config_fields():
+    cfg = DrafterConfig.from_hf(drafter_config(block_size=16))
+    assert (cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids) == (16, 255, (1, 0))
+    derived = drafter_config(dflash_config={"mask_token_id": 5}, num_target_layers=61, num_hidden_layers=6)
+    assert DrafterConfig.from_hf(derived).target_layer_ids == (1, 12, 24, 35, 47, 58)  # Kimi K2.x taps
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-8B taps
+    yarn = DrafterConfig.from_hf(drafter_config(yarn=True)).yarn
+    assert (yarn.factor, yarn.beta_fast, yarn.mscale, yarn.mscale_all_dim) == (64.0, 32.0, 1.0, 1.0)
+    with pytest.raises(ConfigError, match="dflash_config.mask_token_id: missing"):
+        DrafterConfig.from_hf(drafter_config(dflash_config={"target_layer_ids": [0]}))
+    with pytest.raises(ConfigError, match="layer_types: only non-causal full-attention"):
+        DrafterConfig.from_hf(drafter_config(layer_types=["sliding_attention", "full_attention"]))
+    with pytest.raises(ConfigError, match="block_size: must be >= 2"):
+        DrafterConfig.from_hf(drafter_config(block_size=1))
