@@ -8,22 +8,31 @@ The stable Python API:
     cache = target.new_cache(batch=1, max_len=128)                   # static-shape MLA latent cache
     out = target.forward([[1, 2, 3]], cache)                         # logits, tapped hidden states, cache
     jaxdd.save_target(target.model, "new_checkpoint_dir")            # orbax checkpoint, written atomically
+
+    drafter = jaxdd.load_drafter("drafter_dir", dtype="float32")     # z-lab DFlash checkpoint
+    result = target.generate([1, 2, 3], drafter=drafter, max_new_tokens=32)   # greedy DFlash
+    result.tokens, result.acceptance_lengths                         # new tokens; tokens per round
 """
 
-from jaxdd.api import ForwardResult, InputError, Target, load_target
+from jaxdd.api import ForwardResult, Target, load_drafter, load_target
 from jaxdd.cache import LatentCache
 from jaxdd.checkpoint import save_target
-from jaxdd.config import ConfigError, KimiConfig
-from jaxdd.hf_weights import CheckpointError
+from jaxdd.config import DrafterConfig, KimiConfig
+from jaxdd.errors import CheckpointError, ConfigError, InputError
+from jaxdd.speculative import Generation, SpeculativeDecoder
 
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "DrafterConfig",
     "ForwardResult",
+    "Generation",
     "InputError",
     "KimiConfig",
     "LatentCache",
+    "SpeculativeDecoder",
     "Target",
+    "load_drafter",
     "load_target",
     "save_target",
 ]

@@ -17,13 +17,12 @@ import numpy as np
 from jaxdd.cache import LatentCache
 from jaxdd.checkpoint import cast_target, is_jaxdd_checkpoint, load_target_checkpoint
 from jaxdd.config import KimiConfig
-from jaxdd.hf_weights import CheckpointError, load_hf_target
+from jaxdd.drafter import DFlashDrafter
+from jaxdd.errors import CheckpointError, InputError
+from jaxdd.hf_weights import load_hf_drafter, load_hf_target
 from jaxdd.jit_state import split_module
+from jaxdd.speculative import Generation, Method, SpeculativeDecoder
 from jaxdd.target import KimiTarget, MlaForm
-
-
-class InputError(ValueError):
-    """Token ids, positions, masks or cache sizes that the model cannot take."""
 
 
 class ForwardResult(NamedTuple):
@@ -41,6 +40,14 @@ def load_target(path: str | Path, dtype: str | jnp.dtype = "bfloat16") -> Target
     if is_jaxdd_checkpoint(path):
         return Target(load_target_checkpoint(path, dtype))
     return Target(load_hf_target(path, dtype))
+
+
+def load_drafter(path: str | Path, dtype: str | jnp.dtype = "bfloat16") -> DFlashDrafter:
+    """Load a DFlash drafter from a z-lab checkpoint directory (config.json with dflash_config + safetensors)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    return load_hf_drafter(path, jnp.dtype(dtype))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "taps", "form", "commit"), donate_argnames=("cache",))
@@ -121,6 +128,29 @@ class Target:
         if form is None:
             form = "naive" if t > 1 and not length.any() else "absorbed"
         return _forward(self._spec, self._weights, tokens, positions, cache, visible, tuple(taps), form, commit)
+
+    def generate(
+        self,
+        prompt_ids,
+        *,
+        drafter: DFlashDrafter | None = None,
+        method: Method | None = None,
+        max_new_tokens: int = 64,
+        stop_token_ids: list[int] | None = None,
+        block_size: int | None = None,
+    ) -> Generation:
+        """Greedy generation: ``dflash`` when a drafter is given, else ``ar`` (``SpeculativeDecoder.generate``).
+
+        Returns the new tokens, the tokens produced per round and timings. Stops at ``stop_token_ids``
+        (default: the config's EOS ids; ``[]`` for none) or after ``max_new_tokens``.
+        """
+        return SpeculativeDecoder(self, drafter).generate(
+            prompt_ids,
+            method=method or ("dflash" if drafter is not None else "ar"),
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            block_size=block_size,
+        )
 
     def logits(self, token_ids, form: MlaForm | None = None) -> np.ndarray:
         """fp32 logits [B, T, vocab] of a causal forward over ``token_ids`` from an empty cache."""

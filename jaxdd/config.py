@@ -15,12 +15,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from jaxdd.errors import ConfigError
+
 TEXT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 WRAPPER_MODEL_TYPES = ("kimi_k25",)
-
-
-class ConfigError(ValueError):
-    """A config.json field is missing, of the wrong type, unsupported or inconsistent."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,16 +20,13 @@ from safetensors import safe_open
 
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.drafter import DFlashDrafter, abstract_drafter
+from jaxdd.errors import CheckpointError
 from jaxdd.target import KimiTarget, abstract_target
 
 # Junk buffers some exports carry, and vision parts of the K2.5/K2.6 wrapper.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 IGNORED_PREFIXES = ("vision_tower.", "mm_projector.")
 WRAPPER_PREFIX = "language_model."
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory is missing files or tensors, or holds tensors that do not fit the config."""
 
 
 def safetensors_files(directory: Path) -> list[Path]:

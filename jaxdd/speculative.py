@@ -19,18 +19,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxdd.api import InputError, Target
 from jaxdd.cache import LatentCache
 from jaxdd.drafter import DFlashDrafter, DraftCache
+from jaxdd.errors import InputError
 from jaxdd.jit_state import ModuleSpec, split_module
 from jaxdd.target import KimiTarget
+
+if TYPE_CHECKING:
+    from jaxdd.api import Target
 
 Method = Literal["ar", "dflash"]
 MAX_STOP_TOKENS = 16  # stop ids are padded to this many so their number never changes a compiled shape

@@ -9,7 +9,8 @@ import pytest
 from reference import FLAVOURS, TINY_K2
 from transformers import DeepseekV3Config
 
-from jaxdd.config import ConfigError, KimiConfig
+from jaxdd.config import KimiConfig
+from jaxdd.errors import ConfigError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

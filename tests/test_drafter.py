@@ -9,8 +9,9 @@ import torch
 from reference import drafter_config, hf_drafter, rel_err
 from transformers import DynamicCache
 
-from jaxdd.config import ConfigError, DrafterConfig, default_target_layer_ids
+from jaxdd.config import DrafterConfig, default_target_layer_ids
 from jaxdd.drafter import DraftCache
+from jaxdd.errors import ConfigError
 from jaxdd.hf_weights import load_hf_drafter
 
 TOL = 1e-5
