@@ -98,18 +98,17 @@ def accept(drafts, posterior, block_len, limit, start, stop_ids):
     return posterior, produced.astype(jnp.int32), stopped
 
 
-@functools.partial(jax.jit, static_argnames=("t_spec", "d_spec", "block"), donate_argnames=("state",))
-def dflash_round(
-    t_spec: ModuleSpec, t_weights, d_spec: ModuleSpec, d_weights, state: DecodeState, limit, stop_ids, block
-):
-    target, drafter = t_spec.merge(t_weights), d_spec.merge(d_weights)
+def draft_stage(target: KimiTarget, drafter: DFlashDrafter, state: DecodeState, block_len: jax.Array, block: int):
+    """Steps 1-2: cache last round's context in the drafter, then draft ``block - 1`` tokens."""
     start = state.target_cache.length
-    block_len = jnp.clip(limit - start, 1, block)
     context_positions = (start - state.context_count)[:, None] + jnp.arange(block)[None, :]
     draft_cache = drafter.inject(state.draft_cache, state.context, context_positions, state.context_count)
-    drafts = drafter.propose(target, draft_cache, state.bonus, start, block_len, block)
-    tokens = jnp.concatenate([state.bonus[:, None], drafts], axis=1)
-    posterior, features, cache = verify(target, state.target_cache, tokens, drafter.config.target_layer_ids)
+    return drafter.propose(target, draft_cache, state.bonus, start, block_len, block), draft_cache
+
+
+def commit_stage(state: DecodeState, drafts, posterior, features, cache, draft_cache, block_len, limit, stop_ids):
+    """Steps 4-5: accept, then commit (the accepted rows already sit at start .. start + produced - 1)."""
+    start = state.target_cache.length
     emitted, produced, stopped = accept(drafts, posterior, block_len, limit, start, stop_ids)
     new_state = DecodeState(
         target_cache=cache.replace(length=start + produced),
@@ -119,6 +118,18 @@ def dflash_round(
         context_count=produced,
     )
     return new_state, _report(emitted, produced, stopped)
+
+
+@functools.partial(jax.jit, static_argnames=("t_spec", "d_spec", "block"), donate_argnames=("state",))
+def dflash_round(
+    t_spec: ModuleSpec, t_weights, d_spec: ModuleSpec, d_weights, state: DecodeState, limit, stop_ids, block
+):
+    target, drafter = t_spec.merge(t_weights), d_spec.merge(d_weights)
+    block_len = jnp.clip(limit - state.target_cache.length, 1, block)
+    drafts, draft_cache = draft_stage(target, drafter, state, block_len, block)
+    tokens = jnp.concatenate([state.bonus[:, None], drafts], axis=1)
+    posterior, features, cache = verify(target, state.target_cache, tokens, drafter.config.target_layer_ids)
+    return commit_stage(state, drafts, posterior, features, cache, draft_cache, block_len, limit, stop_ids)
 
 
 @functools.partial(jax.jit, static_argnames=("t_spec",), donate_argnames=("state",))

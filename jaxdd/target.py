@@ -157,12 +157,21 @@ class Router(nnx.Module):
 
 
 class MoE(nnx.Module):
-    """Routed SwiGLU experts (grouped matmuls over expert-sorted tokens) plus unweighted shared experts."""
+    """Routed SwiGLU experts plus unweighted shared experts.
+
+    Two exact dispatches: ``grouped`` sorts the (token, slot) pairs by expert and runs grouped matmuls
+    (``ragged_dot``), the scalable form; ``dense`` runs every expert on every token and weights the outputs by
+    the combine weights (zero for unchosen experts). XLA:CPU lowers ragged_dot to a dense matmul over all
+    experts for every pair, k times the work of ``dense``, so ``auto`` takes ``dense`` for small problems.
+    """
+
+    DENSE_MAX_FLOPS = 2**28  # ``auto``: all-experts compute below this many multiply-adds
 
     def __init__(self, config: KimiConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         c = config
         e, d, f = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
         self.config = c
+        self.dispatch: Literal["auto", "dense", "grouped"] = "auto"
         self.router = Router(c, rngs)
         self.gate = param(rngs, (e, d, f), dtype, ("experts", "embed", "expert_mlp"))
         self.up = param(rngs, (e, d, f), dtype, ("experts", "embed", "expert_mlp"))
@@ -173,24 +182,35 @@ class MoE(nnx.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, experts = self.router(x)
-        routed = self._experts(x, weights, experts)
+        c = self.config
+        dense = self.dispatch == "dense" or (
+            self.dispatch == "auto"
+            and 3 * x.shape[0] * c.n_routed_experts * c.hidden_size * c.moe_intermediate_size <= self.DENSE_MAX_FLOPS
+        )
+        routed = (self._all_experts if dense else self._grouped_experts)(x, weights, experts)
         if self.shared is not None:
             routed = routed + self.shared(x)
         return routed.reshape(shape)
 
-    def _experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+    def _grouped_experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         n, k = experts.shape
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         rows = x[order // k]
         sizes = jnp.bincount(flat, length=self.config.n_routed_experts).astype(jnp.int32)
-        hidden = jax.nn.silu(jax.lax.ragged_dot(rows, self.gate[...], sizes)) * jax.lax.ragged_dot(
-            rows, self.up[...], sizes
-        )
+        gate = jax.lax.ragged_dot(rows, self.gate[...], sizes)
+        hidden = jax.nn.silu(gate) * jax.lax.ragged_dot(rows, self.up[...], sizes)
         out = jax.lax.ragged_dot(hidden, self.down[...], sizes)
         out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
         # Moonshot's moe_infer: expert outputs summed with their weights in fp32, then cast back.
         return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights).astype(x.dtype)
+
+    def _all_experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        combine = (jax.nn.one_hot(experts, self.config.n_routed_experts) * weights[..., None]).sum(1)  # [N, E]
+        hidden = jax.nn.silu(jnp.einsum("nd,edf->enf", x, self.gate[...]))
+        hidden = hidden * jnp.einsum("nd,edf->enf", x, self.up[...])
+        out = jnp.einsum("enf,efd->end", hidden, self.down[...])
+        return jnp.einsum("end,ne->nd", out.astype(jnp.float32), combine).astype(x.dtype)
 
 
 class DecoderLayer(nnx.Module):

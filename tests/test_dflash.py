@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from oracle import OracleDrafter, patch_reference_drafter
+from oracle import OracleDrafter, patched_reference_drafter
 from reference import (
     TINY_K2,
     TINY_K25,
@@ -67,13 +67,12 @@ def test_lossless_dflash_equals_ar_equals_hf_greedy(models):
 def test_partly_right_drafts_match_reference(models, block_size):
     """Drafts injected from the target's own greedy continuation: long acceptances, shortened last blocks and a
     stop token inside a round all take the reference's path."""
-    ref_target, _, decoder = models
-    prompt, vocab = PROMPTS[1], TINY_K2["vocab_size"]
+    ref_target, ref_drafter, decoder = models
+    prompt = PROMPTS[1]
     greedy = np.array(prompt + hf_greedy(ref_target, prompt, MAX_NEW + block_size))
     right = np.random.default_rng(block_size).random(len(greedy)) < 0.85
-    config = DrafterConfig.from_hf(drafter_config(block_size=block_size))
-    oracle = SpeculativeDecoder(decoder.target, OracleDrafter(config, greedy, right, vocab))
-    patched = patch_reference_drafter(hf_drafter(drafter_config(block_size=block_size), 0), greedy, right, vocab)
+    oracle = SpeculativeDecoder(decoder.target, OracleDrafter(decoder.drafter, greedy, right))
+    patched = patched_reference_drafter(ref_drafter, greedy, right)
 
     continuation = greedy[len(prompt) : len(prompt) + MAX_NEW].tolist()
     latest_new = max(continuation.index(token) for token in set(continuation))  # stops mid-generation

@@ -145,13 +145,19 @@ def test_router_bias_selects_but_does_not_weight(pair):
     np.testing.assert_allclose(weights, raw / raw.sum(-1, keepdims=True) * c.routed_scaling_factor, rtol=1e-5)
 
 
-def test_moe(pair):
+@pytest.mark.parametrize("dispatch", ["dense", "grouped"])
+def test_moe(pair, dispatch):
     model, target = pair
     x = hidden(np.random.default_rng(6), 2, 11, target.config.hidden_size)
     i = moe_layer(target)
     with torch.no_grad():
         expected = model.model.layers[i].mlp(torch_of(x)).numpy()
-    assert rel_err(target.layers[i].mlp(jnp.asarray(x)), expected) < TOL
+    moe = target.layers[i].mlp
+    moe.dispatch = dispatch
+    try:
+        assert rel_err(moe(jnp.asarray(x)), expected) < TOL
+    finally:
+        moe.dispatch = "auto"
 
 
 @pytest.mark.parametrize("which", ["dense", "moe"])
