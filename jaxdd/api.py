@@ -138,8 +138,11 @@ class Target:
         max_new_tokens: int = 64,
         stop_token_ids: list[int] | None = None,
         block_size: int | None = None,
+        budget: int | None = None,
+        max_children: int | None = None,
     ) -> Generation:
-        """Greedy generation: ``dflash`` when a drafter is given, else ``ar`` (``SpeculativeDecoder.generate``).
+        """Greedy generation: ``dflash`` when a drafter is given, else ``ar``; ``ddtree`` with a node ``budget``
+        (see ``SpeculativeDecoder.generate``).
 
         Returns the new tokens, the tokens produced per round and timings. Stops at ``stop_token_ids``
         (default: the config's EOS ids; ``[]`` for none) or after ``max_new_tokens``.
@@ -150,6 +153,8 @@ class Target:
             max_new_tokens=max_new_tokens,
             stop_token_ids=stop_token_ids,
             block_size=block_size,
+            budget=budget,
+            max_children=max_children,
         )
 
     def logits(self, token_ids, form: MlaForm | None = None) -> np.ndarray:

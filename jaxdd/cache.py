@@ -39,6 +39,17 @@ class LatentCache:
         return self.latent.shape[2]
 
 
+def compact_rows(cache: LatentCache, start: jax.Array, rows: jax.Array) -> LatentCache:
+    """Move each sequence's rows at slots start + rows[:, j] to start + j (all layers): the accepted tree path
+    becomes contiguous. rows [B, P] must be increasing along j where it matters (a path's node indices are)."""
+
+    def move(buffer: jax.Array) -> jax.Array:  # [layers, B, S, d]
+        picked = jnp.take_along_axis(buffer, (start[:, None] + rows)[None, :, :, None], axis=2)
+        return jax.vmap(write_rows, in_axes=(0, 0, None))(buffer, picked, start)
+
+    return cache.replace(latent=move(cache.latent), rope=move(cache.rope))
+
+
 def write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
     """Write rows [batch, T, d] into buffer [batch, slots, d] at slots start[b] .. start[b] + T - 1.
 

@@ -140,8 +140,8 @@ class DFlashDrafter(nnx.Module):
             x = layer(x, cos_sin, (cache.keys[i], cache.values[i]), mask)
         return self.norm(x)
 
-    def propose(self, target, cache: DraftCache, bonus, start, block_len, block: int) -> jax.Array:
-        """Greedy drafts [B, block-1] for positions start+1 ..: one forward over ``[bonus, MASK x (block-1)]``.
+    def draft_logits(self, target, cache: DraftCache, bonus, start, block_len, block: int) -> jax.Array:
+        """Draft logits [B, block-1, V] for positions start+1 ..: one forward over ``[bonus, MASK x (block-1)]``.
 
         The block is embedded with the target's embedding and read out through its lm_head.
         """
@@ -153,6 +153,11 @@ class DFlashDrafter(nnx.Module):
         logits = target.logits(hidden[:, 1:]) * c.output_multiplier
         if c.final_logit_softcapping is not None:
             logits = jnp.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return logits
+
+    def propose(self, target, cache: DraftCache, bonus, start, block_len, block: int) -> jax.Array:
+        """Greedy drafts [B, block-1] (linear DFlash)."""
+        logits = self.draft_logits(target, cache, bonus, start, block_len, block)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 

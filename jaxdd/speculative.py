@@ -26,16 +26,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxdd.cache import LatentCache
+from jaxdd.cache import LatentCache, compact_rows
 from jaxdd.drafter import DFlashDrafter, DraftCache
 from jaxdd.errors import InputError
 from jaxdd.jit_state import ModuleSpec, split_module
 from jaxdd.target import KimiTarget
+from jaxdd.tree import accept_path, build_tree
 
 if TYPE_CHECKING:
     from jaxdd.api import Target
 
-Method = Literal["ar", "dflash"]
+Method = Literal["ar", "dflash", "ddtree"]
 MAX_STOP_TOKENS = 16  # stop ids are padded to this many so their number never changes a compiled shape
 MIN_BUCKET = 16
 
@@ -82,7 +83,7 @@ def verify(target: KimiTarget, cache: LatentCache, tokens: jax.Array, taps: tupl
 
 
 def accept(drafts, posterior, block_len, limit, start, stop_ids):
-    """Step 4: (emitted [B, block], produced [B], stopped [B]).
+    """Step 4 (chain): (emitted [B, block], produced [B], stopped [B]).
 
     ``emitted[:produced]`` are the new tokens: accepted drafts equal the target's choices, so they are simply
     the target's argmax row, the last one being the bonus.
@@ -90,12 +91,17 @@ def accept(drafts, posterior, block_len, limit, start, stop_ids):
     steps = jnp.arange(drafts.shape[1])[None, :]
     matches = (drafts == posterior[:, :-1]) & (steps < block_len[:, None] - 1)
     accepted = jnp.cumprod(matches, axis=1).sum(axis=1)
+    return posterior, *limit_round(posterior, accepted, limit, start, stop_ids)
+
+
+def limit_round(emitted, accepted, limit, start, stop_ids):
+    """(produced [B], stopped [B]): accepted + 1 tokens, cut at max length and after the first stop token."""
     produced = jnp.minimum(accepted + 1, limit - start - 1)
-    is_stop = (posterior[:, :, None] == stop_ids[None, None, :]).any(-1)
-    is_stop &= jnp.arange(posterior.shape[1])[None, :] < produced[:, None]
+    is_stop = (emitted[:, :, None] == stop_ids[None, None, :]).any(-1)
+    is_stop &= jnp.arange(emitted.shape[1])[None, :] < produced[:, None]
     stopped = is_stop.any(axis=1)
     produced = jnp.where(stopped, jnp.argmax(is_stop, axis=1) + 1, produced)
-    return posterior, produced.astype(jnp.int32), stopped
+    return produced.astype(jnp.int32), stopped
 
 
 def draft_stage(target: KimiTarget, drafter: DFlashDrafter, state: DecodeState, block_len: jax.Array, block: int):
@@ -130,6 +136,40 @@ def dflash_round(
     tokens = jnp.concatenate([state.bonus[:, None], drafts], axis=1)
     posterior, features, cache = verify(target, state.target_cache, tokens, drafter.config.target_layer_ids)
     return commit_stage(state, drafts, posterior, features, cache, draft_cache, block_len, limit, stop_ids)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("t_spec", "d_spec", "block", "budget", "max_children"), donate_argnames=("state",)
+)
+def ddtree_round(
+    t_spec, t_weights, d_spec, d_weights, state: DecodeState, limit, stop_ids, block, budget, max_children
+):
+    """One DDTree round: draft once, build a best-first tree of ``budget`` nodes, verify it in one forward
+    (each node sees the prefix and its ancestors, at position start + depth), walk the target's choices down
+    the tree, and compact the accepted path's latent rows to start .. start + produced - 1."""
+    target, drafter = t_spec.merge(t_weights), d_spec.merge(d_weights)
+    start = state.target_cache.length
+    block_len = jnp.clip(limit - start, 1, block)
+    context_positions = (start - state.context_count)[:, None] + jnp.arange(block)[None, :]
+    draft_cache = drafter.inject(state.draft_cache, state.context, context_positions, state.context_count)
+    logits = drafter.draft_logits(target, draft_cache, state.bonus, start, block_len, block)
+    tree = build_tree(logits, state.bonus, block_len - 1, budget, max_children)
+
+    taps = drafter.config.target_layer_ids
+    positions = start[:, None] + tree.depths
+    out = target(tree.tokens, positions, state.target_cache, tree.visible, taps=taps, form="absorbed")
+    posterior = jnp.argmax(target.logits(out.hidden), axis=-1).astype(jnp.int32)
+    path, accepted = accept_path(tree, posterior, block - 1)
+    emitted = jnp.take_along_axis(posterior, path, axis=1)  # the target's choices along the path: drafts + bonus
+    produced, stopped = limit_round(emitted, accepted, limit, start, stop_ids)
+    new_state = DecodeState(
+        target_cache=compact_rows(out.cache, start, path).replace(length=start + produced),
+        bonus=jnp.take_along_axis(emitted, produced[:, None] - 1, axis=1)[:, 0],
+        draft_cache=draft_cache,
+        context=jnp.take_along_axis(out.taps, path[:, :, None], axis=1),  # features in path order
+        context_count=produced,
+    )
+    return new_state, _report(emitted, produced, stopped)
 
 
 @functools.partial(jax.jit, static_argnames=("t_spec",), donate_argnames=("state",))
@@ -185,8 +225,14 @@ class SpeculativeDecoder:
         max_new_tokens: int = 64,
         stop_token_ids: list[int] | None = None,
         block_size: int | None = None,
+        budget: int | None = None,
+        max_children: int | None = None,
     ) -> Generation:
-        """Greedy-decode up to ``max_new_tokens`` after ``prompt_ids`` (default stops: the target's EOS ids)."""
+        """Greedy-decode up to ``max_new_tokens`` after ``prompt_ids`` (default stops: the target's EOS ids).
+
+        ``ddtree``: ``budget`` tree nodes per round (default block_size - 1); ``max_children`` caps the
+        branching (1 verifies the DFlash chain through the tree path).
+        """
         prompt = self.target._check_tokens(prompt_ids, None)
         if prompt.shape[0] != 1:
             raise InputError(f"prompt_ids: one prompt at a time, got batch {prompt.shape[0]}")
@@ -195,45 +241,55 @@ class SpeculativeDecoder:
         stops = list(self.target.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
         if len(stops) > MAX_STOP_TOKENS:
             raise InputError(f"stop_token_ids: at most {MAX_STOP_TOKENS}, got {len(stops)}")
-        if method == "dflash":
+        if method not in ("ar", "dflash", "ddtree"):
+            raise InputError(f"method: expected 'ar', 'dflash' or 'ddtree', got {method!r}")
+        block, verify_width = 1, 1
+        if method != "ar":
             if self.drafter is None:
-                raise InputError("method 'dflash' needs a drafter")
+                raise InputError(f"method {method!r} needs a drafter")
             block = self.drafter.config.block_size if block_size is None else block_size
             if block < 2:
                 raise InputError(f"block_size: must be >= 2, got {block}")
-        elif method == "ar":
-            block = 1
-        else:
-            raise InputError(f"method: expected 'ar' or 'dflash', got {method!r}")
+            verify_width = block
+        if method == "ddtree":
+            budget = block - 1 if budget is None else budget
+            if budget < 1:
+                raise InputError(f"budget: must be >= 1, got {budget}")
+            if max_children is not None and max_children < 1:
+                raise InputError(f"max_children: must be >= 1, got {max_children}")
+            verify_width = budget + 1
 
         prompt_len = prompt.shape[1]
         max_length = prompt_len + max_new_tokens
-        padded = bucket(prompt_len)
-        slots = bucket(max(padded, max_length + block))
         if max_length > self.target.config.max_position_embeddings:
             raise InputError(
                 f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                 f"max_position_embeddings ({self.target.config.max_position_embeddings})"
             )
+        padded = bucket(prompt_len)
+        slots = bucket(max(padded, max_length + max(block, verify_width)))
         stop_ids = np.full((MAX_STOP_TOKENS,), -1, np.int32)
         stop_ids[: len(stops)] = stops
 
         t0 = time.perf_counter()
-        state = self._prefill(prompt, padded, slots, block if method == "dflash" else None)
+        state = self._prefill(prompt, padded, slots, None if method == "ar" else block)
         first = int(state.bonus[0])
         prefill_seconds = time.perf_counter() - t0
 
         tokens, lengths = [first], []
         start, stopped = prompt_len, first in stops
         limit = np.array([max_length], np.int32)
+        weights = (self._t_spec, self._t_weights)
         t0 = time.perf_counter()
         while start + 1 < max_length and not stopped:
-            if method == "dflash":
-                state, report = dflash_round(
-                    self._t_spec, self._t_weights, self._d_spec, self._d_weights, state, limit, stop_ids, block
-                )
+            if method == "ar":
+                state, report = ar_step(*weights, state, stop_ids)
+            elif method == "dflash":
+                state, report = dflash_round(*weights, self._d_spec, self._d_weights, state, limit, stop_ids, block)
             else:
-                state, report = ar_step(self._t_spec, self._t_weights, state, stop_ids)
+                state, report = ddtree_round(
+                    *weights, self._d_spec, self._d_weights, state, limit, stop_ids, block, budget, max_children
+                )
             row = np.asarray(report[0])
             produced, stopped = int(row[-2]), bool(row[-1])
             tokens.extend(int(x) for x in row[:produced])

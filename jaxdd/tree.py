@@ -68,17 +68,22 @@ def _build_one(lp: jax.Array, top_tokens: jax.Array, depth_limit: jax.Array, bud
     ranks = jnp.full((width, depth_count), -1, jnp.int32).at[:, 0].set(slots)
     parent_slot = jnp.zeros((width,), jnp.int32)
     levels = [(score, valid, ranks, parent_slot)]
+    # A child of rank r of the parent in score place i is beaten by the first r+1 children of each of the i+1
+    # parents at or above it, so only pairs with (i+1)(r+1) <= width can make the beam: ~width * ln(width)
+    # candidates per depth instead of width * k.
+    place, rank_of = (np.array(x, np.int32) for x in zip(*_beam_pairs(width, k), strict=True))
     for d in range(1, depth_count):
         prev_score, prev_valid, prev_ranks, _ = levels[-1]
-        # Children laid out parent-major, rank-minor: index order is the rank tuples' lexicographic order.
-        cand_score = (prev_score[:, None] + lp[d][None, :]).reshape(-1)
-        cand_valid = jnp.repeat(prev_valid, k) & (d < depth_limit)
-        index = jnp.arange(width * k)
-        _, _, best = jax.lax.sort((~cand_valid, -cand_score, index), num_keys=3)
-        chosen = jnp.sort(best[:width])  # back to lexicographic order for the next depth
-        parent_slot = chosen // k
-        ranks = prev_ranks[parent_slot].at[:, d].set(chosen % k)
-        levels.append((cand_score[chosen], cand_valid[chosen], ranks, parent_slot))
+        by_score = jnp.lexsort((slots, -prev_score, ~prev_valid))  # score order, ties by lexicographic slot
+        parent = by_score[place]
+        cand_valid = prev_valid[parent] & (d < depth_limit)
+        cand_score = prev_score[parent] + lp[d][rank_of]
+        lex = parent * k + rank_of  # the rank tuples' lexicographic order
+        chosen = jnp.sort(jax.lax.sort((~cand_valid, -cand_score, lex), num_keys=3)[2][:width])
+        parent_slot, rank = chosen // k, chosen % k
+        ranks = prev_ranks[parent_slot].at[:, d].set(rank)
+        score = prev_score[parent_slot] + lp[d][rank]
+        levels.append((score, prev_valid[parent_slot] & (d < depth_limit), ranks, parent_slot))
 
     score, valid, ranks, parent_slot = (jnp.concatenate(x) for x in zip(*levels, strict=True))
     depth = jnp.repeat(jnp.arange(depth_count), width)
@@ -97,6 +102,11 @@ def _build_one(lp: jax.Array, top_tokens: jax.Array, depth_limit: jax.Array, bud
         jnp.concatenate([root, jnp.where(node_valid, depth[order] + 1, 0)]),
         jnp.concatenate([jnp.ones((1,), bool), node_valid]),
     )
+
+
+def _beam_pairs(width: int, k: int) -> list[tuple[int, int]]:
+    """(parent score place i, child rank r) pairs that can enter a beam of ``width``: (i+1)(r+1) <= width."""
+    return [(i, r) for i in range(width) for r in range(min(k, width // (i + 1)))]
 
 
 def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:

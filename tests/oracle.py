@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -20,7 +21,11 @@ from jaxdd.drafter import DFlashDrafter
 
 
 class OracleDrafter(nnx.Module):
-    """Duck-types ``DFlashDrafter`` (config / inject / propose) for the jitted DFlash round."""
+    """Duck-types ``DFlashDrafter`` (config / inject / draft_logits / propose) for the jitted rounds.
+
+    Where right[p], the greedy token's logit is lifted above the row's maximum: it becomes the argmax (DFlash)
+    and the top-ranked child (DDTree), while the rest of the row keeps the real drafter's ranking.
+    """
 
     def __init__(self, drafter: DFlashDrafter, greedy: np.ndarray, right: np.ndarray):
         self.drafter = drafter
@@ -31,10 +36,15 @@ class OracleDrafter(nnx.Module):
     def inject(self, cache, features, positions, count):
         return self.drafter.inject(cache, features, positions, count)
 
-    def propose(self, target, cache, bonus, start, block_len, block):
-        drafts = self.drafter.propose(target, cache, bonus, start, block_len, block)
+    def draft_logits(self, target, cache, bonus, start, block_len, block):
+        logits = self.drafter.draft_logits(target, cache, bonus, start, block_len, block)
         positions = start[:, None] + jnp.arange(1, block)[None, :]
-        return jnp.where(self.right[...][positions], self.greedy[...][positions], drafts)
+        lifted = jnp.max(logits, axis=-1, keepdims=True) + 10.0
+        truth = jax.nn.one_hot(self.greedy[...][positions], logits.shape[-1], dtype=bool)
+        return jnp.where(self.right[...][positions][..., None] & truth, lifted, logits)
+
+    def propose(self, target, cache, bonus, start, block_len, block):
+        return jnp.argmax(self.draft_logits(target, cache, bonus, start, block_len, block), -1).astype(jnp.int32)
 
 
 def patched_reference_drafter(drafter, greedy: np.ndarray, right: np.ndarray):
