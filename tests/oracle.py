@@ -24,11 +24,14 @@ class OracleDrafter(nnx.Module):
     """Duck-types ``DFlashDrafter`` (config / inject / draft_logits / propose) for the jitted rounds.
 
     Where right[p], the greedy token's logit is lifted above the row's maximum: it becomes the argmax (DFlash)
-    and the top-ranked child (DDTree), while the rest of the row keeps the real drafter's ranking.
+    and the top-ranked child (DDTree), while the rest of the row keeps the real drafter's ranking. With
+    ``second=True`` it is placed just below the maximum instead: DFlash misses it, a DDTree finds it as a
+    second child.
     """
 
-    def __init__(self, drafter: DFlashDrafter, greedy: np.ndarray, right: np.ndarray):
+    def __init__(self, drafter: DFlashDrafter, greedy: np.ndarray, right: np.ndarray, second: bool = False):
         self.drafter = drafter
+        self.lift = -1e-3 if second else 10.0
         self.config = drafter.config
         self.greedy = nnx.Variable(jnp.asarray(greedy, jnp.int32))
         self.right = nnx.Variable(jnp.asarray(right))
@@ -39,7 +42,7 @@ class OracleDrafter(nnx.Module):
     def draft_logits(self, target, cache, bonus, start, block_len, block):
         logits = self.drafter.draft_logits(target, cache, bonus, start, block_len, block)
         positions = start[:, None] + jnp.arange(1, block)[None, :]
-        lifted = jnp.max(logits, axis=-1, keepdims=True) + 10.0
+        lifted = jnp.max(logits, axis=-1, keepdims=True) + self.lift
         truth = jax.nn.one_hot(self.greedy[...][positions], logits.shape[-1], dtype=bool)
         return jnp.where(self.right[...][positions][..., None] & truth, lifted, logits)
 

@@ -8,39 +8,19 @@ import pytest
 from flax import nnx
 from oracle import OracleDrafter, patched_reference_drafter
 from reference import (
-    TINY_K2,
-    TINY_K25,
     dflash_reference,
     drafter_config,
-    hf_drafter,
     hf_greedy,
-    hf_model,
 )
 
 import jaxdd
 from jaxdd.config import DrafterConfig
 from jaxdd.drafter import DFlashDrafter
-from jaxdd.hf_weights import load_hf_drafter
 from jaxdd.jit_state import count_compilations
 from jaxdd.speculative import SpeculativeDecoder
 
 PROMPTS = [[5, 17, 3, 250, 9, 1, 77], [200, 4, 4, 91, 36, 12, 8, 150, 61, 7, 33]]
 MAX_NEW = 24
-
-
-@pytest.fixture(scope="module", params=[0, 1], ids=["seed0", "seed1"])
-def models(request, tmp_path_factory):
-    """A tiny HF target + DFlash drafter pair, and the same weights loaded into jaxdd."""
-    seed = request.param
-    target_config = TINY_K2 if seed == 0 else TINY_K25
-    ref_target = hf_model(target_config, seed)
-    ref_drafter = hf_drafter(drafter_config(yarn=seed == 1), seed)
-    root = tmp_path_factory.mktemp(f"pair{seed}")
-    ref_target.save_pretrained(root / "target")
-    ref_drafter.save_pretrained(root / "drafter")
-    target = jaxdd.load_target(root / "target", dtype="float32")
-    drafter = load_hf_drafter(root / "drafter", jnp.float32)
-    return ref_target, ref_drafter, SpeculativeDecoder(target, drafter)
 
 
 @pytest.mark.parametrize("block_size", [4, 8, 16])
