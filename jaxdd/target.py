@@ -19,8 +19,9 @@ from flax import nnx
 from jaxdd.cache import LatentCache, write_rows
 from jaxdd.config import KimiConfig
 from jaxdd.layers import MLP, RMSNorm, apply_rope, param, rope_cos_sin, rope_frequencies
+from pallas_kernels.tree_attention import tree_attention
 
-MlaForm = Literal["naive", "absorbed"]
+MlaForm = Literal["naive", "absorbed", "pallas"]
 
 
 class TargetOutput(NamedTuple):
@@ -62,6 +63,8 @@ class MLAttention(nnx.Module):
     ``naive`` expands the latents into per-head keys and values (HF's formulation); ``absorbed`` folds the
     key up-projection into the query and the value up-projection after the attention (DeepSeek's decode form),
     so attention runs over the 512 + 64 wide rows directly. They are equal up to float reassociation.
+    ``pallas`` is the absorbed form with the attention itself in the Pallas tree-attention kernel
+    (``pallas_kernels.tree_attention``; interpreted on CPU).
     """
 
     def __init__(self, config: KimiConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
@@ -84,10 +87,12 @@ class MLAttention(nnx.Module):
         cos_sin: tuple[jax.Array, jax.Array],
         cache_rows: tuple[jax.Array, jax.Array],
         length: jax.Array,
+        visible: jax.Array,
         mask: jax.Array,
         form: MlaForm,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """x [B,T,D]; cache_rows (latent [B,S,r], rope [B,S,dr]); mask [B,T,S] over the cache slots.
+        """x [B,T,D]; cache_rows (latent [B,S,r], rope [B,S,dr]); the new tokens see the committed slots
+        (< length) and each other where visible [B,T,T]; mask [B,T,S] is the same over the cache slots.
 
         This step's rows are written at slots ``length .. length + T - 1`` first, so attention runs over the
         cache alone (no concatenated copy of it per layer). Returns the output [B,T,D] and the updated rows.
@@ -112,13 +117,28 @@ class MLAttention(nnx.Module):
             probs = self._softmax(scores, mask)
             out_latent = jnp.einsum("bhts,bsr->bthr", probs, keys_latent)
             out = jnp.einsum("bthr,rhd->bthd", out_latent, self.v_up[...])
+        elif form == "pallas":
+            q_latent = jnp.einsum("bthd,rhd->bthr", q_nope, self.k_up[...])
+            out_latent = tree_attention(
+                q_latent,
+                q_pe,
+                keys_latent,
+                keys_rope,
+                length,
+                latent,
+                k_pe,
+                visible,
+                scale=c.softmax_scale,
+                interpret=jax.default_backend() == "cpu",
+            )
+            out = jnp.einsum("bthr,rhd->bthd", out_latent.astype(x.dtype), self.v_up[...])
         elif form == "naive":
             k_nope = jnp.einsum("bsr,rhd->bshd", keys_latent, self.k_up[...])
             values = jnp.einsum("bsr,rhd->bshd", keys_latent, self.v_up[...])
             scores = jnp.einsum("bthd,bshd->bhts", q_nope, k_nope) + rope_scores
             out = jnp.einsum("bhts,bshd->bthd", self._softmax(scores, mask), values)
         else:
-            raise ValueError(f"form: expected 'naive' or 'absorbed', got {form!r}")
+            raise ValueError(f"form: expected 'naive', 'absorbed' or 'pallas', got {form!r}")
         return jnp.einsum("bthd,hde->bte", out, self.o_proj[...]), (keys_latent, keys_rope)
 
     def _softmax(self, scores: jax.Array, mask: jax.Array) -> jax.Array:
@@ -223,8 +243,8 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype, rngs)
 
-    def __call__(self, x, cos_sin, cache_rows, length, mask, form: MlaForm):
-        attn, cache_rows = self.attn(self.attn_norm(x), cos_sin, cache_rows, length, mask, form)
+    def __call__(self, x, cos_sin, cache_rows, length, visible, mask, form: MlaForm):
+        attn, cache_rows = self.attn(self.attn_norm(x), cos_sin, cache_rows, length, visible, mask, form)
         x = x + attn
         return x + self.mlp(self.mlp_norm(x)), cache_rows
 
@@ -260,7 +280,8 @@ class KimiTarget(nnx.Module):
         x = self.embed[...][tokens]
         latent_cache, rope_cache, tapped = cache.latent, cache.rope, []
         for i, layer in enumerate(self.layers):
-            x, (latent, rope) = layer(x, cos_sin, (latent_cache[i], rope_cache[i]), cache.length, mask, form)
+            rows = (latent_cache[i], rope_cache[i])
+            x, (latent, rope) = layer(x, cos_sin, rows, cache.length, visible, mask, form)
             latent_cache, rope_cache = latent_cache.at[i].set(latent), rope_cache.at[i].set(rope)
             if i in taps:
                 tapped.append(x)

@@ -74,7 +74,7 @@ def test_apply_rope(interleaved):
     np.testing.assert_allclose(apply_rope(jnp.asarray(k), cos, sin, interleaved), k_ref.numpy(), atol=1e-6)
 
 
-@pytest.mark.parametrize("form", ["naive", "absorbed"])
+@pytest.mark.parametrize("form", ["naive", "absorbed", "pallas"])
 def test_attention(pair, form):
     model, target = pair
     rng = np.random.default_rng(2)
@@ -90,7 +90,10 @@ def test_attention(pair, form):
     inv_freq, amplitude = target_rope(target.config)
     cos_sin = rope_cos_sin(jnp.asarray(positions), inv_freq, amplitude, jnp.float32)
     c = target.config
-    out, (latent, k_pe) = target.layers[1].attn(jnp.asarray(x), cos_sin, empty_rows(c, b, t), *causal_args(b, t), form)
+    length, causal = causal_args(b, t)
+    out, (latent, k_pe) = target.layers[1].attn(
+        jnp.asarray(x), cos_sin, empty_rows(c, b, t), length, causal, causal, form
+    )
     assert rel_err(out, expected) < TOL
     assert latent.shape == (b, t, c.kv_lora_rank) and k_pe.shape == (b, t, c.qk_rope_head_dim)
 
@@ -176,5 +179,6 @@ def test_decoder_layer(pair, which):
     inv_freq, amplitude = target_rope(target.config)
     cos_sin = rope_cos_sin(jnp.asarray(positions), inv_freq, amplitude, jnp.float32)
     c = target.config
-    out, _ = target.layers[i](jnp.asarray(x), cos_sin, empty_rows(c, b, t), *causal_args(b, t), "absorbed")
+    length, causal = causal_args(b, t)
+    out, _ = target.layers[i](jnp.asarray(x), cos_sin, empty_rows(c, b, t), length, causal, causal, "absorbed")
     assert rel_err(out, expected.numpy()) < TOL

@@ -1,0 +1,152 @@
+"""Absorbed-MLA tree-verify attention as a Pallas kernel, with its pure-jnp reference.
+
+In absorbed MLA every head attends over the same per-token rows: a latent (kv_lora_rank, 512 for Kimi) that is
+both key and value, and a rotated rope key (64). A tree-verify step has T new tokens (the root and the tree
+nodes) that see every committed prefix row (slots < length) and, among themselves, only their ancestors. So the
+kernel flattens (token, head) into query rows, runs an online softmax over the prefix in blocks (no mask but
+the length), then over the tree tail with the ancestor mask, and writes the latent-space output; the caller
+applies the value up-projection. The latent and rope operands stay apart (two dots), never concatenated.
+
+On CPU the kernel runs with ``interpret=True`` (tests); on GPU it lowers through Pallas (block sizes are powers
+of two, as Triton needs).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+NEG = -1e30  # finite: a fully masked block must not produce (-inf) - (-inf)
+
+
+def tree_attention_reference(
+    q_latent, q_rope, cache_latent, cache_rope, length, tail_latent, tail_rope, tail_mask, scale
+):
+    """Plain jnp: q_latent [B,T,H,r], q_rope [B,T,H,dr]; cache [B,S,r|dr]; length [B]; tail [B,T,r|dr];
+    tail_mask [B,T,T] bool. Returns the attention output in latent space [B,T,H,r] (fp32)."""
+    f32 = jnp.float32
+    keys_latent = jnp.concatenate([cache_latent, tail_latent], axis=1).astype(f32)
+    keys_rope = jnp.concatenate([cache_rope, tail_rope], axis=1).astype(f32)
+    scores = jnp.einsum("bthr,bsr->bhts", q_latent.astype(f32), keys_latent)
+    scores += jnp.einsum("bthd,bsd->bhts", q_rope.astype(f32), keys_rope)
+    prefix = jnp.arange(cache_latent.shape[1])[None, None, :] < length[:, None, None]
+    mask = jnp.concatenate([jnp.broadcast_to(prefix, tail_mask.shape[:2] + prefix.shape[-1:]), tail_mask], -1)
+    probs = jax.nn.softmax(jnp.where(mask[:, None], scores * scale, -jnp.inf), axis=-1)
+    return jnp.einsum("bhts,bsr->bthr", probs, keys_latent)
+
+
+def _kernel(length_ref, q_lat_ref, q_rope_ref, c_ref, cr_ref, t_ref, tr_ref, mask_ref, o_ref, *, scale, block_k):
+    q_lat = q_lat_ref[...].astype(jnp.float32)  # [bq, r]
+    q_rope = q_rope_ref[...].astype(jnp.float32)  # [bq, dr]
+    rows = q_lat.shape[0]
+
+    def update(carry, latent, rope, visible):
+        acc, m, total = carry
+        scores = jnp.dot(q_lat, latent.T, preferred_element_type=jnp.float32)
+        scores += jnp.dot(q_rope, rope.T, preferred_element_type=jnp.float32)
+        scores = jnp.where(visible, scores * scale, NEG)
+        m_new = jnp.maximum(m, scores.max(-1))
+        correction = jnp.exp(m - m_new)
+        p = jnp.where(visible, jnp.exp(scores - m_new[:, None]), 0.0)
+        acc = correction[:, None] * acc + jnp.dot(p, latent, preferred_element_type=jnp.float32)
+        return acc, m_new, correction * total + p.sum(-1)
+
+    length = length_ref[0]
+
+    def prefix_block(i, carry):
+        block = pl.ds(i * block_k, block_k)
+        visible = (i * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)) < length
+        return update(carry, c_ref[block, :].astype(jnp.float32), cr_ref[block, :].astype(jnp.float32), visible)
+
+    init = (
+        jnp.zeros((rows, q_lat.shape[1]), jnp.float32),
+        jnp.full((rows,), NEG, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    carry = jax.lax.fori_loop(0, pl.cdiv(length, block_k), prefix_block, init)
+    tail = (t_ref[...].astype(jnp.float32), tr_ref[...].astype(jnp.float32), mask_ref[...] != 0)
+    acc, _, total = update(carry, *tail)
+    o_ref[...] = (acc / jnp.where(total == 0, 1.0, total)[:, None]).astype(o_ref.dtype)
+
+
+def _pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k", "interpret"))
+def tree_attention(
+    q_latent,
+    q_rope,
+    cache_latent,
+    cache_rope,
+    length,
+    tail_latent,
+    tail_rope,
+    tail_mask,
+    scale: float,
+    block_q: int = 64,
+    block_k: int = 64,
+    interpret: bool = False,
+):
+    """The Pallas kernel; same arguments and result as ``tree_attention_reference``."""
+    b, t, h, r = q_latent.shape
+    dr = q_rope.shape[-1]
+    slots = cache_latent.shape[1]
+    block_k = min(block_k, slots)
+    if slots % block_k:
+        raise ValueError(f"cache slots {slots} must be a multiple of block_k {block_k}")
+    tail = _pow2(t)  # pad the tail to a power of two; padded keys are masked out
+    rows = t * h
+    block_q = min(block_q, _pow2(rows))
+    padded_rows = pl.cdiv(rows, block_q) * block_q
+
+    def query_rows(x):  # [B,T,H,d] -> [B, rows (token-major, head-minor), d], padded
+        return _pad_to(x.reshape(b, rows, x.shape[-1]), 1, padded_rows)
+
+    mask = jnp.repeat(tail_mask, h, axis=1).astype(jnp.int8)  # row t*H + h sees what token t sees
+    mask = _pad_to(_pad_to(mask, 1, padded_rows), 2, tail)
+    tail_latent, tail_rope = _pad_to(tail_latent, 1, tail), _pad_to(tail_rope, 1, tail)
+
+    def full(shape):
+        return pl.BlockSpec((None, *shape), lambda i, j: (i, *(0,) * len(shape)))
+
+    def by_rows(width):
+        return pl.BlockSpec((None, block_q, width), lambda i, j: (i, j, 0))
+
+    out = pl.pallas_call(
+        functools.partial(_kernel, scale=scale, block_k=block_k),
+        out_shape=jax.ShapeDtypeStruct((b, padded_rows, r), jnp.float32),
+        grid=(b, padded_rows // block_q),
+        in_specs=[
+            pl.BlockSpec((None, 1), lambda i, j: (i, 0)),
+            by_rows(r),
+            by_rows(dr),
+            full((slots, r)),
+            full((slots, dr)),
+            full((tail, r)),
+            full((tail, dr)),
+            by_rows(tail),
+        ],
+        out_specs=by_rows(r),
+        interpret=interpret,
+        name="mla_tree_attention",
+    )(
+        length.astype(jnp.int32)[:, None],
+        query_rows(q_latent),
+        query_rows(q_rope),
+        cache_latent,
+        cache_rope,
+        tail_latent,
+        tail_rope,
+        mask,
+    )
+    return out[:, :rows].reshape(b, t, h, r)
