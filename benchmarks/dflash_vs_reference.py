@@ -54,7 +54,7 @@ def _draft(t_spec, tw, d_spec, dw, state, block_len, block):
 
 @functools.partial(jax.jit, static_argnames=("t_spec", "taps"))
 def _verify(t_spec, tw, cache, tokens, taps):
-    return verify(t_spec.merge(tw), cache, tokens, taps)
+    return verify(t_spec.merge(tw), cache, tokens, taps, "absorbed")
 
 
 _commit = jax.jit(commit_stage)
@@ -72,7 +72,7 @@ def stage_breakdown(decoder: SpeculativeDecoder, prompt: list[int], max_length: 
     posterior, features, cache = _verify(ts, tw, state.target_cache, tokens, taps)
     args = (state, drafts, posterior, features, cache, draft_cache, block_len, limit, stop_ids)
     copies = [jax.tree.map(jnp.copy, state) for _ in range(60)]  # the round donates its state
-    full = median_ms(lambda: dflash_round(ts, tw, ds, dw, copies.pop(), limit, stop_ids, block))
+    full = median_ms(lambda: dflash_round(ts, tw, ds, dw, copies.pop(), limit, stop_ids, block, "absorbed"))
     return {
         "full_round_ms": full,
         "draft_ms": median_ms(lambda: _draft(ts, tw, ds, dw, state, block_len, block)),

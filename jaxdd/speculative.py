@@ -30,7 +30,7 @@ from jaxdd.cache import LatentCache, compact_rows
 from jaxdd.drafter import DFlashDrafter, DraftCache
 from jaxdd.errors import InputError
 from jaxdd.jit_state import ModuleSpec, split_module
-from jaxdd.target import KimiTarget
+from jaxdd.target import KimiTarget, MlaForm
 from jaxdd.tree import accept_path, build_tree
 
 if TYPE_CHECKING:
@@ -73,12 +73,12 @@ def bucket(n: int) -> int:
     return max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
 
 
-def verify(target: KimiTarget, cache: LatentCache, tokens: jax.Array, taps: tuple[int, ...]):
+def verify(target: KimiTarget, cache: LatentCache, tokens: jax.Array, taps: tuple[int, ...], form: MlaForm):
     """Step 3: causal target forward over the block; returns the target's argmax per position and the taps."""
     b, t = tokens.shape
     positions = cache.length[:, None] + jnp.arange(t)[None, :]
     visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    out = target(tokens, positions, cache, visible, taps=taps, form="absorbed")
+    out = target(tokens, positions, cache, visible, taps=taps, form=form)
     return jnp.argmax(target.logits(out.hidden), axis=-1).astype(jnp.int32), out.taps, out.cache
 
 
@@ -126,23 +126,25 @@ def commit_stage(state: DecodeState, drafts, posterior, features, cache, draft_c
     return new_state, _report(emitted, produced, stopped)
 
 
-@functools.partial(jax.jit, static_argnames=("t_spec", "d_spec", "block"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("t_spec", "d_spec", "block", "form"), donate_argnames=("state",))
 def dflash_round(
-    t_spec: ModuleSpec, t_weights, d_spec: ModuleSpec, d_weights, state: DecodeState, limit, stop_ids, block
+    t_spec: ModuleSpec, t_weights, d_spec: ModuleSpec, d_weights, state: DecodeState, limit, stop_ids, block, form
 ):
     target, drafter = t_spec.merge(t_weights), d_spec.merge(d_weights)
     block_len = jnp.clip(limit - state.target_cache.length, 1, block)
     drafts, draft_cache = draft_stage(target, drafter, state, block_len, block)
     tokens = jnp.concatenate([state.bonus[:, None], drafts], axis=1)
-    posterior, features, cache = verify(target, state.target_cache, tokens, drafter.config.target_layer_ids)
+    posterior, features, cache = verify(target, state.target_cache, tokens, drafter.config.target_layer_ids, form)
     return commit_stage(state, drafts, posterior, features, cache, draft_cache, block_len, limit, stop_ids)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("t_spec", "d_spec", "block", "budget", "max_children"), donate_argnames=("state",)
+    jax.jit,
+    static_argnames=("t_spec", "d_spec", "block", "budget", "max_children", "form"),
+    donate_argnames=("state",),
 )
 def ddtree_round(
-    t_spec, t_weights, d_spec, d_weights, state: DecodeState, limit, stop_ids, block, budget, max_children
+    t_spec, t_weights, d_spec, d_weights, state: DecodeState, limit, stop_ids, block, budget, max_children, form
 ):
     """One DDTree round: draft once, build a best-first tree of ``budget`` nodes, verify it in one forward
     (each node sees the prefix and its ancestors, at position start + depth), walk the target's choices down
@@ -157,7 +159,7 @@ def ddtree_round(
 
     taps = drafter.config.target_layer_ids
     positions = start[:, None] + tree.depths
-    out = target(tree.tokens, positions, state.target_cache, tree.visible, taps=taps, form="absorbed")
+    out = target(tree.tokens, positions, state.target_cache, tree.visible, taps=taps, form=form)
     posterior = jnp.argmax(target.logits(out.hidden), axis=-1).astype(jnp.int32)
     path, accepted = accept_path(tree, posterior, block - 1)
     emitted = jnp.take_along_axis(posterior, path, axis=1)  # the target's choices along the path: drafts + bonus
@@ -172,10 +174,10 @@ def ddtree_round(
     return new_state, _report(emitted, produced, stopped)
 
 
-@functools.partial(jax.jit, static_argnames=("t_spec",), donate_argnames=("state",))
-def ar_step(t_spec: ModuleSpec, t_weights, state: DecodeState, stop_ids):
+@functools.partial(jax.jit, static_argnames=("t_spec", "form"), donate_argnames=("state",))
+def ar_step(t_spec: ModuleSpec, t_weights, state: DecodeState, stop_ids, form):
     target = t_spec.merge(t_weights)
-    posterior, _, cache = verify(target, state.target_cache, state.bonus[:, None], ())
+    posterior, _, cache = verify(target, state.target_cache, state.bonus[:, None], (), form)
     token = posterior[:, 0]
     stopped = (token[:, None] == stop_ids[None, :]).any(-1)
     new_state = state.replace(target_cache=cache.replace(length=cache.length + 1), bonus=token)
@@ -207,9 +209,23 @@ def prefill(t_spec, t_weights, d_spec, d_weights, state: DecodeState, tokens, pr
 
 
 class SpeculativeDecoder:
-    """Greedy generation with a target and, for ``dflash``, a drafter; compiled once per shape bucket."""
+    """Greedy generation with a target and, for ``dflash`` / ``ddtree``, a drafter; compiled once per shape bucket.
 
-    def __init__(self, target: Target, drafter: DFlashDrafter | None = None):
+    ``attention`` picks the verify attention: ``absorbed`` (XLA), ``pallas`` (the tree-attention kernel,
+    interpreted on CPU), or ``auto``: the kernel on GPU/TPU, XLA on CPU.
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: DFlashDrafter | None = None,
+        attention: Literal["auto", "absorbed", "pallas"] = "auto",
+    ):
+        if attention not in ("auto", "absorbed", "pallas"):
+            raise InputError(f"attention: expected 'auto', 'absorbed' or 'pallas', got {attention!r}")
+        if attention == "auto":
+            attention = "absorbed" if jax.default_backend() == "cpu" else "pallas"
+        self.form: MlaForm = attention
         self.target = target
         self.drafter = drafter
         self._t_spec, self._t_weights = split_module(target.model)
@@ -283,13 +299,14 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         while start + 1 < max_length and not stopped:
             if method == "ar":
-                state, report = ar_step(*weights, state, stop_ids)
+                state, report = ar_step(*weights, state, stop_ids, self.form)
             elif method == "dflash":
-                state, report = dflash_round(*weights, self._d_spec, self._d_weights, state, limit, stop_ids, block)
+                drafter = (self._d_spec, self._d_weights)
+                state, report = dflash_round(*weights, *drafter, state, limit, stop_ids, block, self.form)
             else:
-                state, report = ddtree_round(
-                    *weights, self._d_spec, self._d_weights, state, limit, stop_ids, block, budget, max_children
-                )
+                drafter = (self._d_spec, self._d_weights)
+                tree = (block, budget, max_children, self.form)
+                state, report = ddtree_round(*weights, *drafter, state, limit, stop_ids, *tree)
             row = np.asarray(report[0])
             produced, stopped = int(row[-2]), bool(row[-1])
             tokens.extend(int(x) for x in row[:produced])

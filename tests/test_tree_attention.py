@@ -1,0 +1,80 @@
+"""The Pallas tree-attention kernel against its jnp reference (interpret mode on CPU; a GPU twin when present),
+and inside the model and the DDTree decoder."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import random_tree_parents, tree_depths_and_mask
+
+from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
+
+ON_GPU = jax.default_backend() == "gpu"
+# (batch, tree tokens, heads, latent, rope, cache slots); GPU lowering wants dims >= 16
+SHAPES = [(1, 1, 2, 32, 8, 16), (2, 9, 4, 32, 8, 64), (1, 17, 2, 64, 16, 128), (2, 33, 1, 16, 16, 64)]
+GPU_SHAPES = [(2, 9, 4, 64, 16, 64), (1, 65, 8, 512, 64, 256)]
+TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}
+
+
+def inputs(shape, dtype, seed):
+    b, t, h, r, dr, s = shape
+    rng = np.random.default_rng(seed)
+
+    def normal(*dims):
+        return jnp.asarray(rng.standard_normal(dims), dtype)
+
+    mask = np.stack([tree_depths_and_mask(random_tree_parents(rng, t))[1] for _ in range(b)])
+    length = jnp.asarray(rng.integers(0, s - t + 1, b), jnp.int32)
+    args = (normal(b, t, h, r), normal(b, t, h, dr), normal(b, s, r), normal(b, s, dr), length)
+    return (*args, normal(b, t, r), normal(b, t, dr), jnp.asarray(mask))
+
+
+def check(shape, dtype, seed, interpret):
+    args = inputs(shape, dtype, seed)
+    scale = shape[3] ** -0.5
+    expected = tree_attention_reference(*args, scale)
+    actual = tree_attention(*args, scale=scale, block_q=16, block_k=16, interpret=interpret)
+    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=TOLERANCE[dtype], rtol=0)
+
+
+@settings(max_examples=12, deadline=None)
+@given(shape=st.sampled_from(SHAPES), dtype=st.sampled_from(["float32", "bfloat16"]), seed=st.integers(0, 10**6))
+def test_kernel_interpreted_matches_reference(shape, dtype, seed):
+    check(shape, dtype, seed, interpret=True)
+
+
+def test_empty_prefix_and_full_prefix():
+    """length 0 (only the tree) and a prefix filling every slot but the tree's."""
+    for length in (0, 48):
+        args = list(inputs((1, 9, 2, 32, 8, 64), "float32", 0))
+        args[4] = jnp.array([length], jnp.int32)
+        expected = tree_attention_reference(*args, 0.3)
+        actual = tree_attention(*args, scale=0.3, block_q=16, block_k=16, interpret=True)
+        np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU; the interpreted twin above runs everywhere")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_kernel_on_gpu_matches_reference(shape, dtype):
+    with jax.default_matmul_precision("highest"):
+        check(shape, dtype, 0, interpret=False)
+
+
+@pytest.mark.parametrize("models", [0], indirect=True, ids=["seed0"])
+def test_ddtree_with_the_kernel_is_lossless(models):
+    """The decoder verifying trees through the kernel (interpreted here) gives the same tokens as plain XLA."""
+    from jaxdd.speculative import SpeculativeDecoder
+
+    _, _, decoder = models
+    kernel = SpeculativeDecoder(decoder.target, decoder.drafter, attention="pallas")
+    prompt = [5, 17, 3, 250, 9, 1, 77]
+    kwargs = dict(method="ddtree", budget=16, max_new_tokens=12, stop_token_ids=[])
+    assert kernel.generate(prompt, **kwargs).tokens == decoder.generate(prompt, **kwargs).tokens
+    ar = decoder.generate(prompt, method="ar", max_new_tokens=12, stop_token_ids=[])
+    assert kernel.generate(prompt, **kwargs).tokens == ar.tokens
