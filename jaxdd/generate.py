@@ -1,4 +1,4 @@
-"""``python -m jaxdd.generate``: greedy generation, plain (``ar``) or speculative (``dflash``).
+"""``python -m jaxdd.generate``: greedy generation, plain (``ar``) or speculative (``dflash``, ``ddtree``).
 
     python -m jaxdd.generate --checkpoint TARGET_DIR [--drafter DRAFTER_DIR] --prompt-ids 1,2,3 [--json]
 
@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json in the checkpoint directory)")
     prompt.add_argument("--prompt-ids", type=parse_ids, help="prompt token ids, e.g. 1,2,3")
-    parser.add_argument("--method", choices=["ar", "dflash"], help="default: dflash with --drafter, else ar")
+    parser.add_argument("--method", choices=["ar", "dflash", "ddtree"], help="default: dflash with --drafter, else ar")
     parser.add_argument("--block-size", type=positive, help="DFlash block size (default: the drafter's)")
+    parser.add_argument("--budget", type=positive, help="DDTree nodes per round (default: block size - 1)")
     parser.add_argument("--max-new-tokens", type=positive, default=64)
     parser.add_argument("--stop-ids", type=parse_ids, help="stop token ids (default: the target's EOS ids)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -58,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         print("jaxdd: no default model is bundled yet; pass --checkpoint DIR [--drafter DIR] --prompt-ids 1,2,3")
         return 0
     method = args.method or ("dflash" if args.drafter else "ar")
-    if method == "dflash" and not args.drafter:
-        parser.error("--method dflash needs --drafter DIR")
+    if method != "ar" and not args.drafter:
+        parser.error(f"--method {method} needs --drafter DIR")
     if args.prompt is None and args.prompt_ids is None:
         parser.error("give --prompt TEXT or --prompt-ids 1,2,3")
     try:
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt_ids = tokenizer.encode(args.prompt).ids
         else:
             prompt_ids = args.prompt_ids
-        drafter = jaxdd.load_drafter(args.drafter, dtype=args.dtype) if method == "dflash" else None
+        drafter = jaxdd.load_drafter(args.drafter, dtype=args.dtype) if method != "ar" else None
         result = target.generate(
             prompt_ids,
             drafter=drafter,
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens,
             stop_token_ids=args.stop_ids,
             block_size=args.block_size,
+            budget=args.budget,
         )
     except (jaxdd.CheckpointError, jaxdd.ConfigError, jaxdd.InputError) as error:
         print(f"jaxdd: {error}", file=sys.stderr)

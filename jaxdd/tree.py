@@ -74,12 +74,12 @@ def _build_one(lp: jax.Array, top_tokens: jax.Array, depth_limit: jax.Array, bud
     place, rank_of = (np.array(x, np.int32) for x in zip(*_beam_pairs(width, k), strict=True))
     for d in range(1, depth_count):
         prev_score, prev_valid, prev_ranks, _ = levels[-1]
-        by_score = jnp.lexsort((slots, -prev_score, ~prev_valid))  # score order, ties by lexicographic slot
+        by_score = jnp.argsort(_order_key(prev_score, prev_valid), stable=True)  # ties: lexicographic slot
         parent = by_score[place]
         cand_valid = prev_valid[parent] & (d < depth_limit)
         cand_score = prev_score[parent] + lp[d][rank_of]
         lex = parent * k + rank_of  # the rank tuples' lexicographic order
-        chosen = jnp.sort(jax.lax.sort((~cand_valid, -cand_score, lex), num_keys=3)[2][:width])
+        chosen = jnp.sort(jax.lax.sort((_order_key(cand_score, cand_valid), lex), num_keys=2)[1][:width])
         parent_slot, rank = chosen // k, chosen % k
         ranks = prev_ranks[parent_slot].at[:, d].set(rank)
         score = prev_score[parent_slot] + lp[d][rank]
@@ -88,7 +88,7 @@ def _build_one(lp: jax.Array, top_tokens: jax.Array, depth_limit: jax.Array, bud
     score, valid, ranks, parent_slot = (jnp.concatenate(x) for x in zip(*levels, strict=True))
     depth = jnp.repeat(jnp.arange(depth_count), width)
     # Pop order: valid first, descending score, then the rank tuple (shorter prefix first: padding is -1).
-    keys = [ranks[:, d] for d in reversed(range(depth_count))] + [-score, ~valid]
+    keys = [ranks[:, d] for d in reversed(range(depth_count))] + [_order_key(score, valid)]
     order = jnp.lexsort(keys)[:budget]
     node_index = jnp.zeros((depth_count * width,), jnp.int32).at[order].set(jnp.arange(1, budget + 1))
     level_parent = jnp.where(depth > 0, (depth - 1) * width + parent_slot, 0)
@@ -102,6 +102,11 @@ def _build_one(lp: jax.Array, top_tokens: jax.Array, depth_limit: jax.Array, bud
         jnp.concatenate([root, jnp.where(node_valid, depth[order] + 1, 0)]),
         jnp.concatenate([jnp.ones((1,), bool), node_valid]),
     )
+
+
+def _order_key(score: jax.Array, valid: jax.Array) -> jax.Array:
+    """Ascending sort key for "valid first, best score first"."""
+    return jnp.where(valid, -score, jnp.inf)
 
 
 def _beam_pairs(width: int, k: int) -> list[tuple[int, int]]:

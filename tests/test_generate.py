@@ -39,6 +39,8 @@ def test_ar_and_dflash_match_hf_greedy(checkpoints, capsys):
     assert dflash["method"] == "dflash" and dflash["output_ids"] == expected
     assert sum(dflash["acceptance_lengths"]) == len(expected) - 1  # the first token comes from the prefill
     assert dflash["timings"]["decode_seconds"] > 0
+    tree = run_json(capsys, *common, "--drafter", str(drafter), "--method", "ddtree", "--budget", "16")
+    assert tree["method"] == "ddtree" and tree["output_ids"] == expected
 
 
 def test_text_prompt_with_tokenizer(checkpoints, tmp_path, capsys):
@@ -77,6 +79,7 @@ def test_bad_arguments(checkpoints, tmp_path, capsys):
         (["--prompt-ids", "1", "--method", "dflash"], "--method dflash needs --drafter"),
         (["--prompt-ids", "1", "--max-new-tokens", "0"], "must be >= 1"),
         (["--prompt-ids", "1", "--method", "tree"], "invalid choice: 'tree'"),
+        (["--prompt-ids", "1", "--method", "ddtree"], "--method ddtree needs --drafter"),
     ]:
         with pytest.raises(SystemExit):
             main(["--checkpoint", str(target), *argv])
