@@ -100,10 +100,16 @@ def test_bad_input(models, tmp_path):
         decoder.generate([1, 2], max_new_tokens=10**7)
     with pytest.raises(jaxdd.InputError, match="block_size: must be >= 2"):
         decoder.generate([1, 2], block_size=1)
-    with pytest.raises(jaxdd.InputError, match="method: expected 'ar' or 'dflash'"):
+    with pytest.raises(jaxdd.InputError, match="method: expected 'ar', 'dflash' or 'ddtree'"):
         decoder.generate([1, 2], method="beam")
-    with pytest.raises(jaxdd.InputError, match="needs a drafter"):
+    with pytest.raises(jaxdd.InputError, match="method 'dflash' needs a drafter"):
         SpeculativeDecoder(decoder.target).generate([1, 2])
+    with pytest.raises(jaxdd.InputError, match="budget: must be >= 1"):
+        decoder.generate([1, 2], method="ddtree", budget=0)
+    with pytest.raises(jaxdd.InputError, match="max_children: must be >= 1"):
+        decoder.generate([1, 2], method="ddtree", max_children=0)
+    with pytest.raises(jaxdd.InputError, match="attention: expected 'auto', 'absorbed' or 'pallas'"):
+        SpeculativeDecoder(decoder.target, attention="flash")
 
 
 @pytest.mark.parametrize(
