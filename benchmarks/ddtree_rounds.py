@@ -14,10 +14,8 @@ import argparse
 import functools
 import json
 import platform
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -27,6 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the reference builders
 from oracle import OracleDrafter
 from reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model
+from timing import median_ms, timed
 
 import jaxdd
 from jaxdd.cache import compact_rows
@@ -36,16 +35,6 @@ from jaxdd.tree import accept_path, build_tree
 RESULTS = Path(__file__).parent / "results"
 BUDGETS = [8, 16, 32, 64, 128, 256]
 BLOCK = 8
-
-
-def median_ms(fn, repeats: int = 30) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 @functools.partial(jax.jit, static_argnames=("t_spec", "d_spec"))
@@ -99,12 +88,7 @@ def run(decoder, prompts, method, repeats, **kwargs) -> dict:
         return [decoder.generate(p, method=method, stop_token_ids=[], **kwargs) for p in prompts]
 
     all_prompts()  # compile
-    times, results = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        results = all_prompts()
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
+    results, seconds = timed(all_prompts, repeats)
     tokens = sum(len(r.tokens) for r in results)
     rounds = sum(r.rounds for r in results)
     return {

@@ -16,10 +16,8 @@ import argparse
 import functools
 import json
 import platform
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -30,21 +28,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the reference builders
 from oracle import OracleDrafter, patched_reference_drafter
 from reference import TINY_K2, dflash_reference, drafter_config, hf_drafter, hf_greedy, hf_model
+from timing import median_ms, timed
 
 import jaxdd
 from jaxdd.speculative import SpeculativeDecoder, commit_stage, dflash_round, draft_stage, verify
 
 RESULTS = Path(__file__).parent / "results" / "dflash_vs_reference.json"
-
-
-def median_ms(fn, repeats: int = 50) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 @functools.partial(jax.jit, static_argnames=("t_spec", "d_spec", "block"))
@@ -79,16 +68,6 @@ def stage_breakdown(decoder: SpeculativeDecoder, prompt: list[int], max_length: 
         "verify_ms": median_ms(lambda: _verify(ts, tw, state.target_cache, tokens, taps)),
         "accept_commit_ms": median_ms(lambda: _commit(*args)),
     }
-
-
-def timed(fn, repeats: int):
-    """(result of the last call, median seconds over ``repeats`` calls)."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return result, statistics.median(times)
 
 
 def run(name, reference_drafter, decoder, ref_target, prompts, max_new, block, repeats) -> dict:

@@ -31,22 +31,6 @@ class DraftCache:
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
 
-def drafter_rope(config: DrafterConfig):
-    y = config.yarn
-    if y is None:
-        return rope_frequencies(config.head_dim, config.rope_theta)
-    return rope_frequencies(
-        config.head_dim,
-        config.rope_theta,
-        y.factor,
-        y.original_max_position_embeddings,
-        y.beta_fast,
-        y.beta_slow,
-        y.mscale,
-        y.mscale_all_dim,
-    )
-
-
 class DraftAttention(nnx.Module):
     def __init__(self, config: DrafterConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         c = config
@@ -110,7 +94,8 @@ class DFlashDrafter(nnx.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
 
     def _cos_sin(self, positions: jax.Array):
-        inv_freq, amplitude = drafter_rope(self.config)
+        c = self.config
+        inv_freq, amplitude = rope_frequencies(c.head_dim, c.rope_theta, c.yarn)
         return rope_cos_sin(positions, inv_freq, amplitude, self.dtype)
 
     def inject(self, cache: DraftCache, features: jax.Array, positions: jax.Array, count: jax.Array) -> DraftCache:

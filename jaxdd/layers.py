@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxdd.config import yarn_mscale
+from jaxdd.config import YarnConfig, yarn_mscale
 
 INIT_STD = 0.02  # HF initializer_range for DeepSeek-V3 / Kimi
 
@@ -62,43 +62,35 @@ class MLP(nnx.Module):
 
 
 @functools.cache
-def rope_frequencies(
-    dim: int,
-    theta: float,
-    yarn_factor: float | None = None,
-    original_max_position: int | None = None,
-    beta_fast: float | None = None,
-    beta_slow: float | None = None,
-    mscale: float | None = None,
-    mscale_all_dim: float | None = None,
-) -> tuple[np.ndarray, float]:
+def rope_frequencies(dim: int, theta: float, yarn: YarnConfig | None = None) -> tuple[np.ndarray, float]:
     """Inverse frequencies [dim/2] (fp32) and the cos/sin amplitude, as transformers computes them.
 
-    Plain RoPE when ``yarn_factor`` is None; otherwise YaRN with HF's ``truncate=True`` correction range.
+    Plain RoPE without ``yarn``; otherwise YaRN with HF's ``truncate=True`` correction range.
     """
     exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
     # theta ** e rounded once to fp32 (torch's fp32 pow agrees except for rare 1-ulp cases).
     pos_freqs = (np.float64(theta) ** exponents.astype(np.float64)).astype(np.float32)
     inv_freq_extra = np.float32(1.0) / pos_freqs
-    if yarn_factor is None:
+    if yarn is None:
         return inv_freq_extra, 1.0
 
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        original = yarn.original_max_position_embeddings
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # HF: prevent a zero-width ramp
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / np.float32(high - low), 0, 1)
     extrapolation = (1 - ramp).astype(np.float32)
-    inv_freq_inter = np.float32(1.0) / (np.float32(yarn_factor) * pos_freqs)
+    inv_freq_inter = np.float32(1.0) / (np.float32(yarn.factor) * pos_freqs)
     inv_freq = inv_freq_inter * (1 - extrapolation) + inv_freq_extra * extrapolation
     # transformers: the ratio of the two mscales when both are given, else mscale(factor) alone.
-    if mscale and mscale_all_dim:
-        amplitude = yarn_mscale(yarn_factor, mscale) / yarn_mscale(yarn_factor, mscale_all_dim)
+    if yarn.mscale and yarn.mscale_all_dim:
+        amplitude = yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim)
     else:
-        amplitude = yarn_mscale(yarn_factor, 1.0)
+        amplitude = yarn_mscale(yarn.factor, 1.0)
     return inv_freq.astype(np.float32), float(amplitude)
 
 

@@ -14,6 +14,7 @@ from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxdd.cache import LatentCache, write_rows
@@ -40,21 +41,9 @@ def attention_mask(length: jax.Array, visible: jax.Array, slots: int) -> jax.Arr
     return (slot < start) | (is_new & new_visible)
 
 
-def target_rope(config: KimiConfig):
+def target_rope(config: KimiConfig) -> tuple[np.ndarray, float]:
     """(inv_freq, amplitude) of the MLA rope slice."""
-    y = config.yarn
-    if y is None:
-        return rope_frequencies(config.qk_rope_head_dim, config.rope_theta)
-    return rope_frequencies(
-        config.qk_rope_head_dim,
-        config.rope_theta,
-        y.factor,
-        y.original_max_position_embeddings,
-        y.beta_fast,
-        y.beta_slow,
-        y.mscale,
-        y.mscale_all_dim,
-    )
+    return rope_frequencies(config.qk_rope_head_dim, config.rope_theta, config.yarn)
 
 
 class MLAttention(nnx.Module):
