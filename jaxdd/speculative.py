@@ -1,4 +1,5 @@
-"""Decoding rounds: plain autoregressive (``ar``) and linear DFlash (``dflash``), as jitted static-shape steps.
+"""Decoding rounds: plain autoregressive (``ar``), linear DFlash (``dflash``) and DDTree (``ddtree``), each one
+jitted static-shape step with donated state.
 
 One DFlash round, for a committed prefix of length ``start`` and the bonus token at position ``start``:
 
@@ -8,6 +9,11 @@ One DFlash round, for a committed prefix of length ``start`` and the bonus token
 4. accept: the longest draft prefix equal to the target's argmax; the target's next choice is the new bonus;
 5. commit: the accepted rows are already contiguous in the latent cache, so committing is moving ``length``;
    the taps of the committed tokens become the next round's context.
+
+A DDTree round drafts the same way but keeps the draft logits, builds a best-first tree of ``budget`` nodes
+(``jaxdd.tree``), verifies all of them in one forward (each node sees the prefix and its ancestors, at position
+start + depth), walks the target's choices down the tree, and moves the accepted path's latent rows to
+contiguous slots before committing.
 
 Semantics follow z-lab ``dflash.model.dflash_generate``: near ``max_length`` the block shrinks to
 ``max_length - start`` tokens (the drafter hides the rest of the block, acceptance stops there), and a round
