@@ -115,13 +115,15 @@ def _beam_pairs(width: int, k: int) -> list[tuple[int, int]]:
 
 
 def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
-    """[B, N, N] ancestor-or-self mask from parents [B, N] (root's parent = itself)."""
+    """[B, N, N] ancestor-or-self mask from parents [B, N] (root's parent = itself), by pointer jumping:
+    each step adds the rows of the 2^s-th ancestor, doubling the levels covered, so log2(max_depth) steps."""
     n = parents.shape[-1]
-    current = jnp.broadcast_to(jnp.arange(n), parents.shape)
-    visible = jax.nn.one_hot(current, n, dtype=bool)
-    for _ in range(max_depth):
-        current = jnp.take_along_axis(parents, current, axis=-1)
-        visible |= jax.nn.one_hot(current, n, dtype=bool)
+    visible = jax.nn.one_hot(jnp.arange(n), n, dtype=bool) | jax.nn.one_hot(parents, n, dtype=bool)
+    jump, reach = parents, 1
+    while reach < max_depth:
+        visible |= jnp.take_along_axis(visible, jump[..., None], axis=-2)  # rows of the 2^s-th ancestor
+        jump = jnp.take_along_axis(jump, jump, axis=-1)
+        reach *= 2
     return visible
 
 
