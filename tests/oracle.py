@@ -50,10 +50,12 @@ class OracleDrafter(nnx.Module):
         return jnp.argmax(self.draft_logits(target, cache, bonus, start, block_len, block), -1).astype(jnp.int32)
 
 
-def patched_reference_drafter(drafter, greedy: np.ndarray, right: np.ndarray):
-    """A copy of a dflash DFlashDraftModel that drafts by the oracle rule (its own forward still runs)."""
+def patched_reference_drafter(drafter, greedy: np.ndarray, right: np.ndarray, second: bool = False):
+    """A copy of a dflash DFlashDraftModel whose logits get the same lift as ``OracleDrafter`` (its own forward
+    still runs, so its cache stays right)."""
     drafter = copy.deepcopy(drafter)
     forward, compute_logits, seen = drafter.forward, drafter.compute_logits, {}
+    lift = -1e-3 if second else 10.0
 
     def recording_forward(*args, position_ids, **kwargs):
         seen["positions"] = position_ids[0].numpy()
@@ -62,8 +64,9 @@ def patched_reference_drafter(drafter, greedy: np.ndarray, right: np.ndarray):
     def oracle_logits(hidden, head):
         logits = compute_logits(hidden, head)
         positions = seen["positions"][-hidden.shape[1] :]  # the drafted block positions start+1 ..
-        drafts = np.where(right[positions], greedy[positions], logits[0].argmax(-1).numpy())
-        return torch.nn.functional.one_hot(torch.from_numpy(drafts), logits.shape[-1]).float()[None]
+        truth = torch.nn.functional.one_hot(torch.from_numpy(greedy[positions]), logits.shape[-1]).bool()[None]
+        lifted = logits.amax(-1, keepdim=True) + lift
+        return torch.where(torch.from_numpy(right[positions])[None, :, None] & truth, lifted, logits)
 
     drafter.forward = recording_forward
     drafter.compute_logits = oracle_logits

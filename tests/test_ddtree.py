@@ -1,10 +1,12 @@
-"""DDTree decoding: lossless against plain greedy decoding, chain trees equal DFlash, compile once per shape."""
+"""DDTree decoding: identical to a PyTorch DDTree loop on the HF models, lossless against plain greedy decoding,
+chain trees equal DFlash, compile once per shape."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from oracle import OracleDrafter
+from ddtree_reference import ddtree_reference
+from oracle import OracleDrafter, patched_reference_drafter
 from reference import hf_greedy
 
 from jaxdd.jit_state import count_compilations
@@ -85,3 +87,27 @@ def test_compiles_once_per_budget_and_bucket(models):
         decoder.generate([3, 1, 4, 1, 5], method="ddtree", budget=16, max_new_tokens=MAX_NEW, stop_token_ids=[])
     assert out.rounds > 5
     assert compiles.count == 0
+
+
+@SEED0
+@pytest.mark.parametrize("second", [False, True], ids=["top-ranked", "second-ranked"])
+@pytest.mark.parametrize("budget", [BLOCK - 1, 64])
+def test_matches_pytorch_ddtree_loop(models, greedy, budget, second):
+    """Token- and acceptance-identical to a PyTorch DDTree loop on the HF models (tests/ddtree_reference.py: the
+    paper's heap, one 4-D-masked HF verify, cache compaction), with random drafts, oracle drafts reached through
+    first or second children, and a stop token inside a round."""
+    ref_target, ref_drafter, decoder = models
+    prompt, expected = PROMPTS[1], greedy[1]
+    tokens, lengths = ddtree_reference(ref_drafter, ref_target, prompt, MAX_NEW, BLOCK, budget, None)
+    ours = decoder.generate(prompt, method="ddtree", budget=budget, max_new_tokens=MAX_NEW, stop_token_ids=[])
+    assert (ours.tokens, ours.acceptance_lengths) == (tokens, lengths)
+
+    right = np.random.default_rng(budget).random(len(expected)) < 0.85
+    oracle = SpeculativeDecoder(decoder.target, OracleDrafter(decoder.drafter, expected, right, second=second))
+    patched = patched_reference_drafter(ref_drafter, expected, right, second=second)
+    continuation = expected[len(prompt) :].tolist()
+    for stops in ([], [continuation[max(continuation.index(t) for t in set(continuation[:MAX_NEW]))]]):
+        tokens, lengths = ddtree_reference(patched, ref_target, prompt, MAX_NEW, BLOCK, budget, stops)
+        ours = oracle.generate(prompt, method="ddtree", budget=budget, max_new_tokens=MAX_NEW, stop_token_ids=stops)
+        assert (ours.tokens, ours.acceptance_lengths) == (tokens, lengths)
+    assert max(lengths) >= 2

@@ -1,0 +1,97 @@
+"""A PyTorch DDTree loop on HF transformers models, written here (ours, not the paper authors').
+
+It follows the paper's ``ddtree_generate`` (liranringel/ddtree): draft exactly as z-lab ``dflash_generate``,
+build the tree with the paper's heap (``jaxdd.tree.build_tree_host``, a plain port), verify all nodes in one HF
+target forward with a 4-D mask (whole prefix + ancestors) at positions start + depth, follow the target's
+argmax down the tree, compact the accepted path's cache rows, and feed the path's features to the drafter.
+Limits and stop tokens follow ``dflash_generate``. Greedy only, batch 1, CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from dflash.model import _crop_to, _make_cache, _raw_input_embeddings, extract_context_feature
+
+from jaxdd.tree import build_tree_host
+
+
+def _compact(cache, start: int, path: list[int]) -> None:
+    """Move the rows of the accepted path (tree node i sits at start + i) to start .. start + len(path) - 1."""
+    index = torch.tensor([start + i for i in path])
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            rows = getattr(layer, name)
+            rows[..., start : start + len(path), :] = rows.index_select(-2, index)
+    _crop_to(cache, start + len(path))
+
+
+@torch.inference_mode()
+def ddtree_reference(drafter, target, prompt, max_new_tokens: int, block_size: int, budget: int, stop_token_ids):
+    """(new tokens, per-round acceptance lengths) of greedy DDTree decoding."""
+    num_input = len(prompt)
+    max_length = num_input + max_new_tokens
+    input_ids = torch.tensor([list(prompt)])
+    output_ids = torch.full((1, max_length + 1), drafter.mask_token_id, dtype=torch.long)
+    position_ids = torch.arange(output_ids.shape[1])[None]
+    target_cache, draft_cache = _make_cache(target.config), _make_cache(drafter.config)
+
+    out = target(input_ids, past_key_values=target_cache, use_cache=True, output_hidden_states=True)
+    output_ids[:, :num_input] = input_ids
+    output_ids[:, num_input] = out.logits[0, -1].argmax()
+    target_hidden = extract_context_feature(out.hidden_states, drafter.target_layer_ids)
+    stops = set(stop_token_ids or [])
+    start, lengths = num_input, []
+    stopped = int(output_ids[0, start]) in stops
+    while start + 1 < max_length and not stopped:
+        verify_size = min(block_size, max_length - start)
+        block = output_ids[:, start : start + verify_size].clone()
+        noise = _raw_input_embeddings(target, block)
+        hidden = drafter(
+            target_hidden=target_hidden,
+            noise_embedding=noise,
+            position_ids=position_ids[:, start - target_hidden.shape[1] : start + verify_size],
+            past_key_values=draft_cache,
+            use_cache=True,
+        )[:, 1 - verify_size :, :]
+        _crop_to(draft_cache, start)
+        draft_logits = drafter.compute_logits(hidden, target.lm_head)[0].float().numpy()
+
+        tree = build_tree_host(draft_logits, budget)
+        nodes = len(tree.tokens) + 1
+        parents = tree.parents
+        visible = np.eye(nodes, dtype=bool)
+        for i in range(1, nodes):
+            visible[i] |= visible[parents[i]]
+        mask = torch.zeros((1, 1, nodes, start + nodes))
+        mask[0, 0, :, start:][~torch.from_numpy(visible)] = torch.finfo(torch.float32).min
+        tokens = torch.tensor([[int(block[0, 0]), *tree.tokens.tolist()]])
+        depths = torch.tensor([[0, *tree.depths.tolist()]])
+        out = target(
+            tokens,
+            attention_mask=mask,
+            position_ids=start + depths,
+            past_key_values=target_cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        choice = out.logits[0].argmax(-1).tolist()
+        children = {}
+        for i in range(1, nodes):
+            children.setdefault(int(parents[i]), {})[int(tokens[0, i])] = i
+        path = [0]
+        while choice[path[-1]] in children.get(path[-1], {}):
+            path.append(children[path[-1]][choice[path[-1]]])
+        emitted = [choice[i] for i in path]  # accepted drafts (= the target's choices) then the bonus
+        produced = min(len(path), max_length - start - 1)
+        for i, token in enumerate(emitted[:produced]):
+            if token in stops:
+                produced, stopped = i + 1, True
+                break
+        output_ids[0, start + 1 : start + 1 + produced] = torch.tensor(emitted[:produced])
+        _compact(target_cache, start, path[:produced])
+        features = extract_context_feature(out.hidden_states, drafter.target_layer_ids)
+        target_hidden = features[:, path[:produced], :]
+        start += produced
+        lengths.append(produced)
+    return output_ids[0, num_input : min(start + 1, max_length)].tolist(), lengths
