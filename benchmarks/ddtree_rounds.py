@@ -29,7 +29,7 @@ from timing import median_ms, timed
 
 import jaxdd
 from jaxdd.cache import compact_rows
-from jaxdd.speculative import SpeculativeDecoder, limit_round
+from jaxdd.speculative import SpeculativeDecoder, inject_context, limit_round
 from jaxdd.tree import accept_path, build_tree
 
 RESULTS = Path(__file__).parent / "results"
@@ -40,10 +40,8 @@ BLOCK = 8
 @functools.partial(jax.jit, static_argnames=("t_spec", "d_spec"))
 def _draft(t_spec, tw, d_spec, dw, state, block_len):
     target, drafter = t_spec.merge(tw), d_spec.merge(dw)
-    start = state.target_cache.length
-    positions = (start - state.context_count)[:, None] + jnp.arange(BLOCK)[None, :]
-    cache = drafter.inject(state.draft_cache, state.context, positions, state.context_count)
-    return drafter.draft_logits(target, cache, state.bonus, start, block_len, BLOCK)
+    cache = inject_context(drafter, state, BLOCK)
+    return drafter.draft_logits(target, cache, state.bonus, state.target_cache.length, block_len, BLOCK)
 
 
 @functools.partial(jax.jit, static_argnames=("t_spec", "taps"))

@@ -110,11 +110,17 @@ def limit_round(emitted, accepted, limit, start, stop_ids):
     return produced.astype(jnp.int32), stopped
 
 
+def inject_context(drafter: DFlashDrafter, state: DecodeState, block: int) -> DraftCache:
+    """Step 1: cache the drafter K/V of the tokens committed last round (the last ``context_count`` positions)."""
+    start = state.target_cache.length
+    positions = (start - state.context_count)[:, None] + jnp.arange(block)[None, :]
+    return drafter.inject(state.draft_cache, state.context, positions, state.context_count)
+
+
 def draft_stage(target: KimiTarget, drafter: DFlashDrafter, state: DecodeState, block_len: jax.Array, block: int):
     """Steps 1-2: cache last round's context in the drafter, then draft ``block - 1`` tokens."""
+    draft_cache = inject_context(drafter, state, block)
     start = state.target_cache.length
-    context_positions = (start - state.context_count)[:, None] + jnp.arange(block)[None, :]
-    draft_cache = drafter.inject(state.draft_cache, state.context, context_positions, state.context_count)
     return drafter.propose(target, draft_cache, state.bonus, start, block_len, block), draft_cache
 
 
@@ -158,8 +164,7 @@ def ddtree_round(
     target, drafter = t_spec.merge(t_weights), d_spec.merge(d_weights)
     start = state.target_cache.length
     block_len = jnp.clip(limit - start, 1, block)
-    context_positions = (start - state.context_count)[:, None] + jnp.arange(block)[None, :]
-    draft_cache = drafter.inject(state.draft_cache, state.context, context_positions, state.context_count)
+    draft_cache = inject_context(drafter, state, block)
     logits = drafter.draft_logits(target, draft_cache, state.bonus, start, block_len, block)
     tree = build_tree(logits, state.bonus, block_len - 1, budget, max_children)
 
