@@ -9,14 +9,14 @@ The stable Python API:
     out = target.forward([[1, 2, 3]], cache)                         # logits, tapped hidden states, cache
     jaxdd.save_target(target.model, "new_checkpoint_dir")            # orbax checkpoint, written atomically
 
-    drafter = jaxdd.load_drafter("drafter_dir", dtype="float32")     # z-lab DFlash checkpoint
+    drafter = jaxdd.load_drafter("drafter_dir", dtype="float32")     # z-lab DFlash or jaxdd checkpoint
     result = target.generate([1, 2, 3], drafter=drafter, max_new_tokens=32)   # greedy DFlash
     result.tokens, result.acceptance_lengths                         # new tokens; tokens per round
 """
 
 from jaxdd.api import ForwardResult, Target, load_drafter, load_target
 from jaxdd.cache import LatentCache
-from jaxdd.checkpoint import save_target
+from jaxdd.checkpoint import save_drafter, save_target
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.errors import CheckpointError, ConfigError, InputError
 from jaxdd.speculative import Generation, SpeculativeDecoder
@@ -34,5 +34,6 @@ __all__ = [
     "Target",
     "load_drafter",
     "load_target",
+    "save_drafter",
     "save_target",
 ]

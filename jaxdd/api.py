@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdd.cache import LatentCache
-from jaxdd.checkpoint import cast_target, is_jaxdd_checkpoint, load_target_checkpoint
+from jaxdd.checkpoint import cast_model, is_jaxdd_checkpoint, load_checkpoint
 from jaxdd.config import KimiConfig
 from jaxdd.drafter import DFlashDrafter
 from jaxdd.errors import CheckpointError, InputError
@@ -32,22 +32,28 @@ class ForwardResult(NamedTuple):
 
 
 def load_target(path: str | Path, dtype: str | jnp.dtype = "bfloat16") -> Target:
-    """Load a target from an HF checkpoint directory (config.json + safetensors) or a jaxdd checkpoint."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory")
-    dtype = jnp.dtype(dtype)
+    """Load a target from a jaxdd checkpoint or an HF checkpoint directory (config.json + safetensors, plain or
+    with FP8 / INT4 routed experts, which stay quantized)."""
+    path = _directory(path)
     if is_jaxdd_checkpoint(path):
-        return Target(load_target_checkpoint(path, dtype))
-    return Target(load_hf_target(path, dtype))
+        return Target(load_checkpoint(path, "target", jnp.dtype(dtype)))
+    return Target(load_hf_target(path, jnp.dtype(dtype)))
 
 
 def load_drafter(path: str | Path, dtype: str | jnp.dtype = "bfloat16") -> DFlashDrafter:
-    """Load a DFlash drafter from a z-lab checkpoint directory (config.json with dflash_config + safetensors)."""
+    """Load a DFlash drafter from a jaxdd checkpoint or a z-lab checkpoint directory (config.json with
+    dflash_config + safetensors)."""
+    path = _directory(path)
+    if is_jaxdd_checkpoint(path):
+        return load_checkpoint(path, "drafter", jnp.dtype(dtype))
+    return load_hf_drafter(path, jnp.dtype(dtype))
+
+
+def _directory(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
-    return load_hf_drafter(path, jnp.dtype(dtype))
+    return path
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "taps", "form", "commit"), donate_argnames=("cache",))
@@ -83,7 +89,7 @@ class Target:
         return jnp.dtype(self.model.dtype)
 
     def astype(self, dtype: str | jnp.dtype) -> Target:
-        return Target(cast_target(self.model, jnp.dtype(dtype)))
+        return Target(cast_model(self.model, jnp.dtype(dtype)))
 
     def new_cache(self, batch: int = 1, max_len: int = 256) -> LatentCache:
         if batch < 1 or max_len < 1:

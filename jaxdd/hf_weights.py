@@ -1,216 +1,430 @@
-"""Load HF-layout checkpoints (config.json + safetensors, bf16/fp32 as save_pretrained writes them): the Kimi
-target and the z-lab DFlash drafter.
+"""HF checkpoints (config.json + safetensors shards) <-> jaxdd parameters, for the Kimi target and the DFlash drafter.
 
-HF stores ``nn.Linear`` weights as [out, in]; jaxdd keeps [in, out] with heads and experts as their own axes.
-``hf_to_jaxdd`` is the one place that knows the mapping. Quantized checkpoints (FP8 blocks, INT4
-pack-quantized) go through the converter in ``convert/`` instead.
+One table per model (``target_mappings``, ``drafter_mappings``) says how each jaxdd parameter relates to HF
+tensors, in both directions: HF keeps ``nn.Linear`` weights as [out, in], jaxdd as [in, out] with heads and
+experts as their own axes. Loading (``load_hf_target``), the streaming converter and the exporter in ``convert/``
+all read the same table.
+
+``HFCheckpoint`` reads the real layouts: plain bf16/fp32 (save_pretrained), Kimi K2-Instruct / DeepSeek-V3 FP8
+(``weight`` e4m3 + ``weight_scale_inv`` per 128 x 128 block), and K2-Thinking / K2.5 / K2.6 compressed-tensors
+INT4 (``weight_packed`` / ``weight_scale`` / ``weight_shape``), with the K2.5 ``language_model.`` prefix stripped
+and the vision tower, projector and stray ``rotary_emb.inv_freq`` buffers skipped. ``check`` validates every
+name, shape and dtype from the shard headers alone, before a single tensor is read.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+from jaxdd.checkpoint import get_path, set_path
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.drafter import DFlashDrafter, abstract_drafter
 from jaxdd.errors import CheckpointError
+from jaxdd.quant import DENSE, ExpertFormat, dequantize_fp8_blocks, dequantize_int4_groups
 from jaxdd.target import KimiTarget, abstract_target
 
 # Junk buffers some exports carry, and vision parts of the K2.5/K2.6 wrapper.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 IGNORED_PREFIXES = ("vision_tower.", "mm_projector.")
 WRAPPER_PREFIX = "language_model."
+INDEX_FILE = "model.safetensors.index.json"
+FLOAT_DTYPES = {"BF16", "F16", "F32"}
+# Quantized pieces kept as stored, in the real layouts' dtypes (the jaxdd parameters have exactly these).
+RAW_DTYPES = {"weight_packed": {"I32"}, "weight_scale": {"BF16"}, "weight_scale_inv": {"F32"}, "weight": {"F8_E4M3"}}
 
 
-def safetensors_files(directory: Path) -> list[Path]:
-    """The shards of a checkpoint: those the index names, or every *.safetensors file."""
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [n for n in names if not (directory / n).exists()]
-        if missing:
-            raise CheckpointError(f"{index} names missing shard(s): {', '.join(missing)}")
-        return [directory / n for n in names]
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{directory}: no *.safetensors files")
-    return files
-
-
-def read_tensors(directory: Path) -> dict[str, Callable[[], np.ndarray]]:
-    """Lazy readers for every tensor, keyed by name with the K2.5 ``language_model.`` prefix stripped."""
-    readers: dict[str, Callable[[], np.ndarray]] = {}
-    for file in safetensors_files(directory):
-        with safe_open(file, framework="numpy") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if name.endswith(IGNORED_SUFFIXES) or name.startswith(IGNORED_PREFIXES):
-                    continue
-                key = name.removeprefix(WRAPPER_PREFIX)
-                readers[key] = lambda file=file, name=name: safe_open(file, framework="numpy").get_tensor(name)
-    return readers
+# --- The tables ------------------------------------------------------------------------------------------------
 
 
 class Mapping(NamedTuple):
-    """One jaxdd parameter built from HF tensors that all have ``hf_shape``."""
+    """jaxdd parameters ``paths`` <-> HF tensors ``names`` (with ``shapes``); ``forward`` maps HF arrays to
+    jaxdd arrays, ``backward`` the other way. ``raw`` names are read as stored (quantized pieces), the others
+    as dense weights (dequantized if the checkpoint stores them quantized)."""
 
-    path: tuple
-    hf_names: list[str]
-    hf_shape: tuple[int, ...]
-    build: Callable[..., np.ndarray]
+    paths: tuple[tuple, ...]
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    forward: Callable[..., tuple[np.ndarray, ...]]
+    backward: Callable[..., tuple[np.ndarray, ...]]
+    raw: bool = False
 
 
-def hf_to_jaxdd(config: KimiConfig) -> Iterator[Mapping]:
-    """How every jaxdd target parameter is built from the HF checkpoint's tensors."""
+def _one(path: tuple, name: str, shape: tuple[int, ...], fwd: Callable, bwd: Callable) -> Mapping:
+    return Mapping((path,), (name,), (shape,), lambda w: (fwd(w),), lambda w: (bwd(w),))
+
+
+def _same(path: tuple, name: str, shape: tuple[int, ...]) -> Mapping:
+    return _one(path, name, shape, lambda w: w, lambda w: w)
+
+
+def _linear(path: tuple, name: str, shape: tuple[int, ...]) -> Mapping:
+    return _one(path, name, shape, lambda w: w.T, lambda w: w.T)
+
+
+def _heads_in(path: tuple, name: str, shape: tuple[int, ...], heads: int) -> Mapping:
+    """[heads * d, in] <-> [in, heads, d]."""
+    return _one(path, name, shape, lambda w: w.T.reshape(w.shape[1], heads, -1), lambda w: w.reshape(len(w), -1).T)
+
+
+def _heads_out(path: tuple, name: str, shape: tuple[int, ...], heads: int) -> Mapping:
+    """[out, heads * d] <-> [heads, d, out]."""
+    out = shape[0]
+    return _one(path, name, shape, lambda w: w.T.reshape(heads, -1, out), lambda w: w.reshape(-1, out).T)
+
+
+def _stacked(path: tuple, names: list[str], shape: tuple[int, ...], transpose: bool, raw: bool = False) -> Mapping:
+    """One HF tensor per expert <-> [E, ...] (transposed to [in, out] for dense weights)."""
+
+    def forward(*ws):
+        return (np.stack([w.T if transpose else w for w in ws]),)
+
+    def backward(stack):
+        return tuple(w.T if transpose else w for w in stack)
+
+    return Mapping((path,), tuple(names), (shape,) * len(names), forward, backward, raw)
+
+
+def target_mappings(config: KimiConfig, experts: ExpertFormat = DENSE) -> Iterator[Mapping]:
+    """How every jaxdd target parameter relates to the HF checkpoint's tensors, layer by layer."""
     c = config
-    d, h, dn, dr, dv = c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
-
-    def same(w):
-        return w
-
-    def t(w):
-        return w.T
-
-    def heads_in(w):  # [H*d, in] -> [in, H, d]
-        return w.T.reshape(w.shape[1], h, -1)
-
-    yield Mapping(("embed",), ["model.embed_tokens.weight"], (c.vocab_size, d), same)
-    yield Mapping(("lm_head",), ["lm_head.weight"], (c.vocab_size, d), t)
-    yield Mapping(("final_norm", "weight"), ["model.norm.weight"], (d,), same)
+    d, h, dn, dr = c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
+    yield _same(("embed",), "model.embed_tokens.weight", (c.vocab_size, d))
     for i in range(c.num_hidden_layers):
         hf, jx = f"model.layers.{i}.", ("layers", i)
-        a = hf + "self_attn."
-        yield Mapping((*jx, "attn_norm", "weight"), [hf + "input_layernorm.weight"], (d,), same)
-        yield Mapping((*jx, "mlp_norm", "weight"), [hf + "post_attention_layernorm.weight"], (d,), same)
-        attn = (*jx, "attn")
-        yield Mapping((*attn, "q_a_proj"), [a + "q_a_proj.weight"], (c.q_lora_rank, d), t)
-        yield Mapping((*attn, "q_a_norm", "weight"), [a + "q_a_layernorm.weight"], (c.q_lora_rank,), same)
-        yield Mapping((*attn, "q_b_proj"), [a + "q_b_proj.weight"], (h * (dn + dr), c.q_lora_rank), heads_in)
-        yield Mapping((*attn, "kv_a_proj"), [a + "kv_a_proj_with_mqa.weight"], (c.kv_lora_rank + dr, d), t)
-        yield Mapping((*attn, "kv_a_norm", "weight"), [a + "kv_a_layernorm.weight"], (c.kv_lora_rank,), same)
-        kv_b = [a + "kv_b_proj.weight"], (h * (dn + dv), c.kv_lora_rank)
-        yield Mapping((*attn, "k_up"), *kv_b, lambda w: heads_in(w)[..., :dn])
-        yield Mapping((*attn, "v_up"), *kv_b, lambda w: heads_in(w)[..., dn:])
-        yield Mapping((*attn, "o_proj"), [a + "o_proj.weight"], (d, h * dv), lambda w: w.T.reshape(h, dv, d))
+        a, attn = hf + "self_attn.", (*jx, "attn")
+        yield _same((*jx, "attn_norm", "weight"), hf + "input_layernorm.weight", (d,))
+        yield _same((*jx, "mlp_norm", "weight"), hf + "post_attention_layernorm.weight", (d,))
+        yield _linear((*attn, "q_a_proj"), a + "q_a_proj.weight", (c.q_lora_rank, d))
+        yield _same((*attn, "q_a_norm", "weight"), a + "q_a_layernorm.weight", (c.q_lora_rank,))
+        yield _heads_in((*attn, "q_b_proj"), a + "q_b_proj.weight", (h * (dn + dr), c.q_lora_rank), h)
+        yield _linear((*attn, "kv_a_proj"), a + "kv_a_proj_with_mqa.weight", (c.kv_lora_rank + dr, d))
+        yield _same((*attn, "kv_a_norm", "weight"), a + "kv_a_layernorm.weight", (c.kv_lora_rank,))
+        yield Mapping(  # kv_b_proj holds each head's key half (nope channels) then its value half
+            ((*attn, "k_up"), (*attn, "v_up")),
+            (a + "kv_b_proj.weight",),
+            ((h * (dn + c.v_head_dim), c.kv_lora_rank),),
+            lambda w: (w.T.reshape(w.shape[1], h, -1)[..., :dn], w.T.reshape(w.shape[1], h, -1)[..., dn:]),
+            lambda k, v: (np.concatenate([k, v], -1).reshape(len(k), -1).T,),
+        )
+        yield _heads_out((*attn, "o_proj"), a + "o_proj.weight", (d, h * c.v_head_dim), h)
         m, mlp = hf + "mlp.", (*jx, "mlp")
         if not c.is_moe_layer(i):
-            f = c.intermediate_size
-            for proj, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
-                yield Mapping((*mlp, proj), [f"{m}{proj}_proj.weight"], shape, t)
+            yield from _mlp(mlp, m, d, c.intermediate_size)
             continue
-        yield Mapping((*mlp, "router", "weight"), [m + "gate.weight"], (c.n_routed_experts, d), t)
-        yield Mapping((*mlp, "router", "bias"), [m + "gate.e_score_correction_bias"], (c.n_routed_experts,), same)
-        f, shared = c.moe_intermediate_size, c.moe_intermediate_size * c.n_shared_experts
-        for proj, shape, shared_shape in (
-            ("gate", (f, d), (shared, d)),
-            ("up", (f, d), (shared, d)),
-            ("down", (d, f), (d, shared)),
-        ):
-            names = [f"{m}experts.{e}.{proj}_proj.weight" for e in range(c.n_routed_experts)]
-            yield Mapping((*mlp, proj), names, shape, lambda *ws: np.stack([w.T for w in ws]))
-            if c.n_shared_experts:
-                yield Mapping((*mlp, "shared", proj), [f"{m}shared_experts.{proj}_proj.weight"], shared_shape, t)
+        yield _linear((*mlp, "router", "weight"), m + "gate.weight", (c.n_routed_experts, d))
+        yield _same((*mlp, "router", "bias"), m + "gate.e_score_correction_bias", (c.n_routed_experts,))
+        f = c.moe_intermediate_size
+        for proj, (n_out, n_in) in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
+            base = [f"{m}experts.{e}.{proj}_proj." for e in range(c.n_routed_experts)]
+            yield from _experts((*mlp, proj), base, n_out, n_in, experts)
+        if c.n_shared_experts:
+            yield from _mlp((*mlp, "shared"), m + "shared_experts.", d, f * c.n_shared_experts)
+    yield _same(("final_norm", "weight"), "model.norm.weight", (d,))
+    yield _linear(("lm_head",), "lm_head.weight", (c.vocab_size, d))
 
 
-def drafter_hf_to_jaxdd(config: DrafterConfig) -> Iterator[Mapping]:
-    """How every drafter parameter is built from a z-lab ``DFlashDraftModel`` checkpoint."""
+def _mlp(path: tuple, hf: str, d: int, f: int) -> Iterator[Mapping]:
+    for proj, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
+        yield _linear((*path, proj), f"{hf}{proj}_proj.weight", shape)
+
+
+def _experts(path: tuple, base: list[str], n_out: int, n_in: int, fmt: ExpertFormat) -> Iterator[Mapping]:
+    """Routed experts of one projection: dense [E, in, out], or the stored quantized pieces stacked as they are."""
+    if fmt.kind == "dense":
+        yield _stacked((*path, "weight"), [b + "weight" for b in base], (n_out, n_in), transpose=True)
+    elif fmt.kind == "int4":
+        packed, scale = (n_out, -(-n_in // 8)), (n_out, n_in // fmt.group)
+        yield _stacked((*path, "packed"), [b + "weight_packed" for b in base], packed, transpose=False, raw=True)
+        yield _stacked((*path, "scale"), [b + "weight_scale" for b in base], scale, transpose=False, raw=True)
+    else:
+        blocks = (-(-n_out // fmt.block), -(-n_in // fmt.block))
+        yield _stacked((*path, "weight"), [b + "weight" for b in base], (n_out, n_in), transpose=False, raw=True)
+        yield _stacked((*path, "scale_inv"), [b + "weight_scale_inv" for b in base], blocks, transpose=False, raw=True)
+
+
+def drafter_mappings(config: DrafterConfig) -> Iterator[Mapping]:
+    """How every drafter parameter relates to a z-lab ``DFlashDraftModel`` checkpoint."""
     c = config
     d, n, k, h = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-
-    def same(w):
-        return w
-
-    def t(w):
-        return w.T
-
-    def heads_out(w):  # [heads*h, d] -> [d, heads, h]
-        return w.T.reshape(d, -1, h)
-
-    yield Mapping(("fc",), ["fc.weight"], (d, len(c.target_layer_ids) * d), t)
-    yield Mapping(("hidden_norm", "weight"), ["hidden_norm.weight"], (d,), same)
-    yield Mapping(("norm", "weight"), ["norm.weight"], (d,), same)
+    yield _linear(("fc",), "fc.weight", (d, len(c.target_layer_ids) * d))
+    yield _same(("hidden_norm", "weight"), "hidden_norm.weight", (d,))
+    yield _same(("norm", "weight"), "norm.weight", (d,))
     for i in range(c.num_hidden_layers):
         hf, jx = f"layers.{i}.", ("layers", i)
-        a = hf + "self_attn."
-        yield Mapping((*jx, "attn_norm", "weight"), [hf + "input_layernorm.weight"], (d,), same)
-        yield Mapping((*jx, "mlp_norm", "weight"), [hf + "post_attention_layernorm.weight"], (d,), same)
-        yield Mapping((*jx, "attn", "q_proj"), [a + "q_proj.weight"], (n * h, d), heads_out)
-        yield Mapping((*jx, "attn", "k_proj"), [a + "k_proj.weight"], (k * h, d), heads_out)
-        yield Mapping((*jx, "attn", "v_proj"), [a + "v_proj.weight"], (k * h, d), heads_out)
-        yield Mapping((*jx, "attn", "o_proj"), [a + "o_proj.weight"], (d, n * h), lambda w: w.T.reshape(n, h, d))
-        yield Mapping((*jx, "attn", "q_norm", "weight"), [a + "q_norm.weight"], (h,), same)
-        yield Mapping((*jx, "attn", "k_norm", "weight"), [a + "k_norm.weight"], (h,), same)
-        f = c.intermediate_size
-        for proj, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
-            yield Mapping((*jx, "mlp", proj), [f"{hf}mlp.{proj}_proj.weight"], shape, t)
+        a, attn = hf + "self_attn.", (*jx, "attn")
+        yield _same((*jx, "attn_norm", "weight"), hf + "input_layernorm.weight", (d,))
+        yield _same((*jx, "mlp_norm", "weight"), hf + "post_attention_layernorm.weight", (d,))
+        yield _heads_in((*attn, "q_proj"), a + "q_proj.weight", (n * h, d), n)
+        yield _heads_in((*attn, "k_proj"), a + "k_proj.weight", (k * h, d), k)
+        yield _heads_in((*attn, "v_proj"), a + "v_proj.weight", (k * h, d), k)
+        yield _heads_out((*attn, "o_proj"), a + "o_proj.weight", (d, n * h), n)
+        yield _same((*attn, "q_norm", "weight"), a + "q_norm.weight", (h,))
+        yield _same((*attn, "k_norm", "weight"), a + "k_norm.weight", (h,))
+        yield from _mlp((*jx, "mlp"), hf + "mlp.", d, c.intermediate_size)
 
 
-def _config_path(directory: Path) -> Path:
-    if not (directory / "config.json").exists():
-        raise CheckpointError(f"{directory}: no config.json (is this an HF checkpoint directory?)")
-    return directory / "config.json"
+# --- Reading HF checkpoints ------------------------------------------------------------------------------------
 
 
-def load_hf_target(directory: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> KimiTarget:
-    """Build a ``KimiTarget`` from an HF checkpoint directory; every tensor is checked against the config."""
-    directory = Path(directory)
-    config = KimiConfig.from_json_file(_config_path(directory))
-    readers = read_tensors(directory)
-    quantized = sorted(n for n in readers if n.endswith(("weight_scale_inv", "weight_packed")))
-    if quantized:
-        raise CheckpointError(
-            f"{directory} holds quantized tensors (e.g. {quantized[0]}); convert it with `python -m convert` first"
-        )
-    # MTP (next-n) layers beyond num_hidden_layers are not part of the target.
-    mtp = {n for n in readers if n.startswith("model.layers.") and int(n.split(".")[2]) >= config.num_hidden_layers}
-    return _build(directory, readers, hf_to_jaxdd(config), abstract_target(config, dtype), ignored=mtp)
+class TensorInfo(NamedTuple):
+    file: Path
+    stored_name: str  # as in the file (with any wrapper prefix)
+    dtype: str  # safetensors dtype name: BF16, F32, F8_E4M3, I32, ...
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * _ITEMSIZE.get(self.dtype, 4)
+
+
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "I8": 1, "U8": 1, "I32": 4, "I64": 8, "BOOL": 1}
+
+
+def _shard_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The shards (those the index names, or every *.safetensors file) and the index's weight map."""
+    index = directory / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (directory / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names missing shard(s): {', '.join(missing)}")
+        return [directory / n for n in names], weight_map
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors files")
+    return files, None
+
+
+class HFCheckpoint:
+    """An HF checkpoint directory: its config and the headers of all its tensors (nothing else read yet)."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        if not (self.directory / "config.json").is_file():
+            raise CheckpointError(f"{self.directory}: no config.json (is this an HF checkpoint directory?)")
+        self.raw_config: dict[str, Any] = json.loads((self.directory / "config.json").read_text())
+        files, weight_map = _shard_files(self.directory)
+        self.tensors: dict[str, TensorInfo] = {}
+        for file in files:
+            try:
+                with safe_open(file, framework="numpy") as f:
+                    for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                        if name.endswith(IGNORED_SUFFIXES) or name.startswith(IGNORED_PREFIXES):
+                            continue
+                        piece = f.get_slice(name)
+                        info = TensorInfo(file, name, piece.get_dtype(), tuple(piece.get_shape()))
+                        self.tensors[name.removeprefix(WRAPPER_PREFIX)] = info
+            except SafetensorError as e:
+                raise CheckpointError(f"{file}: corrupt safetensors file ({e})") from None
+        if weight_map is not None:
+            stored = {info.stored_name: info.file.name for info in self.tensors.values()}
+            absent = sorted(n for n, shard in weight_map.items() if n in stored and stored[n] != shard)
+            absent += sorted(n for n in weight_map if n not in stored and not _ignored(n))
+            if absent:
+                listed = ", ".join(f"{n} (in {weight_map[n]})" for n in absent[:10])
+                raise CheckpointError(f"{self.directory / INDEX_FILE}: tensors not where the index says: {listed}")
+
+    def quantization(self) -> dict[str, Any]:
+        """The ``quantization_config`` block (top level, or K2.5's ``text_config``), or {}."""
+        raw = self.raw_config
+        return raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
+
+    def stored_expert_format(self) -> ExpertFormat:
+        """How the first routed expert is stored here: INT4 packed, FP8 blocks, or dense."""
+        q = self.quantization()
+        first = next((n for n in self.tensors if ".mlp.experts." in n), "")
+        base = first.rsplit(".", 1)[0]
+        if base + ".weight_packed" in self.tensors:
+            return ExpertFormat("int4", group=_int4_group(q))
+        if base + ".weight_scale_inv" in self.tensors:
+            return ExpertFormat("fp8", block=_fp8_block(q))
+        return DENSE
+
+    def check(self, mappings: list[Mapping], ignored: Callable[[str], bool] = lambda name: False) -> None:
+        """Every tensor the mappings need is present with its shape and dtype, and nothing else is there.
+
+        One CheckpointError lists every problem; nothing is read beyond the headers (and INT4 weight_shape)."""
+        problems, used = [], set()
+        for mapping in mappings:
+            for name, shape in zip(mapping.names, mapping.shapes, strict=True):
+                check = self._check_raw if mapping.raw else self._check_dense
+                problems += check(name, shape, used)
+        unexpected = sorted(n for n in self.tensors.keys() - used if not ignored(n))
+        problems += [f"unexpected tensor: {n}" for n in unexpected]
+        if problems:
+            more = [f"  ... {len(problems) - 30} more"] if len(problems) > 30 else []
+            lines = [f"{self.directory}: the tensors do not match the config"] + [f"  {p}" for p in problems[:30]]
+            raise CheckpointError("\n".join(lines + more))
+
+    def _check_raw(self, name: str, shape: tuple[int, ...], used: set[str]) -> list[str]:
+        suffix = name.rsplit(".", 1)[1]
+        problems = self._check_tensor(name, shape, RAW_DTYPES[suffix], used)
+        if suffix == "weight_packed":  # its weight_shape companion must give the unpacked shape
+            problems += self._check_tensor(name.replace("weight_packed", "weight_shape"), (2,), {"I32", "I64"}, used)
+        return problems
+
+    def _check_dense(self, name: str, shape: tuple[int, ...], used: set[str]) -> list[str]:
+        base = name.removesuffix(".weight")
+        if base + ".weight_packed" in self.tensors:
+            group = _int4_group(self.quantization())
+            packed, scale = (shape[0], -(-shape[1] // 8)), (shape[0], shape[1] // group)
+            problems = self._check_raw(base + ".weight_packed", packed, used)
+            problems += self._check_tensor(base + ".weight_scale", scale, FLOAT_DTYPES, used)
+            if not problems and tuple(self._read(base + ".weight_shape").tolist()) != shape:
+                problems.append(f"{base}.weight_shape: {self._read(base + '.weight_shape').tolist()}, needs {shape}")
+            return problems
+        if base + ".weight_scale_inv" in self.tensors:
+            block = _fp8_block(self.quantization())
+            blocks = (-(-shape[0] // block), -(-shape[1] // block))
+            problems = self._check_tensor(name, shape, {"F8_E4M3"}, used)
+            return problems + self._check_tensor(base + ".weight_scale_inv", blocks, {"F32"}, used)
+        return self._check_tensor(name, shape, FLOAT_DTYPES, used)
+
+    def _check_tensor(self, name: str, shape: tuple[int, ...], dtypes: set[str], used: set[str]) -> list[str]:
+        info = self.tensors.get(name)
+        if info is None:
+            return [f"missing tensor: {name}"]
+        used.add(name)
+        problems = []
+        if info.shape != tuple(shape):
+            problems.append(f"{name}: shape {list(info.shape)}, the config needs {list(shape)}")
+        if info.dtype not in dtypes:
+            problems.append(f"{name}: dtype {info.dtype}, expected {' or '.join(sorted(dtypes))}")
+        return problems
+
+    def read(self, mapping: Mapping) -> tuple[np.ndarray, ...]:
+        """The HF arrays of one mapping: stored pieces as they are, dense weights dequantized (bf16)."""
+        return tuple(self._read(n) if mapping.raw else self.read_dense(n) for n in mapping.names)
+
+    def read_dense(self, name: str) -> np.ndarray:
+        base = name.removesuffix(".weight")
+        if base + ".weight_packed" in self.tensors:
+            in_features = int(self._read(base + ".weight_shape")[1])
+            packed, scale = self._read(base + ".weight_packed"), self._read(base + ".weight_scale")
+            group = _int4_group(self.quantization())
+            return np.asarray(dequantize_int4_groups(packed, scale, in_features, scale.dtype, group))
+        if base + ".weight_scale_inv" in self.tensors:
+            block = _fp8_block(self.quantization())
+            weight, scale_inv = self._read(name), self._read(base + ".weight_scale_inv")
+            return np.asarray(dequantize_fp8_blocks(weight, scale_inv, jnp.bfloat16, block))
+        return self._read(name)
+
+    def nbytes(self, mapping: Mapping) -> int:
+        """Bytes this mapping reads, quantization companions (scales, shapes) included."""
+        return sum(self.tensors[n].nbytes for name in mapping.names for n in self._pieces(name, mapping.raw))
+
+    def _pieces(self, name: str, raw: bool) -> list[str]:
+        """The stored tensors behind one mapping name."""
+        base = name.rsplit(".", 1)[0]
+        if raw:
+            return [name, base + ".weight_shape"] if name.endswith(".weight_packed") else [name]
+        if base + ".weight_packed" in self.tensors:
+            return [base + ".weight_packed", base + ".weight_scale", base + ".weight_shape"]
+        if base + ".weight_scale_inv" in self.tensors:
+            return [name, base + ".weight_scale_inv"]
+        return [name]
+
+    def _read(self, name: str) -> np.ndarray:
+        info = self.tensors[name]
+        if info.dtype == "F8_E4M3":  # numpy has no float8, so safetensors' numpy reader refuses it
+            return _read_float8(info)
+        with safe_open(info.file, framework="numpy") as f:
+            return f.get_tensor(info.stored_name)
+
+
+def _ignored(name: str) -> bool:
+    return name.endswith(IGNORED_SUFFIXES) or name.startswith(IGNORED_PREFIXES)
+
+
+def _int4_group(quantization: dict[str, Any]) -> int:
+    for group in (quantization.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        if weights.get("num_bits") != 4 or weights.get("strategy") != "group" or not weights.get("symmetric"):
+            raise CheckpointError(f"quantization_config: only symmetric 4-bit groups are supported, got {weights}")
+        return int(weights["group_size"])
+    return 32
+
+
+def _fp8_block(quantization: dict[str, Any]) -> int:
+    block = quantization.get("weight_block_size", [128, 128])
+    if len(block) != 2 or block[0] != block[1]:
+        raise CheckpointError(f"quantization_config.weight_block_size: expected square blocks, got {block}")
+    return int(block[0])
+
+
+@functools.lru_cache(maxsize=64)
+def _header(file: Path) -> tuple[int, dict[str, Any]]:
+    with file.open("rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return 8 + size, json.loads(f.read(size))
+
+
+def _read_float8(info: TensorInfo) -> np.ndarray:
+    """An F8_E4M3 tensor through a memory map of the shard, as an ml_dtypes float8_e4m3fn array."""
+    data_start, header = _header(info.file)
+    begin, end = header[info.stored_name]["data_offsets"]
+    raw = np.memmap(info.file, np.uint8, "r", offset=data_start + begin, shape=(end - begin,))
+    return np.array(raw).view(ml_dtypes.float8_e4m3fn).reshape(info.shape)
+
+
+# --- Loading into memory ---------------------------------------------------------------------------------------
+
+
+def load_hf_target(
+    directory: str | Path, dtype: jnp.dtype = jnp.bfloat16, experts: ExpertFormat | None = None
+) -> KimiTarget:
+    """A ``KimiTarget`` from an HF checkpoint directory; every tensor is checked against the config first.
+
+    experts: how to hold the routed experts; default as the checkpoint stores them (INT4 / FP8 stay quantized).
+    """
+    source = HFCheckpoint(directory)
+    config = KimiConfig.from_hf(source.raw_config)
+    experts = source.stored_expert_format() if experts is None else experts
+    mappings = list(target_mappings(config, experts))
+    source.check(mappings, ignored=mtp_layers(config))
+    return _fill(source, mappings, abstract_target(config, dtype, experts))
 
 
 def load_hf_drafter(directory: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> DFlashDrafter:
-    """Build a ``DFlashDrafter`` from a z-lab DFlash checkpoint directory (config.json + safetensors)."""
-    directory = Path(directory)
-    config = DrafterConfig.from_json_file(_config_path(directory))
-    readers = read_tensors(directory)
-    return _build(directory, readers, drafter_hf_to_jaxdd(config), abstract_drafter(config, dtype))
+    """A ``DFlashDrafter`` from a z-lab DFlash checkpoint directory (config.json + safetensors)."""
+    source = HFCheckpoint(directory)
+    mappings = list(drafter_mappings(DrafterConfig.from_hf(source.raw_config)))
+    source.check(mappings)
+    return _fill(source, mappings, abstract_drafter(DrafterConfig.from_hf(source.raw_config), dtype))
 
 
-def _build(directory: Path, readers, plan, abstract_model, ignored=frozenset()) -> nnx.Module:
-    """Fill an abstract model from HF tensors after checking names and shapes; one error lists all misfits."""
+def mtp_layers(config: KimiConfig) -> Callable[[str], bool]:
+    """DeepSeek-V3's multi-token-prediction layers (beyond num_hidden_layers) are not part of the target."""
+    return lambda name: name.startswith("model.layers.") and int(name.split(".")[2]) >= config.num_hidden_layers
+
+
+def convert_arrays(source: HFCheckpoint, mapping: Mapping, abstract: dict) -> Iterator[tuple[tuple, np.ndarray]]:
+    """(path, array) for each jaxdd parameter of ``mapping``, in the dtype of the abstract parameter."""
+    arrays = mapping.forward(*source.read(mapping))
+    for path, array in zip(mapping.paths, arrays, strict=True):
+        yield path, np.asarray(array).astype(get_path(abstract, path).dtype)
+
+
+def _fill(source: HFCheckpoint, mappings: list[Mapping], abstract_model) -> nnx.Module:
     graphdef, abstract = abstract_model
-    plan = list(plan)
-    wanted = {name for mapping in plan for name in mapping.hf_names}
-    missing = sorted(wanted - readers.keys())
-    unexpected = sorted(readers.keys() - wanted - ignored)
-    if missing or unexpected:
-        lines = [f"{directory}: tensors do not match the config"]
-        lines += [f"  missing: {n}" for n in missing[:20]]
-        lines += [f"  ... {len(missing) - 20} more missing"] if len(missing) > 20 else []
-        lines += [f"  unexpected: {n}" for n in unexpected[:20]]
-        raise CheckpointError("\n".join(lines))
-
     values = nnx.to_pure_dict(abstract)
-    for mapping in plan:
-        tensors = [readers[n]() for n in mapping.hf_names]
-        for name, tensor in zip(mapping.hf_names, tensors, strict=True):
-            if tuple(tensor.shape) != mapping.hf_shape:
-                raise CheckpointError(f"{name}: shape {tuple(tensor.shape)}, the config needs {mapping.hf_shape}")
-        leaf = _get(values, mapping.path)
-        _set(values, mapping.path, jnp.asarray(mapping.build(*tensors), leaf.dtype))
+    for mapping in mappings:
+        for path, array in convert_arrays(source, mapping, values):
+            set_path(values, path, jnp.asarray(array))
     nnx.replace_by_pure_dict(abstract, values)
     return nnx.merge(graphdef, abstract)
-
-
-def _get(tree: dict, path: tuple):
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def _set(tree: dict, path: tuple, value) -> None:
-    _get(tree, path[:-1])[path[-1]] = value

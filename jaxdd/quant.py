@@ -10,8 +10,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Literal
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+from jaxdd.layers import param
 
 FP8_BLOCK = 128
 INT4_GROUP = 32
@@ -43,3 +49,88 @@ def dequantize_int4_groups(
     values = unpack_int4(packed, in_features).astype(jnp.float32)
     grouped = values.reshape(*values.shape[:-1], -1, group) * scale.astype(jnp.float32)[..., None]
     return grouped.reshape(values.shape).astype(dtype)
+
+
+# --- Routed-expert weight storage ----------------------------------------------------------------------------
+# Routed experts hold nearly all of a Kimi model's bytes, so a converted checkpoint keeps them in the source
+# checkpoint's quantized form (HF orientation [E, out, in], exactly as stored) and the MoE dequantizes them
+# inside its jitted matmul. Everything else is dequantized at conversion time.
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertFormat:
+    """How routed-expert weights are stored: ``dense`` (the model dtype), ``int4`` (compressed-tensors
+    pack-quantized, symmetric, ``group`` inputs per bf16 scale) or ``fp8`` (e4m3 with fp32 ``block`` x ``block``
+    scales)."""
+
+    kind: Literal["dense", "int4", "fp8"] = "dense"
+    group: int = INT4_GROUP
+    block: int = FP8_BLOCK
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ExpertFormat:
+        return cls(**data)
+
+
+DENSE = ExpertFormat()
+
+
+class DenseExperts(nnx.Module):
+    """[E, in, out] weights in the model dtype."""
+
+    def __init__(self, rngs: nnx.Rngs, shape: tuple[int, int, int], dtype: jnp.dtype, axes: tuple[str, str, str]):
+        self.weight = param(rngs, shape, dtype, axes)
+
+    def __call__(self) -> jax.Array:
+        return self.weight[...]
+
+
+class Int4Experts(nnx.Module):
+    """packed [E, out, ceil(in/8)] int32 and scale [E, out, in/group] bf16, dequantized like compressed-tensors
+    (product in the scale's dtype) and then cast to the model dtype."""
+
+    def __init__(self, shape: tuple[int, int, int], dtype: jnp.dtype, axes: tuple[str, str, str], group: int):
+        e, n_in, n_out = shape
+        if n_in % group:
+            raise ValueError(f"INT4 experts: input size {n_in} is not a multiple of the group size {group}")
+        self.dtype, self.n_in, self.group = dtype, n_in, group
+        out_axes = (axes[0], axes[2], axes[1])
+        self.packed = nnx.Param(jnp.zeros((e, n_out, -(-n_in // INT4_PER_WORD)), jnp.int32), logical_axes=out_axes)
+        self.scale = nnx.Param(jnp.ones((e, n_out, n_in // group), jnp.bfloat16), logical_axes=out_axes)
+
+    def __call__(self) -> jax.Array:
+        weight = dequantize_int4_groups(self.packed[...], self.scale[...], self.n_in, self.scale.dtype, self.group)
+        return weight.astype(self.dtype).swapaxes(-1, -2)
+
+
+class Fp8Experts(nnx.Module):
+    """e4m3 weight [E, out, in] and fp32 scale_inv [E, ceil(out/block), ceil(in/block)], dequantized like
+    DeepSeek's fp8_cast_bf16 (fp32 product stored as bf16) and then cast to the model dtype."""
+
+    def __init__(self, shape: tuple[int, int, int], dtype: jnp.dtype, axes: tuple[str, str, str], block: int):
+        e, n_in, n_out = shape
+        self.dtype, self.block = dtype, block
+        out_axes = (axes[0], axes[2], axes[1])
+        self.weight = nnx.Param(jnp.zeros((e, n_out, n_in), jnp.float8_e4m3fn), logical_axes=out_axes)
+        blocks = (e, -(-n_out // block), -(-n_in // block))
+        self.scale_inv = nnx.Param(jnp.ones(blocks, jnp.float32), logical_axes=out_axes)
+
+    def __call__(self) -> jax.Array:
+        weight = dequantize_fp8_blocks(self.weight[...], self.scale_inv[...], jnp.bfloat16, self.block)
+        return weight.astype(self.dtype).swapaxes(-1, -2)
+
+
+def expert_weights(
+    fmt: ExpertFormat, rngs: nnx.Rngs, shape: tuple[int, int, int], dtype: jnp.dtype, axes: tuple[str, str, str]
+) -> DenseExperts | Int4Experts | Fp8Experts:
+    """One projection's stacked expert weights; calling it gives [E, in, out] in ``dtype``."""
+    if fmt.kind == "dense":
+        return DenseExperts(rngs, shape, dtype, axes)
+    if fmt.kind == "int4":
+        return Int4Experts(shape, dtype, axes, fmt.group)
+    if fmt.kind == "fp8":
+        return Fp8Experts(shape, dtype, axes, fmt.block)
+    raise ValueError(f"expert format: expected 'dense', 'int4' or 'fp8', got {fmt.kind!r}")

@@ -20,6 +20,7 @@ from flax import nnx
 from jaxdd.cache import LatentCache, write_rows
 from jaxdd.config import KimiConfig
 from jaxdd.layers import MLP, RMSNorm, apply_rope, param, rope_cos_sin, rope_frequencies
+from jaxdd.quant import DENSE, ExpertFormat, expert_weights
 from pallas_kernels.tree_attention import tree_attention
 
 MlaForm = Literal["naive", "absorbed", "pallas"]
@@ -172,19 +173,22 @@ class MoE(nnx.Module):
     (``ragged_dot``), the scalable form; ``dense`` runs every expert on every token and weights the outputs by
     the combine weights (zero for unchosen experts). XLA:CPU lowers ragged_dot to a dense matmul over all
     experts for every pair, k times the work of ``dense``, so ``auto`` takes ``dense`` for small problems.
+
+    Expert weights may be stored quantized (``jaxdd.quant.ExpertFormat``); each projection is dequantized to
+    the model dtype inside the jitted forward, right before its matmul.
     """
 
     DENSE_MAX_FLOPS = 2**28  # ``auto``: all-experts compute below this many multiply-adds
 
-    def __init__(self, config: KimiConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, config: KimiConfig, dtype: jnp.dtype, experts: ExpertFormat, rngs: nnx.Rngs):
         c = config
         e, d, f = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
         self.config = c
         self.dispatch: Literal["auto", "dense", "grouped"] = "auto"
         self.router = Router(c, rngs)
-        self.gate = param(rngs, (e, d, f), dtype, ("experts", "embed", "expert_mlp"))
-        self.up = param(rngs, (e, d, f), dtype, ("experts", "embed", "expert_mlp"))
-        self.down = param(rngs, (e, f, d), dtype, ("experts", "expert_mlp", "embed"))
+        self.gate = expert_weights(experts, rngs, (e, d, f), dtype, ("experts", "embed", "expert_mlp"))
+        self.up = expert_weights(experts, rngs, (e, d, f), dtype, ("experts", "embed", "expert_mlp"))
+        self.down = expert_weights(experts, rngs, (e, f, d), dtype, ("experts", "expert_mlp", "embed"))
         self.shared = MLP(d, f * c.n_shared_experts, dtype, rngs) if c.n_shared_experts else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -207,28 +211,28 @@ class MoE(nnx.Module):
         order = jnp.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         rows = x[order // k]
         sizes = jnp.bincount(flat, length=self.config.n_routed_experts).astype(jnp.int32)
-        gate = jax.lax.ragged_dot(rows, self.gate[...], sizes)
-        hidden = jax.nn.silu(gate) * jax.lax.ragged_dot(rows, self.up[...], sizes)
-        out = jax.lax.ragged_dot(hidden, self.down[...], sizes)
+        gate = jax.lax.ragged_dot(rows, self.gate(), sizes)
+        hidden = jax.nn.silu(gate) * jax.lax.ragged_dot(rows, self.up(), sizes)
+        out = jax.lax.ragged_dot(hidden, self.down(), sizes)
         out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
         # Moonshot's moe_infer: expert outputs summed with their weights in fp32, then cast back.
         return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights).astype(x.dtype)
 
     def _all_experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         combine = (jax.nn.one_hot(experts, self.config.n_routed_experts) * weights[..., None]).sum(1)  # [N, E]
-        hidden = jax.nn.silu(jnp.einsum("nd,edf->enf", x, self.gate[...]))
-        hidden = hidden * jnp.einsum("nd,edf->enf", x, self.up[...])
-        out = jnp.einsum("enf,efd->end", hidden, self.down[...])
+        hidden = jax.nn.silu(jnp.einsum("nd,edf->enf", x, self.gate()))
+        hidden = hidden * jnp.einsum("nd,edf->enf", x, self.up())
+        out = jnp.einsum("enf,efd->end", hidden, self.down())
         return jnp.einsum("end,ne->nd", out.astype(jnp.float32), combine).astype(x.dtype)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: KimiConfig, layer: int, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, config: KimiConfig, layer: int, dtype: jnp.dtype, experts: ExpertFormat, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.attn = MLAttention(config, dtype, rngs)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if config.is_moe_layer(layer):
-            self.mlp = MoE(config, dtype, rngs)
+            self.mlp = MoE(config, dtype, experts, rngs)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype, rngs)
 
@@ -239,11 +243,15 @@ class DecoderLayer(nnx.Module):
 
 
 class KimiTarget(nnx.Module):
-    def __init__(self, config: KimiConfig, dtype: jnp.dtype = jnp.bfloat16, *, rngs: nnx.Rngs):
+    def __init__(
+        self, config: KimiConfig, dtype: jnp.dtype = jnp.bfloat16, *, experts: ExpertFormat = DENSE, rngs: nnx.Rngs
+    ):
         self.config = config
         self.dtype = dtype
+        self.experts = experts  # how routed-expert weights are stored
         self.embed = param(rngs, (config.vocab_size, config.hidden_size), dtype, ("vocab", "embed"))
-        self.layers = nnx.List([DecoderLayer(config, i, dtype, rngs) for i in range(config.num_hidden_layers)])
+        layers = [DecoderLayer(config, i, dtype, experts, rngs) for i in range(config.num_hidden_layers)]
+        self.layers = nnx.List(layers)
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = param(rngs, (config.hidden_size, config.vocab_size), dtype, ("embed", "vocab"))
 
@@ -284,6 +292,8 @@ class KimiTarget(nnx.Module):
         return (hidden @ self.lm_head[...]).astype(jnp.float32)
 
 
-def abstract_target(config: KimiConfig, dtype: jnp.dtype) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_target(
+    config: KimiConfig, dtype: jnp.dtype, experts: ExpertFormat = DENSE
+) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's structure and its parameter shapes/dtypes, without allocating (for loading and restoring)."""
-    return nnx.split(nnx.eval_shape(lambda: KimiTarget(config, dtype, rngs=nnx.Rngs(0))))
+    return nnx.split(nnx.eval_shape(lambda: KimiTarget(config, dtype, experts=experts, rngs=nnx.Rngs(0))))

@@ -100,17 +100,10 @@ def test_bad_checkpoint_directories(hf_dir, tmp_path):
     save_file(tensors, broken / "model.safetensors")
     with pytest.raises(jaxdd.CheckpointError) as error:
         jaxdd.load_target(broken)
-    assert "missing: model.layers.1.mlp.experts.3.up_proj.weight" in str(error.value)
-    assert "unexpected: model.layers.1.mlp.extra.weight" in str(error.value)
-
-    del tensors["model.layers.1.mlp.extra.weight"]
-    tensors["model.layers.1.mlp.experts.3.up_proj.weight"] = np.zeros((32, 64), np.float32)
-    save_file(tensors, broken / "model.safetensors")
-    with pytest.raises(
-        jaxdd.CheckpointError,
-        match=r"model.layers.0.self_attn.o_proj.weight: shape \(3, 3\), the config needs \(64, 64\)",
-    ):
-        jaxdd.load_target(broken)
+    message = str(error.value)  # one error lists every problem
+    assert "missing tensor: model.layers.1.mlp.experts.3.up_proj.weight" in message
+    assert "unexpected tensor: model.layers.1.mlp.extra.weight" in message
+    assert "model.layers.0.self_attn.o_proj.weight: shape [3, 3], the config needs [64, 64]" in message
 
     (broken / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-1-of-2.safetensors"}}))
     with pytest.raises(jaxdd.CheckpointError, match="names missing shard"):
