@@ -10,10 +10,11 @@ so an interrupted save leaves nothing that ``is_jaxdd_checkpoint`` accepts (and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,69 +53,55 @@ def groups_of(values: dict) -> Iterator[tuple[str, Any]]:
             yield key, value
 
 
-class CheckpointWriter:
-    """Writes a checkpoint group by group into a staging directory; ``finish`` renames it into place.
+@contextlib.contextmanager
+def atomic_directory(directory: str | Path) -> Iterator[Path]:
+    """Yield a staging directory next to ``directory`` that is renamed to it when the block succeeds and
+    removed when it fails (an error, an interrupt), so ``directory`` is either complete or absent."""
+    directory = Path(directory).absolute()
+    if directory.exists():
+        raise FileExistsError(f"{directory} already exists; choose a new directory")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        yield staging
+        staging.rename(directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
-    >>> with CheckpointWriter(path, "target", config_json, dtype="bfloat16") as writer:
-    ...     for group, tree in groups:
-    ...         writer.write(group, tree)
-    ...     writer.finish()
 
-    Leaving the ``with`` block without ``finish`` (an error, an interrupt) removes the staging directory.
-    """
-
-    def __init__(
-        self, directory: str | Path, kind: Kind, config: dict, dtype: jnp.dtype, experts: ExpertFormat | None = None
-    ):
-        self.directory = Path(directory).absolute()
-        if self.directory.exists():
-            raise FileExistsError(f"{self.directory} already exists; choose a new directory")
-        self.meta = {"format": FORMAT_VERSION, "kind": kind, "dtype": jnp.dtype(dtype).name, "groups": []}
-        if experts is not None:
-            self.meta["experts"] = experts.to_json()
-        self.config = config
-        self.staging: Path | None = None
-        self._checkpointer = ocp.StandardCheckpointer()
-
-    def __enter__(self) -> CheckpointWriter:
-        self.directory.parent.mkdir(parents=True, exist_ok=True)
-        self.staging = Path(tempfile.mkdtemp(prefix=f".{self.directory.name}.", dir=self.directory.parent))
-        return self
-
-    def write(self, group: str, tree: Any) -> None:
-        """Store one group (a subtree of arrays; numpy or jax) and wait until it is on disk."""
-        self._checkpointer.save(self.staging / "state" / group, {"params": tree})
-        self._checkpointer.wait_until_finished()
-        self.meta["groups"].append(group)
-
-    def finish(self) -> Path:
-        (self.staging / "config.json").write_text(json.dumps(self.config, indent=2))
-        (self.staging / MARKER).write_text(json.dumps(self.meta, indent=2))  # last: marks the checkpoint complete
-        self.staging.rename(self.directory)
-        self.staging = None
-        return self.directory
-
-    def __exit__(self, *exc) -> None:
-        self._checkpointer.close()
-        if self.staging is not None:
-            shutil.rmtree(self.staging, ignore_errors=True)
+def write_checkpoint(
+    directory: str | Path,
+    kind: Kind,
+    config: dict,
+    dtype: jnp.dtype,
+    groups: Iterable[tuple[str, Any]],
+    experts: ExpertFormat | None = None,
+) -> Path:
+    """Write a checkpoint atomically, one group at a time: ``groups`` yields (name, subtree of numpy or jax
+    arrays) and may build each group lazily, so only one is ever held."""
+    meta = {"format": FORMAT_VERSION, "kind": kind, "dtype": jnp.dtype(dtype).name, "groups": []}
+    if experts is not None:
+        meta["experts"] = experts.to_json()
+    with atomic_directory(directory) as staging, ocp.StandardCheckpointer() as checkpointer:
+        for group, tree in groups:
+            checkpointer.save(staging / "state" / group, {"params": tree})
+            checkpointer.wait_until_finished()
+            meta["groups"].append(group)
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        (staging / MARKER).write_text(json.dumps(meta, indent=2))  # last: marks the checkpoint complete
+    return Path(directory).absolute()
 
 
 def save_target(model: KimiTarget, directory: str | Path) -> Path:
     """Write ``model`` to a new directory (which must not exist yet)."""
-    return _save(model, directory, "target", model.config.to_hf(), model.experts)
+    groups = groups_of(nnx.to_pure_dict(nnx.state(model)))
+    return write_checkpoint(directory, "target", model.config.to_hf(), model.dtype, groups, model.experts)
 
 
 def save_drafter(model: DFlashDrafter, directory: str | Path, config: dict) -> Path:
     """Write a drafter with its HF config dict (the z-lab ``config.json``, which export writes back)."""
-    return _save(model, directory, "drafter", config, None)
-
-
-def _save(model: nnx.Module, directory, kind: Kind, config: dict, experts: ExpertFormat | None) -> Path:
-    with CheckpointWriter(directory, kind, config, model.dtype, experts) as writer:
-        for group, tree in groups_of(nnx.to_pure_dict(nnx.state(model))):
-            writer.write(group, tree)
-        return writer.finish()
+    return write_checkpoint(directory, "drafter", config, model.dtype, groups_of(nnx.to_pure_dict(nnx.state(model))))
 
 
 def read_meta(directory: str | Path, kind: Kind) -> dict[str, Any]:

@@ -96,14 +96,13 @@ class Int4Experts(nnx.Module):
         e, n_in, n_out = shape
         if n_in % group:
             raise ValueError(f"INT4 experts: input size {n_in} is not a multiple of the group size {group}")
-        self.dtype, self.n_in, self.group = dtype, n_in, group
+        self.dtype, self.group = dtype, group
         out_axes = (axes[0], axes[2], axes[1])
         self.packed = nnx.Param(jnp.zeros((e, n_out, -(-n_in // INT4_PER_WORD)), jnp.int32), logical_axes=out_axes)
         self.scale = nnx.Param(jnp.ones((e, n_out, n_in // group), jnp.bfloat16), logical_axes=out_axes)
 
     def __call__(self) -> jax.Array:
-        weight = dequantize_int4_groups(self.packed[...], self.scale[...], self.n_in, self.scale.dtype, self.group)
-        return weight.astype(self.dtype).swapaxes(-1, -2)
+        return dense_experts(ExpertFormat("int4", group=self.group), self.packed[...], self.scale[...], self.dtype)
 
 
 class Fp8Experts(nnx.Module):
@@ -119,8 +118,17 @@ class Fp8Experts(nnx.Module):
         self.scale_inv = nnx.Param(jnp.ones(blocks, jnp.float32), logical_axes=out_axes)
 
     def __call__(self) -> jax.Array:
-        weight = dequantize_fp8_blocks(self.weight[...], self.scale_inv[...], jnp.bfloat16, self.block)
-        return weight.astype(self.dtype).swapaxes(-1, -2)
+        return dense_experts(ExpertFormat("fp8", block=self.block), self.weight[...], self.scale_inv[...], self.dtype)
+
+
+def dense_experts(fmt: ExpertFormat, weight: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Stored quantized experts [E, out, ...] (INT4 packed + scale, or FP8 + scale_inv) -> [E, in, out] in ``dtype``,
+    rounded through bf16 like the formats' reference dequantizations."""
+    if fmt.kind == "int4":
+        dense = dequantize_int4_groups(weight, scale, scale.shape[-1] * fmt.group, scale.dtype, fmt.group)
+    else:
+        dense = dequantize_fp8_blocks(weight, scale, jnp.bfloat16, fmt.block)
+    return dense.astype(dtype).swapaxes(-1, -2)
 
 
 def expert_weights(

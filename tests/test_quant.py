@@ -9,15 +9,9 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import dequantize
+from hf_layouts import deepseek_weight_dequant
 
 from jaxdd.quant import dequantize_fp8_blocks, dequantize_int4_groups, unpack_int4
-
-
-def deepseek_weight_dequant(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """DeepSeek-V3 inference/fp8_cast_bf16.py semantics on CPU: per 128x128 tile, x.float() * s, stored bf16."""
-    out_features, in_features = weight.shape
-    scale = scale_inv.repeat_interleave(block, 0).repeat_interleave(block, 1)[:out_features, :in_features]
-    return (weight.float() * scale).to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("shape", [(576, 7168 // 8), (256, 384), (130, 200)])

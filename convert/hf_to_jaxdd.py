@@ -1,0 +1,124 @@
+"""HF checkpoint directory -> jaxdd checkpoint, streamed one group (a layer, the embedding, the head) at a time.
+
+Everything is validated from the shard headers before anything is written; the output appears atomically
+(``jaxdd.checkpoint.write_checkpoint``), so an interrupted or failed run leaves nothing jaxdd would load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from jaxdd.checkpoint import Kind, get_path, set_path, write_checkpoint
+from jaxdd.config import DrafterConfig, KimiConfig
+from jaxdd.drafter import abstract_drafter
+from jaxdd.hf_weights import (
+    HFCheckpoint,
+    Mapping,
+    convert_arrays,
+    drafter_mappings,
+    mtp_layers,
+    target_mappings,
+)
+from jaxdd.quant import DENSE, ExpertFormat
+from jaxdd.target import abstract_target
+
+
+@dataclasses.dataclass
+class Summary:
+    kind: Kind
+    parameters: int = 0
+    bytes_read: int = 0
+    bytes_by_dtype: Counter = dataclasses.field(default_factory=Counter)
+    seconds: float = 0.0
+    experts: str = "dense"
+
+    def __str__(self) -> str:
+        stored = ", ".join(f"{dtype} {n / 1e6:.1f} MB" for dtype, n in sorted(self.bytes_by_dtype.items()))
+        rate = self.bytes_read / 1e6 / max(self.seconds, 1e-9)
+        return (
+            f"converted a {self.kind}: {self.parameters:,} parameters; routed experts {self.experts}; "
+            f"stored {stored}; read {self.bytes_read / 1e6:.1f} MB in {self.seconds:.1f} s ({rate:.0f} MB/s)"
+        )
+
+
+def is_drafter_config(raw: dict[str, Any]) -> bool:
+    return "dflash_config" in raw or "DFlashDraftModel" in (raw.get("architectures") or [])
+
+
+def convert(
+    source_dir: str | Path,
+    output_dir: str | Path,
+    dtype: str | jnp.dtype = "bfloat16",
+    dequantize_experts: bool = False,
+    progress: bool = True,
+) -> Summary:
+    """Convert an HF target (plain, FP8 blocks, INT4 pack-quantized) or DFlash drafter checkpoint.
+
+    dtype: for the floating weights (the router stays fp32); quantized routed experts stay as stored unless
+    ``dequantize_experts``.
+    """
+    start = time.perf_counter()
+    dtype = jnp.dtype(dtype)
+    source = HFCheckpoint(source_dir)
+    if Path(output_dir).exists():
+        raise FileExistsError(f"{Path(output_dir).absolute()} already exists; choose a new directory")
+    experts: ExpertFormat | None = None
+    if is_drafter_config(source.raw_config):
+        kind: Kind = "drafter"
+        config = DrafterConfig.from_hf(source.raw_config)
+        mappings = list(drafter_mappings(config))
+        source.check(mappings)
+        abstract = abstract_drafter(config, dtype)[1]
+        stored_config = source.raw_config
+    else:
+        kind = "target"
+        config = KimiConfig.from_hf(source.raw_config)
+        experts = DENSE if dequantize_experts else source.stored_expert_format()
+        mappings = list(target_mappings(config, experts))
+        source.check(mappings, ignored=mtp_layers(config))
+        abstract = abstract_target(config, dtype, experts)[1]
+        stored_config = config.to_hf()
+
+    summary = Summary(kind, experts=(experts or DENSE).kind)
+    total = sum(source.nbytes(m) for m in mappings)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"converting {kind}", disable=not progress) as bar:
+        groups = _groups(source, mappings, nnx.to_pure_dict(abstract), summary, bar)
+        write_checkpoint(output_dir, kind, stored_config, dtype, groups, experts)
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def _group_of(mapping: Mapping) -> tuple:
+    path = mapping.paths[0]
+    return path[:2] if path[0] == "layers" else path[:1]
+
+
+def _groups(
+    source: HFCheckpoint, mappings: list[Mapping], abstract: dict, summary: Summary, bar: tqdm
+) -> Iterator[tuple[str, Any]]:
+    """Build each group's arrays only when the writer asks for it (the tables list parameters group by group)."""
+    for prefix, group_mappings in itertools.groupby(mappings, _group_of):
+        tree = {"value": jax.tree.map(lambda leaf: leaf, get_path(abstract, prefix))}
+        for mapping in group_mappings:
+            for path, array in convert_arrays(source, mapping, abstract):
+                set_path(tree, ("value", *path[len(prefix) :]), array)
+                summary.parameters += array.size
+                summary.bytes_by_dtype[array.dtype.name] += array.nbytes
+            bar.update(source.nbytes(mapping))
+            summary.bytes_read += source.nbytes(mapping)
+            bar.set_postfix(group=".".join(map(str, prefix)), refresh=False)
+        leftover = [leaf for leaf in jax.tree.leaves(tree) if not isinstance(leaf, np.ndarray)]
+        assert not leftover, f"the table leaves {len(leftover)} parameters of {prefix} unset"
+        yield ".".join(map(str, prefix)), tree["value"]

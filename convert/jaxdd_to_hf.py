@@ -1,0 +1,84 @@
+"""jaxdd checkpoint -> HF layout (config.json + safetensors shards + index), one group at a time.
+
+The output loads with transformers' ``DeepseekV3ForCausalLM.from_pretrained`` (targets) and z-lab
+``DFlashDraftModel.from_pretrained`` (drafters), so weights made or changed in JAX can be checked against the
+PyTorch references. Quantized routed experts are written dequantized, exactly as jaxdd computes with them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+from tqdm import tqdm
+
+from jaxdd.checkpoint import abstract_model, atomic_directory, get_path, group_path, read_meta, restore_groups
+from jaxdd.config import DrafterConfig, KimiConfig
+from jaxdd.hf_weights import INDEX_FILE, Mapping, drafter_mappings, target_mappings
+from jaxdd.quant import ExpertFormat, dense_experts
+
+FP32_TENSORS = ("e_score_correction_bias",)  # fp32 in the real checkpoints whatever the model dtype
+
+
+def export(source_dir: str | Path, output_dir: str | Path, dtype: str | None = None, progress: bool = True) -> Path:
+    """Write the HF layout of a jaxdd target or drafter checkpoint; ``dtype`` defaults to the stored one."""
+    source_dir = Path(source_dir)
+    kind = json.loads((source_dir / "jaxdd.json").read_text()).get("kind")
+    meta = read_meta(source_dir, kind)
+    dtype = jnp.dtype(dtype or meta["dtype"])
+    config = json.loads((source_dir / "config.json").read_text())
+    if kind == "target":
+        experts = ExpertFormat.from_json(meta.get("experts", {}))
+        mappings = list(target_mappings(KimiConfig.from_hf(config), experts=ExpertFormat()))
+    else:
+        experts = ExpertFormat()
+        mappings = list(drafter_mappings(DrafterConfig.from_hf(config)))
+    abstract = nnx.to_pure_dict(abstract_model(source_dir, kind)[1])
+    groups = meta["groups"]
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    start = time.perf_counter()
+    with atomic_directory(output_dir) as staging:
+        restored = restore_groups(source_dir, abstract)
+        for i, (group, tree) in enumerate(tqdm(restored, total=len(groups), desc="exporting", disable=not progress)):
+            prefix = group_path(group)
+            tree = _dense_experts(tree, experts, dtype)
+            shard = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            tensors = {}
+            for mapping in (m for m in mappings if m.paths[0][: len(prefix)] == prefix):
+                tensors.update(_hf_tensors(mapping, tree, prefix, dtype))
+            save_file(tensors, staging / shard, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, shard))
+            total_size += sum(t.nbytes for t in tensors.values())
+        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        (staging / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        (staging / "config.json").write_text(json.dumps(config | {"dtype": dtype.name}, indent=2))
+    if progress:
+        print(f"exported {len(weight_map)} tensors, {total_size / 1e6:.1f} MB in {time.perf_counter() - start:.1f} s")
+    return Path(output_dir).absolute()
+
+
+def _dense_experts(tree, experts: ExpertFormat, dtype: jnp.dtype):
+    """Replace quantized expert pieces by their dense [E, in, out] weights (what the model computes with)."""
+    if experts.kind == "dense" or not isinstance(tree, dict) or "router" not in tree.get("mlp", {}):
+        return tree  # nothing quantized, or not an MoE layer
+    pieces = ("packed", "scale") if experts.kind == "int4" else ("weight", "scale_inv")
+    for proj in ("gate", "up", "down"):
+        stored = tree["mlp"][proj]
+        tree["mlp"][proj] = {"weight": dense_experts(experts, *(stored[p] for p in pieces), dtype)}
+    return tree
+
+
+def _hf_tensors(mapping: Mapping, tree, prefix: tuple, dtype: jnp.dtype) -> dict[str, np.ndarray]:
+    arrays = [jax.device_get(get_path({"v": tree}, ("v", *path[len(prefix) :]))) for path in mapping.paths]
+    out = {}
+    for name, array in zip(mapping.names, mapping.backward(*arrays), strict=True):
+        target = np.float32 if name.endswith(FP32_TENSORS) else dtype
+        out[name] = np.ascontiguousarray(np.asarray(array).astype(target))
+    return out

@@ -1,0 +1,262 @@
+"""Conversion HF -> jaxdd -> HF on synthetic mini checkpoints in the real layouts (tests/hf_layouts.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from dflash.model import DFlashDraftModel
+from flax import nnx
+from hf_layouts import CONVERT_TINY, write_k2_instruct_fp8, write_k25_int4, write_reference
+from reference import drafter_config, hf_drafter, hf_model, rel_err
+from safetensors.numpy import load_file, save_file
+from synthetic_checkpoint import write_synthetic_target
+from transformers import DeepseekV3ForCausalLM
+
+import jaxdd
+from convert.__main__ import main as convert_main
+from convert.hf_to_jaxdd import convert
+from convert.jaxdd_to_hf import export
+from jaxdd.quant import Fp8Experts, Int4Experts
+
+IDS = np.array([[5, 17, 3, 250, 9, 1, 77, 200]])
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """{layout: (HF dir, reference HF model holding the dequantized weights)} for plain, fp8 and int4."""
+    root = tmp_path_factory.mktemp("layouts")
+    plain = root / "plain"
+    hf_model(CONVERT_TINY, seed=3).save_pretrained(plain, max_shard_size="300KB")  # several shards + index
+    assert len(list(plain.glob("*.safetensors"))) > 1
+    out = {"plain": (plain, DeepseekV3ForCausalLM.from_pretrained(plain).eval())}
+    for name, write in (("fp8", write_k2_instruct_fp8), ("int4", write_k25_int4)):
+        reference = write_reference(plain, write(plain, root / name), root / f"{name}_reference")
+        out[name] = (root / name, DeepseekV3ForCausalLM.from_pretrained(reference).eval())
+    return out
+
+
+def hf_logits(model: DeepseekV3ForCausalLM) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(IDS)).logits.numpy()
+
+
+def nothing_written(parent: Path, name: str) -> bool:
+    return not (parent / name).exists() and not [p for p in parent.iterdir() if p.name.startswith(f".{name}.")]
+
+
+@pytest.mark.parametrize("layout", ["plain", "fp8", "int4"])
+def test_converted_logits_equal_hf(layouts, layout, tmp_path):
+    source, reference = layouts[layout]
+    summary = convert(source, tmp_path / "ckpt", dtype="float32", progress=False)
+    assert summary.experts == {"plain": "dense", "fp8": "fp8", "int4": "int4"}[layout]
+    target = jaxdd.load_target(tmp_path / "ckpt", dtype="float32")
+    assert rel_err(target.logits(IDS), hf_logits(reference)) < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["fp8", "int4"])
+def test_experts_stay_quantized_and_dequantize_exactly(layouts, layout, tmp_path):
+    """Stored pieces are the source's bits; dequantized inside the model they equal the reference exactly."""
+    source, reference = layouts[layout]
+    convert(source, tmp_path / "ckpt", dtype="float32", progress=False)
+    moe = jaxdd.load_target(tmp_path / "ckpt", dtype="float32").model.layers[1].mlp
+    assert isinstance(moe.gate, Int4Experts if layout == "int4" else Fp8Experts)
+    stored = {
+        p: np.asarray(getattr(moe.gate, p)[...])
+        for p in ("packed", "scale", "weight", "scale_inv")
+        if hasattr(moe.gate, p)
+    }
+    assert {a.dtype.name for a in stored.values()} == (
+        {"int32", "bfloat16"} if layout == "int4" else {"float8_e4m3fn", "float32"}
+    )
+    hf_experts = reference.model.layers[1].mlp.experts
+    for proj, ours in (("gate", moe.gate), ("up", moe.up), ("down", moe.down)):
+        if proj == "down":
+            expected = hf_experts.down_proj.detach().numpy()  # [E, out, in]
+        else:
+            gate_up = hf_experts.gate_up_proj.detach().numpy()
+            half = gate_up.shape[1] // 2
+            expected = gate_up[:, :half] if proj == "gate" else gate_up[:, half:]
+        np.testing.assert_array_equal(np.asarray(ours()), expected.swapaxes(-1, -2))
+
+
+def test_dequantize_experts_option(layouts, tmp_path):
+    source, _ = layouts["int4"]
+    convert(source, tmp_path / "kept", dtype="float32", progress=False)
+    convert(source, tmp_path / "dense", dtype="float32", dequantize_experts=True, progress=False)
+    kept = jaxdd.load_target(tmp_path / "kept", dtype="float32")
+    dense = jaxdd.load_target(tmp_path / "dense", dtype="float32")
+    assert dense.model.layers[1].mlp.gate.weight.dtype == jnp.float32
+    np.testing.assert_array_equal(dense.model.layers[1].mlp.gate(), kept.model.layers[1].mlp.gate())
+    assert rel_err(dense.logits(IDS), kept.logits(IDS)) < 1e-6  # same weights; XLA may fuse the dequant differently
+
+
+@pytest.mark.parametrize("layout", ["plain", "int4"])
+def test_export_round_trip(layouts, layout, tmp_path):
+    """jaxdd -> HF loads in transformers with the same logits; HF -> jaxdd again gives identical arrays."""
+    source, _ = layouts[layout]
+    convert(source, tmp_path / "ckpt", dtype="float32", progress=False)
+    export(tmp_path / "ckpt", tmp_path / "hf", progress=False)
+    ours = jaxdd.load_target(tmp_path / "ckpt", dtype="float32")
+    exported = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert rel_err(hf_logits(exported), ours.logits(IDS)) < 1e-5
+    convert(tmp_path / "hf", tmp_path / "again", dtype="float32", progress=False)
+    again = jaxdd.load_target(tmp_path / "again", dtype="float32").model
+    dense = ours.model if layout == "plain" else jaxdd.load_target(tmp_path / "hf", dtype="float32").model
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(again)), nnx.to_flat_state(nnx.state(dense)), strict=True):
+        np.testing.assert_array_equal(a[...], b[...], err_msg=str(path))
+    if layout == "plain":  # bit-exact back to the original HF tensors too
+        original = {}
+        for file in source.glob("*.safetensors"):
+            original |= load_file(file)
+        exported_tensors = {}
+        for file in (tmp_path / "hf").glob("*.safetensors"):
+            exported_tensors |= load_file(file)
+        assert exported_tensors.keys() == original.keys()
+        for name, tensor in original.items():
+            np.testing.assert_array_equal(exported_tensors[name], tensor, err_msg=name)
+
+
+def test_drafter_convert_and_export(tmp_path):
+    reference = hf_drafter(drafter_config(yarn=True), seed=4)
+    reference.save_pretrained(tmp_path / "zlab")
+    assert (
+        convert_main(["hf-to-jaxdd", str(tmp_path / "zlab"), str(tmp_path / "ckpt"), "--dtype", "float32", "--quiet"])
+        == 0
+    )
+    converted = jaxdd.load_drafter(tmp_path / "ckpt", dtype="float32")
+    direct = jaxdd.load_drafter(tmp_path / "zlab", dtype="float32")
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(converted), nnx.state(direct))
+    assert convert_main(["jaxdd-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back"), "--quiet"]) == 0
+    loaded = DFlashDraftModel.from_pretrained(tmp_path / "back").float()
+    expected = reference.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        np.testing.assert_array_equal(tensor.numpy(), expected[name].numpy(), err_msg=name)
+
+
+def test_interrupted_conversion_leaves_nothing_and_rerun_works(layouts, tmp_path, monkeypatch):
+    source, _ = layouts["fp8"]
+    calls = {"n": 0}
+    real_read = jaxdd.hf_weights.HFCheckpoint.read
+
+    def read_then_interrupt(self, mapping):
+        calls["n"] += 1
+        if calls["n"] == 40:
+            raise KeyboardInterrupt
+        return real_read(self, mapping)
+
+    monkeypatch.setattr(jaxdd.hf_weights.HFCheckpoint, "read", read_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        convert(source, tmp_path / "ckpt", progress=False)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    convert(source, tmp_path / "ckpt", progress=False)
+    assert jaxdd.load_target(tmp_path / "ckpt").config.hidden_size == CONVERT_TINY["hidden_size"]
+
+
+def _copy(source: Path, directory: Path) -> Path:
+    directory.mkdir()
+    for file in source.iterdir():
+        (directory / file.name).write_bytes(file.read_bytes())
+    return directory
+
+
+def _edit_shard(directory: Path, edit) -> None:
+    """Apply ``edit`` to the tensors of the shard that holds layer 1's experts."""
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    file = directory / index["weight_map"]["language_model.model.layers.1.mlp.experts.0.up_proj.weight_packed"]
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file)
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if n in tensors or f != file.name}
+    index["weight_map"] |= dict.fromkeys(tensors, file.name)
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+BAD_INPUTS = {
+    "missing": (
+        lambda t: t.pop("language_model.model.layers.1.mlp.experts.0.up_proj.weight_scale"),
+        "missing tensor: model.layers.1.mlp.experts.0.up_proj.weight_scale",
+    ),
+    "unexpected": (
+        lambda t: t.update({"language_model.model.layers.1.mlp.extra.weight": np.zeros(2, np.float32)}),
+        "unexpected tensor: model.layers.1.mlp.extra.weight",
+    ),
+    "shape": (
+        lambda t: t.update(
+            {"language_model.model.layers.1.mlp.experts.0.up_proj.weight_scale": np.zeros((3, 3), np.float32)}
+        ),
+        r"model.layers.1.mlp.experts.0.up_proj.weight_scale: shape \[3, 3\], the config needs \[32, 5\]",
+    ),
+    "dtype": (
+        lambda t: t.update(
+            {"language_model.model.layers.1.mlp.experts.0.up_proj.weight_packed": np.zeros((32, 20), np.int64)}
+        ),
+        "model.layers.1.mlp.experts.0.up_proj.weight_packed: dtype I64, expected I32",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_checkpoint_is_refused_before_writing(layouts, case, tmp_path):
+    broken = _copy(layouts["int4"][0], tmp_path / "broken")
+    edit, message = BAD_INPUTS[case]
+    _edit_shard(broken, edit)
+    with pytest.raises(jaxdd.CheckpointError, match=message):
+        convert(broken, tmp_path / "out", progress=False)
+    assert nothing_written(tmp_path, "out")
+
+
+def test_corrupt_header_and_missing_shard(layouts, tmp_path, capsys):
+    broken = _copy(layouts["fp8"][0], tmp_path / "broken")
+    shard = sorted(broken.glob("*.safetensors"))[1]
+    shard.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + shard.read_bytes()[24:])
+    assert convert_main(["hf-to-jaxdd", str(broken), str(tmp_path / "out"), "--quiet"]) == 2
+    assert f"{shard}: corrupt safetensors file" in capsys.readouterr().err
+    assert nothing_written(tmp_path, "out")
+    shard.unlink()
+    with pytest.raises(jaxdd.CheckpointError, match=f"names missing shard\\(s\\): {shard.name}"):
+        convert(broken, tmp_path / "out", progress=False)
+    assert nothing_written(tmp_path, "out")
+
+
+RSS_SCRIPT = """
+import sys
+import jax.numpy as jnp
+from convert.hf_to_jaxdd import convert
+def rss_mb(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) / 1024
+jnp.zeros(1).block_until_ready()  # the backend is up before the baseline
+before = rss_mb("VmRSS:")
+convert(sys.argv[1], sys.argv[2], progress=False)
+print(before, rss_mb("VmHWM:"))
+"""
+
+
+def test_conversion_memory_stays_bounded(tmp_path):
+    """Converting a checkpoint ~10x larger than one layer grows the process by a few layers at most."""
+    source, layer_mb = write_synthetic_target(tmp_path / "big", layers=40, experts=32, width=256, dtype="float32")
+    size_mb = sum(f.stat().st_size for f in source.glob("*.safetensors")) / 2**20
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    result = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, str(source), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    before, peak = map(float, result.stdout.split()[-2:])
+    growth = peak - before
+    print(f"checkpoint {size_mb:.0f} MB, largest layer {layer_mb:.0f} MB, RSS growth {growth:.0f} MB")
+    assert growth < size_mb / 4
+    assert growth < 4 * layer_mb + 32
