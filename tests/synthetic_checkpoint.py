@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -47,3 +50,29 @@ def write_synthetic_target(
         largest = max(largest, sum(a.nbytes for a in arrays.values()))
     (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     return directory, largest / 2**20
+
+
+# Runs in a fresh process so its peak RSS (VmHWM) covers only the imports and this one conversion.
+_MEASURE = """
+import sys, time
+import jax.numpy as jnp
+from convert.hf_to_jaxdd import convert
+def rss_mb(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) / 1024
+jnp.zeros(1).block_until_ready()  # the backend is up before the baseline
+before = rss_mb("VmRSS:")
+start = time.perf_counter()
+convert(sys.argv[1], sys.argv[2], dtype=sys.argv[3], progress=False)
+print(time.perf_counter() - start, before, rss_mb("VmHWM:"))
+"""
+
+
+def measure_conversion(source: Path, output: Path, dtype: str = "bfloat16") -> dict[str, float]:
+    """Convert in a subprocess: seconds, RSS before converting and peak RSS (MiB)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    command = [sys.executable, "-c", _MEASURE, str(source), str(output), dtype]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
+    seconds, before, peak = map(float, result.stdout.split()[-3:])
+    return {"seconds": seconds, "rss_before_mb": before, "peak_rss_mb": peak}

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -18,7 +15,7 @@ from flax import nnx
 from hf_layouts import CONVERT_TINY, write_k2_instruct_fp8, write_k25_int4, write_reference
 from reference import drafter_config, hf_drafter, hf_model, rel_err
 from safetensors.numpy import load_file, save_file
-from synthetic_checkpoint import write_synthetic_target
+from synthetic_checkpoint import measure_conversion, write_synthetic_target
 from transformers import DeepseekV3ForCausalLM
 
 import jaxdd
@@ -228,35 +225,12 @@ def test_corrupt_header_and_missing_shard(layouts, tmp_path, capsys):
     assert nothing_written(tmp_path, "out")
 
 
-RSS_SCRIPT = """
-import sys
-import jax.numpy as jnp
-from convert.hf_to_jaxdd import convert
-def rss_mb(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1]) / 1024
-jnp.zeros(1).block_until_ready()  # the backend is up before the baseline
-before = rss_mb("VmRSS:")
-convert(sys.argv[1], sys.argv[2], progress=False)
-print(before, rss_mb("VmHWM:"))
-"""
-
-
 def test_conversion_memory_stays_bounded(tmp_path):
-    """Converting a checkpoint ~10x larger than one layer grows the process by a few layers at most."""
+    """Converting a checkpoint ~40x larger than one layer grows the process by a few layers at most."""
     source, layer_mb = write_synthetic_target(tmp_path / "big", layers=40, experts=32, width=256, dtype="float32")
     size_mb = sum(f.stat().st_size for f in source.glob("*.safetensors")) / 2**20
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    result = subprocess.run(
-        [sys.executable, "-c", RSS_SCRIPT, str(source), str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    )
-    before, peak = map(float, result.stdout.split()[-2:])
-    growth = peak - before
+    measured = measure_conversion(source, tmp_path / "out")
+    growth = measured["peak_rss_mb"] - measured["rss_before_mb"]
     print(f"checkpoint {size_mb:.0f} MB, largest layer {layer_mb:.0f} MB, RSS growth {growth:.0f} MB")
     assert growth < size_mb / 4
     assert growth < 4 * layer_mb + 32
