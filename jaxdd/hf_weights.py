@@ -417,7 +417,7 @@ def convert_arrays(source: HFCheckpoint, mapping: Mapping, abstract: dict) -> It
     """(path, array) for each jaxdd parameter of ``mapping``, in the dtype of the abstract parameter."""
     arrays = mapping.forward(*source.read(mapping))
     for path, array in zip(mapping.paths, arrays, strict=True):
-        yield path, np.asarray(array).astype(get_path(abstract, path).dtype)
+        yield path, np.asarray(array).astype(get_path(abstract, path).dtype, copy=False)
 
 
 def _fill(source: HFCheckpoint, mappings: list[Mapping], abstract_model) -> nnx.Module:
