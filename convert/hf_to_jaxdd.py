@@ -39,17 +39,20 @@ from jaxdd.target import abstract_target
 class Summary:
     kind: Kind
     parameters: int = 0
+    tensors_read: int = 0
     bytes_read: int = 0
     bytes_by_dtype: Counter = dataclasses.field(default_factory=Counter)
     seconds: float = 0.0
-    experts: str = "dense"
+    experts: str | None = None  # targets: how the routed experts are stored
 
     def __str__(self) -> str:
         stored = ", ".join(f"{dtype} {n / 1e6:.1f} MB" for dtype, n in sorted(self.bytes_by_dtype.items()))
         rate = self.bytes_read / 1e6 / max(self.seconds, 1e-9)
+        experts = f"routed experts {self.experts}; " if self.experts else ""
         return (
-            f"converted a {self.kind}: {self.parameters:,} parameters; routed experts {self.experts}; "
-            f"stored {stored}; read {self.bytes_read / 1e6:.1f} MB in {self.seconds:.1f} s ({rate:.0f} MB/s)"
+            f"converted a {self.kind}: {self.parameters:,} parameters; {experts}stored {stored}; "
+            f"read {self.tensors_read:,} tensors, {self.bytes_read / 1e6:.1f} MB "
+            f"in {self.seconds:.1f} s ({rate:.0f} MB/s)"
         )
 
 
@@ -91,7 +94,7 @@ def convert(
         abstract = abstract_target(config, dtype, experts)[1]
         stored_config = config.to_hf()
 
-    summary = Summary(kind, experts=(experts or DENSE).kind)
+    summary = Summary(kind, experts=experts.kind if experts else None)
     total = sum(source.nbytes(m) for m in mappings)
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"converting {kind}", disable=not progress) as bar:
         groups = _groups(source, mappings, nnx.to_pure_dict(abstract), summary, bar)
@@ -118,7 +121,8 @@ def _groups(
                 summary.bytes_by_dtype[array.dtype.name] += array.nbytes
             bar.update(source.nbytes(mapping))
             summary.bytes_read += source.nbytes(mapping)
-            bar.set_postfix(group=".".join(map(str, prefix)), refresh=False)
+            summary.tensors_read += len(mapping.names)
+            bar.set_postfix(group=".".join(map(str, prefix)), tensors=summary.tensors_read, refresh=False)
         leftover = [leaf for leaf in jax.tree.leaves(tree) if not isinstance(leaf, np.ndarray)]
         assert not leftover, f"the table leaves {len(leftover)} parameters of {prefix} unset"
         yield ".".join(map(str, prefix)), tree["value"]
