@@ -38,7 +38,8 @@ RESULTS = Path(__file__).parent / "results" / "dflash_vs_reference.json"
 
 @functools.partial(jax.jit, static_argnames=("t_spec", "d_spec", "block"))
 def _draft(t_spec, tw, d_spec, dw, state, block_len, block):
-    return draft_stage(t_spec.merge(tw), d_spec.merge(dw), state, block_len, block)
+    logits, draft_cache = draft_stage(t_spec.merge(tw), d_spec.merge(dw), state, block_len, block)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), draft_cache
 
 
 @functools.partial(jax.jit, static_argnames=("t_spec", "taps"))

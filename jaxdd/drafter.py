@@ -140,11 +140,6 @@ class DFlashDrafter(nnx.Module):
             logits = jnp.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
         return logits
 
-    def propose(self, target, cache: DraftCache, bonus, start, block_len, block: int) -> jax.Array:
-        """Greedy drafts [B, block-1] (linear DFlash)."""
-        logits = self.draft_logits(target, cache, bonus, start, block_len, block)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
 
 def abstract_drafter(config: DrafterConfig, dtype: jnp.dtype) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(nnx.eval_shape(lambda: DFlashDrafter(config, dtype, rngs=nnx.Rngs(0))))

@@ -64,6 +64,10 @@ class Generation:
     acceptance_lengths: list[int]
     prefill_seconds: float
     decode_seconds: float
+    # With ``trace_topk`` > 0: per round, the drafter's top-k tokens [block - 1, k], and for DDTree the tree
+    # (tokens, parents) of its valid nodes, root first (for cross-checking against a reference).
+    draft_topk: list[np.ndarray] = dataclasses.field(default_factory=list)
+    trees: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
 
     @property
     def rounds(self) -> int:
@@ -118,13 +122,15 @@ def inject_context(drafter: DFlashDrafter, state: DecodeState, block: int) -> Dr
 
 
 def draft_stage(target: KimiTarget, drafter: DFlashDrafter, state: DecodeState, block_len: jax.Array, block: int):
-    """Steps 1-2: cache last round's context in the drafter, then draft ``block - 1`` tokens."""
+    """Steps 1-2: cache last round's context in the drafter, then draft: logits [B, block - 1, V]."""
     draft_cache = inject_context(drafter, state, block)
     start = state.target_cache.length
-    return drafter.propose(target, draft_cache, state.bonus, start, block_len, block), draft_cache
+    return drafter.draft_logits(target, draft_cache, state.bonus, start, block_len, block), draft_cache
 
 
-def commit_stage(state: DecodeState, drafts, posterior, features, cache, draft_cache, block_len, limit, stop_ids):
+def commit_stage(
+    state: DecodeState, drafts, posterior, features, cache, draft_cache, block_len, limit, stop_ids, *trace
+):
     """Steps 4-5: accept, then commit (the accepted rows already sit at start .. start + produced - 1)."""
     start = state.target_cache.length
     emitted, produced, stopped = accept(drafts, posterior, block_len, limit, start, stop_ids)
@@ -135,32 +141,56 @@ def commit_stage(state: DecodeState, drafts, posterior, features, cache, draft_c
         context=features,
         context_count=produced,
     )
-    return new_state, _report(emitted, produced, stopped)
+    return new_state, _report(emitted, produced, stopped, *trace)
 
 
-@functools.partial(jax.jit, static_argnames=("t_spec", "d_spec", "block", "form"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("t_spec", "d_spec", "block", "form", "trace"), donate_argnames=("state",))
 def dflash_round(
-    t_spec: ModuleSpec, t_weights, d_spec: ModuleSpec, d_weights, state: DecodeState, limit, stop_ids, block, form
+    t_spec: ModuleSpec,
+    t_weights,
+    d_spec: ModuleSpec,
+    d_weights,
+    state: DecodeState,
+    limit,
+    stop_ids,
+    block,
+    form,
+    trace: int = 0,
 ):
+    """One DFlash round; ``trace`` > 0 also reports the drafter's top-``trace`` tokens per position."""
     target, drafter = t_spec.merge(t_weights), d_spec.merge(d_weights)
     block_len = jnp.clip(limit - state.target_cache.length, 1, block)
-    drafts, draft_cache = draft_stage(target, drafter, state, block_len, block)
+    logits, draft_cache = draft_stage(target, drafter, state, block_len, block)
+    drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     tokens = jnp.concatenate([state.bonus[:, None], drafts], axis=1)
     posterior, features, cache = verify(target, state.target_cache, tokens, drafter.config.target_layer_ids, form)
-    return commit_stage(state, drafts, posterior, features, cache, draft_cache, block_len, limit, stop_ids)
+    extra = (jax.lax.top_k(logits, trace)[1],) if trace else ()
+    return commit_stage(state, drafts, posterior, features, cache, draft_cache, block_len, limit, stop_ids, *extra)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("t_spec", "d_spec", "block", "budget", "max_children", "form"),
+    static_argnames=("t_spec", "d_spec", "block", "budget", "max_children", "form", "trace"),
     donate_argnames=("state",),
 )
 def ddtree_round(
-    t_spec, t_weights, d_spec, d_weights, state: DecodeState, limit, stop_ids, block, budget, max_children, form
+    t_spec,
+    t_weights,
+    d_spec,
+    d_weights,
+    state: DecodeState,
+    limit,
+    stop_ids,
+    block,
+    budget,
+    max_children,
+    form,
+    trace: int = 0,
 ):
     """One DDTree round: draft once, build a best-first tree of ``budget`` nodes, verify it in one forward
     (each node sees the prefix and its ancestors, at position start + depth), walk the target's choices down
-    the tree, and compact the accepted path's latent rows to start .. start + produced - 1."""
+    the tree, and compact the accepted path's latent rows to start .. start + produced - 1. ``trace`` > 0 also
+    reports the drafter's top-``trace`` tokens per position and the tree (tokens, parents; -1 where unused)."""
     target, drafter = t_spec.merge(t_weights), d_spec.merge(d_weights)
     start = state.target_cache.length
     block_len = jnp.clip(limit - start, 1, block)
@@ -182,7 +212,15 @@ def ddtree_round(
         context=jnp.take_along_axis(out.taps, path[:, :, None], axis=1),  # features in path order
         context_count=produced,
     )
-    return new_state, _report(emitted, produced, stopped)
+    extra = ()
+    if trace:
+        unused = ~tree.valid
+        extra = (
+            jax.lax.top_k(logits, trace)[1],
+            jnp.where(unused, -1, tree.tokens),
+            jnp.where(unused, -1, tree.parents),
+        )
+    return new_state, _report(emitted, produced, stopped, *extra)
 
 
 @functools.partial(jax.jit, static_argnames=("t_spec", "form"), donate_argnames=("state",))
@@ -195,9 +233,11 @@ def ar_step(t_spec: ModuleSpec, t_weights, state: DecodeState, stop_ids, form):
     return new_state, _report(posterior, jnp.ones_like(token), stopped)
 
 
-def _report(emitted, produced, stopped) -> jax.Array:
-    """One int32 array [B, block + 2] (tokens | produced | stopped): a single device-to-host read per round."""
-    return jnp.concatenate([emitted, produced[:, None], stopped[:, None].astype(jnp.int32)], axis=1)
+def _report(emitted, produced, stopped, *trace) -> jax.Array:
+    """One int32 array [B, block + 2 + ...] (tokens | produced | stopped | flattened trace arrays): a single
+    device-to-host read per round."""
+    flat = [x.reshape(x.shape[0], -1).astype(jnp.int32) for x in trace]
+    return jnp.concatenate([emitted, produced[:, None], stopped[:, None].astype(jnp.int32), *flat], axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("t_spec", "d_spec", "taps", "block"), donate_argnames=("state",))
@@ -254,11 +294,13 @@ class SpeculativeDecoder:
         block_size: int | None = None,
         budget: int | None = None,
         max_children: int | None = None,
+        trace_topk: int = 0,
     ) -> Generation:
         """Greedy-decode up to ``max_new_tokens`` after ``prompt_ids`` (default stops: the target's EOS ids).
 
         ``ddtree``: ``budget`` tree nodes per round (default block_size - 1); ``max_children`` caps the
-        branching (1 verifies the DFlash chain through the tree path).
+        branching (1 verifies the DFlash chain through the tree path). ``trace_topk`` > 0 records each round's
+        draft top-k (and DDTree trees) in the result.
         """
         prompt = self.target._check_tokens(prompt_ids, None)
         if prompt.shape[0] != 1:
@@ -303,7 +345,7 @@ class SpeculativeDecoder:
         first = int(state.bonus[0])
         prefill_seconds = time.perf_counter() - t0
 
-        tokens, lengths = [first], []
+        result = Generation([first], [], prefill_seconds, 0.0)
         start, stopped = prompt_len, first in stops
         limit = np.array([max_length], np.int32)
         weights = (self._t_spec, self._t_weights)
@@ -313,17 +355,30 @@ class SpeculativeDecoder:
                 state, report = ar_step(*weights, state, stop_ids, self.form)
             elif method == "dflash":
                 drafter = (self._d_spec, self._d_weights)
-                state, report = dflash_round(*weights, *drafter, state, limit, stop_ids, block, self.form)
+                state, report = dflash_round(*weights, *drafter, state, limit, stop_ids, block, self.form, trace_topk)
             else:
                 drafter = (self._d_spec, self._d_weights)
-                tree = (block, budget, max_children, self.form)
+                tree = (block, budget, max_children, self.form, trace_topk)
                 state, report = ddtree_round(*weights, *drafter, state, limit, stop_ids, *tree)
             row = np.asarray(report[0])
-            produced, stopped = int(row[-2]), bool(row[-1])
-            tokens.extend(int(x) for x in row[:produced])
-            lengths.append(produced)
+            width = 1 if method == "ar" else block
+            produced, stopped = int(row[width]), bool(row[width + 1])
+            result.tokens.extend(int(x) for x in row[:produced])
+            result.acceptance_lengths.append(produced)
+            if trace_topk and method != "ar":
+                self._record(result, row[width + 2 :], block, trace_topk, method)
             start += produced
-        return Generation(tokens, lengths, prefill_seconds, time.perf_counter() - t0)
+        result.decode_seconds = time.perf_counter() - t0
+        return result
+
+    @staticmethod
+    def _record(result: Generation, trace: np.ndarray, block: int, k: int, method: Method) -> None:
+        drafted = (block - 1) * k
+        result.draft_topk.append(trace[:drafted].reshape(block - 1, k))
+        if method == "ddtree":
+            tokens, parents = np.split(trace[drafted:], 2)
+            valid = tokens >= 0
+            result.trees.append((tokens[valid], parents[valid]))
 
     def _prefill(self, prompt: np.ndarray, padded: int, slots: int, block: int | None) -> DecodeState:
         tokens = np.zeros((1, padded), np.int32)

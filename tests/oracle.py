@@ -21,7 +21,7 @@ from jaxdd.drafter import DFlashDrafter
 
 
 class OracleDrafter(nnx.Module):
-    """Duck-types ``DFlashDrafter`` (config / inject / draft_logits / propose) for the jitted rounds.
+    """Duck-types ``DFlashDrafter`` (config / inject / draft_logits) for the jitted rounds.
 
     Where right[p], the greedy token's logit is lifted above the row's maximum: it becomes the argmax (DFlash)
     and the top-ranked child (DDTree), while the rest of the row keeps the real drafter's ranking. With
@@ -45,9 +45,6 @@ class OracleDrafter(nnx.Module):
         lifted = jnp.max(logits, axis=-1, keepdims=True) + self.lift
         truth = jax.nn.one_hot(self.greedy[...][positions], logits.shape[-1], dtype=bool)
         return jnp.where(self.right[...][positions][..., None] & truth, lifted, logits)
-
-    def propose(self, target, cache, bonus, start, block_len, block):
-        return jnp.argmax(self.draft_logits(target, cache, bonus, start, block_len, block), -1).astype(jnp.int32)
 
 
 def patched_reference_drafter(drafter, greedy: np.ndarray, right: np.ndarray, second: bool = False):
