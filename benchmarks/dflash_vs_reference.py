@@ -27,10 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the reference builders
 from oracle import OracleDrafter, patched_reference_drafter
-from reference import TINY_K2, dflash_reference, drafter_config, hf_drafter, hf_greedy, hf_model
+from reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model
 from timing import median_ms, timed
 
 import jaxdd
+from jaxdd.crosscheck.torch_reference import dflash_reference
 from jaxdd.speculative import SpeculativeDecoder, commit_stage, dflash_round, draft_stage, verify
 
 RESULTS = Path(__file__).parent / "results" / "dflash_vs_reference.json"

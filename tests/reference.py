@@ -162,25 +162,6 @@ def hf_drafter(config: dict, seed: int):
     return DFlashDraftModel(Qwen3Config(**config)).float().eval()
 
 
-def dflash_reference(drafter, target, prompt, max_new_tokens, block_size, stop_token_ids):
-    """z-lab dflash_generate (greedy) on CPU: (new tokens, per-round acceptance lengths)."""
-    import time
-
-    import dflash.model
-
-    dflash.model._cuda_time = time.perf_counter  # the reference times itself with torch.cuda.synchronize
-    result = dflash.model.dflash_generate(
-        drafter,
-        target,
-        torch.tensor([list(prompt)]),
-        max_new_tokens=max_new_tokens,
-        stop_token_ids=stop_token_ids,
-        block_size=block_size,
-        return_stats=True,
-    )
-    return result.output_ids[0, len(prompt) :].tolist(), list(result.acceptance_lengths)
-
-
 def hf_greedy(target, prompt, max_new_tokens: int) -> list[int]:
     """Greedy decoding by full HF forwards (no cache, no stop tokens): the simplest possible reference."""
     ids = list(prompt)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ddtree_reference import ddtree_reference
 from oracle import OracleDrafter, patched_reference_drafter
 from reference import hf_greedy
 
+from jaxdd.crosscheck.torch_reference import ddtree_reference
 from jaxdd.jit_state import count_compilations
 from jaxdd.speculative import SpeculativeDecoder
 
@@ -93,9 +93,9 @@ def test_compiles_once_per_budget_and_bucket(models):
 @pytest.mark.parametrize("second", [False, True], ids=["top-ranked", "second-ranked"])
 @pytest.mark.parametrize("budget", [BLOCK - 1, 64])
 def test_matches_pytorch_ddtree_loop(models, greedy, budget, second):
-    """Token- and acceptance-identical to a PyTorch DDTree loop on the HF models (tests/ddtree_reference.py: the
-    paper's heap, one 4-D-masked HF verify, cache compaction), with random drafts, oracle drafts reached through
-    first or second children, and a stop token inside a round."""
+    """Token- and acceptance-identical to a PyTorch DDTree loop on the HF models
+    (jaxdd/crosscheck/torch_reference.py: the paper's heap, one 4-D-masked HF verify, cache compaction), with
+    random drafts, oracle drafts reached through first or second children, and a stop token inside a round."""
     ref_target, ref_drafter, decoder = models
     prompt, expected = PROMPTS[1], greedy[1]
     tokens, lengths = ddtree_reference(ref_drafter, ref_target, prompt, MAX_NEW, BLOCK, budget, None)

@@ -7,14 +7,11 @@ import numpy as np
 import pytest
 from flax import nnx
 from oracle import OracleDrafter, patched_reference_drafter
-from reference import (
-    dflash_reference,
-    drafter_config,
-    hf_greedy,
-)
+from reference import drafter_config, hf_greedy
 
 import jaxdd
 from jaxdd.config import DrafterConfig
+from jaxdd.crosscheck.torch_reference import dflash_reference
 from jaxdd.drafter import DFlashDrafter
 from jaxdd.jit_state import count_compilations
 from jaxdd.speculative import SpeculativeDecoder

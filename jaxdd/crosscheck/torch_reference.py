@@ -1,14 +1,23 @@
-"""A PyTorch DDTree loop on HF transformers models, written here (ours, not the paper authors').
+"""The PyTorch references that cross-checks run: HF greedy decoding, z-lab ``dflash_generate``, and a DDTree
+loop on HF transformers models written here (ours, not the paper authors'). Needs the ``reference`` extra
+(torch, transformers, dflash).
 
-It follows the paper's ``ddtree_generate`` (liranringel/ddtree): draft exactly as z-lab ``dflash_generate``,
-build the tree with the paper's heap (``jaxdd.tree.build_tree_host``, a plain port), verify all nodes in one HF
-target forward with a 4-D mask (whole prefix + ancestors) at positions start + depth, follow the target's
-argmax down the tree, compact the accepted path's cache rows, and feed the path's features to the drafter.
+The DDTree loop follows the paper's ``ddtree_generate`` (liranringel/ddtree): draft exactly as z-lab
+``dflash_generate``, build the tree with the paper's heap (``jaxdd.tree.build_tree_host``, a plain port),
+verify all nodes in one HF target forward with a 4-D mask (whole prefix + ancestors) at positions
+start + depth, follow the target's argmax down the tree, compact the accepted path's cache rows, and feed the
+path's features to the drafter.
 Limits and stop tokens follow ``dflash_generate``. Greedy only, batch 1, CPU.
+
+Each run can ``record`` what happened per round: the drafter's logits and, for DDTree, the tree.
 """
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
+
+import dflash.model
 import numpy as np
 import torch
 from dflash.model import _crop_to, _make_cache, _raw_input_embeddings, extract_context_feature
@@ -27,7 +36,56 @@ def _compact(cache, start: int, path: list[int]) -> None:
 
 
 @torch.inference_mode()
-def ddtree_reference(drafter, target, prompt, max_new_tokens: int, block_size: int, budget: int, stop_token_ids):
+def ar_reference(target, prompt, max_new_tokens: int, stop_token_ids) -> tuple[list[int], list[int]]:
+    """Greedy decoding with HF's KV cache: (new tokens, one per round), stopping after a stop token."""
+    cache, ids, stops = _make_cache(target.config), list(prompt), set(stop_token_ids or [])
+    new = ids
+    for _ in range(max_new_tokens):
+        logits = target(torch.tensor([new]), past_key_values=cache, use_cache=True).logits
+        new = [int(logits[0, -1].argmax())]
+        ids += new
+        if new[0] in stops:
+            break
+    tokens = ids[len(prompt) :]
+    return tokens, [1] * (len(tokens) - 1)
+
+
+@torch.inference_mode()
+def dflash_reference(drafter, target, prompt, max_new_tokens, block_size, stop_token_ids, record=None):
+    """z-lab dflash_generate (greedy) on CPU: (new tokens, per-round acceptance lengths)."""
+    dflash.model._cuda_time = time.perf_counter  # the reference times itself with torch.cuda.synchronize
+    compute_logits = drafter.compute_logits
+    if record is not None:  # record each round's draft logits without touching the algorithm
+
+        def recording(hidden, head):
+            logits = compute_logits(hidden, head)
+            record["draft_logits"].append(logits[0].float().numpy())
+            return logits
+
+        drafter.compute_logits = recording
+    try:
+        result = dflash.model.dflash_generate(
+            drafter,
+            target,
+            torch.tensor([list(prompt)]),
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            block_size=block_size,
+            return_stats=True,
+        )
+    finally:
+        drafter.compute_logits = compute_logits
+    return result.output_ids[0, len(prompt) :].tolist(), list(result.acceptance_lengths)
+
+
+def new_record() -> defaultdict:
+    return defaultdict(list)
+
+
+@torch.inference_mode()
+def ddtree_reference(
+    drafter, target, prompt, max_new_tokens: int, block_size: int, budget: int, stop_token_ids, record=None
+):
     """(new tokens, per-round acceptance lengths) of greedy DDTree decoding."""
     num_input = len(prompt)
     max_length = num_input + max_new_tokens
@@ -60,6 +118,9 @@ def ddtree_reference(drafter, target, prompt, max_new_tokens: int, block_size: i
         tree = build_tree_host(draft_logits, budget)
         nodes = len(tree.tokens) + 1
         parents = tree.parents
+        if record is not None:
+            record["draft_logits"].append(draft_logits)
+            record["trees"].append((np.array([int(block[0, 0]), *tree.tokens]), np.asarray(parents)))
         visible = np.eye(nodes, dtype=bool)
         for i in range(1, nodes):
             visible[i] |= visible[parents[i]]
@@ -95,3 +156,15 @@ def ddtree_reference(drafter, target, prompt, max_new_tokens: int, block_size: i
         start += produced
         lengths.append(produced)
     return output_ids[0, num_input : min(start + 1, max_length)].tolist(), lengths
+
+
+@torch.inference_mode()
+def teacher_forced(target, sequence: list[int], logit_positions: list[int], hidden_positions: list[int], topk: int):
+    """One HF forward over ``sequence``: top-k logits (ids, values, logsumexp) at ``logit_positions`` and the
+    residual stream after every layer but the last (HF's last hidden state is final-normed) at
+    ``hidden_positions``: hidden [layers - 1, len(hidden_positions), D]."""
+    out = target(torch.tensor([sequence]), output_hidden_states=True)
+    logits = out.logits[0, logit_positions].float()
+    values, ids = torch.topk(logits, topk, dim=-1)
+    hidden = torch.stack([h[0, hidden_positions] for h in out.hidden_states[1:-1]]).float()
+    return ids.numpy(), values.numpy(), torch.logsumexp(logits, -1).numpy(), hidden.numpy()

@@ -1,0 +1,69 @@
+"""``python -m jaxdd.crosscheck``: dump PyTorch reference traces, or compare jaxdd against them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jaxdd.crosscheck import __doc__ as usage
+from jaxdd.errors import CheckpointError, ConfigError, InputError
+from jaxdd.generate import parse_ids, positive
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m jaxdd.crosscheck", description=usage.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    dump = commands.add_parser("dump", help="run the PyTorch references and store their traces")
+    dump.add_argument("--target", required=True, help="HF target checkpoint directory")
+    dump.add_argument("--drafter", help="z-lab DFlash drafter directory (dflash, ddtree)")
+    dump.add_argument("--prompts", required=True, help="JSON list of prompts (token-id lists or strings)")
+    dump.add_argument("--method", choices=["ar", "dflash", "ddtree"], required=True)
+    dump.add_argument("--out", required=True, help="reference file to write (.npz)")
+    dump.add_argument("--max-new-tokens", type=positive, default=32)
+    dump.add_argument("--block-size", type=positive, help="default: the drafter's")
+    dump.add_argument("--budget", type=positive, help="DDTree nodes per round (default: block size - 1)")
+    dump.add_argument("--stop-ids", type=parse_ids, help="default: the target's EOS ids")
+    dump.add_argument("--topk", type=positive, default=8, help="draft and logit top-k to store")
+    compare = commands.add_parser("compare", help="run jaxdd on this backend and compare with a reference")
+    compare.add_argument("reference", help="file written by dump")
+    compare.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    compare.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "dump":
+            from jaxdd.crosscheck.dump import dump, read_prompts
+
+            prompts = read_prompts(args.prompts, args.target)
+            path = dump(
+                args.target,
+                prompts,
+                args.method,
+                args.out,
+                drafter_dir=args.drafter,
+                max_new_tokens=args.max_new_tokens,
+                block_size=args.block_size,
+                budget=args.budget,
+                stop_ids=args.stop_ids,
+                topk=args.topk,
+            )
+            print(f"wrote {path}: {len(prompts)} prompt(s), method {args.method}")
+            return 0
+        from jaxdd.crosscheck.compare import compare
+
+        report = compare(args.reference, DTYPES[args.dtype])
+    except (CheckpointError, ConfigError, InputError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_json(), indent=2) if args.json else report)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""``compare``: rerun a dumped reference with jaxdd on this backend and say where, if anywhere, it departs.
+
+Checks, per prompt: generated tokens and per-round acceptance; the drafter's per-round top-k and the DDTree trees
+(over the rounds whose inputs still agree); teacher-forced target logits over the reference's own sequence (so
+numerics are compared even after the tokens part); and the residual stream after every layer, which localises
+a numerical fault to the first layer and position where it appears.
+
+A token divergence is *explained* when the reference's own top-2 margin at that position is within the dtype's
+tolerance, or within twice the logit difference actually measured there (a near-tie that rounding may flip);
+anything else is *unexplained*. Unexplained divergences, and teacher-forced logits beyond the tolerance, fail
+the check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxdd.crosscheck.trace import PromptTrace, load_traces
+from jaxdd.speculative import SpeculativeDecoder, bucket
+
+# Relative tolerances (of the largest reference magnitude at that position) per jaxdd compute dtype. fp32 runs
+# agree to ~1e-6; bf16 carries ~4e-3 rounding per op through every layer (measured up to ~4e-2 of the largest
+# logit on the tiny random test models, whose logits are small).
+TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-1}
+
+
+@dataclasses.dataclass
+class PromptReport:
+    prompt: int
+    tokens: int
+    matching_tokens: int
+    divergence: dict[str, Any] | None  # first differing token: index, round, position, ids, margin, explained
+    acceptance_equal: bool
+    first_acceptance_difference: int | None  # round
+    draft_rounds: int  # rounds compared (inputs still identical)
+    draft_top1_agree: int
+    draft_topk_agreement: float
+    first_draft_difference: int | None  # round whose top-1 draft differs
+    tree_rounds: int
+    first_tree_difference: int | None
+    logits_max_abs: float
+    logits_mean_abs: float
+    logits_max_rel: float
+    first_logit_excess: dict[str, Any] | None  # position, relative error
+    first_hidden_excess: dict[str, Any] | None  # layer, position, relative error
+
+    @property
+    def unexplained(self) -> bool:
+        diverged = self.divergence is not None and not self.divergence["explained"]
+        return diverged or self.first_logit_excess is not None
+
+
+@dataclasses.dataclass
+class Report:
+    method: str
+    dtype: str
+    backend: str
+    tolerance: float
+    prompts: list[PromptReport]
+
+    @property
+    def ok(self) -> bool:
+        return not any(p.unexplained for p in self.prompts)
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["ok"] = self.ok
+        for entry, prompt in zip(out["prompts"], self.prompts, strict=True):
+            entry["unexplained"] = prompt.unexplained
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"jaxdd cross-check: {self.method}, jaxdd {self.dtype} on {self.backend} vs the PyTorch reference"]
+        for p in self.prompts:
+            lines.append(f"prompt {p.prompt}: " + "; ".join(_prompt_lines(p, self.tolerance)))
+        bad = sum(p.unexplained for p in self.prompts)
+        lines.append("result: OK" if self.ok else f"result: FAIL ({bad} prompt(s) with unexplained divergence)")
+        return "\n".join(lines)
+
+
+def _prompt_lines(p: PromptReport, tolerance: float) -> list[str]:
+    out = []
+    if p.divergence is None:
+        out.append(f"tokens {p.tokens}/{p.tokens} identical")
+    else:
+        d = p.divergence
+        why = "near-tie, explained" if d["explained"] else "UNEXPLAINED"
+        out.append(
+            f"tokens {p.matching_tokens}/{p.tokens} identical, first divergence at token {d['index']} "
+            f"(round {d['round']}, position {d['position']}): reference {d['reference']}, jaxdd {d['jaxdd']}; "
+            f"reference top-2 margin {d['margin']:.2e} vs tolerance {tolerance:.0e} ({why})"
+        )
+    if p.acceptance_equal:
+        out.append("acceptance identical")
+    else:
+        out.append(f"acceptance first differs in round {p.first_acceptance_difference}")
+    if p.draft_rounds:
+        draft = f"draft top-1 {p.draft_top1_agree}/{p.draft_rounds} rounds, top-k {p.draft_topk_agreement:.1%}"
+        if p.first_draft_difference is not None:
+            draft += f", first differs in round {p.first_draft_difference}"
+        out.append(draft)
+    if p.tree_rounds:
+        same = p.first_tree_difference is None
+        out.append(
+            f"trees identical ({p.tree_rounds} rounds)"
+            if same
+            else f"trees first differ in round {p.first_tree_difference}"
+        )
+    out.append(f"logits max |d| {p.logits_max_abs:.1e} (rel {p.logits_max_rel:.1e}), mean {p.logits_mean_abs:.1e}")
+    if p.first_logit_excess is not None:
+        e = p.first_logit_excess
+        out.append(f"target logits first exceed tolerance at position {e['position']} (rel {e['rel']:.1e})")
+    if p.first_hidden_excess is not None:
+        e = p.first_hidden_excess
+        out.append(
+            f"hidden states first exceed it after layer {e['layer']} at position {e['position']} (rel {e['rel']:.1e})"
+        )
+    return out
+
+
+def compare(reference_path, dtype: str = "float32") -> Report:
+    """Run jaxdd (current default backend, ``dtype``) on the reference's inputs and compare."""
+    import jaxdd
+
+    meta, traces = load_traces(reference_path)
+    target = jaxdd.load_target(meta["target"], dtype=dtype)
+    drafter = jaxdd.load_drafter(meta["drafter"], dtype=dtype) if meta["method"] != "ar" else None
+    decoder = SpeculativeDecoder(target, drafter)
+    tolerance = TOLERANCE[dtype]
+    reports = [_compare_prompt(i, t, meta, target, decoder, tolerance) for i, t in enumerate(traces)]
+    return Report(meta["method"], dtype, jax.default_backend(), tolerance, reports)
+
+
+def _compare_prompt(index: int, ref: PromptTrace, meta, target, decoder, tolerance: float) -> PromptReport:
+    method = meta["method"]
+    ours = decoder.generate(
+        ref.prompt.tolist(),
+        method=method,
+        max_new_tokens=meta["max_new_tokens"],
+        stop_token_ids=meta["stop_ids"],
+        block_size=None if method == "ar" else meta["block_size"],
+        budget=meta["budget"],
+        trace_topk=0 if method == "ar" else meta["topk"],
+    )
+    n = min(len(ours.tokens), len(ref.tokens))
+    differ = np.flatnonzero(np.asarray(ours.tokens[:n]) != ref.tokens[:n])
+    first = int(differ[0]) if differ.size else (n if len(ours.tokens) != len(ref.tokens) else None)
+    # Rounds whose inputs still agree: up to and including the round that produced the first divergence.
+    ends = np.cumsum(ref.acceptance)
+    last_round = len(ref.acceptance) - 1 if first is None else int(np.searchsorted(ends, max(first, 1) - 1, "right"))
+
+    acceptance = np.asarray(ours.acceptance_lengths)
+    rounds = min(len(acceptance), len(ref.acceptance), last_round + 1)
+    acc_diff = np.flatnonzero(acceptance[:rounds] != ref.acceptance[:rounds])
+    acceptance_equal = not acc_diff.size and (first is not None or len(acceptance) == len(ref.acceptance))
+
+    draft_rounds = min(len(ours.draft_topk), len(ref.draft_topk), rounds)
+    top1, topk, first_draft = 0, [], None
+    for r in range(draft_rounds):
+        rows = int((ref.draft_topk[r][:, 0] >= 0).sum())  # the reference's block may be shorter
+        a, b = ours.draft_topk[r][:rows], ref.draft_topk[r][:rows]
+        same_top1 = bool((a[:, 0] == b[:, 0]).all())
+        top1 += same_top1
+        topk.append(np.mean([len(set(x) & set(y)) / len(y) for x, y in zip(a, b, strict=True)]) if rows else 1.0)
+        if not same_top1 and first_draft is None:
+            first_draft = r
+
+    tree_rounds = min(len(ours.trees), len(ref.tree_tokens), rounds)
+    first_tree = next(
+        (r for r in range(tree_rounds) if _paths(*ours.trees[r]) != _paths(ref.tree_tokens[r], ref.tree_parents[r])),
+        None,
+    )
+
+    logits, hidden = _teacher_forced(target, ref)
+    ours_at_ids = np.take_along_axis(logits[ref.logit_positions], ref.logit_ids, axis=1)
+    diff = np.abs(ours_at_ids - ref.logit_values)
+    scale = np.maximum(np.abs(ref.logit_values).max(axis=1), 1e-30)
+    rel = diff.max(axis=1) / scale
+    excess = np.flatnonzero(rel > tolerance)
+    first_logit = None
+    if excess.size:
+        first_logit = {"position": int(ref.logit_positions[excess[0]]), "rel": float(rel[excess[0]])}
+
+    divergence = None
+    if first is not None:
+        noise = float(diff[first].max()) if first < len(diff) else 0.0
+        divergence = _divergence(ref, ours.tokens, first, last_round, tolerance, noise)
+
+    first_hidden = None
+    if hidden is not None:
+        ours_hidden = hidden[:, ref.hidden_positions]  # [layers - 1, H, D]
+        scale = np.maximum(np.abs(ref.hidden).max(axis=-1), 1e-30)
+        hidden_rel = np.abs(ours_hidden - ref.hidden).max(axis=-1) / scale  # [layers - 1, H]
+        for layer, h in zip(*np.nonzero(hidden_rel > tolerance), strict=True):
+            position = int(ref.hidden_positions[h])
+            first_hidden = {"layer": int(layer), "position": position, "rel": float(hidden_rel[layer, h])}
+            break  # np.nonzero is in layer-major order: the first layer, then its first position
+
+    return PromptReport(
+        prompt=index,
+        tokens=len(ref.tokens),
+        matching_tokens=len(ref.tokens) if first is None else first,
+        divergence=divergence,
+        acceptance_equal=bool(acceptance_equal),
+        first_acceptance_difference=int(acc_diff[0]) if acc_diff.size else None,
+        draft_rounds=draft_rounds,
+        draft_top1_agree=top1,
+        draft_topk_agreement=float(np.mean(topk)) if topk else 1.0,
+        first_draft_difference=first_draft,
+        tree_rounds=tree_rounds,
+        first_tree_difference=first_tree,
+        logits_max_abs=float(diff.max()),
+        logits_mean_abs=float(diff.mean()),
+        logits_max_rel=float(rel.max()),
+        first_logit_excess=first_logit,
+        first_hidden_excess=first_hidden,
+    )
+
+
+def _divergence(
+    ref: PromptTrace, ours: list[int], index: int, round_: int, tolerance: float, noise: float
+) -> dict[str, Any]:
+    margin, scale = float("inf"), 1.0  # one side stopping earlier is never a near-tie
+    if index < min(len(ref.tokens), len(ours)):
+        values = ref.logit_values[index]
+        margin, scale = float(values[0] - values[1]), float(np.abs(values).max())
+    return {
+        "index": index,
+        "round": -1 if index == 0 else round_,  # token 0 comes from the prefill
+        "position": int(len(ref.prompt) + index),
+        "reference": int(ref.tokens[index]) if index < len(ref.tokens) else None,
+        "jaxdd": int(ours[index]) if index < len(ours) else None,
+        "margin": margin,
+        "explained": margin <= max(tolerance * scale, 2 * noise),
+    }
+
+
+def _teacher_forced(target, ref: PromptTrace) -> tuple[np.ndarray, np.ndarray | None]:
+    """jaxdd's fp32 logits [T, V] and residual stream [layers - 1, T, D] over the reference's sequence."""
+    sequence = np.concatenate([ref.prompt, ref.tokens[:-1]])[None]
+    layers = target.config.num_hidden_layers
+    taps = tuple(range(layers - 1))
+    out = target.forward(sequence, target.new_cache(1, bucket(sequence.shape[1])), taps=taps)
+    logits = np.asarray(out.logits[0])
+    if not taps:
+        return logits, None
+    hidden = np.asarray(out.taps[0], np.float32).reshape(sequence.shape[1], len(taps), -1).transpose(1, 0, 2)
+    return logits, hidden
+
+
+def _paths(tokens: np.ndarray, parents: np.ndarray) -> set[tuple[int, ...]]:
+    """A tree as the set of root-to-node token paths (independent of node order and parent conventions)."""
+    tokens, parents = np.asarray(tokens), np.asarray(parents)
+    valid = int((tokens >= 0).sum())
+    paths: list[tuple[int, ...]] = [(int(tokens[0]),)]
+    for i in range(1, valid):
+        paths.append((*paths[int(parents[i])], int(tokens[i])))
+    return set(paths)

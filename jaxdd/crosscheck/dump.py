@@ -1,0 +1,114 @@
+"""``dump``: run the PyTorch references once (fp32, CPU) and store what a jaxdd backend must reproduce."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from jaxdd.config import KimiConfig
+from jaxdd.crosscheck.trace import PromptTrace, pad_rows, save_traces, selected_positions
+from jaxdd.errors import InputError
+from jaxdd.tokenizer import load_tokenizer
+
+
+def read_prompts(path: str | Path, target_dir: str | Path) -> list[list[int]]:
+    """A JSON list of prompts: token-id lists, or strings (encoded with the target's tokenizer.json)."""
+    prompts = json.loads(Path(path).read_text())
+    if not isinstance(prompts, list) or not prompts:
+        raise InputError(f"{path}: expected a non-empty JSON list of prompts")
+    tokenizer = load_tokenizer(target_dir)
+    out = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise InputError(f"{path}: prompt {i} is text but {target_dir} has no tokenizer.json")
+            prompt = tokenizer.encode(prompt).ids
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InputError(f"{path}: prompt {i} must be a non-empty list of token ids or a string")
+        out.append(list(prompt))
+    return out
+
+
+def dump(
+    target_dir: str | Path,
+    prompts: list[list[int]],
+    method: str,
+    out: str | Path,
+    drafter_dir: str | Path | None = None,
+    max_new_tokens: int = 32,
+    block_size: int | None = None,
+    budget: int | None = None,
+    stop_ids: list[int] | None = None,
+    topk: int = 8,
+) -> Path:
+    """Run ``method`` in PyTorch on every prompt and write the reference traces to ``out`` (.npz)."""
+    import dflash
+    import torch
+    import transformers
+    from dflash.model import DFlashDraftModel
+    from transformers import DeepseekV3ForCausalLM
+
+    from jaxdd.crosscheck import torch_reference as ref
+
+    if method != "ar" and drafter_dir is None:
+        raise InputError(f"method {method!r} needs a drafter")
+    target = DeepseekV3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    drafter = DFlashDraftModel.from_pretrained(drafter_dir).float().eval() if method != "ar" else None
+    block = (block_size or drafter.block_size) if drafter is not None else 1
+    budget = (budget or block - 1) if method == "ddtree" else None
+    stops = list(
+        KimiConfig.from_json_file(Path(target_dir) / "config.json").eos_token_ids if stop_ids is None else stop_ids
+    )
+
+    traces = []
+    for prompt in prompts:
+        record = ref.new_record()
+        if method == "ar":
+            tokens, acceptance = ref.ar_reference(target, prompt, max_new_tokens, stops)
+        elif method == "dflash":
+            tokens, acceptance = ref.dflash_reference(drafter, target, prompt, max_new_tokens, block, stops, record)
+        else:
+            tokens, acceptance = ref.ddtree_reference(
+                drafter, target, prompt, max_new_tokens, block, budget, stops, record
+            )
+        logit_positions, hidden_positions = selected_positions(len(prompt), len(tokens))
+        sequence = prompt + tokens[:-1]
+        ids, values, lse, hidden = ref.teacher_forced(target, sequence, logit_positions, hidden_positions, topk)
+        # Stable descending order: among equal logits the lower token id first, as jax.lax.top_k orders them.
+        draft_topk = [np.argsort(-logits, axis=-1, kind="stable")[:, :topk] for logits in record["draft_logits"]]
+        trees = record["trees"]
+        traces.append(
+            PromptTrace(
+                prompt=np.array(prompt, np.int32),
+                tokens=np.array(tokens, np.int32),
+                acceptance=np.array(acceptance, np.int32),
+                draft_topk=pad_rows(draft_topk, (block - 1, topk)),
+                tree_tokens=pad_rows([t for t, _ in trees], (budget + 1,) if budget else (0,)),
+                tree_parents=pad_rows([p for _, p in trees], (budget + 1,) if budget else (0,)),
+                logit_positions=logit_positions.astype(np.int32),
+                logit_ids=ids.astype(np.int32),
+                logit_values=values,
+                logsumexp=lse,
+                hidden_positions=hidden_positions.astype(np.int32),
+                hidden=hidden,
+            )
+        )
+    meta = {
+        "method": method,
+        "target": str(Path(target_dir).absolute()),
+        "drafter": str(Path(drafter_dir).absolute()) if drafter_dir else None,
+        "max_new_tokens": max_new_tokens,
+        "block_size": block,
+        "budget": budget,
+        "stop_ids": stops,
+        "topk": topk,
+        "reference": {
+            "dtype": "float32",
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "dflash": getattr(dflash, "__version__", "unknown"),
+        },
+    }
+    return save_traces(out, meta, traces)

@@ -1,0 +1,97 @@
+"""``python -m jaxdd.crosscheck``: dump PyTorch traces, compare jaxdd against them, and catch a broken jaxdd."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from reference import TINY_K2, drafter_config, hf_drafter, hf_model
+
+import jaxdd.target
+from jaxdd.crosscheck.__main__ import main
+from jaxdd.crosscheck.compare import compare
+from jaxdd.crosscheck.trace import load_traces
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("crosscheck")
+    hf_model(TINY_K2, seed=5).save_pretrained(root / "target")
+    hf_drafter(drafter_config(block_size=4), seed=5).save_pretrained(root / "drafter")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 250, n).tolist() for n in (7, 12)]
+    (root / "prompts.json").write_text(json.dumps(prompts))
+    return root
+
+
+@pytest.fixture(scope="module")
+def references(models):
+    """One reference file per method, dumped through the CLI."""
+    out = {}
+    for method in ("ar", "dflash", "ddtree"):
+        out[method] = models / f"{method}.npz"
+        args = ["dump", "--target", str(models / "target"), "--prompts", str(models / "prompts.json")]
+        args += ["--method", method, "--out", str(out[method]), "--max-new-tokens", "12", "--stop-ids", "-1"]
+        if method != "ar":
+            args += ["--drafter", str(models / "drafter")]
+        if method == "ddtree":
+            args += ["--budget", "6"]
+        assert main(args) == 0
+    return out
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+def test_dump_then_compare_passes(references, method, capsys):
+    meta, traces = load_traces(references[method])
+    assert meta["method"] == method and len(traces) == 2
+    assert all(len(t.tokens) == 12 for t in traces)
+    if method == "ddtree":
+        assert traces[0].tree_tokens.shape[1] == 7 and (traces[0].tree_tokens[:, 0] >= 0).all()
+    capsys.readouterr()
+    assert main(["compare", str(references[method]), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"]
+    for prompt in report["prompts"]:
+        assert prompt["divergence"] is None and prompt["acceptance_equal"]
+        assert prompt["logits_max_rel"] < 1e-5 and prompt["first_hidden_excess"] is None
+        if method != "ar":
+            assert prompt["draft_rounds"] == len(traces[prompt["prompt"]].acceptance)
+            assert prompt["draft_top1_agree"] == prompt["draft_rounds"]
+        if method == "ddtree":
+            assert prompt["tree_rounds"] > 0 and prompt["first_tree_difference"] is None
+
+
+@pytest.fixture
+def fresh_compilations():
+    """Jitted functions are cached by module structure; a patched module must be traced again (and not leak)."""
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
+def test_wrong_rope_layout_is_caught_and_localised(references, monkeypatch, fresh_compilations, capsys):
+    """Rotating the rope channels as halves instead of interleaved pairs: position 0 (angle 0) is unaffected,
+    so the hidden states must point at position 1, layer 0; the logits fail from the first stored position."""
+    apply_rope = jaxdd.target.apply_rope
+    monkeypatch.setattr(jaxdd.target, "apply_rope", lambda x, cos, sin, interleaved: apply_rope(x, cos, sin, False))
+    report = compare(references["ddtree"])
+    assert not report.ok
+    _, traces = load_traces(references["ddtree"])
+    for prompt, trace in zip(report.prompts, traces, strict=True):
+        assert prompt.unexplained
+        assert prompt.first_logit_excess["position"] == len(trace.prompt) - 1
+        assert prompt.first_hidden_excess["layer"] == 0 and prompt.first_hidden_excess["position"] == 1
+    assert main(["compare", str(references["ddtree"])]) == 1
+    text = capsys.readouterr().out
+    assert "target logits first exceed tolerance at position 6" in text
+    assert "hidden states first exceed it after layer 0 at position 1" in text
+    assert "result: FAIL" in text
+
+
+def test_bad_reference_file(tmp_path, capsys):
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, header=np.array(json.dumps({"format": "something else"})))
+    assert main(["compare", str(bad)]) == 2
+    assert "not a jaxdd cross-check reference" in capsys.readouterr().err
