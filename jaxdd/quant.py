@@ -78,47 +78,79 @@ class ExpertFormat:
 DENSE = ExpertFormat()
 
 
-class DenseExperts(nnx.Module):
-    """[E, in, out] weights in the model dtype."""
+class ExpertWeights(nnx.Module):
+    """One projection's stacked routed-expert weights, in whatever form they are stored.
 
-    def __init__(self, rngs: nnx.Rngs, shape: tuple[int, int, int], dtype: jnp.dtype, axes: tuple[str, str, str]):
-        self.weight = param(rngs, shape, dtype, axes)
+    ``PIECES`` are the stored arrays. They share one layout: ``axes`` names the logical axes of ``shape`` (the
+    dense shape in stored orientation), and a dimension may only be split across devices in multiples of its
+    ``units`` (a quantization group or block), so every piece splits at the same boundaries. Calling the module
+    gives the dense [E, in, out] weight in the model dtype; ``dequantize`` does the same for pieces given
+    explicitly (a device's shard of them, inside ``shard_map``).
+    """
+
+    PIECES: tuple[str, ...] = ()
+    shape: tuple[int, int, int]
+    axes: tuple[str, str, str]
+    units: tuple[int, int, int]
+
+    def stored(self) -> tuple[jax.Array, ...]:
+        return tuple(getattr(self, name)[...] for name in self.PIECES)
+
+    def dequantize(self, *pieces: jax.Array) -> jax.Array:
+        raise NotImplementedError
 
     def __call__(self) -> jax.Array:
-        return self.weight[...]
+        return self.dequantize(*self.stored())
 
 
-class Int4Experts(nnx.Module):
+class DenseExperts(ExpertWeights):
+    """[E, in, out] weights in the model dtype."""
+
+    PIECES = ("weight",)
+
+    def __init__(self, rngs: nnx.Rngs, shape: tuple[int, int, int], dtype: jnp.dtype, axes: tuple[str, str, str]):
+        self.shape, self.axes, self.units = shape, axes, (1, 1, 1)
+        self.weight = param(rngs, shape, dtype, axes)
+
+    def dequantize(self, weight: jax.Array) -> jax.Array:
+        return weight
+
+
+class Int4Experts(ExpertWeights):
     """packed [E, out, ceil(in/8)] int32 and scale [E, out, in/group] bf16, dequantized like compressed-tensors
     (product in the scale's dtype) and then cast to the model dtype."""
+
+    PIECES = ("packed", "scale")
 
     def __init__(self, shape: tuple[int, int, int], dtype: jnp.dtype, axes: tuple[str, str, str], group: int):
         e, n_in, n_out = shape
         if n_in % group:
             raise ValueError(f"INT4 experts: input size {n_in} is not a multiple of the group size {group}")
         self.dtype, self.group = dtype, group
-        out_axes = (axes[0], axes[2], axes[1])
-        self.packed = nnx.Param(jnp.zeros((e, n_out, -(-n_in // INT4_PER_WORD)), jnp.int32), logical_axes=out_axes)
-        self.scale = nnx.Param(jnp.ones((e, n_out, n_in // group), jnp.bfloat16), logical_axes=out_axes)
+        self.shape, self.axes, self.units = (e, n_out, n_in), (axes[0], axes[2], axes[1]), (1, 1, group)
+        self.packed = nnx.Param(jnp.zeros((e, n_out, -(-n_in // INT4_PER_WORD)), jnp.int32), logical_axes=self.axes)
+        self.scale = nnx.Param(jnp.ones((e, n_out, n_in // group), jnp.bfloat16), logical_axes=self.axes)
 
-    def __call__(self) -> jax.Array:
-        return dense_experts(ExpertFormat("int4", group=self.group), self.packed[...], self.scale[...], self.dtype)
+    def dequantize(self, packed: jax.Array, scale: jax.Array) -> jax.Array:
+        return dense_experts(ExpertFormat("int4", group=self.group), packed, scale, self.dtype)
 
 
-class Fp8Experts(nnx.Module):
+class Fp8Experts(ExpertWeights):
     """e4m3 weight [E, out, in] and fp32 scale_inv [E, ceil(out/block), ceil(in/block)], dequantized like
     DeepSeek's fp8_cast_bf16 (fp32 product stored as bf16) and then cast to the model dtype."""
+
+    PIECES = ("weight", "scale_inv")
 
     def __init__(self, shape: tuple[int, int, int], dtype: jnp.dtype, axes: tuple[str, str, str], block: int):
         e, n_in, n_out = shape
         self.dtype, self.block = dtype, block
-        out_axes = (axes[0], axes[2], axes[1])
-        self.weight = nnx.Param(jnp.zeros((e, n_out, n_in), jnp.float8_e4m3fn), logical_axes=out_axes)
+        self.shape, self.axes, self.units = (e, n_out, n_in), (axes[0], axes[2], axes[1]), (1, block, block)
+        self.weight = nnx.Param(jnp.zeros(self.shape, jnp.float8_e4m3fn), logical_axes=self.axes)
         blocks = (e, -(-n_out // block), -(-n_in // block))
-        self.scale_inv = nnx.Param(jnp.ones(blocks, jnp.float32), logical_axes=out_axes)
+        self.scale_inv = nnx.Param(jnp.ones(blocks, jnp.float32), logical_axes=self.axes)
 
-    def __call__(self) -> jax.Array:
-        return dense_experts(ExpertFormat("fp8", block=self.block), self.weight[...], self.scale_inv[...], self.dtype)
+    def dequantize(self, weight: jax.Array, scale_inv: jax.Array) -> jax.Array:
+        return dense_experts(ExpertFormat("fp8", block=self.block), weight, scale_inv, self.dtype)
 
 
 def dense_experts(fmt: ExpertFormat, weight: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -133,7 +165,7 @@ def dense_experts(fmt: ExpertFormat, weight: jax.Array, scale: jax.Array, dtype:
 
 def expert_weights(
     fmt: ExpertFormat, rngs: nnx.Rngs, shape: tuple[int, int, int], dtype: jnp.dtype, axes: tuple[str, str, str]
-) -> DenseExperts | Int4Experts | Fp8Experts:
+) -> ExpertWeights:
     """One projection's stacked expert weights; calling it gives [E, in, out] in ``dtype``."""
     if fmt.kind == "dense":
         return DenseExperts(rngs, shape, dtype, axes)

@@ -36,6 +36,7 @@ from jaxdd.cache import LatentCache, compact_rows
 from jaxdd.drafter import DFlashDrafter, DraftCache
 from jaxdd.errors import InputError
 from jaxdd.jit_state import ModuleSpec, split_module
+from jaxdd.sharding import cache_sharding, mesh_of
 from jaxdd.target import KimiTarget, MlaForm
 from jaxdd.tree import accept_path, build_tree
 
@@ -280,6 +281,7 @@ class SpeculativeDecoder:
         self.target = target
         self.drafter = drafter
         self._t_spec, self._t_weights = split_module(target.model)
+        self.mesh = mesh_of(target.model)  # set when the models were placed with jaxdd.sharding.shard_module
         if drafter is not None:
             drafter.config.check_fits(target.config)
             self._d_spec, self._d_weights = split_module(drafter)
@@ -380,6 +382,14 @@ class SpeculativeDecoder:
             valid = tokens >= 0
             result.trees.append((tokens[valid], parents[valid]))
 
+    def _place(self, state: DecodeState) -> DecodeState:
+        """Caches on the mesh: latent rows replicated (every head reads them), drafter K/V split by KV heads."""
+        shardings = jax.tree.map(lambda x: cache_sharding(x.shape, (None,) * x.ndim, self.mesh), state)
+        if state.draft_cache is not None:
+            kv = cache_sharding(state.draft_cache.keys.shape, (None, None, None, "kv_heads", None), self.mesh)
+            shardings = shardings.replace(draft_cache=shardings.draft_cache.replace(keys=kv, values=kv))
+        return jax.device_put(state, shardings)
+
     def _prefill(self, prompt: np.ndarray, padded: int, slots: int, block: int | None) -> DecodeState:
         tokens = np.zeros((1, padded), np.int32)
         tokens[0, : prompt.shape[1]] = prompt[0]
@@ -389,6 +399,8 @@ class SpeculativeDecoder:
             bonus=jnp.zeros((1,), jnp.int32),
             draft_cache=None if block is None else DraftCache.zeros(self.drafter.config, 1, slots, dtype),
         )
+        if self.mesh is not None:
+            state = self._place(state)
         d_spec, d_weights, taps = None, None, ()
         if block is not None:
             d_spec, d_weights, taps = self._d_spec, self._d_weights, self.drafter.config.target_layer_ids

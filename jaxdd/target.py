@@ -21,6 +21,7 @@ from jaxdd.cache import LatentCache, write_rows
 from jaxdd.config import KimiConfig
 from jaxdd.layers import MLP, RMSNorm, apply_rope, param, rope_cos_sin, rope_frequencies
 from jaxdd.quant import DENSE, ExpertFormat, expert_weights
+from jaxdd.sharding import AXIS, expert_specs
 from pallas_kernels.tree_attention import tree_attention
 
 MlaForm = Literal["naive", "absorbed", "pallas"]
@@ -185,6 +186,7 @@ class MoE(nnx.Module):
         e, d, f = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
         self.config = c
         self.dispatch: Literal["auto", "dense", "grouped"] = "auto"
+        self.placement = None  # (mesh, "tp" | "ep") once placed by ``jaxdd.sharding.shard_module``
         self.router = Router(c, rngs)
         self.gate = expert_weights(experts, rngs, (e, d, f), dtype, ("experts", "embed", "expert_mlp"))
         self.up = expert_weights(experts, rngs, (e, d, f), dtype, ("experts", "embed", "expert_mlp"))
@@ -195,35 +197,75 @@ class MoE(nnx.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, experts = self.router(x)
-        c = self.config
-        dense = self.dispatch == "dense" or (
-            self.dispatch == "auto"
-            and 3 * x.shape[0] * c.n_routed_experts * c.hidden_size * c.moe_intermediate_size <= self.DENSE_MAX_FLOPS
-        )
-        routed = (self._all_experts if dense else self._grouped_experts)(x, weights, experts)
+        projections = (self.gate, self.up, self.down)
+        if self.placement is None:
+            routed = self._routed(x, weights, experts, *(p() for p in projections))
+        else:
+            routed = self._sharded_routed(x, weights, experts)
+        routed = routed.astype(x.dtype)
         if self.shared is not None:
             routed = routed + self.shared(x)
         return routed.reshape(shape)
 
-    def _grouped_experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
-        n, k = experts.shape
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        rows = x[order // k]
-        sizes = jnp.bincount(flat, length=self.config.n_routed_experts).astype(jnp.int32)
-        gate = jax.lax.ragged_dot(rows, self.gate(), sizes)
-        hidden = jax.nn.silu(gate) * jax.lax.ragged_dot(rows, self.up(), sizes)
-        out = jax.lax.ragged_dot(hidden, self.down(), sizes)
-        out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
-        # Moonshot's moe_infer: expert outputs summed with their weights in fp32, then cast back.
-        return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights).astype(x.dtype)
+    def _routed(self, x, weights, experts, gate, up, down) -> jax.Array:
+        """fp32 [N, D]: the weighted expert outputs, for experts [N, k] indexing the given [E, ...] weights."""
+        c = self.config
+        flops = 3 * x.shape[0] * gate.shape[0] * c.hidden_size * gate.shape[-1]
+        dense = self.dispatch == "dense" or (self.dispatch == "auto" and flops <= self.DENSE_MAX_FLOPS)
+        return (_all_experts if dense else _grouped_experts)(x, weights, experts, gate, up, down)
 
-    def _all_experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
-        combine = (jax.nn.one_hot(experts, self.config.n_routed_experts) * weights[..., None]).sum(1)  # [N, E]
-        hidden = jax.nn.silu(jnp.einsum("nd,edf->enf", x, self.gate()))
-        hidden = hidden * jnp.einsum("nd,edf->enf", x, self.up())
-        out = jnp.einsum("enf,efd->end", hidden, self.down())
-        return jnp.einsum("end,ne->nd", out.astype(jnp.float32), combine).astype(x.dtype)
+    def _sharded_routed(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        """The routed experts under ``shard_map`` (see ``jaxdd.sharding``): each device holds a slice of every
+        expert (tp) or whole experts (ep), sees every (token, route) pair, computes its share and the shares
+        are summed across devices: no ragged all-to-all, which XLA:CPU lacks."""
+        mesh, mode = self.placement
+        projections = (self.gate, self.up, self.down)
+        specs = expert_specs(projections, mesh, mode)
+        pieces = [p.stored() for p in projections]
+        replicated = jax.sharding.PartitionSpec()
+        local_experts = self.config.n_routed_experts // (mesh.shape[AXIS] if specs[0][0] == AXIS else 1)
+
+        def local(x, weights, experts, gate_pieces, up_pieces, down_pieces):
+            first = jax.lax.axis_index(AXIS) * local_experts if local_experts < self.config.n_routed_experts else 0
+            ids = experts - first
+            mine = (ids >= 0) & (ids < local_experts)
+            # Routes to other devices' experts get weight 0 (and any local id, so shapes stay static).
+            ids, weights = jnp.where(mine, ids, 0), jnp.where(mine, weights, 0.0)
+            dense = [
+                p.dequantize(*pieces)
+                for p, pieces in zip(projections, (gate_pieces, up_pieces, down_pieces), strict=True)
+            ]
+            return jax.lax.psum(self._routed(x, weights, ids, *dense), AXIS)
+
+        in_specs = (
+            replicated,
+            replicated,
+            replicated,
+            *[(spec,) * len(p) for spec, p in zip(specs, pieces, strict=True)],
+        )
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=replicated)(x, weights, experts, *pieces)
+
+
+def _grouped_experts(x, weights, experts, gate, up, down) -> jax.Array:
+    """(token, slot) pairs sorted by expert through grouped matmuls (``ragged_dot``); fp32 [N, D]."""
+    n, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    rows = x[order // k]
+    sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
+    hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
+    out = jax.lax.ragged_dot(hidden, down, sizes)
+    out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
+    # Moonshot's moe_infer: expert outputs summed with their weights in fp32 (cast back by the caller).
+    return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights)
+
+
+def _all_experts(x, weights, experts, gate, up, down) -> jax.Array:
+    """Every expert on every token, weighted by the combine weights (zero for unchosen experts); fp32 [N, D]."""
+    combine = (jax.nn.one_hot(experts, gate.shape[0]) * weights[..., None]).sum(1)  # [N, E]
+    hidden = jax.nn.silu(jnp.einsum("nd,edf->enf", x, gate)) * jnp.einsum("nd,edf->enf", x, up)
+    out = jnp.einsum("enf,efd->end", hidden, down)
+    return jnp.einsum("end,ne->nd", out.astype(jnp.float32), combine)
 
 
 class DecoderLayer(nnx.Module):

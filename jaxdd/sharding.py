@@ -1,0 +1,137 @@
+"""Placing a target and drafter on a mesh of 1..8 devices: one rules table from logical axes to the mesh axis.
+
+Every parameter carries logical axis names (``jaxdd.layers.param``); ``RULES`` maps them to the single mesh
+axis ``"model"``. Two MoE modes:
+
+- ``tp``: tensor-parallel everything: attention heads, dense-MLP width and each routed expert's FFN width are
+  split; XLA inserts the all-reduces.
+- ``ep``: expert-parallel routed experts: each device holds ``E / devices`` whole experts. The dispatch runs in
+  ``shard_map``: every device sees all (token, route) pairs (a decode step has a few hundred at most), computes
+  the pairs routed to its own experts and the outputs are summed across devices. No ``ragged_all_to_all``, which
+  XLA:CPU lacks. Attention and dense MLPs stay tensor-parallel.
+
+Embedding and lm_head are vocab-parallel in both modes; XLA's partitioner keeps the global argmax, top-k and
+logsumexp of the tree build exact. The MLA latent cache holds one row per token shared by all heads, so it is
+replicated; the drafter's KV cache is split by KV heads. A dimension that the mesh does not divide is
+replicated instead (e.g. a 4-head drafter on 8 devices).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxdd.quant import ExpertWeights
+
+MoeMode = Literal["tp", "ep"]
+AXIS = "model"
+
+RULES: dict[MoeMode, dict[str, str | None]] = {
+    mode: {
+        "vocab": AXIS,
+        "heads": AXIS,
+        "kv_heads": AXIS,
+        "mlp": AXIS,
+        "expert_mlp": AXIS if mode == "tp" else None,
+        "experts": AXIS if mode == "ep" else None,
+        "embed": None,
+        "q_lora": None,
+    }
+    for mode in ("tp", "ep")
+}
+
+
+def make_mesh(devices: int | None = None) -> Mesh:
+    """A 1-D mesh over the first ``devices`` devices (default: all). Auto axes: XLA propagates the shardings."""
+    available = jax.devices()
+    devices = len(available) if devices is None else devices
+    if not 1 <= devices <= len(available):
+        raise ValueError(f"devices: expected 1..{len(available)}, got {devices}")
+    return Mesh(np.array(available[:devices]), (AXIS,), axis_types=(AxisType.Auto,))
+
+
+def partition_spec(
+    shape: tuple[int, ...],
+    axes: tuple[str | None, ...],
+    mesh: Mesh,
+    mode: MoeMode,
+    units: tuple[int, ...] | None = None,
+) -> PartitionSpec:
+    """The spec of one array: its logical axes through ``RULES``; a dimension stays whole when the mesh does not
+    split it into multiples of its unit (quantization groups and blocks must not straddle devices)."""
+    size = mesh.shape[AXIS]
+    units = units or (1,) * len(shape)
+    spec, used = [], False
+    for dim, name, unit in zip(shape, axes, units, strict=True):
+        mapped = RULES[mode].get(name) if name is not None else None
+        if mapped is not None and dim % (size * unit) == 0 and not used:
+            spec.append(mapped)
+            used = True  # one mesh axis splits at most one dimension of an array
+        else:
+            spec.append(None)
+    return PartitionSpec(*spec)
+
+
+def expert_specs(projections: tuple[ExpertWeights, ...], mesh: Mesh, mode: MoeMode) -> list[PartitionSpec] | None:
+    """One spec per routed-expert projection (gate, up, down), shared by all its stored pieces; None when the
+    mesh cannot split the same logical axis of all three (then the experts stay replicated)."""
+    specs = [partition_spec(p.shape, p.axes, mesh, mode, p.units) for p in projections]
+    split = [
+        {axis for axis, s in zip(p.axes, spec, strict=True) if s} for p, spec in zip(projections, specs, strict=True)
+    ]
+    return specs if split[0] and all(s == split[0] for s in split) else None
+
+
+def param_shardings(module: nnx.Module, mesh: Mesh, mode: MoeMode) -> nnx.State:
+    """A NamedSharding for every parameter of ``module`` (from its ``logical_axes`` metadata)."""
+    pieces = {}
+    for path, sub in nnx.iter_modules(module):
+        if hasattr(sub, "placement"):  # an MoE: its expert projections are split together or not at all
+            projections = {"gate": sub.gate, "up": sub.up, "down": sub.down}
+            specs = expert_specs(tuple(projections.values()), mesh, mode) or [PartitionSpec()] * 3
+            for (name, projection), spec in zip(projections.items(), specs, strict=True):
+                pieces |= {(*path, name, piece): spec for piece in projection.PIECES}
+
+    def sharding(path, variable):
+        key = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+        spec = pieces.get(key)
+        if spec is None:
+            axes = variable.get_metadata().get("logical_axes") or (None,) * variable[...].ndim
+            spec = partition_spec(variable[...].shape, axes, mesh, mode)
+        return NamedSharding(mesh, spec)
+
+    state = nnx.state(module, nnx.Param)
+    return jax.tree_util.tree_map_with_path(sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_module(module: nnx.Module, mesh: Mesh, mode: MoeMode) -> nnx.Module:
+    """Move ``module``'s parameters into their shardings (in place) and tell its MoE layers where they run."""
+    if mode not in RULES:
+        raise ValueError(f"MoE mode: expected 'tp' or 'ep', got {mode!r}")
+    shardings = param_shardings(module, mesh, mode)
+    state = nnx.state(module, nnx.Param)
+    is_variable = lambda x: isinstance(x, nnx.Variable)
+    placed = jax.tree.map(lambda v, s: jax.device_put(v[...], s), state, shardings, is_leaf=is_variable)
+    nnx.update(module, placed)
+    for _, sub in nnx.iter_modules(module):
+        if hasattr(sub, "placement") and expert_specs((sub.gate, sub.up, sub.down), mesh, mode) is not None:
+            sub.placement = (mesh, mode)
+    return module
+
+
+def mesh_of(module: nnx.Module) -> Mesh | None:
+    """The mesh a module was placed on by ``shard_module`` (None for a single-device module)."""
+    for leaf in jax.tree.leaves(nnx.state(module, nnx.Param)):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+            return sharding.mesh
+    return None
+
+
+def cache_sharding(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh: Mesh) -> NamedSharding:
+    """Caches: the MLA latent rows are shared by all heads (replicated); drafter K/V split by KV heads."""
+    return NamedSharding(mesh, partition_spec(shape, axes, mesh, "tp"))
