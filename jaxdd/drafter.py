@@ -133,7 +133,7 @@ class DFlashDrafter(nnx.Module):
         c = self.config
         masks = jnp.full((bonus.shape[0], block - 1), c.mask_token_id, jnp.int32)
         noise = jnp.concatenate([bonus[:, None], masks], axis=1)
-        embeds = target.embed[...][noise] * c.input_embedding_scale
+        embeds = target.embed_tokens(noise) * c.input_embedding_scale
         hidden = self(embeds, start[:, None] + jnp.arange(block)[None, :], cache, block_len)
         logits = target.logits(hidden[:, 1:]) * c.output_multiplier
         if c.final_logit_softcapping is not None:

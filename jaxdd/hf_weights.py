@@ -240,9 +240,7 @@ class HFCheckpoint:
                 raise CheckpointError(f"{self.directory / INDEX_FILE}: tensors not where the index says: {listed}")
 
     def quantization(self) -> dict[str, Any]:
-        """The ``quantization_config`` block (top level, or K2.5's ``text_config``), or {}."""
-        raw = self.raw_config
-        return raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
+        return quantization_config(self.raw_config)
 
     def stored_expert_format(self) -> ExpertFormat:
         """How the first routed expert is stored here: INT4 packed, FP8 blocks, or dense."""
@@ -345,6 +343,21 @@ class HFCheckpoint:
             return _read_float8(info)
         with safe_open(info.file, framework="numpy") as f:
             return f.get_tensor(info.stored_name)
+
+
+def quantization_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The ``quantization_config`` block of an HF config (top level, or K2.5's ``text_config``), or {}."""
+    return raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
+
+
+def declared_expert_format(raw: dict[str, Any]) -> ExpertFormat:
+    """How a config says its routed experts are stored (for planning without the tensors)."""
+    q = quantization_config(raw)
+    if q.get("quant_method") == "compressed-tensors":
+        return ExpertFormat("int4", group=_int4_group(q))
+    if q.get("quant_method") == "fp8":
+        return ExpertFormat("fp8", block=_fp8_block(q))
+    return DENSE
 
 
 def _ignored(name: str) -> bool:

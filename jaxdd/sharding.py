@@ -90,7 +90,7 @@ def param_shardings(module: nnx.Module, mesh: Mesh, mode: MoeMode) -> nnx.State:
     """A NamedSharding for every parameter of ``module`` (from its ``logical_axes`` metadata)."""
     pieces = {}
     for path, sub in nnx.iter_modules(module):
-        if hasattr(sub, "placement"):  # an MoE: its expert projections are split together or not at all
+        if hasattr(sub, "router"):  # an MoE: its expert projections are split together or not at all
             projections = {"gate": sub.gate, "up": sub.up, "down": sub.down}
             specs = expert_specs(tuple(projections.values()), mesh, mode) or [PartitionSpec()] * 3
             for (name, projection), spec in zip(projections.items(), specs, strict=True):
@@ -100,8 +100,8 @@ def param_shardings(module: nnx.Module, mesh: Mesh, mode: MoeMode) -> nnx.State:
         key = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
         spec = pieces.get(key)
         if spec is None:
-            axes = variable.get_metadata().get("logical_axes") or (None,) * variable[...].ndim
-            spec = partition_spec(variable[...].shape, axes, mesh, mode)
+            axes = variable.get_metadata().get("logical_axes") or (None,) * variable.get_value().ndim
+            spec = partition_spec(variable.get_value().shape, axes, mesh, mode)
         return NamedSharding(mesh, spec)
 
     state = nnx.state(module, nnx.Param)
@@ -110,17 +110,26 @@ def param_shardings(module: nnx.Module, mesh: Mesh, mode: MoeMode) -> nnx.State:
 
 def shard_module(module: nnx.Module, mesh: Mesh, mode: MoeMode) -> nnx.Module:
     """Move ``module``'s parameters into their shardings (in place) and tell its MoE layers where they run."""
-    if mode not in RULES:
-        raise ValueError(f"MoE mode: expected 'tp' or 'ep', got {mode!r}")
     shardings = param_shardings(module, mesh, mode)
+    place(module, mesh, mode)
     state = nnx.state(module, nnx.Param)
     is_variable = lambda x: isinstance(x, nnx.Variable)
     placed = jax.tree.map(lambda v, s: jax.device_put(v[...], s), state, shardings, is_leaf=is_variable)
     nnx.update(module, placed)
-    for _, sub in nnx.iter_modules(module):
-        if hasattr(sub, "placement") and expert_specs((sub.gate, sub.up, sub.down), mesh, mode) is not None:
-            sub.placement = (mesh, mode)
     return module
+
+
+def place(module: nnx.Module, mesh: Mesh, mode: MoeMode) -> None:
+    """Tell the modules that run collectives by hand (the vocab-parallel embedding lookup, the MoE layers'
+    ``shard_map`` dispatch) where they run; an MoE whose experts stay replicated keeps its plain dispatch."""
+    if mode not in RULES:
+        raise ValueError(f"MoE mode: expected 'tp' or 'ep', got {mode!r}")
+    for _, sub in nnx.iter_modules(module):
+        if not hasattr(sub, "placement"):
+            continue
+        is_moe = hasattr(sub, "router")
+        if not is_moe or expert_specs((sub.gate, sub.up, sub.down), mesh, mode) is not None:
+            sub.placement = (mesh, mode)
 
 
 def mesh_of(module: nnx.Module) -> Mesh | None:

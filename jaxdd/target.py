@@ -20,8 +20,8 @@ from flax import nnx
 from jaxdd.cache import LatentCache, write_rows
 from jaxdd.config import KimiConfig
 from jaxdd.layers import MLP, RMSNorm, apply_rope, param, rope_cos_sin, rope_frequencies
-from jaxdd.quant import DENSE, ExpertFormat, expert_weights
-from jaxdd.sharding import AXIS, expert_specs
+from jaxdd.quant import DENSE, DenseExperts, ExpertFormat, expert_weights
+from jaxdd.sharding import AXIS, expert_specs, partition_spec
 from pallas_kernels.tree_attention import tree_attention
 
 MlaForm = Literal["naive", "absorbed", "pallas"]
@@ -170,13 +170,16 @@ class Router(nnx.Module):
 class MoE(nnx.Module):
     """Routed SwiGLU experts plus unweighted shared experts.
 
-    Two exact dispatches: ``grouped`` sorts the (token, slot) pairs by expert and runs grouped matmuls
-    (``ragged_dot``), the scalable form; ``dense`` runs every expert on every token and weights the outputs by
-    the combine weights (zero for unchosen experts). XLA:CPU lowers ragged_dot to a dense matmul over all
-    experts for every pair, k times the work of ``dense``, so ``auto`` takes ``dense`` for small problems.
+    Three exact dispatches: ``grouped`` sorts the (token, slot) pairs by expert and runs grouped matmuls
+    (``ragged_dot``), the scalable form for dense weights; ``dense`` runs every expert on every token and weights
+    the outputs by the combine weights (zero for unchosen experts); ``scan`` does the same one expert at a time.
+    XLA:CPU lowers ragged_dot to a dense matmul over all experts for every pair, k times the work of ``dense``,
+    so ``auto`` takes ``dense`` for small problems.
 
-    Expert weights may be stored quantized (``jaxdd.quant.ExpertFormat``); each projection is dequantized to
-    the model dtype inside the jitted forward, right before its matmul.
+    Expert weights may be stored quantized (``jaxdd.quant.ExpertFormat``) and are dequantized to the model dtype
+    inside the jitted forward. Dequantizing a whole expert stack at once would need its dense copy in memory
+    (and XLA may hoist those copies for all layers to the start of the step), so beyond small problems
+    quantized experts go through ``scan``: one expert dequantized at a time, right before its matmuls.
     """
 
     DENSE_MAX_FLOPS = 2**28  # ``auto``: all-experts compute below this many multiply-adds
@@ -185,7 +188,7 @@ class MoE(nnx.Module):
         c = config
         e, d, f = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
         self.config = c
-        self.dispatch: Literal["auto", "dense", "grouped"] = "auto"
+        self.dispatch: Literal["auto", "dense", "grouped", "scan"] = "auto"
         self.placement = None  # (mesh, "tp" | "ep") once placed by ``jaxdd.sharding.shard_module``
         self.router = Router(c, rngs)
         self.gate = expert_weights(experts, rngs, (e, d, f), dtype, ("experts", "embed", "expert_mlp"))
@@ -197,9 +200,8 @@ class MoE(nnx.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, experts = self.router(x)
-        projections = (self.gate, self.up, self.down)
         if self.placement is None:
-            routed = self._routed(x, weights, experts, *(p() for p in projections))
+            routed = self._routed(x, weights, experts, [p.stored() for p in (self.gate, self.up, self.down)])
         else:
             routed = self._sharded_routed(x, weights, experts)
         routed = routed.astype(x.dtype)
@@ -207,12 +209,21 @@ class MoE(nnx.Module):
             routed = routed + self.shared(x)
         return routed.reshape(shape)
 
-    def _routed(self, x, weights, experts, gate, up, down) -> jax.Array:
-        """fp32 [N, D]: the weighted expert outputs, for experts [N, k] indexing the given [E, ...] weights."""
-        c = self.config
-        flops = 3 * x.shape[0] * gate.shape[0] * c.hidden_size * gate.shape[-1]
-        dense = self.dispatch == "dense" or (self.dispatch == "auto" and flops <= self.DENSE_MAX_FLOPS)
-        return (_all_experts if dense else _grouped_experts)(x, weights, experts, gate, up, down)
+    def _routed(self, x, weights, experts, pieces: list[tuple[jax.Array, ...]]) -> jax.Array:
+        """fp32 [N, D]: the weighted expert outputs, for experts [N, k] indexing the stored ``pieces`` of
+        gate, up and down ([E, ...] each: all experts, or one device's)."""
+        projections = (self.gate, self.up, self.down)
+        n_experts = pieces[0][0].shape[0]
+        dispatch = self.dispatch
+        if dispatch == "auto":
+            c = self.config
+            flops = 3 * x.shape[0] * n_experts * c.hidden_size * c.moe_intermediate_size
+            quantized = not isinstance(self.gate, DenseExperts)
+            dispatch = "dense" if flops <= self.DENSE_MAX_FLOPS else "scan" if quantized else "grouped"
+        if dispatch == "scan":
+            return _scanned_experts(x, weights, experts, projections, pieces)
+        dense = [p.dequantize(*stored) for p, stored in zip(projections, pieces, strict=True)]
+        return (_all_experts if dispatch == "dense" else _grouped_experts)(x, weights, experts, *dense)
 
     def _sharded_routed(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         """The routed experts under ``shard_map`` (see ``jaxdd.sharding``): each device holds a slice of every
@@ -231,11 +242,8 @@ class MoE(nnx.Module):
             mine = (ids >= 0) & (ids < local_experts)
             # Routes to other devices' experts get weight 0 (and any local id, so shapes stay static).
             ids, weights = jnp.where(mine, ids, 0), jnp.where(mine, weights, 0.0)
-            dense = [
-                p.dequantize(*pieces)
-                for p, pieces in zip(projections, (gate_pieces, up_pieces, down_pieces), strict=True)
-            ]
-            return jax.lax.psum(self._routed(x, weights, ids, *dense), AXIS)
+            local_pieces = [gate_pieces, up_pieces, down_pieces]
+            return jax.lax.psum(self._routed(x, weights, ids, local_pieces), AXIS)
 
         in_specs = (
             replicated,
@@ -243,7 +251,8 @@ class MoE(nnx.Module):
             replicated,
             *[(spec,) * len(p) for spec, p in zip(specs, pieces, strict=True)],
         )
-        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=replicated)(x, weights, experts, *pieces)
+        sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=replicated, check_vma=False)
+        return sharded(x, weights, experts, *pieces)
 
 
 def _grouped_experts(x, weights, experts, gate, up, down) -> jax.Array:
@@ -258,6 +267,21 @@ def _grouped_experts(x, weights, experts, gate, up, down) -> jax.Array:
     out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
     # Moonshot's moe_infer: expert outputs summed with their weights in fp32 (cast back by the caller).
     return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights)
+
+
+def _scanned_experts(x, weights, experts, projections, pieces) -> jax.Array:
+    """``dense`` one expert at a time: each step dequantizes one expert's gate, up and down; fp32 [N, D]."""
+    n_experts = pieces[0][0].shape[0]
+    combine = (jax.nn.one_hot(experts, n_experts) * weights[..., None]).sum(1)  # [N, E]
+
+    def step(total, expert):
+        share, *stored = expert
+        gate, up, down = (p.dequantize(*s) for p, s in zip(projections, stored, strict=True))
+        hidden = jax.nn.silu(x @ gate) * (x @ up)
+        return total + (hidden @ down).astype(jnp.float32) * share[:, None], None
+
+    total = jnp.zeros((x.shape[0], x.shape[-1]), jnp.float32)
+    return jax.lax.scan(step, total, (combine.T, *pieces))[0]
 
 
 def _all_experts(x, weights, experts, gate, up, down) -> jax.Array:
@@ -291,6 +315,7 @@ class KimiTarget(nnx.Module):
         self.config = config
         self.dtype = dtype
         self.experts = experts  # how routed-expert weights are stored
+        self.placement = None  # (mesh, "tp" | "ep") once placed by ``jaxdd.sharding.shard_module``
         self.embed = param(rngs, (config.vocab_size, config.hidden_size), dtype, ("vocab", "embed"))
         layers = [DecoderLayer(config, i, dtype, experts, rngs) for i in range(config.num_hidden_layers)]
         self.layers = nnx.List(layers)
@@ -316,7 +341,7 @@ class KimiTarget(nnx.Module):
         inv_freq, amplitude = target_rope(self.config)
         cos_sin = rope_cos_sin(positions, inv_freq, amplitude, self.dtype)
 
-        x = self.embed[...][tokens]
+        x = self.embed_tokens(tokens)
         latent_cache, rope_cache, tapped = cache.latent, cache.rope, []
         for i, layer in enumerate(self.layers):
             rows = (latent_cache[i], rope_cache[i])
@@ -328,6 +353,23 @@ class KimiTarget(nnx.Module):
         tap_out = jnp.concatenate([by_layer[i] for i in taps], axis=-1) if taps else None
         new_cache = cache.replace(latent=latent_cache, rope=rope_cache)
         return TargetOutput(self.final_norm(x), tap_out, new_cache)
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """Embedding rows for token ids. Vocab-parallel on a mesh: each device looks up the ids in its slice of
+        the table, zeros the rest, and the slices are summed (a plain gather would all-gather the table)."""
+        table = self.embed[...]
+        if self.placement is None or partition_spec(table.shape, ("vocab", "embed"), *self.placement)[0] != AXIS:
+            return table[tokens]
+        mesh, _ = self.placement
+        rows = self.config.vocab_size // mesh.shape[AXIS]
+
+        def local(table, tokens):
+            ids = tokens - jax.lax.axis_index(AXIS) * rows
+            mine = (ids >= 0) & (ids < rows)
+            return jax.lax.psum(jnp.where(mine[..., None], table[jnp.where(mine, ids, 0)], 0), AXIS)
+
+        specs = (jax.sharding.PartitionSpec(AXIS), jax.sharding.PartitionSpec())
+        return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=jax.sharding.PartitionSpec())(table, tokens)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """fp32 logits for final hidden states (the untied lm_head)."""

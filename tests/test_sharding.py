@@ -1,0 +1,126 @@
+"""8 simulated CPU devices: tensor- and expert-parallel placements give the same tokens as one device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hf_layouts import write_k25_int4
+from jax.sharding import PartitionSpec as P
+from reference import TINY_K2, drafter_config, hf_drafter, hf_model, rel_err
+
+import jaxdd
+from jaxdd.jit_state import count_compilations
+from jaxdd.plan import plan
+from jaxdd.sharding import make_mesh, shard_module
+from jaxdd.speculative import SpeculativeDecoder
+
+# 8 heads and 16 experts of width 64 so that 8 devices split heads, experts (ep) and expert width (tp).
+SHARDABLE = TINY_K2 | dict(num_attention_heads=8, num_key_value_heads=8, moe_intermediate_size=64)
+DRAFTER = drafter_config(num_attention_heads=8, num_key_value_heads=8, head_dim=8)
+PROMPT = [5, 17, 3, 250, 9, 1, 77]
+METHODS = {"ar": {}, "dflash": {}, "ddtree": {"budget": 12}}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharding")
+    hf_model(SHARDABLE, seed=7).save_pretrained(root / "target")
+    hf_drafter(DRAFTER, seed=7).save_pretrained(root / "drafter")
+    write_k25_int4(root / "target", root / "int4")
+    return root
+
+
+def decoder(checkpoints, target="target", mode=None) -> SpeculativeDecoder:
+    target = jaxdd.load_target(checkpoints / target, dtype="float32")
+    drafter = jaxdd.load_drafter(checkpoints / "drafter", dtype="float32")
+    if mode is not None:
+        mesh = make_mesh(8)
+        shard_module(target.model, mesh, mode)
+        shard_module(drafter, mesh, mode)
+        target = jaxdd.Target(target.model)
+    return SpeculativeDecoder(target, drafter)
+
+
+def generate(dec: SpeculativeDecoder, prompt=PROMPT) -> dict[str, list[int]]:
+    return {
+        m: dec.generate(prompt, method=m, max_new_tokens=16, stop_token_ids=[], **kw).tokens
+        for m, kw in METHODS.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def single_device(checkpoints):
+    return {name: generate(decoder(checkpoints, name)) for name in ("target", "int4")}
+
+
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_same_tokens_as_one_device_and_no_recompiles(checkpoints, single_device, mode):
+    dec = decoder(checkpoints, mode=mode)
+    assert generate(dec) == single_device["target"]
+    with count_compilations() as compiles:
+        generate(dec, [9, 8, 7, 6, 5])  # same shape buckets: nothing new to compile
+    assert compiles.count == 0
+
+
+def test_int4_experts_expert_parallel(checkpoints, single_device):
+    dec = decoder(checkpoints, "int4", mode="ep")
+    gate = dec.target.model.layers[1].mlp.gate
+    assert gate.packed[...].sharding.spec == P("model", None, None)
+    assert gate.packed[...].addressable_shards[0].data.shape[0] == SHARDABLE["n_routed_experts"] // 8
+    assert generate(dec) == single_device["int4"]
+
+
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_parameters_and_caches_are_sharded(checkpoints, mode):
+    dec = decoder(checkpoints, mode=mode)
+    model = dec.target.model
+    expected = [
+        (model.embed, P("model", None)),
+        (model.lm_head, P(None, "model")),
+        (model.layers[1].attn.q_b_proj, P(None, "model", None)),
+        (model.layers[1].attn.o_proj, P("model", None, None)),
+        (model.layers[0].mlp.gate, P(None, "model")),
+        (model.layers[1].mlp.gate.weight, P("model", None, None) if mode == "ep" else P(None, None, "model")),
+        (model.layers[1].mlp.down.weight, P("model", None, None) if mode == "ep" else P(None, "model", None)),
+        (dec.drafter.layers[0].attn.k_proj, P(None, "model", None)),
+    ]
+    for param, spec in expected:
+        array = param[...]
+        assert array.sharding.spec == spec
+        assert len(array.sharding.device_set) == 8
+        assert array.addressable_shards[0].data.size * 8 == array.size
+    state = dec._prefill(np.array([PROMPT]), 16, 64, 8)
+    assert state.target_cache.latent.sharding.is_fully_replicated  # one latent row serves every head
+    assert len(state.target_cache.latent.sharding.device_set) == 8
+    assert state.draft_cache.keys.sharding.spec == P(None, None, None, "model")
+
+
+def test_vocab_parallel_logits(checkpoints):
+    """Embedding lookup and lm_head split by vocabulary give the one-device logits."""
+    one = jaxdd.load_target(checkpoints / "target", dtype="float32")
+    sharded = jaxdd.load_target(checkpoints / "target", dtype="float32")
+    shard_module(sharded.model, make_mesh(8), "tp")
+    ids = [[5, 17, 3, 250, 9, 1, 77, 255, 0]]
+    assert rel_err(jaxdd.Target(sharded.model).logits(ids), one.logits(ids)) < 1e-6
+
+
+def test_plan_reduced_depth_full_width():
+    """The full Kimi K2.6 width (384 INT4 experts of 7168 x 2048, vocab 163840) at 2 layers, compiled ahead of
+    time on 8 simulated devices without allocating the model."""
+    result = plan(
+        "tests/fixtures/kimi_k25_config.json",
+        "tests/fixtures/kimi_k26_dflash_config.json",
+        devices=8,
+        moe="ep",
+        budget=8,
+        max_len=256,
+        layers=2,
+    )
+    per_device = result["per_device_bytes"]
+    assert result["routed_experts"] == "int4" and result["layers"] == 2
+    # 384 experts x 3 x 7168 x 2048 INT4 values = 8.46e9 bytes, split 8 ways; plus scales, attention, embeddings.
+    assert 1.5e9 < per_device["target_weights"] < 2.5e9
+    assert per_device["temporaries"] > 0 and all(result["fits"].values())
+    # As stored, all devices together: embed + lm_head 4.70e9, experts 8.46e9 + scales 0.53e9, dense MLP 0.79e9,
+    # attention 2 x 0.20e9, shared expert and router 0.10e9.
+    assert 1.48e10 < result["stored_bytes"]["target"] < 1.57e10
