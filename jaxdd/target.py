@@ -10,6 +10,7 @@ Weights use the JAX layout ``x @ W`` ([in, out]); ``jaxdd.hf_weights`` maps the 
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, NamedTuple
 
 import jax
@@ -71,6 +72,7 @@ class MLAttention(nnx.Module):
         self.k_up = param(rngs, (c.kv_lora_rank, h, dn), dtype, (None, "heads", None))
         self.v_up = param(rngs, (c.kv_lora_rank, h, dv), dtype, (None, "heads", None))
         self.o_proj = param(rngs, (h, dv, c.hidden_size), dtype, ("heads", None, "embed"))
+        self.placement = None  # (mesh, mode) once placed by ``jaxdd.sharding.shard_module``
 
     def __call__(
         self,
@@ -110,18 +112,14 @@ class MLAttention(nnx.Module):
             out = jnp.einsum("bthr,rhd->bthd", out_latent, self.v_up[...])
         elif form == "pallas":
             q_latent = jnp.einsum("bthd,rhd->bthr", q_nope, self.k_up[...])
-            out_latent = tree_attention(
-                q_latent,
-                q_pe,
-                keys_latent,
-                keys_rope,
-                length,
-                latent,
-                k_pe,
-                visible,
-                scale=c.softmax_scale,
-                interpret=jax.default_backend() == "cpu",
-            )
+            attend = functools.partial(tree_attention, scale=c.softmax_scale, interpret=jax.default_backend() == "cpu")
+            if self.placement is not None and partition_spec((c.num_attention_heads,), ("heads",), *self.placement)[0]:
+                # A Pallas kernel is opaque to XLA's partitioner: run it per device on that device's heads.
+                heads, whole = jax.sharding.PartitionSpec(None, None, AXIS), jax.sharding.PartitionSpec()
+                specs = (heads, heads, *(whole,) * 6)
+                mesh = self.placement[0]
+                attend = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
+            out_latent = attend(q_latent, q_pe, keys_latent, keys_rope, length, latent, k_pe, visible)
             out = jnp.einsum("bthr,rhd->bthd", out_latent.astype(x.dtype), self.v_up[...])
         elif form == "naive":
             k_nope = jnp.einsum("bsr,rhd->bshd", keys_latent, self.k_up[...])
