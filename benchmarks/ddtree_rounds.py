@@ -56,15 +56,17 @@ def _verify(t_spec, tw, cache, tree, taps):
 def _accept_commit(tree, posterior, out, start, limit, stop_ids):
     path, accepted = accept_path(tree, posterior, BLOCK - 1)
     emitted = jnp.take_along_axis(posterior, path, axis=1)
-    produced, stopped = limit_round(emitted, accepted, limit, start, stop_ids)
+    produced, stopped, _ = limit_round(emitted, accepted, limit, start, stop_ids, jnp.zeros_like(accepted, bool))
     cache = compact_rows(out.cache, start, path)
     return cache, jnp.take_along_axis(out.taps, path[:, :, None], axis=1), produced, stopped
 
 
 def stage_split(decoder: SpeculativeDecoder, prompt: list[int], budget: int, max_length: int) -> dict:
     """Median ms of each stage of one DDTree round from the state after the prefill."""
-    state = decoder._prefill(np.asarray([prompt]), 32, 512, BLOCK)
-    limit, stop_ids = jnp.array([max_length]), jnp.full((16,), -1, jnp.int32)
+    plan, state = decoder.start(
+        [prompt], method="ddtree", max_new_tokens=max_length - len(prompt), budget=budget, stop_token_ids=[]
+    )
+    limit, stop_ids = plan.limit, plan.stop_ids
     start = state.target_cache.length
     block_len = jnp.clip(limit - start, 1, BLOCK)
     ts, tw, ds, dw = decoder._t_spec, decoder._t_weights, decoder._d_spec, decoder._d_weights

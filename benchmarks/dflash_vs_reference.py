@@ -32,7 +32,7 @@ from timing import median_ms, timed
 
 import jaxdd
 from jaxdd.crosscheck.torch_reference import dflash_reference
-from jaxdd.speculative import SpeculativeDecoder, commit_stage, dflash_round, draft_stage, verify
+from jaxdd.speculative import SpeculativeDecoder, accept_greedy, argmax, commit, dflash_round, draft_stage, verify
 
 RESULTS = Path(__file__).parent / "results" / "dflash_vs_reference.json"
 
@@ -48,22 +48,27 @@ def _verify(t_spec, tw, cache, tokens, taps):
     return verify(t_spec.merge(tw), cache, tokens, taps, "absorbed")
 
 
-_commit = jax.jit(commit_stage)
+@jax.jit
+def _commit(state, drafts, logits, features, cache, draft_cache, block_len, limit, stop_ids):
+    emitted, accepted = accept_greedy(drafts, argmax(logits), block_len)
+    return commit(state, emitted, accepted, cache, features, draft_cache, state.rng, limit, stop_ids)
 
 
 def stage_breakdown(decoder: SpeculativeDecoder, prompt: list[int], max_length: int, block: int) -> dict:
     """Median ms of each stage of one round, from the state right after the prefill."""
-    state = decoder._prefill(np.asarray([prompt]), 32, 128, block)
-    limit, stop_ids = jnp.array([max_length]), jnp.full((16,), -1, jnp.int32)
+    plan, state = decoder.start([prompt], max_new_tokens=max_length - len(prompt), block_size=block, stop_token_ids=[])
+    limit, stop_ids = plan.limit, plan.stop_ids
     block_len = jnp.clip(limit - state.target_cache.length, 1, block)
     ts, tw, ds, dw = decoder._t_spec, decoder._t_weights, decoder._d_spec, decoder._d_weights
     taps = decoder.drafter.config.target_layer_ids
     drafts, draft_cache = _draft(ts, tw, ds, dw, state, block_len, block)
     tokens = jnp.concatenate([state.bonus[:, None], drafts], axis=1)
-    posterior, features, cache = _verify(ts, tw, state.target_cache, tokens, taps)
-    args = (state, drafts, posterior, features, cache, draft_cache, block_len, limit, stop_ids)
+    logits, features, cache = _verify(ts, tw, state.target_cache, tokens, taps)
+    args = (state, drafts, logits, features, cache, draft_cache, block_len, limit, stop_ids)
     copies = [jax.tree.map(jnp.copy, state) for _ in range(60)]  # the round donates its state
-    full = median_ms(lambda: dflash_round(ts, tw, ds, dw, copies.pop(), limit, stop_ids, block, "absorbed"))
+    full = median_ms(
+        lambda: dflash_round(ts, tw, ds, dw, copies.pop(), limit, stop_ids, plan.settings, block, "absorbed")
+    )
     return {
         "full_round_ms": full,
         "draft_ms": median_ms(lambda: _draft(ts, tw, ds, dw, state, block_len, block)),

@@ -36,6 +36,7 @@ from jaxdd.cache import LatentCache, compact_rows
 from jaxdd.drafter import DFlashDrafter, DraftCache
 from jaxdd.errors import InputError
 from jaxdd.jit_state import ModuleSpec, split_module
+from jaxdd.sampling import GREEDY, Sampling, SamplingArrays, filtered_probs, sample, seed_keys, split_keys
 from jaxdd.sharding import cache_sharding, mesh_of
 from jaxdd.target import KimiTarget, MlaForm
 from jaxdd.tree import accept_path, build_tree
@@ -52,6 +53,8 @@ MIN_BUCKET = 16
 class DecodeState:
     target_cache: LatentCache
     bonus: jax.Array  # [B] int32: the newest token, at position target_cache.length, not in the cache yet
+    done: jax.Array  # [B] bool: the request stopped or reached its length; its row no longer changes
+    rng: jax.Array  # [B, 2] uint32: each request's random stream (sampled requests)
     draft_cache: DraftCache | None = None
     context: jax.Array | None = None  # [B, block, taps * D]: features of the tokens committed last round
     context_count: jax.Array | None = None  # [B] int32: how many rows of ``context`` are real
@@ -79,40 +82,82 @@ class Generation:
         return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
 
 
-def bucket(n: int) -> int:
-    """The static size used for n: the next power of two, at least MIN_BUCKET."""
-    return max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A batch's fixed settings: what every round of ``SpeculativeDecoder.step`` needs besides the state."""
+
+    method: Method
+    requests: int  # real rows; the batch is padded to a power of two
+    max_new_tokens: list[int]
+    limit: np.ndarray  # [rows] int32: prompt length + max_new_tokens
+    stop_ids: np.ndarray  # [rows, MAX_STOP_TOKENS] int32, -1 padded
+    settings: SamplingArrays
+    sampled: bool  # any row samples: compile the sampling path
+    block: int
+    budget: int | None
+    max_children: int | None
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+    """The static size used for n: the next power of two, at least ``minimum``."""
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
 def verify(target: KimiTarget, cache: LatentCache, tokens: jax.Array, taps: tuple[int, ...], form: MlaForm):
-    """Step 3: causal target forward over the block; returns the target's argmax per position and the taps."""
+    """Step 3: causal target forward over the block; returns the target's fp32 logits per position and the taps."""
     b, t = tokens.shape
     positions = cache.length[:, None] + jnp.arange(t)[None, :]
     visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     out = target(tokens, positions, cache, visible, taps=taps, form=form)
-    return jnp.argmax(target.logits(out.hidden), axis=-1).astype(jnp.int32), out.taps, out.cache
+    return target.logits(out.hidden), out.taps, out.cache
 
 
-def accept(drafts, posterior, block_len, limit, start, stop_ids):
-    """Step 4 (chain): (emitted [B, block], produced [B], stopped [B]).
+def argmax(logits: jax.Array) -> jax.Array:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    ``emitted[:produced]`` are the new tokens: accepted drafts equal the target's choices, so they are simply
-    the target's argmax row, the last one being the bonus.
-    """
+
+def accept_greedy(drafts, posterior, block_len):
+    """Step 4 (chain, greedy): (emitted [B, block], accepted [B]). Accepted drafts equal the target's choices,
+    so the emitted tokens are simply the target's argmax row, the last one being the bonus."""
     steps = jnp.arange(drafts.shape[1])[None, :]
     matches = (drafts == posterior[:, :-1]) & (steps < block_len[:, None] - 1)
-    accepted = jnp.cumprod(matches, axis=1).sum(axis=1)
-    return posterior, *limit_round(posterior, accepted, limit, start, stop_ids)
+    return posterior, jnp.cumprod(matches, axis=1).sum(axis=1)
 
 
-def limit_round(emitted, accepted, limit, start, stop_ids):
-    """(produced [B], stopped [B]): accepted + 1 tokens, cut at max length and after the first stop token."""
+def accept_sampled(drafts, draft_probs, target_probs, block_len, keys):
+    """Step 4 (chain, sampled), as ``dflash_generate``'s ``_rejection_sample``: draft i survives with
+    probability min(1, p/q); the token after the last survivor comes from the residual max(p - q, 0)
+    (renormalized), or from the target itself when every draft survived. Greedy rows have one-hot p and q, which
+    makes this the greedy rule. Returns (emitted [B, block], accepted [B])."""
+    accept_key, bonus_key = keys
+    gamma = block_len - 1
+    steps = jnp.arange(drafts.shape[1])[None, :]
+    p = jnp.take_along_axis(target_probs[:, :-1], drafts[..., None], axis=-1)[..., 0]
+    q = jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
+    u = jax.vmap(lambda k: jax.random.uniform(k, drafts.shape[1:]))(accept_key)
+    survives = (u * q < p) & (steps < gamma[:, None])
+    accepted = jnp.cumprod(survives, axis=1).sum(axis=1)
+    target_row = jnp.take_along_axis(target_probs, accepted[:, None, None], axis=1)[:, 0]
+    draft_row = jnp.take_along_axis(draft_probs, jnp.minimum(accepted, drafts.shape[1] - 1)[:, None, None], axis=1)
+    residual = jnp.maximum(target_row - draft_row[:, 0], 0.0)
+    total = residual.sum(-1, keepdims=True)
+    use_residual = (accepted < gamma)[:, None] & (total > 0)
+    bonus = sample(bonus_key, jnp.where(use_residual, residual / jnp.where(total > 0, total, 1.0), target_row))
+    full_steps = jnp.arange(drafts.shape[1] + 1)[None, :]
+    drafts_padded = jnp.concatenate([drafts, drafts[:, :1]], axis=1)
+    return jnp.where(full_steps < accepted[:, None], drafts_padded, bonus[:, None]), accepted
+
+
+def limit_round(emitted, accepted, limit, start, stop_ids, done):
+    """(produced [B], stopped [B], done [B]): accepted + 1 tokens, cut at the request's max length and after its
+    first stop token; rows already done produce nothing."""
     produced = jnp.minimum(accepted + 1, limit - start - 1)
-    is_stop = (emitted[:, :, None] == stop_ids[None, None, :]).any(-1)
+    is_stop = (emitted[:, :, None] == stop_ids[:, None, :]).any(-1)
     is_stop &= jnp.arange(emitted.shape[1])[None, :] < produced[:, None]
-    stopped = is_stop.any(axis=1)
+    stopped = is_stop.any(axis=1) & ~done
     produced = jnp.where(stopped, jnp.argmax(is_stop, axis=1) + 1, produced)
-    return produced.astype(jnp.int32), stopped
+    produced = jnp.where(done, 0, produced).astype(jnp.int32)
+    return produced, stopped, done | stopped | (start + produced + 1 >= limit)
 
 
 def inject_context(drafter: DFlashDrafter, state: DecodeState, block: int) -> DraftCache:
@@ -129,23 +174,26 @@ def draft_stage(target: KimiTarget, drafter: DFlashDrafter, state: DecodeState, 
     return drafter.draft_logits(target, draft_cache, state.bonus, start, block_len, block), draft_cache
 
 
-def commit_stage(
-    state: DecodeState, drafts, posterior, features, cache, draft_cache, block_len, limit, stop_ids, *trace
-):
-    """Steps 4-5: accept, then commit (the accepted rows already sit at start .. start + produced - 1)."""
+def commit(state: DecodeState, emitted, accepted, cache, context, draft_cache, rng, limit, stop_ids, *trace):
+    """Step 5: keep ``produced`` tokens per row (rows already done keep everything as it was) and report."""
     start = state.target_cache.length
-    emitted, produced, stopped = accept(drafts, posterior, block_len, limit, start, stop_ids)
+    produced, stopped, done = limit_round(emitted, accepted, limit, start, stop_ids, state.done)
+    last = jnp.take_along_axis(emitted, jnp.maximum(produced - 1, 0)[:, None], axis=1)[:, 0]
     new_state = DecodeState(
         target_cache=cache.replace(length=start + produced),
-        bonus=jnp.take_along_axis(emitted, produced[:, None] - 1, axis=1)[:, 0],
+        bonus=jnp.where(produced > 0, last, state.bonus),
+        done=done,
+        rng=rng,
         draft_cache=draft_cache,
-        context=features,
-        context_count=produced,
+        context=context,
+        context_count=None if context is None else produced,
     )
     return new_state, _report(emitted, produced, stopped, *trace)
 
 
-@functools.partial(jax.jit, static_argnames=("t_spec", "d_spec", "block", "form", "trace"), donate_argnames=("state",))
+@functools.partial(
+    jax.jit, static_argnames=("t_spec", "d_spec", "block", "form", "sampled", "trace"), donate_argnames=("state",)
+)
 def dflash_round(
     t_spec: ModuleSpec,
     t_weights,
@@ -154,24 +202,39 @@ def dflash_round(
     state: DecodeState,
     limit,
     stop_ids,
-    block,
-    form,
+    settings: SamplingArrays,
+    block: int,
+    form: MlaForm,
+    sampled: bool = False,
     trace: int = 0,
 ):
-    """One DFlash round; ``trace`` > 0 also reports the drafter's top-``trace`` tokens per position."""
+    """One DFlash round; ``sampled`` compiles the rejection-sampling path (``settings`` per row), otherwise
+    greedy. ``trace`` > 0 also reports the drafter's top-``trace`` tokens per position."""
     target, drafter = t_spec.merge(t_weights), d_spec.merge(d_weights)
     block_len = jnp.clip(limit - state.target_cache.length, 1, block)
     logits, draft_cache = draft_stage(target, drafter, state, block_len, block)
-    drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    rng = state.rng
+    if sampled:
+        rng, (draft_key, *accept_keys) = split_keys(rng, 3)
+        draft_probs = filtered_probs(logits, settings)
+        drafts = sample(draft_key, draft_probs)
+    else:
+        drafts = argmax(logits)
     tokens = jnp.concatenate([state.bonus[:, None], drafts], axis=1)
-    posterior, features, cache = verify(target, state.target_cache, tokens, drafter.config.target_layer_ids, form)
+    taps = drafter.config.target_layer_ids
+    target_logits, features, cache = verify(target, state.target_cache, tokens, taps, form)
+    if sampled:
+        target_probs = filtered_probs(target_logits, settings)
+        emitted, accepted = accept_sampled(drafts, draft_probs, target_probs, block_len, accept_keys)
+    else:
+        emitted, accepted = accept_greedy(drafts, argmax(target_logits), block_len)
     extra = (jax.lax.top_k(logits, trace)[1],) if trace else ()
-    return commit_stage(state, drafts, posterior, features, cache, draft_cache, block_len, limit, stop_ids, *extra)
+    return commit(state, emitted, accepted, cache, features, draft_cache, rng, limit, stop_ids, *extra)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("t_spec", "d_spec", "block", "budget", "max_children", "form", "trace"),
+    static_argnames=("t_spec", "d_spec", "block", "budget", "max_children", "form", "sampled", "trace"),
     donate_argnames=("state",),
 )
 def ddtree_round(
@@ -182,56 +245,67 @@ def ddtree_round(
     state: DecodeState,
     limit,
     stop_ids,
-    block,
-    budget,
-    max_children,
-    form,
+    settings: SamplingArrays,
+    block: int,
+    budget: int,
+    max_children: int | None,
+    form: MlaForm,
+    sampled: bool = False,
     trace: int = 0,
 ):
     """One DDTree round: draft once, build a best-first tree of ``budget`` nodes, verify it in one forward
     (each node sees the prefix and its ancestors, at position start + depth), walk the target's choices down
-    the tree, and compact the accepted path's latent rows to start .. start + produced - 1. ``trace`` > 0 also
-    reports the drafter's top-``trace`` tokens per position and the tree (tokens, parents; -1 where unused)."""
+    the tree, and compact the accepted path's latent rows to start .. start + produced - 1.
+
+    Sampled rows (``sampled``) use the target-only rule: one token is sampled from the target's filtered
+    distribution at every node; the walk descends while the sample is a child's token and the first sample
+    that is not becomes the bonus, so every emitted token is a draw from the target (lossless for any tree).
+    The tree is built from the drafter's logits at the request's temperature. ``trace`` > 0 also reports the
+    drafter's top-``trace`` tokens per position and the tree (tokens, parents; -1 where unused)."""
     target, drafter = t_spec.merge(t_weights), d_spec.merge(d_weights)
     start = state.target_cache.length
     block_len = jnp.clip(limit - start, 1, block)
     draft_cache = inject_context(drafter, state, block)
     logits = drafter.draft_logits(target, draft_cache, state.bonus, start, block_len, block)
-    tree = build_tree(logits, state.bonus, block_len - 1, budget, max_children)
+    rng = state.rng
+    tree_logits = logits
+    if sampled:
+        temperature = settings.temperature[:, None, None]
+        tree_logits = logits / jnp.where(temperature > 0, temperature, 1.0)
+    tree = build_tree(tree_logits, state.bonus, block_len - 1, budget, max_children)
 
     taps = drafter.config.target_layer_ids
     positions = start[:, None] + tree.depths
     out = target(tree.tokens, positions, state.target_cache, tree.visible, taps=taps, form=form)
-    posterior = jnp.argmax(target.logits(out.hidden), axis=-1).astype(jnp.int32)
-    path, accepted = accept_path(tree, posterior, block - 1)
-    emitted = jnp.take_along_axis(posterior, path, axis=1)  # the target's choices along the path: drafts + bonus
-    produced, stopped = limit_round(emitted, accepted, limit, start, stop_ids)
-    new_state = DecodeState(
-        target_cache=compact_rows(out.cache, start, path).replace(length=start + produced),
-        bonus=jnp.take_along_axis(emitted, produced[:, None] - 1, axis=1)[:, 0],
-        draft_cache=draft_cache,
-        context=jnp.take_along_axis(out.taps, path[:, :, None], axis=1),  # features in path order
-        context_count=produced,
-    )
+    target_logits = target.logits(out.hidden)
+    if sampled:
+        rng, (choice_key,) = split_keys(rng, 1)
+        choice = sample(choice_key, filtered_probs(target_logits, settings))
+    else:
+        choice = argmax(target_logits)
+    path, accepted = accept_path(tree, choice, block - 1)
+    emitted = jnp.take_along_axis(choice, path, axis=1)  # the target's choices along the path: drafts + bonus
+    cache = compact_rows(out.cache, start, path)
+    context = jnp.take_along_axis(out.taps, path[:, :, None], axis=1)  # features in path order
     extra = ()
     if trace:
         unused = ~tree.valid
-        extra = (
-            jax.lax.top_k(logits, trace)[1],
-            jnp.where(unused, -1, tree.tokens),
-            jnp.where(unused, -1, tree.parents),
-        )
-    return new_state, _report(emitted, produced, stopped, *extra)
+        tree_tokens, tree_parents = jnp.where(unused, -1, tree.tokens), jnp.where(unused, -1, tree.parents)
+        extra = (jax.lax.top_k(logits, trace)[1], tree_tokens, tree_parents)
+    return commit(state, emitted, accepted, cache, context, draft_cache, rng, limit, stop_ids, *extra)
 
 
-@functools.partial(jax.jit, static_argnames=("t_spec", "form"), donate_argnames=("state",))
-def ar_step(t_spec: ModuleSpec, t_weights, state: DecodeState, stop_ids, form):
+@functools.partial(jax.jit, static_argnames=("t_spec", "form", "sampled"), donate_argnames=("state",))
+def ar_step(t_spec: ModuleSpec, t_weights, state: DecodeState, limit, stop_ids, settings, form, sampled=False):
     target = t_spec.merge(t_weights)
-    posterior, _, cache = verify(target, state.target_cache, state.bonus[:, None], (), form)
-    token = posterior[:, 0]
-    stopped = (token[:, None] == stop_ids[None, :]).any(-1)
-    new_state = state.replace(target_cache=cache.replace(length=cache.length + 1), bonus=token)
-    return new_state, _report(posterior, jnp.ones_like(token), stopped)
+    logits, _, cache = verify(target, state.target_cache, state.bonus[:, None], (), form)
+    logits, rng = logits[:, 0], state.rng
+    if sampled:
+        rng, (key,) = split_keys(rng, 1)
+        token = sample(key, filtered_probs(logits, settings))
+    else:
+        token = argmax(logits)
+    return commit(state, token[:, None], jnp.zeros_like(token), cache, None, None, rng, limit, stop_ids)
 
 
 def _report(emitted, produced, stopped, *trace) -> jax.Array:
@@ -241,17 +315,41 @@ def _report(emitted, produced, stopped, *trace) -> jax.Array:
     return jnp.concatenate([emitted, produced[:, None], stopped[:, None].astype(jnp.int32), *flat], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("t_spec", "d_spec", "taps", "block"), donate_argnames=("state",))
-def prefill(t_spec, t_weights, d_spec, d_weights, state: DecodeState, tokens, prompt_len, taps, block):
-    """Run the (padded) prompt, commit ``prompt_len`` tokens, pick the first token, cache the drafter context."""
+@functools.partial(
+    jax.jit, static_argnames=("t_spec", "d_spec", "taps", "block", "sampled"), donate_argnames=("state",)
+)
+def prefill(
+    t_spec,
+    t_weights,
+    d_spec,
+    d_weights,
+    state: DecodeState,
+    tokens,
+    prompt_len,
+    limit,
+    stop_ids,
+    settings,
+    taps,
+    block,
+    sampled,
+):
+    """Run the (padded) prompts, commit ``prompt_len`` tokens per row, choose each row's first token, and cache
+    the drafter context. A row is done at once if that token is a stop token or its length allows no more."""
     target = t_spec.merge(t_weights)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
     visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     out = target(tokens, positions, state.target_cache, visible, taps=taps, form="naive")
     last = jnp.take_along_axis(out.hidden, (prompt_len - 1)[:, None, None], axis=1)
-    first = jnp.argmax(target.logits(last)[:, 0], axis=-1).astype(jnp.int32)
-    state = state.replace(target_cache=out.cache.replace(length=prompt_len), bonus=first)
+    logits = target.logits(last)[:, 0]
+    rng = state.rng
+    if sampled:
+        rng, (key,) = split_keys(rng, 1)
+        first = sample(key, filtered_probs(logits, settings))
+    else:
+        first = argmax(logits)
+    done = (first[:, None] == stop_ids).any(-1) | (prompt_len + 1 >= limit)
+    state = state.replace(target_cache=out.cache.replace(length=prompt_len), bonus=first, rng=rng, done=done)
     if d_spec is None:
         return state
     drafter = d_spec.merge(d_weights)
@@ -286,29 +384,83 @@ class SpeculativeDecoder:
             drafter.config.check_fits(target.config)
             self._d_spec, self._d_weights = split_module(drafter)
 
-    def generate(
+    def generate(self, prompt_ids, *, sampling: Sampling = GREEDY, **options) -> Generation:
+        """Decode up to ``max_new_tokens`` after one prompt; see ``generate_batch`` for the options."""
+        prompt = self.target._check_tokens(prompt_ids, None)
+        if prompt.shape[0] != 1:
+            raise InputError(f"prompt_ids: one prompt at a time, got batch {prompt.shape[0]}; use generate_batch")
+        return self.generate_batch([prompt[0].tolist()], sampling=sampling, **options)[0]
+
+    def generate_batch(self, prompts: list[list[int]], *, trace_topk: int = 0, **options) -> list[Generation]:
+        """Decode a batch of requests together, each with its own length, sampling settings and seed.
+
+        Greedy and sampled requests mix freely; a request that stops early stops changing while the others go on.
+        The batch is padded to a power of two (and prompts and the cache to their buckets), so shapes repeat.
+        Options: ``sampling`` (one ``Sampling`` or one per prompt; default greedy), ``method`` ("ar", "dflash",
+        "ddtree"), ``max_new_tokens`` (one or one per prompt), ``stop_token_ids`` (default: the target's EOS ids),
+        ``block_size``, ``budget`` (DDTree nodes per round, default block_size - 1), ``max_children`` (caps the
+        branching; 1 verifies the DFlash chain through the tree path). ``trace_topk`` > 0 records each round's
+        draft top-k (and DDTree trees) in the results.
+        """
+        t0 = time.perf_counter()
+        plan, state = self.start(prompts, **options)
+        first, done = np.asarray(state.bonus), np.array(state.done)
+        prefill_seconds = time.perf_counter() - t0
+        n, method, block = plan.requests, plan.method, plan.block
+        results = [Generation([int(first[i])], [], prefill_seconds, 0.0) for i in range(n)]
+        t0 = time.perf_counter()
+        while not done[:n].all():
+            state, report = self.step(plan, state, trace_topk)
+            report = np.asarray(report)
+            width = 1 if method == "ar" else block
+            for i, (row, result) in enumerate(zip(report, results, strict=False)):
+                produced = int(row[width])
+                if produced:
+                    result.tokens.extend(int(x) for x in row[:produced])
+                    result.acceptance_lengths.append(produced)
+                    if trace_topk and method != "ar":
+                        self._record(result, row[width + 2 :], block, trace_topk, method)
+                done[i] = done[i] or bool(row[width + 1]) or len(result.tokens) >= plan.max_new_tokens[i]
+        decode_seconds = time.perf_counter() - t0
+        for result in results:
+            result.decode_seconds = decode_seconds
+        return results
+
+    def step(self, plan: Plan, state: DecodeState, trace_topk: int = 0) -> tuple[DecodeState, jax.Array]:
+        """One jitted round for the whole batch: (new state, the round's report [rows, ...])."""
+        weights = (self._t_spec, self._t_weights)
+        common = (plan.limit, plan.stop_ids, plan.settings)
+        if plan.method == "ar":
+            return ar_step(*weights, state, *common, self.form, plan.sampled)
+        drafter = (self._d_spec, self._d_weights)
+        if plan.method == "dflash":
+            return dflash_round(*weights, *drafter, state, *common, plan.block, self.form, plan.sampled, trace_topk)
+        tree = (plan.block, plan.budget, plan.max_children, self.form, plan.sampled, trace_topk)
+        return ddtree_round(*weights, *drafter, state, *common, *tree)
+
+    def start(
         self,
-        prompt_ids,
+        prompts: list[list[int]],
         *,
+        sampling: Sampling | list[Sampling] = GREEDY,
         method: Method = "dflash",
-        max_new_tokens: int = 64,
+        max_new_tokens: int | list[int] = 64,
         stop_token_ids: list[int] | None = None,
         block_size: int | None = None,
         budget: int | None = None,
         max_children: int | None = None,
-        trace_topk: int = 0,
-    ) -> Generation:
-        """Greedy-decode up to ``max_new_tokens`` after ``prompt_ids`` (default stops: the target's EOS ids).
-
-        ``ddtree``: ``budget`` tree nodes per round (default block_size - 1); ``max_children`` caps the
-        branching (1 verifies the DFlash chain through the tree path). ``trace_topk`` > 0 records each round's
-        draft top-k (and DDTree trees) in the result.
-        """
-        prompt = self.target._check_tokens(prompt_ids, None)
-        if prompt.shape[0] != 1:
-            raise InputError(f"prompt_ids: one prompt at a time, got batch {prompt.shape[0]}")
-        if max_new_tokens < 1:
-            raise InputError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+    ) -> tuple[Plan, DecodeState]:
+        """Check the requests, fix the static shapes and run the prefill: (plan, state after the prefill)."""
+        if not prompts:
+            raise InputError("prompts: the batch is empty")
+        checked = [self.target._check_tokens([list(p)], None)[0] for p in prompts]
+        n = len(checked)
+        settings = [sampling] * n if isinstance(sampling, Sampling) else list(sampling)
+        lengths = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(settings) != n or len(lengths) != n:
+            raise InputError(f"sampling and max_new_tokens: give one per prompt ({n}), or one for all")
+        if any(not isinstance(m, int) or m < 1 for m in lengths):
+            raise InputError(f"max_new_tokens: each must be an integer >= 1, got {lengths}")
         stops = list(self.target.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
         if len(stops) > MAX_STOP_TOKENS:
             raise InputError(f"stop_token_ids: at most {MAX_STOP_TOKENS}, got {len(stops)}")
@@ -330,48 +482,39 @@ class SpeculativeDecoder:
                 raise InputError(f"max_children: must be >= 1, got {max_children}")
             verify_width = budget + 1
 
-        prompt_len = prompt.shape[1]
-        max_length = prompt_len + max_new_tokens
-        if max_length > self.target.config.max_position_embeddings:
+        limits = [len(p) + m for p, m in zip(checked, lengths, strict=True)]
+        if max(limits) > self.target.config.max_position_embeddings:
+            i = int(np.argmax(limits))
             raise InputError(
-                f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                f"request {i}: prompt ({len(checked[i])}) + max_new_tokens ({lengths[i]}) exceeds the model's "
                 f"max_position_embeddings ({self.target.config.max_position_embeddings})"
             )
-        padded = bucket(prompt_len)
-        slots = bucket(max(padded, max_length + max(block, verify_width)))
-        stop_ids = np.full((MAX_STOP_TOKENS,), -1, np.int32)
-        stop_ids[: len(stops)] = stops
+        rows = bucket(n, minimum=1)
+        padded = bucket(max(len(p) for p in checked))
+        slots = bucket(max(padded, max(limits) + max(block, verify_width)))
+        tokens = np.zeros((rows, padded), np.int32)
+        prompt_len = np.ones((rows,), np.int32)
+        limit = np.full((rows,), 2, np.int32)  # padding rows: a one-token request, done after the prefill
+        for i, prompt in enumerate(checked):
+            tokens[i, : len(prompt)], prompt_len[i], limit[i] = prompt, len(prompt), limits[i]
+        stop_ids = np.full((rows, MAX_STOP_TOKENS), -1, np.int32)
+        stop_ids[:, : len(stops)] = stops
+        settings = settings + [GREEDY] * (rows - n)
+        arrays, sampled = SamplingArrays.of(settings), any(not s.greedy for s in settings)
 
-        t0 = time.perf_counter()
-        state = self._prefill(prompt, padded, slots, None if method == "ar" else block)
-        first = int(state.bonus[0])
-        prefill_seconds = time.perf_counter() - t0
-
-        result = Generation([first], [], prefill_seconds, 0.0)
-        start, stopped = prompt_len, first in stops
-        limit = np.array([max_length], np.int32)
-        weights = (self._t_spec, self._t_weights)
-        t0 = time.perf_counter()
-        while start + 1 < max_length and not stopped:
-            if method == "ar":
-                state, report = ar_step(*weights, state, stop_ids, self.form)
-            elif method == "dflash":
-                drafter = (self._d_spec, self._d_weights)
-                state, report = dflash_round(*weights, *drafter, state, limit, stop_ids, block, self.form, trace_topk)
-            else:
-                drafter = (self._d_spec, self._d_weights)
-                tree = (block, budget, max_children, self.form, trace_topk)
-                state, report = ddtree_round(*weights, *drafter, state, limit, stop_ids, *tree)
-            row = np.asarray(report[0])
-            width = 1 if method == "ar" else block
-            produced, stopped = int(row[width]), bool(row[width + 1])
-            result.tokens.extend(int(x) for x in row[:produced])
-            result.acceptance_lengths.append(produced)
-            if trace_topk and method != "ar":
-                self._record(result, row[width + 2 :], block, trace_topk, method)
-            start += produced
-        result.decode_seconds = time.perf_counter() - t0
-        return result
+        plan = Plan(
+            method=method,
+            requests=n,
+            max_new_tokens=lengths,
+            limit=limit,
+            stop_ids=stop_ids,
+            settings=arrays,
+            sampled=sampled,
+            block=block,
+            budget=budget,
+            max_children=max_children,
+        )
+        return plan, self._prefill(tokens, prompt_len, limit, stop_ids, settings, arrays, slots, block, sampled, method)
 
     @staticmethod
     def _record(result: Generation, trace: np.ndarray, block: int, k: int, method: Method) -> None:
@@ -390,19 +533,21 @@ class SpeculativeDecoder:
             shardings = shardings.replace(draft_cache=shardings.draft_cache.replace(keys=kv, values=kv))
         return jax.device_put(state, shardings)
 
-    def _prefill(self, prompt: np.ndarray, padded: int, slots: int, block: int | None) -> DecodeState:
-        tokens = np.zeros((1, padded), np.int32)
-        tokens[0, : prompt.shape[1]] = prompt[0]
+    def _prefill(self, tokens, prompt_len, limit, stop_ids, settings, arrays, slots, block, sampled, method):
+        rows = tokens.shape[0]
         dtype = self.target.dtype
+        speculative = method != "ar"
         state = DecodeState(
-            target_cache=LatentCache.zeros(self.target.config, 1, slots, dtype),
-            bonus=jnp.zeros((1,), jnp.int32),
-            draft_cache=None if block is None else DraftCache.zeros(self.drafter.config, 1, slots, dtype),
+            target_cache=LatentCache.zeros(self.target.config, rows, slots, dtype),
+            bonus=jnp.zeros((rows,), jnp.int32),
+            done=jnp.zeros((rows,), bool),
+            rng=seed_keys(settings),
+            draft_cache=DraftCache.zeros(self.drafter.config, rows, slots, dtype) if speculative else None,
         )
         if self.mesh is not None:
             state = self._place(state)
         d_spec, d_weights, taps = None, None, ()
-        if block is not None:
+        if speculative:
             d_spec, d_weights, taps = self._d_spec, self._d_weights, self.drafter.config.target_layer_ids
-        prompt_len = np.array([prompt.shape[1]], np.int32)
-        return prefill(self._t_spec, self._t_weights, d_spec, d_weights, state, tokens, prompt_len, taps, block)
+        inputs = (tokens, prompt_len, limit, stop_ids, arrays)
+        return prefill(self._t_spec, self._t_weights, d_spec, d_weights, state, *inputs, taps, block, sampled)

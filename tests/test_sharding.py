@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from hf_layouts import write_k25_int4
 from jax.sharding import PartitionSpec as P
@@ -89,7 +88,7 @@ def test_parameters_and_caches_are_sharded(checkpoints, mode):
         assert array.sharding.spec == spec
         assert len(array.sharding.device_set) == 8
         assert array.addressable_shards[0].data.size * 8 == array.size
-    state = dec._prefill(np.array([PROMPT]), 16, 64, 8)
+    _, state = dec.start([PROMPT], max_new_tokens=8)
     assert state.target_cache.latent.sharding.is_fully_replicated  # one latent row serves every head
     assert len(state.target_cache.latent.sharding.device_set) == 8
     assert state.draft_cache.keys.sharding.spec == P(None, None, None, "model")

@@ -1,0 +1,99 @@
+"""Per-request sampling settings and the filtered distributions every decoding method samples from.
+
+``filtered_probs`` follows z-lab ``dflash.model._sampling_probs``: logits / temperature, keep the ``top_k``
+largest, softmax, keep the smallest prefix of the sorted probabilities whose mass reaches ``top_p`` (the token
+that crosses it included), renormalize. Temperature 0 is greedy: the distribution is one-hot on the argmax, so
+the sampling code paths reduce exactly to the greedy ones and greedy and sampled requests can share a batch.
+Settings are per row arrays, so mixing them never changes a compiled shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdd.errors import InputError
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """temperature 0 = greedy; top_p in (0, 1]; top_k 0 = no limit; seed makes a request reproducible."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and np.isfinite(self.temperature)) or self.temperature < 0:
+            raise InputError(f"temperature: must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise InputError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, (int, np.integer)) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise InputError(f"top_k: must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
+        if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:
+            raise InputError(f"seed: must be an integer in [0, 2**32), got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+GREEDY = Sampling()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingArrays:
+    """The settings of a batch, one entry per row (device arrays)."""
+
+    temperature: jax.Array  # [B] float32
+    top_p: jax.Array  # [B] float32
+    top_k: jax.Array  # [B] int32
+
+    @classmethod
+    def of(cls, settings: list[Sampling]) -> SamplingArrays:
+        return cls(
+            temperature=jnp.asarray([s.temperature for s in settings], jnp.float32),
+            top_p=jnp.asarray([s.top_p for s in settings], jnp.float32),
+            top_k=jnp.asarray([s.top_k for s in settings], jnp.int32),
+        )
+
+
+def seed_keys(settings: list[Sampling]) -> jax.Array:
+    """[B, 2] uint32 raw PRNG keys, one stream per request."""
+    return jnp.stack([jax.random.key_data(jax.random.PRNGKey(s.seed)) for s in settings])
+
+
+def split_keys(keys: jax.Array, count: int) -> tuple[jax.Array, list[jax.Array]]:
+    """Advance each row's stream: (next keys [B, 2], ``count`` typed keys of shape [B] for this step)."""
+    split = jax.vmap(lambda k: jax.random.split(jax.random.wrap_key_data(k), count + 1))(keys)  # [B, count+1]
+    return jax.random.key_data(split[:, 0]), [split[:, i] for i in range(1, count + 1)]
+
+
+def filtered_probs(logits: jax.Array, settings: SamplingArrays) -> jax.Array:
+    """fp32 probabilities [B, ..., V] to sample from, for logits [B, ..., V] and per-row settings."""
+    vocab = logits.shape[-1]
+    expand = (slice(None),) + (None,) * (logits.ndim - 1)
+    temperature, top_p, top_k = settings.temperature[expand], settings.top_p[expand], settings.top_k[expand]
+    scores = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
+    descending = -jnp.sort(-scores, axis=-1)
+    kth = jnp.take_along_axis(descending, jnp.clip(top_k - 1, 0, vocab - 1), axis=-1)
+    limited = (top_k > 0) & (top_k < vocab)
+    probs = jax.nn.softmax(jnp.where(limited & (scores < kth), -jnp.inf, scores), axis=-1)
+    # Nucleus: keep the sorted prefix whose mass before each token is still below top_p.
+    sorted_probs = -jnp.sort(-probs, axis=-1)
+    kept = (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs < top_p).sum(-1, keepdims=True)
+    smallest_kept = jnp.take_along_axis(sorted_probs, kept - 1, axis=-1)
+    probs = jnp.where((top_p < 1) & (probs < smallest_kept), 0.0, probs)
+    probs = probs / probs.sum(-1, keepdims=True)
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+    return jnp.where(temperature > 0, probs, greedy)
+
+
+def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
+    """One token per distribution: probs [B, ..., V] with keys [B] -> int32 [B, ...]."""
+    return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p), axis=-1))(key, probs).astype(jnp.int32)

@@ -1,0 +1,168 @@
+"""Sampling: settings, the filtered distribution, lossless sampled AR / DFlash / DDTree, and batching."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from dflash.model import _sampling_probs
+from reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model
+
+import jaxdd
+from jaxdd.sampling import Sampling, SamplingArrays, filtered_probs
+from jaxdd.speculative import SpeculativeDecoder
+
+# A vocabulary small enough to enumerate every 3-token continuation (8^3 = 512), and logits scaled up so the
+# distributions are far from uniform.
+VOCAB, NEW, ROWS, CALLS = 8, 3, 512, 32
+PROMPT = [1, 4, 2, 6, 3]
+SETTINGS = Sampling(temperature=0.8, top_p=0.95, top_k=6)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", -0.1, "temperature: must be a finite number >= 0"),
+        ("temperature", float("nan"), "temperature"),
+        ("top_p", 0.0, r"top_p: must be in \(0, 1\]"),
+        ("top_p", 1.5, "top_p"),
+        ("top_k", -1, "top_k: must be an integer >= 0"),
+        ("top_k", 2.5, "top_k"),
+        ("seed", -3, r"seed: must be an integer in \[0, 2\*\*32\)"),
+    ],
+)
+def test_bad_settings(field, value, message):
+    with pytest.raises(jaxdd.InputError, match=message):
+        Sampling(**{field: value})
+
+
+@pytest.mark.parametrize("setting", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 5), (0.5, 0.6, 12), (2.0, 0.3, 40)])
+def test_filtered_probs_match_dflash(setting):
+    temperature, top_p, top_k = setting
+    logits = np.random.default_rng(0).standard_normal((3, 5, 64)).astype(np.float32) * 3
+    expected = _sampling_probs(torch.from_numpy(logits), temperature, top_p, top_k).numpy()
+    ours = filtered_probs(jnp.asarray(logits), SamplingArrays.of([Sampling(temperature, top_p, top_k)] * 3))
+    np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    """(HF target, decoder) over an 8-token vocabulary with peaked distributions."""
+    root = tmp_path_factory.mktemp("vocab8")
+    target = hf_model(TINY_K2 | dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=7), seed=11)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(5.0)
+    target.save_pretrained(root / "target")
+    drafter_settings = drafter_config(
+        block_size=4, vocab_size=VOCAB, dflash_config={"mask_token_id": 7, "target_layer_ids": [1, 0]}
+    )
+    hf_drafter(drafter_settings, seed=11).save_pretrained(root / "drafter")
+    decoder = SpeculativeDecoder(
+        jaxdd.load_target(root / "target", dtype="float32"), jaxdd.load_drafter(root / "drafter", dtype="float32")
+    )
+    return target, decoder
+
+
+def exact_distribution(target, settings: Sampling) -> np.ndarray:
+    """P(x1, x2, x3 | PROMPT) [V, V, V] under the filtered target distribution, by enumeration."""
+
+    def step(prefixes: list[list[int]]) -> np.ndarray:
+        with torch.no_grad():
+            logits = target(torch.tensor([PROMPT + p for p in prefixes])).logits[:, -1]
+        return _sampling_probs(logits, settings.temperature, settings.top_p, settings.top_k).double().numpy()
+
+    first = step([[]])[0]
+    second = step([[a] for a in range(VOCAB)])  # [V, V]
+    third = step([[a, b] for a in range(VOCAB) for b in range(VOCAB)]).reshape(VOCAB, VOCAB, VOCAB)
+    return first[:, None, None] * second[:, :, None] * third
+
+
+def sampled_counts(decoder: SpeculativeDecoder, method: str, settings: Sampling) -> np.ndarray:
+    counts = np.zeros((VOCAB,) * NEW, np.int64)
+    for call in range(CALLS):
+        requests = [
+            Sampling(settings.temperature, settings.top_p, settings.top_k, seed=call * ROWS + r) for r in range(ROWS)
+        ]
+        results = decoder.generate_batch(
+            [PROMPT] * ROWS, sampling=requests, method=method, max_new_tokens=NEW, stop_token_ids=[], budget=6
+        )
+        for result in results:
+            counts[tuple(result.tokens)] += 1
+    return counts
+
+
+def chi_square_z(counts: np.ndarray, expected_probs: np.ndarray) -> float:
+    """Wilson-Hilferty z-score of Pearson's chi-square (cells expecting < 5 pooled); > 4 rejects."""
+    counts, probs = counts.ravel().astype(float), expected_probs.ravel()
+    expected = probs * counts.sum()
+    small = expected < 5
+    observed = np.append(counts[~small], counts[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    keep = expected > 0
+    statistic = float((((observed - expected) ** 2)[keep] / expected[keep]).sum())
+    df = int(keep.sum()) - 1
+    return ((statistic / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+
+
+def shifted(probs: np.ndarray, mass: float = 0.02) -> np.ndarray:
+    """``probs`` with ``mass`` moved from its most likely outcome to its least likely nonzero one."""
+    out = probs.copy().ravel()
+    nonzero = np.flatnonzero(out > 0)
+    out[np.argmax(out)] -= mass
+    out[nonzero[np.argmin(out[nonzero])]] += mass
+    return out.reshape(probs.shape)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+def test_sampled_output_follows_the_target(small_vocab, method):
+    """16384 sampled 3-token continuations per method against the enumerated target distribution: the joint
+    (512 outcomes) and each position's marginal pass a chi-square test, and the same samples reject a marginal
+    that is wrong by 2% of probability mass (so the test could notice such an error)."""
+    target, decoder = small_vocab
+    exact = exact_distribution(target, SETTINGS)
+    counts = sampled_counts(decoder, method, SETTINGS)
+    assert chi_square_z(counts, exact) < 4
+    for axis in range(NEW):
+        others = tuple(a for a in range(NEW) if a != axis)
+        observed, marginal = counts.sum(axis=others), exact.sum(axis=others)
+        assert chi_square_z(observed, marginal) < 4, (axis, observed, marginal * counts.sum())
+        assert chi_square_z(observed, shifted(marginal)) > 4
+
+
+def test_temperature_to_zero_is_greedy(models):
+    ref_target, _, decoder = models
+    prompt = [5, 17, 3, 250, 9]
+    greedy = hf_greedy(ref_target, prompt, 10)
+    for method in ("ar", "dflash", "ddtree"):
+        for temperature in (0.0, 1e-5):
+            settings = Sampling(temperature=temperature, seed=3)
+            out = decoder.generate(prompt, method=method, sampling=settings, max_new_tokens=10, stop_token_ids=[])
+            assert out.tokens == greedy, (method, temperature)
+
+
+def test_batch_rows_equal_their_runs_alone(models):
+    """Greedy and sampled requests of different lengths in one batch: each row's output is what it gives alone
+    (the same seed gives the same stream wherever the row sits), including a row that stops early."""
+    _, _, decoder = models
+    prompts = [[5, 17, 3, 250, 9], [1, 2, 3], [200, 100, 50, 25, 12, 6, 3], [7, 7, 7, 7]]
+    settings = [Sampling(), Sampling(temperature=1.0, seed=5), Sampling(temperature=0.7, top_k=20, seed=6), Sampling()]
+    lengths = [12, 4, 9, 12]
+    for method in ("ar", "dflash", "ddtree"):
+        alone = [
+            decoder.generate(p, method=method, sampling=s, max_new_tokens=n, stop_token_ids=[])
+            for p, s, n in zip(prompts, settings, lengths, strict=True)
+        ]
+        batch = decoder.generate_batch(
+            prompts, method=method, sampling=settings, max_new_tokens=lengths, stop_token_ids=[]
+        )
+        assert [r.tokens for r in batch] == [r.tokens for r in alone], method
+        assert [len(r.tokens) for r in batch] == lengths
+        stop = alone[0].tokens[3]  # a stop token hit by row 0 ends only row 0
+        stopped = decoder.generate_batch(
+            prompts, method=method, sampling=settings, max_new_tokens=lengths, stop_token_ids=[stop]
+        )
+        assert stopped[0].tokens == alone[0].tokens[: alone[0].tokens.index(stop) + 1]
