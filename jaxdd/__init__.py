@@ -12,6 +12,7 @@ The stable Python API:
     drafter = jaxdd.load_drafter("drafter_dir", dtype="float32")     # z-lab DFlash or jaxdd checkpoint
     result = target.generate([1, 2, 3], drafter=drafter, max_new_tokens=32)   # greedy DFlash
     result.tokens, result.acceptance_lengths                         # new tokens; tokens per round
+    sampled = target.generate([1, 2, 3], drafter=drafter, sampling=jaxdd.Sampling(temperature=0.7, seed=1))
 """
 
 from jaxdd.api import ForwardResult, Target, load_drafter, load_target
@@ -19,6 +20,7 @@ from jaxdd.cache import LatentCache
 from jaxdd.checkpoint import save_drafter, save_target
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.errors import CheckpointError, ConfigError, InputError
+from jaxdd.sampling import Sampling
 from jaxdd.speculative import Generation, SpeculativeDecoder
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "InputError",
     "KimiConfig",
     "LatentCache",
+    "Sampling",
     "SpeculativeDecoder",
     "Target",
     "load_drafter",

@@ -21,6 +21,7 @@ from jaxdd.drafter import DFlashDrafter
 from jaxdd.errors import CheckpointError, InputError
 from jaxdd.hf_weights import load_hf_drafter, load_hf_target
 from jaxdd.jit_state import split_module
+from jaxdd.sampling import GREEDY, Sampling
 from jaxdd.speculative import Generation, Method, SpeculativeDecoder
 from jaxdd.target import KimiTarget, MlaForm
 
@@ -146,15 +147,17 @@ class Target:
         block_size: int | None = None,
         budget: int | None = None,
         max_children: int | None = None,
+        sampling: Sampling = GREEDY,
     ) -> Generation:
-        """Greedy generation: ``dflash`` when a drafter is given, else ``ar``; ``ddtree`` with a node ``budget``
-        (see ``SpeculativeDecoder.generate``).
+        """Generation: ``dflash`` when a drafter is given, else ``ar``; ``ddtree`` with a node ``budget``
+        (see ``SpeculativeDecoder.generate_batch``). Greedy unless ``sampling`` says otherwise.
 
         Returns the new tokens, the tokens produced per round and timings. Stops at ``stop_token_ids``
         (default: the config's EOS ids; ``[]`` for none) or after ``max_new_tokens``.
         """
         return SpeculativeDecoder(self, drafter).generate(
             prompt_ids,
+            sampling=sampling,
             method=method or ("dflash" if drafter is not None else "ar"),
             max_new_tokens=max_new_tokens,
             stop_token_ids=stop_token_ids,

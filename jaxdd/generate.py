@@ -1,4 +1,4 @@
-"""``python -m jaxdd.generate``: greedy generation, plain (``ar``) or speculative (``dflash``, ``ddtree``).
+"""``python -m jaxdd.generate``: generation, plain (``ar``) or speculative (``dflash``, ``ddtree``), greedy or sampled.
 
     python -m jaxdd.generate --checkpoint TARGET_DIR [--drafter DRAFTER_DIR] --prompt-ids 1,2,3 [--json]
 
@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=positive, help="DDTree nodes per round (default: block size - 1)")
     parser.add_argument("--max-new-tokens", type=positive, default=64)
     parser.add_argument("--stop-ids", type=parse_ids, help="stop token ids (default: the target's EOS ids)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--json", action="store_true", help="print one JSON object: ids, acceptance, timings")
     return parser
@@ -81,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_token_ids=args.stop_ids,
             block_size=args.block_size,
             budget=args.budget,
+            sampling=jaxdd.Sampling(args.temperature, args.top_p, args.top_k, args.seed),
         )
     except (jaxdd.CheckpointError, jaxdd.ConfigError, jaxdd.InputError) as error:
         print(f"jaxdd: {error}", file=sys.stderr)

@@ -45,8 +45,9 @@ def plan(
     from jaxdd.drafter import DFlashDrafter, DraftCache
     from jaxdd.hf_weights import declared_expert_format
     from jaxdd.jit_state import split_module
+    from jaxdd.sampling import GREEDY, SamplingArrays
     from jaxdd.sharding import cache_sharding, make_mesh, param_shardings, place
-    from jaxdd.speculative import DecodeState, bucket, ddtree_round
+    from jaxdd.speculative import MAX_STOP_TOKENS, DecodeState, bucket, ddtree_round
     from jaxdd.target import KimiTarget
 
     raw = json.loads(Path(config_path).read_text())
@@ -89,6 +90,8 @@ def plan(
         lambda: DecodeState(
             target_cache=LatentCache.zeros(config, batch, slots, dtype),
             bonus=jnp.zeros((batch,), jnp.int32),
+            done=jnp.zeros((batch,), bool),
+            rng=jnp.zeros((batch, 2), jnp.uint32),
             draft_cache=DraftCache.zeros(drafter_config, batch, slots, dtype),
             context=jnp.zeros((batch, block, features), dtype),
             context_count=jnp.zeros((batch,), jnp.int32),
@@ -105,11 +108,11 @@ def plan(
     t_spec, t_weights = split_module(target)
     d_spec, d_weights = split_module(drafter)
     limit = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    stop_ids = jax.ShapeDtypeStruct((16,), jnp.int32)
+    stop_ids = jax.ShapeDtypeStruct((batch, MAX_STOP_TOKENS), jnp.int32)
     start = time.perf_counter()
-    lowered = ddtree_round.lower(
-        t_spec, t_weights, d_spec, d_weights, state, limit, stop_ids, block, budget, None, "absorbed"
-    )
+    settings = jax.eval_shape(lambda: SamplingArrays.of([GREEDY] * batch))
+    inputs = (state, limit, stop_ids, settings)
+    lowered = ddtree_round.lower(t_spec, t_weights, d_spec, d_weights, *inputs, block, budget, None, "absorbed")
     compiled = lowered.compile()
     compile_seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()

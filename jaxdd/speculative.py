@@ -460,7 +460,7 @@ class SpeculativeDecoder:
         if len(settings) != n or len(lengths) != n:
             raise InputError(f"sampling and max_new_tokens: give one per prompt ({n}), or one for all")
         if any(not isinstance(m, int) or m < 1 for m in lengths):
-            raise InputError(f"max_new_tokens: each must be an integer >= 1, got {lengths}")
+            raise InputError(f"max_new_tokens: must be >= 1 (an integer, or one per prompt), got {max_new_tokens}")
         stops = list(self.target.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
         if len(stops) > MAX_STOP_TOKENS:
             raise InputError(f"stop_token_ids: at most {MAX_STOP_TOKENS}, got {len(stops)}")

@@ -85,3 +85,16 @@ def test_bad_arguments(checkpoints, tmp_path, capsys):
             main(["--checkpoint", str(target), *argv])
         assert message in capsys.readouterr().err
     assert drafter.exists()
+
+
+def test_sampling_options(checkpoints, capsys):
+    _, target, drafter = checkpoints
+    common = ["--checkpoint", str(target), "--drafter", str(drafter), "--prompt-ids", "7,100,42", "--stop-ids", "0"]
+    common += ["--max-new-tokens", "8", "--temperature", "1.0", "--top-k", "50", "--top-p", "0.9"]
+    first = run_json(capsys, *common, "--seed", "4")
+    again = run_json(capsys, *common, "--seed", "4")
+    other = run_json(capsys, *common, "--seed", "5")
+    assert first["output_ids"] == again["output_ids"] != other["output_ids"]
+    assert len(first["output_ids"]) == 8
+    assert main([*common, "--top-p", "1.5"]) == 2
+    assert "top_p: must be in (0, 1]" in capsys.readouterr().err

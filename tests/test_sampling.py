@@ -137,7 +137,7 @@ def test_temperature_to_zero_is_greedy(small_vocab):
     ref_target, decoder = small_vocab
     greedy = hf_greedy(ref_target, PROMPT, 8)
     for method in ("ar", "dflash", "ddtree"):
-        for temperature in (0.0, 1e-4):
+        for temperature in (0.0, 1e-4):  # 0 takes the greedy path, 1e-4 the sampling path
             settings = Sampling(temperature=temperature, seed=3)
             out = decoder.generate(PROMPT, method=method, sampling=settings, max_new_tokens=8, stop_token_ids=[])
             assert out.tokens == greedy, (method, temperature)
