@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the reference builders
-from reference import TINY_K2, drafter_config, hf_drafter, hf_model
+from reference import TINY_K2, drafter_config, save_random_pair
 from timing import timed
 
 import jaxdd
@@ -36,11 +36,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
-        root = Path(directory)
-        hf_model(TINY_K2, seed=0).save_pretrained(root / "t")
-        hf_drafter(drafter_config(block_size=8), seed=0).save_pretrained(root / "d")
+        target, drafter = save_random_pair(Path(directory), TINY_K2, drafter_config(block_size=8), seed=0)
         decoder = SpeculativeDecoder(
-            jaxdd.load_target(root / "t", dtype="float32"), jaxdd.load_drafter(root / "d", dtype="float32")
+            jaxdd.load_target(target, dtype="float32"), jaxdd.load_drafter(drafter, dtype="float32")
         )
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 250, int(n)).tolist() for n in rng.integers(8, 24, max(BATCHES))]

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the reference builders
-from reference import TINY_K2, drafter_config, hf_drafter, hf_model
+from reference import TINY_K2, drafter_config, save_random_pair
 from timing import timed
 
 import jaxdd
@@ -55,14 +55,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
-        root = Path(directory)
-        hf_model(TARGET, seed=0).save_pretrained(root / "t")
-        hf_drafter(DRAFTER, seed=0).save_pretrained(root / "d")
+        target_dir, drafter_dir = save_random_pair(Path(directory), TARGET, DRAFTER, seed=0)
         prompt = np.random.default_rng(0).integers(0, 250, 24).tolist()
         rows, reference = {}, None
         for placement in ("1 device", "8 devices tp", "8 devices ep"):
-            target = jaxdd.load_target(root / "t", dtype="float32")
-            drafter = jaxdd.load_drafter(root / "d", dtype="float32")
+            target = jaxdd.load_target(target_dir, dtype="float32")
+            drafter = jaxdd.load_drafter(drafter_dir, dtype="float32")
             if placement != "1 device":
                 mesh = make_mesh(8)
                 mode = placement.split()[-1]

@@ -169,3 +169,10 @@ def hf_greedy(target, prompt, max_new_tokens: int) -> list[int]:
         for _ in range(max_new_tokens):
             ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt) :]
+
+
+def save_random_pair(root: Path, target_config: dict, drafter_settings: dict, seed: int) -> tuple[Path, Path]:
+    """Save a random HF target and DFlash drafter under ``root``: (target directory, drafter directory)."""
+    hf_model(target_config, seed).save_pretrained(root / "target")
+    hf_drafter(drafter_settings, seed).save_pretrained(root / "drafter")
+    return root / "target", root / "drafter"

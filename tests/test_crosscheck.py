@@ -7,7 +7,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from reference import TINY_K2, drafter_config, hf_drafter, hf_model
+from reference import TINY_K2, drafter_config, save_random_pair
 
 import jaxdd.target
 from jaxdd.crosscheck.__main__ import main
@@ -18,8 +18,7 @@ from jaxdd.crosscheck.trace import load_traces
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("crosscheck")
-    hf_model(TINY_K2, seed=5).save_pretrained(root / "target")
-    hf_drafter(drafter_config(block_size=4), seed=5).save_pretrained(root / "drafter")
+    save_random_pair(root, TINY_K2, drafter_config(block_size=4), seed=5)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 250, n).tolist() for n in (7, 12)]
     (root / "prompts.json").write_text(json.dumps(prompts))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hf_layouts import write_k25_int4
 from jax.sharding import PartitionSpec as P
-from reference import TINY_K2, drafter_config, hf_drafter, hf_model, rel_err
+from reference import TINY_K2, drafter_config, rel_err, save_random_pair
 
 import jaxdd
 from jaxdd.jit_state import count_compilations
@@ -23,8 +23,7 @@ METHODS = {"ar": {}, "dflash": {}, "ddtree": {"budget": 12}}
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharding")
-    hf_model(SHARDABLE, seed=7).save_pretrained(root / "target")
-    hf_drafter(DRAFTER, seed=7).save_pretrained(root / "drafter")
+    save_random_pair(root, SHARDABLE, DRAFTER, seed=7)
     write_k25_int4(root / "target", root / "int4")
     return root
 
