@@ -62,6 +62,7 @@ def atomic_directory(directory: str | Path) -> Iterator[Path]:
         raise FileExistsError(f"{directory} already exists; choose a new directory")
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
     try:
         yield staging
         staging.rename(directory)

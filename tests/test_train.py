@@ -1,0 +1,56 @@
+"""The training pieces for the demo pair (a few steps only; the real runs are ``python -m jaxdd.train.target``)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+from flax import nnx
+from transformers import DeepseekV3ForCausalLM
+
+import jaxdd
+from convert.jaxdd_to_hf import export
+from jaxdd.config import KimiConfig
+from jaxdd.target import KimiTarget
+from jaxdd.train.data import split, stdlib_files
+from jaxdd.train.target import KIMI_MINI, eval_loss, make_optimizer, train_step
+from jaxdd.train.tokenizer import END_OF_TEXT, MASK, train_tokenizer
+
+SMALL = KIMI_MINI | dict(num_hidden_layers=2, vocab_size=512, hidden_size=64, intermediate_size=128)
+
+
+def test_corpus_split_is_fixed_and_disjoint():
+    files = stdlib_files()
+    train, validation = split(files)
+    assert len(files) > 300 and set(train).isdisjoint(validation) and sorted(train + validation) == files
+    assert 0.02 < len(validation) / len(files) < 0.08
+    assert split(stdlib_files()) == (train, validation)
+    assert not any("test" in f.split("/")[:-1] for f in files)
+
+
+def test_tokenizer_round_trips_and_has_the_special_tokens():
+    texts = ["def f(x):\n    return x + 1\n", "class A:\n    pass\n"] * 20
+    tokenizer = train_tokenizer(texts, vocab_size=300)
+    assert tokenizer.token_to_id(END_OF_TEXT) == 0 and tokenizer.token_to_id(MASK) == 1
+    text = "def g(y):\n    return 'é' * y  # any text encodes (byte level)\n"
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def test_training_steps_lower_the_loss_and_export_loads_in_transformers(tmp_path):
+    config = KimiConfig.from_hf(SMALL)
+    model = KimiTarget(config, jnp.float32, rngs=nnx.Rngs(0))
+    optimizer = make_optimizer(model, steps=30, peak_lr=3e-3)
+    batch = jnp.asarray(np.random.default_rng(0).integers(2, 512, (4, 33)), jnp.int32)
+    before = float(eval_loss(model, batch))
+    for _ in range(30):
+        train_step(model, optimizer, batch)
+    after = float(eval_loss(model, batch))
+    assert after < before - 1.0  # the batch is being memorised
+    assert float(jnp.abs(model.layers[1].mlp.router.bias[...]).max()) == 0.0  # selection bias is not trained by SGD
+
+    hf_dir = export(jaxdd.save_target(model, tmp_path / "ckpt"), tmp_path / "hf", progress=False)
+    reference = DeepseekV3ForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(np.array(batch[:1, :16]))).logits.numpy()
+    ours = jaxdd.load_target(hf_dir, dtype="float32").logits(np.asarray(batch[:1, :16]))
+    np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-4)
