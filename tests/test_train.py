@@ -54,3 +54,41 @@ def test_training_steps_lower_the_loss_and_export_loads_in_transformers(tmp_path
         expected = reference(torch.from_numpy(np.array(batch[:1, :16]))).logits.numpy()
     ours = jaxdd.load_target(hf_dir, dtype="float32").logits(np.asarray(batch[:1, :16]))
     np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_drafter_training_steps_and_export_loads_in_dflash(tmp_path):
+    from dflash.model import DFlashDraftModel
+
+    from jaxdd.config import DrafterConfig
+    from jaxdd.drafter import DFlashDrafter
+    from jaxdd.train.drafter import (
+        drafter_eval,
+        drafter_hf_config,
+        drafter_step,
+        position_weights,
+        random_anchors,
+        target_features,
+    )
+
+    target = KimiTarget(KimiConfig.from_hf(SMALL), jnp.float32, rngs=nnx.Rngs(0))
+    hf_config = drafter_hf_config(target.config, block_size=4, layers=1)
+    config = DrafterConfig.from_hf(hf_config)
+    drafter = DFlashDrafter(config, jnp.float32, rngs=nnx.Rngs(1))
+    optimizer = make_optimizer(drafter, steps=30, peak_lr=3e-3)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(2, 512, (2, 24)), jnp.int32)
+    features = target_features(target, tokens, config.target_layer_ids)
+    anchors = jnp.asarray(random_anchors(rng, 2, 4, 24, config.block_size))
+    assert int(anchors.min()) >= 1 and int(anchors.max()) <= 24 - config.block_size
+    before, accuracy = drafter_eval(drafter, target, tokens, features, anchors)
+    assert accuracy.shape == (config.block_size - 1,)
+    for _ in range(30):
+        drafter_step(drafter, optimizer, target, tokens, features, anchors)
+    after, _ = drafter_eval(drafter, target, tokens, features, anchors)
+    assert float(after) < float(before) - 1.0
+    weights = np.asarray(position_weights(16))
+    assert weights[0] == 1.0 and np.isclose(weights[7], np.exp(-1.0)) and np.all(np.diff(weights) < 0)
+
+    path = export(jaxdd.save_drafter(drafter, tmp_path / "ckpt", hf_config), tmp_path / "hf", progress=False)
+    loaded = DFlashDraftModel.from_pretrained(path)
+    assert loaded.block_size == config.block_size and list(loaded.target_layer_ids) == list(config.target_layer_ids)
