@@ -92,3 +92,19 @@ def test_drafter_training_steps_and_export_loads_in_dflash(tmp_path):
     path = export(jaxdd.save_drafter(drafter, tmp_path / "ckpt", hf_config), tmp_path / "hf", progress=False)
     loaded = DFlashDraftModel.from_pretrained(path)
     assert loaded.block_size == config.block_size and list(loaded.target_layer_ids) == list(config.target_layer_ids)
+
+
+def test_history_plot(tmp_path):
+    import json
+
+    from jaxdd.train.plot import plot_history
+
+    history = {
+        "step": [100, 200],
+        "train_loss": [5.0, 4.0],
+        "validation_loss": [5.1, 4.2],
+        "accuracy": [[0.3, 0.2]] * 2,
+    }
+    (tmp_path / "drafter_history.json").write_text(json.dumps(history))
+    out = plot_history(tmp_path / "drafter_history.json", tmp_path / "drafter.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
