@@ -78,14 +78,9 @@ def causal_loss(model: KimiTarget, tokens: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(model.logits(hidden), labels).mean()
 
 
-def decayed(path, _) -> bool:
-    """Weight decay for matrices only: not for norms, the router bias or other vectors."""
-    return path[-1] not in ("weight", "bias") or (path[-2] == "router" and path[-1] == "weight")
-
-
 def make_optimizer(model: nnx.Module, steps: int, peak_lr: float = 3e-3) -> nnx.Optimizer:
     schedule = optax.warmup_cosine_decay_schedule(0.0, peak_lr, min(200, steps // 10 + 1), steps, peak_lr / 10)
-    mask = lambda params: jax.tree_util.tree_map_with_path(decayed, params)
+    mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # decay matrices, not norms or biases
     transform = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1, mask=mask))
     return nnx.Optimizer(model, transform, wrt=nnx.Param)
 
