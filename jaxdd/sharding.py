@@ -4,11 +4,14 @@ Every parameter carries logical axis names (``jaxdd.layers.param``); ``RULES`` m
 axis ``"model"``. Two MoE modes:
 
 - ``tp``: tensor-parallel everything: attention heads, dense-MLP width and each routed expert's FFN width are
-  split; XLA inserts the all-reduces.
-- ``ep``: expert-parallel routed experts: each device holds ``E / devices`` whole experts. The dispatch runs in
-  ``shard_map``: every device sees all (token, route) pairs (a decode step has a few hundred at most), computes
-  the pairs routed to its own experts and the outputs are summed across devices. No ``ragged_all_to_all``, which
-  XLA:CPU lacks. Attention and dense MLPs stay tensor-parallel.
+  split.
+- ``ep``: expert-parallel routed experts: each device holds ``E / devices`` whole experts; attention and dense
+  MLPs stay tensor-parallel.
+
+XLA's partitioner inserts the collectives for the tensor-parallel parts. The routed experts run in ``shard_map``
+in both modes: every device sees all (token, route) pairs (a decode step has a few hundred at most), computes its
+share (its slice of every expert, or its own experts) and the shares are summed across devices; no
+``ragged_all_to_all``, which XLA:CPU lacks. The Pallas tree-attention kernel also runs per device on its heads.
 
 Embedding and lm_head are vocab-parallel in both modes; XLA's partitioner keeps the global argmax, top-k and
 logsumexp of the tree build exact. The MLA latent cache holds one row per token shared by all heads, so it is
