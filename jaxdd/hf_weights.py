@@ -380,8 +380,14 @@ def _fp8_block(quantization: dict[str, Any]) -> int:
     return int(block[0])
 
 
-@functools.lru_cache(maxsize=64)
 def _header(file: Path) -> tuple[int, dict[str, Any]]:
+    """(data start, header) of a shard; cached per file version, so a rewritten shard is read afresh."""
+    stat = file.stat()
+    return _read_header(file, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _read_header(file: Path, mtime_ns: int, size: int) -> tuple[int, dict[str, Any]]:
     with file.open("rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         return 8 + size, json.loads(f.read(size))
