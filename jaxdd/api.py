@@ -7,6 +7,7 @@ writes the new rows in place.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -148,16 +149,20 @@ class Target:
         budget: int | None = None,
         max_children: int | None = None,
         sampling: Sampling = GREEDY,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> Generation:
         """Generation: ``dflash`` when a drafter is given, else ``ar``; ``ddtree`` with a node ``budget``
         (see ``SpeculativeDecoder.generate_batch``). Greedy unless ``sampling`` says otherwise.
 
         Returns the new tokens, the tokens produced per round and timings. Stops at ``stop_token_ids``
-        (default: the config's EOS ids; ``[]`` for none) or after ``max_new_tokens``.
+        (default: the config's EOS ids; ``[]`` for none) or after ``max_new_tokens``. ``on_tokens(new_tokens)``
+        is called as tokens are accepted (to stream them).
         """
+        stream = None if on_tokens is None else (lambda request, tokens: on_tokens(tokens))
         return SpeculativeDecoder(self, drafter).generate(
             prompt_ids,
             sampling=sampling,
+            on_tokens=stream,
             method=method or ("dflash" if drafter is not None else "ar"),
             max_new_tokens=max_new_tokens,
             stop_token_ids=stop_token_ids,

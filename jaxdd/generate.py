@@ -1,8 +1,13 @@
-"""``python -m jaxdd.generate``: generation, plain (``ar``) or speculative (``dflash``, ``ddtree``), greedy or sampled.
+"""``python -m jaxdd.generate``: generate text, plain (``ar``) or speculative (``dflash``, ``ddtree``), streamed.
 
-    python -m jaxdd.generate --checkpoint TARGET_DIR [--drafter DRAFTER_DIR] --prompt-ids 1,2,3 [--json]
+    python -m jaxdd.generate                                   # the bundled kimi-mini pair, a default prompt
+    python -m jaxdd.generate "def fibonacci(n):" --method ddtree --budget 16
+    python -m jaxdd.generate --prompt-file prompt.txt          # or --prompt-file - for stdin
+    python -m jaxdd.generate --checkpoint TARGET_DIR [--drafter DRAFTER_DIR] --prompt-ids 1,2,3 --json
 
-No demo model is bundled yet; without ``--checkpoint`` this says so and exits.
+The text streams to stdout as tokens are accepted; a summary (tokens/s, mean acceptance length, target forwards,
+compile time) goes to stderr. ``--json`` prints one JSON object instead. Checkpoints with a chat template
+(instruct models, e.g. Kimi's tokenizer_config.json) get the prompt wrapped as a user turn unless ``--no-chat``.
 """
 
 from __future__ import annotations
@@ -10,9 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import jaxdd
-from jaxdd.tokenizer import load_tokenizer
+from jaxdd.speculative import Generation
+from jaxdd.tokenizer import TextTokenizer, load_tokenizer
+
+DEMO = Path(__file__).parent / "demo" / "kimi-mini"
+DEFAULT_PROMPT = 'def read_config(path):\n    """Read a JSON config file and return it as a dict."""\n'
 
 
 def parse_ids(text: str) -> list[int]:
@@ -36,83 +46,162 @@ def positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m jaxdd.generate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", help="target: HF checkpoint directory or jaxdd checkpoint")
-    parser.add_argument("--drafter", help="DFlash drafter checkpoint directory (z-lab layout)")
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxdd.generate",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     prompt = parser.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json in the checkpoint directory)")
+    prompt.add_argument("prompt", nargs="?", help="prompt text (default with the bundled model: a Python stub)")
+    prompt.add_argument("--prompt-file", type=Path, help="read the prompt text from a file ('-': stdin)")
     prompt.add_argument("--prompt-ids", type=parse_ids, help="prompt token ids, e.g. 1,2,3")
-    parser.add_argument("--method", choices=["ar", "dflash", "ddtree"], help="default: dflash with --drafter, else ar")
+    parser.add_argument("--checkpoint", type=Path, help="target: HF or jaxdd checkpoint (default: bundled kimi-mini)")
+    parser.add_argument("--drafter", type=Path, help="DFlash drafter checkpoint (default with kimi-mini: its drafter)")
+    parser.add_argument("--method", choices=["ar", "dflash", "ddtree"], help="default: dflash with a drafter, else ar")
     parser.add_argument("--block-size", type=positive, help="DFlash block size (default: the drafter's)")
     parser.add_argument("--budget", type=positive, help="DDTree nodes per round (default: block size - 1)")
     parser.add_argument("--max-new-tokens", type=positive, default=64)
-    parser.add_argument("--stop-ids", type=parse_ids, help="stop token ids (default: the target's EOS ids)")
+    parser.add_argument("--stop-ids", type=parse_ids, help="stop token ids (default: EOS and end of turn)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0 = no limit")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, help="use the chat template (default: if any)")
+    parser.add_argument("--system", help="system message for the chat template")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--json", action="store_true", help="print one JSON object: ids, acceptance, timings")
+    parser.add_argument("--json", action="store_true", help="print one JSON object: ids, text, acceptance, timings")
     return parser
+
+
+class TextStream:
+    """Prints the text of accepted tokens as they come. Decodes the whole output each time (a BPE token can end
+    mid-character or change how its neighbour reads) and holds back a trailing partial UTF-8 character."""
+
+    def __init__(self, tokenizer: TextTokenizer | None, stop_ids: set[int]):
+        self.tokenizer, self.stop_ids, self.out = tokenizer, stop_ids, sys.stdout
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def __call__(self, tokens: list[int]) -> None:
+        self.ids += [t for t in tokens if t not in self.stop_ids]
+        if self.tokenizer is None:
+            text = ",".join(map(str, self.ids))
+        else:
+            text = self.tokenizer.decode(self.ids).removesuffix("\ufffd")
+        if text.startswith(self.printed) and len(text) > len(self.printed):
+            self.out.write(text[len(self.printed) :])
+            self.out.flush()
+            self.printed = text
+
+    def close(self) -> None:
+        self.out.write("\n")
+        self.out.flush()
+
+
+def read_prompt(args, tokenizer: TextTokenizer | None, bundled: bool, parser) -> tuple[list[int], str | None]:
+    """(prompt ids, prompt text or None)."""
+    if args.prompt_ids is not None:
+        return args.prompt_ids, None
+    if args.prompt_file is not None:
+        text = sys.stdin.read() if str(args.prompt_file) == "-" else read_text(args.prompt_file)
+    elif args.prompt is not None:
+        text = args.prompt
+    elif bundled:
+        text = DEFAULT_PROMPT
+    else:
+        parser.error("give a prompt: TEXT, --prompt-file FILE (- for stdin) or --prompt-ids 1,2,3")
+    if not text:
+        raise jaxdd.InputError("the prompt is empty")
+    if tokenizer is None:
+        raise jaxdd.CheckpointError(
+            f"{args.checkpoint}: no tokenizer (tokenizer.json or tiktoken.model); pass --prompt-ids instead"
+        )
+    chat = tokenizer.chat_template is not None if args.chat is None else args.chat
+    if chat:
+        return tokenizer.chat_prompt(text, system=args.system), text
+    return tokenizer.encode(text), text
+
+
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as error:
+        raise jaxdd.InputError(f"--prompt-file {path}: {error.strerror}") from None
+
+
+def summary(method: str, result: Generation, options: dict) -> dict:
+    tokens = len(result.tokens)
+    running = result.prefill_seconds + result.decode_seconds - result.compile_seconds
+    return {
+        "method": method,
+        "options": options,
+        "new_tokens": tokens,
+        "mean_acceptance": result.mean_acceptance,
+        "target_forwards": result.rounds + 1,  # the prefill, then one verify per round
+        "prefill_seconds": result.prefill_seconds,
+        "decode_seconds": result.decode_seconds,
+        "compile_seconds": result.compile_seconds,
+        "tokens_per_second": tokens / running if running > 0 else None,  # compile time excluded
+    }
+
+
+def summary_line(report: dict) -> str:
+    options = "".join(f" {k} {v}" for k, v in report["options"].items())
+    speed = f"{report['tokens_per_second']:.1f}" if report["tokens_per_second"] else "-"
+    return (
+        f"[{report['method']}{options}] {report['new_tokens']} tokens, {speed} tokens/s, "
+        f"mean acceptance {report['mean_acceptance']:.2f}, {report['target_forwards']} target forwards, "
+        f"compile {report['compile_seconds']:.1f} s"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.checkpoint is None:
-        print("jaxdd: no default model is bundled yet; pass --checkpoint DIR [--drafter DIR] --prompt-ids 1,2,3")
-        return 0
-    method = args.method or ("dflash" if args.drafter else "ar")
-    if method != "ar" and not args.drafter:
+    bundled = args.checkpoint is None
+    checkpoint = DEMO / "target" if bundled else args.checkpoint
+    drafter_dir = args.drafter or (DEMO / "drafter" if bundled else None)
+    method = args.method or ("dflash" if drafter_dir else "ar")
+    if method != "ar" and not drafter_dir:
         parser.error(f"--method {method} needs --drafter DIR")
-    if args.prompt is None and args.prompt_ids is None:
-        parser.error("give --prompt TEXT or --prompt-ids 1,2,3")
     try:
-        target = jaxdd.load_target(args.checkpoint, dtype=args.dtype)
-        tokenizer = load_tokenizer(args.checkpoint)
-        if args.prompt is not None:
-            if tokenizer is None:
-                raise jaxdd.CheckpointError(f"{args.checkpoint}: no tokenizer.json; pass --prompt-ids instead")
-            prompt_ids = tokenizer.encode(args.prompt).ids
-        else:
-            prompt_ids = args.prompt_ids
-        drafter = jaxdd.load_drafter(args.drafter, dtype=args.dtype) if method != "ar" else None
+        tokenizer = load_tokenizer(checkpoint) if checkpoint.is_dir() else None
+        prompt_ids, prompt_text = read_prompt(args, tokenizer, bundled, parser)
+        target = jaxdd.load_target(checkpoint, dtype=args.dtype)
+        drafter = jaxdd.load_drafter(drafter_dir, dtype=args.dtype) if method != "ar" else None
+        stop_ids = args.stop_ids
+        if stop_ids is None:
+            stop_ids = sorted(set(target.config.eos_token_ids) | set(tokenizer.stop_ids if tokenizer else ()))
+        stream = None if args.json else TextStream(tokenizer, set(stop_ids))
+        if stream is not None and prompt_text is not None:
+            print(prompt_text, end="", flush=True)
         result = target.generate(
             prompt_ids,
             drafter=drafter,
             method=method,
             max_new_tokens=args.max_new_tokens,
-            stop_token_ids=args.stop_ids,
+            stop_token_ids=stop_ids,
             block_size=args.block_size,
             budget=args.budget,
             sampling=jaxdd.Sampling(args.temperature, args.top_p, args.top_k, args.seed),
+            on_tokens=stream,
         )
     except (jaxdd.CheckpointError, jaxdd.ConfigError, jaxdd.InputError) as error:
         print(f"jaxdd: {error}", file=sys.stderr)
         return 2
 
-    tokens_per_second = len(result.tokens) / result.decode_seconds if result.decode_seconds > 0 else None
+    options = {"budget": args.budget or drafter.config.block_size - 1} if method == "ddtree" else {}
+    if method != "ar":
+        options = {"block": args.block_size or drafter.config.block_size, **options}
+    report = summary(method, result, options)
     if args.json:
-        report = {
-            "method": method,
-            "prompt_ids": list(prompt_ids),
-            "output_ids": result.tokens,
-            "acceptance_lengths": result.acceptance_lengths,
-            "mean_acceptance": result.mean_acceptance,
-            "timings": {
-                "prefill_seconds": result.prefill_seconds,
-                "decode_seconds": result.decode_seconds,
-                "tokens_per_second": tokens_per_second,
-            },
-        }
-        print(json.dumps(report))
+        text = tokenizer.decode(result.tokens) if tokenizer is not None else None
+        report = {"prompt_ids": list(prompt_ids), "output_ids": result.tokens, "text": text, **report}
+        print(json.dumps({**report, "acceptance_lengths": result.acceptance_lengths}))
         return 0
-    print(tokenizer.decode(result.tokens) if tokenizer is not None else ",".join(map(str, result.tokens)))
-    print(
-        f"[{method}] {len(result.tokens)} tokens in {result.rounds + 1} target forwards, "
-        f"mean acceptance {result.mean_acceptance:.2f}",
-        file=sys.stderr,
-    )
+    stream.close()
+    print(summary_line(report), file=sys.stderr)
     return 0
 
 

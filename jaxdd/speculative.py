@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 import jax
@@ -33,6 +34,7 @@ import numpy as np
 from flax import struct
 
 from jaxdd.cache import LatentCache, compact_rows
+from jaxdd.compile_time import compile_clock
 from jaxdd.drafter import DFlashDrafter, DraftCache
 from jaxdd.errors import InputError
 from jaxdd.jit_state import ModuleSpec, split_module
@@ -68,6 +70,7 @@ class Generation:
     acceptance_lengths: list[int]
     prefill_seconds: float
     decode_seconds: float
+    compile_seconds: float = 0.0  # part of prefill_seconds + decode_seconds spent compiling (first call per shape)
     # With ``trace_topk`` > 0: per round, the drafter's top-k tokens [block - 1, k], and for DDTree the tree
     # (tokens, parents) of its valid nodes, root first (for cross-checking against a reference).
     draft_topk: list[np.ndarray] = dataclasses.field(default_factory=list)
@@ -391,7 +394,14 @@ class SpeculativeDecoder:
             raise InputError(f"prompt_ids: one prompt at a time, got batch {prompt.shape[0]}; use generate_batch")
         return self.generate_batch([prompt[0].tolist()], sampling=sampling, **options)[0]
 
-    def generate_batch(self, prompts: list[list[int]], *, trace_topk: int = 0, **options) -> list[Generation]:
+    def generate_batch(
+        self,
+        prompts: list[list[int]],
+        *,
+        trace_topk: int = 0,
+        on_tokens: Callable[[int, list[int]], None] | None = None,
+        **options,
+    ) -> list[Generation]:
         """Decode a batch of requests together, each with its own length, sampling settings and seed.
 
         Greedy and sampled requests mix freely; a request that stops early stops changing while the others go on.
@@ -400,30 +410,38 @@ class SpeculativeDecoder:
         "ddtree"), ``max_new_tokens`` (one or one per prompt), ``stop_token_ids`` (default: the target's EOS ids),
         ``block_size``, ``budget`` (DDTree nodes per round, default block_size - 1), ``max_children`` (caps the
         branching; 1 verifies the DFlash chain through the tree path). ``trace_topk`` > 0 records each round's
-        draft top-k (and DDTree trees) in the results.
+        draft top-k (and DDTree trees) in the results. ``on_tokens(request, new_tokens)`` is called as tokens are
+        accepted (the first one after the prefill, then each round's), e.g. to stream text.
         """
-        t0 = time.perf_counter()
-        plan, state = self.start(prompts, **options)
-        first, done = np.asarray(state.bonus), np.array(state.done)
-        prefill_seconds = time.perf_counter() - t0
-        n, method, block = plan.requests, plan.method, plan.block
-        results = [Generation([int(first[i])], [], prefill_seconds, 0.0) for i in range(n)]
-        t0 = time.perf_counter()
-        while not done[:n].all():
-            state, report = self.step(plan, state, trace_topk)
-            report = np.asarray(report)
-            width = 1 if method == "ar" else block
-            for i, (row, result) in enumerate(zip(report, results, strict=False)):
-                produced = int(row[width])
-                if produced:
-                    result.tokens.extend(int(x) for x in row[:produced])
-                    result.acceptance_lengths.append(produced)
-                    if trace_topk and method != "ar":
-                        self._record(result, row[width + 2 :], block, trace_topk, method)
-                done[i] = done[i] or bool(row[width + 1]) or len(result.tokens) >= plan.max_new_tokens[i]
-        decode_seconds = time.perf_counter() - t0
+        emit = on_tokens or (lambda request, tokens: None)
+        with compile_clock() as clock:
+            t0 = time.perf_counter()
+            plan, state = self.start(prompts, **options)
+            first, done = np.asarray(state.bonus), np.array(state.done)
+            prefill_seconds = time.perf_counter() - t0
+            n, method, block = plan.requests, plan.method, plan.block
+            results = [Generation([int(first[i])], [], prefill_seconds, 0.0) for i in range(n)]
+            for i in range(n):
+                emit(i, results[i].tokens[:])
+            t0 = time.perf_counter()
+            while not done[:n].all():
+                state, report = self.step(plan, state, trace_topk)
+                report = np.asarray(report)
+                width = 1 if method == "ar" else block
+                for i, (row, result) in enumerate(zip(report, results, strict=False)):
+                    produced = int(row[width])
+                    if produced:
+                        new = [int(x) for x in row[:produced]]
+                        result.tokens.extend(new)
+                        result.acceptance_lengths.append(produced)
+                        emit(i, new)
+                        if trace_topk and method != "ar":
+                            self._record(result, row[width + 2 :], block, trace_topk, method)
+                    done[i] = done[i] or bool(row[width + 1]) or len(result.tokens) >= plan.max_new_tokens[i]
+            decode_seconds = time.perf_counter() - t0
         for result in results:
             result.decode_seconds = decode_seconds
+            result.compile_seconds = clock.seconds
         return results
 
     def step(self, plan: Plan, state: DecodeState, trace_topk: int = 0) -> tuple[DecodeState, jax.Array]:

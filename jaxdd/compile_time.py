@@ -1,0 +1,31 @@
+"""How long JAX spends compiling (tracing, lowering, XLA) while a block of code runs."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import jax
+
+COMPILE_EVENTS = "/jax/core/compile/"  # jaxpr_trace_duration, jaxpr_to_mlir_module_duration, backend_compile_duration
+
+
+class CompileClock:
+    seconds: float = 0.0
+
+
+@contextlib.contextmanager
+def compile_clock() -> Iterator[CompileClock]:
+    """``with compile_clock() as clock: ...``; then ``clock.seconds`` is the compile time spent inside (0 when
+    every function was already compiled)."""
+    clock = CompileClock()
+
+    def listener(event: str, seconds: float, **_) -> None:
+        if event.startswith(COMPILE_EVENTS):
+            clock.seconds += seconds
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield clock
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

@@ -1,0 +1,132 @@
+"""Checkpoint tokenizers: Kimi's tiktoken.model + tokenizer_config.json (synthetic), tokenizer.json, chat templates."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+import regex
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiktoken._educational import bpe_train
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from jaxdd.errors import CheckpointError
+from jaxdd.tokenizer import KIMI_PATTERN, KimiTokenizer, load_tokenizer
+
+# Shaped like Kimi K2's template: role markers, <|im_middle|> before the content, <|im_end|> after each turn.
+KIMI_STYLE_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}<|im_system|>system<|im_middle|>"
+    "{%- elif message['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
+    "{%- else -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+    "{{ message['content'] }}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+SPECIAL = ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>"]
+TEXT = "def add(a, b):\n    return a + b\n\n# 加法 adds numbers; it's 123456 times faster\n" * 4
+
+
+def write_kimi_tokenizer(directory, ranks: dict[bytes, int], template: str | None = KIMI_STYLE_TEMPLATE):
+    """tiktoken.model + tokenizer_config.json as MoonshotAI ships them (special ids right after the ranks)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = [f"{base64.b64encode(token).decode()} {rank}" for token, rank in ranks.items()]
+    (directory / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    base = len(ranks)
+    config = {
+        "added_tokens_decoder": {str(base + i): {"content": t, "special": True} for i, t in enumerate(SPECIAL)},
+        "bos_token": "[BOS]",
+        "eos_token": {"content": "[EOS]", "special": True},
+        "tokenizer_class": "TikTokenTokenizer",
+    }
+    if template is not None:
+        config["chat_template"] = template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return base
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("kimi")
+    ranks = bpe_train(TEXT, 300, r"\s?\w+|\s?[^\w\s]+|\s+", visualise=None)
+    base = write_kimi_tokenizer(directory, ranks)
+    return load_tokenizer(directory), base
+
+
+def test_kimi_tiktoken_special_tokens(kimi):
+    tokenizer, base = kimi
+    assert isinstance(tokenizer, KimiTokenizer)
+    assert [tokenizer.token_id(t) for t in SPECIAL] == list(range(base, base + len(SPECIAL)))
+    assert tokenizer.token_id(f"<|reserved_token_{base + 100}|>") == base + 100  # unnamed slots are reserved
+    assert len(tokenizer.special) == 256
+    assert tokenizer.stop_ids == [base + 1, base + 2]  # [EOS] and, as a chat model, <|im_end|>
+    assert tokenizer.encode("<|im_end|>", special=True) == [base + 2]
+    plain = tokenizer.encode("<|im_end|>")  # typed by a user: text, not the control token
+    assert base + 2 not in plain and tokenizer.decode(plain) == "<|im_end|>"
+    assert len(tokenizer.encode("return a + b")) < len(b"return a + b")  # the ranks' merges apply
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=40) | st.sampled_from(TEXT.splitlines()))
+def test_kimi_encoding_follows_the_pattern_and_round_trips(kimi, text):
+    """Each piece of Kimi's pre-tokenizer regex (run by the ``regex`` module, which spells ``&&`` class
+    intersection in V1 mode) is encoded on its own: merges never cross a piece boundary."""
+    tokenizer, _ = kimi
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+    pieces = regex.findall(KIMI_PATTERN, text, flags=regex.V1)
+    assert "".join(pieces) == text
+    assert ids == [i for piece in pieces for i in tokenizer.backend.encode_ordinary(piece)]
+
+
+def test_han_characters_split_from_latin_letters(kimi):
+    assert regex.findall(KIMI_PATTERN, "加法adds 加法", flags=regex.V1) == ["加法", "adds", " ", "加法"]
+
+
+def test_chat_template_renders_like_transformers(kimi, tmp_path):
+    tokenizer, base = kimi
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "add 2 and 3"}]
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    reference = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=KIMI_STYLE_TEMPLATE)
+    expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.chat_prompt("add 2 and 3", system="Be brief.")
+    assert tokenizer.decode(ids) == expected
+    assert ids == tokenizer.encode(expected, special=True)
+    im = {t: tokenizer.token_id(t) for t in SPECIAL}
+    assert ids[0] == im["<|im_system|>"] and ids[-1] == im["<|im_middle|>"]
+    assert ids.count(im["<|im_end|>"]) == 2
+    generation_prompt = [im["<|im_assistant|>"], *tokenizer.encode("assistant"), im["<|im_middle|>"]]
+    assert ids[-len(generation_prompt) :] == generation_prompt and im["<|im_assistant|>"] == base + 4
+
+
+def test_chat_template_file_and_plain_tokenizers(tmp_path):
+    ranks = {bytes([b]): b for b in range(256)}
+    write_kimi_tokenizer(tmp_path / "file", ranks, template=None)
+    assert load_tokenizer(tmp_path / "file").chat_template is None
+    (tmp_path / "file" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    tokenizer = load_tokenizer(tmp_path / "file")
+    assert tokenizer.decode(tokenizer.chat_prompt("hi")) == "hi!"
+    assert tokenizer.stop_ids == [257, 258]
+    assert load_tokenizer(tmp_path) is None  # no tokenizer files at all
+
+
+def test_bad_tokenizer_files_are_named(tmp_path):
+    ranks = {bytes([b]): b for b in range(256)}
+    write_kimi_tokenizer(tmp_path, ranks)
+    with open(tmp_path / "tiktoken.model", "a") as f:
+        f.write("not-base64!! 256\n")
+    with pytest.raises(CheckpointError, match="tiktoken.model: line 257 is not 'base64-token rank'"):
+        load_tokenizer(tmp_path)
+    write_kimi_tokenizer(tmp_path, ranks)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"]["9999"] = {"content": "<|far|>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"added token id\(s\) \[9999\] outside the special range \[256, 512\)"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("{")
+    with pytest.raises(CheckpointError, match="tokenizer_config.json: not valid JSON"):
+        load_tokenizer(tmp_path)
