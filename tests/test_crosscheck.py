@@ -94,3 +94,16 @@ def test_bad_reference_file(tmp_path, capsys):
     np.savez(bad, header=np.array(json.dumps({"format": "something else"})))
     assert main(["compare", str(bad)]) == 2
     assert "not a jaxdd cross-check reference" in capsys.readouterr().err
+
+
+def test_text_prompts_use_the_target_tokenizer(tmp_path):
+    from jaxdd.crosscheck.dump import read_prompts
+    from jaxdd.generate import DEMO
+    from jaxdd.tokenizer import load_tokenizer
+
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["def f(x):", [5, 6, 7]]))
+    expected = load_tokenizer(DEMO / "target").encode("def f(x):")
+    assert read_prompts(prompts, DEMO / "target") == [expected, [5, 6, 7]]
+    with pytest.raises(jaxdd.InputError, match="prompt 0 is text but .* has no tokenizer"):
+        read_prompts(prompts, tmp_path)

@@ -23,8 +23,8 @@ def read_prompts(path: str | Path, target_dir: str | Path) -> list[list[int]]:
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             if tokenizer is None:
-                raise InputError(f"{path}: prompt {i} is text but {target_dir} has no tokenizer.json")
-            prompt = tokenizer.encode(prompt).ids
+                raise InputError(f"{path}: prompt {i} is text but {target_dir} has no tokenizer")
+            prompt = tokenizer.encode(prompt)
         if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise InputError(f"{path}: prompt {i} must be a non-empty list of token ids or a string")
         out.append(list(prompt))
