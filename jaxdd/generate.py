@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     if dtype == "auto":
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     try:
-        tokenizer = load_tokenizer(checkpoint) if checkpoint.is_dir() else None
+        tokenizer = load_tokenizer(checkpoint)
         prompt_ids, prompt_text = read_prompt(args, tokenizer, bundled, parser)
         target = jaxdd.load_target(checkpoint, dtype=dtype)
         drafter = jaxdd.load_drafter(drafter_dir, dtype=dtype) if method != "ar" else None
@@ -201,14 +201,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxdd: {error}", file=sys.stderr)
         return 2
 
-    options = {"budget": args.budget or drafter.config.block_size - 1} if method == "ddtree" else {}
-    if method != "ar":
-        options = {"block": args.block_size or drafter.config.block_size, **options}
+    options = {}
+    if method != "ar":  # the settings the decoder used, defaults filled in as SpeculativeDecoder.start fills them
+        options["block"] = args.block_size or drafter.config.block_size
+    if method == "ddtree":
+        options["budget"] = args.budget or options["block"] - 1
     report = summary(method, result, options)
     if args.json:
         text = tokenizer.decode(result.tokens) if tokenizer is not None else None
-        report = {"prompt_ids": list(prompt_ids), "output_ids": result.tokens, "text": text, **report}
-        print(json.dumps({**report, "acceptance_lengths": result.acceptance_lengths}))
+        ids = {"prompt_ids": list(prompt_ids), "output_ids": result.tokens, "text": text}
+        print(json.dumps({**ids, **report, "acceptance_lengths": result.acceptance_lengths}))
         return 0
     stream.close()
     print(summary_line(report), file=sys.stderr)

@@ -423,11 +423,11 @@ class SpeculativeDecoder:
             results = [Generation([int(first[i])], [], prefill_seconds, 0.0) for i in range(n)]
             for i in range(n):
                 emit(i, results[i].tokens[:])
+            width = 1 if method == "ar" else block  # tokens per report row
             t0 = time.perf_counter()
             while not done[:n].all():
                 state, report = self.step(plan, state, trace_topk)
                 report = np.asarray(report)
-                width = 1 if method == "ar" else block
                 for i, (row, result) in enumerate(zip(report, results, strict=False)):
                     produced = int(row[width])
                     if produced:

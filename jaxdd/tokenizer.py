@@ -22,7 +22,7 @@ import jinja2.sandbox
 import tiktoken
 import tokenizers
 
-from jaxdd.errors import CheckpointError, InputError
+from jaxdd.errors import CheckpointError, InputError, checkpoint_directory
 
 # From tokenization_kimi.py: Han runs, cased words with English contractions, up to 3 digits, punctuation runs,
 # newlines, spaces.
@@ -151,7 +151,7 @@ def render_chat_template(template: str, messages: list[dict], **variables) -> st
 
 def load_tokenizer(directory: str | Path) -> TextTokenizer | None:
     """The checkpoint's tokenizer (tokenizer.json, else Kimi's tiktoken.model), or None when it ships none."""
-    directory = Path(directory)
+    directory = checkpoint_directory(directory)
     config_path = directory / "tokenizer_config.json"
     try:
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}

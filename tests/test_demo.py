@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dflash.model import DFlashDraftModel
 from reference import hf_greedy
-from transformers import DeepseekV3ForCausalLM
 
 import jaxdd
-from jaxdd.crosscheck.torch_reference import dflash_reference
+from jaxdd.crosscheck.torch_reference import dflash_reference, load_reference_models
 from jaxdd.generate import DEFAULT_PROMPT, DEMO
 from jaxdd.speculative import SpeculativeDecoder
 from jaxdd.tokenizer import load_tokenizer
@@ -34,8 +32,7 @@ def prompt() -> list[int]:
 
 @torch.inference_mode()
 def test_jaxdd_decodes_the_bundled_pair_like_transformers_and_dflash(prompt):
-    target = DeepseekV3ForCausalLM.from_pretrained(DEMO / "target", dtype=torch.float32).eval()
-    drafter = DFlashDraftModel.from_pretrained(DEMO / "drafter").float().eval()
+    target, drafter = load_reference_models(DEMO / "target", DEMO / "drafter")  # transformers and dflash load it
     greedy = hf_greedy(target, prompt, NEW_TOKENS)
     reference_tokens, reference_acceptance = dflash_reference(drafter, target, prompt, NEW_TOKENS, 8, [])
     assert reference_tokens == greedy  # the reference itself is lossless

@@ -116,6 +116,8 @@ def test_bad_arguments(checkpoints, tmp_path, capsys):
     assert "--prompt-file" in capsys.readouterr().err
     assert main(["--checkpoint", str(target), "--drafter", str(tmp_path / "none"), "--prompt-ids", "1"]) == 2
     assert "not a directory" in capsys.readouterr().err
+    assert main(["--checkpoint", str(tmp_path / "none"), "hello"]) == 2  # the directory, not a missing tokenizer
+    assert "none: not a directory" in capsys.readouterr().err
     for argv, message in [
         (["--prompt-ids", "a,b"], "expected comma-separated integers"),
         ([], "give a prompt: TEXT, --prompt-file FILE (- for stdin) or --prompt-ids"),

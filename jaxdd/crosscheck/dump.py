@@ -47,15 +47,12 @@ def dump(
     import dflash
     import torch
     import transformers
-    from dflash.model import DFlashDraftModel
-    from transformers import DeepseekV3ForCausalLM
 
     from jaxdd.crosscheck import torch_reference as ref
 
     if method != "ar" and drafter_dir is None:
         raise InputError(f"method {method!r} needs a drafter")
-    target = DeepseekV3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    drafter = DFlashDraftModel.from_pretrained(drafter_dir).float().eval() if method != "ar" else None
+    target, drafter = ref.load_reference_models(target_dir, drafter_dir if method != "ar" else None)
     block = (block_size or drafter.block_size) if drafter is not None else 1
     budget = (budget or block - 1) if method == "ddtree" else None
     stops = list(

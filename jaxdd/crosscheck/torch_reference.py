@@ -16,13 +16,22 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import dflash.model
 import numpy as np
 import torch
-from dflash.model import _crop_to, _make_cache, _raw_input_embeddings, extract_context_feature
+from dflash.model import DFlashDraftModel, _crop_to, _make_cache, _raw_input_embeddings, extract_context_feature
+from transformers import DeepseekV3ForCausalLM
 
 from jaxdd.tree import build_tree_host
+
+
+def load_reference_models(target_dir: str | Path, drafter_dir: str | Path | None = None):
+    """(HF ``DeepseekV3ForCausalLM``, z-lab ``DFlashDraftModel`` or None) from HF-layout directories, fp32, eval."""
+    target = DeepseekV3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    drafter = DFlashDraftModel.from_pretrained(drafter_dir).float().eval() if drafter_dir is not None else None
+    return target, drafter
 
 
 def _compact(cache, start: int, path: list[int]) -> None:
