@@ -18,6 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 NEG = -1e30  # finite: a fully masked block must not produce (-inf) - (-inf)
 
@@ -38,9 +39,14 @@ def tree_attention_reference(
     return jnp.einsum("bhts,bsr->bthr", probs, keys_latent)
 
 
-def _kernel(length_ref, q_lat_ref, q_rope_ref, c_ref, cr_ref, t_ref, tr_ref, mask_ref, o_ref, *, scale, block_k):
-    q_lat = q_lat_ref[...].astype(jnp.float32)  # [bq, r]
-    q_rope = q_rope_ref[...].astype(jnp.float32)  # [bq, dr]
+def _kernel(
+    length_ref, q_lat_ref, q_rope_ref, c_ref, cr_ref, t_ref, tr_ref, mask_ref, o_ref, *, scale, block_k, tail_k
+):
+    # Operands enter the dots in their own dtype with fp32 accumulation (bf16 x bf16 products are exact in fp32,
+    # and the tensor cores take bf16); the softmax runs in fp32 and the probabilities meet the values in the
+    # values' dtype, as in flash attention. fp32 inputs stay fp32 throughout (Triton's IEEE dot).
+    q_lat = q_lat_ref[...]  # [bq, r]
+    q_rope = q_rope_ref[...]  # [bq, dr]
     rows = q_lat.shape[0]
 
     def update(carry, latent, rope, visible):
@@ -51,7 +57,7 @@ def _kernel(length_ref, q_lat_ref, q_rope_ref, c_ref, cr_ref, t_ref, tr_ref, mas
         m_new = jnp.maximum(m, scores.max(-1))
         correction = jnp.exp(m - m_new)
         p = jnp.where(visible, jnp.exp(scores - m_new[:, None]), 0.0)
-        acc = correction[:, None] * acc + jnp.dot(p, latent, preferred_element_type=jnp.float32)
+        acc = correction[:, None] * acc + jnp.dot(p.astype(latent.dtype), latent, preferred_element_type=jnp.float32)
         return acc, m_new, correction * total + p.sum(-1)
 
     length = length_ref[0]
@@ -59,16 +65,20 @@ def _kernel(length_ref, q_lat_ref, q_rope_ref, c_ref, cr_ref, t_ref, tr_ref, mas
     def prefix_block(i, carry):
         block = pl.ds(i * block_k, block_k)
         visible = (i * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)) < length
-        return update(carry, c_ref[block, :].astype(jnp.float32), cr_ref[block, :].astype(jnp.float32), visible)
+        return update(carry, c_ref[block, :], cr_ref[block, :], visible)
 
     init = (
         jnp.zeros((rows, q_lat.shape[1]), jnp.float32),
         jnp.full((rows,), NEG, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
+
+    def tail_block(j, carry):  # the tree tokens, in blocks too: a whole 256-token tail would not fit on chip
+        block = pl.ds(j * tail_k, tail_k)
+        return update(carry, t_ref[block, :], tr_ref[block, :], mask_ref[:, block] != 0)
+
     carry = jax.lax.fori_loop(0, pl.cdiv(length, block_k), prefix_block, init)
-    tail = (t_ref[...].astype(jnp.float32), tr_ref[...].astype(jnp.float32), mask_ref[...] != 0)
-    acc, _, total = update(carry, *tail)
+    acc, _, total = jax.lax.fori_loop(0, t_ref.shape[0] // tail_k, tail_block, carry)
     o_ref[...] = (acc / jnp.where(total == 0, 1.0, total)[:, None]).astype(o_ref.dtype)
 
 
@@ -82,7 +92,7 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k", "num_warps", "interpret"))
 def tree_attention(
     q_latent,
     q_rope,
@@ -93,11 +103,14 @@ def tree_attention(
     tail_rope,
     tail_mask,
     scale: float,
-    block_q: int = 64,
+    block_q: int = 32,
     block_k: int = 64,
+    num_warps: int = 4,
     interpret: bool = False,
 ):
-    """The Pallas kernel; same arguments and result as ``tree_attention_reference``."""
+    """The Pallas kernel; same arguments and result as ``tree_attention_reference``. ``block_q`` query rows
+    (token x head) per program, keys in blocks of ``block_k``; the [block_q, latent] fp32 accumulator lives in
+    registers, so block_q x 512 / (32 x num_warps) values per thread for Kimi."""
     b, t, h, r = q_latent.shape
     dr = q_rope.shape[-1]
     slots = cache_latent.shape[1]
@@ -123,7 +136,7 @@ def tree_attention(
         return pl.BlockSpec((None, block_q, width), lambda i, j: (i, j, 0))
 
     out = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, block_k=block_k),
+        functools.partial(_kernel, scale=scale, block_k=block_k, tail_k=min(block_k, tail)),
         out_shape=jax.ShapeDtypeStruct((b, padded_rows, r), jnp.float32),
         grid=(b, padded_rows // block_q),
         in_specs=[
@@ -138,6 +151,9 @@ def tree_attention(
         ],
         out_specs=by_rows(r),
         interpret=interpret,
+        # Triton, not Mosaic GPU (jax's default for GPU since 0.8): Mosaic stages every block in shared memory, and
+        # the whole cache block is far over the 227 KB limit; Triton reads the cache through pointers.
+        compiler_params=None if jax.default_backend() == "tpu" else pltriton.CompilerParams(num_warps=num_warps),
         name="mla_tree_attention",
     )(
         length.astype(jnp.int32)[:, None],

@@ -7,7 +7,8 @@ The DDTree loop follows the paper's ``ddtree_generate`` (liranringel/ddtree): dr
 verify all nodes in one HF target forward with a 4-D mask (whole prefix + ancestors) at positions
 start + depth, follow the target's argmax down the tree, compact the accepted path's cache rows, and feed the
 path's features to the drafter.
-Limits and stop tokens follow ``dflash_generate``. Greedy only, batch 1, CPU.
+Limits and stop tokens follow ``dflash_generate``. Greedy only, batch 1; ``dflash_generate`` runs on the models'
+device, the other loops on CPU.
 
 Each run can ``record`` what happened per round: the drafter's logits and, for DDTree, the tree.
 """
@@ -27,10 +28,13 @@ from transformers import DeepseekV3ForCausalLM
 from jaxdd.tree import build_tree_host
 
 
-def load_reference_models(target_dir: str | Path, drafter_dir: str | Path | None = None):
-    """(HF ``DeepseekV3ForCausalLM``, z-lab ``DFlashDraftModel`` or None) from HF-layout directories, fp32, eval."""
-    target = DeepseekV3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    drafter = DFlashDraftModel.from_pretrained(drafter_dir).float().eval() if drafter_dir is not None else None
+def load_reference_models(target_dir: str | Path, drafter_dir: str | Path | None = None, device: str = "cpu"):
+    """(HF ``DeepseekV3ForCausalLM``, z-lab ``DFlashDraftModel`` or None) from HF-layout directories, fp32, eval,
+    on ``device``."""
+    target = DeepseekV3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().to(device)
+    drafter = None
+    if drafter_dir is not None:
+        drafter = DFlashDraftModel.from_pretrained(drafter_dir).float().eval().to(device)
     return target, drafter
 
 
@@ -61,14 +65,15 @@ def ar_reference(target, prompt, max_new_tokens: int, stop_token_ids) -> tuple[l
 
 @torch.inference_mode()
 def dflash_reference(drafter, target, prompt, max_new_tokens, block_size, stop_token_ids, record=None):
-    """z-lab dflash_generate (greedy) on CPU: (new tokens, per-round acceptance lengths)."""
-    dflash.model._cuda_time = time.perf_counter  # the reference times itself with torch.cuda.synchronize
+    """z-lab dflash_generate (greedy) on the models' device: (new tokens, per-round acceptance lengths)."""
+    if target.device.type == "cpu":  # the reference times itself with torch.cuda.synchronize
+        dflash.model._cuda_time = time.perf_counter
     compute_logits = drafter.compute_logits
     if record is not None:  # record each round's draft logits without touching the algorithm
 
         def recording(hidden, head):
             logits = compute_logits(hidden, head)
-            record["draft_logits"].append(logits[0].float().numpy())
+            record["draft_logits"].append(logits[0].float().cpu().numpy())
             return logits
 
         drafter.compute_logits = recording
@@ -76,7 +81,7 @@ def dflash_reference(drafter, target, prompt, max_new_tokens, block_size, stop_t
         result = dflash.model.dflash_generate(
             drafter,
             target,
-            torch.tensor([list(prompt)]),
+            torch.tensor([list(prompt)], device=target.device),
             max_new_tokens=max_new_tokens,
             stop_token_ids=stop_token_ids,
             block_size=block_size,
