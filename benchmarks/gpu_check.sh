@@ -39,8 +39,7 @@ def median_ms(fn, n=30):
 rows = []
 rng = np.random.default_rng(0)
 reference = jax.jit(tree_attention_reference, static_argnames="scale")
-CONFIGS = [dict(block_q=32, block_k=64, num_warps=4), dict(block_q=64, block_k=64, num_warps=8),
-           dict(block_q=16, block_k=64, num_warps=4), dict(block_q=32, block_k=32, num_warps=4)]
+CONFIGS = [dict(), dict(block_q=32, block_k=64), dict(block_q=16, block_k=64), dict(block_q=32, block_k=32)]
 for tokens, heads, slots, dtype in [(65, 64, 4096, jnp.bfloat16), (257, 64, 4096, jnp.bfloat16),
                                     (257, 8, 32768, jnp.bfloat16), (65, 64, 4096, jnp.float32)]:
     r, dr = 512, 64

@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 NEG = -1e30  # finite: a fully masked block must not produce (-inf) - (-inf)
+GPU_PROGRAMS = 128  # about one program per multiprocessor of an H100/H200 (132) keeps the chip busy
 
 
 def tree_attention_reference(
@@ -103,22 +104,28 @@ def tree_attention(
     tail_rope,
     tail_mask,
     scale: float,
-    block_q: int = 32,
-    block_k: int = 64,
+    block_q: int | None = None,
+    block_k: int | None = None,
     num_warps: int = 4,
     interpret: bool = False,
 ):
     """The Pallas kernel; same arguments and result as ``tree_attention_reference``. ``block_q`` query rows
-    (token x head) per program, keys in blocks of ``block_k``; the [block_q, latent] fp32 accumulator lives in
-    registers, so block_q x 512 / (32 x num_warps) values per thread for Kimi."""
+    (token x head) per program, keys in blocks of ``block_k``; None picks them as measured on an H200
+    (benchmarks/results/gpu_kernel.json): keys in blocks of 64 (bf16) or 32 (fp32: 64 asks for 236 KB of
+    shared memory, over the 227 KB limit), and 32 query rows per program unless that leaves fewer programs than
+    the GPU has multiprocessors (then 16: 257 tokens x 8 heads over 32k slots ran 1.8x faster)."""
     b, t, h, r = q_latent.shape
     dr = q_rope.shape[-1]
     slots = cache_latent.shape[1]
+    rows = t * h
+    if block_k is None:
+        block_k = 64 if jnp.dtype(cache_latent.dtype).itemsize <= 2 else 32
+    if block_q is None:
+        block_q = 32 if b * rows >= 32 * GPU_PROGRAMS else 16
     block_k = min(block_k, slots)
     if slots % block_k:
         raise ValueError(f"cache slots {slots} must be a multiple of block_k {block_k}")
     tail = _pow2(t)  # pad the tail to a power of two; padded keys are masked out
-    rows = t * h
     block_q = min(block_q, _pow2(rows))
     padded_rows = pl.cdiv(rows, block_q) * block_q
 
