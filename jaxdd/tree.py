@@ -68,18 +68,14 @@ def _build_one(lp: jax.Array, top_tokens: jax.Array, depth_limit: jax.Array, bud
     ranks = jnp.full((width, depth_count), -1, jnp.int32).at[:, 0].set(slots)
     parent_slot = jnp.zeros((width,), jnp.int32)
     levels = [(score, valid, ranks, parent_slot)]
-    # A child of rank r of the parent in score place i is beaten by the first r+1 children of each of the i+1
-    # parents at or above it, so only pairs with (i+1)(r+1) <= width can make the beam: ~width * ln(width)
-    # candidates per depth instead of width * k.
-    place, rank_of = (np.array(x, np.int32) for x in zip(*_beam_pairs(width, k), strict=True))
     for d in range(1, depth_count):
         prev_score, prev_valid, prev_ranks, _ = levels[-1]
-        by_score = jnp.argsort(_order_key(prev_score, prev_valid), stable=True)  # ties: lexicographic slot
-        parent = by_score[place]
-        cand_valid = prev_valid[parent] & (d < depth_limit)
-        cand_score = prev_score[parent] + lp[d][rank_of]
-        lex = parent * k + rank_of  # the rank tuples' lexicographic order
-        chosen = jnp.sort(jax.lax.sort((_order_key(cand_score, cand_valid), lex), num_keys=2)[1][:width])
+        # Every (parent slot, rank) pair; beam slots are kept in rank-tuple order, so the flat index slot * k + rank
+        # is the lexicographic order, which is how top_k breaks ties (lower index first). One top_k per depth
+        # instead of sorting candidates: a GPU runs it as one kernel, a sort as several.
+        cand_valid = prev_valid[:, None] & (d < depth_limit)
+        cand_score = jnp.where(cand_valid, prev_score[:, None] + lp[d][None, :], -jnp.inf).reshape(-1)
+        chosen = jnp.sort(jax.lax.top_k(cand_score, width)[1])
         parent_slot, rank = chosen // k, chosen % k
         ranks = prev_ranks[parent_slot].at[:, d].set(rank)
         score = prev_score[parent_slot] + lp[d][rank]
@@ -107,11 +103,6 @@ def _build_one(lp: jax.Array, top_tokens: jax.Array, depth_limit: jax.Array, bud
 def _order_key(score: jax.Array, valid: jax.Array) -> jax.Array:
     """Ascending sort key for "valid first, best score first"."""
     return jnp.where(valid, -score, jnp.inf)
-
-
-def _beam_pairs(width: int, k: int) -> list[tuple[int, int]]:
-    """(parent score place i, child rank r) pairs that can enter a beam of ``width``: (i+1)(r+1) <= width."""
-    return [(i, r) for i in range(width) for r in range(min(k, width // (i + 1)))]
 
 
 def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
