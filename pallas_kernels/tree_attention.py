@@ -158,8 +158,8 @@ def tree_attention(
         ],
         out_specs=by_rows(r),
         interpret=interpret,
-        # Triton, not Mosaic GPU (jax's default for GPU since 0.8): Mosaic stages every block in shared memory, and
-        # the whole cache block is far over the 227 KB limit; Triton reads the cache through pointers.
+        # Triton, not Mosaic GPU (jax's default GPU backend): Mosaic stages every block in shared memory, and the
+        # whole cache block is far over the 227 KB limit; Triton reads the cache through pointers.
         compiler_params=None if jax.default_backend() == "tpu" else pltriton.CompilerParams(num_warps=num_warps),
         name="mla_tree_attention",
     )(

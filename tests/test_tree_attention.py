@@ -66,6 +66,18 @@ def test_kernel_on_gpu_matches_reference(shape, dtype):
         check(shape, dtype, 0, interpret=False)
 
 
+def test_kernel_lowers_for_gpu_at_kimi_sizes():
+    """Lowered for CUDA on any machine (no GPU needed): at Kimi's latent sizes the kernel must go through the
+    Triton backend; Mosaic GPU would stage the whole cache block in shared memory and fail."""
+    b, t, h, r, dr, s = 1, 65, 8, 512, 64, 256
+    shapes = [(b, t, h, r), (b, t, h, dr), (b, s, r), (b, s, dr), (b,), (b, t, r), (b, t, dr), (b, t, t)]
+    dtypes = [jnp.bfloat16] * 4 + [jnp.int32, jnp.bfloat16, jnp.bfloat16, jnp.bool_]
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
+    kernel = jax.jit(lambda *a: tree_attention(*a, scale=0.1))
+    lowered = kernel.trace(*args).lower(lowering_platforms=("cuda",))
+    assert "xla.gpu.triton" in lowered.as_text()
+
+
 @pytest.mark.parametrize("models", [0], indirect=True, ids=["seed0"])
 def test_ddtree_with_the_kernel_is_lossless(models):
     """The decoder verifying trees through the kernel (interpreted on CPU, compiled on GPU) gives the same tokens
