@@ -26,16 +26,11 @@ timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_tree_attention.py -k
 
 echo "== 2. kernel vs XLA at Kimi-like shapes, a few block configurations"
 timeout 110 $PY - "$OUT" <<'PY' 2>&1 | tee "$OUT/gpu_kernel.log"
-import json, sys, time
+import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
-
-def median_ms(fn, n=30):
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(n):
-        start = time.perf_counter(); jax.block_until_ready(fn()); times.append(time.perf_counter() - start)
-    return float(np.median(times) * 1e3)
+sys.path.insert(0, "benchmarks")
+from timing import median_ms
 
 rows = []
 rng = np.random.default_rng(0)

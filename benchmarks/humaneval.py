@@ -150,7 +150,6 @@ def main() -> None:
         label = f"ddtree budget {budget}"
         runs.append(run_jaxdd(decoder, prompts, label, method="ddtree", block_size=block, budget=budget, **common))
     torch_device = "cuda" if torch.cuda.is_available() else "cpu"
-    on_cpu = jax.default_backend() == "cpu"
     reference = run_reference(prompts, max_new, block, stops, torch_device)
 
     ar, dflash = runs[0], runs[1]
@@ -185,6 +184,7 @@ def main() -> None:
         "lossless": all(run["identical_to_ar"] == len(prompts) for run in runs),
         "pytorch_tokens_identical": reference["identical_to_jaxdd_dflash"] == len(prompts),
     }
+    on_cpu = jax.default_backend() == "cpu"
     report = {
         "benchmark": "humaneval",
         "setup": {

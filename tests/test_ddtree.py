@@ -8,8 +8,8 @@ import pytest
 from oracle import OracleDrafter, patched_reference_drafter
 from reference import hf_greedy
 
+from jaxdd.compile_time import compile_clock
 from jaxdd.crosscheck.torch_reference import ddtree_reference
-from jaxdd.jit_state import count_compilations
 from jaxdd.speculative import SpeculativeDecoder
 
 PROMPTS = [[5, 17, 3, 250, 9, 1, 77], [200, 4, 4, 91, 36, 12, 8, 150, 61, 7, 33]]
@@ -82,7 +82,7 @@ def test_chain_tree_equals_dflash(models, greedy):
 def test_compiles_once_per_budget_and_bucket(models):
     _, _, decoder = models
     decoder.generate(PROMPTS[0], method="ddtree", budget=16, max_new_tokens=MAX_NEW, stop_token_ids=[])
-    with count_compilations() as compiles:
+    with compile_clock() as compiles:
         out = decoder.generate(PROMPTS[1], method="ddtree", budget=16, max_new_tokens=MAX_NEW - 3, stop_token_ids=[])
         decoder.generate([3, 1, 4, 1, 5], method="ddtree", budget=16, max_new_tokens=MAX_NEW, stop_token_ids=[])
     assert out.rounds > 5

@@ -10,10 +10,10 @@ from oracle import OracleDrafter, patched_reference_drafter
 from reference import drafter_config, hf_greedy
 
 import jaxdd
+from jaxdd.compile_time import compile_clock
 from jaxdd.config import DrafterConfig
 from jaxdd.crosscheck.torch_reference import dflash_reference
 from jaxdd.drafter import DFlashDrafter
-from jaxdd.jit_state import count_compilations
 from jaxdd.speculative import SpeculativeDecoder
 
 PROMPTS = [[5, 17, 3, 250, 9, 1, 77], [200, 4, 4, 91, 36, 12, 8, 150, 61, 7, 33]]
@@ -80,7 +80,7 @@ def test_compiles_once_per_bucket(models):
     """Rounds never recompile, nor do prompts of another length inside the same bucket."""
     _, _, decoder = models
     decoder.generate(PROMPTS[0], max_new_tokens=MAX_NEW, stop_token_ids=[], block_size=8)  # warm
-    with count_compilations() as compiles:
+    with compile_clock() as compiles:
         result = decoder.generate(PROMPTS[1], max_new_tokens=MAX_NEW - 4, stop_token_ids=[], block_size=8)
         decoder.generate([9, 9, 9], max_new_tokens=MAX_NEW, stop_token_ids=[], block_size=8)
     assert result.rounds > 5

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 from reference import TINY_K2, drafter_config, rel_err, save_random_pair
 
 import jaxdd
-from jaxdd.jit_state import count_compilations
+from jaxdd.compile_time import compile_clock
 from jaxdd.plan import plan
 from jaxdd.sharding import make_mesh, shard_module
 from jaxdd.speculative import SpeculativeDecoder
@@ -55,7 +55,7 @@ def single_device(checkpoints):
 def test_same_tokens_as_one_device_and_no_recompiles(checkpoints, single_device, mode):
     dec = decoder(checkpoints, mode=mode)
     assert generate(dec) == single_device["target"]
-    with count_compilations() as compiles:
+    with compile_clock() as compiles:
         generate(dec, [9, 8, 7, 6, 5])  # same shape buckets: nothing new to compile
     assert compiles.count == 0
 
