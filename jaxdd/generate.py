@@ -137,12 +137,12 @@ def read_text(path: Path) -> str:
         raise jaxdd.InputError(f"--prompt-file {path}: {error.strerror}") from None
 
 
-def summary(method: str, result: Generation, options: dict) -> dict:
+def summary(method: str, result: Generation) -> dict:
     tokens = len(result.tokens)
     running = result.prefill_seconds + result.decode_seconds - result.compile_seconds
     return {
         "method": method,
-        "options": options,
+        "options": result.round_shape,
         "new_tokens": tokens,
         "mean_acceptance": result.mean_acceptance,
         "target_forwards": result.rounds + 1,  # the prefill, then one verify per round
@@ -201,12 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxdd: {error}", file=sys.stderr)
         return 2
 
-    options = {}
-    if method != "ar":  # the settings the decoder used, defaults filled in as SpeculativeDecoder.start fills them
-        options["block"] = args.block_size or drafter.config.block_size
-    if method == "ddtree":
-        options["budget"] = args.budget or options["block"] - 1
-    report = summary(method, result, options)
+    report = summary(method, result)
     if args.json:
         text = tokenizer.decode(result.tokens) if tokenizer is not None else None
         ids = {"prompt_ids": list(prompt_ids), "output_ids": result.tokens, "text": text}

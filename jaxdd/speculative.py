@@ -71,6 +71,8 @@ class Generation:
     prefill_seconds: float
     decode_seconds: float
     compile_seconds: float = 0.0  # part of prefill_seconds + decode_seconds spent compiling (first call per shape)
+    # The round's shape with defaults filled in: {"block": B} for DFlash, plus "budget" for DDTree, {} for AR.
+    round_shape: dict[str, int] = dataclasses.field(default_factory=dict)
     # With ``trace_topk`` > 0: per round, the drafter's top-k tokens [block - 1, k], and for DDTree the tree
     # (tokens, parents) of its valid nodes, root first (for cross-checking against a reference).
     draft_topk: list[np.ndarray] = dataclasses.field(default_factory=list)
@@ -439,9 +441,13 @@ class SpeculativeDecoder:
                             self._record(result, row[width + 2 :], block, trace_topk, method)
                     done[i] = done[i] or bool(row[width + 1]) or len(result.tokens) >= plan.max_new_tokens[i]
             decode_seconds = time.perf_counter() - t0
+        round_shape = {} if method == "ar" else {"block": block}
+        if method == "ddtree":
+            round_shape["budget"] = plan.budget
         for result in results:
             result.decode_seconds = decode_seconds
             result.compile_seconds = clock.seconds
+            result.round_shape = dict(round_shape)
         return results
 
     def step(self, plan: Plan, state: DecodeState, trace_topk: int = 0) -> tuple[DecodeState, jax.Array]:

@@ -45,6 +45,8 @@ def test_ar_and_dflash_match_hf_greedy(checkpoints, capsys):
     assert dflash["decode_seconds"] > 0 and dflash["target_forwards"] == len(dflash["acceptance_lengths"]) + 1
     tree = run_json(capsys, *common, "--drafter", str(drafter), "--method", "ddtree", "--budget", "16")
     assert tree["method"] == "ddtree" and tree["output_ids"] == expected
+    block = dflash["options"]["block"]  # the drafter's block size, filled in by the decoder
+    assert ar["options"] == {} and block > 1 and tree["options"] == {"block": block, "budget": 16}
 
 
 def test_text_prompt_from_argument_file_and_stdin_streams(checkpoints, tmp_path, capsys, monkeypatch):
