@@ -83,10 +83,12 @@ def block_logits(drafter: DFlashDrafter, target: KimiTarget, tokens, features, a
     rows = n * anchors.shape[1]
     sequence = jnp.repeat(jnp.arange(n), anchors.shape[1])
     anchor = anchors.reshape(-1)
-    # One draft cache row per block, filled by the same KV injection as at inference.
-    cache = DraftCache.zeros(drafter.config, rows, t, drafter.dtype)
-    positions = jnp.broadcast_to(jnp.arange(t), (rows, t))
-    cache = drafter.inject(cache, features[sequence], positions, anchor)
+    # The same KV injection as at inference, once per sequence: every position's context K/V is cached, and each
+    # block gets its sequence's cache with length = its anchor, so it sees the tokens before the anchor only.
+    cache = DraftCache.zeros(drafter.config, n, t, drafter.dtype)
+    positions = jnp.broadcast_to(jnp.arange(t), (n, t))
+    cache = drafter.inject(cache, features, positions, jnp.zeros((n,), jnp.int32))
+    cache = cache.replace(keys=cache.keys[:, sequence], values=cache.values[:, sequence], length=anchor)
     full = jnp.full((rows,), block, jnp.int32)
     logits = drafter.draft_logits(target, cache, tokens[sequence, anchor], anchor, full, block)
     labels = tokens[sequence[:, None], anchor[:, None] + jnp.arange(1, block)[None, :]]
@@ -186,14 +188,22 @@ def train(
     )
     validation = greedy_continuations(loaded, validation_prompts, length - prompt)
     print(f"{sequences} + 16 greedy continuations in {(time.perf_counter() - started) / 60:.1f} min", flush=True)
+    # The frozen target's features of every training sequence, computed once rather than at every visit.
+    train_features = np.concatenate(
+        [
+            np.asarray(target_features(target, jnp.asarray(train_tokens[i : i + batch]), config.target_layer_ids))
+            for i in range(0, sequences, batch)
+        ]
+    )
+    print(f"target features in {(time.perf_counter() - started) / 60:.1f} min", flush=True)
     validation_anchors = random_anchors(np.random.default_rng(2), 16, anchors, length, config.block_size, prompt)
     validation_features = target_features(target, jnp.asarray(validation), config.target_layer_ids)
     history = {"step": [], "train_loss": [], "validation_loss": [], "accuracy": [], "seconds": []}
     history["data"] = f"greedy continuations of {length - prompt} tokens after {sequences} corpus windows"
     start, losses = started, []  # the time limit covers generating the data too
     for step in range(1, steps + 1):
-        tokens = jnp.asarray(train_tokens[rng.integers(0, sequences, batch)])
-        features = target_features(target, tokens, config.target_layer_ids)
+        rows = rng.integers(0, sequences, batch)
+        tokens, features = jnp.asarray(train_tokens[rows]), jnp.asarray(train_features[rows])
         chosen = jnp.asarray(random_anchors(rng, batch, anchors, length, config.block_size, prompt))
         losses.append(float(drafter_step(drafter, optimizer, target, tokens, features, chosen)))
         elapsed = time.perf_counter() - start
