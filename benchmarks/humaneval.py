@@ -46,32 +46,42 @@ def humaneval_prompts(count: int, keep: int) -> list[list[int]]:
     return [tokenizer.encode(problem["prompt"])[-keep:] for problem in problems]
 
 
-def run_jaxdd(decoder: SpeculativeDecoder, prompts, label: str, **options) -> dict:
-    """Every prompt in turn: tokens, tau, tokens/s. A call that compiled something (a new shape bucket, as JAX's
-    compile events tell) is run again and the compiled run is the one timed."""
-    outputs, forwards, seconds, compile_seconds = [], 0, 0.0, 0.0
-    for prompt in tqdm(prompts, desc=label, leave=False):
-        result = decoder.generate(prompt, **options)
-        if result.compile_seconds > 0:
-            compile_seconds += result.compile_seconds
+def run_jaxdd(decoder: SpeculativeDecoder, prompts, methods: dict[str, dict]) -> list[dict]:
+    """Every prompt through every method in turn (``methods``: label -> generate options): tokens, tau, tokens/s.
+    Interleaving makes a slow spell of a shared machine hit all methods alike, so the speedups stay ratios of one
+    run. A call that compiled something (a new shape bucket, as JAX's compile events tell) is run again and the
+    compiled run is the one timed."""
+    totals = {label: {"outputs": [], "forwards": 0, "seconds": 0.0, "compile_seconds": 0.0} for label in methods}
+    for prompt in tqdm(prompts, desc="jaxdd", leave=False):
+        for label, options in methods.items():
             result = decoder.generate(prompt, **options)
-            assert result.compile_seconds == 0, f"{label}: recompiled a shape it had just compiled"
-        outputs.append(result.tokens)
-        forwards += result.rounds
-        seconds += result.prefill_seconds + result.decode_seconds
-    tokens = sum(map(len, outputs))
-    return {
-        "label": label,
-        "options": {k: v for k, v in options.items() if k in ("method", "block_size", "budget")},
-        "new_tokens": tokens,
-        "target_forwards": forwards + len(prompts),
-        # tau: tokens per verify round (the prefill's first token is not a round's work)
-        "tau": (tokens - len(prompts)) / forwards if forwards else 0.0,
-        "seconds": seconds,
-        "compile_seconds": compile_seconds,
-        "tokens_per_s": tokens / seconds,
-        "outputs": outputs,
-    }
+            total = totals[label]
+            if result.compile_seconds > 0:
+                total["compile_seconds"] += result.compile_seconds
+                result = decoder.generate(prompt, **options)
+                assert result.compile_seconds == 0, f"{label}: recompiled a shape it had just compiled"
+            total["outputs"].append(result.tokens)
+            total["forwards"] += result.rounds
+            total["seconds"] += result.prefill_seconds + result.decode_seconds
+    runs = []
+    for label, options in methods.items():
+        total = totals[label]
+        tokens, forwards = sum(map(len, total["outputs"])), total["forwards"]
+        runs.append(
+            {
+                "label": label,
+                "options": {k: v for k, v in options.items() if k in ("method", "block_size", "budget")},
+                "new_tokens": tokens,
+                "target_forwards": forwards + len(prompts),
+                # tau: tokens per verify round (the prefill's first token is not a round's work)
+                "tau": (tokens - len(prompts)) / forwards if forwards else 0.0,
+                "seconds": total["seconds"],
+                "compile_seconds": total["compile_seconds"],
+                "tokens_per_s": tokens / total["seconds"],
+                "outputs": total["outputs"],
+            }
+        )
+    return runs
 
 
 def run_reference(prompts, max_new: int, block: int, stops: list[int], device: str) -> dict:
@@ -142,13 +152,10 @@ def main() -> None:
     stops = list(target.config.eos_token_ids)
     decoder = SpeculativeDecoder(target, drafter)
     common = {"max_new_tokens": max_new, "stop_token_ids": stops}
-    runs = [
-        run_jaxdd(decoder, prompts, "ar", method="ar", **common),
-        run_jaxdd(decoder, prompts, "dflash", method="dflash", block_size=block, **common),
-    ]
+    methods = {"ar": {"method": "ar", **common}, "dflash": {"method": "dflash", "block_size": block, **common}}
     for budget in budgets:
-        label = f"ddtree budget {budget}"
-        runs.append(run_jaxdd(decoder, prompts, label, method="ddtree", block_size=block, budget=budget, **common))
+        methods[f"ddtree budget {budget}"] = {"method": "ddtree", "block_size": block, "budget": budget, **common}
+    runs = run_jaxdd(decoder, prompts, methods)
     torch_device = "cuda" if torch.cuda.is_available() else "cpu"
     reference = run_reference(prompts, max_new, block, stops, torch_device)
 

@@ -44,7 +44,15 @@ class ModuleSpec:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
 
 
+# One spec object per module structure. jit compares a call's static arguments with its cache keys, and two equal
+# specs that are different objects are compared graph by graph: ~1 ms per call and spec, paid on every round by a
+# decoder that was built after another one compiled the same shapes (``Target.generate`` builds one per call).
+# The compiled functions keep their specs alive anyway, so holding them here costs nothing extra.
+_SPECS: dict[ModuleSpec, ModuleSpec] = {}
+
+
 def split_module(module: nnx.Module) -> tuple[ModuleSpec, list[jax.Array]]:
     graphdef, state = nnx.split(module)
     leaves, treedef = jax.tree.flatten(state)
-    return ModuleSpec(graphdef, treedef), leaves
+    spec = ModuleSpec(graphdef, treedef)
+    return _SPECS.setdefault(spec, spec), leaves

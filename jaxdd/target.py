@@ -108,7 +108,9 @@ class MLAttention(nnx.Module):
             q_latent = jnp.einsum("bthd,rhd->bthr", q_nope, self.k_up[...])
             scores = jnp.einsum("bthr,bsr->bhts", q_latent, keys_latent) + rope_scores
             probs = self._softmax(scores, mask)
-            out_latent = jnp.einsum("bhts,bsr->bthr", probs, keys_latent)
+            # Cache first: XLA:CPU then keeps the cache as stored in this batched matmul (a 128-row decode step
+            # 84 -> 64 ms; the same at one row).
+            out_latent = jnp.einsum("bsr,bhts->bthr", keys_latent, probs)
             out = jnp.einsum("bthr,rhd->bthd", out_latent, self.v_up[...])
         elif form == "pallas":
             q_latent = jnp.einsum("bthd,rhd->bthr", q_nope, self.k_up[...])

@@ -108,3 +108,15 @@ def test_bad_checkpoint_directories(hf_dir, tmp_path):
     (broken / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-1-of-2.safetensors"}}))
     with pytest.raises(jaxdd.CheckpointError, match="names missing shard"):
         jaxdd.load_target(broken)
+
+
+def test_equal_models_share_one_jit_spec(hf_dir, target):
+    """Decoders built one after another reuse compiled rounds without jit comparing their module graphs again."""
+    from jaxdd.jit_state import split_module
+
+    again = jaxdd.load_target(hf_dir, dtype="float32")  # a separate, equal model
+    spec, weights = split_module(again.model)
+    assert spec is split_module(target.model)[0]
+    assert weights[0] is not split_module(target.model)[1][0]  # only the structure is shared
+    assert jaxdd.SpeculativeDecoder(again)._t_spec is jaxdd.SpeculativeDecoder(target)._t_spec
+    assert split_module(jaxdd.load_target(hf_dir, dtype="bfloat16").model)[0] is not spec
