@@ -4,6 +4,10 @@ MLA caches one compressed row per token and layer, shared by all heads: the norm
 (kv_lora_rank values) and the rotated rope key ``k_pe`` (qk_rope_head_dim values), 576 values for Kimi instead
 of 64 x (192 + 128) for a per-head cache. Shapes never change, so one compiled step serves every round;
 ``length`` says how many leading slots of each sequence are committed (visible to later tokens).
+
+Every layer's rows are a buffer of their own (a tuple, not one stacked array): a jitted round with the state
+donated then writes each layer's new rows in place. With one ``[layers, ...]`` array, writing layer i's rows
+(``cache.at[i].set(...)``) while attention reads them made XLA copy the whole stack once per layer.
 """
 
 from __future__ import annotations
@@ -17,37 +21,36 @@ from jaxdd.config import KimiConfig
 
 @struct.dataclass
 class LatentCache:
-    latent: jax.Array  # [layers, batch, slots, kv_lora_rank]
-    rope: jax.Array  # [layers, batch, slots, qk_rope_head_dim]
+    latent: tuple[jax.Array, ...]  # per layer [batch, slots, kv_lora_rank]
+    rope: tuple[jax.Array, ...]  # per layer [batch, slots, qk_rope_head_dim]
     length: jax.Array  # [batch] int32: committed slots per sequence
 
     @classmethod
     def zeros(cls, config: KimiConfig, batch: int, slots: int, dtype: jnp.dtype) -> LatentCache:
-        layers = config.num_hidden_layers
+        layers = range(config.num_hidden_layers)
         return cls(
-            latent=jnp.zeros((layers, batch, slots, config.kv_lora_rank), dtype),
-            rope=jnp.zeros((layers, batch, slots, config.qk_rope_head_dim), dtype),
+            latent=tuple(jnp.zeros((batch, slots, config.kv_lora_rank), dtype) for _ in layers),
+            rope=tuple(jnp.zeros((batch, slots, config.qk_rope_head_dim), dtype) for _ in layers),
             length=jnp.zeros((batch,), jnp.int32),
         )
 
     @property
     def batch(self) -> int:
-        return self.latent.shape[1]
+        return self.latent[0].shape[0]
 
     @property
     def slots(self) -> int:
-        return self.latent.shape[2]
+        return self.latent[0].shape[1]
 
 
 def compact_rows(cache: LatentCache, start: jax.Array, rows: jax.Array) -> LatentCache:
     """Move each sequence's rows at slots start + rows[:, j] to start + j (all layers): the accepted tree path
     becomes contiguous. rows [B, P] must be increasing along j where it matters (a path's node indices are)."""
 
-    def move(buffer: jax.Array) -> jax.Array:  # [layers, B, S, d]
-        picked = jnp.take_along_axis(buffer, (start[:, None] + rows)[None, :, :, None], axis=2)
-        return jax.vmap(write_rows, in_axes=(0, 0, None))(buffer, picked, start)
+    def move(buffer: jax.Array) -> jax.Array:  # [B, S, d]
+        return write_rows(buffer, jnp.take_along_axis(buffer, (start[:, None] + rows)[:, :, None], axis=1), start)
 
-    return cache.replace(latent=move(cache.latent), rope=move(cache.rope))
+    return cache.replace(latent=tuple(map(move, cache.latent)), rope=tuple(map(move, cache.rope)))
 
 
 def write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:

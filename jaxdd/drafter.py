@@ -21,14 +21,20 @@ from jaxdd.layers import MLP, RMSNorm, apply_rope, param, rope_cos_sin, rope_fre
 
 @struct.dataclass
 class DraftCache:
-    keys: jax.Array  # [layers, batch, slots, kv_heads, head_dim] (normed and rotated)
-    values: jax.Array  # [layers, batch, slots, kv_heads, head_dim]
+    # One buffer per layer, updated in place under donation (see ``jaxdd.cache``).
+    keys: tuple[jax.Array, ...]  # per layer [batch, slots, kv_heads, head_dim] (normed and rotated)
+    values: tuple[jax.Array, ...]  # per layer [batch, slots, kv_heads, head_dim]
     length: jax.Array  # [batch] int32: context tokens cached
 
     @classmethod
     def zeros(cls, config: DrafterConfig, batch: int, slots: int, dtype: jnp.dtype) -> DraftCache:
-        shape = (config.num_hidden_layers, batch, slots, config.num_key_value_heads, config.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+        shape, layers = (batch, slots, config.num_key_value_heads, config.head_dim), range(config.num_hidden_layers)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in layers), tuple(jnp.zeros(shape, dtype) for _ in layers)
+        return cls(*zeros, jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def slots(self) -> int:
+        return self.keys[0].shape[1]
 
 
 class DraftAttention(nnx.Module):
@@ -102,12 +108,12 @@ class DFlashDrafter(nnx.Module):
         """Cache the K/V of context tokens: features [B,C,K*D] (target taps) at positions [B,C]; commit count [B]."""
         context = self.hidden_norm(features.astype(self.dtype) @ self.fc[...])
         cos, sin = self._cos_sin(positions)
-        keys, values = cache.keys, cache.values
-        for i, layer in enumerate(self.layers):
+        keys, values = [], []
+        for layer, cached_keys, cached_values in zip(self.layers, cache.keys, cache.values, strict=True):
             k, v = layer.attn.keys_values(context, cos, sin)
-            keys = keys.at[i].set(write_rows(keys[i], k, cache.length))
-            values = values.at[i].set(write_rows(values[i], v, cache.length))
-        return cache.replace(keys=keys, values=values, length=cache.length + count)
+            keys.append(write_rows(cached_keys, k, cache.length))
+            values.append(write_rows(cached_values, v, cache.length))
+        return cache.replace(keys=tuple(keys), values=tuple(values), length=cache.length + count)
 
     def __call__(self, embeds: jax.Array, positions: jax.Array, cache: DraftCache, block_len: jax.Array) -> jax.Array:
         """Final-normed hidden states [B,T,D] for the block embeddings [B,T,D] at positions [B,T].
@@ -115,14 +121,14 @@ class DFlashDrafter(nnx.Module):
         Block keys at index >= block_len [B] are hidden (the reference drafts a shorter block near max length).
         """
         b, t = embeds.shape[:2]
-        slots = cache.keys.shape[2]
+        slots = cache.slots
         context = jnp.arange(slots)[None, :] < cache.length[:, None]
         block = jnp.arange(t)[None, :] < block_len[:, None]
         mask = jnp.broadcast_to(jnp.concatenate([context, block], axis=-1)[:, None, :], (b, t, slots + t))
         cos_sin = self._cos_sin(positions)
         x = embeds.astype(self.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos_sin, (cache.keys[i], cache.values[i]), mask)
+        for layer, cached in zip(self.layers, zip(cache.keys, cache.values, strict=True), strict=True):
+            x = layer(x, cos_sin, cached, mask)
         return self.norm(x)
 
     def draft_logits(self, target, cache: DraftCache, bonus, start, block_len, block: int) -> jax.Array:

@@ -46,8 +46,8 @@ def plan(
     from jaxdd.hf_weights import declared_expert_format
     from jaxdd.jit_state import split_module
     from jaxdd.sampling import GREEDY, SamplingArrays
-    from jaxdd.sharding import cache_sharding, make_mesh, param_shardings, place
-    from jaxdd.speculative import MAX_STOP_TOKENS, DecodeState, bucket, ddtree_round
+    from jaxdd.sharding import make_mesh, param_shardings, place
+    from jaxdd.speculative import MAX_STOP_TOKENS, DecodeState, bucket, ddtree_round, state_shardings
     from jaxdd.target import KimiTarget
 
     raw = json.loads(Path(config_path).read_text())
@@ -97,10 +97,7 @@ def plan(
             context_count=jnp.zeros((batch,), jnp.int32),
         )
     )
-    kv_axes = (None, None, None, "kv_heads", None)
-    shardings = jax.tree.map(lambda x: cache_sharding(x.shape, (None,) * x.ndim, mesh), state)
-    kv = cache_sharding(state.draft_cache.keys.shape, kv_axes, mesh)
-    shardings = shardings.replace(draft_cache=shardings.draft_cache.replace(keys=kv, values=kv))
+    shardings = state_shardings(state, mesh)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
     target_cache_bytes = sum(_shard_bytes(x) for x in jax.tree.leaves(state.target_cache))
     draft_cache_bytes = sum(_shard_bytes(x) for x in jax.tree.leaves(state.draft_cache))

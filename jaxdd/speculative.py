@@ -62,6 +62,20 @@ class DecodeState:
     context_count: jax.Array | None = None  # [B] int32: how many rows of ``context`` are real
 
 
+def state_shardings(state: DecodeState, mesh: jax.sharding.Mesh) -> DecodeState:
+    """Where a decode state lives on a mesh: the latent rows replicated (every head reads them), the drafter's
+    K/V split by KV heads, the rest replicated."""
+    shardings = jax.tree.map(lambda x: cache_sharding(x.shape, (None,) * x.ndim, mesh), state)
+    if state.draft_cache is None:
+        return shardings
+    kv_axes = (None, None, "kv_heads", None)
+    keys, values = (
+        [cache_sharding(x.shape, kv_axes, mesh) for x in xs]
+        for xs in (state.draft_cache.keys, state.draft_cache.values)
+    )
+    return shardings.replace(draft_cache=shardings.draft_cache.replace(keys=tuple(keys), values=tuple(values)))
+
+
 @dataclasses.dataclass
 class Generation:
     """What ``generate`` returns: new tokens (prompt excluded), tokens per round, timings in seconds."""
@@ -550,12 +564,7 @@ class SpeculativeDecoder:
             result.trees.append((tokens[valid], parents[valid]))
 
     def _place(self, state: DecodeState) -> DecodeState:
-        """Caches on the mesh: latent rows replicated (every head reads them), drafter K/V split by KV heads."""
-        shardings = jax.tree.map(lambda x: cache_sharding(x.shape, (None,) * x.ndim, self.mesh), state)
-        if state.draft_cache is not None:
-            kv = cache_sharding(state.draft_cache.keys.shape, (None, None, None, "kv_heads", None), self.mesh)
-            shardings = shardings.replace(draft_cache=shardings.draft_cache.replace(keys=kv, values=kv))
-        return jax.device_put(state, shardings)
+        return jax.device_put(state, state_shardings(state, self.mesh))
 
     def _prefill(self, tokens, prompt_len, limit, stop_ids, settings, arrays, slots, block, sampled, method):
         rows = tokens.shape[0]

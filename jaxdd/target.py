@@ -346,16 +346,15 @@ class KimiTarget(nnx.Module):
         cos_sin = rope_cos_sin(positions, inv_freq, amplitude, self.dtype)
 
         x = self.embed_tokens(tokens)
-        latent_cache, rope_cache, tapped = cache.latent, cache.rope, []
+        latent_cache, rope_cache, tapped = list(cache.latent), list(cache.rope), []
         for i, layer in enumerate(self.layers):
             rows = (latent_cache[i], rope_cache[i])
-            x, (latent, rope) = layer(x, cos_sin, rows, cache.length, visible, mask, form)
-            latent_cache, rope_cache = latent_cache.at[i].set(latent), rope_cache.at[i].set(rope)
+            x, (latent_cache[i], rope_cache[i]) = layer(x, cos_sin, rows, cache.length, visible, mask, form)
             if i in taps:
                 tapped.append(x)
         by_layer = dict(zip(sorted(set(taps)), tapped, strict=True))
         tap_out = jnp.concatenate([by_layer[i] for i in taps], axis=-1) if taps else None
-        new_cache = cache.replace(latent=latent_cache, rope=rope_cache)
+        new_cache = cache.replace(latent=tuple(latent_cache), rope=tuple(rope_cache))
         return TargetOutput(self.final_norm(x), tap_out, new_cache)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:

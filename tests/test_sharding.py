@@ -88,9 +88,11 @@ def test_parameters_and_caches_are_sharded(checkpoints, mode):
         assert len(array.sharding.device_set) == 8
         assert array.addressable_shards[0].data.size * 8 == array.size
     _, state = dec.start([PROMPT], max_new_tokens=8)
-    assert state.target_cache.latent.sharding.is_fully_replicated  # one latent row serves every head
-    assert len(state.target_cache.latent.sharding.device_set) == 8
-    assert state.draft_cache.keys.sharding.spec == P(None, None, None, "model")
+    for latent in state.target_cache.latent:
+        assert latent.sharding.is_fully_replicated  # one latent row serves every head
+        assert len(latent.sharding.device_set) == 8
+    for keys in state.draft_cache.keys:
+        assert keys.sharding.spec == P(None, None, "model")
 
 
 def test_vocab_parallel_logits(checkpoints):

@@ -89,7 +89,8 @@ def block_logits(drafter: DFlashDrafter, target: KimiTarget, tokens, features, a
     cache = DraftCache.zeros(drafter.config, n, t, drafter.dtype)
     positions = jnp.broadcast_to(jnp.arange(t), (n, t))
     cache = drafter.inject(cache, features, positions, jnp.zeros((n,), jnp.int32))
-    cache = cache.replace(keys=cache.keys[:, sequence], values=cache.values[:, sequence], length=anchor)
+    per_block = [tuple(layer[sequence] for layer in buffers) for buffers in (cache.keys, cache.values)]
+    cache = cache.replace(keys=per_block[0], values=per_block[1], length=anchor)
     full = jnp.full((rows,), block, jnp.int32)
     logits = drafter.draft_logits(target, cache, tokens[sequence, anchor], anchor, full, block)
     labels = tokens[sequence[:, None], anchor[:, None] + jnp.arange(1, block)[None, :]]
