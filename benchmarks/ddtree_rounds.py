@@ -41,7 +41,7 @@ BLOCK = 8
 def _draft(t_spec, tw, d_spec, dw, state, block_len):
     target, drafter = t_spec.merge(tw), d_spec.merge(dw)
     cache = inject_context(drafter, state, BLOCK)
-    return drafter.draft_logits(target, cache, state.bonus, state.target_cache.length, block_len, BLOCK)
+    return drafter.draft_logits(target, cache, state.bonus, state.target_cache.length, block_len, BLOCK)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("t_spec", "taps"))

@@ -5,7 +5,7 @@ the target's embedding and its outputs go through the target's lm_head. The targ
 committed tokens enter as extra keys and values ("KV injection"): ``hidden_norm(fc(features))`` is projected by
 each layer's k/v projections (no input_layernorm on it) and cached once, at the tokens' absolute positions.
 Block queries attend to all cached context and to the whole block (non-causal); the block's own K/V is never
-cached.
+committed to the cache.
 """
 
 from __future__ import annotations
@@ -58,23 +58,28 @@ class DraftAttention(nnx.Module):
         v = jnp.einsum("btd,dkh->btkh", x, self.v_proj[...])
         return apply_rope(k, cos[:, :, None], sin[:, :, None], interleaved=False), v
 
-    def __call__(self, x, cos_sin, cached: tuple[jax.Array, jax.Array], mask: jax.Array) -> jax.Array:
-        """x [B,T,D]; cached keys/values [B,S,kv,hd]; mask [B,T,S+T] over (cached context, block)."""
+    def __call__(self, x, cos_sin, cached: tuple[jax.Array, jax.Array], length: jax.Array, mask: jax.Array):
+        """x [B,T,D]; cached keys/values [B,S,kv,hd] holding ``length`` [B] context rows; mask [B,S]: the slots
+        the block sees. Returns the output [B,T,D] and the keys/values with the block's rows in them.
+
+        The block's K/V are written at slots length .. length + T - 1, so attention runs over the cache alone
+        (no concatenated copy of it per layer). They are never committed: ``length`` does not move, the slots
+        stay hidden from later blocks beyond their own, and the next context injection overwrites them.
+        """
         c = self.config
         cos, sin = cos_sin
         q = self.q_norm(jnp.einsum("btd,dnh->btnh", x, self.q_proj[...]))
         q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleaved=False)
         k, v = self.keys_values(x, cos, sin)
-        keys = jnp.concatenate([cached[0], k], axis=1)
-        values = jnp.concatenate([cached[1], v], axis=1)
+        keys, values = write_rows(cached[0], k, length), write_rows(cached[1], v, length)
         b, t = x.shape[:2]
         groups = c.num_attention_heads // c.num_key_value_heads
         q = q.reshape(b, t, c.num_key_value_heads, groups, c.head_dim)
         scores = jnp.einsum("btkgh,bskh->bkgts", q, keys).astype(jnp.float32) * c.head_dim**-0.5
-        scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+        scores = jnp.where(mask[:, None, None, None], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = jnp.einsum("bkgts,bskh->btkgh", probs, values).reshape(b, t, c.num_attention_heads, c.head_dim)
-        return jnp.einsum("btnh,nhd->btd", out, self.o_proj[...])
+        return jnp.einsum("btnh,nhd->btd", out, self.o_proj[...]), (keys, values)
 
 
 class DraftLayer(nnx.Module):
@@ -84,9 +89,10 @@ class DraftLayer(nnx.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype, rngs)
 
-    def __call__(self, x, cos_sin, cached, mask):
-        x = x + self.attn(self.attn_norm(x), cos_sin, cached, mask)
-        return x + self.mlp(self.mlp_norm(x))
+    def __call__(self, x, cos_sin, cached, length, mask):
+        attn, cached = self.attn(self.attn_norm(x), cos_sin, cached, length, mask)
+        x = x + attn
+        return x + self.mlp(self.mlp_norm(x)), cached
 
 
 class DFlashDrafter(nnx.Module):
@@ -115,24 +121,27 @@ class DFlashDrafter(nnx.Module):
             values.append(write_rows(cached_values, v, cache.length))
         return cache.replace(keys=tuple(keys), values=tuple(values), length=cache.length + count)
 
-    def __call__(self, embeds: jax.Array, positions: jax.Array, cache: DraftCache, block_len: jax.Array) -> jax.Array:
-        """Final-normed hidden states [B,T,D] for the block embeddings [B,T,D] at positions [B,T].
+    def __call__(
+        self, embeds: jax.Array, positions: jax.Array, cache: DraftCache, block_len: jax.Array
+    ) -> tuple[jax.Array, DraftCache]:
+        """Final-normed hidden states [B,T,D] for the block embeddings [B,T,D] at positions [B,T], and the cache
+        with the block's K/V in the uncommitted slots after the context (see ``DraftAttention``).
 
         Block keys at index >= block_len [B] are hidden (the reference drafts a shorter block near max length).
         """
-        b, t = embeds.shape[:2]
-        slots = cache.slots
-        context = jnp.arange(slots)[None, :] < cache.length[:, None]
-        block = jnp.arange(t)[None, :] < block_len[:, None]
-        mask = jnp.broadcast_to(jnp.concatenate([context, block], axis=-1)[:, None, :], (b, t, slots + t))
+        visible = jnp.arange(cache.slots)[None, :] < (cache.length + block_len)[:, None]  # context, then block
         cos_sin = self._cos_sin(positions)
-        x = embeds.astype(self.dtype)
+        x, keys, values = embeds.astype(self.dtype), [], []
         for layer, cached in zip(self.layers, zip(cache.keys, cache.values, strict=True), strict=True):
-            x = layer(x, cos_sin, cached, mask)
-        return self.norm(x)
+            x, (layer_keys, layer_values) = layer(x, cos_sin, cached, cache.length, visible)
+            keys.append(layer_keys)
+            values.append(layer_values)
+        return self.norm(x), cache.replace(keys=tuple(keys), values=tuple(values))
 
-    def draft_logits(self, target, cache: DraftCache, bonus, start, block_len, block: int) -> jax.Array:
-        """Draft logits [B, block-1, V] for positions start+1 ..: one forward over ``[bonus, MASK x (block-1)]``.
+    def draft_logits(self, target, cache: DraftCache, bonus, start, block_len, block: int):
+        """Draft logits [B, block-1, V] for positions start+1 ..: one forward over ``[bonus, MASK x (block-1)]``,
+        and the cache as that forward left it (keep it: its extra rows are uncommitted, and reusing the buffer
+        lets a donated round write in place).
 
         The block is embedded with the target's embedding and read out through its lm_head.
         """
@@ -140,11 +149,11 @@ class DFlashDrafter(nnx.Module):
         masks = jnp.full((bonus.shape[0], block - 1), c.mask_token_id, jnp.int32)
         noise = jnp.concatenate([bonus[:, None], masks], axis=1)
         embeds = target.embed_tokens(noise) * c.input_embedding_scale
-        hidden = self(embeds, start[:, None] + jnp.arange(block)[None, :], cache, block_len)
+        hidden, cache = self(embeds, start[:, None] + jnp.arange(block)[None, :], cache, block_len)
         logits = target.logits(hidden[:, 1:]) * c.output_multiplier
         if c.final_logit_softcapping is not None:
             logits = jnp.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
-        return logits
+        return logits, cache
 
 
 def abstract_drafter(config: DrafterConfig, dtype: jnp.dtype) -> tuple[nnx.GraphDef, nnx.State]:

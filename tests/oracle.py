@@ -40,11 +40,11 @@ class OracleDrafter(nnx.Module):
         return self.drafter.inject(cache, features, positions, count)
 
     def draft_logits(self, target, cache, bonus, start, block_len, block):
-        logits = self.drafter.draft_logits(target, cache, bonus, start, block_len, block)
+        logits, cache = self.drafter.draft_logits(target, cache, bonus, start, block_len, block)
         positions = start[:, None] + jnp.arange(1, block)[None, :]
         lifted = jnp.max(logits, axis=-1, keepdims=True) + self.lift
         truth = jax.nn.one_hot(self.greedy[...][positions], logits.shape[-1], dtype=bool)
-        return jnp.where(self.right[...][positions][..., None] & truth, lifted, logits)
+        return jnp.where(self.right[...][positions][..., None] & truth, lifted, logits), cache
 
 
 def patched_reference_drafter(drafter, greedy: np.ndarray, right: np.ndarray, second: bool = False):

@@ -6,6 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 from oracle import OracleDrafter, patched_reference_drafter
 from reference import drafter_config, hf_greedy
 
@@ -14,10 +17,18 @@ from jaxdd.compile_time import compile_clock
 from jaxdd.config import DrafterConfig
 from jaxdd.crosscheck.torch_reference import dflash_reference
 from jaxdd.drafter import DFlashDrafter
-from jaxdd.speculative import SpeculativeDecoder
+from jaxdd.speculative import SpeculativeDecoder, argmax
 
 PROMPTS = [[5, 17, 3, 250, 9, 1, 77], [200, 4, 4, 91, 36, 12, 8, 150, 61, 7, 33]]
 MAX_NEW = 24
+
+
+@settings(max_examples=60, deadline=None)
+@given(hnp.arrays(np.float32, hnp.array_shapes(min_dims=1, max_dims=3, max_side=40), elements=st.integers(-3, 3)))
+def test_argmax_is_the_first_maximum(logits):
+    """Greedy decoding's argmax picks the lowest index among tied maxima, like numpy's (few distinct values force
+    ties)."""
+    np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(logits))), np.argmax(logits, axis=-1))
 
 
 @pytest.mark.parametrize("block_size", [4, 8, 16])

@@ -42,7 +42,8 @@ def reference_step(reference, cache, features, embeds, start):
 
 
 def test_rounds_of_context_injection(pair):
-    """Prompt context, then two rounds of newly committed context: same hidden states as the reference."""
+    """Prompt context, then two rounds of newly committed context: same hidden states as the reference. The cache
+    carried from round to round is the one drafting returned, whose uncommitted block rows must not leak."""
     reference, drafter = pair
     rng = np.random.default_rng(0)
     block, width = 8, 2 * 64
@@ -56,7 +57,7 @@ def test_rounds_of_context_injection(pair):
         expected = reference_step(reference, cache_ref, features, embeds, start)
         positions = jnp.arange(start - ctx, start)[None]
         cache = drafter.inject(cache, jnp.asarray(features), positions, jnp.array([ctx]))
-        hidden = drafter(jnp.asarray(embeds), (start + jnp.arange(block))[None], cache, jnp.array([block]))
+        hidden, cache = drafter(jnp.asarray(embeds), (start + jnp.arange(block))[None], cache, jnp.array([block]))
         assert rel_err(hidden, expected) < TOL
     assert int(cache.length[0]) == start
 
@@ -71,7 +72,7 @@ def test_short_block_hides_the_rest(pair):
     cache = drafter.inject(
         DraftCache.zeros(drafter.config, 1, 32, jnp.float32), jnp.asarray(features), jnp.arange(6)[None], jnp.array([6])
     )
-    hidden = drafter(jnp.asarray(embeds), (6 + jnp.arange(8))[None], cache, jnp.array([3]))
+    hidden, _ = drafter(jnp.asarray(embeds), (6 + jnp.arange(8))[None], cache, jnp.array([3]))
     assert rel_err(hidden[:, :3], expected) < TOL
 
 

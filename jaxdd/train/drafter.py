@@ -92,7 +92,7 @@ def block_logits(drafter: DFlashDrafter, target: KimiTarget, tokens, features, a
     per_block = [tuple(layer[sequence] for layer in buffers) for buffers in (cache.keys, cache.values)]
     cache = cache.replace(keys=per_block[0], values=per_block[1], length=anchor)
     full = jnp.full((rows,), block, jnp.int32)
-    logits = drafter.draft_logits(target, cache, tokens[sequence, anchor], anchor, full, block)
+    logits, _ = drafter.draft_logits(target, cache, tokens[sequence, anchor], anchor, full, block)
     labels = tokens[sequence[:, None], anchor[:, None] + jnp.arange(1, block)[None, :]]
     return logits, labels
 
