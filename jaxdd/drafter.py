@@ -16,7 +16,7 @@ from flax import nnx, struct
 
 from jaxdd.cache import write_rows
 from jaxdd.config import DrafterConfig
-from jaxdd.layers import MLP, RMSNorm, apply_rope, param, rope_cos_sin, rope_frequencies
+from jaxdd.layers import MLP, RMSNorm, apply_rope, param, project_heads, rope_cos_sin, rope_frequencies
 
 
 @struct.dataclass
@@ -79,7 +79,7 @@ class DraftAttention(nnx.Module):
         scores = jnp.where(mask[:, None, None, None], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = jnp.einsum("bkgts,bskh->btkgh", probs, values).reshape(b, t, c.num_attention_heads, c.head_dim)
-        return jnp.einsum("btnh,nhd->btd", out, self.o_proj[...]), (keys, values)
+        return project_heads(out, self.o_proj[...]), (keys, values)
 
 
 class DraftLayer(nnx.Module):

@@ -24,6 +24,13 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, axes: tuple[
     return nnx.Param(INIT_STD * jax.random.normal(rngs.params(), shape, dtype), logical_axes=axes)
 
 
+def project_heads(heads: jax.Array, weight: jax.Array) -> jax.Array:
+    """Attention output projection: heads [B, T, H, Dh] @ weight [H, Dh, D] -> [B, T, D], as one matmul over the
+    flattened H * Dh. Written as an einsum over (H, Dh), XLA:CPU relaid the whole weight on every call to match
+    the attention output's layout; flattening copies the small activation instead."""
+    return heads.reshape(*heads.shape[:-2], -1) @ weight.reshape(-1, weight.shape[-1])
+
+
 def ones_param(size: int, dtype: jnp.dtype, axis: str | None) -> nnx.Param:
     return nnx.Param(jnp.ones((size,), dtype), logical_axes=(axis,))
 

@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxdd.cache import LatentCache, write_rows
 from jaxdd.config import KimiConfig
-from jaxdd.layers import MLP, RMSNorm, apply_rope, param, rope_cos_sin, rope_frequencies
+from jaxdd.layers import MLP, RMSNorm, apply_rope, param, project_heads, rope_cos_sin, rope_frequencies
 from jaxdd.quant import DENSE, DenseExperts, ExpertFormat, expert_weights
 from jaxdd.sharding import AXIS, expert_specs, partition_spec
 from pallas_kernels.tree_attention import tree_attention
@@ -130,7 +130,7 @@ class MLAttention(nnx.Module):
             out = jnp.einsum("bhts,bshd->bthd", self._softmax(scores, mask), values)
         else:
             raise ValueError(f"form: expected 'naive', 'absorbed' or 'pallas', got {form!r}")
-        return jnp.einsum("bthd,hde->bte", out, self.o_proj[...]), (keys_latent, keys_rope)
+        return project_heads(out, self.o_proj[...]), (keys_latent, keys_rope)
 
     def _softmax(self, scores: jax.Array, mask: jax.Array) -> jax.Array:
         # HF: scale in the activation dtype, softmax in fp32, probabilities back in the activation dtype.
