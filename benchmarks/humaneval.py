@@ -9,9 +9,11 @@ demo tokenizer; a prompt longer than --context - --max-new-tokens keeps its last
 was trained on 256-token windows. Generation stops at EOS or --max-new-tokens.
 
 Reports per method: mean acceptance length tau (tokens per target forward, the prefill's token excluded),
-tokens/s (runs that compiled are rerun, so no compile time is counted), speedup over AR, and whether the tokens
-equal AR's (greedy speculative decoding is lossless); for the PyTorch reference: tokens/s, jaxdd's speedup over
-it, and token identity with jaxdd's DFlash. Writes benchmarks/results/humaneval.json and humaneval.png
+tokens/s end to end (prefill + decode) and decode only (z-lab ``benchmark.py``'s "decoding speedup"), both
+without compile time (runs that compiled are rerun), speedups over AR, and whether the tokens equal AR's (greedy
+speculative decoding is lossless); for the PyTorch reference, run on each prompt right after jaxdd's methods:
+its tokens/s by its own clock, jaxdd's speedup over it, and token identity with jaxdd's DFlash.
+Writes benchmarks/results/humaneval.json and humaneval.png
 (tau and speedup against the DDTree budget).
 """
 
@@ -21,8 +23,9 @@ import argparse
 import json
 import os
 import platform
-import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -37,6 +40,7 @@ from jaxdd.speculative import SpeculativeDecoder
 from jaxdd.tokenizer import load_tokenizer
 
 RESULTS = Path(__file__).parent / "results"
+REFERENCE = "dflash_generate (PyTorch)"
 
 
 def humaneval_prompts(count: int, keep: int) -> list[list[int]]:
@@ -46,63 +50,81 @@ def humaneval_prompts(count: int, keep: int) -> list[list[int]]:
     return [tokenizer.encode(problem["prompt"])[-keep:] for problem in problems]
 
 
-def run_jaxdd(decoder: SpeculativeDecoder, prompts, methods: dict[str, dict]) -> list[dict]:
-    """Every prompt through every method in turn (``methods``: label -> generate options): tokens, tau, tokens/s.
-    Interleaving makes a slow spell of a shared machine hit all methods alike, so the speedups stay ratios of one
-    run. A call that compiled something (a new shape bucket, as JAX's compile events tell) is run again and the
-    compiled run is the one timed."""
-    totals = {label: {"outputs": [], "forwards": 0, "seconds": 0.0, "compile_seconds": 0.0} for label in methods}
-    for prompt in tqdm(prompts, desc="jaxdd", leave=False):
-        for label, options in methods.items():
+class Timed(NamedTuple):
+    """One generation: its new tokens, verify rounds after the prefill, and where the time went."""
+
+    tokens: list[int]
+    rounds: int
+    prefill_seconds: float
+    decode_seconds: float
+    compile_seconds: float = 0.0
+
+
+def jaxdd_runner(decoder: SpeculativeDecoder, options: dict) -> Callable[[list[int]], Timed]:
+    """``decoder.generate`` with ``options``. A call that compiled something (a new shape bucket, as JAX's compile
+    events tell) is run again and the compiled run is the one timed."""
+
+    def run(prompt: list[int]) -> Timed:
+        result = decoder.generate(prompt, **options)
+        compile_seconds = result.compile_seconds
+        if compile_seconds > 0:
             result = decoder.generate(prompt, **options)
+            assert result.compile_seconds == 0, f"{options}: recompiled a shape it had just compiled"
+        return Timed(result.tokens, result.rounds, result.prefill_seconds, result.decode_seconds, compile_seconds)
+
+    return run
+
+
+def reference_runner(max_new: int, block: int, stops: list[int], device: str) -> Callable[[list[int]], Timed]:
+    """z-lab ``dflash_generate`` on the same weights, timed by its own clock (``return_stats``)."""
+    torch.set_num_threads(2)
+    target, drafter = load_reference_models(DEMO / "target", DEMO / "drafter", device)
+    dflash_reference(drafter, target, [5, 6, 7], max_new, block, stops)  # warm-up
+
+    def run(prompt: list[int]) -> Timed:
+        timings = {}
+        tokens, lengths = dflash_reference(drafter, target, prompt, max_new, block, stops, timings=timings)
+        return Timed(tokens, len(lengths), timings["prefill_seconds"], timings["decode_seconds"])
+
+    return run
+
+
+def run_interleaved(prompts, runners: dict[str, Callable[[list[int]], Timed]]) -> list[dict]:
+    """Every prompt through every runner in turn: tokens, tau and speed per runner. Interleaving makes a slow
+    spell of a shared machine hit all methods alike, so the speedups stay ratios of one run.
+
+    Two speeds: end to end (prefill + decode, what a request waits) and decode only (z-lab ``benchmark.py``'s
+    "decoding speedup": the time after the first token; tokens counted as ``dflash_generate`` counts them, all
+    new tokens). Greedy methods emit the same tokens, so their speedups do not depend on the token count."""
+    fields = ("rounds", "prefill_seconds", "decode_seconds", "compile_seconds")
+    totals = {label: {"outputs": [], **dict.fromkeys(fields, 0)} for label in runners}
+    for prompt in tqdm(prompts, desc="prompts", leave=False):
+        for label, run in runners.items():
+            timed = run(prompt)
             total = totals[label]
-            if result.compile_seconds > 0:
-                total["compile_seconds"] += result.compile_seconds
-                result = decoder.generate(prompt, **options)
-                assert result.compile_seconds == 0, f"{label}: recompiled a shape it had just compiled"
-            total["outputs"].append(result.tokens)
-            total["forwards"] += result.rounds
-            total["seconds"] += result.prefill_seconds + result.decode_seconds
+            total["outputs"].append(timed.tokens)
+            for field in fields:
+                total[field] += getattr(timed, field)
     runs = []
-    for label, options in methods.items():
-        total = totals[label]
-        tokens, forwards = sum(map(len, total["outputs"])), total["forwards"]
+    for label, total in totals.items():
+        tokens, rounds = sum(map(len, total["outputs"])), total["rounds"]
+        seconds = total["prefill_seconds"] + total["decode_seconds"]
         runs.append(
             {
                 "label": label,
-                "options": {k: v for k, v in options.items() if k in ("method", "block_size", "budget")},
                 "new_tokens": tokens,
-                "target_forwards": forwards + len(prompts),
+                "target_forwards": rounds + len(prompts),
                 # tau: tokens per verify round (the prefill's first token is not a round's work)
-                "tau": (tokens - len(prompts)) / forwards if forwards else 0.0,
-                "seconds": total["seconds"],
+                "tau": (tokens - len(prompts)) / rounds if rounds else 0.0,
+                "seconds": seconds,
+                "decode_seconds": total["decode_seconds"],
                 "compile_seconds": total["compile_seconds"],
-                "tokens_per_s": tokens / total["seconds"],
+                "tokens_per_s": tokens / seconds,
+                "decode_tokens_per_s": tokens / total["decode_seconds"],
                 "outputs": total["outputs"],
             }
         )
     return runs
-
-
-def run_reference(prompts, max_new: int, block: int, stops: list[int], device: str) -> dict:
-    torch.set_num_threads(2)
-    target, drafter = load_reference_models(DEMO / "target", DEMO / "drafter", device)
-    dflash_reference(drafter, target, prompts[0], max_new, block, stops)  # warm-up
-    outputs, acceptance, start = [], [], time.perf_counter()
-    for prompt in tqdm(prompts, desc="dflash_generate (PyTorch)", leave=False):
-        tokens, lengths = dflash_reference(drafter, target, prompt, max_new, block, stops)
-        outputs.append(tokens)
-        acceptance += lengths
-    seconds = time.perf_counter() - start
-    tokens = sum(map(len, outputs))
-    return {
-        "label": "dflash_generate (PyTorch)",
-        "new_tokens": tokens,
-        "tau": float(np.mean(acceptance)),
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds,
-        "outputs": outputs,
-    }
 
 
 def plot(report: dict, path: Path) -> None:
@@ -115,10 +137,15 @@ def plot(report: dict, path: Path) -> None:
     trees = [run for run in report["runs"] if run["options"].get("method") == "ddtree"]
     budgets = [run["options"]["budget"] for run in trees]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for axis, key, name in ((left, "tau", "mean acceptance length tau"), (right, "speedup", "speedup over AR")):
-        axis.plot(budgets, [run[key] for run in trees], "o-", label="DDTree")
-        axis.axhline(runs["dflash"][key], color="tab:orange", linestyle="--", label="DFlash (linear block)")
-        if key == "speedup":
+    panels = (
+        (left, [("tau", "")], "mean acceptance length tau"),
+        (right, [("speedup", ", end to end"), ("decode_speedup", ", decode only")], "speedup over AR"),
+    )
+    for axis, keys, name in panels:
+        for (key, what), color in zip(keys, ("tab:blue", "tab:green"), strict=False):
+            axis.plot(budgets, [run[key] for run in trees], "o-", color=color, label=f"DDTree{what}")
+            axis.axhline(runs["dflash"][key], color=color, linestyle="--", label=f"DFlash (linear block){what}")
+        if axis is right:
             axis.axhline(1.0, color="gray", linestyle=":", label="AR")
         axis.set_xscale("log", base=2)
         axis.set_xticks(budgets, [str(b) for b in budgets])
@@ -155,27 +182,35 @@ def main() -> None:
     methods = {"ar": {"method": "ar", **common}, "dflash": {"method": "dflash", "block_size": block, **common}}
     for budget in budgets:
         methods[f"ddtree budget {budget}"] = {"method": "ddtree", "block_size": block, "budget": budget, **common}
-    runs = run_jaxdd(decoder, prompts, methods)
     torch_device = "cuda" if torch.cuda.is_available() else "cpu"
-    reference = run_reference(prompts, max_new, block, stops, torch_device)
+    runners = {label: jaxdd_runner(decoder, options) for label, options in methods.items()}
+    runners[REFERENCE] = reference_runner(max_new, block, stops, torch_device)
+    *runs, reference = run_interleaved(prompts, runners)
+    for run in runs:
+        run["options"] = {k: v for k, v in methods[run["label"]].items() if k in ("method", "block_size", "budget")}
 
     ar, dflash = runs[0], runs[1]
     for run in runs:
         run["speedup"] = run["tokens_per_s"] / ar["tokens_per_s"]
+        run["decode_speedup"] = run["decode_tokens_per_s"] / ar["decode_tokens_per_s"]
         run["identical_to_ar"] = sum(a == b for a, b in zip(run["outputs"], ar["outputs"], strict=True))
         print(
             f"{run['label']:>18}: tau {run['tau']:.2f}, {run['tokens_per_s']:.0f} tokens/s, "
-            f"speedup {run['speedup']:.2f}x, same tokens as AR on {run['identical_to_ar']}/{len(prompts)}"
+            f"speedup {run['speedup']:.2f}x (decode only {run['decode_speedup']:.2f}x), "
+            f"same tokens as AR on {run['identical_to_ar']}/{len(prompts)}"
         )
     best = max(runs[2:], key=lambda run: run["tau"])
     fastest = max(runs[2:], key=lambda run: run["tokens_per_s"])
+    fastest_decode = max(runs[2:], key=lambda run: run["decode_tokens_per_s"])
     reference["jaxdd_dflash_speedup"] = dflash["tokens_per_s"] / reference["tokens_per_s"]
+    reference["jaxdd_dflash_decode_speedup"] = dflash["decode_tokens_per_s"] / reference["decode_tokens_per_s"]
     reference["identical_to_jaxdd_dflash"] = sum(
         a == b for a, b in zip(reference["outputs"], dflash["outputs"], strict=True)
     )
     print(
-        f"dflash_generate (PyTorch): {reference['tokens_per_s']:.0f} tokens/s, tau {reference['tau']:.2f}; jaxdd "
-        f"DFlash is {reference['jaxdd_dflash_speedup']:.2f}x faster, same tokens on "
+        f"{REFERENCE}: {reference['tokens_per_s']:.0f} tokens/s, tau {reference['tau']:.2f}; jaxdd DFlash is "
+        f"{reference['jaxdd_dflash_speedup']:.2f}x faster (decode only "
+        f"{reference['jaxdd_dflash_decode_speedup']:.2f}x), same tokens on "
         f"{reference['identical_to_jaxdd_dflash']}/{len(prompts)} prompts"
     )
     summary = {
@@ -187,7 +222,11 @@ def main() -> None:
         "speedup_dflash": dflash["speedup"],
         "speedup_ddtree_best": fastest["speedup"],
         "ddtree_fastest_budget": fastest["options"]["budget"],
+        "decode_speedup_dflash": dflash["decode_speedup"],
+        "decode_speedup_ddtree_best": fastest_decode["decode_speedup"],
+        "ddtree_fastest_decode_budget": fastest_decode["options"]["budget"],
         "jaxdd_over_pytorch_dflash": reference["jaxdd_dflash_speedup"],
+        "jaxdd_over_pytorch_dflash_decode": reference["jaxdd_dflash_decode_speedup"],
         "lossless": all(run["identical_to_ar"] == len(prompts) for run in runs),
         "pytorch_tokens_identical": reference["identical_to_jaxdd_dflash"] == len(prompts),
     }

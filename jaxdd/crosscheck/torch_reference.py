@@ -64,8 +64,13 @@ def ar_reference(target, prompt, max_new_tokens: int, stop_token_ids) -> tuple[l
 
 
 @torch.inference_mode()
-def dflash_reference(drafter, target, prompt, max_new_tokens, block_size, stop_token_ids, record=None):
-    """z-lab dflash_generate (greedy) on the models' device: (new tokens, per-round acceptance lengths)."""
+def dflash_reference(
+    drafter, target, prompt, max_new_tokens, block_size, stop_token_ids, record=None, timings: dict | None = None
+):
+    """z-lab dflash_generate (greedy) on the models' device: (new tokens, per-round acceptance lengths).
+
+    ``timings``, if given, receives the reference's own clock: prefill_seconds (its time to first token) and
+    decode_seconds (the rest)."""
     if target.device.type == "cpu":  # the reference times itself with torch.cuda.synchronize
         dflash.model._cuda_time = time.perf_counter
     compute_logits = drafter.compute_logits
@@ -89,6 +94,9 @@ def dflash_reference(drafter, target, prompt, max_new_tokens, block_size, stop_t
         )
     finally:
         drafter.compute_logits = compute_logits
+    if timings is not None:
+        timings["prefill_seconds"] = result.time_to_first_token
+        timings["decode_seconds"] = result.time_per_output_token * result.num_output_tokens
     return result.output_ids[0, len(prompt) :].tolist(), list(result.acceptance_lengths)
 
 
