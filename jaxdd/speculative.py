@@ -447,8 +447,15 @@ class SpeculativeDecoder:
                 emit(i, results[i].tokens[:])
             width = 1 if method == "ar" else block  # tokens per report row
             t0 = time.perf_counter()
-            while not done[:n].all():
-                state, report = self.step(plan, state, trace_topk)
+            pending = None if done[:n].all() else self.step(plan, state, trace_topk)
+            while pending is not None:
+                state, report = pending
+                # Dispatch the next round before reading this one's report, so the host's work (the wait for the
+                # report, the bookkeeping, the next dispatch) overlaps the device's: ~0.3 ms per round on CPU, a
+                # fifth of an AR step. Not when a request may reach its length this round: a round after the last
+                # would be wasted work (after a stop token it still is: finished rows change nothing).
+                may_end = any(len(results[i].tokens) + width >= plan.max_new_tokens[i] for i in range(n))
+                pending = None if may_end else self.step(plan, state, trace_topk)
                 report = np.asarray(report)
                 for i, (row, result) in enumerate(zip(report, results, strict=False)):
                     produced = int(row[width])
@@ -460,6 +467,11 @@ class SpeculativeDecoder:
                         if trace_topk and method != "ar":
                             self._record(result, row[width + 2 :], block, trace_topk, method)
                     done[i] = done[i] or bool(row[width + 1]) or len(result.tokens) >= plan.max_new_tokens[i]
+                if done[:n].all():
+                    jax.block_until_ready(pending)  # a round dispatched ahead finishes in this call's time
+                    pending = None
+                elif pending is None:
+                    pending = self.step(plan, state, trace_topk)
             decode_seconds = time.perf_counter() - t0
         round_shape = {} if method == "ar" else {"block": block}
         if method == "ddtree":
