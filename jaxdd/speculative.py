@@ -454,7 +454,9 @@ class SpeculativeDecoder:
                 # report, the bookkeeping, the next dispatch) overlaps the device's: ~0.3 ms per round on CPU, a
                 # fifth of an AR step. Not when a request may reach its length this round: a round after the last
                 # would be wasted work (after a stop token it still is: finished rows change nothing).
-                may_end = any(len(results[i].tokens) + width >= plan.max_new_tokens[i] for i in range(n))
+                may_end = any(
+                    not done[i] and len(results[i].tokens) + width >= plan.max_new_tokens[i] for i in range(n)
+                )
                 pending = None if may_end else self.step(plan, state, trace_topk)
                 report = np.asarray(report)
                 for i, (row, result) in enumerate(zip(report, results, strict=False)):
