@@ -29,7 +29,7 @@ from timing import median_ms, timed
 
 import jaxdd
 from jaxdd.cache import compact_rows
-from jaxdd.speculative import SpeculativeDecoder, inject_context, limit_round
+from jaxdd.speculative import SpeculativeDecoder, draft_stage, limit_round
 from jaxdd.tree import accept_path, build_tree
 
 RESULTS = Path(__file__).parent / "results"
@@ -39,9 +39,7 @@ BLOCK = 8
 
 @functools.partial(jax.jit, static_argnames=("t_spec", "d_spec"))
 def _draft(t_spec, tw, d_spec, dw, state, block_len):
-    target, drafter = t_spec.merge(tw), d_spec.merge(dw)
-    cache = inject_context(drafter, state, BLOCK)
-    return drafter.draft_logits(target, cache, state.bonus, state.target_cache.length, block_len, BLOCK)[0]
+    return draft_stage(t_spec.merge(tw), d_spec.merge(dw), state, block_len, BLOCK)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("t_spec", "taps"))

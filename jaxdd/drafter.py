@@ -29,8 +29,11 @@ class DraftCache:
     @classmethod
     def zeros(cls, config: DrafterConfig, batch: int, slots: int, dtype: jnp.dtype) -> DraftCache:
         shape, layers = (batch, slots, config.num_key_value_heads, config.head_dim), range(config.num_hidden_layers)
-        zeros = tuple(jnp.zeros(shape, dtype) for _ in layers), tuple(jnp.zeros(shape, dtype) for _ in layers)
-        return cls(*zeros, jnp.zeros((batch,), jnp.int32))
+        return cls(
+            keys=tuple(jnp.zeros(shape, dtype) for _ in layers),
+            values=tuple(jnp.zeros(shape, dtype) for _ in layers),
+            length=jnp.zeros((batch,), jnp.int32),
+        )
 
     @property
     def slots(self) -> int:
