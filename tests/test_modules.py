@@ -6,12 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference import FLAVOURS, additive_mask, hf_model, rel_err
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 import jaxdd
 from jaxdd.layers import apply_rope, rms_norm, rope_cos_sin
-from jaxdd.target import target_rope
+from jaxdd.quant import DenseExperts
+from jaxdd.target import _tiled_experts, target_rope
 
 TOL = 1e-5
 
@@ -148,10 +152,10 @@ def test_router_bias_selects_but_does_not_weight(pair):
     np.testing.assert_allclose(weights, raw / raw.sum(-1, keepdims=True) * c.routed_scaling_factor, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dispatch", ["dense", "grouped"])
+@pytest.mark.parametrize("dispatch", ["auto", "dense", "grouped", "tiled"])
 def test_moe(pair, dispatch):
     model, target = pair
-    x = hidden(np.random.default_rng(6), 2, 11, target.config.hidden_size)
+    x = hidden(np.random.default_rng(6), 2, 13, target.config.hidden_size)  # 26 tokens: auto tiles on CPU
     i = moe_layer(target)
     with torch.no_grad():
         expected = model.model.layers[i].mlp(torch_of(x)).numpy()
@@ -161,6 +165,39 @@ def test_moe(pair, dispatch):
         assert rel_err(moe(jnp.asarray(x)), expected) < TOL
     finally:
         moe.dispatch = "auto"
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    tokens=st.integers(1, 80),
+    top_k=st.integers(1, 3),
+    n_experts=st.integers(1, 9),
+    favourite=st.floats(0, 1),
+    seed=st.integers(0, 2**16),
+)
+def test_tiled_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
+    """The tiled layout is exact whatever the routing: unused experts, one expert taking nearly every pair (its
+    tiles run past the even share), an expert chosen twice by one token, group sizes on and off tile edges."""
+    rng = np.random.default_rng(seed)
+    d, f = 16, 8
+    experts = rng.integers(0, n_experts, (tokens, top_k))
+    experts[rng.random((tokens, top_k)) < favourite] = 0
+    weights = rng.random((tokens, top_k)).astype(np.float32)
+    x = hidden(rng, tokens, d)
+    projections = [
+        DenseExperts(nnx.Rngs(i), shape, jnp.float32, (None,) * 3)
+        for i, shape in enumerate([(n_experts, d, f), (n_experts, d, f), (n_experts, f, d)])
+    ]
+    gate, up, down = (np.asarray(p.weight[...]) for p in projections)
+    pieces = [p.stored() for p in projections]
+    out = _tiled_experts(jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts), projections, pieces)
+    expected = np.zeros((tokens, d), np.float32)
+    for slot in range(top_k):
+        e = experts[:, slot]
+        gated = np.einsum("nd,ndf->nf", x, gate[e])
+        hidden_ = gated / (1 + np.exp(-gated)) * np.einsum("nd,ndf->nf", x, up[e])  # silu(x gate) * x up
+        expected += weights[:, slot, None] * np.einsum("nf,nfd->nd", hidden_, down[e])
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("which", ["dense", "moe"])
