@@ -179,7 +179,8 @@ class MoE(nnx.Module):
     the outputs by the combine weights (zero for unchosen experts); ``scan`` does the same one expert at a time;
     ``tiled`` sorts the pairs by expert into tiles of one expert each and runs the used tiles one at a time.
     XLA:CPU lowers ragged_dot to a dense matmul over all experts for every pair, k times the work of ``dense``,
-    so on CPU ``auto`` takes ``dense`` for a few tokens and ``tiled`` beyond (prefill, wide verifies).
+    so on CPU ``auto`` takes ``dense`` for a few tokens and ``tiled`` beyond (prefill, wide verifies) for
+    unquantized experts.
 
     Expert weights may be stored quantized (``jaxdd.quant.ExpertFormat``) and are dequantized to the model dtype
     inside the jitted forward. Dequantizing a whole expert stack at once would need its dense copy in memory
@@ -227,7 +228,8 @@ class MoE(nnx.Module):
             c = self.config
             flops = 3 * x.shape[0] * n_experts * c.hidden_size * c.moe_intermediate_size
             quantized = not isinstance(self.gate, DenseExperts)
-            if jax.default_backend() == "cpu" and x.shape[0] >= self.TILED_MIN_TOKENS:
+            if jax.default_backend() == "cpu" and not quantized and x.shape[0] >= self.TILED_MIN_TOKENS:
+                # Quantized experts keep ``scan``: ``jaxdd.plan`` compiles Kimi on CPU for GPU memory budgets.
                 dispatch = "tiled"
             else:
                 dispatch = "dense" if flops <= self.DENSE_MAX_FLOPS else "scan" if quantized else "grouped"
