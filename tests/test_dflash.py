@@ -17,7 +17,7 @@ from jaxdd.compile_time import compile_clock
 from jaxdd.config import DrafterConfig
 from jaxdd.crosscheck.torch_reference import dflash_reference
 from jaxdd.drafter import DFlashDrafter
-from jaxdd.speculative import SpeculativeDecoder, argmax
+from jaxdd.speculative import SpeculativeDecoder, argmax, bucket
 
 PROMPTS = [[5, 17, 3, 250, 9, 1, 77], [200, 4, 4, 91, 36, 12, 8, 150, 61, 7, 33]]
 MAX_NEW = 24
@@ -85,6 +85,16 @@ def test_stop_tokens_end_generation(models):
     ours = decoder.generate(prompt, max_new_tokens=MAX_NEW, stop_token_ids=[stop], block_size=8)
     assert (ours.tokens, ours.acceptance_lengths) == (tokens, lengths)
     assert ours.tokens[-1] == stop and stop not in ours.tokens[:-1]
+
+
+@given(st.integers(1, 1 << 16))
+def test_prompt_buckets_are_quarter_octaves(n):
+    """A prompt pads by less than a quarter of its length (past the minimum), to one of 4 sizes per octave."""
+    padded = bucket(n, per_octave=4)
+    assert n <= padded and (padded == 16 or padded < 1.25 * n)
+    octave = 1 << (padded - 1).bit_length()
+    assert padded % (octave // 8) == 0  # octave/2 + j * octave/8, j = 1..4
+    assert bucket(n) == max(16, octave)  # the default stays powers of two
 
 
 def test_compiles_once_per_bucket(models):
