@@ -373,8 +373,9 @@ def prefill(
     cache = state.target_cache
     prompt_cache = LatentCache.zeros(target.config, b, t, cache.latent[0].dtype)
     out = target(tokens, positions, prompt_cache, visible, taps=taps, form="naive")
-    latent = tuple(full.at[:, :t].set(rows) for full, rows in zip(cache.latent, out.cache.latent, strict=True))
-    rope = tuple(full.at[:, :t].set(rows) for full, rows in zip(cache.rope, out.cache.rope, strict=True))
+    latent, rope = jax.tree.map(
+        lambda full, rows: full.at[:, :t].set(rows), (cache.latent, cache.rope), (out.cache.latent, out.cache.rope)
+    )
     cache = cache.replace(latent=latent, rope=rope, length=prompt_len)
     last = jnp.take_along_axis(out.hidden, (prompt_len - 1)[:, None, None], axis=1)
     logits = target.logits(last)[:, 0]
