@@ -47,7 +47,7 @@ def plan(
     from jaxdd.jit_state import split_module
     from jaxdd.sampling import GREEDY, SamplingArrays
     from jaxdd.sharding import make_mesh, param_shardings, place
-    from jaxdd.speculative import MAX_STOP_TOKENS, DecodeState, bucket, ddtree_round, state_shardings
+    from jaxdd.speculative import MAX_STOP_TOKENS, DecodeState, cache_slots, ddtree_round, state_shardings
     from jaxdd.target import KimiTarget
 
     raw = json.loads(Path(config_path).read_text())
@@ -84,7 +84,7 @@ def plan(
     target, target_bytes = abstract(lambda: KimiTarget(config, dtype, experts=experts, rngs=nnx.Rngs(0)))
     drafter, drafter_bytes = abstract(lambda: DFlashDrafter(drafter_config, dtype, rngs=nnx.Rngs(0)))
 
-    slots = bucket(max_len + budget + 1)
+    slots = cache_slots(max_len + budget + 1)
     features = len(drafter_config.target_layer_ids) * config.hidden_size
     state = jax.eval_shape(
         lambda: DecodeState(

@@ -50,6 +50,8 @@ Method = Literal["ar", "dflash", "ddtree"]
 MAX_STOP_TOKENS = 16  # stop ids are padded to this many so their number never changes a compiled shape
 MIN_BUCKET = 16
 PROMPT_BUCKETS_PER_OCTAVE = 4
+CACHE_BUCKETS_PER_OCTAVE = 4
+CACHE_ALIGN = 64
 
 
 @struct.dataclass
@@ -109,8 +111,9 @@ class Plan:
     method: Method
     requests: int  # real rows; the batch is padded to a power of two
     max_new_tokens: list[int]
-    limit: np.ndarray  # [rows] int32: prompt length + max_new_tokens
-    stop_ids: np.ndarray  # [rows, MAX_STOP_TOKENS] int32, -1 padded
+    # On the device once, not copied there again by every round.
+    limit: jax.Array  # [rows] int32: prompt length + max_new_tokens
+    stop_ids: jax.Array  # [rows, MAX_STOP_TOKENS] int32, -1 padded
     settings: SamplingArrays
     sampled: bool  # any row samples: compile the sampling path
     block: int
@@ -124,6 +127,16 @@ def bucket(n: int, minimum: int = MIN_BUCKET, per_octave: int = 1) -> int:
     power = max(minimum, 1 << (max(n, 1) - 1).bit_length())
     step = max(1, power // (2 * per_octave))
     return max(minimum, -(-n // step) * step)
+
+
+def cache_slots(needed: int) -> int:
+    """The cache size for ``needed`` slots: up to ``CACHE_ALIGN``, the next power of two; beyond, the next of four
+    sizes per octave rounded up to a multiple of ``CACHE_ALIGN``. Either way whole blocks for the Pallas
+    tree-attention kernel, which reads the cache in blocks of a power of two up to that many slots. Powers of two
+    throughout would double a 8257-slot Kimi cache to 16384 slots, and attention reads every slot."""
+    if needed <= CACHE_ALIGN:
+        return bucket(needed)
+    return -(-bucket(needed, per_octave=CACHE_BUCKETS_PER_OCTAVE) // CACHE_ALIGN) * CACHE_ALIGN
 
 
 def verify(target: KimiTarget, cache: LatentCache, tokens: jax.Array, taps: tuple[int, ...], form: MlaForm):
@@ -561,9 +574,10 @@ class SpeculativeDecoder:
             )
         rows = bucket(n, minimum=1)
         # Prompts in quarter octaves: the prefill's cost grows with the padded length (powers of two padded a
-        # 131-token HumanEval prompt to 256), and a prefill shape compiles in ~1 s.
+        # 131-token HumanEval prompt to 256), and a prefill shape compiles in ~1 s. The cache likewise: a round's
+        # cost grows with its slots (a DFlash round at 512 slots took ~12% longer than at 256 on CPU).
         padded = bucket(max(len(p) for p in checked), per_octave=PROMPT_BUCKETS_PER_OCTAVE)
-        slots = bucket(max(padded, max(limits) + max(block, verify_width)))
+        slots = cache_slots(max(padded, max(limits) + max(block, verify_width)))
         tokens = np.zeros((rows, padded), np.int32)
         prompt_len = np.ones((rows,), np.int32)
         limit = np.full((rows,), 2, np.int32)  # padding rows: a one-token request, done after the prefill
@@ -578,8 +592,8 @@ class SpeculativeDecoder:
             method=method,
             requests=n,
             max_new_tokens=lengths,
-            limit=limit,
-            stop_ids=stop_ids,
+            limit=jnp.asarray(limit),
+            stop_ids=jnp.asarray(stop_ids),
             settings=arrays,
             sampled=sampled,
             block=block,

@@ -17,7 +17,7 @@ from jaxdd.compile_time import compile_clock
 from jaxdd.config import DrafterConfig
 from jaxdd.crosscheck.torch_reference import dflash_reference
 from jaxdd.drafter import DFlashDrafter
-from jaxdd.speculative import SpeculativeDecoder, argmax, bucket
+from jaxdd.speculative import CACHE_ALIGN, SpeculativeDecoder, argmax, bucket, cache_slots
 
 PROMPTS = [[5, 17, 3, 250, 9, 1, 77], [200, 4, 4, 91, 36, 12, 8, 150, 61, 7, 33]]
 MAX_NEW = 24
@@ -95,6 +95,15 @@ def test_prompt_buckets_are_quarter_octaves(n):
     octave = 1 << (padded - 1).bit_length()
     assert padded % (octave // 8) == 0  # octave/2 + j * octave/8, j = 1..4
     assert bucket(n) == max(16, octave)  # the default stays powers of two
+
+
+@given(st.integers(1, 1 << 17))
+def test_cache_slots_fit_the_tree_kernel(n):
+    """The cache holds n slots with under a quarter (plus one kernel block) spare, in whole kernel blocks."""
+    slots = cache_slots(n)
+    assert n <= slots < max(16, 1.25 * n + CACHE_ALIGN)
+    assert slots % min(slots, CACHE_ALIGN) == 0 and slots % 16 == 0  # whole blocks of 16, 32 or 64 slots
+    assert cache_slots(8192 + 65) == 10240  # Kimi at 8k with a 64-node tree: 16384 slots as a power of two
 
 
 def test_compiles_once_per_bucket(models):

@@ -13,6 +13,7 @@ from reference import FLAVOURS, additive_mask, hf_model, rel_err
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 import jaxdd
+from jaxdd.cache import write_rows
 from jaxdd.layers import apply_rope, rms_norm, rope_cos_sin
 from jaxdd.quant import DenseExperts
 from jaxdd.target import _tiled_experts, target_rope
@@ -219,3 +220,30 @@ def test_decoder_layer(pair, which):
     length, causal = causal_args(b, t)
     out, _ = target.layers[i](jnp.asarray(x), cos_sin, empty_rows(c, b, t), length, causal, causal, "absorbed")
     assert rel_err(out, expected.numpy()) < TOL
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=st.integers(1, 12),
+    rows=st.integers(1, 5),
+    axis=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_write_rows_puts_each_sequence_at_its_start(batch, rows, axis, seed):
+    """Unrolled in-place updates (batch <= 8) and the vmapped scatter (beyond) both write sequence b's rows at
+    its own start along the slot axis, for the latent layout [B, S, d] and the drafter's [B, kv, S, hd]."""
+    rng = np.random.default_rng(seed)
+    slots = 16
+    shape = (batch, slots, 3) if axis == 1 else (batch, 2, slots, 3)
+    buffer = rng.normal(size=shape).astype(np.float32)
+    new_shape = list(shape)
+    new_shape[axis] = rows
+    new = rng.normal(size=new_shape).astype(np.float32)
+    start = rng.integers(0, slots - rows + 1, batch).astype(np.int32)
+    expected = buffer.copy()
+    for b in range(batch):
+        index = [b] + [slice(None)] * (len(shape) - 1)
+        index[axis] = slice(start[b], start[b] + rows)
+        expected[tuple(index)] = new[b]
+    written = write_rows(jnp.asarray(buffer), jnp.asarray(new), jnp.asarray(start), axis=axis)
+    np.testing.assert_array_equal(np.asarray(written), expected)
