@@ -110,12 +110,12 @@ def target_mappings(config: KimiConfig, experts: ExpertFormat = DENSE) -> Iterat
         yield _heads_in((*attn, "q_b_proj"), a + "q_b_proj.weight", (h * (dn + dr), c.q_lora_rank), h)
         yield _linear((*attn, "kv_a_proj"), a + "kv_a_proj_with_mqa.weight", (c.kv_lora_rank + dr, d))
         yield _same((*attn, "kv_a_norm", "weight"), a + "kv_a_layernorm.weight", (c.kv_lora_rank,))
-        yield Mapping(  # kv_b_proj holds each head's key half (nope channels) then its value half
+        yield Mapping(  # kv_b_proj [heads * (nope + v), latent]: each head's key half, then its value half
             ((*attn, "k_up"), (*attn, "v_up")),
             (a + "kv_b_proj.weight",),
             ((h * (dn + c.v_head_dim), c.kv_lora_rank),),
-            lambda w: (w.T.reshape(w.shape[1], h, -1)[..., :dn], w.T.reshape(w.shape[1], h, -1)[..., dn:]),
-            lambda k, v: (np.concatenate([k, v], -1).reshape(len(k), -1).T,),
+            lambda w: (w.reshape(h, -1, w.shape[1])[:, :dn].transpose(0, 2, 1), w.reshape(h, -1, w.shape[1])[:, dn:]),
+            lambda k, v: (np.concatenate([k.transpose(0, 2, 1), v], 1).reshape(-1, k.shape[1]),),
         )
         yield _heads_out((*attn, "o_proj"), a + "o_proj.weight", (d, h * c.v_head_dim), h)
         m, mlp = hf + "mlp.", (*jx, "mlp")

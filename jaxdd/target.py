@@ -68,9 +68,11 @@ class MLAttention(nnx.Module):
         self.q_b_proj = param(rngs, (c.q_lora_rank, h, dn + dr), dtype, ("q_lora", "heads", None))
         self.kv_a_proj = param(rngs, (c.hidden_size, c.kv_lora_rank + dr), dtype, ("embed", None))
         self.kv_a_norm = RMSNorm(c.kv_lora_rank, c.latent_norm_eps, dtype, axis=None)
-        # kv_b_proj split per head into its key half (nope channels) and value half.
-        self.k_up = param(rngs, (c.kv_lora_rank, h, dn), dtype, (None, "heads", None))
-        self.v_up = param(rngs, (c.kv_lora_rank, h, dv), dtype, (None, "heads", None))
+        # kv_b_proj split per head into its key half (nope channels) and value half, heads first and each head's
+        # matrix laid out as absorbed attention multiplies it: stored [latent, heads, d], XLA relaid both out on
+        # every call (8 weight copies per forward of the demo target, ~5% of a one-token step on CPU).
+        self.k_up = param(rngs, (h, c.kv_lora_rank, dn), dtype, ("heads", None, None))
+        self.v_up = param(rngs, (h, dv, c.kv_lora_rank), dtype, ("heads", None, None))
         self.o_proj = param(rngs, (h, dv, c.hidden_size), dtype, ("heads", None, "embed"))
         self.placement = None  # (mesh, mode) once placed by ``jaxdd.sharding.shard_module``
 
@@ -104,16 +106,16 @@ class MLAttention(nnx.Module):
         keys_rope = write_rows(cache_rows[1], k_pe, length)  # [B, S, dr]
 
         if form == "absorbed":
-            q_latent = jnp.einsum("bthd,rhd->bthr", q_nope, self.k_up[...])
+            q_latent = jnp.einsum("bthd,hrd->bthr", q_nope, self.k_up[...])
             rope_scores = jnp.einsum("bthd,bsd->bhts", q_pe, keys_rope)
             scores = jnp.einsum("bthr,bsr->bhts", q_latent, keys_latent) + rope_scores
             probs = self._softmax(scores, mask)
             # Cache first: XLA:CPU then keeps the cache as stored in this batched matmul (a 128-row decode step
             # 84 -> 64 ms; the same at one row).
             out_latent = jnp.einsum("bsr,bhts->bthr", keys_latent, probs)
-            out = jnp.einsum("bthr,rhd->bthd", out_latent, self.v_up[...])
+            out = jnp.einsum("bthr,hdr->bthd", out_latent, self.v_up[...])
         elif form == "pallas":
-            q_latent = jnp.einsum("bthd,rhd->bthr", q_nope, self.k_up[...])
+            q_latent = jnp.einsum("bthd,hrd->bthr", q_nope, self.k_up[...])
             attend = functools.partial(tree_attention, scale=c.softmax_scale, interpret=jax.default_backend() == "cpu")
             if self.placement is not None and partition_spec((c.num_attention_heads,), ("heads",), *self.placement)[0]:
                 # A Pallas kernel is opaque to XLA's partitioner: run it per device on that device's heads.
@@ -122,10 +124,10 @@ class MLAttention(nnx.Module):
                 mesh = self.placement[0]
                 attend = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
             out_latent = attend(q_latent, q_pe, keys_latent, keys_rope, length, latent, k_pe, visible)
-            out = jnp.einsum("bthr,rhd->bthd", out_latent.astype(x.dtype), self.v_up[...])
+            out = jnp.einsum("bthr,hdr->bthd", out_latent.astype(x.dtype), self.v_up[...])
         elif form == "naive":
-            k_nope = jnp.einsum("bsr,rhd->bshd", keys_latent, self.k_up[...])
-            values = jnp.einsum("bsr,rhd->bshd", keys_latent, self.v_up[...])
+            k_nope = jnp.einsum("bsr,hrd->bshd", keys_latent, self.k_up[...])
+            values = jnp.einsum("bsr,hdr->bshd", keys_latent, self.v_up[...])
             # One score matmul over the [nope | rope] channels, as HF concatenates them: XLA:CPU takes ~2x as
             # long for the two matmuls and their sum (a 160-token prefill layer: 0.59 -> 0.33 ms).
             k_pe_heads = jnp.broadcast_to(keys_rope[:, :, None], (*k_nope.shape[:3], c.qk_rope_head_dim))
