@@ -51,7 +51,7 @@ MAX_STOP_TOKENS = 16  # stop ids are padded to this many so their number never c
 MIN_BUCKET = 16
 PROMPT_BUCKETS_PER_OCTAVE = 4
 CACHE_BUCKETS_PER_OCTAVE = 4
-CACHE_ALIGN = 64
+CACHE_ALIGN = 64  # cache sizes past this are multiples of it: the tree-attention kernel reads blocks of up to 64
 
 
 @struct.dataclass
