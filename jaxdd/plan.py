@@ -40,9 +40,8 @@ def plan(
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxdd.cache import LatentCache
     from jaxdd.config import DrafterConfig, KimiConfig
-    from jaxdd.drafter import DFlashDrafter, DraftCache
+    from jaxdd.drafter import DFlashDrafter
     from jaxdd.hf_weights import declared_expert_format
     from jaxdd.jit_state import split_module
     from jaxdd.sampling import GREEDY, SamplingArrays
@@ -85,18 +84,8 @@ def plan(
     drafter, drafter_bytes = abstract(lambda: DFlashDrafter(drafter_config, dtype, rngs=nnx.Rngs(0)))
 
     slots = cache_slots(max_len + budget + 1)
-    features = len(drafter_config.target_layer_ids) * config.hidden_size
-    state = jax.eval_shape(
-        lambda: DecodeState(
-            target_cache=LatentCache.zeros(config, batch, slots, dtype),
-            bonus=jnp.zeros((batch,), jnp.int32),
-            done=jnp.zeros((batch,), bool),
-            rng=jnp.zeros((batch, 2), jnp.uint32),
-            draft_cache=DraftCache.zeros(drafter_config, batch, slots, dtype),
-            context=jnp.zeros((batch, block, features), dtype),
-            context_count=jnp.zeros((batch,), jnp.int32),
-        )
-    )
+    rng = jax.ShapeDtypeStruct((batch, 2), jnp.uint32)
+    state = jax.eval_shape(lambda rng: DecodeState.empty(config, drafter_config, batch, slots, block, dtype, rng), rng)
     shardings = state_shardings(state, mesh)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
     target_cache_bytes = sum(_shard_bytes(x) for x in jax.tree.leaves(state.target_cache))

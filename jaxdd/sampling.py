@@ -48,7 +48,7 @@ GREEDY = Sampling()
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingArrays:
-    """The settings of a batch, one entry per row (device arrays)."""
+    """The settings of a batch, one entry per row."""
 
     temperature: jax.Array  # [B] float32
     top_p: jax.Array  # [B] float32
@@ -56,16 +56,18 @@ class SamplingArrays:
 
     @classmethod
     def of(cls, settings: list[Sampling]) -> SamplingArrays:
+        """Host (numpy) arrays: the caller moves them to the device together with its other inputs, in one
+        ``device_put`` (~0.25 ms an eager ``jnp.asarray`` each)."""
         return cls(
-            temperature=jnp.asarray([s.temperature for s in settings], jnp.float32),
-            top_p=jnp.asarray([s.top_p for s in settings], jnp.float32),
-            top_k=jnp.asarray([s.top_k for s in settings], jnp.int32),
+            temperature=np.array([s.temperature for s in settings], np.float32),
+            top_p=np.array([s.top_p for s in settings], np.float32),
+            top_k=np.array([s.top_k for s in settings], np.int32),
         )
 
 
-def seed_keys(settings: list[Sampling]) -> jax.Array:
-    """[B, 2] uint32 raw PRNG keys, one stream per request."""
-    return jnp.stack([jax.random.key_data(jax.random.PRNGKey(s.seed)) for s in settings])
+def seed_keys(seeds: jax.Array) -> jax.Array:
+    """[B, 2] uint32 raw PRNG keys, one stream per request, for the requests' seeds [B] uint32."""
+    return jax.vmap(lambda seed: jax.random.key_data(jax.random.PRNGKey(seed)))(seeds)
 
 
 def split_keys(keys: jax.Array, count: int) -> tuple[jax.Array, list[jax.Array]]:

@@ -35,6 +35,7 @@ from flax import struct
 
 from jaxdd.cache import LatentCache, compact_rows
 from jaxdd.compile_time import compile_clock
+from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.drafter import DFlashDrafter, DraftCache
 from jaxdd.errors import InputError
 from jaxdd.jit_state import ModuleSpec, split_module
@@ -63,6 +64,34 @@ class DecodeState:
     draft_cache: DraftCache | None = None
     context: jax.Array | None = None  # [B, block, taps * D]: features of the tokens committed last round
     context_count: jax.Array | None = None  # [B] int32: how many rows of ``context`` are real
+
+    @classmethod
+    def empty(
+        cls,
+        config: KimiConfig,
+        drafter_config: DrafterConfig | None,
+        batch: int,
+        slots: int,
+        block: int,
+        dtype: jnp.dtype,
+        rng: jax.Array,
+    ) -> DecodeState:
+        """The state before the prefill: empty caches (and drafter context, with a drafter)."""
+        drafter = {}
+        if drafter_config is not None:
+            features = len(drafter_config.target_layer_ids) * config.hidden_size
+            drafter = {
+                "draft_cache": DraftCache.zeros(drafter_config, batch, slots, dtype),
+                "context": jnp.zeros((batch, block, features), dtype),
+                "context_count": jnp.zeros((batch,), jnp.int32),
+            }
+        return cls(
+            target_cache=LatentCache.zeros(config, batch, slots, dtype),
+            bonus=jnp.zeros((batch,), jnp.int32),
+            done=jnp.zeros((batch,), bool),
+            rng=rng,
+            **drafter,
+        )
 
 
 def state_shardings(state: DecodeState, mesh: jax.sharding.Mesh) -> DecodeState:
@@ -357,28 +386,36 @@ def _report(emitted, produced, stopped, *trace) -> jax.Array:
     return jnp.concatenate([emitted, produced[:, None], stopped[:, None].astype(jnp.int32), *flat], axis=1)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("t_spec", "d_spec", "taps", "block", "sampled"), donate_argnames=("state",)
-)
+@functools.partial(jax.jit, static_argnames=("t_spec", "d_spec", "taps", "block", "slots", "sampled", "mesh"))
 def prefill(
     t_spec,
     t_weights,
     d_spec,
     d_weights,
-    state: DecodeState,
     tokens,
     prompt_len,
     limit,
     stop_ids,
     settings,
+    seeds,
     taps,
     block,
+    slots,
     sampled,
-):
+    mesh,
+) -> DecodeState:
     """Run the (padded) prompts, commit ``prompt_len`` tokens per row, choose each row's first token, and cache
-    the drafter context. A row is done at once if that token is a stop token or its length allows no more."""
+    the drafter context: the decode state, with caches of ``slots`` slots (placed on ``mesh`` if given). A row is
+    done at once if that token is a stop token or its length allows no more.
+
+    The empty state is made here rather than passed in: its ~20 buffers and PRNG keys, each made by its own
+    eager dispatch, took ~2-4 ms of host time before the prefill could start (a fifth of a HumanEval prefill)."""
     target = t_spec.merge(t_weights)
+    drafter = None if d_spec is None else d_spec.merge(d_weights)
     b, t = tokens.shape
+    state = DecodeState.empty(
+        target.config, None if drafter is None else drafter.config, b, slots, block, target.dtype, seed_keys(seeds)
+    )
     positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
     visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     # The cache is empty: the prompt attends over a cache of its own length, whose rows are then copied into the
@@ -400,12 +437,11 @@ def prefill(
         first = argmax(logits)
     done = (first[:, None] == stop_ids).any(-1) | (prompt_len + 1 >= limit)
     state = state.replace(target_cache=cache, bonus=first, rng=rng, done=done)
-    if d_spec is None:
-        return state
-    drafter = d_spec.merge(d_weights)
-    draft_cache = drafter.inject(state.draft_cache, out.taps, positions, prompt_len)
-    context = jnp.zeros((b, block, out.taps.shape[-1]), out.taps.dtype)
-    return state.replace(draft_cache=draft_cache, context=context, context_count=jnp.zeros_like(prompt_len))
+    if drafter is not None:
+        state = state.replace(draft_cache=drafter.inject(state.draft_cache, out.taps, positions, prompt_len))
+    if mesh is not None:
+        state = jax.lax.with_sharding_constraint(state, state_shardings(state, mesh))
+    return state
 
 
 class SpeculativeDecoder:
@@ -588,12 +624,14 @@ class SpeculativeDecoder:
         settings = settings + [GREEDY] * (rows - n)
         arrays, sampled = SamplingArrays.of(settings), any(not s.greedy for s in settings)
 
+        # On the device in one transfer: the prefill and every round read them.
+        limit, stop_ids, arrays = jax.device_put((limit, stop_ids, arrays))
         plan = Plan(
             method=method,
             requests=n,
             max_new_tokens=lengths,
-            limit=jnp.asarray(limit),
-            stop_ids=jnp.asarray(stop_ids),
+            limit=limit,
+            stop_ids=stop_ids,
             settings=arrays,
             sampled=sampled,
             block=block,
@@ -611,24 +649,12 @@ class SpeculativeDecoder:
             valid = tokens >= 0
             result.trees.append((tokens[valid], parents[valid]))
 
-    def _place(self, state: DecodeState) -> DecodeState:
-        return jax.device_put(state, state_shardings(state, self.mesh))
-
     def _prefill(self, tokens, prompt_len, limit, stop_ids, settings, arrays, slots, block, sampled, method):
-        rows = tokens.shape[0]
-        dtype = self.target.dtype
-        speculative = method != "ar"
-        state = DecodeState(
-            target_cache=LatentCache.zeros(self.target.config, rows, slots, dtype),
-            bonus=jnp.zeros((rows,), jnp.int32),
-            done=jnp.zeros((rows,), bool),
-            rng=seed_keys(settings),
-            draft_cache=DraftCache.zeros(self.drafter.config, rows, slots, dtype) if speculative else None,
-        )
-        if self.mesh is not None:
-            state = self._place(state)
         d_spec, d_weights, taps = None, None, ()
-        if speculative:
+        if method != "ar":
             d_spec, d_weights, taps = self._d_spec, self._d_weights, self.drafter.config.target_layer_ids
-        inputs = (tokens, prompt_len, limit, stop_ids, arrays)
-        return prefill(self._t_spec, self._t_weights, d_spec, d_weights, state, *inputs, taps, block, sampled)
+        seeds = np.array([s.seed for s in settings], np.uint32)
+        inputs = (tokens, prompt_len, limit, stop_ids, arrays, seeds)
+        return prefill(
+            self._t_spec, self._t_weights, d_spec, d_weights, *inputs, taps, block, slots, sampled, self.mesh
+        )
