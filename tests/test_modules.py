@@ -16,7 +16,7 @@ import jaxdd
 from jaxdd.cache import write_rows
 from jaxdd.layers import apply_rope, rms_norm, rope_cos_sin
 from jaxdd.quant import DenseExperts
-from jaxdd.target import _tiled_experts, target_rope
+from jaxdd.target import _skipping_experts, _tiled_experts, target_rope
 
 TOL = 1e-5
 
@@ -153,7 +153,7 @@ def test_router_bias_selects_but_does_not_weight(pair):
     np.testing.assert_allclose(weights, raw / raw.sum(-1, keepdims=True) * c.routed_scaling_factor, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dispatch", ["auto", "dense", "grouped", "tiled"])
+@pytest.mark.parametrize("dispatch", ["auto", "dense", "grouped", "skipping", "tiled"])
 def test_moe(pair, dispatch):
     model, target = pair
     x = hidden(np.random.default_rng(6), 2, 13, target.config.hidden_size)  # 26 tokens: auto tiles on CPU
@@ -168,17 +168,33 @@ def test_moe(pair, dispatch):
         moe.dispatch = "auto"
 
 
-@settings(max_examples=20, deadline=None)
-@given(
+ROUTINGS = given(
     tokens=st.integers(1, 80),
     top_k=st.integers(1, 3),
     n_experts=st.integers(1, 9),
     favourite=st.floats(0, 1),
     seed=st.integers(0, 2**16),
 )
+
+
+@settings(max_examples=20, deadline=None)
+@ROUTINGS
 def test_tiled_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
     """The tiled layout is exact whatever the routing: unused experts, one expert taking nearly every pair (its
     tiles run past the even share), an expert chosen twice by one token, group sizes on and off tile edges."""
+    check_dispatch(_tiled_experts, tokens, top_k, n_experts, favourite, seed)
+
+
+@settings(max_examples=20, deadline=None)
+@ROUTINGS
+def test_skipping_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
+    """Skipping the unchosen experts is exact whatever the routing: every expert chosen, a few, only one, an expert
+    chosen twice by one token."""
+    check_dispatch(_skipping_experts, tokens, top_k, n_experts, favourite, seed)
+
+
+def check_dispatch(dispatch, tokens, top_k, n_experts, favourite, seed):
+    """``dispatch`` against a numpy MoE for random routing (``favourite``: the share of pairs sent to expert 0)."""
     rng = np.random.default_rng(seed)
     d, f = 16, 8
     experts = rng.integers(0, n_experts, (tokens, top_k))
@@ -191,7 +207,7 @@ def test_tiled_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
     ]
     gate, up, down = (np.asarray(p.weight[...]) for p in projections)
     pieces = [p.stored() for p in projections]
-    out = _tiled_experts(jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts), projections, pieces)
+    out = dispatch(jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts), projections, pieces)
     expected = np.zeros((tokens, d), np.float32)
     for slot in range(top_k):
         e = experts[:, slot]

@@ -135,18 +135,19 @@ def _set_dispatch(target: jaxdd.Target, dispatch: str) -> jaxdd.Target:
 
 @pytest.mark.parametrize("mode", [None, "ep"])
 def test_expert_dispatches_agree(checkpoints, mode):
-    """All-experts, grouped (ragged_dot), one-expert-at-a-time (scan, what large quantized MoEs use) and tiled
-    (one expert's tile per step, dequantized there) give the same logits, on one device and inside the
-    expert-parallel shard_map."""
+    """All-experts, grouped (ragged_dot), one-expert-at-a-time (scan, what large quantized MoEs use), skipping
+    (the chosen experts only) and tiled (one expert's tile per step, dequantized there) give the same logits, on
+    one device and inside the expert-parallel shard_map."""
     ids = [[5, 17, 3, 250, 9, 1, 77, 255, 0]]
     logits = {}
-    for dispatch in ("dense", "grouped", "scan", "tiled"):
+    for dispatch in ("dense", "grouped", "scan", "skipping", "tiled"):
         target = jaxdd.load_target(checkpoints / "int4", dtype="float32")
         if mode is not None:
             shard_module(target.model, make_mesh(8), mode)
         logits[dispatch] = _set_dispatch(target, dispatch).logits(ids)
     assert rel_err(logits["grouped"], logits["dense"]) < 1e-6
     assert rel_err(logits["scan"], logits["dense"]) < 1e-6
+    assert rel_err(logits["skipping"], logits["dense"]) < 1e-6
     assert rel_err(logits["tiled"], logits["dense"]) < 1e-6
 
 
