@@ -147,6 +147,9 @@ def plot(report: dict, path: Path) -> None:
         for (key, what), color in zip(keys, ("tab:blue", "tab:green"), strict=False):
             axis.plot(budgets, [run[key] for run in trees], "o-", color=color, label=f"DDTree{what}")
             axis.axhline(runs["dflash"][key], color=color, linestyle="--", label=f"DFlash (linear block){what}")
+            for short in report["setup"].get("short_blocks", []):
+                run = runs[f"dflash block {short}"]
+                axis.axhline(run[key], color=color, linestyle="-.", label=f"DFlash, block {short}{what}")
         if axis is right:
             axis.axhline(1.0, color="gray", linestyle=":", label="AR")
         axis.set_xscale("log", base=2)

@@ -50,7 +50,8 @@ if TYPE_CHECKING:
 Method = Literal["ar", "dflash", "ddtree"]
 MAX_STOP_TOKENS = 16  # stop ids are padded to this many so their number never changes a compiled shape
 MIN_BUCKET = 16
-PROMPT_BUCKETS_PER_OCTAVE = 4
+PROMPT_BUCKETS_PER_OCTAVE = 8
+PROMPT_MIN_STEP = 16  # prompt sizes are multiples of this (short prompts: fewer shapes to compile)
 CACHE_BUCKETS_PER_OCTAVE = 4
 CACHE_ALIGN = 64  # cache sizes past this are multiples of it: the tree-attention kernel reads blocks of up to 64
 
@@ -150,11 +151,12 @@ class Plan:
     max_children: int | None
 
 
-def bucket(n: int, minimum: int = MIN_BUCKET, per_octave: int = 1) -> int:
+def bucket(n: int, minimum: int = MIN_BUCKET, per_octave: int = 1, min_step: int = 1) -> int:
     """The static size used for n, at least ``minimum``: the next power of two, or the next of ``per_octave``
-    evenly spaced sizes per octave (4: ..., 64, 80, 96, 112, 128, 160, ...), less padding for more shapes."""
+    evenly spaced sizes per octave (4: ..., 64, 80, 96, 112, 128, 160, ...), less padding for more shapes;
+    sizes are multiples of ``min_step``."""
     power = max(minimum, 1 << (max(n, 1) - 1).bit_length())
-    step = max(1, power // (2 * per_octave))
+    step = max(min_step, power // (2 * per_octave))
     return max(minimum, -(-n // step) * step)
 
 
@@ -609,10 +611,11 @@ class SpeculativeDecoder:
                 f"max_position_embeddings ({self.target.config.max_position_embeddings})"
             )
         rows = bucket(n, minimum=1)
-        # Prompts in quarter octaves: the prefill's cost grows with the padded length (powers of two padded a
-        # 131-token HumanEval prompt to 256), and a prefill shape compiles in ~1 s. The cache likewise: a round's
-        # cost grows with its slots (a DFlash round at 512 slots took ~12% longer than at 256 on CPU).
-        padded = bucket(max(len(p) for p in checked), per_octave=PROMPT_BUCKETS_PER_OCTAVE)
+        # Prompts in eighth octaves, multiples of 16: the prefill's cost grows with the padded length (~70 us a
+        # token for kimi-mini on CPU; powers of two padded a 131-token HumanEval prompt to 256, quarter octaves to
+        # 160, now 144), and a prefill shape compiles in ~1 s. The cache in quarter octaves: a round's cost grows
+        # with its slots (a DFlash round at 512 slots took ~12% longer than at 256 on CPU).
+        padded = bucket(max(len(p) for p in checked), per_octave=PROMPT_BUCKETS_PER_OCTAVE, min_step=PROMPT_MIN_STEP)
         slots = cache_slots(max(padded, max(limits) + max(block, verify_width)))
         tokens = np.zeros((rows, padded), np.int32)
         prompt_len = np.ones((rows,), np.int32)

@@ -17,7 +17,15 @@ from jaxdd.compile_time import compile_clock
 from jaxdd.config import DrafterConfig
 from jaxdd.crosscheck.torch_reference import dflash_reference
 from jaxdd.drafter import DFlashDrafter
-from jaxdd.speculative import CACHE_ALIGN, SpeculativeDecoder, argmax, bucket, cache_slots
+from jaxdd.speculative import (
+    CACHE_ALIGN,
+    PROMPT_BUCKETS_PER_OCTAVE,
+    PROMPT_MIN_STEP,
+    SpeculativeDecoder,
+    argmax,
+    bucket,
+    cache_slots,
+)
 
 PROMPTS = [[5, 17, 3, 250, 9, 1, 77], [200, 4, 4, 91, 36, 12, 8, 150, 61, 7, 33]]
 MAX_NEW = 24
@@ -88,12 +96,14 @@ def test_stop_tokens_end_generation(models):
 
 
 @given(st.integers(1, 1 << 16))
-def test_prompt_buckets_are_quarter_octaves(n):
-    """A prompt pads by less than a quarter of its length (past the minimum), to one of 4 sizes per octave."""
-    padded = bucket(n, per_octave=4)
-    assert n <= padded and (padded == 16 or padded < 1.25 * n)
+def test_prompt_buckets_are_eighth_octaves_in_steps_of_16(n):
+    """A prompt pads to a multiple of 16, by less than 16 up to 256 tokens and by less than an eighth of its
+    length beyond: one of 8 sizes per octave."""
+    padded = bucket(n, per_octave=PROMPT_BUCKETS_PER_OCTAVE, min_step=PROMPT_MIN_STEP)
+    assert n <= padded and padded % 16 == 0
+    assert padded < n + 16 if n <= 256 else padded < 1.125 * n
     octave = 1 << (padded - 1).bit_length()
-    assert padded % (octave // 8) == 0  # octave/2 + j * octave/8, j = 1..4
+    assert padded % max(16, octave // 16) == 0  # octave/2 + j * octave/16, j = 1..8
     assert bucket(n) == max(16, octave)  # the default stays powers of two
 
 
