@@ -57,7 +57,7 @@ class SamplingArrays:
     @classmethod
     def of(cls, settings: list[Sampling]) -> SamplingArrays:
         """Host (numpy) arrays: the caller moves them to the device together with its other inputs, in one
-        ``device_put`` (~0.25 ms an eager ``jnp.asarray`` each)."""
+        ``device_put`` (eager ``jnp.asarray`` calls took ~0.08 ms each, ~0.25 ms for the three)."""
         return cls(
             temperature=np.array([s.temperature for s in settings], np.float32),
             top_p=np.array([s.top_p for s in settings], np.float32),

@@ -291,16 +291,24 @@ def _grouped_experts(x, weights, experts, gate, up, down) -> jax.Array:
     return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights)
 
 
+def _combine_weights(experts: jax.Array, weights: jax.Array, n_experts: int) -> jax.Array:
+    """[N, E]: each token's routing weight per expert, zero for the experts it did not choose."""
+    return (jax.nn.one_hot(experts, n_experts) * weights[..., None]).sum(1)
+
+
+def _one_expert(rows: jax.Array, projections, stored: list[tuple[jax.Array, ...]]) -> jax.Array:
+    """One expert's SwiGLU on rows [N, D], its gate, up and down dequantized from their ``stored`` pieces."""
+    gate, up, down = (p.dequantize(*s) for p, s in zip(projections, stored, strict=True))
+    return (jax.nn.silu(rows @ gate) * (rows @ up)) @ down
+
+
 def _scanned_experts(x, weights, experts, projections, pieces) -> jax.Array:
     """``dense`` one expert at a time: each step dequantizes one expert's gate, up and down; fp32 [N, D]."""
-    n_experts = pieces[0][0].shape[0]
-    combine = (jax.nn.one_hot(experts, n_experts) * weights[..., None]).sum(1)  # [N, E]
+    combine = _combine_weights(experts, weights, pieces[0][0].shape[0])
 
     def step(total, expert):
         share, *stored = expert
-        gate, up, down = (p.dequantize(*s) for p, s in zip(projections, stored, strict=True))
-        hidden = jax.nn.silu(x @ gate) * (x @ up)
-        return total + (hidden @ down).astype(jnp.float32) * share[:, None], None
+        return total + _one_expert(x, projections, stored).astype(jnp.float32) * share[:, None], None
 
     total = jnp.zeros((x.shape[0], x.shape[-1]), jnp.float32)
     return jax.lax.scan(step, total, (combine.T, *pieces))[0]
@@ -315,19 +323,15 @@ def _skipping_experts(x, weights, experts, projections, pieces) -> jax.Array:
     ~320). A loop rather than a cond per expert: one compiled body, where unrolled conds added ~2 s to the
     compile of every kimi-mini round shape for the same speed."""
     n_experts = pieces[0][0].shape[0]
-    combine = (jax.nn.one_hot(experts, n_experts) * weights[..., None]).sum(1)  # [N, E]
+    combine = _combine_weights(experts, weights, n_experts)
     chosen = (combine != 0).any(0)
     ids = jnp.sort(jnp.where(chosen, jnp.arange(n_experts), n_experts))  # the chosen experts first
 
     def step(i, total):
         expert = ids[i]
-        gate, up, down = (
-            p.dequantize(*(s[expert] for s in stored)) for p, stored in zip(projections, pieces, strict=True)
-        )
         share = jax.lax.dynamic_index_in_dim(combine, expert, axis=1)  # [N, 1]
-        rows = jnp.where(share != 0, x, 0)  # unchosen rows zeroed, as ``dense`` does
-        hidden = jax.nn.silu(rows @ gate) * (rows @ up)
-        return total + (hidden @ down).astype(jnp.float32) * share
+        stored = [tuple(s[expert] for s in piece) for piece in pieces]
+        return total + _one_expert(x, projections, stored).astype(jnp.float32) * share
 
     return jax.lax.fori_loop(0, chosen.sum(), step, jnp.zeros((x.shape[0], x.shape[-1]), jnp.float32))
 
@@ -360,10 +364,7 @@ def _tiled_experts(x, weights, experts, projections, pieces) -> jax.Array:
         rows, expert, used = tile_inputs
 
         def run(rows):
-            gate, up, down = (
-                p.dequantize(*(s[expert] for s in stored)) for p, stored in zip(projections, pieces, strict=True)
-            )
-            return (jax.nn.silu(rows @ gate) * (rows @ up)) @ down
+            return _one_expert(rows, projections, [tuple(s[expert] for s in piece) for piece in pieces])
 
         return None, jax.lax.cond(used, run, jnp.zeros_like, rows)
 
@@ -375,7 +376,7 @@ def _tiled_experts(x, weights, experts, projections, pieces) -> jax.Array:
 
 def _all_experts(x, weights, experts, gate, up, down) -> jax.Array:
     """Every expert on every token, weighted by the combine weights (zero for unchosen experts); fp32 [N, D]."""
-    combine = (jax.nn.one_hot(experts, gate.shape[0]) * weights[..., None]).sum(1)  # [N, E]
+    combine = _combine_weights(experts, weights, gate.shape[0])
     # Each expert gets its own copy of the rows, zeroed where it is not chosen: a true batch dimension, so the
     # matmuls read [E, D, F] as stored. With x shared by all experts XLA folds the experts into one wide matmul
     # and relays out every gate and up weight on every call (XLA:CPU: 1.1-2x slower up to 33 tokens).
