@@ -58,8 +58,9 @@ def compact_rows(cache: LatentCache, start: jax.Array, rows: jax.Array) -> Laten
     return cache.replace(latent=tuple(map(move, cache.latent)), rope=tuple(map(move, cache.rope)))
 
 
-def write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
-    """Write rows [batch, T, ...] into buffer [batch, slots, ...] at slots start[b] .. start[b] + T - 1.
+def write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array, axis: int = 1) -> jax.Array:
+    """Write rows [batch, ..., T, ...] into buffer [batch, ..., slots, ...] at slots start[b] .. start[b] + T - 1
+    of ``axis`` (the slot axis of both).
 
     Like every dynamic update in XLA this clamps out-of-range starts; callers check bounds on the host.
     Small batches write each sequence with its own in-place update: vmapped, the update becomes a scatter,
@@ -67,9 +68,10 @@ def write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Arra
     """
     rows = rows.astype(buffer.dtype)
     if buffer.shape[0] > MAX_UNROLLED_BATCH:
-        update = functools.partial(jax.lax.dynamic_update_slice_in_dim, axis=0)
+        update = functools.partial(jax.lax.dynamic_update_slice_in_dim, axis=axis - 1)
         return jax.vmap(update)(buffer, rows, start)
     for b in range(buffer.shape[0]):
-        corner = (b, start[b]) + (0,) * (buffer.ndim - 2)
-        buffer = jax.lax.dynamic_update_slice(buffer, rows[b : b + 1], corner)
+        corner = [0] * buffer.ndim
+        corner[0], corner[axis] = b, start[b]
+        buffer = jax.lax.dynamic_update_slice(buffer, rows[b : b + 1], tuple(corner))
     return buffer

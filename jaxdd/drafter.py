@@ -18,17 +18,21 @@ from jaxdd.cache import write_rows
 from jaxdd.config import DrafterConfig
 from jaxdd.layers import MLP, RMSNorm, apply_rope, param, project_heads, rope_cos_sin, rope_frequencies
 
+SLOT_AXIS = 2  # of the drafter cache's [batch, kv_heads, slots, head_dim] buffers
+
 
 @struct.dataclass
 class DraftCache:
-    # One buffer per layer, updated in place under donation (see ``jaxdd.cache``).
-    keys: tuple[jax.Array, ...]  # per layer [batch, slots, kv_heads, head_dim] (normed and rotated)
-    values: tuple[jax.Array, ...]  # per layer [batch, slots, kv_heads, head_dim]
+    # One buffer per layer, updated in place under donation (see ``jaxdd.cache``). Heads before slots, as the
+    # attention matmuls read them (see ``DraftAttention``): stored [batch, slots, kv_heads, head_dim], XLA:CPU
+    # transposed every layer's whole cache in every round (~0.14 ms of a ~2 ms DFlash round at 256 slots).
+    keys: tuple[jax.Array, ...]  # per layer [batch, kv_heads, slots, head_dim] (normed and rotated)
+    values: tuple[jax.Array, ...]  # per layer [batch, kv_heads, slots, head_dim]
     length: jax.Array  # [batch] int32: context tokens cached
 
     @classmethod
     def zeros(cls, config: DrafterConfig, batch: int, slots: int, dtype: jnp.dtype) -> DraftCache:
-        shape, layers = (batch, slots, config.num_key_value_heads, config.head_dim), range(config.num_hidden_layers)
+        shape, layers = (batch, config.num_key_value_heads, slots, config.head_dim), range(config.num_hidden_layers)
         return cls(
             keys=tuple(jnp.zeros(shape, dtype) for _ in layers),
             values=tuple(jnp.zeros(shape, dtype) for _ in layers),
@@ -37,7 +41,7 @@ class DraftCache:
 
     @property
     def slots(self) -> int:
-        return self.keys[0].shape[1]
+        return self.keys[0].shape[SLOT_AXIS]
 
 
 class DraftAttention(nnx.Module):
@@ -56,13 +60,16 @@ class DraftAttention(nnx.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, axis=None)
 
     def keys_values(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """[B,T,D] -> normed, rotated keys and values [B,T,kv_heads,head_dim]."""
+        """[B,T,D] -> normed, rotated keys and values [B,kv_heads,T,head_dim] (the cache's layout)."""
+        # Projected as the weights are stored, then the few new rows transposed: projecting straight into the
+        # cache's layout made XLA:CPU relay out both weights on every call.
         k = self.k_norm(jnp.einsum("btd,dkh->btkh", x, self.k_proj[...]))
         v = jnp.einsum("btd,dkh->btkh", x, self.v_proj[...])
-        return apply_rope(k, cos[:, :, None], sin[:, :, None], interleaved=False), v
+        k = apply_rope(k, cos[:, :, None], sin[:, :, None], interleaved=False)
+        return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
     def __call__(self, x, cos_sin, cached: tuple[jax.Array, jax.Array], length: jax.Array, mask: jax.Array):
-        """x [B,T,D]; cached keys/values [B,S,kv,hd] holding ``length`` [B] context rows; mask [B,S]: the slots
+        """x [B,T,D]; cached keys/values [B,kv,S,hd] holding ``length`` [B] context rows; mask [B,S]: the slots
         the block sees. Returns the output [B,T,D] and the keys/values with the block's rows in them.
 
         The block's K/V are written at slots length .. length + T - 1, so attention runs over the cache alone
@@ -74,14 +81,16 @@ class DraftAttention(nnx.Module):
         q = self.q_norm(jnp.einsum("btd,dnh->btnh", x, self.q_proj[...]))
         q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleaved=False)
         k, v = self.keys_values(x, cos, sin)
-        keys, values = write_rows(cached[0], k, length), write_rows(cached[1], v, length)
+        keys, values = write_rows(cached[0], k, length, SLOT_AXIS), write_rows(cached[1], v, length, SLOT_AXIS)
         b, t = x.shape[:2]
         groups = c.num_attention_heads // c.num_key_value_heads
         q = q.reshape(b, t, c.num_key_value_heads, groups, c.head_dim)
-        scores = jnp.einsum("btkgh,bskh->bkgts", q, keys).astype(jnp.float32) * c.head_dim**-0.5
+        scores = jnp.einsum("btkgh,bksh->bkgts", q, keys).astype(jnp.float32) * c.head_dim**-0.5
         scores = jnp.where(mask[:, None, None, None], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, values).reshape(b, t, c.num_attention_heads, c.head_dim)
+        # Values first, as the target's absorbed attention does: of the operand orders and layouts tried, only
+        # this one has XLA:CPU read both caches as stored (no per-layer copies in the compiled round).
+        out = jnp.einsum("bksh,bkgts->btkgh", values, probs).reshape(b, t, c.num_attention_heads, c.head_dim)
         return project_heads(out, self.o_proj[...]), (keys, values)
 
 
@@ -120,8 +129,8 @@ class DFlashDrafter(nnx.Module):
         keys, values = [], []
         for layer, cached_keys, cached_values in zip(self.layers, cache.keys, cache.values, strict=True):
             k, v = layer.attn.keys_values(context, cos, sin)
-            keys.append(write_rows(cached_keys, k, cache.length))
-            values.append(write_rows(cached_values, v, cache.length))
+            keys.append(write_rows(cached_keys, k, cache.length, SLOT_AXIS))
+            values.append(write_rows(cached_values, v, cache.length, SLOT_AXIS))
         return cache.replace(keys=tuple(keys), values=tuple(values), length=cache.length + count)
 
     def __call__(

@@ -101,7 +101,7 @@ def state_shardings(state: DecodeState, mesh: jax.sharding.Mesh) -> DecodeState:
     shardings = jax.tree.map(lambda x: cache_sharding(x.shape, (None,) * x.ndim, mesh), state)
     if state.draft_cache is None:
         return shardings
-    kv_axes = (None, None, "kv_heads", None)
+    kv_axes = (None, "kv_heads", None, None)
     keys, values = (
         [cache_sharding(x.shape, kv_axes, mesh) for x in xs]
         for xs in (state.draft_cache.keys, state.draft_cache.values)

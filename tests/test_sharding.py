@@ -92,7 +92,7 @@ def test_parameters_and_caches_are_sharded(checkpoints, mode):
         assert latent.sharding.is_fully_replicated  # one latent row serves every head
         assert len(latent.sharding.device_set) == 8
     for keys in state.draft_cache.keys:
-        assert keys.sharding.spec == P(None, None, "model")
+        assert keys.sharding.spec == P(None, "model")
 
 
 def test_vocab_parallel_logits(checkpoints):
