@@ -98,8 +98,9 @@ class MLAttention(nnx.Module):
         """x [B,T,D]; cache_rows (latent [B,S,r], rope [B,S,dr]); the new tokens see the committed slots
         (< length) and each other where visible [B,T,T]; mask [B,T,S] is the same over the cache slots.
 
-        This step's rows are written at slots ``length .. length + T - 1`` first, so attention runs over the
-        cache alone (no concatenated copy of it per layer). Returns the output [B,T,D] and the updated rows.
+        This step's rows go to slots ``length .. length + T - 1``: ``naive`` and ``pallas`` write them first and
+        attend over the cache alone (no concatenated copy of it per layer); ``absorbed`` attends to the cache and
+        the new rows separately and writes them last. Returns the output [B,T,D] and the updated rows.
         """
         c = self.config
         cos, sin = cos_sin
@@ -115,11 +116,12 @@ class MLAttention(nnx.Module):
         if form == "absorbed":
             # The committed cache and the new rows as two sets of keys joined for one softmax, the new rows
             # written afterwards. Written first (one set of keys), a one-token step made XLA:CPU copy each
-            # layer's whole cache four times (~0.2 ms of a ~0.8 ms kimi-mini AR step at 256 slots, 0.9 of 1.5 ms
-            # at 1280); verify rounds had no copies either way.
+            # layer's whole cache four times: the kimi-mini AR step took 1.37 instead of 0.98 ms at 1280 slots
+            # (~8% more at 256); verify rounds had no copies either way.
             q_latent = jnp.einsum("bthd,hrd->bthr", q_nope, self.k_up[...])
             cache_latent, cache_rope = cache_rows
-            committed = jnp.arange(cache_latent.shape[1])[None, None, :] < length[:, None, None]
+            slots = cache_latent.shape[1]
+            committed = jnp.arange(slots)[None, None, :] < length[:, None, None]
             scores = jnp.concatenate(
                 [
                     jnp.einsum("bthr,bsr->bhts", q_latent, cache_latent)
@@ -129,7 +131,6 @@ class MLAttention(nnx.Module):
                 axis=-1,
             )
             probs = self._softmax(scores, jnp.concatenate([jnp.broadcast_to(committed, mask.shape), visible], -1))
-            slots = cache_latent.shape[1]
             # Cache first: XLA:CPU then keeps the cache as stored in this batched matmul (a 128-row decode step
             # 84 -> 64 ms; the same at one row).
             out_latent = jnp.einsum("bsr,bhts->bthr", cache_latent, probs[..., :slots])
