@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +16,7 @@ from oracle import OracleDrafter, patched_reference_drafter
 from reference import drafter_config, hf_greedy
 
 import jaxdd
+from jaxdd import speculative
 from jaxdd.compile_time import compile_clock
 from jaxdd.config import DrafterConfig
 from jaxdd.crosscheck.torch_reference import dflash_reference
@@ -163,3 +167,43 @@ def test_drafter_that_does_not_fit(models, overrides, message):
 
     with pytest.raises(jaxdd.ConfigError, match=message):
         SpeculativeDecoder(decoder.target, DFlashDrafter(config, jnp.float32, rngs=nnx.Rngs(0)))
+
+
+def whole_buffer_copies(hlo: str, buffers) -> list[str]:
+    """Copies and transposes in a compiled module's entry computation of one of ``buffers``, in any layout (the
+    same dimensions, in any order, unit dimensions dropped; in-place updates are ``dynamic-update-slice`` fusions)."""
+
+    def dims(shape) -> tuple[int, ...]:
+        return tuple(sorted(d for d in shape if d != 1))
+
+    shapes = {dims(b.shape) for b in buffers}
+    entry = hlo[hlo.index("\nENTRY") :]
+    moves = re.findall(r"^\s*%(\S*(?:copy|transpose)\S*) = \w+\[([\d,]*)\]", entry, re.M)
+    return [
+        name
+        for name, shape in moves
+        if "dynamic-update-slice" not in name and dims(int(d) for d in shape.split(",") if d) in shapes
+    ]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks XLA:CPU's compiled rounds")
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+def test_rounds_update_caches_in_place(models, method):
+    """A compiled round writes its rows into the donated caches in place: no whole-cache copy or transpose. An AR
+    step used to copy every layer's latent cache four times (the written cache read through a bitcast), and every
+    round transposed the drafter's keys and values for its attention matmuls."""
+    _, _, decoder = models
+    plan, state = decoder.start([PROMPTS[1]], method=method, max_new_tokens=MAX_NEW, block_size=4)
+    weights, common = (decoder._t_spec, decoder._t_weights), (plan.limit, plan.stop_ids, plan.settings)
+    drafter = (decoder._d_spec, decoder._d_weights)
+    if method == "ar":
+        lowered = speculative.ar_step.lower(*weights, state, *common, decoder.form)
+    elif method == "dflash":
+        lowered = speculative.dflash_round.lower(*weights, *drafter, state, *common, plan.block, decoder.form)
+    else:
+        tree = (plan.block, plan.budget, plan.max_children, decoder.form)
+        lowered = speculative.ddtree_round.lower(*weights, *drafter, state, *common, *tree)
+    caches = [*state.target_cache.latent, *state.target_cache.rope]
+    if method != "ar":
+        caches += [*state.draft_cache.keys, *state.draft_cache.values]
+    assert whole_buffer_copies(lowered.compile().as_text(), caches) == []

@@ -247,15 +247,17 @@ def test_decoder_layer(pair, which):
 )
 def test_write_rows_puts_each_sequence_at_its_start(batch, rows, heads, seed):
     """Unrolled in-place updates (batch <= 8) and the vmapped scatter (beyond) both write sequence b's rows at
-    its own start, for the latent layout [B, S, d] and the drafter's [B, S, kv, hd]."""
+    its own start, for the latent layout [B, S, d] (slot axis 1) and the drafter's [B, kv, S, hd] (axis 2)."""
     rng = np.random.default_rng(seed)
     slots = 16
-    trailing = (3,) if heads is None else (heads, 3)
-    buffer = rng.normal(size=(batch, slots, *trailing)).astype(np.float32)
-    new = rng.normal(size=(batch, rows, *trailing)).astype(np.float32)
+    axis = 1 if heads is None else 2
+    lead = () if heads is None else (heads,)
+    buffer = rng.normal(size=(batch, *lead, slots, 3)).astype(np.float32)
+    new = rng.normal(size=(batch, *lead, rows, 3)).astype(np.float32)
     start = rng.integers(0, slots - rows + 1, batch).astype(np.int32)
-    expected = buffer.copy()
+    expected = np.moveaxis(buffer.copy(), axis, 1)
     for b in range(batch):
-        expected[b, start[b] : start[b] + rows] = new[b]
-    written = write_rows(jnp.asarray(buffer), jnp.asarray(new), jnp.asarray(start))
+        expected[b, start[b] : start[b] + rows] = np.moveaxis(new, axis, 1)[b]
+    expected = np.moveaxis(expected, 1, axis)
+    written = write_rows(jnp.asarray(buffer), jnp.asarray(new), jnp.asarray(start), axis)
     np.testing.assert_array_equal(np.asarray(written), expected)
