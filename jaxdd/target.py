@@ -121,7 +121,7 @@ class MLAttention(nnx.Module):
             q_latent = jnp.einsum("bthd,hrd->bthr", q_nope, self.k_up[...])
             cache_latent, cache_rope = cache_rows
             slots = cache_latent.shape[1]
-            committed = jnp.arange(slots)[None, None, :] < length[:, None, None]
+            committed = jnp.broadcast_to(jnp.arange(slots) < length[:, None, None], (*visible.shape[:2], slots))
             scores = jnp.concatenate(
                 [
                     jnp.einsum("bthr,bsr->bhts", q_latent, cache_latent)
@@ -130,7 +130,7 @@ class MLAttention(nnx.Module):
                 ],
                 axis=-1,
             )
-            probs = self._softmax(scores, jnp.concatenate([jnp.broadcast_to(committed, mask.shape), visible], -1))
+            probs = self._softmax(scores, jnp.concatenate([committed, visible], -1))
             # Cache first: XLA:CPU then keeps the cache as stored in this batched matmul (a 128-row decode step
             # 84 -> 64 ms; the same at one row).
             out_latent = jnp.einsum("bsr,bhts->bthr", cache_latent, probs[..., :slots])
