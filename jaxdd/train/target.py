@@ -1,7 +1,7 @@
 """Train "kimi-mini": a ~6M-parameter Kimi-architecture target (MLA, a dense first layer, sigmoid-routed MoE with a
 shared expert) on the stdlib corpus, with next-token cross-entropy and AdamW.
 
-    python -m jaxdd.train.target OUT_DIR [--minutes 90] [--steps N] [--seed 0]
+    python -m jaxdd.train.target OUT_DIR [--minutes 90] [--steps N] [--seed 0] [--layers 4]
 
 Writes OUT_DIR/target (an HF-layout checkpoint: config.json + safetensors + tokenizer.json, which transformers
 loads too) and OUT_DIR/target_history.json (train / validation loss per evaluation).
@@ -98,9 +98,16 @@ def eval_loss(model: nnx.Module, tokens: jax.Array) -> jax.Array:
 
 
 def train(
-    out: Path, minutes: float = 90.0, steps: int = 20000, batch: int = 16, length: int = 256, seed: int = 0
+    out: Path,
+    minutes: float = 90.0,
+    steps: int = 20000,
+    batch: int = 16,
+    length: int = 256,
+    seed: int = 0,
+    layers: int = KIMI_MINI["num_hidden_layers"],
 ) -> dict:
-    """Train within ``minutes`` (or ``steps``); returns the history (also written next to the checkpoint)."""
+    """Train within ``minutes`` (or ``steps``); returns the history (also written next to the checkpoint).
+    ``layers``: decoder layers (the first dense, the rest MoE)."""
     out.mkdir(parents=True, exist_ok=True)
     train_files, validation_files = split(stdlib_files())
     tokenizer = train_tokenizer(read_texts(train_files), VOCAB)
@@ -109,7 +116,7 @@ def train(
     validation_tokens = encode_corpus(tokenizer, validation_files, separator)
     validation = windows(validation_tokens, 64, length + 1, np.random.default_rng(1))
 
-    config = KimiConfig.from_hf(KIMI_MINI)
+    config = KimiConfig.from_hf({**KIMI_MINI, "num_hidden_layers": layers})
     model = KimiTarget(config, jnp.float32, rngs=nnx.Rngs(seed))
     optimizer = make_optimizer(model, steps)
     rng = np.random.default_rng(seed)
@@ -141,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=90.0)
     parser.add_argument("--steps", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=KIMI_MINI["num_hidden_layers"])
     args = parser.parse_args(argv)
-    train(args.out, args.minutes, args.steps, seed=args.seed)
+    train(args.out, args.minutes, args.steps, seed=args.seed, layers=args.layers)
     return 0
 
 
