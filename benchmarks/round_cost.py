@@ -46,16 +46,19 @@ METHODS = {
     "ddtree block 4 budget 3": {"method": "ddtree", "block_size": 4, "budget": 3},
     "ddtree block 8 budget 8": {"method": "ddtree", "block_size": 8, "budget": 8},
 }
-WIDE = {"hidden_size": 512, "intermediate_size": 1536, "moe_intermediate_size": 256, "q_lora_rank": 256}
+WIDE = {
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "moe_intermediate_size": 256,
+    "q_lora_rank": 256,
+    "kv_lora_rank": 128,
+}
 # name: (target config changes, drafter config changes); None: the bundled trained pair.
 SHAPES = {
     "demo pair (trained)": None,
     "8 layers": ({"num_hidden_layers": 8}, {}),
-    "width 512": ({**WIDE, "kv_lora_rank": 128}, {}),
-    "width 512, 1-layer thin drafter": (
-        {**WIDE, "kv_lora_rank": 128},
-        {"num_hidden_layers": 1, "intermediate_size": 512},
-    ),
+    "width 512": (WIDE, {}),
+    "width 512, 1-layer thin drafter": (WIDE, {"num_hidden_layers": 1, "intermediate_size": 512}),
 }
 
 
