@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 import jaxdd
 from jaxdd.crosscheck.torch_reference import dflash_reference, load_reference_models
+from jaxdd.drafter import DFlashDrafter
 from jaxdd.generate import DEMO
 from jaxdd.speculative import SpeculativeDecoder
 from jaxdd.tokenizer import load_tokenizer
@@ -48,6 +49,12 @@ def display_path(path: Path) -> str:
     """``path`` relative to the repository when it is inside it (results name the bundled pair the same anywhere)."""
     root = Path(__file__).resolve().parents[1]
     return str(path.resolve().relative_to(root)) if path.resolve().is_relative_to(root) else str(path)
+
+
+def load_pair(models: Path) -> tuple[jaxdd.Target, DFlashDrafter]:
+    """The pair in ``models`` (``target/`` and ``drafter/``), in fp32 as every benchmark here runs it."""
+    target = jaxdd.load_target(models / "target", dtype="float32")
+    return target, jaxdd.load_drafter(models / "drafter", dtype="float32")
 
 
 def humaneval_prompts(count: int, keep: int, models: Path = DEMO) -> list[list[int]]:
@@ -203,8 +210,7 @@ def main() -> None:
     short_budgets = [int(b) for b in args.short_budgets.split(",") if b]
     prompts = humaneval_prompts(args.prompts, args.context - max_new, args.models)
 
-    target = jaxdd.load_target(args.models / "target", dtype="float32")
-    drafter = jaxdd.load_drafter(args.models / "drafter", dtype="float32")
+    target, drafter = load_pair(args.models)
     block = drafter.config.block_size
     stops = list(target.config.eos_token_ids)
     decoder = SpeculativeDecoder(target, drafter)

@@ -9,7 +9,7 @@ stop tokens, HumanEval prompts, methods interleaved per prompt so that a slow sp
 alike, compiled runs excluded).
 
 Shapes: the bundled kimi-mini pair (trained: its measured tau is reported too, so the speedup is tau over
-break-even), and random-initialized kimi-mini variants within the demo's 5-20M parameters, deeper or wider, each
+break-even), and random-initialized kimi-mini variants within the issue's 5-20M parameters, deeper or wider, each
 with the drafter ``jaxdd.train.drafter`` would train for it (two layers, or a thin one-layer one): their tau means
 nothing (random drafts), their break-even tau is what a trained drafter would have to beat.
 Writes benchmarks/results/round_cost.json and round_cost.png.
@@ -25,10 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from humaneval import humaneval_prompts, jaxdd_runner
+from humaneval import humaneval_prompts, jaxdd_runner, load_pair
 from timing import machine_info
 
-import jaxdd
 from jaxdd.api import Target
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.drafter import DFlashDrafter
@@ -141,11 +140,7 @@ def main() -> None:
     prompts = humaneval_prompts(args.prompts, 256 - args.max_new_tokens)
     shapes = {}
     for name, changes in SHAPES.items():
-        if changes is None:
-            target = jaxdd.load_target(DEMO / "target", dtype="float32")
-            drafter = jaxdd.load_drafter(DEMO / "drafter", dtype="float32")
-        else:
-            target, drafter = random_pair(*changes)
+        target, drafter = load_pair(DEMO) if changes is None else random_pair(*changes)
         methods = measure(target, drafter, prompts, args.max_new_tokens)
         shapes[name] = {
             "target_params_m": parameters(target.model) / 1e6,

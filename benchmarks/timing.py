@@ -34,7 +34,7 @@ def timed(fn, repeats: int):
 
 def machine_info() -> dict:
     """Where a benchmark ran. Speedups on a CPU depend on the processor: the same code and models gave DFlash
-    1.00x AR on HumanEval on one 2-core host and 0.72x on another (Intel vs AMD), so results name it."""
+    (block 4) 1.00x AR on HumanEval on an Intel 2-core host and 0.67x on an AMD one, so results name it."""
     on_cpu = jax.default_backend() == "cpu"
     return {
         "platform": platform.platform(),
