@@ -19,9 +19,9 @@ from jaxdd.api import ForwardResult, Target, load_drafter, load_target
 from jaxdd.cache import LatentCache
 from jaxdd.checkpoint import save_drafter, save_target
 from jaxdd.config import DrafterConfig, KimiConfig
+from jaxdd.decoder import Generation, SpeculativeDecoder
 from jaxdd.errors import CheckpointError, ConfigError, InputError
 from jaxdd.sampling import Sampling
-from jaxdd.speculative import Generation, SpeculativeDecoder
 
 __all__ = [
     "CheckpointError",

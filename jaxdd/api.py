@@ -1,4 +1,5 @@
-"""The host-side API: load a target, run jitted forwards over a latent cache, with input checks.
+"""The host-side API: load a target, run jitted forwards over a latent cache (inputs checked by
+``jaxdd.validation``), generate.
 
 The jitted step takes the model as a flat list of arrays (``jaxdd.jit_state``) and donates the cache so XLA
 writes the new rows in place.
@@ -15,16 +16,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdd.backend import Attention, Backend
 from jaxdd.cache import LatentCache
 from jaxdd.checkpoint import cast_model, is_jaxdd_checkpoint, load_checkpoint
 from jaxdd.config import KimiConfig
+from jaxdd.decoder import Generation, SpeculativeDecoder
 from jaxdd.drafter import DFlashDrafter
 from jaxdd.errors import InputError, checkpoint_directory
 from jaxdd.hf_weights import load_hf_drafter, load_hf_target
 from jaxdd.jit_state import split_module
 from jaxdd.sampling import GREEDY, Sampling
-from jaxdd.speculative import Generation, Method, SpeculativeDecoder
-from jaxdd.target import KimiTarget, MlaForm
+from jaxdd.target import KimiTarget
+from jaxdd.validation import Method, check_positions, check_tokens, check_visible
 
 
 class ForwardResult(NamedTuple):
@@ -51,10 +54,12 @@ def load_drafter(path: str | Path, dtype: str | jnp.dtype = "bfloat16") -> DFlas
     return load_hf_drafter(path, jnp.dtype(dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "taps", "form", "commit"), donate_argnames=("cache",))
-def _forward(spec, weights, tokens, positions, cache, visible, taps, form, commit) -> ForwardResult:
+@functools.partial(
+    jax.jit, static_argnames=("spec", "taps", "attention", "backend", "commit"), donate_argnames=("cache",)
+)
+def _forward(spec, weights, tokens, positions, cache, visible, taps, attention, backend, commit) -> ForwardResult:
     model = spec.merge(weights)
-    out = model(tokens, positions, cache, visible, taps=taps, form=form)
+    out = model(tokens, positions, cache, visible, taps=taps, attention=attention, backend=backend)
     cache = out.cache
     if commit:
         cache = cache.replace(length=cache.length + tokens.shape[1])
@@ -73,6 +78,7 @@ class Target:
 
     def __init__(self, model: KimiTarget):
         self.model = model
+        self.backend = Backend.of_module(model)  # the platform's choices, from where the weights live
         self._spec, self._weights = split_module(model)
 
     @property
@@ -99,17 +105,18 @@ class Target:
         positions=None,
         visible=None,
         taps: tuple[int, ...] = (),
-        form: MlaForm | None = None,
+        attention: Attention | None = None,
         commit: bool = True,
     ) -> ForwardResult:
         """Run new tokens [B, T] against ``cache`` (which is consumed: use the returned one).
 
         positions: [B, T], default ``length + arange(T)``; visible: [B, T, T] bool, default causal (a tree
         forward passes its ancestor-or-self mask and positions ``start + depth``). taps: layers whose output
-        to return, concatenated. form: "naive" or "absorbed" MLA; default naive for a prefill into an empty
-        cache, absorbed otherwise. commit: advance the cache length by T (False leaves the rows uncommitted).
+        to return, concatenated. attention: "naive", "absorbed" or "pallas" MLA; default naive for a prefill
+        into an empty cache, absorbed otherwise. commit: advance the cache length by T (False leaves the rows
+        uncommitted).
         """
-        tokens = self._check_tokens(token_ids, cache.batch)
+        tokens = check_tokens(token_ids, self.config.vocab_size, cache.batch)
         b, t = tokens.shape
         length = np.asarray(cache.length)
         overflow = np.flatnonzero(length + t > cache.slots)
@@ -121,14 +128,15 @@ class Target:
             )
         if positions is None:
             positions = length[:, None] + np.arange(t)[None, :]
-        positions = self._check_positions(positions, (b, t), cache.slots)
-        visible = self._check_visible(visible, b, t)
+        positions = check_positions(positions, (b, t), cache.slots, self.config.max_position_embeddings)
+        visible = check_visible(visible, b, t)
         bad_taps = [i for i in taps if not 0 <= i < self.config.num_hidden_layers]
         if bad_taps:
             raise InputError(f"taps: layer(s) {bad_taps} outside [0, {self.config.num_hidden_layers})")
-        if form is None:
-            form = "naive" if t > 1 and not length.any() else "absorbed"
-        return _forward(self._spec, self._weights, tokens, positions, cache, visible, tuple(taps), form, commit)
+        if attention is None:
+            attention = "naive" if t > 1 and not length.any() else "absorbed"
+        options = (tuple(taps), attention, self.backend, commit)
+        return _forward(self._spec, self._weights, tokens, positions, cache, visible, *options)
 
     def generate(
         self,
@@ -164,50 +172,8 @@ class Target:
             max_children=max_children,
         )
 
-    def logits(self, token_ids, form: MlaForm | None = None) -> np.ndarray:
+    def logits(self, token_ids, attention: Attention | None = None) -> np.ndarray:
         """fp32 logits [B, T, vocab] of a causal forward over ``token_ids`` from an empty cache."""
-        tokens = self._check_tokens(token_ids, None)
+        tokens = check_tokens(token_ids, self.config.vocab_size)
         cache = self.new_cache(tokens.shape[0], tokens.shape[1])
-        return np.asarray(self.forward(tokens, cache, form=form).logits)
-
-    # --- input checks, in numpy on the host (XLA would silently clamp or wrap) ---
-
-    def _check_tokens(self, token_ids, batch: int | None) -> np.ndarray:
-        tokens = np.asarray(token_ids)
-        if tokens.ndim == 1:
-            tokens = tokens[None]
-        if tokens.ndim != 2 or tokens.shape[1] == 0 or not np.issubdtype(tokens.dtype, np.integer):
-            raise InputError(f"token_ids: expected a non-empty [batch, T] integer array, got shape {tokens.shape}")
-        if batch is not None and tokens.shape[0] != batch:
-            raise InputError(f"token_ids: batch {tokens.shape[0]} does not match the cache batch {batch}")
-        vocab = self.config.vocab_size
-        bad = np.argwhere((tokens < 0) | (tokens >= vocab))
-        if bad.size:
-            at = tuple(int(i) for i in bad[0])
-            raise InputError(f"token_ids: id {tokens[at]} at {at} outside the vocabulary [0, {vocab})")
-        return tokens.astype(np.int32)
-
-    def _check_positions(self, positions, shape: tuple[int, int], slots: int) -> np.ndarray:
-        positions = np.asarray(positions)
-        if positions.shape != shape or not np.issubdtype(positions.dtype, np.integer):
-            raise InputError(f"positions: expected integers of shape {shape}, got {positions.dtype} {positions.shape}")
-        limit = min(slots, self.config.max_position_embeddings)
-        bad = np.argwhere((positions < 0) | (positions >= limit))
-        if bad.size:
-            at = tuple(int(i) for i in bad[0])
-            raise InputError(
-                f"positions: {positions[at]} at {at} is beyond the cache ({slots} slots) or the model's "
-                f"max_position_embeddings ({self.config.max_position_embeddings})"
-            )
-        return positions.astype(np.int32)
-
-    @staticmethod
-    def _check_visible(visible, b: int, t: int) -> np.ndarray:
-        if visible is None:
-            return np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))
-        visible = np.asarray(visible)
-        if visible.shape != (b, t, t) or visible.dtype != bool:
-            raise InputError(f"visible: expected a bool mask of shape {(b, t, t)}, got {visible.dtype} {visible.shape}")
-        if not visible[:, np.arange(t), np.arange(t)].all():
-            raise InputError("visible: every new token must see itself (the diagonal must be True)")
-        return visible
+        return np.asarray(self.forward(tokens, cache, attention=attention).logits)

@@ -17,10 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-import jax
-
 import jaxdd
-from jaxdd.speculative import Generation
+from jaxdd.backend import Backend
+from jaxdd.decoder import Generation
 from jaxdd.tokenizer import TextTokenizer, load_tokenizer
 
 DEMO = Path(__file__).parent / "demo" / "kimi-mini"
@@ -174,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--method {method} needs --drafter DIR")
     dtype = args.dtype
     if dtype == "auto":
-        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        dtype = "float32" if Backend.local().platform == "cpu" else "bfloat16"
     try:
         tokenizer = load_tokenizer(checkpoint)
         prompt_ids, prompt_text = read_prompt(args, tokenizer, bundled, parser)

@@ -7,18 +7,18 @@ kernel flattens (token, head) into query rows, runs an online softmax over the p
 the length), then over the tree tail with the ancestor mask, and writes the latent-space output; the caller
 applies the value up-projection. The latent and rope operands stay apart (two dots), never concatenated.
 
-On CPU the kernel runs with ``interpret=True`` (tests); on GPU it lowers through Pallas (block sizes are powers
-of two, as Triton needs).
+The caller passes the backend's choices (``jaxdd.backend.Backend.kernel_options``): ``interpret=True`` on CPU;
+Triton compiler parameters on GPU (block sizes are powers of two, as Triton needs).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 NEG = -1e30  # finite: a fully masked block must not produce (-inf) - (-inf)
 GPU_PROGRAMS = 128  # about one program per multiprocessor of an H100/H200 (132) keeps the chip busy
@@ -93,7 +93,7 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k", "interpret", "compiler_params"))
 def tree_attention(
     q_latent,
     q_rope,
@@ -106,10 +106,11 @@ def tree_attention(
     scale: float,
     block_q: int | None = None,
     block_k: int | None = None,
-    num_warps: int = 4,
     interpret: bool = False,
+    compiler_params: Any = None,
 ):
-    """The Pallas kernel; same arguments and result as ``tree_attention_reference``. ``block_q`` query rows
+    """The Pallas kernel; same arguments and result as ``tree_attention_reference``; ``interpret`` and
+    ``compiler_params`` as the backend chooses (``Backend.kernel_options``). ``block_q`` query rows
     (token x head) per program, keys in blocks of ``block_k``; None picks them as measured on an H200
     (benchmarks/results/gpu_kernel.json): keys in blocks of 64 (bf16) or 32 (fp32: 64 asks for 236 KB of
     shared memory, over the 227 KB limit), and 32 query rows per program unless that leaves fewer programs than
@@ -158,9 +159,7 @@ def tree_attention(
         ],
         out_specs=by_rows(r),
         interpret=interpret,
-        # Triton, not Mosaic GPU (jax's default GPU backend): Mosaic stages every block in shared memory, and the
-        # whole cache block is far over the 227 KB limit; Triton reads the cache through pointers.
-        compiler_params=None if jax.default_backend() == "tpu" else pltriton.CompilerParams(num_warps=num_warps),
+        compiler_params=compiler_params,
         name="mla_tree_attention",
     )(
         length.astype(jnp.int32)[:, None],

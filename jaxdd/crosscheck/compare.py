@@ -16,11 +16,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxdd.crosscheck.trace import PromptTrace, load_traces
-from jaxdd.speculative import SpeculativeDecoder, bucket
+from jaxdd.decoder import SpeculativeDecoder, bucket
 
 # Relative tolerances (of the largest reference magnitude at that position) per jaxdd compute dtype. fp32 runs
 # agree to ~1e-6; bf16 carries ~4e-3 rounding per op through every layer (measured up to ~4e-2 of the largest
@@ -123,7 +122,7 @@ def _prompt_lines(p: PromptReport, tolerance: float) -> list[str]:
 
 
 def compare(reference_path, dtype: str = "float32") -> Report:
-    """Run jaxdd (current default backend, ``dtype``) on the reference's inputs and compare."""
+    """Run jaxdd (on this process's devices, ``dtype``) on the reference's inputs and compare."""
     import jaxdd
 
     meta, traces = load_traces(reference_path)
@@ -132,7 +131,7 @@ def compare(reference_path, dtype: str = "float32") -> Report:
     decoder = SpeculativeDecoder(target, drafter)
     tolerance = TOLERANCE[dtype]
     reports = [_compare_prompt(i, t, meta, target, decoder, tolerance) for i, t in enumerate(traces)]
-    return Report(meta["method"], dtype, jax.default_backend(), tolerance, reports)
+    return Report(meta["method"], dtype, decoder.backend.platform, tolerance, reports)
 
 
 def _compare_prompt(index: int, ref: PromptTrace, meta, target, decoder, tolerance: float) -> PromptReport:

@@ -33,11 +33,12 @@ from tokenizers import Tokenizer
 
 import jaxdd
 from convert.jaxdd_to_hf import export
+from jaxdd.backend import Backend
 from jaxdd.cache import LatentCache
 from jaxdd.checkpoint import save_drafter
 from jaxdd.config import DrafterConfig
+from jaxdd.decoder import SpeculativeDecoder
 from jaxdd.drafter import DFlashDrafter, DraftCache
-from jaxdd.speculative import SpeculativeDecoder
 from jaxdd.target import KimiTarget
 from jaxdd.train.data import encode_corpus, split, stdlib_files, windows
 from jaxdd.train.target import make_optimizer
@@ -113,7 +114,7 @@ def target_features(target: KimiTarget, tokens: jax.Array, taps: tuple[int, ...]
     cache = LatentCache.zeros(target.config, b, t, target.dtype)
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    return target(tokens, positions, cache, visible, taps=taps, form="naive").taps
+    return target(tokens, positions, cache, visible, taps=taps, attention="naive", backend=Backend.local()).taps
 
 
 @nnx.jit

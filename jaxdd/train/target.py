@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 
 from convert.jaxdd_to_hf import export
+from jaxdd.backend import Backend
 from jaxdd.cache import LatentCache
 from jaxdd.checkpoint import save_target
 from jaxdd.config import KimiConfig
@@ -74,7 +75,7 @@ def causal_loss(model: KimiTarget, tokens: jax.Array) -> jax.Array:
     cache = LatentCache.zeros(model.config, b, t, model.dtype)
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    hidden = model(inputs, positions, cache, visible, form="naive").hidden
+    hidden = model(inputs, positions, cache, visible, attention="naive", backend=Backend.local()).hidden
     return optax.softmax_cross_entropy_with_integer_labels(model.logits(hidden), labels).mean()
 
 

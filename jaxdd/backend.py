@@ -1,0 +1,85 @@
+"""What differs per backend, decided once from the devices a model is placed on: the verify attention form, the
+MoE dispatch and the Pallas kernel's compiler parameters.
+
+Model code never asks JAX which backend it runs on; it receives a ``Backend``. That is what lets a CPU host
+compile exactly what a GPU or TPU would run (``jaxdd.plan``): the policy follows the target devices, not the
+host's default backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import jax
+from flax import nnx
+from jax.experimental.pallas import triton as pltriton
+
+Platform = Literal["cpu", "gpu", "tpu"]
+Attention = Literal["naive", "absorbed", "pallas"]  # how MLA attends (``jaxdd.target.MLAttention``)
+Dispatch = Literal["dense", "grouped", "scan", "skipping", "tiled"]  # how the MoE runs its experts (``jaxdd.moe``)
+_PLATFORMS: dict[str, Platform] = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """The per-platform choices; frozen and hashable, so it is a static argument of the jitted rounds."""
+
+    platform: Platform
+
+    # MoE on CPU: tiles from this many tokens, ``skipping`` below. kimi-mini's routed experts (8, top 2, half the
+    # pairs on one expert), skipping vs tiled: 16 tokens 0.45 vs 0.46 ms, 24 tokens 0.59 vs 0.58 (even).
+    TILED_MIN_TOKENS = 24
+    DENSE_MAX_FLOPS = 2**28  # elsewhere: all-experts compute below this many multiply-adds
+
+    @classmethod
+    def of_devices(cls, devices: Iterable[Any]) -> Backend:
+        """The policy for these devices (real ones, or a deviceless topology's)."""
+        platforms = {_PLATFORMS.get(d.platform.lower(), d.platform.lower()) for d in devices}
+        if len(platforms) != 1 or not platforms <= set(_PLATFORMS.values()):
+            raise ValueError(f"devices: expected one platform of cpu, gpu or tpu, got {sorted(platforms)}")
+        return cls(platforms.pop())
+
+    @classmethod
+    def local(cls) -> Backend:
+        """The policy for this process's devices (training, and modules not placed anywhere)."""
+        return cls.of_devices(jax.devices())
+
+    @classmethod
+    def of_module(cls, module: nnx.Module) -> Backend:
+        """The policy for the devices ``module``'s parameters live on (abstract ones through their shardings);
+        JAX's default devices for a module with no placed parameters."""
+        for leaf in jax.tree.leaves(nnx.state(module, nnx.Param)):
+            sharding = getattr(leaf, "sharding", None)
+            if sharding is not None:
+                return cls.of_devices(sharding.device_set)
+        return cls.local()
+
+    def attention(self, requested: Literal["auto"] | Attention) -> Attention:
+        """``auto``: the Pallas tree-attention kernel on GPUs, where it was measured faster in bf16
+        (benchmarks/results/gpu_kernel.json); XLA's absorbed attention elsewhere."""
+        if requested not in ("auto", "naive", "absorbed", "pallas"):
+            raise ValueError(f"attention: expected 'auto', 'naive', 'absorbed' or 'pallas', got {requested!r}")
+        if requested != "auto":
+            return requested
+        return "pallas" if self.platform == "gpu" else "absorbed"
+
+    def moe_dispatch(self, tokens: int, experts: int, hidden: int, ffn: int, quantized: bool) -> Dispatch:
+        """The exact dispatch that is fastest for this many tokens (see ``jaxdd.moe.MoE``)."""
+        if self.platform == "cpu" and not quantized:
+            # XLA:CPU runs ragged_dot as a dense matmul over all experts for every pair: skip unused experts.
+            return "tiled" if tokens >= self.TILED_MIN_TOKENS else "skipping"
+        if 3 * tokens * experts * hidden * ffn <= self.DENSE_MAX_FLOPS:
+            return "dense"
+        return "scan" if quantized else "grouped"
+
+    def kernel_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``pallas_kernels.tree_attention``: interpreted on CPU; on GPU through Triton,
+        not Mosaic GPU (Mosaic stages every block in shared memory, and a whole cache block is far over the
+        227 KB limit; Triton reads the cache through pointers); on TPU Mosaic's defaults."""
+        if self.platform == "cpu":
+            return {"interpret": True, "compiler_params": None}
+        if self.platform == "gpu":
+            return {"interpret": False, "compiler_params": pltriton.CompilerParams(num_warps=4)}
+        return {"interpret": False, "compiler_params": None}

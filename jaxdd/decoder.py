@@ -1,0 +1,289 @@
+"""The host side of decoding: requests in, tokens out. ``SpeculativeDecoder`` checks a batch of requests, pads
+them to static shapes (batch, prompt and cache buckets, so shapes repeat and compile once), runs the prefill and
+then one jitted round of ``jaxdd.rounds`` after another, streaming each round's accepted tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Literal, Protocol
+
+import jax
+import numpy as np
+
+from jaxdd.backend import Backend
+from jaxdd.compile_time import compile_clock
+from jaxdd.drafter import DFlashDrafter
+from jaxdd.errors import InputError
+from jaxdd.jit_state import split_module
+from jaxdd.rounds import DecodeState, Models, Requests, RoundSpec, decode_round, prefill
+from jaxdd.sampling import GREEDY, Sampling, SamplingArrays
+from jaxdd.sharding import mesh_of
+from jaxdd.target import KimiTarget
+from jaxdd.validation import (
+    MAX_STOP_TOKENS,
+    Method,
+    check_lengths,
+    check_round_options,
+    check_stop_ids,
+    check_tokens,
+    per_request,
+)
+
+MIN_BUCKET = 16
+PROMPT_BUCKETS_PER_OCTAVE = 8
+PROMPT_MIN_STEP = 16  # prompt sizes are multiples of this (short prompts: fewer shapes to compile)
+CACHE_BUCKETS_PER_OCTAVE = 4
+CACHE_ALIGN = 64  # cache sizes past this are multiples of it: the tree-attention kernel reads blocks of up to 64
+
+
+class LoadedTarget(Protocol):
+    """What the decoder needs of a target: ``jaxdd.Target`` is one."""
+
+    model: KimiTarget
+
+
+@dataclasses.dataclass
+class Generation:
+    """What ``generate`` returns: new tokens (prompt excluded), tokens per round, timings in seconds."""
+
+    tokens: list[int]
+    acceptance_lengths: list[int]
+    prefill_seconds: float
+    decode_seconds: float
+    compile_seconds: float = 0.0  # part of prefill_seconds + decode_seconds spent compiling (first call per shape)
+    # The round's shape with defaults filled in: {"block": B} for DFlash, plus "budget" for DDTree, {} for AR.
+    round_shape: dict[str, int] = dataclasses.field(default_factory=dict)
+    # With ``trace_topk`` > 0: per round, the drafter's top-k tokens [block - 1, k], and for DDTree the tree
+    # (tokens, parents) of its valid nodes, root first (for cross-checking against a reference).
+    draft_topk: list[np.ndarray] = dataclasses.field(default_factory=list)
+    trees: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def mean_acceptance(self) -> float:
+        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestPlan:
+    """A batch's fixed settings: the round every step runs and the per-row arrays it reads."""
+
+    spec: RoundSpec
+    count: int  # real rows; the batch is padded to a power of two
+    max_new_tokens: list[int]
+    requests: Requests  # on the device once, not copied there again by every round
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET, per_octave: int = 1, min_step: int = 1) -> int:
+    """The static size used for n, at least ``minimum``: the next power of two, or the next of ``per_octave``
+    evenly spaced sizes per octave (4: ..., 64, 80, 96, 112, 128, 160, ...), less padding for more shapes;
+    sizes are multiples of ``min_step``."""
+    power = max(minimum, 1 << (max(n, 1) - 1).bit_length())
+    step = max(min_step, power // (2 * per_octave))
+    return max(minimum, -(-n // step) * step)
+
+
+def cache_slots(needed: int) -> int:
+    """The cache size for ``needed`` slots: up to ``CACHE_ALIGN``, the next power of two; beyond, the next of four
+    sizes per octave rounded up to a multiple of ``CACHE_ALIGN``. Either way whole blocks for the Pallas
+    tree-attention kernel, which reads the cache in blocks of a power of two up to that many slots. Powers of two
+    throughout would double a 8257-slot Kimi cache to 16384 slots, and attention reads every slot."""
+    if needed <= CACHE_ALIGN:
+        return bucket(needed)
+    return -(-bucket(needed, per_octave=CACHE_BUCKETS_PER_OCTAVE) // CACHE_ALIGN) * CACHE_ALIGN
+
+
+class SpeculativeDecoder:
+    """Generation with a target and, for ``dflash`` / ``ddtree``, a drafter, greedy or sampled per request;
+    compiled once per shape bucket.
+
+    ``attention`` picks the verify attention: ``absorbed`` (XLA), ``pallas`` (the tree-attention kernel,
+    interpreted on CPU), or ``auto``: as the backend of the target's devices prefers (``jaxdd.backend``).
+    """
+
+    def __init__(
+        self,
+        target: LoadedTarget,
+        drafter: DFlashDrafter | None = None,
+        attention: Literal["auto", "absorbed", "pallas"] = "auto",
+        backend: Backend | None = None,
+    ):
+        if attention not in ("auto", "absorbed", "pallas"):
+            raise InputError(f"attention: expected 'auto', 'absorbed' or 'pallas', got {attention!r}")
+        self.target = target
+        self.config = target.model.config
+        self.drafter = drafter
+        self.backend = backend or Backend.of_module(target.model)
+        self.attention = self.backend.attention(attention)
+        self.mesh = mesh_of(target.model)  # set when the models were placed with jaxdd.sharding.shard_module
+        target_spec, target_weights = split_module(target.model)
+        self._target_only = Models(target_weights, None, target_spec, None)
+        self._models = self._target_only
+        if drafter is not None:
+            drafter.config.check_fits(self.config)
+            drafter_spec, drafter_weights = split_module(drafter)
+            self._models = Models(target_weights, drafter_weights, target_spec, drafter_spec)
+
+    def generate(self, prompt_ids, *, sampling: Sampling = GREEDY, **options) -> Generation:
+        """Decode up to ``max_new_tokens`` after one prompt; see ``generate_batch`` for the options."""
+        prompt = check_tokens(prompt_ids, self.config.vocab_size)
+        if prompt.shape[0] != 1:
+            raise InputError(f"prompt_ids: one prompt at a time, got batch {prompt.shape[0]}; use generate_batch")
+        return self.generate_batch([prompt[0].tolist()], sampling=sampling, **options)[0]
+
+    def generate_batch(
+        self,
+        prompts: list[list[int]],
+        *,
+        trace_topk: int = 0,
+        on_tokens: Callable[[int, list[int]], None] | None = None,
+        **options,
+    ) -> list[Generation]:
+        """Decode a batch of requests together, each with its own length, sampling settings and seed.
+
+        Greedy and sampled requests mix freely; a request that stops early stops changing while the others go on.
+        The batch is padded to a power of two (and prompts and the cache to their buckets), so shapes repeat.
+        Options: ``sampling`` (one ``Sampling`` or one per prompt; default greedy), ``method`` ("ar", "dflash",
+        "ddtree"), ``max_new_tokens`` (one or one per prompt), ``stop_token_ids`` (default: the target's EOS ids),
+        ``block_size``, ``budget`` (DDTree nodes per round, default block_size - 1), ``max_children`` (caps the
+        branching; 1 verifies the DFlash chain through the tree path). ``trace_topk`` > 0 records each round's
+        draft top-k (and DDTree trees) in the results. ``on_tokens(request, new_tokens)`` is called as tokens are
+        accepted (the first one after the prefill, then each round's), e.g. to stream text.
+        """
+        emit = on_tokens or (lambda request, tokens: None)
+        with compile_clock() as clock:
+            t0 = time.perf_counter()
+            plan, state = self.start(prompts, trace_topk=trace_topk, **options)
+            first, done = np.asarray(state.bonus), np.array(state.done)
+            prefill_seconds = time.perf_counter() - t0
+            results = [Generation([int(first[i])], [], prefill_seconds, 0.0) for i in range(plan.count)]
+            for i, result in enumerate(results):
+                emit(i, result.tokens[:])
+            t0 = time.perf_counter()
+            self._decode(plan, state, done, results, emit)
+            decode_seconds = time.perf_counter() - t0
+        spec = plan.spec
+        round_shape = {} if spec.method == "ar" else {"block": spec.block}
+        if spec.method == "ddtree":
+            round_shape["budget"] = spec.budget
+        for result in results:
+            result.decode_seconds = decode_seconds
+            result.compile_seconds = clock.seconds
+            result.round_shape = dict(round_shape)
+        return results
+
+    def _decode(self, plan: RequestPlan, state: DecodeState, done: np.ndarray, results: list[Generation], emit):
+        """Run rounds until every request is done, appending each round's tokens to ``results``."""
+        n, width = plan.count, 1 if plan.spec.method == "ar" else plan.spec.block  # tokens per report row
+        pending = None if done[:n].all() else self.step(plan, state)
+        while pending is not None:
+            state, report = pending
+            # Dispatch the next round before reading this one's report, so the host's work (the wait for the
+            # report, the bookkeeping, the next dispatch) overlaps the device's. Not when a request may reach its
+            # length this round: a round after the last would be wasted work (after a stop token it still is:
+            # finished rows change nothing).
+            may_end = any(not done[i] and len(results[i].tokens) + width >= plan.max_new_tokens[i] for i in range(n))
+            pending = None if may_end else self.step(plan, state)
+            for i, (row, result) in enumerate(zip(np.asarray(report), results, strict=False)):
+                produced = int(row[width])
+                if produced:
+                    new = [int(x) for x in row[:produced]]
+                    result.tokens.extend(new)
+                    result.acceptance_lengths.append(produced)
+                    emit(i, new)
+                    if plan.spec.trace and plan.spec.method != "ar":
+                        _record_trace(result, row[width + 2 :], plan.spec)
+                done[i] = done[i] or bool(row[width + 1]) or len(result.tokens) >= plan.max_new_tokens[i]
+            if done[:n].all():
+                jax.block_until_ready(pending)  # a round dispatched ahead finishes in this call's time
+                pending = None
+            elif pending is None:
+                pending = self.step(plan, state)
+
+    def step(self, plan: RequestPlan, state: DecodeState) -> tuple[DecodeState, jax.Array]:
+        """One jitted round for the whole batch: (new state, the round's report [rows, ...])."""
+        return decode_round(plan.spec, self._models_for(plan.spec), state, plan.requests)
+
+    def lower_round(self, plan: RequestPlan, state: DecodeState) -> jax.stages.Lowered:
+        """The round ``step`` runs for ``plan``, lowered for ``state`` (arrays or ShapeDtypeStructs): for
+        compiling ahead of time (``jaxdd.plan``), reading the HLO, or profiling its stages."""
+        return decode_round.lower(plan.spec, self._models_for(plan.spec), state, plan.requests)
+
+    def round_spec(
+        self,
+        method: Method,
+        block: int = 1,
+        budget: int | None = None,
+        max_children: int | None = None,
+        sampled: bool = False,
+        trace: int = 0,
+    ) -> RoundSpec:
+        """The static description of a round on this decoder's backend and attention."""
+        return RoundSpec(method, self.backend, block, budget, max_children, self.attention, sampled, trace)
+
+    def start(
+        self,
+        prompts: list[list[int]],
+        *,
+        sampling: Sampling | list[Sampling] = GREEDY,
+        method: Method = "dflash",
+        max_new_tokens: int | list[int] = 64,
+        stop_token_ids: list[int] | None = None,
+        block_size: int | None = None,
+        budget: int | None = None,
+        max_children: int | None = None,
+        trace_topk: int = 0,
+    ) -> tuple[RequestPlan, DecodeState]:
+        """Check the requests, fix the static shapes and run the prefill: (plan, state after the prefill)."""
+        if not prompts:
+            raise InputError("prompts: the batch is empty")
+        checked = [check_tokens([list(p)], self.config.vocab_size)[0] for p in prompts]
+        n = len(checked)
+        settings = per_request("sampling and max_new_tokens", sampling, n)
+        lengths = per_request("sampling and max_new_tokens", max_new_tokens, n)
+        stops = check_stop_ids(stop_token_ids, self.config)
+        drafter_block = None if self.drafter is None else self.drafter.config.block_size
+        options = (block_size, budget, max_children)
+        block, budget = check_round_options(method, self.drafter is not None, drafter_block, *options)
+        lengths, max_lengths = check_lengths(checked, lengths, self.config)
+        verify_width = budget + 1 if method == "ddtree" else block
+
+        rows = bucket(n, minimum=1)
+        # Prompts in eighth octaves, multiples of 16, the cache in quarter octaves: a prefill's cost grows with
+        # its padded length and a round's with its slots, and each new shape compiles (~1 s for kimi-mini).
+        padded = bucket(max(len(p) for p in checked), per_octave=PROMPT_BUCKETS_PER_OCTAVE, min_step=PROMPT_MIN_STEP)
+        slots = cache_slots(max(padded, max(max_lengths) + max(block, verify_width)))
+        tokens = np.zeros((rows, padded), np.int32)
+        prompt_len = np.ones((rows,), np.int32)
+        max_length = np.full((rows,), 2, np.int32)  # padding rows: a one-token request, done after the prefill
+        for i, prompt in enumerate(checked):
+            tokens[i, : len(prompt)], prompt_len[i], max_length[i] = prompt, len(prompt), max_lengths[i]
+        stop_ids = np.full((rows, MAX_STOP_TOKENS), -1, np.int32)
+        stop_ids[:, : len(stops)] = stops
+        settings = settings + [GREEDY] * (rows - n)
+        seeds = np.array([s.seed for s in settings], np.uint32)
+        sampled = any(not s.greedy for s in settings)
+        # On the device in one transfer: the prefill and every round read them.
+        requests = jax.device_put(Requests(max_length, stop_ids, SamplingArrays.of(settings)))
+        spec = self.round_spec(method, block, budget, max_children, sampled, trace_topk)
+        plan = RequestPlan(spec, n, lengths, requests)
+        state = prefill(spec, self._models_for(spec), tokens, prompt_len, requests, seeds, slots, self.mesh)
+        return plan, state
+
+    def _models_for(self, spec: RoundSpec) -> Models:
+        return self._target_only if spec.method == "ar" else self._models
+
+
+def _record_trace(result: Generation, trace: np.ndarray, spec: RoundSpec) -> None:
+    drafted = (spec.block - 1) * spec.trace
+    result.draft_topk.append(trace[:drafted].reshape(spec.block - 1, spec.trace))
+    if spec.method == "ddtree":
+        tokens, parents = np.split(trace[drafted:], 2)
+        valid = tokens >= 0
+        result.trees.append((tokens[valid], parents[valid]))

@@ -1,0 +1,120 @@
+"""Input checks for the host API and the decoder, in numpy on the host: inside a jit XLA would silently clamp an
+out-of-range id or position, or wrap it. Each failure is an ``InputError`` naming the field and the limit."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+from jaxdd.config import KimiConfig
+from jaxdd.errors import InputError
+
+Method = Literal["ar", "dflash", "ddtree"]
+METHODS: tuple[Method, ...] = ("ar", "dflash", "ddtree")
+MAX_STOP_TOKENS = 16  # stop ids are padded to this many so their number never changes a compiled shape
+
+
+def check_tokens(token_ids, vocab_size: int, batch: int | None = None) -> np.ndarray:
+    """Token ids as an int32 [batch, T] array (one sequence may be given flat)."""
+    tokens = np.asarray(token_ids)
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    if tokens.ndim != 2 or tokens.shape[1] == 0 or not np.issubdtype(tokens.dtype, np.integer):
+        raise InputError(f"token_ids: expected a non-empty [batch, T] integer array, got shape {tokens.shape}")
+    if batch is not None and tokens.shape[0] != batch:
+        raise InputError(f"token_ids: batch {tokens.shape[0]} does not match the cache batch {batch}")
+    bad = np.argwhere((tokens < 0) | (tokens >= vocab_size))
+    if bad.size:
+        at = tuple(int(i) for i in bad[0])
+        raise InputError(f"token_ids: id {tokens[at]} at {at} outside the vocabulary [0, {vocab_size})")
+    return tokens.astype(np.int32)
+
+
+def check_positions(positions, shape: tuple[int, int], slots: int, max_positions: int) -> np.ndarray:
+    """Positions as int32 of ``shape``, each inside the cache and the model's position range."""
+    positions = np.asarray(positions)
+    if positions.shape != shape or not np.issubdtype(positions.dtype, np.integer):
+        raise InputError(f"positions: expected integers of shape {shape}, got {positions.dtype} {positions.shape}")
+    bad = np.argwhere((positions < 0) | (positions >= min(slots, max_positions)))
+    if bad.size:
+        at = tuple(int(i) for i in bad[0])
+        raise InputError(
+            f"positions: {positions[at]} at {at} is beyond the cache ({slots} slots) or the model's "
+            f"max_position_embeddings ({max_positions})"
+        )
+    return positions.astype(np.int32)
+
+
+def check_visible(visible, batch: int, tokens: int) -> np.ndarray:
+    """The new tokens' visibility mask [batch, T, T] (default causal); every token must see itself."""
+    if visible is None:
+        return np.broadcast_to(np.tril(np.ones((tokens, tokens), bool)), (batch, tokens, tokens))
+    visible = np.asarray(visible)
+    if visible.shape != (batch, tokens, tokens) or visible.dtype != bool:
+        expected = (batch, tokens, tokens)
+        raise InputError(f"visible: expected a bool mask of shape {expected}, got {visible.dtype} {visible.shape}")
+    if not visible[:, np.arange(tokens), np.arange(tokens)].all():
+        raise InputError("visible: every new token must see itself (the diagonal must be True)")
+    return visible
+
+
+def per_request(name: str, value, count: int) -> list:
+    """One value for all ``count`` requests, or a list with one each."""
+    values = list(value) if isinstance(value, list | tuple) else [value] * count
+    if len(values) != count:
+        raise InputError(f"{name}: give one per prompt ({count}), or one for all")
+    return values
+
+
+def check_round_options(
+    method: str,
+    has_drafter: bool,
+    drafter_block: int | None,
+    block_size: int | None,
+    budget: int | None,
+    max_children: int | None,
+) -> tuple[int, int | None]:
+    """(block, budget) for a method: block 1 for AR, the drafter's block by default, and a DDTree budget of
+    block - 1 nodes by default."""
+    if method not in METHODS:
+        raise InputError(f"method: expected 'ar', 'dflash' or 'ddtree', got {method!r}")
+    if method == "ar":
+        return 1, None
+    if not has_drafter:
+        raise InputError(f"method {method!r} needs a drafter")
+    block = drafter_block if block_size is None else block_size
+    if block < 2:
+        raise InputError(f"block_size: must be >= 2, got {block}")
+    if method == "dflash":
+        return block, None
+    budget = block - 1 if budget is None else budget
+    if budget < 1:
+        raise InputError(f"budget: must be >= 1, got {budget}")
+    if max_children is not None and max_children < 1:
+        raise InputError(f"max_children: must be >= 1, got {max_children}")
+    return block, budget
+
+
+def check_lengths(
+    prompts: list[np.ndarray], max_new_tokens: list[int], config: KimiConfig
+) -> tuple[list[int], list[int]]:
+    """(max_new_tokens, max_length = prompt + max_new_tokens) per request, within the model's positions."""
+    if any(not isinstance(m, int) or m < 1 for m in max_new_tokens):
+        raise InputError(f"max_new_tokens: must be >= 1 (an integer, or one per prompt), got {max_new_tokens}")
+    max_lengths = [len(p) + m for p, m in zip(prompts, max_new_tokens, strict=True)]
+    if max(max_lengths) > config.max_position_embeddings:
+        i = int(np.argmax(max_lengths))
+        raise InputError(
+            f"request {i}: prompt ({len(prompts[i])}) + max_new_tokens ({max_new_tokens[i]}) exceeds the model's "
+            f"max_position_embeddings ({config.max_position_embeddings})"
+        )
+    return max_new_tokens, max_lengths
+
+
+def check_stop_ids(stop_token_ids: list[int] | None, config: KimiConfig) -> list[int]:
+    """The stop ids (default: the model's EOS ids), at most ``MAX_STOP_TOKENS``."""
+    stops = list(config.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    if len(stops) > MAX_STOP_TOKENS:
+        raise InputError(f"stop_token_ids: at most {MAX_STOP_TOKENS}, got {len(stops)}")
+    return stops
