@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the reference builders
-from reference import TINY_K2, drafter_config, save_random_pair
-from timing import timed
-
 import jaxdd
-from jaxdd.speculative import SpeculativeDecoder
+from jaxdd.decoder import SpeculativeDecoder
+from jaxdd.testing.benchmark import timed, write_result
+from jaxdd.testing.reference import TINY_K2, drafter_config, save_random_pair
 
 RESULTS = Path(__file__).parent / "results" / "batching.json"
 METHODS = {"ar": {}, "dflash": {}, "ddtree": {"budget": 16}}
@@ -70,7 +66,7 @@ def main() -> None:
                 }
                 print(json.dumps(row))
                 rows.append(row)
-    RESULTS.write_text(json.dumps({"host": platform.processor() or platform.machine(), "runs": rows}, indent=2) + "\n")
+    write_result(RESULTS, {"runs": rows})
 
 
 if __name__ == "__main__":

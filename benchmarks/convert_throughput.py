@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the synthetic checkpoint writer
-from synthetic_checkpoint import measure_conversion, write_synthetic_target
+from jaxdd.testing.benchmark import write_result
+from jaxdd.testing.synthetic_checkpoint import measure_conversion, write_synthetic_target
 
 RESULTS = Path(__file__).parent / "results"
 EXPERTS, WIDTH = 64, 512  # ~48 MiB of bf16 experts per layer
@@ -54,9 +52,7 @@ def main() -> None:
         }
         print(json.dumps(row))
         rows.append(row)
-    result = {"host": platform.processor() or platform.machine(), "runs": rows}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "convert_throughput.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS / "convert_throughput.json", {"runs": rows})
     plot(rows)
 
 

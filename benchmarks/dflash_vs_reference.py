@@ -4,19 +4,16 @@
 
 Two drafters: the real (random) DFlash drafter, which accepts almost nothing, and a partly-right oracle that
 runs the same drafter but swaps in the target's own greedy token at 85% of positions (the same rule drives both
-sides, tests/oracle.py), for realistic acceptance lengths. Reports tokens/s of both (median of --repeats runs),
-the ratio, token and acceptance identity, and jaxdd's per-round time split (draft, verify, accept + commit
-from separately jitted stages; host = wall time per round minus the jitted round).
+sides, jaxdd/testing/oracle.py), for realistic acceptance lengths. Reports tokens/s of both (median of --repeats runs),
+the ratio, token and acceptance identity, and jaxdd's per-round time split (the op time of each stage of the real
+round in a profile; host = wall time per round minus the jitted round).
 Writes benchmarks/results/dflash_vs_reference.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import platform
-import sys
 import tempfile
 from pathlib import Path
 
@@ -25,56 +22,24 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the reference builders
-from oracle import OracleDrafter, patched_reference_drafter
-from reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model
-from timing import median_ms, timed
-
 import jaxdd
 from jaxdd.crosscheck.torch_reference import dflash_reference
-from jaxdd.speculative import SpeculativeDecoder, accept_greedy, argmax, commit, dflash_round, draft_stage, verify
+from jaxdd.decoder import SpeculativeDecoder
+from jaxdd.testing.benchmark import median_ms, timed, write_result
+from jaxdd.testing.oracle import OracleDrafter, patched_reference_drafter
+from jaxdd.testing.reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model
+from jaxdd.testing.stages import round_stages
 
 RESULTS = Path(__file__).parent / "results" / "dflash_vs_reference.json"
 
 
-@functools.partial(jax.jit, static_argnames=("t_spec", "d_spec", "block"))
-def _draft(t_spec, tw, d_spec, dw, state, block_len, block):
-    logits, draft_cache = draft_stage(t_spec.merge(tw), d_spec.merge(dw), state, block_len, block)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), draft_cache
-
-
-@functools.partial(jax.jit, static_argnames=("t_spec", "taps"))
-def _verify(t_spec, tw, cache, tokens, taps):
-    return verify(t_spec.merge(tw), cache, tokens, taps, "absorbed")
-
-
-@jax.jit
-def _commit(state, drafts, logits, features, cache, draft_cache, block_len, limit, stop_ids):
-    emitted, accepted = accept_greedy(drafts, argmax(logits), block_len)
-    return commit(state, emitted, accepted, cache, features, draft_cache, state.rng, limit, stop_ids)
-
-
 def stage_breakdown(decoder: SpeculativeDecoder, prompt: list[int], max_length: int, block: int) -> dict:
-    """Median ms of each stage of one round, from the state right after the prefill."""
+    """One round from the state right after the prefill: its median wall ms, and the op ms of each of its
+    stages (the real round's named scopes in a profile)."""
     plan, state = decoder.start([prompt], max_new_tokens=max_length - len(prompt), block_size=block, stop_token_ids=[])
-    limit, stop_ids = plan.limit, plan.stop_ids
-    block_len = jnp.clip(limit - state.target_cache.length, 1, block)
-    ts, tw, ds, dw = decoder._t_spec, decoder._t_weights, decoder._d_spec, decoder._d_weights
-    taps = decoder.drafter.config.target_layer_ids
-    drafts, draft_cache = _draft(ts, tw, ds, dw, state, block_len, block)
-    tokens = jnp.concatenate([state.bonus[:, None], drafts], axis=1)
-    logits, features, cache = _verify(ts, tw, state.target_cache, tokens, taps)
-    args = (state, drafts, logits, features, cache, draft_cache, block_len, limit, stop_ids)
     copies = [jax.tree.map(jnp.copy, state) for _ in range(60)]  # the round donates its state
-    full = median_ms(
-        lambda: dflash_round(ts, tw, ds, dw, copies.pop(), limit, stop_ids, plan.settings, block, "absorbed")
-    )
-    return {
-        "full_round_ms": full,
-        "draft_ms": median_ms(lambda: _draft(ts, tw, ds, dw, state, block_len, block)),
-        "verify_ms": median_ms(lambda: _verify(ts, tw, state.target_cache, tokens, taps)),
-        "accept_commit_ms": median_ms(lambda: _commit(*args)),
-    }
+    full = median_ms(lambda: decoder.step(plan, copies.pop()))
+    return {"full_round_ms": full, **round_stages(decoder, plan, state)}
 
 
 def run(name, reference_drafter, decoder, ref_target, prompts, max_new, block, repeats) -> dict:
@@ -156,22 +121,19 @@ def main() -> None:
     report = {
         "benchmark": "dflash_vs_reference",
         "setup": {
-            "target": "tests/reference.py TINY_K2 (fp32)",
+            "target": "jaxdd/testing/reference.py TINY_K2 (fp32)",
             "drafter": f"drafter_config(block_size={block})",
             "prompts": len(prompts),
             "max_new_tokens": max_new,
             "block_size": block,
         },
-        "machine": {"platform": platform.platform(), "jax": jax.__version__, "torch": torch.__version__},
         "runs": reports,
         "jaxdd_round_split_ms": stages,
         "summary": summary,
         "goal": "jaxdd >= 3x the PyTorch reference",
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
-    print(f"wrote {RESULTS}")
+    write_result(RESULTS, report, torch=torch.__version__)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ timeout 110 $PY - "$OUT" <<'PY' 2>&1 | tee "$OUT/gpu_kernel.log"
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
-sys.path.insert(0, "benchmarks")
-from timing import median_ms
+from jaxdd.backend import Backend
+from jaxdd.testing.benchmark import median_ms
 
 rows = []
 rng = np.random.default_rng(0)
@@ -51,7 +51,7 @@ for tokens, heads, slots, dtype in [(65, 64, 4096, jnp.bfloat16), (257, 64, 4096
            "xla_ms": median_ms(lambda: reference(*args, scale=scale)), "kernel": []}
     for config in CONFIGS:
         try:
-            kernel = lambda: tree_attention(*args, scale=scale, **config)
+            kernel = lambda: tree_attention(*args, scale=scale, **config, **Backend("gpu").kernel_options())
             out = np.asarray(kernel(), np.float64)
             result = {"relative_error": float(np.linalg.norm(out - exact) / np.linalg.norm(exact)),
                       "finite": bool(np.isfinite(out).all()), "ms": median_ms(kernel)}

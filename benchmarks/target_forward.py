@@ -9,10 +9,7 @@ over a cache that already holds ``--prefix`` tokens; times are medians over ``--
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,11 +18,10 @@ import jax
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the HF reference builders
-from reference import TINY_K2, hf_model
-
 import jaxdd
 from jaxdd.api import _forward
+from jaxdd.testing.benchmark import write_result
+from jaxdd.testing.reference import TINY_K2, hf_model
 
 RESULTS = Path(__file__).parent / "results" / "target_forward.json"
 
@@ -114,21 +110,13 @@ def main() -> None:
 
     report = {
         "benchmark": "target_forward",
-        "config": "tests/reference.py TINY_K2 (fp32)",
+        "config": "jaxdd/testing/reference.py TINY_K2 (fp32)",
         "prefix_tokens": args.prefix,
         "repeats": args.repeats,
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": jax.local_device_count(),
-            "jax": jax.__version__,
-            "torch": torch.__version__,
-        },
         "results": results,
         "goal": "jaxdd decode step >= 3x faster than HF eager",
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    write_result(RESULTS, report, torch=torch.__version__)
 
 
 if __name__ == "__main__":

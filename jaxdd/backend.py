@@ -28,8 +28,7 @@ class Backend:
 
     platform: Platform
 
-    # MoE on CPU: tiles from this many tokens, ``skipping`` below. kimi-mini's routed experts (8, top 2, half the
-    # pairs on one expert), skipping vs tiled: 16 tokens 0.45 vs 0.46 ms, 24 tokens 0.59 vs 0.58 (even).
+    # MoE on CPU: tiles from this many tokens, ``skipping`` below (where kimi-mini's two dispatches break even).
     TILED_MIN_TOKENS = 24
     DENSE_MAX_FLOPS = 2**28  # elsewhere: all-experts compute below this many multiply-adds
 

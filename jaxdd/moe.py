@@ -176,10 +176,8 @@ def _skipping_experts(x, weights, experts, projections, pieces) -> jax.Array:
     """``dense`` one expert at a time over the experts some token chose, in id order; each step dequantizes its
     expert; fp32 [N, D].
 
-    kimi-mini's 8-token verify uses ~4 of its 8 experts (one expert often takes every token): the MoE layer takes
-    ~140-210 us instead of ~260-290 for ``dense``'s 8 experts x 8 rows (XLA:CPU, 2 cores; with all 8 chosen,
-    ~320). A loop rather than a cond per expert: one compiled body, where unrolled conds added ~2 s to the
-    compile of every kimi-mini round shape for the same speed."""
+    kimi-mini's 8-token verify uses ~4 of its 8 experts, so this does about half of ``dense``'s work. A loop
+    rather than a cond per expert: one compiled body (unrolled conds added seconds to every round's compile)."""
     n_experts = pieces[0][0].shape[0]
     combine = _combine_weights(experts, weights, n_experts)
     chosen = (combine != 0).any(0)

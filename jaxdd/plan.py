@@ -22,6 +22,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxdd.api import Target
+from jaxdd.config import DrafterConfig, KimiConfig
+from jaxdd.decoder import RequestPlan, SpeculativeDecoder, cache_slots
+from jaxdd.drafter import DFlashDrafter
+from jaxdd.hf_weights import declared_expert_format
+from jaxdd.rounds import DecodeState, Requests, state_shardings
+from jaxdd.sampling import GREEDY, SamplingArrays
+from jaxdd.sharding import make_mesh, param_shardings, place
+from jaxdd.target import KimiTarget
+from jaxdd.validation import MAX_STOP_TOKENS
+
 GB = 1e9
 GPUS = {"8 x H200 (141 GB)": 141 * GB, "8 x RTX PRO 6000 (96 GB)": 96 * GB}
 
@@ -36,19 +52,7 @@ def plan(
     batch: int = 1,
     layers: int | None = None,
 ) -> dict[str, Any]:
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxdd.config import DrafterConfig, KimiConfig
-    from jaxdd.drafter import DFlashDrafter
-    from jaxdd.hf_weights import declared_expert_format
-    from jaxdd.jit_state import split_module
-    from jaxdd.sampling import GREEDY, SamplingArrays
-    from jaxdd.sharding import make_mesh, param_shardings, place
-    from jaxdd.speculative import MAX_STOP_TOKENS, DecodeState, cache_slots, ddtree_round, state_shardings
-    from jaxdd.target import KimiTarget
-
+    """Compile one DDTree round of the full-size pair ahead of time and count its bytes per device."""
     raw = json.loads(Path(config_path).read_text())
     config = KimiConfig.from_hf(raw)
     drafter_config = DrafterConfig.from_json_file(drafter_config_path)
@@ -60,56 +64,17 @@ def plan(
         drafter_config = dataclasses.replace(drafter_config, target_layer_ids=taps)
     experts = declared_expert_format(raw)
     mesh = make_mesh(devices)
-    dtype = jnp.bfloat16
-    block = drafter_config.block_size
-
-    def abstract(make) -> tuple[nnx.Module, int]:
-        """An abstract module placed on the mesh, and the bytes of parameters each device holds."""
-        module = nnx.eval_shape(make)
-        shardings = param_shardings(module, mesh, moe)
-        place(module, mesh, moe)
-        state = nnx.state(module, nnx.Param)
-        is_variable = lambda x: isinstance(x, nnx.Variable)
-        placed = jax.tree.map(
-            lambda v, s: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype, sharding=s),
-            state,
-            shardings,
-            is_leaf=is_variable,
-        )
-        nnx.update(module, placed)
-        per_device = sum(_shard_bytes(x) for x in jax.tree.leaves(placed))
-        return module, per_device
-
-    target, target_bytes = abstract(lambda: KimiTarget(config, dtype, experts=experts, rngs=nnx.Rngs(0)))
-    drafter, drafter_bytes = abstract(lambda: DFlashDrafter(drafter_config, dtype, rngs=nnx.Rngs(0)))
-
+    decoder, per_device, stored = _abstract_decoder(config, drafter_config, experts, mesh, moe, jnp.bfloat16)
     slots = cache_slots(max_len + budget + 1)
-    rng = jax.ShapeDtypeStruct((batch, 2), jnp.uint32)
-    state = jax.eval_shape(lambda rng: DecodeState.empty(config, drafter_config, batch, slots, block, dtype, rng), rng)
-    shardings = state_shardings(state, mesh)
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
-    target_cache_bytes = sum(_shard_bytes(x) for x in jax.tree.leaves(state.target_cache))
-    draft_cache_bytes = sum(_shard_bytes(x) for x in jax.tree.leaves(state.draft_cache))
+    request_plan, state = _abstract_requests(decoder, mesh, config, drafter_config, budget, batch, slots)
+    per_device["target_cache"] = sum(_shard_bytes(x) for x in jax.tree.leaves(state.target_cache))
+    per_device["drafter_cache"] = sum(_shard_bytes(x) for x in jax.tree.leaves(state.draft_cache))
 
-    t_spec, t_weights = split_module(target)
-    d_spec, d_weights = split_module(drafter)
-    limit = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    stop_ids = jax.ShapeDtypeStruct((batch, MAX_STOP_TOKENS), jnp.int32)
     start = time.perf_counter()
-    settings = jax.eval_shape(lambda: SamplingArrays.of([GREEDY] * batch))
-    inputs = (state, limit, stop_ids, settings)
-    lowered = ddtree_round.lower(t_spec, t_weights, d_spec, d_weights, *inputs, block, budget, None, "absorbed")
-    compiled = lowered.compile()
+    compiled = decoder.lower_round(request_plan, state).compile()
     compile_seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    temporaries = int(memory.temp_size_in_bytes)
-    per_device = {
-        "target_weights": target_bytes,
-        "drafter_weights": drafter_bytes,
-        "target_cache": target_cache_bytes,
-        "drafter_cache": draft_cache_bytes,
-        "temporaries": temporaries,
-    }
+    per_device["temporaries"] = int(memory.temp_size_in_bytes)
     total = sum(per_device.values())
     return {
         "config": str(config_path),
@@ -126,15 +91,56 @@ def plan(
             "argument_bytes": int(memory.argument_size_in_bytes),
             "output_bytes": int(memory.output_size_in_bytes),
             "alias_bytes": int(memory.alias_size_in_bytes),
-            "temp_bytes": temporaries,
+            "temp_bytes": per_device["temporaries"],
             "compile_seconds": round(compile_seconds, 1),
         },
         "fits": {name: bool(total <= capacity) for name, capacity in GPUS.items()},
-        "stored_bytes": {  # all devices together
-            "target": sum(_bytes(x) for x in jax.tree.leaves(nnx.state(target, nnx.Param))),
-            "drafter": sum(_bytes(x) for x in jax.tree.leaves(nnx.state(drafter, nnx.Param))),
-        },
+        "stored_bytes": stored,  # all devices together
     }
+
+
+def _abstract_decoder(config, drafter_config, experts, mesh: jax.sharding.Mesh, moe: str, dtype):
+    """A decoder over abstract models placed on a mesh (shapes and shardings only, nothing allocated), the bytes
+    of parameters each device holds, and the bytes stored on all devices together."""
+
+    def abstract(make) -> tuple[nnx.Module, int, int]:
+        module = nnx.eval_shape(make)
+        shardings = param_shardings(module, mesh, moe)
+        place(module, mesh, moe)
+        is_variable = lambda x: isinstance(x, nnx.Variable)
+        placed = jax.tree.map(
+            lambda v, s: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype, sharding=s),
+            nnx.state(module, nnx.Param),
+            shardings,
+            is_leaf=is_variable,
+        )
+        nnx.update(module, placed)
+        leaves = jax.tree.leaves(placed)
+        return module, sum(_shard_bytes(x) for x in leaves), sum(_bytes(x) for x in leaves)
+
+    target, target_bytes, target_stored = abstract(lambda: KimiTarget(config, dtype, experts=experts, rngs=nnx.Rngs(0)))
+    drafter, drafter_bytes, drafter_stored = abstract(lambda: DFlashDrafter(drafter_config, dtype, rngs=nnx.Rngs(0)))
+    # The round jaxdd.generate runs, but with XLA's attention: the kernel's working set is smaller.
+    decoder = SpeculativeDecoder(Target(target), drafter, attention="absorbed")
+    per_device = {"target_weights": target_bytes, "drafter_weights": drafter_bytes}
+    return decoder, per_device, {"target": target_stored, "drafter": drafter_stored}
+
+
+def _abstract_requests(decoder, mesh, config, drafter_config, budget: int, batch: int, slots: int):
+    """A greedy DDTree request plan and the decode state it runs on, as sharded ShapeDtypeStructs."""
+    block = drafter_config.block_size
+    rng = jax.ShapeDtypeStruct((batch, 2), jnp.uint32)
+    empty = lambda rng: DecodeState.empty(config, drafter_config, batch, slots, block, jnp.bfloat16, rng)
+    state = jax.eval_shape(empty, rng)
+    shardings = state_shardings(state, mesh)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+    requests = Requests(
+        max_length=jax.ShapeDtypeStruct((batch,), jnp.int32),
+        stop_ids=jax.ShapeDtypeStruct((batch, MAX_STOP_TOKENS), jnp.int32),
+        sampling=jax.eval_shape(lambda: SamplingArrays.of([GREEDY] * batch)),
+    )
+    spec = decoder.round_spec("ddtree", block, budget)
+    return RequestPlan(spec, batch, [1] * batch, requests), state
 
 
 def _shard_bytes(x) -> int:
@@ -143,8 +149,6 @@ def _shard_bytes(x) -> int:
 
 
 def _bytes(x, shape: tuple[int, ...] | None = None) -> int:
-    import numpy as np
-
     return int(np.prod(x.shape if shape is None else shape, dtype=np.int64)) * x.dtype.itemsize
 
 
@@ -176,8 +180,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Simulated devices must exist before JAX starts its CPU backend.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-
     jax.config.update("jax_num_cpu_devices", max(args.devices, 1))
     result = plan(
         args.config, args.drafter_config, args.devices, args.moe, args.budget, args.max_len, args.batch, args.layers

@@ -154,7 +154,8 @@ def _ar_step(spec: RoundSpec, target: KimiTarget, state: DecodeState, requests: 
 
 
 def _dflash_round(spec: RoundSpec, target: KimiTarget, drafter: DFlashDrafter, state: DecodeState, requests):
-    """Sampled rows use ``dflash_generate``'s rejection sampling (``accept_sampled``), greedy rows the argmax."""
+    """With ``spec.sampled``, drafts are sampled and accepted by ``dflash_generate``'s rejection sampling
+    (``accept_sampled``; greedy rows' one-hot distributions make it the greedy rule); otherwise the argmax chain."""
     block_len = jnp.clip(requests.max_length - state.target_cache.length, 1, spec.block)
     with jax.named_scope("draft"):
         logits, draft_cache = _draft(drafter, target, state, block_len, spec.block)

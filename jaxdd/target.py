@@ -116,9 +116,7 @@ class MLAttention(nnx.Module):
 
         if attention == "absorbed":
             # The committed cache and the new rows as two sets of keys joined for one softmax, the new rows
-            # written afterwards. Written first (one set of keys), a one-token step made XLA:CPU copy each
-            # layer's whole cache four times: the kimi-mini AR step took 1.37 instead of 0.98 ms at 1280 slots
-            # (~8% more at 256); verify rounds had no copies either way.
+            # written afterwards: written first, a one-token step made XLA:CPU copy each layer's whole cache.
             q_latent = jnp.einsum("bthd,hrd->bthr", q_nope, self.k_up[...])
             cache_latent, cache_rope = cache_rows
             slots = cache_latent.shape[1]
@@ -132,8 +130,7 @@ class MLAttention(nnx.Module):
                 axis=-1,
             )
             probs = self._softmax(scores, jnp.concatenate([committed, visible], -1))
-            # Cache first: XLA:CPU then keeps the cache as stored in this batched matmul (a 128-row decode step
-            # 84 -> 64 ms; the same at one row).
+            # Cache first: XLA:CPU then keeps the cache as stored in this batched matmul (no relayout).
             out_latent = jnp.einsum("bsr,bhts->bthr", cache_latent, probs[..., :slots])
             out_latent += jnp.einsum("bur,bhtu->bthr", latent, probs[..., slots:])
             out = jnp.einsum("bthr,hdr->bthd", out_latent, self.v_up[...])
@@ -157,8 +154,8 @@ class MLAttention(nnx.Module):
         elif attention == "naive":
             k_nope = jnp.einsum("bsr,hrd->bshd", keys_latent, self.k_up[...])
             values = jnp.einsum("bsr,hdr->bshd", keys_latent, self.v_up[...])
-            # One score matmul over the [nope | rope] channels, as HF concatenates them: XLA:CPU takes ~2x as
-            # long for the two matmuls and their sum (a 160-token prefill layer: 0.59 -> 0.33 ms).
+            # One score matmul over the [nope | rope] channels, as HF concatenates them: two matmuls and their
+            # sum take XLA:CPU about twice as long.
             k_pe_heads = jnp.broadcast_to(keys_rope[:, :, None], (*k_nope.shape[:3], c.qk_rope_head_dim))
             keys = jnp.concatenate([k_nope, k_pe_heads], axis=-1)
             scores = jnp.einsum("bthd,bshd->bhts", jnp.concatenate([q_nope, q_pe], axis=-1), keys)

@@ -8,11 +8,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax.numpy as jnp
 import pytest
-from reference import TINY_K2, TINY_K25, drafter_config, hf_drafter, hf_model
 
 import jaxdd
+from jaxdd.decoder import SpeculativeDecoder
 from jaxdd.hf_weights import load_hf_drafter
-from jaxdd.speculative import SpeculativeDecoder
+from jaxdd.testing.reference import TINY_K2, TINY_K25, drafter_config, hf_drafter, hf_model
 
 
 @pytest.fixture(scope="session", params=[0, 1], ids=["seed0", "seed1"])

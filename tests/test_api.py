@@ -6,11 +6,11 @@ import json
 
 import numpy as np
 import pytest
-from reference import TINY_K2, hf_model
 from safetensors.numpy import load_file, save_file
 
 import jaxdd
 from jaxdd.checkpoint import is_jaxdd_checkpoint
+from jaxdd.testing.reference import TINY_K2, hf_model
 
 
 @pytest.fixture(scope="module")
@@ -118,5 +118,5 @@ def test_equal_models_share_one_jit_spec(hf_dir, target):
     spec, weights = split_module(again.model)
     assert spec is split_module(target.model)[0]
     assert weights[0] is not split_module(target.model)[1][0]  # only the structure is shared
-    assert jaxdd.SpeculativeDecoder(again)._t_spec is jaxdd.SpeculativeDecoder(target)._t_spec
+    assert jaxdd.SpeculativeDecoder(again)._models.target_spec is jaxdd.SpeculativeDecoder(target)._models.target_spec
     assert split_module(jaxdd.load_target(hf_dir, dtype="bfloat16").model)[0] is not spec

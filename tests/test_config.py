@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-from reference import FLAVOURS, TINY_K2
 from transformers import DeepseekV3Config
 
 from jaxdd.config import KimiConfig
 from jaxdd.errors import ConfigError
+from jaxdd.testing.reference import FLAVOURS, TINY_K2
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

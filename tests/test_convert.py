@@ -1,4 +1,4 @@
-"""Conversion HF -> jaxdd -> HF on synthetic mini checkpoints in the real layouts (tests/hf_layouts.py)."""
+"""Conversion HF -> jaxdd -> HF on synthetic mini checkpoints in the real layouts (jaxdd/testing/hf_layouts.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,7 @@ import pytest
 import torch
 from dflash.model import DFlashDraftModel
 from flax import nnx
-from hf_layouts import CONVERT_TINY, write_k2_instruct_fp8, write_k25_int4, write_reference
-from reference import drafter_config, hf_drafter, hf_model, rel_err
 from safetensors.numpy import load_file, save_file
-from synthetic_checkpoint import measure_conversion, write_synthetic_target
 from transformers import DeepseekV3ForCausalLM
 
 import jaxdd
@@ -23,6 +20,9 @@ from convert.__main__ import main as convert_main
 from convert.hf_to_jaxdd import convert
 from convert.jaxdd_to_hf import export
 from jaxdd.quant import Fp8Experts, Int4Experts
+from jaxdd.testing.hf_layouts import CONVERT_TINY, write_k2_instruct_fp8, write_k25_int4, write_reference
+from jaxdd.testing.reference import drafter_config, hf_drafter, hf_model, rel_err
+from jaxdd.testing.synthetic_checkpoint import measure_conversion, write_synthetic_target
 
 IDS = np.array([[5, 17, 3, 250, 9, 1, 77, 200]])
 

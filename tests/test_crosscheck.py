@@ -7,12 +7,12 @@ import json
 import jax
 import numpy as np
 import pytest
-from reference import TINY_K2, drafter_config, save_random_pair
 
 import jaxdd.target
 from jaxdd.crosscheck.__main__ import main
 from jaxdd.crosscheck.compare import compare
 from jaxdd.crosscheck.trace import load_traces
+from jaxdd.testing.reference import TINY_K2, drafter_config, save_random_pair
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from oracle import OracleDrafter, patched_reference_drafter
-from reference import hf_greedy
 
 from jaxdd.compile_time import compile_clock
 from jaxdd.crosscheck.torch_reference import ddtree_reference
-from jaxdd.speculative import SpeculativeDecoder
+from jaxdd.decoder import SpeculativeDecoder
+from jaxdd.testing.oracle import OracleDrafter, patched_reference_drafter
+from jaxdd.testing.reference import hf_greedy
 
 PROMPTS = [[5, 17, 3, 250, 9, 1, 77], [200, 4, 4, 91, 36, 12, 8, 150, 61, 7, 33]]
 MAX_NEW = 24

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import hf_greedy
 
 import jaxdd
 from jaxdd.crosscheck.torch_reference import dflash_reference, load_reference_models
+from jaxdd.decoder import SpeculativeDecoder
 from jaxdd.generate import DEFAULT_PROMPT, DEMO
-from jaxdd.speculative import SpeculativeDecoder
+from jaxdd.testing.reference import hf_greedy
 from jaxdd.tokenizer import load_tokenizer
 
 NEW_TOKENS = 24

@@ -12,24 +12,23 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-from oracle import OracleDrafter, patched_reference_drafter
-from reference import drafter_config, hf_greedy
 
 import jaxdd
-from jaxdd import speculative
 from jaxdd.compile_time import compile_clock
 from jaxdd.config import DrafterConfig
 from jaxdd.crosscheck.torch_reference import dflash_reference
-from jaxdd.drafter import DFlashDrafter
-from jaxdd.speculative import (
+from jaxdd.decoder import (
     CACHE_ALIGN,
     PROMPT_BUCKETS_PER_OCTAVE,
     PROMPT_MIN_STEP,
     SpeculativeDecoder,
-    argmax,
     bucket,
     cache_slots,
 )
+from jaxdd.drafter import DFlashDrafter
+from jaxdd.rounds import argmax
+from jaxdd.testing.oracle import OracleDrafter, patched_reference_drafter
+from jaxdd.testing.reference import drafter_config, hf_greedy
 
 PROMPTS = [[5, 17, 3, 250, 9, 1, 77], [200, 4, 4, 91, 36, 12, 8, 150, 61, 7, 33]]
 MAX_NEW = 24
@@ -194,15 +193,7 @@ def test_rounds_update_caches_in_place(models, method):
     round transposed the drafter's keys and values for its attention matmuls."""
     _, _, decoder = models
     plan, state = decoder.start([PROMPTS[1]], method=method, max_new_tokens=MAX_NEW, block_size=4)
-    weights, common = (decoder._t_spec, decoder._t_weights), (plan.limit, plan.stop_ids, plan.settings)
-    drafter = (decoder._d_spec, decoder._d_weights)
-    if method == "ar":
-        lowered = speculative.ar_step.lower(*weights, state, *common, decoder.form)
-    elif method == "dflash":
-        lowered = speculative.dflash_round.lower(*weights, *drafter, state, *common, plan.block, decoder.form)
-    else:
-        tree = (plan.block, plan.budget, plan.max_children, decoder.form)
-        lowered = speculative.ddtree_round.lower(*weights, *drafter, state, *common, *tree)
+    lowered = decoder.lower_round(plan, state)
     caches = [*state.target_cache.latent, *state.target_cache.rope]
     if method != "ar":
         caches += [*state.draft_cache.keys, *state.draft_cache.values]

@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from reference import drafter_config, hf_drafter, rel_err
 from transformers import DynamicCache
 
 from jaxdd.config import DrafterConfig, default_target_layer_ids
 from jaxdd.drafter import DraftCache
 from jaxdd.errors import ConfigError
 from jaxdd.hf_weights import load_hf_drafter
+from jaxdd.testing.reference import drafter_config, hf_drafter, rel_err
 
 TOL = 1e-5
 

@@ -9,11 +9,11 @@ import re
 import shutil
 
 import pytest
-from reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model
 from test_tokenizer import SPECIAL, write_kimi_tokenizer
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from jaxdd.generate import DEFAULT_PROMPT, main
+from jaxdd.testing.reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model
 
 PROMPT = [7, 100, 42, 3, 9]
 

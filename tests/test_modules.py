@@ -9,14 +9,16 @@ import torch
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import FLAVOURS, additive_mask, hf_model, rel_err
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 import jaxdd
+from jaxdd.backend import Backend
 from jaxdd.cache import write_rows
 from jaxdd.layers import apply_rope, rms_norm, rope_cos_sin
+from jaxdd.moe import _skipping_experts, _tiled_experts
 from jaxdd.quant import DenseExperts
-from jaxdd.target import _skipping_experts, _tiled_experts, target_rope
+from jaxdd.target import target_rope
+from jaxdd.testing.reference import FLAVOURS, additive_mask, hf_model, rel_err
 
 TOL = 1e-5
 
@@ -97,7 +99,7 @@ def test_attention(pair, form):
     c = target.config
     length, causal = causal_args(b, t)
     out, (latent, k_pe) = target.layers[1].attn(
-        jnp.asarray(x), cos_sin, empty_rows(c, b, t), length, causal, causal, form
+        jnp.asarray(x), cos_sin, empty_rows(c, b, t), length, causal, causal, form, Backend.local()
     )
     assert rel_err(out, expected) < TOL
     assert latent.shape == (b, t, c.kv_lora_rank) and k_pe.shape == (b, t, c.qk_rope_head_dim)
@@ -163,7 +165,7 @@ def test_moe(pair, dispatch):
     moe = target.layers[i].mlp
     moe.dispatch = dispatch
     try:
-        assert rel_err(moe(jnp.asarray(x)), expected) < TOL
+        assert rel_err(moe(jnp.asarray(x), Backend.local()), expected) < TOL
     finally:
         moe.dispatch = "auto"
 
@@ -234,7 +236,8 @@ def test_decoder_layer(pair, which):
     cos_sin = rope_cos_sin(jnp.asarray(positions), inv_freq, amplitude, jnp.float32)
     c = target.config
     length, causal = causal_args(b, t)
-    out, _ = target.layers[i](jnp.asarray(x), cos_sin, empty_rows(c, b, t), length, causal, causal, "absorbed")
+    rows = empty_rows(c, b, t)
+    out, _ = target.layers[i](jnp.asarray(x), cos_sin, rows, length, causal, causal, "absorbed", Backend.local())
     assert rel_err(out, expected.numpy()) < TOL
 
 

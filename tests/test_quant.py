@@ -9,9 +9,9 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import dequantize
-from hf_layouts import deepseek_weight_dequant
 
 from jaxdd.quant import dequantize_fp8_blocks, dequantize_int4_groups, unpack_int4
+from jaxdd.testing.hf_layouts import deepseek_weight_dequant
 
 
 @pytest.mark.parametrize("shape", [(576, 7168 // 8), (256, 384), (130, 200)])

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 from dflash.model import _sampling_probs
-from reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model
 
 import jaxdd
+from jaxdd.decoder import SpeculativeDecoder
 from jaxdd.sampling import Sampling, SamplingArrays, filtered_probs
-from jaxdd.speculative import SpeculativeDecoder
+from jaxdd.testing.reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model
 
 # A vocabulary small enough to enumerate every 3-token continuation (8^3 = 512), and logits scaled up so the
 # distributions are far from uniform.

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from hf_layouts import write_k25_int4
 from jax.sharding import PartitionSpec as P
-from reference import TINY_K2, drafter_config, rel_err, save_random_pair
 
 import jaxdd
 from jaxdd.compile_time import compile_clock
+from jaxdd.decoder import SpeculativeDecoder
 from jaxdd.plan import plan
 from jaxdd.sharding import make_mesh, shard_module
-from jaxdd.speculative import SpeculativeDecoder
+from jaxdd.testing.hf_layouts import write_k25_int4
+from jaxdd.testing.reference import TINY_K2, drafter_config, rel_err, save_random_pair
 
 # 8 heads and 16 experts of width 64 so that 8 devices split heads, experts (ep) and expert width (tp).
 SHARDABLE = TINY_K2 | dict(num_attention_heads=8, num_key_value_heads=8, moe_intermediate_size=64)

@@ -8,9 +8,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from reference import FLAVOURS, additive_mask, hf_model, random_tree_parents, rel_err, tree_depths_and_mask
 
 import jaxdd
+from jaxdd.testing.reference import (
+    FLAVOURS,
+    additive_mask,
+    hf_model,
+    random_tree_parents,
+    rel_err,
+    tree_depths_and_mask,
+)
 
 TOL = 1e-5  # fp32 logits, relative to the largest logit
 BATCH, SLOTS = 2, 16
@@ -41,7 +48,7 @@ def test_prefill_logits_and_taps_match_hf(pair, form):
     model, target, rng = pair
     ids = rng.integers(0, target.config.vocab_size, (BATCH, 12))
     taps = (target.config.num_hidden_layers - 2, 0)
-    out = target.forward(ids, target.new_cache(BATCH, SLOTS), taps=taps, form=form)
+    out = target.forward(ids, target.new_cache(BATCH, SLOTS), taps=taps, attention=form)
     expected = hf_forward(model, ids)
     assert rel_err(out.logits, expected.logits.numpy()) < TOL
     assert rel_err(out.taps, np.concatenate([expected.hidden_states[i + 1].numpy() for i in taps], -1)) < TOL
@@ -55,7 +62,7 @@ def test_incremental_decode_matches_full_forward(pair, decode_form):
     out = target.forward(ids[:, :5], target.new_cache(BATCH, SLOTS))
     rows, cache = [np.asarray(out.logits)], out.cache
     for i in range(5, ids.shape[1]):
-        out = target.forward(ids[:, i : i + 1], cache, form=decode_form)
+        out = target.forward(ids[:, i : i + 1], cache, attention=decode_form)
         rows.append(np.asarray(out.logits))
         cache = out.cache
     assert rel_err(np.concatenate(rows, axis=1), hf_forward(model, ids).logits.numpy()) < TOL

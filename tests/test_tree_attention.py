@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import random_tree_parents, tree_depths_and_mask
 
+from jaxdd.backend import Backend
+from jaxdd.testing.reference import random_tree_parents, tree_depths_and_mask
 from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -37,7 +38,8 @@ def check(shape, dtype, seed, interpret):
     args = inputs(shape, dtype, seed)
     scale = shape[3] ** -0.5
     expected = tree_attention_reference(*args, scale)
-    actual = tree_attention(*args, scale=scale, block_q=16, block_k=16, interpret=interpret)
+    options = Backend("cpu" if interpret else "gpu").kernel_options()
+    actual = tree_attention(*args, scale=scale, block_q=16, block_k=16, **options)
     np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=TOLERANCE[dtype], rtol=0)
 
 
@@ -73,7 +75,7 @@ def test_kernel_lowers_for_gpu_at_kimi_sizes():
     shapes = [(b, t, h, r), (b, t, h, dr), (b, s, r), (b, s, dr), (b,), (b, t, r), (b, t, dr), (b, t, t)]
     dtypes = [jnp.bfloat16] * 4 + [jnp.int32, jnp.bfloat16, jnp.bfloat16, jnp.bool_]
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
-    kernel = jax.jit(lambda *a: tree_attention(*a, scale=0.1))
+    kernel = jax.jit(lambda *a: tree_attention(*a, scale=0.1, **Backend("gpu").kernel_options()))
     lowered = kernel.trace(*args).lower(lowering_platforms=("cuda",))
     assert "xla.gpu.triton" in lowered.as_text()
 
@@ -82,7 +84,7 @@ def test_kernel_lowers_for_gpu_at_kimi_sizes():
 def test_ddtree_with_the_kernel_is_lossless(models):
     """The decoder verifying trees through the kernel (interpreted on CPU, compiled on GPU) gives the same tokens
     as verifying with plain XLA, and as AR."""
-    from jaxdd.speculative import SpeculativeDecoder
+    from jaxdd.decoder import SpeculativeDecoder
 
     _, _, decoder = models
     kernel = SpeculativeDecoder(decoder.target, decoder.drafter, attention="pallas")

@@ -1,7 +1,9 @@
-"""Timing helpers shared by the benchmark scripts (medians, with results forced to finish; where it ran)."""
+"""Timing helpers and result files shared by the benchmark scripts (medians, with results forced to finish; where
+it ran)."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -53,3 +55,15 @@ def _processor_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def write_result(path: Path, report: dict, **versions: str) -> Path:
+    """Write a benchmark's JSON result with the machine it ran on (``machine_info`` plus ``versions``, e.g. the
+    torch version), atomically: a run stopped part-way leaves the previous result in place."""
+    report = {**report, "machine": {**machine_info(), **versions, **report.get("machine", {})}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(partial, path)
+    print(f"wrote {path}")
+    return path

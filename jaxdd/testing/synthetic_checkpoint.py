@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from reference import TINY_K2
 from safetensors.numpy import save_file
 from transformers import DeepseekV3Config
 
 from jaxdd.config import KimiConfig
 from jaxdd.hf_weights import target_mappings
+from jaxdd.testing.reference import TINY_K2
 
 
 def write_synthetic_target(

@@ -21,8 +21,9 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
-from reference import TINY_K2
 from safetensors.torch import load_file, save_file
+
+from jaxdd.testing.reference import TINY_K2
 
 # hidden 160 = one full 128-block plus a partial one, so FP8 edge blocks are exercised (like 576-row kv_a_proj).
 CONVERT_TINY = TINY_K2 | dict(hidden_size=160)
