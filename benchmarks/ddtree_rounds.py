@@ -15,9 +15,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from jaxdd.speculative import SpeculativeDecoder
 
 import jaxdd
+from jaxdd.decoder import SpeculativeDecoder
 from jaxdd.testing.benchmark import timed, write_result
 from jaxdd.testing.oracle import OracleDrafter
 from jaxdd.testing.reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model

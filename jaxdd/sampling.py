@@ -77,23 +77,59 @@ def split_keys(keys: jax.Array, count: int) -> tuple[jax.Array, list[jax.Array]]
 
 
 def filtered_probs(logits: jax.Array, settings: SamplingArrays) -> jax.Array:
-    """fp32 probabilities [B, ..., V] to sample from, for logits [B, ..., V] and per-row settings."""
+    """fp32 probabilities [B, ..., V] to sample from, for logits [B, ..., V] and per-row settings.
+
+    The top-k and top-p cut-offs are found by bisection over the values' bits, not by sorting the vocabulary:
+    XLA:CPU sorts 4096 values of a row in ~0.5 ms, and a sampled DFlash round sorted 15 rows twice (a 12x
+    slower round than greedy). Each cut-off keeps the same tokens as the sorted formulation, ties included."""
     vocab = logits.shape[-1]
     expand = (slice(None),) + (None,) * (logits.ndim - 1)
     temperature, top_p, top_k = settings.temperature[expand], settings.top_p[expand], settings.top_k[expand]
     scores = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
-    descending = -jnp.sort(-scores, axis=-1)
-    kth = jnp.take_along_axis(descending, jnp.clip(top_k - 1, 0, vocab - 1), axis=-1)
     limited = (top_k > 0) & (top_k < vocab)
-    probs = jax.nn.softmax(jnp.where(limited & (scores < kth), -jnp.inf, scores), axis=-1)
-    # Nucleus: keep the sorted prefix whose mass before each token is still below top_p.
-    sorted_probs = -jnp.sort(-probs, axis=-1)
-    kept = (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs < top_p).sum(-1, keepdims=True)
-    smallest_kept = jnp.take_along_axis(sorted_probs, kept - 1, axis=-1)
-    probs = jnp.where((top_p < 1) & (probs < smallest_kept), 0.0, probs)
+    kth = _kth_largest(scores, jnp.clip(top_k, 1, vocab))
+    probs = jax.nn.softmax(jnp.where(limited & (_ordered(scores) < kth), -jnp.inf, scores), axis=-1)
+    # Nucleus: keep the tokens down to the smallest probability whose strictly larger mass is below top_p (the
+    # token that crosses top_p included; as the sorted cumulative sum's prefix).
+    smallest_kept = _nucleus_floor(probs, top_p)
+    probs = jnp.where((top_p < 1) & (_ordered(probs) < smallest_kept), 0.0, probs)
     probs = probs / probs.sum(-1, keepdims=True)
     greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
     return jnp.where(temperature > 0, probs, greedy)
+
+
+_BISECTION_STEPS = 32  # int32 keys: 32 halvings pin one key down exactly
+
+
+def _ordered(x: jax.Array) -> jax.Array:
+    """int32 keys with the floats' order (x < y exactly when key(x) < key(y), for non-NaN floats)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _bisect(predicate, low: jax.Array, high: jax.Array) -> jax.Array:
+    """The smallest key in (low, high] where ``predicate`` (monotone: false at low, true at high) holds."""
+    for _ in range(_BISECTION_STEPS):
+        middle = (low >> 1) + (high >> 1) + (low & high & 1)  # floor((low + high) / 2) without overflow
+        holds = predicate(middle)
+        low, high = jnp.where(holds, low, middle), jnp.where(holds, middle, high)
+    return high
+
+
+def _kth_largest(scores: jax.Array, k: jax.Array) -> jax.Array:
+    """The key of each row's k-th largest score [..., 1]: the largest key t with at least k scores >= t."""
+    keys = _ordered(scores)
+    low, high = keys.min(-1, keepdims=True) - 1, keys.max(-1, keepdims=True)
+    # The smallest t at which fewer than k scores lie above t is the k-th largest.
+    fewer = lambda t: (keys > t).sum(-1, keepdims=True) < k
+    return _bisect(fewer, low, high)
+
+
+def _nucleus_floor(probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The key of the smallest kept probability [..., 1]: the smallest p whose strictly larger mass < top_p."""
+    keys = _ordered(probs)
+    below = lambda t: jnp.where(keys > t, probs, 0.0).sum(-1, keepdims=True) < top_p
+    return _bisect(below, jnp.full_like(keys[..., :1], -1), keys.max(-1, keepdims=True))
 
 
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
