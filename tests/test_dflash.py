@@ -26,7 +26,7 @@ from jaxdd.decoder import (
     cache_slots,
 )
 from jaxdd.drafter import DFlashDrafter
-from jaxdd.rounds import argmax
+from jaxdd.sampling import argmax
 from jaxdd.testing.oracle import OracleDrafter, patched_reference_drafter
 from jaxdd.testing.reference import drafter_config, hf_greedy
 
