@@ -99,30 +99,34 @@ def filtered_probs(logits: jax.Array, settings: SamplingArrays) -> jax.Array:
     sampled DFlash round sorted 15 rows twice (12x a greedy round). A cut-off beyond the candidates is found by
     bisection over the values' bits, only when some row needs it."""
     vocab = logits.shape[-1]
-    candidates = min(CANDIDATES, vocab)
     expand = (slice(None),) + (None,) * (logits.ndim - 1)
     temperature, top_p, top_k = settings.temperature[expand], settings.top_p[expand], settings.top_k[expand]
     scores = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
+    limited, nucleus = (top_k > 0) & (top_k < vocab), top_p < 1
+    cut = lambda: _cut_off(scores, jnp.where(limited, top_k, 0), jnp.where(nucleus, top_p, 1.0))
+    probs = jax.lax.cond((limited | nucleus).any(), cut, lambda: jax.nn.softmax(scores, axis=-1))
+    greedy = temperature == 0  # one-hot on the argmax; computed only when some row is greedy
+    return _where_any(greedy, lambda: jax.nn.one_hot(argmax(logits), vocab, dtype=jnp.float32), probs)
+
+
+def _cut_off(scores: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """softmax(scores) cut to the top_k largest (0: no cut) and to the top_p nucleus (1: no cut), renormalized."""
+    vocab = scores.shape[-1]
+    candidates = min(CANDIDATES, vocab)
     top_scores, ids = jax.lax.top_k(scores, candidates)
-    keys = _ordered(scores)
-
-    limited = (top_k > 0) & (top_k < vocab)
-    kth = _ordered(jnp.take_along_axis(top_scores, jnp.clip(top_k - 1, 0, candidates - 1), axis=-1))
-    beyond = limited & (top_k > candidates)
-    kth = _where_any(beyond, lambda: _kth_largest(keys, jnp.clip(top_k, 1, vocab)), kth)
-    probs = jax.nn.softmax(jnp.where(limited & (keys < kth), -jnp.inf, scores), axis=-1)
-
+    limited = top_k > 0
+    kth = jnp.take_along_axis(top_scores, jnp.clip(top_k - 1, 0, candidates - 1), axis=-1)
+    kth = _where_any(top_k > candidates, lambda: _kth_largest(scores, jnp.clip(top_k, 1, vocab)), kth)
+    probs = jax.nn.softmax(jnp.where(limited & (scores < kth), -jnp.inf, scores), axis=-1)
     # Nucleus: keep the sorted prefix whose mass before each token is still below top_p (the token that crosses
     # it included), then every token as likely as the last one kept.
     nucleus = top_p < 1
     sorted_probs = jnp.take_along_axis(probs, ids, axis=-1)
     kept = (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs < top_p).sum(-1, keepdims=True)
-    floor = _ordered(jnp.take_along_axis(sorted_probs, kept - 1, axis=-1))
+    floor = jnp.take_along_axis(sorted_probs, kept - 1, axis=-1)
     floor = _where_any(nucleus & (kept >= candidates), lambda: _nucleus_floor(probs, top_p), floor)
-    probs = jnp.where(nucleus & (_ordered(probs) < floor), 0.0, probs)
-    probs = probs / probs.sum(-1, keepdims=True)
-
-    return jnp.where(temperature > 0, probs, jax.nn.one_hot(argmax(logits), vocab, dtype=jnp.float32))
+    probs = jnp.where(nucleus & (probs < floor), 0.0, probs)
+    return probs / probs.sum(-1, keepdims=True)
 
 
 _BISECTION_STEPS = 32  # int32 keys: 32 halvings pin one key down exactly
@@ -139,6 +143,11 @@ def _ordered(x: jax.Array) -> jax.Array:
     return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
+def _float_of(key: jax.Array) -> jax.Array:
+    """The float whose ``_ordered`` key this is (the mapping is its own inverse on the bits)."""
+    return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ jnp.int32(0x7FFFFFFF), key), jnp.float32)
+
+
 def _bisect(predicate, low: jax.Array, high: jax.Array) -> jax.Array:
     """The smallest key in (low, high] where ``predicate`` (monotone: false at low, true at high) holds."""
     for _ in range(_BISECTION_STEPS):
@@ -148,17 +157,18 @@ def _bisect(predicate, low: jax.Array, high: jax.Array) -> jax.Array:
     return high
 
 
-def _kth_largest(keys: jax.Array, k: jax.Array) -> jax.Array:
-    """Each row's k-th largest key [..., 1]: the smallest t with fewer than k keys above t."""
+def _kth_largest(scores: jax.Array, k: jax.Array) -> jax.Array:
+    """Each row's k-th largest score [..., 1]: the smallest t with fewer than k scores above t."""
+    keys = _ordered(scores)
     fewer = lambda t: (keys > t).sum(-1, keepdims=True) < k
-    return _bisect(fewer, keys.min(-1, keepdims=True) - 1, keys.max(-1, keepdims=True))
+    return _float_of(_bisect(fewer, keys.min(-1, keepdims=True) - 1, keys.max(-1, keepdims=True)))
 
 
 def _nucleus_floor(probs: jax.Array, top_p: jax.Array) -> jax.Array:
-    """The key of the smallest kept probability [..., 1]: the smallest p whose strictly larger mass < top_p."""
+    """The smallest kept probability [..., 1]: the smallest p whose strictly larger mass is below top_p."""
     keys = _ordered(probs)
     below = lambda t: jnp.where(keys > t, probs, 0.0).sum(-1, keepdims=True) < top_p
-    return _bisect(below, jnp.full_like(keys[..., :1], -1), keys.max(-1, keepdims=True))
+    return _float_of(_bisect(below, jnp.full_like(keys[..., :1], -1), keys.max(-1, keepdims=True)))
 
 
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:

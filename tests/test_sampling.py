@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 import torch
 from dflash.model import _sampling_probs
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxdd
 from jaxdd.decoder import SpeculativeDecoder
-from jaxdd.sampling import Sampling, SamplingArrays, filtered_probs
+from jaxdd.sampling import CANDIDATES, Sampling, SamplingArrays, filtered_probs, sample, seed_keys, split_keys
 from jaxdd.testing.reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model
 
 # A vocabulary small enough to enumerate every 3-token continuation (8^3 = 512), and logits scaled up so the
@@ -46,6 +48,72 @@ def test_filtered_probs_match_dflash(setting):
     expected = _sampling_probs(torch.from_numpy(logits), temperature, top_p, top_k).numpy()
     ours = filtered_probs(jnp.asarray(logits), SamplingArrays.of([Sampling(temperature, top_p, top_k)] * 3))
     np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-6)
+
+
+def sorted_filter(logits: np.ndarray, temperature: float, top_p: float, top_k: int) -> np.ndarray:
+    """The filtered distribution by sorting (numpy): keep scores >= the k-th largest, then the sorted prefix whose
+    mass before each token is below top_p and every token as likely as its last one (ties kept)."""
+    scores = logits.astype(np.float32) / np.float32(temperature)
+    if 0 < top_k < scores.shape[-1]:
+        kth = -np.sort(-scores, axis=-1)[..., top_k - 1 : top_k]
+        scores = np.where(scores < kth, -np.inf, scores)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    if top_p < 1:
+        descending = -np.sort(-probs, axis=-1)
+        kept = ((np.cumsum(descending, axis=-1) - descending) < top_p).sum(-1, keepdims=True)
+        probs = np.where(probs < np.take_along_axis(descending, kept - 1, axis=-1), 0.0, probs)
+    return probs / probs.sum(-1, keepdims=True)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    vocab=st.sampled_from([40, 300, 1000]),
+    scale=st.sampled_from([0.05, 1.0, 8.0]),
+    top_p=st.sampled_from([1.0, 0.95, 0.6]),
+    top_k=st.sampled_from([0, 3, CANDIDATES + 6, 250]),
+    ties=st.booleans(),
+)
+def test_cut_offs_keep_what_sorting_keeps(seed, vocab, scale, top_p, top_k, ties):
+    """The top-k and top-p cut-offs, found among the candidates or by bisection beyond them (flat distributions,
+    large top_k), keep exactly the tokens that sorting keeps, ties included."""
+    logits = np.random.default_rng(seed).standard_normal((2, 3, vocab)).astype(np.float32) * scale
+    if ties:
+        logits = np.round(logits * 2) / 2
+    expected = sorted_filter(logits, 0.7, top_p, top_k)
+    ours = np.asarray(filtered_probs(jnp.asarray(logits), SamplingArrays.of([Sampling(0.7, top_p, top_k)] * 2)))
+    np.testing.assert_array_equal(ours > 0, expected > 0)
+    np.testing.assert_allclose(ours, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [7, 100, 4096])
+def test_sample_draws_each_token_with_its_probability(vocab):
+    """The two-level inverse-CDF draw against the probabilities it is given (zeros included): a chi-square test
+    over 40000 draws, which also rejects a distribution with a quarter of the likeliest token's mass moved."""
+    rng = np.random.default_rng(vocab)
+    probs = np.zeros(vocab, np.float32)  # at most 70 tokens with mass, spread over the vocabulary (and its blocks)
+    likely = rng.choice(vocab, min(vocab - 2, 70), replace=False)
+    probs[likely] = rng.dirichlet(np.full(len(likely), 2.0))
+    draws, calls = 4000, 10
+    keys = seed_keys(jnp.arange(draws, dtype=jnp.uint32))
+    counts = np.zeros(vocab)
+    for _ in range(calls):
+        keys, (key,) = split_keys(keys, 1)
+        tokens = np.asarray(sample(key, jnp.broadcast_to(jnp.asarray(probs), (draws, vocab))))
+        counts += np.bincount(tokens, minlength=vocab)
+    assert counts[probs == 0].sum() == 0
+    support = probs > 0
+    expected = probs[support] * draws * calls
+    statistic = ((counts[support] - expected) ** 2 / expected).sum()
+    dof = support.sum() - 1
+    assert statistic < dof + 5 * math.sqrt(2 * dof)  # ~3.5 sigma over the chi-square mean
+    shifted = probs.copy()
+    top = int(np.argmax(probs))
+    shifted[top] *= 0.75
+    shifted /= shifted.sum()
+    wrong = shifted[support] * draws * calls
+    assert ((counts[support] - wrong) ** 2 / wrong).sum() > dof + 5 * math.sqrt(2 * dof)
 
 
 @pytest.fixture(scope="module")
