@@ -38,6 +38,7 @@ from jaxdd.crosscheck.torch_reference import dflash_reference, load_reference_mo
 from jaxdd.decoder import SpeculativeDecoder
 from jaxdd.drafter import DFlashDrafter
 from jaxdd.generate import DEMO
+from jaxdd.sampling import GREEDY, Sampling
 from jaxdd.testing.benchmark import write_result
 from jaxdd.tokenizer import load_tokenizer
 
@@ -90,7 +91,7 @@ def jaxdd_runner(decoder: SpeculativeDecoder, options: dict) -> Callable[[list[i
 
 
 def reference_runner(
-    models: Path, max_new: int, block: int, stops: list[int], device: str
+    models: Path, max_new: int, block: int, stops: list[int], device: str, sampling: Sampling = GREEDY
 ) -> Callable[[list[int]], Timed]:
     """z-lab ``dflash_generate`` on the same weights, timed by its own clock (``return_stats``)."""
     torch.set_num_threads(2)
@@ -99,7 +100,8 @@ def reference_runner(
 
     def run(prompt: list[int]) -> Timed:
         timings = {}
-        tokens, lengths = dflash_reference(drafter, target, prompt, max_new, block, stops, timings=timings)
+        options = {"timings": timings, "sampling": sampling}
+        tokens, lengths = dflash_reference(drafter, target, prompt, max_new, block, stops, **options)
         return Timed(tokens, len(lengths), timings["prefill_seconds"], timings["decode_seconds"])
 
     return run

@@ -25,10 +25,12 @@ from jaxdd.target import KimiTarget
 from jaxdd.validation import (
     MAX_STOP_TOKENS,
     Method,
+    TreeLogits,
     check_lengths,
     check_round_options,
     check_stop_ids,
     check_tokens,
+    check_tree_logits,
     per_request,
 )
 
@@ -152,7 +154,9 @@ class SpeculativeDecoder:
         Options: ``sampling`` (one ``Sampling`` or one per prompt; default greedy), ``method`` ("ar", "dflash",
         "ddtree"), ``max_new_tokens`` (one or one per prompt), ``stop_token_ids`` (default: the target's EOS ids),
         ``block_size``, ``budget`` (DDTree nodes per round, default block_size - 1), ``max_children`` (caps the
-        branching; 1 verifies the DFlash chain through the tree path). ``trace_topk`` > 0 records each round's
+        branching; 1 verifies the DFlash chain through the tree path), ``tree_logits`` (sampled DDTree: build the
+        tree from the draft logits at the request's temperature, "scaled", or from the raw logits, "raw";
+        lossless either way). ``trace_topk`` > 0 records each round's
         draft top-k (and DDTree trees) in the results. ``on_tokens(request, new_tokens)`` is called as tokens are
         accepted (the first one after the prefill, then each round's), e.g. to stream text.
         """
@@ -223,9 +227,11 @@ class SpeculativeDecoder:
         max_children: int | None = None,
         sampled: bool = False,
         trace: int = 0,
+        tree_logits: TreeLogits = "scaled",
     ) -> RoundSpec:
         """The static description of a round on this decoder's backend and attention."""
-        return RoundSpec(method, self.backend, block, budget, max_children, self.attention, sampled, trace)
+        spec = (block, budget, max_children, self.attention, sampled, trace, tree_logits)
+        return RoundSpec(method, self.backend, *spec)
 
     def start(
         self,
@@ -239,6 +245,7 @@ class SpeculativeDecoder:
         budget: int | None = None,
         max_children: int | None = None,
         trace_topk: int = 0,
+        tree_logits: str = "scaled",
     ) -> tuple[RequestPlan, DecodeState]:
         """Check the requests, fix the static shapes and run the prefill: (plan, state after the prefill)."""
         if not prompts:
@@ -271,7 +278,7 @@ class SpeculativeDecoder:
         sampled = any(not s.greedy for s in settings)
         # On the device in one transfer: the prefill and every round read them.
         requests = jax.device_put(Requests(max_length, stop_ids, SamplingArrays.of(settings)))
-        spec = self.round_spec(method, block, budget, max_children, sampled, trace_topk)
+        spec = self.round_spec(method, block, budget, max_children, sampled, trace_topk, check_tree_logits(tree_logits))
         plan = RequestPlan(spec, n, lengths, requests)
         state = prefill(spec, self._models_for(spec), tokens, prompt_len, requests, seeds, slots, self.mesh)
         return plan, state

@@ -38,7 +38,7 @@ from jaxdd.sampling import SamplingArrays, argmax, filtered_probs, sample, seed_
 from jaxdd.sharding import cache_sharding
 from jaxdd.target import KimiTarget
 from jaxdd.tree import accept_path, build_tree
-from jaxdd.validation import Method
+from jaxdd.validation import Method, TreeLogits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,7 @@ class RoundSpec:
     attention: Attention = "absorbed"  # the verify's MLA form
     sampled: bool = False  # compile the sampling path (greedy rows still decode greedily)
     trace: int = 0  # > 0: also report the drafter's top-``trace`` tokens per position (and DDTree's tree)
+    tree_logits: TreeLogits = "scaled"  # sampled DDTree: the tree from the draft logits at the temperature, or raw
 
 
 @struct.dataclass
@@ -186,14 +187,14 @@ def _ddtree_round(spec: RoundSpec, target: KimiTarget, drafter: DFlashDrafter, s
     """Sampled rows use the target-only rule: one token is sampled from the target's filtered distribution at
     every node; the walk descends while the sample is a child's token and the first sample that is not becomes
     the bonus, so every emitted token is a draw from the target (lossless for any tree). The tree is built from
-    the drafter's logits at the request's temperature."""
+    the drafter's logits at the request's temperature (``tree_logits="scaled"``) or from the raw logits."""
     start = state.target_cache.length
     block_len = jnp.clip(requests.max_length - start, 1, spec.block)
     with jax.named_scope("draft"):
         logits, draft_cache = _draft(drafter, target, state, block_len, spec.block)
     with jax.named_scope("build"):
         tree_logits = logits
-        if spec.sampled:
+        if spec.sampled and spec.tree_logits == "scaled":
             temperature = requests.sampling.temperature[:, None, None]
             tree_logits = logits / jnp.where(temperature > 0, temperature, 1.0)
         tree = build_tree(tree_logits, state.bonus, block_len - 1, spec.budget, spec.max_children)

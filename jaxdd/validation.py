@@ -12,6 +12,7 @@ from jaxdd.errors import InputError
 
 Method = Literal["ar", "dflash", "ddtree"]
 METHODS: tuple[Method, ...] = ("ar", "dflash", "ddtree")
+TreeLogits = Literal["scaled", "raw"]  # what a sampled DDTree round builds its tree from
 MAX_STOP_TOKENS = 16  # stop ids are padded to this many so their number never changes a compiled shape
 
 
@@ -94,6 +95,12 @@ def check_round_options(
     if max_children is not None and max_children < 1:
         raise InputError(f"max_children: must be >= 1, got {max_children}")
     return block, budget
+
+
+def check_tree_logits(tree_logits: str) -> TreeLogits:
+    if tree_logits not in ("scaled", "raw"):
+        raise InputError(f"tree_logits: expected 'scaled' or 'raw', got {tree_logits!r}")
+    return tree_logits
 
 
 def check_lengths(

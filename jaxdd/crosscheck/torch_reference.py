@@ -25,6 +25,7 @@ import torch
 from dflash.model import DFlashDraftModel, _crop_to, _make_cache, _raw_input_embeddings, extract_context_feature
 from transformers import DeepseekV3ForCausalLM
 
+from jaxdd.sampling import GREEDY, Sampling
 from jaxdd.tree import build_tree_host
 
 
@@ -65,9 +66,18 @@ def ar_reference(target, prompt, max_new_tokens: int, stop_token_ids) -> tuple[l
 
 @torch.inference_mode()
 def dflash_reference(
-    drafter, target, prompt, max_new_tokens, block_size, stop_token_ids, record=None, timings: dict | None = None
+    drafter,
+    target,
+    prompt,
+    max_new_tokens,
+    block_size,
+    stop_token_ids,
+    record=None,
+    timings: dict | None = None,
+    sampling: Sampling = GREEDY,
 ):
-    """z-lab dflash_generate (greedy) on the models' device: (new tokens, per-round acceptance lengths).
+    """z-lab dflash_generate on the models' device: (new tokens, per-round acceptance lengths); greedy, or sampled
+    with ``sampling``'s settings (torch's generator seeded with its seed).
 
     ``timings``, if given, receives the reference's own clock: prefill_seconds (its time to first token) and
     decode_seconds (the rest)."""
@@ -82,6 +92,7 @@ def dflash_reference(
             return logits
 
         drafter.compute_logits = recording
+    torch.manual_seed(sampling.seed)
     try:
         result = dflash.model.dflash_generate(
             drafter,
@@ -91,6 +102,9 @@ def dflash_reference(
             stop_token_ids=stop_token_ids,
             block_size=block_size,
             return_stats=True,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
         )
     finally:
         drafter.compute_logits = compute_logits
