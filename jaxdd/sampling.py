@@ -150,11 +150,14 @@ def _float_of(key: jax.Array) -> jax.Array:
 
 def _bisect(predicate, low: jax.Array, high: jax.Array) -> jax.Array:
     """The smallest key in (low, high] where ``predicate`` (monotone: false at low, true at high) holds."""
-    for _ in range(_BISECTION_STEPS):
+
+    def step(_, bracket):
+        low, high = bracket
         middle = (low >> 1) + (high >> 1) + (low & high & 1)  # floor((low + high) / 2) without overflow
         holds = predicate(middle)
-        low, high = jnp.where(holds, low, middle), jnp.where(holds, middle, high)
-    return high
+        return jnp.where(holds, low, middle), jnp.where(holds, middle, high)
+
+    return jax.lax.fori_loop(0, _BISECTION_STEPS, step, (low, high))[1]
 
 
 def _kth_largest(scores: jax.Array, k: jax.Array) -> jax.Array:

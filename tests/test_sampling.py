@@ -148,14 +148,20 @@ def exact_distribution(target, settings: Sampling) -> np.ndarray:
     return first[:, None, None] * second[:, :, None] * third
 
 
-def sampled_counts(decoder: SpeculativeDecoder, method: str, settings: Sampling) -> np.ndarray:
+def sampled_counts(decoder: SpeculativeDecoder, method: str, settings: Sampling, **options) -> np.ndarray:
     counts = np.zeros((VOCAB,) * NEW, np.int64)
     for call in range(CALLS):
         requests = [
             Sampling(settings.temperature, settings.top_p, settings.top_k, seed=call * ROWS + r) for r in range(ROWS)
         ]
         results = decoder.generate_batch(
-            [PROMPT] * ROWS, sampling=requests, method=method, max_new_tokens=NEW, stop_token_ids=[], budget=6
+            [PROMPT] * ROWS,
+            sampling=requests,
+            method=method,
+            max_new_tokens=NEW,
+            stop_token_ids=[],
+            budget=6,
+            **options,
         )
         for result in results:
             counts[tuple(result.tokens)] += 1
@@ -185,14 +191,19 @@ def shifted(probs: np.ndarray, mass: float = 0.02) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
-def test_sampled_output_follows_the_target(small_vocab, method):
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [("ar", {}), ("dflash", {}), ("ddtree", {}), ("ddtree", {"tree_logits": "raw"})],
+    ids=["ar", "dflash", "ddtree", "ddtree-raw-tree"],
+)
+def test_sampled_output_follows_the_target(small_vocab, method, options):
     """8192 sampled 3-token continuations per method against the enumerated target distribution: the joint
     (512 outcomes) and each position's marginal pass a chi-square test, and the same samples reject a marginal
-    that is wrong by 2% of probability mass (so the test could notice such an error)."""
+    that is wrong by 2% of probability mass (so the test could notice such an error). A DDTree built from the raw
+    draft logits (not the temperature-scaled ones) is lossless too."""
     target, decoder = small_vocab
     exact = exact_distribution(target, SETTINGS)
-    counts = sampled_counts(decoder, method, SETTINGS)
+    counts = sampled_counts(decoder, method, SETTINGS, **options)
     assert chi_square_z(counts, exact) < 4
     for axis in range(NEW):
         others = tuple(a for a in range(NEW) if a != axis)
