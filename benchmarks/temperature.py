@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--budgets", default="4,8,16,32,64")
     parser.add_argument("--out", type=Path, default=RESULTS / "temperature.json")
+    parser.add_argument("--round-cost-only", action="store_true", help="only part 1 (e.g. for a GPU check)")
     args = parser.parse_args()
     budgets = [int(b) for b in args.budgets.split(",")]
     # Prompts of one length (the HumanEval prompts of at least that many tokens, cut to their last ones): one
@@ -96,7 +97,7 @@ def main() -> None:
     decoder = SpeculativeDecoder(*load_pair(DEMO))
     cost = round_cost(decoder, prompts[:12], args.max_new_tokens)
     runs = []
-    for temperature in TEMPERATURES:
+    for temperature in () if args.round_cost_only else TEMPERATURES:
         jax.clear_caches()  # the previous temperature's executables (see above)
         runs += sweep(decoder, prompts, DEMO, args.max_new_tokens, budgets, temperature)
     report = {
@@ -115,7 +116,8 @@ def main() -> None:
         "goal": "a T=0.7 / top-p 0.95 round of DFlash and of DDTree (budget 16) costs at most 1.15x a greedy one",
     }
     write_result(args.out, report, torch=torch.__version__)
-    plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+    if runs:
+        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
 
 
 def plot(report: dict, path: Path) -> None:
