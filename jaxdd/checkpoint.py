@@ -25,7 +25,7 @@ from flax import nnx
 
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.drafter import DFlashDrafter, abstract_drafter
-from jaxdd.errors import CheckpointError
+from jaxdd.errors import CheckpointError, read_json
 from jaxdd.quant import ExpertFormat
 from jaxdd.target import KimiTarget, abstract_target
 
@@ -107,7 +107,7 @@ def save_drafter(model: DFlashDrafter, directory: str | Path, config: dict) -> P
 
 def read_meta(directory: str | Path, kind: Kind) -> dict[str, Any]:
     directory = Path(directory).absolute()
-    meta = json.loads((directory / MARKER).read_text())
+    meta = read_json(directory / MARKER)
     if meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{directory / MARKER}: format {meta.get('format')}, this jaxdd reads {FORMAT_VERSION}")
     if meta.get("kind") != kind:
@@ -132,7 +132,7 @@ def restore_groups(directory: str | Path, abstract: dict, shardings: dict | None
     directory = Path(directory).absolute()
     checkpointer = ocp.StandardCheckpointer()
     try:
-        for group in json.loads((directory / MARKER).read_text())["groups"]:
+        for group in read_json(directory / MARKER)["groups"]:
             target = get_path(abstract, group_path(group))
             if shardings is not None:
                 target = jax.tree.map(

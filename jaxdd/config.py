@@ -9,13 +9,12 @@ nothing is hard-coded here. A missing or inconsistent field raises ``ConfigError
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from jaxdd.errors import ConfigError
+from jaxdd.errors import ConfigError, read_json
 
 TEXT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 WRAPPER_MODEL_TYPES = ("kimi_k25",)
@@ -118,13 +117,7 @@ class KimiConfig:
 
 
 def _read_json(path: str | Path) -> Any:
-    path = Path(path)
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return read_json(path, ConfigError)
 
 
 def yarn_mscale(scale: float, mscale: float) -> float:

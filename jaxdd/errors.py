@@ -1,6 +1,8 @@
 """The errors jaxdd raises for bad input; each message names the field, tensor or limit at fault."""
 
+import json
 from pathlib import Path
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -13,6 +15,19 @@ class CheckpointError(ValueError):
 
 class InputError(ValueError):
     """Token ids, positions, masks, cache sizes or generation settings that the model cannot take."""
+
+
+def read_json(path: str | Path, error: type[ValueError] = CheckpointError) -> Any:
+    """The JSON in ``path``, or ``error`` naming the file when it is missing, not text or not JSON."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise error(f"{path}: no such file") from None
+    except UnicodeDecodeError:
+        raise error(f"{path}: not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
 
 
 def checkpoint_directory(path: str | Path) -> Path:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 from pathlib import Path
 
 import jaxdd
@@ -49,9 +50,9 @@ def positive(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jaxdd.generate",
-        description=__doc__.split("\n\n")[0],
+        description=__doc__.split("\n\n")[0].replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
+        epilog=__doc__.split("\n\n", 1)[1].replace("``", ""),
     )
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("prompt", nargs="?", help="prompt text (default with the bundled model: a Python stub)")
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--method", choices=["ar", "dflash", "ddtree"], help="default: dflash with a drafter, else ar")
     parser.add_argument("--block-size", type=positive, help="DFlash block size (default: the drafter's)")
     parser.add_argument("--budget", type=positive, help="DDTree nodes per round (default: block size - 1)")
-    parser.add_argument("--max-new-tokens", type=positive, default=64)
+    parser.add_argument("--max-new-tokens", type=positive, default=64, help="generate at most this many tokens")
     parser.add_argument("--stop-ids", type=parse_ids, help="stop token ids (default: EOS and end of turn)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -76,7 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: float32 on CPU (XLA:CPU has no bf16 matmul and upcasts: 2-3x slower), bfloat16 elsewhere",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object: ids, text, acceptance, timings")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: ids, text, acceptance, timings (prefill_seconds and decode_seconds include "
+        "compile_seconds; tokens_per_second leaves it out)",
+    )
     return parser
 
 
@@ -84,12 +90,16 @@ class TextStream:
     """Prints the text of accepted tokens as they come. Decodes the whole output each time (a BPE token can end
     mid-character or change how its neighbour reads) and holds back a trailing partial UTF-8 character."""
 
-    def __init__(self, tokenizer: TextTokenizer | None, stop_ids: set[int]):
+    def __init__(self, tokenizer: TextTokenizer | None, stop_ids: set[int], status: str):
         self.tokenizer, self.stop_ids, self.out = tokenizer, stop_ids, sys.stdout
         self.ids: list[int] = []
         self.printed = ""
+        # Said on stderr when the first tokens take over a second (compiling), so never before a quick error.
+        self.status = threading.Timer(1.0, lambda: print(status, file=sys.stderr, flush=True))
+        self.status.daemon = True
 
     def __call__(self, tokens: list[int]) -> None:
+        self.status.cancel()
         self.ids += [t for t in tokens if t not in self.stop_ids]
         if self.tokenizer is None:
             text = ",".join(map(str, self.ids))
@@ -101,6 +111,7 @@ class TextStream:
             self.printed = text
 
     def close(self) -> None:
+        self.status.cancel()
         self.out.write("\n")
         self.out.flush()
 
@@ -110,7 +121,7 @@ def read_prompt(args, tokenizer: TextTokenizer | None, bundled: bool, parser) ->
     if args.prompt_ids is not None:
         return args.prompt_ids, None
     if args.prompt_file is not None:
-        text = sys.stdin.read() if str(args.prompt_file) == "-" else read_text(args.prompt_file)
+        text = read_stdin() if str(args.prompt_file) == "-" else read_text(args.prompt_file)
     elif args.prompt is not None:
         text = args.prompt
     elif bundled:
@@ -134,6 +145,20 @@ def read_text(path: Path) -> str:
         return path.read_text()
     except OSError as error:
         raise jaxdd.InputError(f"--prompt-file {path}: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise jaxdd.InputError(f"--prompt-file {path}: not UTF-8 text") from None
+
+
+def read_stdin() -> str:
+    try:
+        return sys.stdin.read()
+    except UnicodeDecodeError:
+        raise jaxdd.InputError("--prompt-file -: standard input is not UTF-8 text") from None
+
+
+def method_flags(args, method: str) -> list[tuple[str, object, bool]]:
+    """(flag, value, whether the method uses it) for the flags that only some methods read."""
+    return [("--block-size", args.block_size, method != "ar"), ("--budget", args.budget, method == "ddtree")]
 
 
 def summary(method: str, result: Generation) -> dict:
@@ -171,9 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     method = args.method or ("dflash" if drafter_dir else "ar")
     if method != "ar" and not drafter_dir:
         parser.error(f"--method {method} needs --drafter DIR")
+    unused = [flag for flag, value, used in method_flags(args, method) if value is not None and not used]
+    if unused:
+        print(f"jaxdd: {unused[0]} does not apply to --method {method}", file=sys.stderr)
+        return 2
     dtype = args.dtype
     if dtype == "auto":
         dtype = "float32" if Backend.local().platform == "cpu" else "bfloat16"
+    stream = None
     try:
         tokenizer = load_tokenizer(checkpoint)
         prompt_ids, prompt_text = read_prompt(args, tokenizer, bundled, parser)
@@ -182,9 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         stop_ids = args.stop_ids
         if stop_ids is None:
             stop_ids = sorted(set(target.config.eos_token_ids) | set(tokenizer.stop_ids if tokenizer else ()))
-        stream = None if args.json else TextStream(tokenizer, set(stop_ids))
-        if stream is not None and prompt_text is not None:
-            print(prompt_text, end="", flush=True)
+        status = f"[{method}] compiling the prefill and the round (once per shape)..."
+        stream = None if args.json else TextStream(tokenizer, set(stop_ids), status)
+        if stream is not None:
+            if prompt_text is not None:
+                print(prompt_text, end="", flush=True)
+            stream.status.start()
         result = target.generate(
             prompt_ids,
             drafter=drafter,
@@ -197,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             on_tokens=stream,
         )
     except (jaxdd.CheckpointError, jaxdd.ConfigError, jaxdd.InputError) as error:
+        if stream is not None:
+            stream.status.cancel()
         print(f"jaxdd: {error}", file=sys.stderr)
         return 2
 

@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 from jaxdd.checkpoint import get_path, set_path
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.drafter import DFlashDrafter, abstract_drafter
-from jaxdd.errors import CheckpointError
+from jaxdd.errors import CheckpointError, ConfigError, read_json
 from jaxdd.quant import DENSE, ExpertFormat, dequantize_fp8_blocks, dequantize_int4_groups
 from jaxdd.target import KimiTarget, abstract_target
 
@@ -196,8 +196,8 @@ def _shard_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
     index = directory / INDEX_FILE
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            weight_map = read_json(index)["weight_map"]
+        except (KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
         names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (directory / n).is_file()]
@@ -217,7 +217,7 @@ class HFCheckpoint:
         self.directory = Path(directory)
         if not (self.directory / "config.json").is_file():
             raise CheckpointError(f"{self.directory}: no config.json (is this an HF checkpoint directory?)")
-        self.raw_config: dict[str, Any] = json.loads((self.directory / "config.json").read_text())
+        self.raw_config: dict[str, Any] = read_json(self.directory / "config.json", ConfigError)
         files, weight_map = _shard_files(self.directory)
         self.tensors: dict[str, TensorInfo] = {}
         for file in files:

@@ -22,7 +22,7 @@ import jinja2.sandbox
 import tiktoken
 import tokenizers
 
-from jaxdd.errors import CheckpointError, InputError, checkpoint_directory
+from jaxdd.errors import CheckpointError, InputError, checkpoint_directory, read_json
 
 # From tokenization_kimi.py: Han runs, cased words with English contractions, up to 3 digits, punctuation runs,
 # newlines, spaces.
@@ -153,16 +153,18 @@ def load_tokenizer(directory: str | Path) -> TextTokenizer | None:
     """The checkpoint's tokenizer (tokenizer.json, else Kimi's tiktoken.model), or None when it ships none."""
     directory = checkpoint_directory(directory)
     config_path = directory / "tokenizer_config.json"
-    try:
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{config_path}: not valid JSON ({error})") from None
+    config = read_json(config_path) if config_path.is_file() else {}
     template_file = directory / "chat_template.jinja"
     template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
     if isinstance(template, list):  # several named templates: the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if (directory / "tokenizer.json").is_file():
-        return HFTokenizer(tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json")), config, template)
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+        except Exception as error:  # the Rust library raises plain Exceptions for any malformed file
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise CheckpointError(f"{directory / 'tokenizer.json'}: not a tokenizers file ({reason})") from None
+        return HFTokenizer(backend, config, template)
     if (directory / "tiktoken.model").is_file():
         return KimiTokenizer(read_tiktoken_ranks(directory / "tiktoken.model"), config, template)
     return None

@@ -146,3 +146,73 @@ def test_sampling_options(checkpoints, capsys):
     assert len(first["output_ids"]) == 8
     assert main([*common, "--top-p", "1.5"]) == 2
     assert "top_p: must be in (0, 1]" in capsys.readouterr().err
+
+
+def corrupt_copy(source, destination, name: str, content: bytes):
+    """A copy of checkpoint ``source`` whose file ``name`` holds ``content`` instead."""
+    shutil.copytree(source, destination)
+    (destination / name).write_bytes(content)
+    return destination
+
+
+def test_faults_are_one_line_errors(checkpoints, tmp_path, capsys, monkeypatch):
+    """Broken files and inputs that the checkpoint cannot take end in one `jaxdd: ...` line naming the file or
+    field, exit code 2, no traceback (each fault is made here: bad JSON, a corrupt tokenizer, binary prompts)."""
+    _, target, drafter = checkpoints
+    bad_json = b'{"model_type": "deepseek_v3",'
+    binary = bytes(range(128, 256))
+    (tmp_path / "binary.txt").write_bytes(binary)
+    cases = [
+        (
+            ["--checkpoint", str(corrupt_copy(target, tmp_path / "t1", "config.json", bad_json)), "--prompt-ids", "1"],
+            "t1/config.json: not valid JSON",
+        ),
+        (
+            [
+                "--checkpoint",
+                str(target),
+                "--drafter",
+                str(corrupt_copy(drafter, tmp_path / "d1", "config.json", bad_json)),
+                "--prompt-ids",
+                "1",
+            ],
+            "d1/config.json: not valid JSON",
+        ),
+        (
+            ["--checkpoint", str(corrupt_copy(target, tmp_path / "t2", "tokenizer.json", b"{not json")), "hello"],
+            "t2/tokenizer.json: not a tokenizers file",
+        ),
+        (
+            ["--checkpoint", str(target), "--prompt-ids", "1", "--stop-ids", "0,4096"],
+            "stop_token_ids: 4096 outside the vocabulary [0, 256)",
+        ),
+        (["--checkpoint", str(target), "--prompt-ids", "1", "--budget", "8"], "--budget does not apply to --method ar"),
+        (
+            ["--checkpoint", str(target), "--prompt-ids", "1", "--drafter", str(drafter), "--budget", "8"],
+            "--budget does not apply to --method dflash",
+        ),
+        (
+            ["--checkpoint", str(target), "--prompt-ids", "1", "--block-size", "4"],
+            "--block-size does not apply to --method ar",
+        ),
+    ]
+    tokenized = corrupt_copy(target, tmp_path / "t3", "tokenizer.json", b"")
+    Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")).save(str(tokenized / "tokenizer.json"))
+    cases.append(
+        (["--checkpoint", str(tokenized), "--prompt-file", str(tmp_path / "binary.txt")], "binary.txt: not UTF-8 text")
+    )
+    for argv, message in cases:
+        assert main([*argv, "--dtype", "float32"]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("jaxdd: ") and err.count("\n") == 1 and message in err, (argv, err)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(binary), encoding="utf-8"))
+    assert main(["--checkpoint", str(tokenized), "--prompt-file", "-"]) == 2
+    assert capsys.readouterr().err == "jaxdd: --prompt-file -: standard input is not UTF-8 text\n"
+
+
+def test_help_reads_as_plain_text(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = capsys.readouterr().out
+    assert "``" not in help_text and "generate at most this many tokens" in help_text
+    assert "prefill_seconds and decode_seconds include" in help_text
