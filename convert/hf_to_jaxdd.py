@@ -21,7 +21,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxdd.checkpoint import Kind, get_path, set_path, write_checkpoint
-from jaxdd.config import DrafterConfig, KimiConfig
+from jaxdd.config import DrafterConfig, KimiConfig, in_file
 from jaxdd.drafter import abstract_drafter
 from jaxdd.hf_weights import (
     HFCheckpoint,
@@ -80,14 +80,14 @@ def convert(
     experts: ExpertFormat | None = None
     if is_drafter_config(source.raw_config):
         kind: Kind = "drafter"
-        config = DrafterConfig.from_hf(source.raw_config)
+        config = in_file(source.config_path, DrafterConfig.from_hf, source.raw_config)
         mappings = list(drafter_mappings(config))
         source.check(mappings)
         abstract = abstract_drafter(config, dtype)[1]
         stored_config = source.raw_config
     else:
         kind = "target"
-        config = KimiConfig.from_hf(source.raw_config)
+        config = in_file(source.config_path, KimiConfig.from_hf, source.raw_config)
         experts = DENSE if dequantize_experts else source.stored_expert_format()
         mappings = list(target_mappings(config, experts))
         source.check(mappings, ignored=mtp_layers(config))

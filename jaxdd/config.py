@@ -93,7 +93,7 @@ class KimiConfig:
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> KimiConfig:
-        return cls.from_hf(_read_json(path))
+        return in_file(path, cls.from_hf, _read_json(path))
 
     def to_hf(self) -> dict[str, Any]:
         """The equivalent HF ``deepseek_v3`` config dict (what transformers' DeepseekV3Config accepts)."""
@@ -117,7 +117,17 @@ class KimiConfig:
 
 
 def _read_json(path: str | Path) -> Any:
+    if not Path(path).exists():
+        raise ConfigError(f"{path}: no such config file")
     return read_json(path, ConfigError)
+
+
+def in_file(path: str | Path, parse, raw: Mapping[str, Any]):
+    """``parse(raw)``, a ConfigError naming the file ``path`` it was read from."""
+    try:
+        return parse(raw)
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None
 
 
 def yarn_mscale(scale: float, mscale: float) -> float:
@@ -347,6 +357,7 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    vocab_size: int | None = None  # z-lab configs state it; the drafter uses the target's embedding and lm_head
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> DrafterConfig:
@@ -391,6 +402,7 @@ class DrafterConfig:
             input_embedding_scale=m.get("input_embedding_scale", float, 1.0),
             output_multiplier=m.get("output_multiplier", float, 1.0),
             final_logit_softcapping=softcap if softcap else None,
+            vocab_size=r.get("vocab_size", int, None),
         )
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             raise r._fail("num_key_value_heads", f"{cfg.num_key_value_heads} does not divide {heads} heads")
@@ -400,7 +412,7 @@ class DrafterConfig:
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> DrafterConfig:
-        return cls.from_hf(_read_json(path))
+        return in_file(path, cls.from_hf, _read_json(path))
 
     def check_fits(self, target: KimiConfig) -> None:
         """Raise ConfigError unless this drafter can draft for ``target``."""
@@ -408,6 +420,11 @@ class DrafterConfig:
             raise ConfigError(
                 f"drafter hidden_size {self.hidden_size} != target hidden_size {target.hidden_size} "
                 "(the drafter reads the target's embeddings and feeds its lm_head)"
+            )
+        if self.vocab_size is not None and self.vocab_size != target.vocab_size:
+            raise ConfigError(
+                f"drafter vocab_size {self.vocab_size} != target vocab_size {target.vocab_size} (a drafter for "
+                "another target: it drafts with this target's embeddings and lm_head)"
             )
         bad = [i for i in self.target_layer_ids if i >= target.num_hidden_layers]
         if bad:

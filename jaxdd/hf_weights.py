@@ -28,7 +28,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 
 from jaxdd.checkpoint import get_path, set_path
-from jaxdd.config import DrafterConfig, KimiConfig
+from jaxdd.config import DrafterConfig, KimiConfig, in_file
 from jaxdd.drafter import DFlashDrafter, abstract_drafter
 from jaxdd.errors import CheckpointError, ConfigError, read_json
 from jaxdd.quant import DENSE, ExpertFormat, dequantize_fp8_blocks, dequantize_int4_groups
@@ -217,7 +217,8 @@ class HFCheckpoint:
         self.directory = Path(directory)
         if not (self.directory / "config.json").is_file():
             raise CheckpointError(f"{self.directory}: no config.json (is this an HF checkpoint directory?)")
-        self.raw_config: dict[str, Any] = read_json(self.directory / "config.json", ConfigError)
+        self.config_path = self.directory / "config.json"
+        self.raw_config: dict[str, Any] = read_json(self.config_path, ConfigError)
         files, weight_map = _shard_files(self.directory)
         self.tensors: dict[str, TensorInfo] = {}
         for file in files:
@@ -412,7 +413,7 @@ def load_hf_target(
     experts: how to hold the routed experts; default as the checkpoint stores them (INT4 / FP8 stay quantized).
     """
     source = HFCheckpoint(directory)
-    config = KimiConfig.from_hf(source.raw_config)
+    config = in_file(source.config_path, KimiConfig.from_hf, source.raw_config)
     experts = source.stored_expert_format() if experts is None else experts
     mappings = list(target_mappings(config, experts))
     source.check(mappings, ignored=mtp_layers(config))
@@ -422,9 +423,10 @@ def load_hf_target(
 def load_hf_drafter(directory: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> DFlashDrafter:
     """A ``DFlashDrafter`` from a z-lab DFlash checkpoint directory (config.json + safetensors)."""
     source = HFCheckpoint(directory)
-    mappings = list(drafter_mappings(DrafterConfig.from_hf(source.raw_config)))
+    config = in_file(source.config_path, DrafterConfig.from_hf, source.raw_config)
+    mappings = list(drafter_mappings(config))
     source.check(mappings)
-    return _fill(source, mappings, abstract_drafter(DrafterConfig.from_hf(source.raw_config), dtype))
+    return _fill(source, mappings, abstract_drafter(config, dtype))
 
 
 def mtp_layers(config: KimiConfig) -> Callable[[str], bool]:

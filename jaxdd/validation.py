@@ -120,11 +120,11 @@ def check_lengths(
 
 
 def check_stop_ids(stop_token_ids: list[int] | None, config: KimiConfig) -> list[int]:
-    """The stop ids (default: the model's EOS ids), at most ``MAX_STOP_TOKENS``."""
+    """The stop ids (default: the model's EOS ids), at most ``MAX_STOP_TOKENS``; negative ids never stop."""
     stops = list(config.eos_token_ids if stop_token_ids is None else stop_token_ids)
     if len(stops) > MAX_STOP_TOKENS:
         raise InputError(f"stop_token_ids: at most {MAX_STOP_TOKENS}, got {len(stops)}")
-    outside = [s for s in stops if not 0 <= s < config.vocab_size]
-    if outside:  # such an id could never stop anything
+    outside = [s for s in stops if s >= config.vocab_size]
+    if outside:  # such an id could never stop anything (a negative one, e.g. -1, says so on purpose)
         raise InputError(f"stop_token_ids: {outside[0]} outside the vocabulary [0, {config.vocab_size})")
     return stops

@@ -216,3 +216,18 @@ def test_help_reads_as_plain_text(capsys):
     help_text = capsys.readouterr().out
     assert "``" not in help_text and "generate at most this many tokens" in help_text
     assert "prefill_seconds and decode_seconds include" in help_text
+
+
+def test_the_wrong_drafter_is_refused_by_name(checkpoints, tmp_path, capsys):
+    """A target directory given as the drafter, and a drafter for another vocabulary: errors naming the file or
+    the mismatch, not a missing field or silently wrong drafts."""
+    _, target, drafter = checkpoints
+    assert main(["--checkpoint", str(target), "--drafter", str(target), "--prompt-ids", "1", "--dtype", "float32"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxdd: {target / 'config.json'}: ") and "missing" in err
+    other = tmp_path / "other_vocab"
+    shutil.copytree(drafter, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(config | {"vocab_size": 512}))
+    assert main(["--checkpoint", str(target), "--drafter", str(other), "--prompt-ids", "1", "--dtype", "float32"]) == 2
+    assert "drafter vocab_size 512 != target vocab_size 256" in capsys.readouterr().err
