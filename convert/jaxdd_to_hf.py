@@ -18,8 +18,18 @@ from flax import nnx
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
-from jaxdd.checkpoint import abstract_model, atomic_directory, get_path, group_path, read_meta, restore_groups
+from jaxdd.checkpoint import (
+    MARKER,
+    abstract_model,
+    atomic_directory,
+    get_path,
+    group_path,
+    is_jaxdd_checkpoint,
+    read_meta,
+    restore_groups,
+)
 from jaxdd.config import DrafterConfig, KimiConfig
+from jaxdd.errors import CheckpointError, ConfigError, checkpoint_directory, read_json
 from jaxdd.hf_weights import INDEX_FILE, Mapping, drafter_mappings, target_mappings
 from jaxdd.quant import ExpertFormat, dense_experts
 
@@ -28,11 +38,13 @@ FP32_TENSORS = ("e_score_correction_bias",)  # fp32 in the real checkpoints what
 
 def export(source_dir: str | Path, output_dir: str | Path, dtype: str | None = None, progress: bool = True) -> Path:
     """Write the HF layout of a jaxdd target or drafter checkpoint; ``dtype`` defaults to the stored one."""
-    source_dir = Path(source_dir)
-    kind = json.loads((source_dir / "jaxdd.json").read_text()).get("kind")
+    source_dir = checkpoint_directory(source_dir)
+    if not is_jaxdd_checkpoint(source_dir):
+        raise CheckpointError(f"{source_dir}: not a jaxdd checkpoint (no {MARKER}); hf-to-jaxdd converts HF ones")
+    kind = read_json(source_dir / MARKER).get("kind")
     meta = read_meta(source_dir, kind)
     dtype = jnp.dtype(dtype or meta["dtype"])
-    config = json.loads((source_dir / "config.json").read_text())
+    config = read_json(source_dir / "config.json", ConfigError)
     if kind == "target":
         experts = ExpertFormat.from_json(meta.get("experts", {}))
         mappings = list(target_mappings(KimiConfig.from_hf(config), experts=ExpertFormat()))

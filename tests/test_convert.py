@@ -256,3 +256,13 @@ def test_restore_lands_in_target_shardings(layouts, tmp_path):
     assert packed.addressable_shards[0].data.shape[0] == CONVERT_TINY["n_routed_experts"] // 8
     reference = jaxdd.load_target(tmp_path / "ckpt", dtype="float32")
     assert rel_err(jaxdd.Target(model).logits(IDS), reference.logits(IDS)) < 1e-6  # sharded sums reassociate
+
+
+def test_export_refuses_a_directory_that_is_not_a_jaxdd_checkpoint(layouts, tmp_path, capsys):
+    """jaxdd-to-hf on an HF directory (here one of the real layouts): one line naming the directory, exit code 2,
+    nothing written."""
+    source = layouts["int4"][0]
+    assert convert_main(["jaxdd-to-hf", str(source), str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{source}: not a jaxdd checkpoint (no jaxdd.json)" in err
+    assert nothing_written(tmp_path, "out")
