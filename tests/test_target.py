@@ -30,7 +30,7 @@ def pair(request, tmp_path_factory):
     model = hf_model(FLAVOURS[flavour], seed)
     directory = tmp_path_factory.mktemp(f"{flavour}{seed}")
     model.save_pretrained(directory)
-    return model, jaxdd.load_target(directory, dtype="float32"), np.random.default_rng(seed)
+    return model, jaxdd.load_target(directory, dtype="float32"), seed
 
 
 def hf_forward(model, ids, **kwargs):
@@ -45,7 +45,8 @@ def test_prefill_logits_and_taps_match_hf(pair, form):
     HF replaces its last hidden state by the final-normed one, so the last layer is not tapped here (DFlash
     taps end three layers before the last).
     """
-    model, target, rng = pair
+    model, target, seed = pair
+    rng = np.random.default_rng([seed, 1])  # this test's own draw, whatever ran before
     ids = rng.integers(0, target.config.vocab_size, (BATCH, 12))
     taps = (target.config.num_hidden_layers - 2, 0)
     out = target.forward(ids, target.new_cache(BATCH, SLOTS), taps=taps, attention=form)
@@ -57,7 +58,8 @@ def test_prefill_logits_and_taps_match_hf(pair, form):
 @pytest.mark.parametrize("decode_form", ["absorbed", "naive"])
 def test_incremental_decode_matches_full_forward(pair, decode_form):
     """Prefill a prefix, then decode one token at a time through the cache: every step equals HF's row."""
-    model, target, rng = pair
+    model, target, seed = pair
+    rng = np.random.default_rng([seed, 2])  # this test's own draw, whatever ran before
     ids = rng.integers(0, target.config.vocab_size, (BATCH, 12))
     out = target.forward(ids[:, :5], target.new_cache(BATCH, SLOTS))
     rows, cache = [np.asarray(out.logits)], out.cache
@@ -71,7 +73,8 @@ def test_incremental_decode_matches_full_forward(pair, decode_form):
 
 def test_tree_forward_matches_hf_with_4d_mask(pair):
     """Each row's tree sees the whole prefix and its own ancestors, at positions start + depth."""
-    model, target, rng = pair
+    model, target, seed = pair
+    rng = np.random.default_rng([seed, 3])  # this test's own draw, whatever ran before
     prefix_len, nodes = 5, 9
     prefix = rng.integers(0, target.config.vocab_size, (BATCH, prefix_len))
     tree = rng.integers(0, target.config.vocab_size, (BATCH, nodes))
@@ -99,12 +102,23 @@ def test_tree_forward_matches_hf_with_4d_mask(pair):
     assert rel_err(out.logits, expected[:, prefix_len:]) < TOL
 
 
+BF16_EPS = 2.0**-8  # bf16's unit roundoff (8 significand bits)
+
+
 def test_bf16_forward_tracks_fp32(pair):
-    """bf16 weights and activations stay close to fp32 (a check of the dtype plumbing, not of exactness)."""
-    _, target, rng = pair
-    ids = rng.integers(0, target.config.vocab_size, (BATCH, 12))
+    """bf16 weights and activations stay close to fp32 (a check of the dtype plumbing, not of exactness), per
+    position, within bounds from bf16's roundoff and the depth: the median position within eps x (layers + 1)
+    (measured at most 2.2 eps over 40 draws on every flavour), and 80% of them within 4x that. Not every position:
+    a rounding can flip a routing choice (a discrete top-k), which moves that position's logits further."""
+    _, target, seed = pair
+    ids = np.random.default_rng([seed, 4]).integers(0, target.config.vocab_size, (BATCH, 12))  # its own draw
     low = target.astype("bfloat16")
     assert low.model.layers[-1].mlp.router.weight.dtype == np.float32  # the router stays fp32
     assert low.model.embed.dtype == np.dtype("bfloat16")
     cache = target.new_cache(BATCH, SLOTS)
-    assert rel_err(low.forward(ids, low.new_cache(BATCH, SLOTS)).logits, target.forward(ids, cache).logits) < 0.05
+    ours = np.asarray(low.forward(ids, low.new_cache(BATCH, SLOTS)).logits, np.float64)
+    exact = np.asarray(target.forward(ids, cache).logits, np.float64)
+    per_position = np.abs(ours - exact).max(-1) / np.abs(exact).max(-1)
+    bound = BF16_EPS * (target.config.num_hidden_layers + 1)
+    assert np.median(per_position) <= bound
+    assert (per_position <= 4 * bound).mean() >= 0.8
