@@ -107,3 +107,28 @@ def test_text_prompts_use_the_target_tokenizer(tmp_path):
     assert read_prompts(prompts, DEMO / "target") == [expected, [5, 6, 7]]
     with pytest.raises(jaxdd.InputError, match="prompt 0 is text but .* has no tokenizer"):
         read_prompts(prompts, tmp_path)
+
+
+def test_unreadable_references_are_refused_by_name(references, tmp_path, capsys):
+    """A truncated, empty, random or foreign file given to compare: exit code 2 (1 is for a divergence) and one
+    line naming the file."""
+    whole = references["ar"].read_bytes()
+    foreign = tmp_path / "foreign.npz"
+    np.savez(foreign, weights=np.zeros(3))
+    cases = {"truncated.npz": whole[: len(whole) // 2], "empty.npz": b"", "random.npz": bytes(range(256)) * 8}
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+    for path in [*(tmp_path / name for name in cases), foreign]:
+        assert main(["compare", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{path}: not a" in err and "jaxdd cross-check reference" in err, err
+
+
+def test_dump_refuses_a_prompt_outside_the_vocabulary(models, tmp_path, capsys):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[1, 2, 3], [4, 256]]))  # TINY_K2 has 256 tokens
+    args = ["dump", "--target", str(models / "target"), "--prompts", str(prompts), "--method", "ar"]
+    assert main([*args, "--out", str(tmp_path / "r.npz")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "prompt 1: token_ids: id 256 at (0, 1) outside the vocabulary [0, 256)" in err
+    assert not (tmp_path / "r.npz").exists()

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from jaxdd.config import KimiConfig
 from jaxdd.crosscheck.trace import PromptTrace, pad_rows, save_traces, selected_positions
-from jaxdd.errors import InputError
+from jaxdd.errors import InputError, read_json
 from jaxdd.tokenizer import load_tokenizer
+from jaxdd.validation import check_tokens
 
 
 def read_prompts(path: str | Path, target_dir: str | Path) -> list[list[int]]:
     """A JSON list of prompts: token-id lists, or strings (encoded with the target's tokenizer.json)."""
-    prompts = json.loads(Path(path).read_text())
+    prompts = read_json(path, InputError)
     if not isinstance(prompts, list) or not prompts:
         raise InputError(f"{path}: expected a non-empty JSON list of prompts")
     tokenizer = load_tokenizer(target_dir)
@@ -52,12 +52,16 @@ def dump(
 
     if method != "ar" and drafter_dir is None:
         raise InputError(f"method {method!r} needs a drafter")
+    config = KimiConfig.from_json_file(Path(target_dir) / "config.json")
+    for i, prompt in enumerate(prompts):  # the references would fail on these with an IndexError
+        try:
+            check_tokens(prompt, config.vocab_size)
+        except InputError as error:
+            raise InputError(f"prompt {i}: {error}") from None
     target, drafter = ref.load_reference_models(target_dir, drafter_dir if method != "ar" else None)
     block = (block_size or drafter.block_size) if drafter is not None else 1
     budget = (budget or block - 1) if method == "ddtree" else None
-    stops = list(
-        KimiConfig.from_json_file(Path(target_dir) / "config.json").eos_token_ids if stop_ids is None else stop_ids
-    )
+    stops = list(config.eos_token_ids if stop_ids is None else stop_ids)
 
     traces = []
     for prompt in prompts:

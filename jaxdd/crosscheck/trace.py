@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +49,25 @@ def save_traces(path: str | Path, meta: dict[str, Any], traces: list[PromptTrace
 
 
 def load_traces(path: str | Path) -> tuple[dict[str, Any], list[PromptTrace]]:
-    with np.load(path) as data:
-        meta = json.loads(str(data["header"]))
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{path}: not a jaxdd cross-check reference (format {meta.get('format')!r})")
-        count = len({key.split("/")[0] for key in data.files if "/" in key})
-        fields = [f.name for f in dataclasses.fields(PromptTrace)]
-        traces = [PromptTrace(**{f: data[f"{i}/{f}"] for f in fields}) for i in range(count)]
+    """The reference in ``path``; a ValueError naming the file when it is not one (truncated, empty, foreign)."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {key: data[key] for key in data.files}
+        meta = json.loads(str(arrays["header"]))
+    except FileNotFoundError:
+        raise
+    except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as error:
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+        raise ValueError(f"{path}: not a readable jaxdd cross-check reference ({reason})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise ValueError(f"{path}: not a jaxdd cross-check reference (format {found!r})")
+    count = len({key.split("/")[0] for key in arrays if "/" in key})
+    fields = [f.name for f in dataclasses.fields(PromptTrace)]
+    try:
+        traces = [PromptTrace(**{f: arrays[f"{i}/{f}"] for f in fields}) for i in range(count)]
+    except KeyError as error:
+        raise ValueError(f"{path}: not a complete jaxdd cross-check reference (no {error})") from None
     return meta, traces
 
 
