@@ -11,9 +11,11 @@ so an interrupted save leaves nothing that ``is_jaxdd_checkpoint`` accepts (and 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -53,22 +55,57 @@ def groups_of(values: dict) -> Iterator[tuple[str, Any]]:
             yield key, value
 
 
+STAGING_LOCK = ".lock"  # held (flock) by the process writing a staging directory; the kernel drops it at any exit
+UNLOCKED_STAGING_SECONDS = 60  # a staging directory without a lock file this old was left by a crash
+
+
 @contextlib.contextmanager
 def atomic_directory(directory: str | Path) -> Iterator[Path]:
     """Yield a staging directory next to ``directory`` that is renamed to it when the block succeeds and
-    removed when it fails (an error, an interrupt), so ``directory`` is either complete or absent."""
+    removed when it fails (an error, an interrupt), so ``directory`` is either complete or absent. Staging
+    directories that a killed run left behind are removed first; a live one (another process writing
+    ``directory``) is refused."""
     directory = Path(directory).absolute()
     if directory.exists():
         raise FileExistsError(f"{directory} already exists; choose a new directory")
     directory.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_staging(directory)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
+    lock = (staging / STAGING_LOCK).open("w")
     try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        staging.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
         yield staging
-        staging.rename(directory)
+        (staging / STAGING_LOCK).unlink()
+        try:
+            staging.rename(directory)
+        except OSError:
+            raise FileExistsError(
+                f"{directory} appeared while this run wrote it (another run finished first)"
+            ) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        lock.close()
+
+
+def _remove_abandoned_staging(directory: Path) -> None:
+    """Remove the staging directories of ``directory`` whose writer is gone (its lock is free); refuse if one is
+    still being written."""
+    for staging in directory.parent.glob(f".{directory.name}.*"):
+        if not staging.is_dir():
+            continue
+        lock_file = staging / STAGING_LOCK
+        if lock_file.exists():
+            with lock_file.open("a") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise FileExistsError(f"{directory} is being written by another run (staging {staging})") from None
+        elif time.time() - staging.stat().st_mtime < UNLOCKED_STAGING_SECONDS:
+            continue  # just created by another run, which is about to lock it
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def write_checkpoint(

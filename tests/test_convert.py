@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -266,3 +269,26 @@ def test_export_refuses_a_directory_that_is_not_a_jaxdd_checkpoint(layouts, tmp_
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{source}: not a jaxdd checkpoint (no jaxdd.json)" in err
     assert nothing_written(tmp_path, "out")
+
+
+def test_a_killed_run_leaves_nothing_and_a_live_one_is_not_overrun(layouts, tmp_path, capsys):
+    """A process writing OUT is killed with SIGKILL (no cleanup can run): while it lives, a second conversion
+    into OUT is refused by name; after, a rerun removes the dead run's staging directory and leaves only OUT."""
+    source, out = layouts["int4"][0], tmp_path / "runs" / "out"
+    writer = (
+        "import sys, time\nfrom jaxdd.checkpoint import atomic_directory\n"
+        "with atomic_directory(sys.argv[1]) as staging:\n"
+        "    (staging / 'partial').write_bytes(bytes(1000))\n    print('staging', flush=True)\n    time.sleep(120)\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", writer, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "staging"
+        assert convert_main(["hf-to-jaxdd", str(source), str(out), "--quiet"]) == 2
+        assert f"{out} is being written by another run" in capsys.readouterr().err
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    assert [p.name for p in out.parent.iterdir()] != ["out"]  # the killed run's staging directory is still there
+    assert convert_main(["hf-to-jaxdd", str(source), str(out), "--quiet"]) == 0
+    assert [p.name for p in out.parent.iterdir()] == ["out"]
+    assert jaxdd.load_target(out, dtype="float32").config.num_hidden_layers > 0
