@@ -33,6 +33,7 @@ from jaxdd.hf_weights import (
 )
 from jaxdd.quant import DENSE, ExpertFormat
 from jaxdd.target import abstract_target
+from jaxdd.tokenizer import tokenizer_files
 
 
 @dataclasses.dataclass
@@ -98,7 +99,7 @@ def convert(
     total = sum(source.nbytes(m) for m in mappings)
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"converting {kind}", disable=not progress) as bar:
         groups = _groups(source, mappings, nnx.to_pure_dict(abstract), summary, bar)
-        write_checkpoint(output_dir, kind, stored_config, dtype, groups, experts)
+        write_checkpoint(output_dir, kind, stored_config, dtype, groups, experts, tokenizer_files(source_dir))
     summary.seconds = time.perf_counter() - start
     return summary
 

@@ -8,6 +8,7 @@ PyTorch references. Quantized routed experts are written dequantized, exactly as
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.errors import CheckpointError, ConfigError, checkpoint_directory, read_json
 from jaxdd.hf_weights import INDEX_FILE, Mapping, drafter_mappings, target_mappings
 from jaxdd.quant import ExpertFormat, dense_experts
+from jaxdd.tokenizer import tokenizer_files
 
 FP32_TENSORS = ("e_score_correction_bias",)  # fp32 in the real checkpoints whatever the model dtype
 
@@ -71,6 +73,8 @@ def export(source_dir: str | Path, output_dir: str | Path, dtype: str | None = N
         index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
         (staging / INDEX_FILE).write_text(json.dumps(index, indent=2))
         (staging / "config.json").write_text(json.dumps(config | {"dtype": dtype.name}, indent=2))
+        for file in tokenizer_files(source_dir):
+            shutil.copyfile(file, staging / file.name)
     if progress:
         print(f"exported {len(weight_map)} tensors, {total_size / 1e6:.1f} MB in {time.perf_counter() - start:.1f} s")
     return Path(output_dir).absolute()

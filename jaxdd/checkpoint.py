@@ -115,9 +115,11 @@ def write_checkpoint(
     dtype: jnp.dtype,
     groups: Iterable[tuple[str, Any]],
     experts: ExpertFormat | None = None,
+    extra_files: Iterable[Path] = (),
 ) -> Path:
     """Write a checkpoint atomically, one group at a time: ``groups`` yields (name, subtree of numpy or jax
-    arrays) and may build each group lazily, so only one is ever held."""
+    arrays) and may build each group lazily, so only one is ever held. ``extra_files`` (e.g. the tokenizer's)
+    are copied in beside the weights."""
     meta = {"format": FORMAT_VERSION, "kind": kind, "dtype": jnp.dtype(dtype).name, "groups": []}
     if experts is not None:
         meta["experts"] = experts.to_json()
@@ -127,6 +129,8 @@ def write_checkpoint(
             checkpointer.wait_until_finished()
             meta["groups"].append(group)
         (staging / "config.json").write_text(json.dumps(config, indent=2))
+        for file in extra_files:
+            shutil.copyfile(file, staging / file.name)
         (staging / MARKER).write_text(json.dumps(meta, indent=2))  # last: marks the checkpoint complete
     return Path(directory).absolute()
 

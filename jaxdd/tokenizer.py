@@ -149,6 +149,21 @@ def render_chat_template(template: str, messages: list[dict], **variables) -> st
         raise InputError(f"chat template: {error}") from None
 
 
+# What a checkpoint's tokenizer is made of: conversions carry these files along.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tiktoken.model",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
+
+
+def tokenizer_files(directory: str | Path) -> list[Path]:
+    """The tokenizer files present in a checkpoint directory."""
+    return [Path(directory) / name for name in TOKENIZER_FILES if (Path(directory) / name).is_file()]
+
+
 def load_tokenizer(directory: str | Path) -> TextTokenizer | None:
     """The checkpoint's tokenizer (tokenizer.json, else Kimi's tiktoken.model), or None when it ships none."""
     directory = checkpoint_directory(directory)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch
 from dflash.model import DFlashDraftModel
 from flax import nnx
 from safetensors.numpy import load_file, save_file
+from test_tokenizer import write_kimi_tokenizer
 from transformers import DeepseekV3ForCausalLM
 
 import jaxdd
@@ -26,6 +28,7 @@ from jaxdd.quant import Fp8Experts, Int4Experts
 from jaxdd.testing.hf_layouts import CONVERT_TINY, write_k2_instruct_fp8, write_k25_int4, write_reference
 from jaxdd.testing.reference import drafter_config, hf_drafter, hf_model, rel_err
 from jaxdd.testing.synthetic_checkpoint import measure_conversion, write_synthetic_target
+from jaxdd.tokenizer import load_tokenizer
 
 IDS = np.array([[5, 17, 3, 250, 9, 1, 77, 200]])
 
@@ -292,3 +295,18 @@ def test_a_killed_run_leaves_nothing_and_a_live_one_is_not_overrun(layouts, tmp_
     assert convert_main(["hf-to-jaxdd", str(source), str(out), "--quiet"]) == 0
     assert [p.name for p in out.parent.iterdir()] == ["out"]
     assert jaxdd.load_target(out, dtype="float32").config.num_hidden_layers > 0
+
+
+def test_tokenizer_and_chat_template_survive_both_conversions(layouts, tmp_path):
+    """Kimi's tokenizer files (tiktoken.model + tokenizer_config.json with its chat template) go along HF -> jaxdd
+    -> HF: text prompts, the chat turn and the <|im_end|> stop work on every copy."""
+    source = tmp_path / "with_tokenizer"
+    shutil.copytree(layouts["int4"][0], source)
+    write_kimi_tokenizer(source, {bytes([i]): i for i in range(256)})
+    convert(source, tmp_path / "jaxdd", progress=False)
+    export(tmp_path / "jaxdd", tmp_path / "back", progress=False)
+    original = load_tokenizer(source)
+    for copy in (tmp_path / "jaxdd", tmp_path / "back"):
+        tokenizer = load_tokenizer(copy)
+        assert tokenizer.chat_prompt("hello") == original.chat_prompt("hello")
+        assert tokenizer.stop_ids == original.stop_ids and len(original.stop_ids) == 2
