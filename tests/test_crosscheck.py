@@ -132,3 +132,51 @@ def test_dump_refuses_a_prompt_outside_the_vocabulary(models, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "prompt 1: token_ids: id 256 at (0, 1) outside the vocabulary [0, 256)" in err
     assert not (tmp_path / "r.npz").exists()
+
+
+def edited_reference(source, destination, edit):
+    """A copy of reference ``source`` with ``edit(header, arrays)`` applied (the fault is made here)."""
+    with np.load(source) as data:
+        arrays = {key: data[key] for key in data.files}
+    header = json.loads(str(arrays["header"]))
+    edit(header, arrays)
+    arrays["header"] = np.array(json.dumps(header))
+    np.savez_compressed(destination, **arrays)
+    return destination
+
+
+def test_a_tampered_reference_fails_and_says_what_differs(references, tmp_path, capsys):
+    """Same tokens are not enough: a reference whose method was switched (greedy DDTree and DFlash emit the same
+    tokens), whose acceptance array was cut, or whose hidden states were scaled must fail with exit code 1."""
+    ddtree, ar = references["ddtree"], references["ar"]
+
+    def as_dflash(header, arrays):
+        header["method"] = "dflash"
+
+    def cut_acceptance(header, arrays):
+        arrays["0/acceptance"] = arrays["0/acceptance"][:-1]
+
+    def scale_hidden(header, arrays):
+        arrays["1/hidden"] = arrays["1/hidden"] * 1.5
+
+    cases = [(ddtree, as_dflash, "reference: method 'dflash', but it holds DDTree trees")]
+    cases.append((ddtree, cut_acceptance, "acceptance first differs in round"))
+    cases.append((ar, scale_hidden, "hidden states first exceed it after layer 0"))
+    for i, (source, edit, message) in enumerate(cases):
+        path = edited_reference(source, tmp_path / f"edited{i}.npz", edit)
+        assert main(["compare", str(path)]) == 1, edit.__name__
+        text = capsys.readouterr().out
+        assert message in text and "result: FAIL" in text, (edit.__name__, text)
+
+
+def test_a_reference_from_another_machine_runs_on_local_models(references, models, tmp_path, capsys):
+    """The reference names the directories it was dumped from; --target / --drafter point at local copies."""
+    moved = edited_reference(
+        references["dflash"],
+        tmp_path / "moved.npz",
+        lambda header, arrays: header.update(target="/elsewhere/target", drafter="/elsewhere/drafter"),
+    )
+    assert main(["compare", str(moved)]) == 2
+    assert "/elsewhere/target" in capsys.readouterr().err
+    local = ["--target", str(models / "target"), "--drafter", str(models / "drafter")]
+    assert main(["compare", str(moved), *local]) == 0

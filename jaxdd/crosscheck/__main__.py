@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare = commands.add_parser("compare", help="run jaxdd on this backend and compare with a reference")
     compare.add_argument("reference", help="file written by dump")
     compare.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    compare.add_argument("--target", help="the target checkpoint (default: the directory the reference names)")
+    compare.add_argument("--drafter", help="the drafter checkpoint (default: the directory the reference names)")
     compare.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from jaxdd.crosscheck.compare import compare
 
-        report = compare(args.reference, DTYPES[args.dtype])
+        report = compare(args.reference, DTYPES[args.dtype], args.target, args.drafter)
     except (CheckpointError, ConfigError, InputError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

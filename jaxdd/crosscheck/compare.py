@@ -49,8 +49,11 @@ class PromptReport:
 
     @property
     def unexplained(self) -> bool:
+        """Tokens that diverge without a near-tie, acceptance lengths that differ while the rounds' inputs still
+        agreed, or logits or hidden states out of tolerance."""
         diverged = self.divergence is not None and not self.divergence["explained"]
-        return diverged or self.first_logit_excess is not None
+        excess = self.first_logit_excess is not None or self.first_hidden_excess is not None
+        return diverged or excess or not self.acceptance_equal
 
 
 @dataclasses.dataclass
@@ -60,10 +63,11 @@ class Report:
     backend: str
     tolerance: float
     prompts: list[PromptReport]
+    inconsistency: str | None = None  # the reference's data do not fit its stated method
 
     @property
     def ok(self) -> bool:
-        return not any(p.unexplained for p in self.prompts)
+        return self.inconsistency is None and not any(p.unexplained for p in self.prompts)
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -74,10 +78,17 @@ class Report:
 
     def __str__(self) -> str:
         lines = [f"jaxdd cross-check: {self.method}, jaxdd {self.dtype} on {self.backend} vs the PyTorch reference"]
+        if self.inconsistency is not None:
+            lines.append(f"reference: {self.inconsistency}")
         for p in self.prompts:
             lines.append(f"prompt {p.prompt}: " + "; ".join(_prompt_lines(p, self.tolerance)))
         bad = sum(p.unexplained for p in self.prompts)
-        lines.append("result: OK" if self.ok else f"result: FAIL ({bad} prompt(s) with unexplained divergence)")
+        if self.ok:
+            lines.append("result: OK")
+        else:
+            why = [f"{bad} prompt(s) with unexplained divergence"] if bad else []
+            why += ["the reference contradicts its method"] if self.inconsistency else []
+            lines.append(f"result: FAIL ({'; '.join(why)})")
         return "\n".join(lines)
 
 
@@ -121,17 +132,32 @@ def _prompt_lines(p: PromptReport, tolerance: float) -> list[str]:
     return out
 
 
-def compare(reference_path, dtype: str = "float32") -> Report:
-    """Run jaxdd (on this process's devices, ``dtype``) on the reference's inputs and compare."""
+def compare(reference_path, dtype: str = "float32", target_dir=None, drafter_dir=None) -> Report:
+    """Run jaxdd (on this process's devices, ``dtype``) on the reference's inputs and compare. The models are the
+    ones the reference names, or ``target_dir`` / ``drafter_dir`` (a reference dumped on another machine)."""
     import jaxdd
 
     meta, traces = load_traces(reference_path)
-    target = jaxdd.load_target(meta["target"], dtype=dtype)
-    drafter = jaxdd.load_drafter(meta["drafter"], dtype=dtype) if meta["method"] != "ar" else None
+    target = jaxdd.load_target(target_dir or meta["target"], dtype=dtype)
+    drafter = jaxdd.load_drafter(drafter_dir or meta["drafter"], dtype=dtype) if meta["method"] != "ar" else None
     decoder = SpeculativeDecoder(target, drafter)
     tolerance = TOLERANCE[dtype]
     reports = [_compare_prompt(i, t, meta, target, decoder, tolerance) for i, t in enumerate(traces)]
-    return Report(meta["method"], dtype, decoder.backend.platform, tolerance, reports)
+    return Report(meta["method"], dtype, decoder.backend.platform, tolerance, reports, _inconsistency(meta, traces))
+
+
+def _inconsistency(meta, traces: list[PromptTrace]) -> str | None:
+    """What in the reference contradicts its method: drafts without a drafter, trees without DDTree, or the
+    other way round (greedy DFlash and DDTree emit the same tokens, so the tokens cannot tell)."""
+    method = meta["method"]
+    drafts = any(t.draft_topk.size and (t.draft_topk >= 0).any() for t in traces)
+    trees = any(t.tree_tokens.size and (t.tree_tokens >= 0).any() for t in traces)
+    rounds = sum(len(t.acceptance) for t in traces)
+    if rounds and drafts != (method != "ar"):
+        return f"method {method!r}, but it holds {'drafts' if drafts else 'no drafts'}"
+    if rounds and trees != (method == "ddtree"):
+        return f"method {method!r}, but it holds {'DDTree trees' if trees else 'no trees'}"
+    return None
 
 
 def _compare_prompt(index: int, ref: PromptTrace, meta, target, decoder, tolerance: float) -> PromptReport:
@@ -154,8 +180,10 @@ def _compare_prompt(index: int, ref: PromptTrace, meta, target, decoder, toleran
 
     acceptance = np.asarray(ours.acceptance_lengths)
     rounds = min(len(acceptance), len(ref.acceptance), last_round + 1)
-    acc_diff = np.flatnonzero(acceptance[:rounds] != ref.acceptance[:rounds])
+    same_inputs = rounds if first is None else min(rounds, last_round)  # a diverging round may accept otherwise
+    acc_diff = np.flatnonzero(acceptance[:same_inputs] != ref.acceptance[:same_inputs])
     acceptance_equal = not acc_diff.size and (first is not None or len(acceptance) == len(ref.acceptance))
+    first_acceptance = int(acc_diff[0]) if acc_diff.size else None if acceptance_equal else same_inputs
 
     draft_rounds = min(len(ours.draft_topk), len(ref.draft_topk), rounds)
     top1, topk, first_draft = 0, [], None
@@ -205,7 +233,7 @@ def _compare_prompt(index: int, ref: PromptTrace, meta, target, decoder, toleran
         matching_tokens=len(ref.tokens) if first is None else first,
         divergence=divergence,
         acceptance_equal=bool(acceptance_equal),
-        first_acceptance_difference=int(acc_diff[0]) if acc_diff.size else None,
+        first_acceptance_difference=first_acceptance,
         draft_rounds=draft_rounds,
         draft_top1_agree=top1,
         draft_topk_agreement=float(np.mean(topk)) if topk else 1.0,
