@@ -93,8 +93,9 @@ def atomic_directory(directory: str | Path) -> Iterator[Path]:
 def _remove_abandoned_staging(directory: Path) -> None:
     """Remove the staging directories of ``directory`` whose writer is gone (its lock is free); refuse if one is
     still being written."""
-    for staging in directory.parent.glob(f".{directory.name}.*"):
-        if not staging.is_dir():
+    prefix = f".{directory.name}."
+    for staging in directory.parent.glob(f"{prefix}*"):
+        if not staging.is_dir() or "." in staging.name[len(prefix) :]:  # not ours: another output's, e.g. OUT.x
             continue
         lock_file = staging / STAGING_LOCK
         if lock_file.exists():
