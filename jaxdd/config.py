@@ -117,9 +117,7 @@ class KimiConfig:
 
 
 def _read_json(path: str | Path) -> Any:
-    if not Path(path).exists():
-        raise ConfigError(f"{path}: no such config file")
-    return read_json(path, ConfigError)
+    return read_json(path, ConfigError, "config file")
 
 
 def in_file(path: str | Path, parse, raw: Mapping[str, Any]):

@@ -125,12 +125,12 @@ class SpeculativeDecoder:
         self.attention = self.backend.attention(attention)
         self.mesh = mesh_of(target.model)  # set when the models were placed with jaxdd.sharding.shard_module
         target_spec, target_weights = split_module(target.model)
-        self._target_only = Models(target_weights, None, target_spec, None)
+        self._target_only = Models(target_weights, None, target_spec=target_spec, drafter_spec=None)
         self._models = self._target_only
         if drafter is not None:
             drafter.config.check_fits(self.config)
             drafter_spec, drafter_weights = split_module(drafter)
-            self._models = Models(target_weights, drafter_weights, target_spec, drafter_spec)
+            self._models = Models(target_weights, drafter_weights, target_spec=target_spec, drafter_spec=drafter_spec)
 
     def generate(self, prompt_ids, *, sampling: Sampling = GREEDY, **options) -> Generation:
         """Decode up to ``max_new_tokens`` after one prompt; see ``generate_batch`` for the options."""
@@ -258,7 +258,7 @@ class SpeculativeDecoder:
         drafter_block = None if self.drafter is None else self.drafter.config.block_size
         options = (block_size, budget, max_children)
         block, budget = check_round_options(method, self.drafter is not None, drafter_block, *options)
-        lengths, max_lengths = check_lengths(checked, lengths, self.config)
+        max_lengths = check_lengths(checked, lengths, self.config)
         verify_width = budget + 1 if method == "ddtree" else block
 
         rows = bucket(n, minimum=1)

@@ -17,13 +17,14 @@ class InputError(ValueError):
     """Token ids, positions, masks, cache sizes or generation settings that the model cannot take."""
 
 
-def read_json(path: str | Path, error: type[ValueError] = CheckpointError) -> Any:
-    """The JSON in ``path``, or ``error`` naming the file when it is missing, not text or not JSON."""
+def read_json(path: str | Path, error: type[ValueError] = CheckpointError, what: str = "file") -> Any:
+    """The JSON in ``path``, or ``error`` naming the file when it is missing ("no such ``what``"), not text or
+    not JSON."""
     path = Path(path)
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise error(f"{path}: no such file") from None
+        raise error(f"{path}: no such {what}") from None
     except UnicodeDecodeError:
         raise error(f"{path}: not UTF-8 text") from None
     except json.JSONDecodeError as e:

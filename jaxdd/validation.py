@@ -103,10 +103,8 @@ def check_tree_logits(tree_logits: str) -> TreeLogits:
     return tree_logits
 
 
-def check_lengths(
-    prompts: list[np.ndarray], max_new_tokens: list[int], config: KimiConfig
-) -> tuple[list[int], list[int]]:
-    """(max_new_tokens, max_length = prompt + max_new_tokens) per request, within the model's positions."""
+def check_lengths(prompts: list[np.ndarray], max_new_tokens: list[int], config: KimiConfig) -> list[int]:
+    """max_length = prompt + max_new_tokens per request, within the model's positions."""
     if any(not isinstance(m, int) or m < 1 for m in max_new_tokens):
         raise InputError(f"max_new_tokens: must be >= 1 (an integer, or one per prompt), got {max_new_tokens}")
     max_lengths = [len(p) + m for p, m in zip(prompts, max_new_tokens, strict=True)]
@@ -116,7 +114,7 @@ def check_lengths(
             f"request {i}: prompt ({len(prompts[i])}) + max_new_tokens ({max_new_tokens[i]}) exceeds the model's "
             f"max_position_embeddings ({config.max_position_embeddings})"
         )
-    return max_new_tokens, max_lengths
+    return max_lengths
 
 
 def check_stop_ids(stop_token_ids: list[int] | None, config: KimiConfig) -> list[int]:
