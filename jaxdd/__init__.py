@@ -20,7 +20,7 @@ from jaxdd.cache import LatentCache
 from jaxdd.checkpoint import save_drafter, save_target
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoder import Generation, SpeculativeDecoder
-from jaxdd.errors import CheckpointError, ConfigError, InputError
+from jaxdd.errors import CheckpointError, ConfigError, InputError, LargeRoundWarning
 from jaxdd.sampling import Sampling
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "Generation",
     "InputError",
     "KimiConfig",
+    "LargeRoundWarning",
     "LatentCache",
     "Sampling",
     "SpeculativeDecoder",

@@ -9,7 +9,9 @@ host's default backend.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Literal
 
 import jax
@@ -72,6 +74,22 @@ class Backend:
         if 3 * tokens * experts * hidden * ffn <= self.DENSE_MAX_FLOPS:
             return "dense"
         return "scan" if quantized else "grouped"
+
+    @staticmethod
+    def free_bytes(devices: Iterable[Any]) -> int | None:
+        """What one of ``devices`` can still allocate: its allocator's limit less what is in use (GPU, TPU), or
+        this host's available memory shared among its devices (CPU: XLA:CPU allocates from host memory); None
+        where neither is known."""
+        devices = list(devices)
+        stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
+        if stats and "bytes_limit" in stats:
+            return min(d.memory_stats()["bytes_limit"] - d.memory_stats().get("bytes_in_use", 0) for d in devices)
+        try:
+            meminfo = Path("/proc/meminfo").read_text()
+        except OSError:
+            return None
+        available = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.MULTILINE)
+        return int(available.group(1)) * 1024 // len(devices) if available else None
 
     def kernel_options(self) -> dict[str, Any]:
         """Keyword arguments for ``pallas_kernels.tree_attention``: interpreted on CPU; on GPU through Triton,

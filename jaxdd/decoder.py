@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable
 from typing import Literal, Protocol
 
@@ -16,7 +17,7 @@ import numpy as np
 from jaxdd.backend import Backend
 from jaxdd.compile_time import compile_clock
 from jaxdd.drafter import DFlashDrafter
-from jaxdd.errors import InputError
+from jaxdd.errors import InputError, LargeRoundWarning
 from jaxdd.jit_state import split_module
 from jaxdd.rounds import DecodeState, Models, Requests, RoundSpec, decode_round, prefill
 from jaxdd.sampling import GREEDY, Sampling, SamplingArrays
@@ -39,6 +40,9 @@ PROMPT_BUCKETS_PER_OCTAVE = 8
 PROMPT_MIN_STEP = 16  # prompt sizes are multiples of this (short prompts: fewer shapes to compile)
 CACHE_BUCKETS_PER_OCTAVE = 4
 CACHE_ALIGN = 64  # cache sizes past this are multiples of it: the tree-attention kernel reads blocks of up to 64
+# A DDTree round past this many nodes per drafted position gets a note: deeper candidates are rarely accepted (the
+# demo pair's tau grows 3.77 -> 4.35 from budget 16 to 64 at block 8, benchmarks/README.md), each costs verify work.
+NODES_PER_POSITION_NOTE = 16
 
 
 class LoadedTarget(Protocol):
@@ -281,10 +285,46 @@ class SpeculativeDecoder:
         spec = self.round_spec(method, block, budget, max_children, sampled, trace_topk, check_tree_logits(tree_logits))
         plan = RequestPlan(spec, n, lengths, requests)
         state = prefill(spec, self._models_for(spec), tokens, prompt_len, requests, seeds, slots, self.mesh)
+        self._check_round_size(plan, state)
         return plan, state
+
+    def _check_round_size(self, plan: RequestPlan, state: DecodeState) -> None:
+        """Compile the round (``step`` then reuses it) and refuse it, naming the option that sizes it, when its
+        working memory is more than the devices have free; warn (``LargeRoundWarning``) when it verifies far
+        more tokens than it can accept. Without the check an oversized round dies of an out-of-memory
+        traceback, and a merely huge one runs at a fraction of a token per second without a word."""
+        spec = plan.spec
+        width = {"ar": 1, "dflash": spec.block, "ddtree": (spec.budget or 0) + 1}[spec.method]
+        option = {"ar": "the batch", "dflash": f"block_size {spec.block}", "ddtree": f"budget {spec.budget}"}
+        what = f"the {spec.method} round verifies {width} tokens per request ({option[spec.method]})"
+        try:
+            stats = self.lower_round(plan, state).compile().memory_analysis()
+        except jax.errors.JaxRuntimeError as error:  # GPU/TPU compilers refuse what cannot fit
+            if "RESOURCE_EXHAUSTED" not in str(error):
+                raise
+            raise InputError(f"{what} and does not fit the device: {str(error).splitlines()[0]}") from None
+        needed = stats.temp_size_in_bytes if stats is not None else 0
+        free = Backend.free_bytes(jax.tree.leaves(state.bonus)[0].sharding.device_set)
+        if free is not None and needed > free:
+            raise InputError(
+                f"{what} and needs {gigabytes(needed)} of working memory per device, {gigabytes(free)} is free; "
+                f"lower {option[spec.method].split()[0]}"
+            )
+        trained = None if self.drafter is None else self.drafter.config.block_size
+        if spec.method != "ar" and spec.block > trained:
+            note = f"past the drafter's trained block of {trained} (its later positions are untrained)"
+        elif spec.method == "ddtree" and spec.budget > NODES_PER_POSITION_NOTE * (spec.block - 1):
+            note = f"to accept at most {spec.block}: over {NODES_PER_POSITION_NOTE} nodes per drafted position"
+        else:
+            return
+        warnings.warn(f"{what} {note}; it needs {gigabytes(needed)} of working memory per device", LargeRoundWarning, 3)
 
     def _models_for(self, spec: RoundSpec) -> Models:
         return self._target_only if spec.method == "ar" else self._models
+
+
+def gigabytes(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def _record_trace(result: Generation, trace: np.ndarray, spec: RoundSpec) -> None:

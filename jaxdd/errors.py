@@ -17,6 +17,10 @@ class InputError(ValueError):
     """Token ids, positions, masks, cache sizes or generation settings that the model cannot take."""
 
 
+class LargeRoundWarning(UserWarning):
+    """A round that verifies far more tokens than it can accept (slow; the CLI prints it as a note)."""
+
+
 def read_json(path: str | Path, error: type[ValueError] = CheckpointError, what: str = "file") -> Any:
     """The JSON in ``path``, or ``error`` naming the file when it is missing ("no such ``what``"), not text or
     not JSON."""

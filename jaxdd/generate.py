@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import jaxdd
@@ -187,7 +188,18 @@ def summary_line(report: dict) -> str:
     )
 
 
+def print_note(message, *_) -> None:
+    print(f"jaxdd: note: {message}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", jaxdd.LargeRoundWarning)
+        warnings.showwarning = print_note
+        return run(argv)
+
+
+def run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     bundled = args.checkpoint is None

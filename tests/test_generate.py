@@ -231,3 +231,28 @@ def test_the_wrong_drafter_is_refused_by_name(checkpoints, tmp_path, capsys):
     (other / "config.json").write_text(json.dumps(config | {"vocab_size": 512}))
     assert main(["--checkpoint", str(target), "--drafter", str(other), "--prompt-ids", "1", "--dtype", "float32"]) == 2
     assert "drafter vocab_size 512 != target vocab_size 256" in capsys.readouterr().err
+
+
+def test_rounds_past_memory_are_refused_and_oversized_ones_noted(checkpoints, capsys):
+    """A DDTree budget whose round needs more working memory than the device has (the compiler's own figure)
+    is refused before the first round; rounds that verify far more than they can accept run, with a note."""
+    _, target, drafter = checkpoints
+    common = ["--checkpoint", str(target), "--drafter", str(drafter), "--prompt-ids", "7,100,42", "--dtype", "float32"]
+    assert main([*common, "--method", "ddtree", "--budget", "100000", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err  # after the "compiling ..." status line: the compile tells the size
+    assert "Traceback" not in err and re.fullmatch(
+        r"jaxdd: the ddtree round verifies 100001 tokens per request \(budget 100000\) and needs [\d.]+ GB of "
+        r"working memory per device, [\d.]+ GB is free; lower budget",
+        err.splitlines()[-1],
+    ), err
+    for flags, note in [
+        (["--method", "ddtree", "--budget", "64"], "(budget 64) to accept at most 4: over 16 nodes per drafted"),
+        (["--block-size", "12"], "(block_size 12) past the drafter's trained block of 4"),
+    ]:
+        assert main([*common, *flags, "--max-new-tokens", "8", "--stop-ids", "0", "--json"]) == 0
+        out, err = capsys.readouterr()
+        assert len(json.loads(out)["output_ids"]) == 8
+        notes = [line for line in err.splitlines() if line.startswith("jaxdd: note: ")]
+        assert len(notes) == 1 and note in notes[0] and "B of working memory per device" in notes[0], notes
+    assert main([*common, "--method", "ddtree", "--budget", "8", "--max-new-tokens", "4", "--json"]) == 0
+    assert "note" not in capsys.readouterr().err
