@@ -2,9 +2,11 @@
 
     python -m convert hf-to-jaxdd HF_DIR OUT_DIR [--dtype bfloat16|float32] [--dequantize-experts]
     python -m convert jaxdd-to-hf JAXDD_DIR OUT_DIR [--dtype bfloat16|float32]
+    python -m convert verify JAXDD_DIR
 
 hf-to-jaxdd reads a Kimi / DeepSeek-V3 target (plain, FP8 blocks, or INT4 pack-quantized experts) or a DFlash
-drafter; export writes safetensors + config.json that transformers and dflash load.
+drafter; export writes safetensors + config.json that transformers and dflash load; verify checks a jaxdd
+checkpoint's files against the sizes and sha256 checksums recorded when it was written.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 
 from convert.hf_to_jaxdd import convert
 from convert.jaxdd_to_hf import export
+from convert.verify import verify_checkpoint
 from jaxdd.errors import CheckpointError, ConfigError
 
 
@@ -31,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("source", help="jaxdd checkpoint directory")
     to_hf.add_argument("output", help="new directory for the HF checkpoint")
     to_hf.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: the checkpoint's")
-    for command in (to_jaxdd, to_hf):
+    verify = commands.add_parser("verify", help="check a jaxdd checkpoint's files against their recorded checksums")
+    verify.add_argument("source", help="jaxdd checkpoint directory")
+    for command in (to_jaxdd, to_hf, verify):
         command.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -41,8 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "hf-to-jaxdd":
             print(convert(args.source, args.output, args.dtype, args.dequantize_experts, progress=not args.quiet))
-        else:
+        elif args.command == "jaxdd-to-hf":
             export(args.source, args.output, args.dtype, progress=not args.quiet)
+        else:
+            print(verify_checkpoint(args.source, progress=not args.quiet))
     except (CheckpointError, ConfigError, FileExistsError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

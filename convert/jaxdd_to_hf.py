@@ -23,6 +23,7 @@ from jaxdd.checkpoint import (
     MARKER,
     abstract_model,
     atomic_directory,
+    check_files,
     get_path,
     group_path,
     is_jaxdd_checkpoint,
@@ -45,6 +46,7 @@ def export(source_dir: str | Path, output_dir: str | Path, dtype: str | None = N
         raise CheckpointError(f"{source_dir}: not a jaxdd checkpoint (no {MARKER}); hf-to-jaxdd converts HF ones")
     kind = read_json(source_dir / MARKER).get("kind")
     meta = read_meta(source_dir, kind)
+    check_files(source_dir, kind)
     dtype = jnp.dtype(dtype or meta["dtype"])
     config = read_json(source_dir / "config.json", ConfigError)
     if kind == "target":

@@ -22,7 +22,7 @@ from jaxdd.checkpoint import cast_model, is_jaxdd_checkpoint, load_checkpoint
 from jaxdd.config import KimiConfig
 from jaxdd.decoder import Generation, SpeculativeDecoder
 from jaxdd.drafter import DFlashDrafter
-from jaxdd.errors import InputError, checkpoint_directory
+from jaxdd.errors import CheckpointError, InputError, checkpoint_directory
 from jaxdd.hf_weights import load_hf_drafter, load_hf_target
 from jaxdd.jit_state import split_module
 from jaxdd.sampling import GREEDY, Sampling
@@ -36,22 +36,30 @@ class ForwardResult(NamedTuple):
     cache: LatentCache
 
 
-def load_target(path: str | Path, dtype: str | jnp.dtype = "bfloat16") -> Target:
+def load_target(path: str | Path, dtype: str | jnp.dtype = "bfloat16", verify: bool = False) -> Target:
     """Load a target from a jaxdd checkpoint or an HF checkpoint directory (config.json + safetensors, plain or
-    with FP8 / INT4 routed experts, which stay quantized)."""
-    path = checkpoint_directory(path)
+    with FP8 / INT4 routed experts, which stay quantized). ``verify``: check a jaxdd checkpoint's checksums
+    first (reads every byte once)."""
+    path = _checkpoint(path, verify)
     if is_jaxdd_checkpoint(path):
-        return Target(load_checkpoint(path, "target", jnp.dtype(dtype)))
+        return Target(load_checkpoint(path, "target", jnp.dtype(dtype), verify=verify))
     return Target(load_hf_target(path, jnp.dtype(dtype)))
 
 
-def load_drafter(path: str | Path, dtype: str | jnp.dtype = "bfloat16") -> DFlashDrafter:
+def load_drafter(path: str | Path, dtype: str | jnp.dtype = "bfloat16", verify: bool = False) -> DFlashDrafter:
     """Load a DFlash drafter from a jaxdd checkpoint or a z-lab checkpoint directory (config.json with
-    dflash_config + safetensors)."""
-    path = checkpoint_directory(path)
+    dflash_config + safetensors); ``verify`` as in ``load_target``."""
+    path = _checkpoint(path, verify)
     if is_jaxdd_checkpoint(path):
-        return load_checkpoint(path, "drafter", jnp.dtype(dtype))
+        return load_checkpoint(path, "drafter", jnp.dtype(dtype), verify=verify)
     return load_hf_drafter(path, jnp.dtype(dtype))
+
+
+def _checkpoint(path: str | Path, verify: bool) -> Path:
+    path = checkpoint_directory(path)
+    if verify and not is_jaxdd_checkpoint(path):
+        raise CheckpointError(f"{path}: an HF checkpoint, which records no checksums (jaxdd checkpoints do)")
+    return path
 
 
 @functools.partial(

@@ -16,7 +16,7 @@ import json
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from jaxdd import checksums
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.drafter import DFlashDrafter, abstract_drafter
 from jaxdd.errors import CheckpointError, read_json
@@ -120,8 +121,9 @@ def write_checkpoint(
 ) -> Path:
     """Write a checkpoint atomically, one group at a time: ``groups`` yields (name, subtree of numpy or jax
     arrays) and may build each group lazily, so only one is ever held. ``extra_files`` (e.g. the tokenizer's)
-    are copied in beside the weights."""
-    meta = {"format": FORMAT_VERSION, "kind": kind, "dtype": jnp.dtype(dtype).name, "groups": []}
+    are copied in beside the weights. Every file's size and sha256 go into the marker (``jaxdd.checksums``),
+    each group hashed as soon as it is written (while its files are in the page cache)."""
+    meta = {"format": FORMAT_VERSION, "kind": kind, "dtype": jnp.dtype(dtype).name, "groups": [], "files": {}}
     if experts is not None:
         meta["experts"] = experts.to_json()
     with atomic_directory(directory) as staging, ocp.StandardCheckpointer() as checkpointer:
@@ -129,9 +131,11 @@ def write_checkpoint(
             checkpointer.save(staging / "state" / group, {"params": tree})
             checkpointer.wait_until_finished()
             meta["groups"].append(group)
+            meta["files"] |= checksums.record(staging, [staging / "state" / group])
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         for file in extra_files:
             shutil.copyfile(file, staging / file.name)
+        meta["files"] |= checksums.record(staging, [staging / "config.json", *(staging / f.name for f in extra_files)])
         (staging / MARKER).write_text(json.dumps(meta, indent=2))  # last: marks the checkpoint complete
     return Path(directory).absolute()
 
@@ -155,6 +159,22 @@ def read_meta(directory: str | Path, kind: Kind) -> dict[str, Any]:
     if meta.get("kind") != kind:
         raise CheckpointError(f"{directory}: a jaxdd {meta.get('kind')} checkpoint, not a {kind}")
     return meta
+
+
+def check_files(
+    directory: str | Path, kind: Kind, verify: bool = False, progress: Callable[[int], None] = lambda n: None
+) -> None:
+    """Every file the marker records is there with its size, and with ``verify`` its sha256 (reads every byte,
+    calling ``progress(bytes)`` as it goes); a CheckpointError names the first that is not."""
+    directory = Path(directory).absolute()
+    files = read_meta(directory, kind).get("files")
+    if files is None:  # written before jaxdd recorded checksums
+        if verify:
+            raise CheckpointError(f"{directory / MARKER}: records no checksums (written by an older jaxdd); reconvert")
+    elif verify:
+        checksums.verify(directory, files, progress)
+    else:
+        checksums.check_sizes(directory, files)
 
 
 def abstract_model(directory: str | Path, kind: Kind) -> tuple[nnx.GraphDef, nnx.State]:
@@ -188,10 +208,16 @@ def restore_groups(directory: str | Path, abstract: dict, shardings: dict | None
 
 
 def load_checkpoint(
-    directory: str | Path, kind: Kind, dtype: jnp.dtype | None = None, shardings: dict | None = None
+    directory: str | Path,
+    kind: Kind,
+    dtype: jnp.dtype | None = None,
+    shardings: dict | None = None,
+    verify: bool = False,
 ) -> nnx.Module:
     """Restore a target or drafter checkpoint; ``dtype`` casts floating weights (router, quantized experts keep
-    theirs); ``shardings`` as in ``restore_groups``."""
+    theirs); ``shardings`` as in ``restore_groups``; file sizes are checked first, and with ``verify`` their
+    checksums too."""
+    check_files(directory, kind, verify)
     graphdef, abstract = abstract_model(directory, kind)
     values = nnx.to_pure_dict(abstract)
     for group, tree in restore_groups(directory, values, shardings):

@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: float32 on CPU (XLA:CPU has no bf16 matmul and upcasts: 2-3x slower), bfloat16 elsewhere",
     )
     parser.add_argument(
+        "--verify-checksums",
+        action="store_true",
+        help="check jaxdd checkpoints against the checksums recorded at conversion first (reads every byte once)",
+    )
+    parser.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object: ids, text, acceptance, timings (prefill_seconds and decode_seconds include "
@@ -219,8 +224,8 @@ def run(argv: list[str] | None) -> int:
     try:
         tokenizer = load_tokenizer(checkpoint)
         prompt_ids, prompt_text = read_prompt(args, tokenizer, bundled, parser)
-        target = jaxdd.load_target(checkpoint, dtype=dtype)
-        drafter = jaxdd.load_drafter(drafter_dir, dtype=dtype) if method != "ar" else None
+        target = jaxdd.load_target(checkpoint, dtype=dtype, verify=args.verify_checksums)
+        drafter = jaxdd.load_drafter(drafter_dir, dtype=dtype, verify=args.verify_checksums) if method != "ar" else None
         stop_ids = args.stop_ids
         if stop_ids is None:
             stop_ids = sorted(set(target.config.eos_token_ids) | set(tokenizer.stop_ids if tokenizer else ()))

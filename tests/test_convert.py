@@ -310,3 +310,56 @@ def test_tokenizer_and_chat_template_survive_both_conversions(layouts, tmp_path)
         tokenizer = load_tokenizer(copy)
         assert tokenizer.chat_prompt("hello") == original.chat_prompt("hello")
         assert tokenizer.stop_ids == original.stop_ids and len(original.stop_ids) == 2
+
+
+def test_damaged_checkpoints_are_named(layouts, tmp_path, capsys):
+    """Faults made to a converted checkpoint: 64 flipped bytes (found by `convert verify` and by loading with
+    verify, named by file), a truncated data file and a deleted group (found by the size check of every load),
+    a broken jaxdd.json; each one line, exit code 2. The undamaged checkpoint verifies."""
+    from jaxdd.generate import main as generate_main
+
+    good = tmp_path / "good"
+    convert(layouts["int4"][0], good, progress=False)
+    assert convert_main(["verify", str(good), "--quiet"]) == 0
+    assert "sizes and sha256 checksums match" in capsys.readouterr().out
+    files = json.loads((good / "jaxdd.json").read_text())["files"]
+    assert "config.json" in files and all(size > 0 for size, _ in files.values())
+    data = max(files, key=lambda name: files[name][0])  # a layer's packed experts
+    assert data.startswith("state/layers.")
+
+    def damaged(name: str, damage) -> Path:
+        copy = tmp_path / name
+        shutil.copytree(good, copy)
+        damage(copy)
+        return copy
+
+    def flip(copy: Path) -> None:
+        content = bytearray((copy / data).read_bytes())
+        content[100:164] = bytes(b ^ 0xFF for b in content[100:164])
+        (copy / data).write_bytes(bytes(content))
+
+    flipped = damaged("flipped", flip)
+    truncated = damaged("truncated", lambda c: (c / data).write_bytes((good / data).read_bytes()[:-1]))
+    no_group = damaged("no_group", lambda c: shutil.rmtree(c / "state" / "layers.1"))
+    broken_marker = damaged("broken_marker", lambda c: (c / "jaxdd.json").write_text('{"format": 2'))
+    size = (good / data).stat().st_size
+    verify_cases = [
+        (flipped, f"{flipped / data}: sha256 differs from the one recorded at conversion"),
+        (truncated, f"{truncated / data}: {size - 1} bytes, {size} recorded at conversion"),
+        (no_group, f"{no_group}/state/layers.1/"),
+        (broken_marker, f"{broken_marker / 'jaxdd.json'}: not valid JSON"),
+    ]
+    for directory, message in verify_cases:
+        assert convert_main(["verify", str(directory), "--quiet"]) == 2, directory
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    generate = ["--prompt-ids", "5,17,3", "--max-new-tokens", "2", "--dtype", "float32", "--json"]
+    assert generate_main(["--checkpoint", str(flipped), *generate]) == 0  # sizes agree: only a digest tells
+    capsys.readouterr()
+    for directory, message in [(flipped, "sha256 differs"), *verify_cases[1:]]:
+        extra = ["--verify-checksums"] if directory == flipped else []
+        assert generate_main(["--checkpoint", str(directory), *generate, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert convert_main(["jaxdd-to-hf", str(truncated), str(tmp_path / "out"), "--quiet"]) == 2
+    assert "recorded at conversion" in capsys.readouterr().err and nothing_written(tmp_path, "out")
