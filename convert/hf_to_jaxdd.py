@@ -99,7 +99,9 @@ def convert(
     total = sum(source.nbytes(m) for m in mappings)
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"converting {kind}", disable=not progress) as bar:
         groups = _groups(source, mappings, nnx.to_pure_dict(abstract), summary, bar)
-        write_checkpoint(output_dir, kind, stored_config, dtype, groups, experts, tokenizer_files(source_dir))
+        stored = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract))
+        extra = tokenizer_files(source_dir)
+        write_checkpoint(output_dir, kind, stored_config, dtype, groups, experts, extra, expected_bytes=stored)
     summary.seconds = time.perf_counter() - start
     return summary
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
+import re
 import shutil
 import tempfile
 import time
@@ -61,16 +63,21 @@ UNLOCKED_STAGING_SECONDS = 60  # a staging directory without a lock file this ol
 
 
 @contextlib.contextmanager
-def atomic_directory(directory: str | Path) -> Iterator[Path]:
+def atomic_directory(directory: str | Path, needed_bytes: int = 0) -> Iterator[Path]:
     """Yield a staging directory next to ``directory`` that is renamed to it when the block succeeds and
     removed when it fails (an error, an interrupt), so ``directory`` is either complete or absent. Staging
     directories that a killed run left behind are removed first; a live one (another process writing
-    ``directory``) is refused."""
+    ``directory``) is refused, and so is a disk with less than ``needed_bytes`` free."""
     directory = Path(directory).absolute()
     if directory.exists():
         raise FileExistsError(f"{directory} already exists; choose a new directory")
     directory.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_staging(directory)
+    free = shutil.disk_usage(directory.parent).free
+    if needed_bytes > free:
+        raise CheckpointError(
+            f"{directory}: needs up to {needed_bytes / 1e6:,.1f} MB, {free / 1e6:,.1f} MB free on {directory.parent}"
+        )
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     lock = (staging / STAGING_LOCK).open("w")
     try:
@@ -118,26 +125,64 @@ def write_checkpoint(
     groups: Iterable[tuple[str, Any]],
     experts: ExpertFormat | None = None,
     extra_files: Iterable[Path] = (),
+    expected_bytes: int = 0,
 ) -> Path:
     """Write a checkpoint atomically, one group at a time: ``groups`` yields (name, subtree of numpy or jax
     arrays) and may build each group lazily, so only one is ever held. ``extra_files`` (e.g. the tokenizer's)
     are copied in beside the weights. Every file's size and sha256 go into the marker (``jaxdd.checksums``),
-    each group hashed as soon as it is written (while its files are in the page cache)."""
+    each group hashed as soon as it is written (while its files are in the page cache). With ``expected_bytes``
+    (the arrays' size), a destination without that much free space is refused before anything is written; a
+    write that fails (a full or read-only disk) is a CheckpointError, and nothing is kept."""
     meta = {"format": FORMAT_VERSION, "kind": kind, "dtype": jnp.dtype(dtype).name, "groups": [], "files": {}}
     if experts is not None:
         meta["experts"] = experts.to_json()
-    with atomic_directory(directory) as staging, ocp.StandardCheckpointer() as checkpointer:
-        for group, tree in groups:
-            checkpointer.save(staging / "state" / group, {"params": tree})
-            checkpointer.wait_until_finished()
-            meta["groups"].append(group)
-            meta["files"] |= checksums.record(staging, [staging / "state" / group])
-        (staging / "config.json").write_text(json.dumps(config, indent=2))
-        for file in extra_files:
-            shutil.copyfile(file, staging / file.name)
-        meta["files"] |= checksums.record(staging, [staging / "config.json", *(staging / f.name for f in extra_files)])
-        (staging / MARKER).write_text(json.dumps(meta, indent=2))  # last: marks the checkpoint complete
+    extra_files = list(extra_files)
+    needed = expected_bytes + sum(f.stat().st_size for f in extra_files) if expected_bytes else 0
+    try:
+        with (
+            atomic_directory(directory, needed) as staging,
+            ocp.StandardCheckpointer() as checkpointer,
+            _orbax_errors_raised_not_logged(),
+        ):
+            for group, tree in groups:
+                checkpointer.save(staging / "state" / group, {"params": tree})
+                checkpointer.wait_until_finished()
+                meta["groups"].append(group)
+                meta["files"] |= checksums.record(staging, [staging / "state" / group])
+            (staging / "config.json").write_text(json.dumps(config, indent=2))
+            for file in extra_files:
+                shutil.copyfile(file, staging / file.name)
+            written = [staging / "config.json", *(staging / f.name for f in extra_files)]
+            meta["files"] |= checksums.record(staging, written)
+            (staging / MARKER).write_text(json.dumps(meta, indent=2))  # last: marks the checkpoint complete
+    except (OSError, ValueError) as error:
+        reason = _write_failure(error)
+        if reason is None:
+            raise
+        raise CheckpointError(f"{Path(directory).absolute()}: cannot write ({reason}); nothing was kept") from None
     return Path(directory).absolute()
+
+
+@contextlib.contextmanager
+def _orbax_errors_raised_not_logged() -> Iterator[None]:
+    """Orbax logs a failed background write with its traceback before ``wait_until_finished`` raises it; the
+    raised error is what reaches the user (as one line when it is a failed write)."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
+
+
+def _write_failure(error: Exception) -> str | None:
+    """Why a write failed (e.g. "No space left on device"), or None for an error that is not a failed write:
+    OSErrors other than an existing output, and tensorstore's ValueErrors that carry an OS error code."""
+    if isinstance(error, OSError) and not isinstance(error, FileExistsError):
+        return error.strerror or str(error)
+    failed = re.search(r": ([^:\[]+) \[os_error_code", str(error)) if isinstance(error, ValueError) else None
+    return failed.group(1).strip() if failed else None
 
 
 def save_target(model: KimiTarget, directory: str | Path) -> Path:

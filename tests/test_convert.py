@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -363,3 +364,47 @@ def test_damaged_checkpoints_are_named(layouts, tmp_path, capsys):
         assert err.count("\n") == 1 and message in err, err
     assert convert_main(["jaxdd-to-hf", str(truncated), str(tmp_path / "out"), "--quiet"]) == 2
     assert "recorded at conversion" in capsys.readouterr().err and nothing_written(tmp_path, "out")
+
+
+def in_small_disk(disk: Path, mount_options: str, command: list[str]) -> subprocess.CompletedProcess:
+    """Run ``command`` with a tmpfs of ``mount_options`` at ``disk`` (a user + mount namespace: no root needed,
+    gone when the command ends), then list what is left on it."""
+    script = f'mount -t tmpfs -o {mount_options} none "$1" && shift && "$@"; code=$?; ls -A "{disk}"; exit $code'
+    return subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, "sh", str(disk), *command], capture_output=True, text=True, timeout=120
+    )
+
+
+def unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not unshare_works(), reason="needs unshare -rm (user namespaces) to mount a small tmpfs")
+def test_a_small_or_read_only_disk_is_refused_before_writing(layouts, tmp_path):
+    """Conversion onto a real 64 KB disk is refused from the sizes before anything is written; onto a read-only
+    disk the write fails as one line. Both exit 2 and leave the disk empty."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    command = [sys.executable, "-m", "convert", "hf-to-jaxdd", str(layouts["int4"][0]), str(disk / "out"), "--quiet"]
+    for options, message in [("size=64k", r"needs up to [\d.]+ MB, 0.1 MB free on "), ("ro", "Read-only file system")]:
+        run = in_small_disk(disk, options, command)
+        assert run.returncode == 2 and run.stdout == "", (options, run.stdout, run.stderr)
+        assert run.stderr.count("\n") == 1 and re.search(message, run.stderr), run.stderr
+
+
+def test_a_write_that_fails_midway_leaves_nothing(layouts, tmp_path):
+    """A file-size limit (RLIMIT_FSIZE) makes a write fail while the first group is written: one line naming the
+    output and the OS's reason, exit 2, no staging directory left (orbax's logged traceback is not shown)."""
+    limited = (
+        "import resource, signal, sys\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))\n"
+        "from convert.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
+    )
+    out = tmp_path / "runs" / "out"
+    argv = ["hf-to-jaxdd", str(layouts["int4"][0]), str(out), "--quiet"]
+    run = subprocess.run([sys.executable, "-c", limited, *argv], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr == f"error: {out}: cannot write (File too large); nothing was kept\n"
+    assert list(out.parent.iterdir()) == []
