@@ -53,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ConfigError, FileExistsError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            f"error: interrupted; {args.output if args.command != 'verify' else 'nothing'} was not written",
+            file=sys.stderr,
+        )
+        return 130
     return 0
 
 

@@ -16,7 +16,9 @@ import json
 import logging
 import re
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -143,12 +145,14 @@ def write_checkpoint(
             atomic_directory(directory, needed) as staging,
             ocp.StandardCheckpointer() as checkpointer,
             _orbax_errors_raised_not_logged(),
+            _interrupt_between_groups() as check_interrupt,
         ):
             for group, tree in groups:
                 checkpointer.save(staging / "state" / group, {"params": tree})
                 checkpointer.wait_until_finished()
                 meta["groups"].append(group)
                 meta["files"] |= checksums.record(staging, [staging / "state" / group])
+                check_interrupt()
             (staging / "config.json").write_text(json.dumps(config, indent=2))
             for file in extra_files:
                 shutil.copyfile(file, staging / file.name)
@@ -161,6 +165,32 @@ def write_checkpoint(
             raise
         raise CheckpointError(f"{Path(directory).absolute()}: cannot write ({reason}); nothing was kept") from None
     return Path(directory).absolute()
+
+
+@contextlib.contextmanager
+def _interrupt_between_groups() -> Iterator[Callable[[], None]]:
+    """Hold a Ctrl-C (SIGINT) until the group being written is complete: orbax writes from background threads,
+    and one interrupted mid-save goes on writing into the staging directory as it is removed. Yields the check
+    to call between groups (it raises the held KeyboardInterrupt); a second Ctrl-C interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None  # signal handlers belong to the main thread
+        return
+    held = []
+
+    def hold(signum, frame) -> None:
+        if held:
+            raise KeyboardInterrupt
+        held.append(signum)
+
+    def check() -> None:
+        if held:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager
