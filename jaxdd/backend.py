@@ -20,7 +20,9 @@ from jax.experimental.pallas import triton as pltriton
 
 Platform = Literal["cpu", "gpu", "tpu"]
 Attention = Literal["naive", "absorbed", "pallas"]  # how MLA attends (``jaxdd.target.MLAttention``)
-Dispatch = Literal["dense", "grouped", "scan", "skipping", "tiled"]  # how the MoE runs its experts (``jaxdd.moe``)
+Dispatch = Literal[
+    "dense", "gathered", "grouped", "scan", "skipping", "tiled"
+]  # how the MoE runs its experts (``jaxdd.moe``)
 _PLATFORMS: dict[str, Platform] = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
 
@@ -66,8 +68,12 @@ class Backend:
             return requested
         return "pallas" if self.platform == "gpu" else "absorbed"
 
-    def moe_dispatch(self, tokens: int, experts: int, hidden: int, ffn: int, quantized: bool) -> Dispatch:
-        """The exact dispatch that is fastest for this many tokens (see ``jaxdd.moe.MoE``)."""
+    def moe_dispatch(self, tokens: int, top_k: int, experts: int, hidden: int, ffn: int, quantized: bool) -> Dispatch:
+        """The exact dispatch that is fastest for this many tokens (see ``jaxdd.moe.MoE``). Quantized experts with
+        no more (token, slot) pairs than experts (a decode step, a short verify) are gathered: decode is bound by
+        the bytes it reads, and only the chosen experts are read."""
+        if quantized and tokens * top_k <= experts:
+            return "gathered"
         if self.platform == "cpu" and not quantized:
             # XLA:CPU runs ragged_dot as a dense matmul over all experts for every pair: skip unused experts.
             return "tiled" if tokens >= self.TILED_MIN_TOKENS else "skipping"

@@ -1,11 +1,13 @@
-"""The routed experts of a Kimi / DeepSeek-V3 MoE layer: noaux_tc routing and five exact expert dispatches.
+"""The routed experts of a Kimi / DeepSeek-V3 MoE layer: noaux_tc routing and six exact expert dispatches.
 
 Dispatches (``Backend.moe_dispatch`` picks one per platform and token count; ``MoE.dispatch`` can force one):
-``grouped`` sorts the (token, slot) pairs by expert and runs grouped matmuls (``ragged_dot``), the scalable form
-for dense weights; ``dense`` runs every expert on every token and weights the outputs by the combine weights (zero
-for unchosen experts); ``scan`` does the same one expert at a time; ``skipping`` too, but skips the experts no
-token chose; ``tiled`` sorts the pairs by expert into tiles of one expert each and runs the used tiles one at a
-time. All return fp32 [N, D]; the caller casts back.
+``gathered`` gives each (token, slot) pair its own expert's weights, gathered from the stored pieces (and
+dequantized after the gather), so only the chosen experts are read; ``grouped`` sorts the (token, slot) pairs
+by expert and runs grouped matmuls (``ragged_dot``), the scalable form for dense weights; ``dense`` runs every
+expert on every token and weights the outputs by the combine weights (zero for unchosen experts); ``scan`` does
+the same one expert at a time; ``skipping`` too, but skips the experts no token chose; ``tiled`` sorts the pairs
+by expert into tiles of one expert each and runs the used tiles one at a time. All return fp32 [N, D]; the
+caller casts back.
 """
 
 from __future__ import annotations
@@ -95,7 +97,10 @@ class MoE(nnx.Module):
         if dispatch == "auto":
             c, quantized = self.config, not isinstance(self.gate, DenseExperts)
             n_experts = pieces[0][0].shape[0]
-            dispatch = backend.moe_dispatch(x.shape[0], n_experts, c.hidden_size, c.moe_intermediate_size, quantized)
+            tokens, top_k = experts.shape
+            dispatch = backend.moe_dispatch(tokens, top_k, n_experts, c.hidden_size, c.moe_intermediate_size, quantized)
+        if dispatch == "gathered":
+            return _gathered_experts(x, weights, experts, projections, pieces)
         if dispatch == "scan":
             return _scanned_experts(x, weights, experts, projections, pieces)
         if dispatch == "skipping":
@@ -146,6 +151,21 @@ def _grouped_experts(x, weights, experts, gate, up, down) -> jax.Array:
     out = jax.lax.ragged_dot(hidden, down, sizes)
     out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
     # Moonshot's moe_infer: expert outputs summed with their weights in fp32 (cast back by the caller).
+    return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights)
+
+
+def _gathered_experts(x, weights, experts, projections, pieces) -> jax.Array:
+    """Each (token, slot) pair through its own expert, whose stored pieces are gathered (INT4 words, FP8 bytes:
+    the chosen experts' bytes, read once per pair) and then dequantized; fp32 [N, D]. For few pairs: an expert
+    chosen by two tokens is read twice, and under EP the pairs routed elsewhere read local expert 0 (weight 0)."""
+    n, k = experts.shape
+    chosen = experts.reshape(-1)
+    rows = jnp.repeat(x, k, axis=0)  # pair p is token p // k
+    gate, up, down = (
+        p.dequantize(*(piece[chosen] for piece in stored)) for p, stored in zip(projections, pieces, strict=True)
+    )  # [P, in, out] each
+    hidden = jax.nn.silu(jnp.einsum("pd,pdf->pf", rows, gate)) * jnp.einsum("pd,pdf->pf", rows, up)
+    out = jnp.einsum("pf,pfd->pd", hidden, down).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights)
 
 

@@ -15,7 +15,7 @@ import jaxdd
 from jaxdd.backend import Backend
 from jaxdd.cache import write_rows
 from jaxdd.layers import apply_rope, rms_norm, rope_cos_sin
-from jaxdd.moe import _skipping_experts, _tiled_experts
+from jaxdd.moe import _gathered_experts, _skipping_experts, _tiled_experts
 from jaxdd.quant import DenseExperts
 from jaxdd.target import target_rope
 from jaxdd.testing.reference import FLAVOURS, additive_mask, hf_model, rel_err
@@ -155,7 +155,7 @@ def test_router_bias_selects_but_does_not_weight(pair):
     np.testing.assert_allclose(weights, raw / raw.sum(-1, keepdims=True) * c.routed_scaling_factor, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dispatch", ["auto", "dense", "grouped", "skipping", "tiled"])
+@pytest.mark.parametrize("dispatch", ["auto", "dense", "gathered", "grouped", "skipping", "tiled"])
 def test_moe(pair, dispatch):
     model, target = pair
     x = hidden(np.random.default_rng(6), 2, 13, target.config.hidden_size)  # 26 tokens: auto tiles on CPU
@@ -193,6 +193,14 @@ def test_skipping_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed
     """Skipping the unchosen experts is exact whatever the routing: every expert chosen, a few, only one, an expert
     chosen twice by one token."""
     check_dispatch(_skipping_experts, tokens, top_k, n_experts, favourite, seed)
+
+
+@settings(max_examples=20, deadline=None)
+@ROUTINGS
+def test_gathered_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
+    """Gathering each pair's expert is exact whatever the routing, an expert chosen by many tokens or twice by one
+    included."""
+    check_dispatch(_gathered_experts, tokens, top_k, n_experts, favourite, seed)
 
 
 def check_dispatch(dispatch, tokens, top_k, n_experts, favourite, seed):

@@ -10,7 +10,7 @@ from jaxdd.compile_time import compile_clock
 from jaxdd.decoder import SpeculativeDecoder
 from jaxdd.plan import plan
 from jaxdd.sharding import make_mesh, shard_module
-from jaxdd.testing.hf_layouts import write_k25_int4
+from jaxdd.testing.hf_layouts import write_k2_instruct_fp8, write_k25_int4
 from jaxdd.testing.reference import TINY_K2, drafter_config, rel_err, save_random_pair
 
 # 8 heads and 16 experts of width 64 so that 8 devices split heads, experts (ep) and expert width (tp).
@@ -25,6 +25,7 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharding")
     save_random_pair(root, SHARDABLE, DRAFTER, seed=7)
     write_k25_int4(root / "target", root / "int4")
+    write_k2_instruct_fp8(root / "target", root / "fp8")
     return root
 
 
@@ -133,22 +134,22 @@ def _set_dispatch(target: jaxdd.Target, dispatch: str) -> jaxdd.Target:
     return jaxdd.Target(target.model)
 
 
-@pytest.mark.parametrize("mode", [None, "ep"])
-def test_expert_dispatches_agree(checkpoints, mode):
-    """All-experts, grouped (ragged_dot), one-expert-at-a-time (scan, what large quantized MoEs use), skipping
-    (the chosen experts only) and tiled (one expert's tile per step, dequantized there) give the same logits, on
-    one device and inside the expert-parallel shard_map."""
+@pytest.mark.parametrize(("experts", "mode"), [("int4", None), ("int4", "ep"), ("fp8", None), ("fp8", "tp")])
+def test_expert_dispatches_agree(checkpoints, experts, mode):
+    """All-experts, gathered (each pair's expert gathered, quantized, then dequantized: what decode steps of
+    quantized MoEs use), grouped (ragged_dot), one-expert-at-a-time (scan), skipping (the chosen experts only)
+    and tiled (one expert's tile per step, dequantized there) give the same logits for INT4 and FP8 experts, on
+    one device and inside the tensor- and expert-parallel shard_map. Nine tokens of top-4 over 16 experts: 36
+    pairs, so this forces ``gathered`` past where auto picks it."""
     ids = [[5, 17, 3, 250, 9, 1, 77, 255, 0]]
     logits = {}
-    for dispatch in ("dense", "grouped", "scan", "skipping", "tiled"):
-        target = jaxdd.load_target(checkpoints / "int4", dtype="float32")
+    for dispatch in ("dense", "gathered", "grouped", "scan", "skipping", "tiled"):
+        target = jaxdd.load_target(checkpoints / experts, dtype="float32")
         if mode is not None:
             shard_module(target.model, make_mesh(8), mode)
         logits[dispatch] = _set_dispatch(target, dispatch).logits(ids)
-    assert rel_err(logits["grouped"], logits["dense"]) < 1e-6
-    assert rel_err(logits["scan"], logits["dense"]) < 1e-6
-    assert rel_err(logits["skipping"], logits["dense"]) < 1e-6
-    assert rel_err(logits["tiled"], logits["dense"]) < 1e-6
+    for dispatch, value in logits.items():
+        assert rel_err(value, logits["dense"]) < 1e-6, dispatch
 
 
 def test_pallas_tree_attention_per_device_heads(checkpoints, single_device):
