@@ -265,18 +265,19 @@ def abstract_model(directory: str | Path, kind: Kind) -> tuple[nnx.GraphDef, nnx
 
 def restore_groups(directory: str | Path, abstract: dict, shardings: dict | None = None) -> Iterator[tuple[str, Any]]:
     """(group, subtree) restored one group at a time; with ``shardings`` (a tree like ``abstract`` of
-    ``jax.sharding.Sharding``), each array lands directly in its sharding, never whole on one host."""
+    ``jax.sharding.Sharding``), each array lands directly in its sharding, never whole on one host; without, on
+    the default device. Never as numpy: orbax restores arrays saved from numpy (as conversion saves them) as
+    numpy, and a jitted call copies numpy arguments to the device on every call."""
     directory = Path(directory).absolute()
     checkpointer = ocp.StandardCheckpointer()
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     try:
         for group in read_json(directory / MARKER)["groups"]:
             target = get_path(abstract, group_path(group))
-            if shardings is not None:
-                target = jax.tree.map(
-                    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                    target,
-                    get_path(shardings, group_path(group)),
-                )
+            placement = (
+                jax.tree.map(lambda _: default, target) if shardings is None else get_path(shardings, group_path(group))
+            )
+            target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, placement)
             yield group, checkpointer.restore(directory / "state" / group, {"params": target})["params"]
     finally:
         checkpointer.close()
