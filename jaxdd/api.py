@@ -87,6 +87,7 @@ class Target:
     def __init__(self, model: KimiTarget):
         self.model = model
         self.backend = Backend.of_module(model)  # the platform's choices, from where the weights live
+        self.backend.prepare_host()
         self._spec, self._weights = split_module(model)
 
     @property

@@ -18,6 +18,8 @@ import jax
 from flax import nnx
 from jax.experimental.pallas import triton as pltriton
 
+from jaxdd.cpu_memory import keep_allocations
+
 Platform = Literal["cpu", "gpu", "tpu"]
 Attention = Literal["naive", "absorbed", "pallas"]  # how MLA attends (``jaxdd.target.MLAttention``)
 Dispatch = Literal[
@@ -59,6 +61,12 @@ class Backend:
                 return cls.of_devices(sharding.device_set)
         return cls.local()
 
+    def prepare_host(self) -> None:
+        """Once per process before running on this backend: on CPU, keep XLA's freed temporaries in the heap
+        (``jaxdd.cpu_memory``)."""
+        if self.platform == "cpu":
+            keep_allocations()
+
     def attention(self, requested: Literal["auto"] | Attention) -> Attention:
         """``auto``: the Pallas tree-attention kernel on GPUs, where it was measured faster in bf16
         (benchmarks/results/gpu_kernel.json); XLA's absorbed attention elsewhere."""
@@ -70,9 +78,11 @@ class Backend:
 
     def moe_dispatch(self, tokens: int, top_k: int, experts: int, hidden: int, ffn: int, quantized: bool) -> Dispatch:
         """The exact dispatch that is fastest for this many tokens (see ``jaxdd.moe.MoE``). Quantized experts with
-        no more (token, slot) pairs than experts (a decode step, a short verify) are gathered: decode is bound by
-        the bytes it reads, and only the chosen experts are read."""
-        if quantized and tokens * top_k <= experts:
+        few (token, slot) pairs (a decode step, a short verify) are gathered: decode is bound by
+        the bytes it reads, and only the chosen experts are read. Past half as many pairs as experts, every
+        expert dequantized once (``scan``) costs less than one dequantization per pair (a 16-token verify of 128
+        INT4 experts top 8 on XLA:CPU: 385 vs 471 ms, benchmarks/moe_bandwidth.py)."""
+        if quantized and 2 * tokens * top_k <= experts:
             return "gathered"
         if self.platform == "cpu" and not quantized:
             # XLA:CPU runs ragged_dot as a dense matmul over all experts for every pair: skip unused experts.

@@ -126,6 +126,7 @@ class SpeculativeDecoder:
         self.config = target.model.config
         self.drafter = drafter
         self.backend = backend or Backend.of_module(target.model)
+        self.backend.prepare_host()
         self.attention = self.backend.attention(attention)
         self.mesh = mesh_of(target.model)  # set when the models were placed with jaxdd.sharding.shard_module
         target_spec, target_weights = split_module(target.model)
