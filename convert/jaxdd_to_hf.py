@@ -7,6 +7,7 @@ PyTorch references. Quantized routed experts are written dequantized, exactly as
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -60,8 +61,7 @@ def export(source_dir: str | Path, output_dir: str | Path, dtype: str | None = N
     weight_map: dict[str, str] = {}
     total_size = 0
     start = time.perf_counter()
-    with atomic_directory(output_dir) as staging:
-        restored = restore_groups(source_dir, abstract)
+    with atomic_directory(output_dir) as staging, contextlib.closing(restore_groups(source_dir, abstract)) as restored:
         for i, (group, tree) in enumerate(tqdm(restored, total=len(groups), desc="exporting", disable=not progress)):
             prefix = group_path(group)
             tree = _dense_experts(tree, experts, dtype)

@@ -278,7 +278,16 @@ def restore_groups(directory: str | Path, abstract: dict, shardings: dict | None
                 jax.tree.map(lambda _: default, target) if shardings is None else get_path(shardings, group_path(group))
             )
             target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, placement)
-            yield group, checkpointer.restore(directory / "state" / group, {"params": target})["params"]
+            try:
+                restored = checkpointer.restore(directory / "state" / group, {"params": target})["params"]
+            except Exception as error:  # a damaged chunk: tensorstore's ValueError, or orbax's wrapping Exception
+                if not isinstance(error, ValueError) and "error while reading" not in str(error):
+                    raise
+                raise CheckpointError(
+                    f"{directory / 'state' / group}: unreadable ({str(error).splitlines()[0][:200]}); "
+                    f"python -m convert verify {directory} names the damaged file"
+                ) from None
+            yield group, restored
     finally:
         checkpointer.close()
 
@@ -296,8 +305,9 @@ def load_checkpoint(
     check_files(directory, kind, verify)
     graphdef, abstract = abstract_model(directory, kind)
     values = nnx.to_pure_dict(abstract)
-    for group, tree in restore_groups(directory, values, shardings):
-        set_path(values, group_path(group), tree)
+    with contextlib.closing(restore_groups(directory, values, shardings)) as groups:  # its checkpointer closed
+        for group, tree in groups:
+            set_path(values, group_path(group), tree)
     nnx.replace_by_pure_dict(abstract, values)
     model = nnx.merge(graphdef, abstract)
     if dtype is None or jnp.dtype(dtype) == jnp.dtype(model.dtype):

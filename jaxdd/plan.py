@@ -36,6 +36,7 @@ from jaxdd.rounds import DecodeState, Requests, state_shardings
 from jaxdd.sampling import GREEDY, SamplingArrays
 from jaxdd.sharding import make_mesh, param_shardings, place
 from jaxdd.target import KimiTarget
+from jaxdd.traffic import ModelBytes, format_table, traffic_table
 from jaxdd.validation import MAX_STOP_TOKENS
 
 GB = 1e9
@@ -51,8 +52,11 @@ def plan(
     max_len: int = 8192,
     batch: int = 1,
     layers: int | None = None,
+    compile_round: bool = True,
 ) -> dict[str, Any]:
-    """Compile one DDTree round of the full-size pair ahead of time and count its bytes per device."""
+    """Compile one DDTree round of the full-size pair ahead of time and count its bytes per device, with the
+    traffic account of AR / DFlash / DDTree rounds at ``max_len`` tokens of context (``jaxdd.traffic``);
+    ``compile_round=False``: the traffic account only (seconds, not minutes)."""
     raw = json.loads(Path(config_path).read_text())
     config = KimiConfig.from_hf(raw)
     drafter_config = DrafterConfig.from_json_file(drafter_config_path)
@@ -66,6 +70,21 @@ def plan(
     mesh = make_mesh(devices)
     decoder, per_device, stored = _abstract_decoder(config, drafter_config, experts, mesh, moe, jnp.bfloat16)
     slots = cache_slots(max_len + budget + 1)
+    model_bytes = ModelBytes.of(decoder.target.model, decoder.drafter, _shard_bytes)
+    shape = {
+        "config": str(config_path),
+        "layers": config.num_hidden_layers,
+        "routed_experts": experts.kind,
+        "devices": devices,
+        "moe": moe,
+        "budget": budget,
+        "max_len": max_len,
+        "cache_slots": slots,
+        "batch": batch,
+        "traffic": traffic_table(config, model_bytes, devices, moe, max_len, drafter_config.block_size),
+    }
+    if not compile_round:
+        return shape
     request_plan, state = _abstract_requests(decoder, mesh, config, drafter_config, budget, batch, slots)
     per_device["target_cache"] = sum(_shard_bytes(x) for x in jax.tree.leaves(state.target_cache))
     per_device["drafter_cache"] = sum(_shard_bytes(x) for x in jax.tree.leaves(state.draft_cache))
@@ -76,16 +95,7 @@ def plan(
     memory = compiled.memory_analysis()
     per_device["temporaries"] = int(memory.temp_size_in_bytes)
     total = sum(per_device.values())
-    return {
-        "config": str(config_path),
-        "layers": config.num_hidden_layers,
-        "routed_experts": experts.kind,
-        "devices": devices,
-        "moe": moe,
-        "budget": budget,
-        "max_len": max_len,
-        "cache_slots": slots,
-        "batch": batch,
+    return shape | {
         "per_device_bytes": per_device | {"total": total},
         "compiled": {
             "argument_bytes": int(memory.argument_size_in_bytes),
@@ -153,14 +163,17 @@ def _bytes(x, shape: tuple[int, ...] | None = None) -> int:
 
 
 def report(result: dict[str, Any]) -> str:
-    b = result["per_device_bytes"]
     lines = [
         f"{result['config']}: {result['layers']} layers, routed experts {result['routed_experts']}, "
         f"{result['devices']} devices, MoE {result['moe']}, DDTree budget {result['budget']}, "
         f"batch {result['batch']}, max length {result['max_len']} ({result['cache_slots']} cache slots)",
-        "per device:",
+        f"per round and device at {result['max_len']} tokens of context (the floor: bytes / bandwidth + link):",
+        format_table(result["traffic"]),
     ]
-    lines += [f"  {name:<16} {value / GB:9.2f} GB" for name, value in b.items()]
+    if "per_device_bytes" not in result:
+        return "\n".join(lines)
+    lines.append("per device:")
+    lines += [f"  {name:<16} {value / GB:9.2f} GB" for name, value in result["per_device_bytes"].items()]
     lines += [f"compiled in {result['compiled']['compile_seconds']} s"]
     lines += [f"fits {name}: {'yes' if ok else 'no'}" for name, ok in result["fits"].items()]
     return "\n".join(lines)
@@ -176,14 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-len", type=int, default=8192, help="prompt + generated tokens")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--layers", type=int, help="keep the full width but only this many layers")
+    parser.add_argument("--traffic", action="store_true", help="only the traffic account: no compile")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     # Simulated devices must exist before JAX starts its CPU backend.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     jax.config.update("jax_num_cpu_devices", max(args.devices, 1))
-    result = plan(
-        args.config, args.drafter_config, args.devices, args.moe, args.budget, args.max_len, args.batch, args.layers
-    )
+    options = (args.devices, args.moe, args.budget, args.max_len, args.batch, args.layers, not args.traffic)
+    result = plan(args.config, args.drafter_config, *options)
     print(json.dumps(result, indent=2) if args.json else report(result))
     return 0
 

@@ -380,8 +380,12 @@ def test_damaged_checkpoints_are_named(layouts, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
     generate = ["--prompt-ids", "5,17,3", "--max-new-tokens", "2", "--dtype", "float32", "--json"]
-    assert generate_main(["--checkpoint", str(flipped), *generate]) == 0  # sizes agree: only a digest tells
-    capsys.readouterr()
+    # Sizes agree, so without the digests the flip goes unseen (garbage out) or surfaces where the data is
+    # compressed (zstd finds the corruption): then our line comes first (tensorstore's late callbacks may add
+    # noise after it), so --verify-checksums, which checks before reading, is the clean way.
+    code = generate_main(["--checkpoint", str(flipped), *generate])
+    err = capsys.readouterr().err
+    assert code == 0 or (code == 2 and err.startswith("jaxdd: ") and "unreadable" in err.splitlines()[0]), err
     for directory, message in [(flipped, "sha256 differs"), *verify_cases[1:]]:
         extra = ["--verify-checksums"] if directory == flipped else []
         assert generate_main(["--checkpoint", str(directory), *generate, *extra]) == 2

@@ -1,0 +1,222 @@
+"""What one decode round must read and send per device, the time floor that follows on a named GPU, and the
+tokens/s a tau curve predicts: the account behind "decode is bound by the bytes it reads".
+
+A round verifies T tokens (AR 1, DFlash its block, DDTree budget + 1). Each device reads its shard of every
+non-expert weight once (the lm_head twice in a speculative round: the drafts' logits and the verify's), the
+drafter's shard, the routed experts that some token chose (a layer of E experts, top k, sees
+E (1 - (1 - k/E)^T) distinct experts for T uniformly routed tokens: trees change the calculus, the bytes grow with
+the budget long before the FLOPs matter), and the KV rows: the MLA latent cache is replicated, so every device
+reads all of it. It sends one all-reduce of [T, hidden] per sharded matmul output (jaxdd sums the routed experts'
+shares with a psum in both TP and EP, not an all-to-all). The floor is bytes / memory bandwidth + collectives over
+the link; compute is assumed to hide under it (a floor, not a prediction of overheads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxdd.config import KimiConfig
+from jaxdd.quant import ExpertWeights
+from jaxdd.target import KimiTarget
+
+BF16 = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One device of a node, as its datasheet gives it; ``allreduce_latency`` is an estimate (NCCL's small-message
+    all-reduce over 8 devices), not a datasheet figure."""
+
+    name: str
+    memory: float  # bytes per device
+    bandwidth: float  # memory bytes/s per device
+    link: float  # bytes/s each way per device for collectives
+    link_name: str
+    allreduce_latency: float  # seconds per all-reduce, whatever its size
+    source: str
+
+
+HARDWARE: dict[str, Hardware] = {
+    "h200": Hardware(
+        "8 x H200 (NVLink)",
+        141e9,
+        4.8e12,
+        450e9,
+        "NVLink 4, 900 GB/s both ways",
+        10e-6,
+        "NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s",
+    ),
+    "rtx-pro-6000": Hardware(
+        "8 x RTX PRO 6000 (PCIe)",
+        96e9,
+        1.792e12,
+        64e9,
+        "PCIe 5.0 x16, 64 GB/s each way",
+        30e-6,
+        "NVIDIA RTX PRO 6000 Blackwell datasheet: 96 GB GDDR7, 1792 GB/s, PCIe 5.0 x16 (no NVLink)",
+    ),
+    "b200": Hardware(
+        "8 x B200 (NVLink)",
+        180e9,
+        8.0e12,
+        900e9,
+        "NVLink 5, 1.8 TB/s both ways",
+        10e-6,
+        "NVIDIA DGX B200 datasheet: 1440 GB HBM3e for 8 GPUs, 8 TB/s each, NVLink 5 1.8 TB/s",
+    ),
+}
+
+# The demo pair's HumanEval tau (CPU, greedy, block 8; benchmarks/README.md): tokens per verify round.
+DEMO_TAU = {"ar": 1.0, "dflash": 3.00, "ddtree": {4: 2.94, 8: 3.44, 16: 3.77, 32: 4.04, 64: 4.35}}
+
+
+def distinct_experts(tokens: int, top_k: int, experts: int, probabilities: np.ndarray | None = None) -> float:
+    """Expected distinct experts a layer reads for ``tokens`` tokens: uniform routing, or per-expert choice
+    probabilities (a measured routing histogram, summing to ``top_k``) with tokens routed independently."""
+    if probabilities is None:
+        return experts * (1 - (1 - top_k / experts) ** tokens)
+    p = np.clip(np.asarray(probabilities, np.float64), 0, 1)
+    return float(np.sum(1 - (1 - p) ** tokens))
+
+
+def slowest_device_experts(tokens: int, top_k: int, experts: int, devices: int, samples: int = 200) -> float:
+    """EP: the expected distinct local experts of the device that has the most (the round waits for it), for
+    uniform routing; sampled with a fixed seed."""
+    rng = np.random.default_rng(0)
+    chosen = np.argsort(rng.random((samples, tokens, experts), np.float32), axis=-1)[..., :top_k]
+    used = np.zeros((samples, experts), bool)
+    np.put_along_axis(used, chosen.reshape(samples, -1), True, axis=1)
+    return float(used.reshape(samples, devices, -1).sum(-1).max(-1).mean())
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelBytes:
+    """Per-device bytes of a placed (possibly abstract) target and drafter, split the way a round reads them."""
+
+    non_expert: int  # target weights but the routed experts and the embedding
+    lm_head: int
+    embed_row: int  # one embedding row (each token reads one)
+    expert_per_layer: int  # one MoE layer's routed experts, all E of them, on this device
+    drafter: int
+    moe_layers: int
+    dense_layers: int
+    drafter_layers: int
+
+    @classmethod
+    def of(cls, target: KimiTarget, drafter: nnx.Module, shard_bytes) -> ModelBytes:
+        """From modules whose parameters are (abstract) arrays; ``shard_bytes(array)`` gives one device's bytes."""
+        params = lambda module: jax.tree.leaves(nnx.state(module, nnx.Param))
+        experts = sum(
+            shard_bytes(getattr(m, name).get_value())
+            for _, m in nnx.iter_modules(target)
+            if isinstance(m, ExpertWeights)
+            for name in m.PIECES
+        )
+        embed = target.embed.get_value()
+        c = target.config
+        moe_layers = c.num_hidden_layers - c.first_k_dense_replace
+        return cls(
+            non_expert=sum(shard_bytes(x) for x in params(target)) - experts - shard_bytes(embed),
+            lm_head=shard_bytes(target.lm_head.get_value()),
+            embed_row=c.hidden_size * embed.dtype.itemsize,
+            expert_per_layer=experts // max(moe_layers, 1),
+            drafter=sum(shard_bytes(x) for x in params(drafter)),
+            moe_layers=moe_layers,
+            dense_layers=c.first_k_dense_replace,
+            drafter_layers=drafter.config.num_hidden_layers,
+        )
+
+
+def round_traffic(
+    method: str,
+    tokens: int,
+    config: KimiConfig,
+    model: ModelBytes,
+    context: int,
+    devices: int,
+    moe: str,
+    draft_tokens: int = 0,
+) -> dict[str, float]:
+    """Bytes one device reads, and sends in all-reduces, in a round verifying ``tokens`` tokens at ``context``
+    tokens of KV; ``draft_tokens``: the drafter's block (0 for AR)."""
+    e, k = config.n_routed_experts, config.num_experts_per_tok
+    per_expert = model.expert_per_layer / (e if moe == "tp" else e / devices)  # one expert's bytes here
+    if moe == "ep" and devices > 1:
+        local = slowest_device_experts(tokens, k, e, devices)
+    else:
+        local = distinct_experts(tokens, k, e)
+    latent = context * (config.kv_lora_rank + config.qk_rope_head_dim) * BF16 * config.num_hidden_layers
+    speculative = method != "ar"
+    reads = {
+        "weights": model.non_expert + tokens * model.embed_row,
+        "experts": model.moe_layers * local * per_expert,
+        "kv": latent,
+        "drafter": (model.drafter + model.lm_head) if speculative else 0,
+    }
+    # All-reduces of [T, hidden]: attention and MLP outputs of every layer, the routed psum and the shared expert
+    # of MoE layers, the embedding's vocab-parallel psum; the drafter's layers over its block.
+    target_allreduces = 2 * model.dense_layers + 3 * model.moe_layers + 1
+    drafter_allreduces = 2 * model.drafter_layers if speculative else 0
+    message = config.hidden_size * BF16
+    ring = 2 * (devices - 1) / devices if devices > 1 else 0.0
+    sent = ring * message * (target_allreduces * tokens + drafter_allreduces * draft_tokens)
+    count = (target_allreduces + drafter_allreduces) if devices > 1 else 0
+    return {
+        **reads,
+        "read_total": sum(reads.values()),
+        "allreduce_bytes": sent,
+        "allreduces": count,
+        "experts_read": local,
+    }
+
+
+def floor_seconds(traffic: Mapping[str, float], hardware: Hardware) -> dict[str, float]:
+    memory = traffic["read_total"] / hardware.bandwidth
+    link = traffic["allreduce_bytes"] / hardware.link + traffic["allreduces"] * hardware.allreduce_latency
+    return {"memory_s": memory, "link_s": link, "round_s": memory + link}
+
+
+def traffic_table(
+    config: KimiConfig,
+    model: ModelBytes,
+    devices: int,
+    moe: str,
+    context: int,
+    block: int,
+    budgets: tuple[int, ...] = (4, 8, 16, 32, 64),
+    tau: Mapping = DEMO_TAU,
+) -> list[dict]:
+    """One row per round shape (AR, DFlash at ``block``, DDTree at each budget): what a device reads and sends,
+    and per named GPU the floor per round and the tokens/s ``tau`` predicts at that floor."""
+    shapes = [("ar", 1, 0, tau["ar"]), ("dflash", block, block, tau["dflash"])]
+    shapes += [(f"ddtree {b}", b + 1, block, tau["ddtree"][b]) for b in budgets if b in tau["ddtree"]]
+    rows = []
+    for name, tokens, draft, expected in shapes:
+        traffic = round_traffic(name.split()[0], tokens, config, model, context, devices, moe, draft)
+        row = {"round": name, "tokens": tokens, "tau": expected, **traffic, "targets": {}}
+        for key, hardware in HARDWARE.items():
+            floor = floor_seconds(traffic, hardware)
+            row["targets"][key] = floor | {"tokens_per_s": expected / floor["round_s"]}
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """The table as text: GB read and sent per device, then per GPU the floor and predicted tokens/s."""
+    names = list(HARDWARE)
+    head = f"{'round':<11} {'tau':>5} {'read GB':>8} {'experts':>8} {'sent MB':>8}"
+    head += "".join(f" | {HARDWARE[n].name:>26}" for n in names)
+    lines = [head, f"{'':<44}" + "".join(f" | {'ms (link ms)   tokens/s':>26}" for _ in names)]
+    for row in rows:
+        line = f"{row['round']:<11} {row['tau']:>5.2f} {row['read_total'] / 1e9:>8.2f} "
+        line += f"{row['experts_read']:>8.1f} {row['allreduce_bytes'] / 1e6:>8.2f}"
+        for n in names:
+            t = row["targets"][n]
+            line += f" | {t['round_s'] * 1e3:>6.2f} ({t['link_s'] * 1e3:.2f}) {t['tokens_per_s']:>9.0f}"
+        lines.append(line)
+    return "\n".join(lines)
