@@ -3,7 +3,9 @@ tokens/s the demo pair's tau curve predicts, TP vs EP, 8k and 32k tokens of cont
 
     python benchmarks/traffic_table.py
 
-Computed from the model's shapes and the GPUs' datasheets (``jaxdd.traffic``), not measured. Writes
+Computed from the model's shapes and the GPUs' datasheets (``jaxdd.traffic``), not measured, under uniform
+routing. Beside it, the demo pair's measured routing (its router's choices on 16 HumanEval prompts, per MoE
+layer): the distinct experts a round of T tokens reads under that histogram against uniform routing. Writes
 benchmarks/results/traffic_kimi_k26.json and prints the README's table (best round per GPU, mode and context).
 """
 
@@ -14,13 +16,56 @@ import os
 from pathlib import Path
 
 import jax
+import numpy as np
+from humaneval import humaneval_prompts
 
+import jaxdd
+from jaxdd.generate import DEMO
+from jaxdd.moe import Router
 from jaxdd.plan import plan
 from jaxdd.testing.benchmark import write_result
-from jaxdd.traffic import HARDWARE
+from jaxdd.traffic import HARDWARE, distinct_experts
 
 RESULTS = Path(__file__).parent / "results"
+ROUND_TOKENS = (1, 8, 9, 17, 65)  # AR, DFlash block 8, DDTree budgets 8, 16, 64
 FIXTURES = Path(__file__).parent.parent / "tests" / "fixtures"
+
+
+def demo_routing(prompts: int = 16) -> dict:
+    """Per MoE layer of the demo target: how often its router picks each expert (probabilities summing to k),
+    and the distinct experts expected for each of ``ROUND_TOKENS`` under that histogram and under uniform."""
+    calls: list[np.ndarray] = []  # in call order: every forward runs its MoE layers' routers in turn
+    original = Router.__call__
+
+    def recording(router, x):
+        weights, experts = original(router, x)
+        calls.append(np.asarray(experts))
+        return weights, experts
+
+    target = jaxdd.load_target(DEMO / "target", dtype="float32")
+    Router.__call__ = recording
+    try:
+        with jax.disable_jit():  # eager, so the router's choices can be recorded
+            for prompt in humaneval_prompts(prompts, 192):
+                target.logits([prompt])
+    finally:
+        Router.__call__ = original
+    c = target.config
+    moe_layers = c.num_hidden_layers - c.first_k_dense_replace
+    layers = []
+    for layer in range(moe_layers):
+        counts = np.bincount(np.concatenate(calls[layer::moe_layers]).ravel(), minlength=c.n_routed_experts)
+        p = counts / counts.sum() * c.num_experts_per_tok
+        layers.append(
+            {
+                "probabilities": p.round(4).tolist(),
+                "distinct": {
+                    t: distinct_experts(t, c.num_experts_per_tok, c.n_routed_experts, p) for t in ROUND_TOKENS
+                },
+            }
+        )
+    uniform = {t: distinct_experts(t, c.num_experts_per_tok, c.n_routed_experts) for t in ROUND_TOKENS}
+    return {"experts": c.n_routed_experts, "top_k": c.num_experts_per_tok, "uniform": uniform, "layers": layers}
 
 
 def main() -> None:
@@ -34,7 +79,11 @@ def main() -> None:
             result = plan(config, drafter, 8, moe, max_len=context, compile_round=False)
             runs.append({"moe": moe, "context": context, "rows": result["traffic"]})
     hardware = {key: dataclasses.asdict(gpu) for key, gpu in HARDWARE.items()}
-    write_result(RESULTS / "traffic_kimi_k26.json", {"runs": runs, "hardware": hardware})
+    routing = demo_routing()
+    write_result(RESULTS / "traffic_kimi_k26.json", {"runs": runs, "hardware": hardware, "demo_routing": routing})
+    for t in ROUND_TOKENS:
+        measured = " / ".join(f"{layer['distinct'][t]:.2f}" for layer in routing["layers"])
+        print(f"demo pair, {t} tokens: distinct experts per MoE layer {measured} (uniform {routing['uniform'][t]:.2f})")
     print("| GPUs | MoE | context | AR | DFlash | DDTree 4 / 8 / 16 / 32 / 64 | best |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for gpu in ("rtx-pro-6000", "h200", "b200"):
