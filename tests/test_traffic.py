@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
-import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from jaxdd.plan import main as plan_main
+from jaxdd.plan import plan, report
 from jaxdd.traffic import HARDWARE, distinct_experts, slowest_device_experts
 
 
@@ -35,13 +36,15 @@ def test_skewed_routing_reads_fewer_experts_and_ep_waits_for_its_busiest_device(
         assert mean_local < busiest <= min(48, 8 * tokens)
 
 
-def test_plan_traffic_table(capsys):
-    """`jaxdd.plan --traffic` on K2.6 (no compile): per round the bytes grow with the verified tokens, tokens/s is
-    tau over the floor, PCIe's link costs more than NVLink's, and AR reads exactly its top-8 experts' worth."""
-    argv = ["--config", "tests/fixtures/kimi_k25_config.json", "--drafter-config"]
-    argv += ["tests/fixtures/kimi_k26_dflash_config.json", "--devices", "8", "--moe", "tp", "--traffic", "--json"]
-    assert plan_main(argv) == 0
-    rows = json.loads(capsys.readouterr().out)["traffic"]
+def test_plan_traffic_table():
+    """The plan's traffic account of K2.6 on 8 devices (no compile): per round the bytes grow with the verified
+    tokens, tokens/s is tau over the floor, PCIe's link costs more than NVLink's, and AR reads exactly its top-8
+    experts' worth."""
+    fixtures = "tests/fixtures/"
+    result = plan(
+        fixtures + "kimi_k25_config.json", fixtures + "kimi_k26_dflash_config.json", 8, "tp", compile_round=False
+    )
+    rows = result["traffic"]
     assert [r["round"] for r in rows] == ["ar", "dflash", "ddtree 4", "ddtree 8", "ddtree 16", "ddtree 32", "ddtree 64"]
     ar = rows[0]
     assert ar["experts_read"] == pytest.approx(8) and ar["drafter"] == 0
@@ -52,5 +55,14 @@ def test_plan_traffic_table(capsys):
             assert target["tokens_per_s"] == pytest.approx(row["tau"] / target["round_s"])
             assert target["memory_s"] == pytest.approx(row["read_total"] / HARDWARE[name].bandwidth)
         assert row["targets"]["rtx-pro-6000"]["link_s"] > row["targets"]["h200"]["link_s"]
-    assert plan_main([*argv[:-1], "--layers", "2"]) == 0
-    assert "tokens/s" in capsys.readouterr().out
+    assert "tokens/s" in report(result) and "per device:" not in report(result)
+
+
+def test_plan_command_line_traffic_only():
+    """`python -m jaxdd.plan --traffic`: the table without compiling (2 layers at full width, a fresh process for its
+    8 simulated devices)."""
+    argv = [sys.executable, "-m", "jaxdd.plan", "--config", "tests/fixtures/kimi_k25_config.json"]
+    argv += ["--drafter-config", "tests/fixtures/kimi_k26_dflash_config.json", "--layers", "2", "--traffic"]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "ddtree 64" in run.stdout and "8 x RTX PRO 6000 (PCIe)" in run.stdout and "compiled in" not in run.stdout
