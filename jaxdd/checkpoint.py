@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
+import io
 import json
 import logging
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -278,18 +281,40 @@ def restore_groups(directory: str | Path, abstract: dict, shardings: dict | None
                 jax.tree.map(lambda _: default, target) if shardings is None else get_path(shardings, group_path(group))
             )
             target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, placement)
-            try:
-                restored = checkpointer.restore(directory / "state" / group, {"params": target})["params"]
-            except Exception as error:  # a damaged chunk: tensorstore's ValueError, or orbax's wrapping Exception
-                if not isinstance(error, ValueError) and "error while reading" not in str(error):
-                    raise
-                raise CheckpointError(
-                    f"{directory / 'state' / group}: unreadable ({str(error).splitlines()[0][:200]}); "
-                    f"python -m convert verify {directory} names the damaged file"
-                ) from None
-            yield group, restored
+            yield group, _restore_group(checkpointer, directory, group, target)
     finally:
         checkpointer.close()
+
+
+ABANDONED_READS_SECONDS = 0.5
+
+
+def _restore_group(checkpointer: ocp.StandardCheckpointer, directory: Path, group: str, target) -> Any:
+    """One group's arrays, or a CheckpointError naming the group when a chunk is damaged (tensorstore's ValueError,
+    or orbax's wrapping Exception). After such a failure the group's other reads are still in flight: they
+    complete against orbax's event loop, closed by then, and print "Event loop is closed" tracebacks, and the
+    abandoned coroutines print errors when collected. So the restore runs with stderr held (replayed when it
+    succeeds), and a failure waits them out and collects them before raising: the one-line error is all that
+    shows."""
+    held = io.StringIO()
+    failure = None
+    with contextlib.redirect_stderr(held):
+        try:
+            return_value = checkpointer.restore(directory / "state" / group, {"params": target})["params"]
+        except Exception as error:
+            if not isinstance(error, ValueError) and "error while reading" not in str(error):
+                raise
+            failure = str(error).splitlines()[0][:200]  # not the error itself: it keeps the coroutines alive
+        if failure is not None:
+            time.sleep(ABANDONED_READS_SECONDS)
+            gc.collect()
+    if failure is not None:
+        raise CheckpointError(
+            f"{directory / 'state' / group}: unreadable ({failure}); python -m convert verify {directory} names "
+            "the damaged file"
+        )
+    sys.stderr.write(held.getvalue())
+    return return_value
 
 
 def load_checkpoint(
