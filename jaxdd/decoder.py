@@ -305,7 +305,7 @@ class SpeculativeDecoder:
                 raise
             raise InputError(f"{what} and does not fit the device: {str(error).splitlines()[0]}") from None
         needed = stats.temp_size_in_bytes if stats is not None else 0
-        free = Backend.free_bytes(jax.tree.leaves(state.bonus)[0].sharding.device_set)
+        free = Backend.free_bytes(state.bonus.sharding.addressable_devices)  # this process's devices
         if free is not None and needed > free:
             raise InputError(
                 f"{what} and needs {gigabytes(needed)} of working memory per device, {gigabytes(free)} is free; "
