@@ -13,15 +13,19 @@ compile time) goes to stderr. ``--json`` prints one JSON object instead. Checkpo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import threading
 import warnings
 from pathlib import Path
 
+import jax
+
 import jaxdd
 from jaxdd.backend import Backend
 from jaxdd.decoder import Generation
+from jaxdd.sharding import make_mesh, shard_module
 from jaxdd.tokenizer import TextTokenizer, load_tokenizer
 
 DEMO = Path(__file__).parent / "demo" / "kimi-mini"
@@ -77,6 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "bfloat16", "float32"],
         default="auto",
         help="auto: float32 on CPU (XLA:CPU has no bf16 matmul and upcasts: 2-3x slower), bfloat16 elsewhere",
+    )
+    parser.add_argument(
+        "--devices",
+        type=positive,
+        help="shard target and drafter over this many local devices (default: every GPU or TPU; 1 on CPU, where "
+        "--devices N simulates N)",
+    )
+    parser.add_argument(
+        "--moe",
+        choices=["tp", "ep"],
+        help="with several devices, split each routed expert's width (tp, the default: less traffic per round, "
+        "python -m jaxdd.plan --traffic) or place whole experts (ep)",
     )
     parser.add_argument(
         "--verify-checksums",
@@ -167,6 +183,22 @@ def method_flags(args, method: str) -> list[tuple[str, object, bool]]:
     return [("--block-size", args.block_size, method != "ar"), ("--budget", args.budget, method == "ddtree")]
 
 
+def simulate_cpu_devices(count: int) -> None:
+    """Give the CPU backend ``count`` devices; possible only before JAX starts its backends (otherwise the
+    devices it has are what ``--devices`` is checked against)."""
+    with contextlib.suppress(RuntimeError):
+        jax.config.update("jax_num_cpu_devices", count)
+
+
+def place_on_devices(target: jaxdd.Target, drafter, devices: int, moe: str) -> jaxdd.Target:
+    """Target and drafter sharded over the first ``devices`` local devices (``jaxdd.sharding``)."""
+    mesh = make_mesh(devices)
+    shard_module(target.model, mesh, moe)
+    if drafter is not None:
+        shard_module(drafter, mesh, moe)
+    return jaxdd.Target(target.model)
+
+
 def summary(method: str, result: Generation) -> dict:
     tokens = len(result.tokens)
     running = result.prefill_seconds + result.decode_seconds - result.compile_seconds
@@ -217,15 +249,27 @@ def run(argv: list[str] | None) -> int:
     if unused:
         print(f"jaxdd: {unused[0]} does not apply to --method {method}", file=sys.stderr)
         return 2
+    if args.devices is not None:
+        simulate_cpu_devices(args.devices)
+    backend = Backend.local()
+    devices = args.devices or (1 if backend.platform == "cpu" else len(jax.local_devices()))
+    if devices > len(jax.local_devices()):
+        print(f"jaxdd: --devices {devices}: this host has {len(jax.local_devices())}", file=sys.stderr)
+        return 2
+    if args.moe is not None and devices == 1:
+        print("jaxdd: --moe applies to several devices (--devices N)", file=sys.stderr)
+        return 2
     dtype = args.dtype
     if dtype == "auto":
-        dtype = "float32" if Backend.local().platform == "cpu" else "bfloat16"
+        dtype = "float32" if backend.platform == "cpu" else "bfloat16"
     stream = None
     try:
         tokenizer = load_tokenizer(checkpoint)
         prompt_ids, prompt_text = read_prompt(args, tokenizer, bundled, parser)
         target = jaxdd.load_target(checkpoint, dtype=dtype, verify=args.verify_checksums)
         drafter = jaxdd.load_drafter(drafter_dir, dtype=dtype, verify=args.verify_checksums) if method != "ar" else None
+        if devices > 1:
+            target = place_on_devices(target, drafter, devices, args.moe or "tp")
         stop_ids = args.stop_ids
         if stop_ids is None:
             stop_ids = sorted(set(target.config.eos_token_ids) | set(tokenizer.stop_ids if tokenizer else ()))

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 from test_tokenizer import SPECIAL, write_kimi_tokenizer
@@ -256,3 +259,34 @@ def test_rounds_past_memory_are_refused_and_oversized_ones_noted(checkpoints, ca
         assert len(notes) == 1 and note in notes[0] and "B of working memory per device" in notes[0], notes
     assert main([*common, "--method", "ddtree", "--budget", "8", "--max-new-tokens", "4", "--json"]) == 0
     assert "note" not in capsys.readouterr().err
+
+
+def test_devices_and_moe_flags_shard_the_pair(checkpoints, capsys):
+    """`--devices 8 --moe ep|tp` (the suite's 8 simulated CPU devices) gives one device's tokens for DFlash and
+    DDTree; more devices than the host has, or --moe on one device, is one line and exit code 2."""
+    _, target, drafter = checkpoints
+    common = ["--checkpoint", str(target), "--drafter", str(drafter), "--prompt-ids", "7,100,42", "--stop-ids", "0"]
+    common += ["--max-new-tokens", "12"]
+    for method in (["--method", "dflash"], ["--method", "ddtree", "--budget", "6"]):
+        alone = run_json(capsys, *common, *method)["output_ids"]
+        for moe in ("ep", "tp"):
+            assert run_json(capsys, *common, *method, "--devices", "8", "--moe", moe)["output_ids"] == alone
+    for flags, message in [
+        (["--devices", "16"], "jaxdd: --devices 16: this host has 8\n"),
+        (["--moe", "ep"], "jaxdd: --moe applies to several devices (--devices N)\n"),
+    ]:
+        assert main([*common, *flags]) == 2
+        assert capsys.readouterr().err == message
+
+
+def test_bundled_demo_on_eight_simulated_devices_from_a_fresh_process():
+    """`python -m jaxdd.generate --devices 8 --moe ep` on a host with one CPU device: the flag itself makes the 8
+    simulated devices, and the bundled pair gives the single-device tokens."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    runs = {}
+    for name, flags in {"one": [], "eight": ["--devices", "8", "--moe", "ep"]}.items():
+        command = [sys.executable, "-m", "jaxdd.generate", "--max-new-tokens", "24", "--json", *flags]
+        run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        assert run.returncode == 0, run.stderr
+        runs[name] = json.loads(run.stdout)["output_ids"]
+    assert runs["eight"] == runs["one"] and len(runs["one"]) == 24
