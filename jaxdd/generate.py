@@ -25,7 +25,7 @@ import jax
 import jaxdd
 from jaxdd.backend import Backend
 from jaxdd.decoder import Generation
-from jaxdd.sharding import make_mesh, shard_module
+from jaxdd.sharding import shard_pair
 from jaxdd.tokenizer import TextTokenizer, load_tokenizer
 
 DEMO = Path(__file__).parent / "demo" / "kimi-mini"
@@ -190,15 +190,6 @@ def simulate_cpu_devices(count: int) -> None:
         jax.config.update("jax_num_cpu_devices", count)
 
 
-def place_on_devices(target: jaxdd.Target, drafter, devices: int, moe: str) -> jaxdd.Target:
-    """Target and drafter sharded over the first ``devices`` local devices (``jaxdd.sharding``)."""
-    mesh = make_mesh(devices)
-    shard_module(target.model, mesh, moe)
-    if drafter is not None:
-        shard_module(drafter, mesh, moe)
-    return jaxdd.Target(target.model)
-
-
 def summary(method: str, result: Generation) -> dict:
     tokens = len(result.tokens)
     running = result.prefill_seconds + result.decode_seconds - result.compile_seconds
@@ -269,7 +260,8 @@ def run(argv: list[str] | None) -> int:
         target = jaxdd.load_target(checkpoint, dtype=dtype, verify=args.verify_checksums)
         drafter = jaxdd.load_drafter(drafter_dir, dtype=dtype, verify=args.verify_checksums) if method != "ar" else None
         if devices > 1:
-            target = place_on_devices(target, drafter, devices, args.moe or "tp")
+            shard_pair(target.model, drafter, devices, args.moe or "tp")
+            target = jaxdd.Target(target.model)
         stop_ids = args.stop_ids
         if stop_ids is None:
             stop_ids = sorted(set(target.config.eos_token_ids) | set(tokenizer.stop_ids if tokenizer else ()))

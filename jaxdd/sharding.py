@@ -122,6 +122,16 @@ def shard_module(module: nnx.Module, mesh: Mesh, mode: MoeMode) -> nnx.Module:
     return module
 
 
+def shard_pair(target: nnx.Module, drafter: nnx.Module | None, devices: int, mode: MoeMode) -> Mesh:
+    """A target model and its drafter (if any) moved onto a mesh of the first ``devices`` devices, in place; wrap
+    the target in a new ``jaxdd.Target`` afterwards (it holds the split weights)."""
+    mesh = make_mesh(devices)
+    shard_module(target, mesh, mode)
+    if drafter is not None:
+        shard_module(drafter, mesh, mode)
+    return mesh
+
+
 def place(module: nnx.Module, mesh: Mesh, mode: MoeMode) -> None:
     """Tell the modules that run collectives by hand (the vocab-parallel embedding lookup, the MoE layers'
     ``shard_map`` dispatch) where they run; an MoE whose experts stay replicated keeps its plain dispatch."""

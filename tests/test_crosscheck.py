@@ -62,6 +62,16 @@ def test_dump_then_compare_passes(references, method, capsys):
             assert prompt["tree_rounds"] > 0 and prompt["first_tree_difference"] is None
 
 
+@pytest.mark.parametrize("moe", ["tp", "ep"])
+def test_compare_on_eight_devices(references, moe, capsys):
+    """The DDTree reference compared with the pair sharded over the suite's 8 simulated devices passes as on one;
+    asking for more devices than there are is one line, exit 2."""
+    assert main(["compare", str(references["ddtree"]), "--devices", "8", "--moe", moe, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]
+    assert main(["compare", str(references["ddtree"]), "--devices", "16"]) == 2
+    assert capsys.readouterr().err == "error: devices: expected 1..8, got 16\n"
+
+
 @pytest.fixture
 def fresh_compilations():
     """Jitted functions are cached by module structure; a patched module must be traced again (and not leak)."""

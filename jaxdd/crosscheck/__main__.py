@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     compare.add_argument("--target", help="the target checkpoint (default: the directory the reference names)")
     compare.add_argument("--drafter", help="the drafter checkpoint (default: the directory the reference names)")
+    compare.add_argument("--devices", type=positive, default=1, help="shard the models over this many devices")
+    compare.add_argument("--moe", choices=["tp", "ep"], default="tp", help="with several devices: tp or ep experts")
     compare.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from jaxdd.crosscheck.compare import compare
 
-        report = compare(args.reference, DTYPES[args.dtype], args.target, args.drafter)
+        report = compare(args.reference, DTYPES[args.dtype], args.target, args.drafter, args.devices, args.moe)
     except (CheckpointError, ConfigError, InputError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
