@@ -37,13 +37,12 @@ def test_skewed_routing_reads_fewer_experts_and_ep_waits_for_its_busiest_device(
 
 
 def test_plan_traffic_table():
-    """The plan's traffic account of K2.6 on 8 devices (no compile): per round the bytes grow with the verified
+    """The plan's traffic account of K2.6's width on 8 devices (no compile): per round the bytes grow with the verified
     tokens, tokens/s is tau over the floor, PCIe's link costs more than NVLink's, and AR reads exactly its top-8
     experts' worth."""
     fixtures = "tests/fixtures/"
-    result = plan(
-        fixtures + "kimi_k25_config.json", fixtures + "kimi_k26_dflash_config.json", 8, "tp", compile_round=False
-    )
+    configs = (fixtures + "kimi_k25_config.json", fixtures + "kimi_k26_dflash_config.json")
+    result = plan(*configs, 8, "tp", layers=3, compile_round=False)  # full width; depth only scales the bytes
     rows = result["traffic"]
     assert [r["round"] for r in rows] == ["ar", "dflash", "ddtree 4", "ddtree 8", "ddtree 16", "ddtree 32", "ddtree 64"]
     ar = rows[0]
