@@ -298,23 +298,23 @@ def _restore_group(checkpointer: ocp.StandardCheckpointer, directory: Path, grou
     shows."""
     held = io.StringIO()
     failure = None
-    with contextlib.redirect_stderr(held):
-        try:
-            return_value = checkpointer.restore(directory / "state" / group, {"params": target})["params"]
-        except Exception as error:
-            if not isinstance(error, ValueError) and "error while reading" not in str(error):
-                raise
-            failure = str(error).splitlines()[0][:200]  # not the error itself: it keeps the coroutines alive
-        if failure is not None:
+    try:
+        with contextlib.redirect_stderr(held):
+            try:
+                return checkpointer.restore(directory / "state" / group, {"params": target})["params"]
+            except Exception as error:
+                if not isinstance(error, ValueError) and "error while reading" not in str(error):
+                    raise
+                failure = str(error).splitlines()[0][:200]  # not the error itself: it keeps the coroutines alive
             time.sleep(ABANDONED_READS_SECONDS)
             gc.collect()
-    if failure is not None:
-        raise CheckpointError(
-            f"{directory / 'state' / group}: unreadable ({failure}); python -m convert verify {directory} names "
-            "the damaged file"
-        )
-    sys.stderr.write(held.getvalue())
-    return return_value
+    finally:
+        if failure is None:  # restored, or failed for another reason: what was written to stderr is shown
+            sys.stderr.write(held.getvalue())
+    raise CheckpointError(
+        f"{directory / 'state' / group}: unreadable ({failure}); python -m convert verify {directory} names "
+        "the damaged file"
+    )
 
 
 def load_checkpoint(
