@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import jax
 
 COMPILE_EVENTS = "/jax/core/compile/"  # jaxpr_trace_duration, jaxpr_to_mlir_module_duration, backend_compile_duration
-BACKEND_COMPILE = COMPILE_EVENTS + "backend_compile_duration"  # one per XLA executable built
+BACKEND_COMPILE = COMPILE_EVENTS + "backend_compile_duration"  # one per executable built or read from a disk cache
 
 
 class CompileClock:

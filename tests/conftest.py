@@ -1,9 +1,22 @@
-"""Test setup: CPU only, 8 simulated devices (set before JAX initialises its backends)."""
+"""Test setup: CPU only, 8 simulated devices (set before JAX initialises its backends), and compiles made cheap.
+
+The suite is bound by XLA compiles of tiny models, not by running them: LLVM's optimisation passes are skipped
+(about a third of the suite's time; the programs are the same, their machine code slower), and compiled programs
+are shared through a persistent cache among the xdist workers and the CLI subprocesses of one run (a
+directory per run, removed at its end).
+"""
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+# Set by the controller before its workers start: they inherit it, and so do the subprocesses tests start.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"jaxdd-compiles-{os.getpid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 
 import jax.numpy as jnp
@@ -13,6 +26,11 @@ import jaxdd
 from jaxdd.decoder import SpeculativeDecoder
 from jaxdd.hf_weights import load_hf_drafter
 from jaxdd.testing.reference import TINY_K2, TINY_K25, drafter_config, hf_drafter, hf_model
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE and not hasattr(config, "workerinput"):  # the controller, once every worker is done
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session", params=[0, 1], ids=["seed0", "seed1"])
