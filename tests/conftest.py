@@ -14,7 +14,6 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 # Set by the controller before its workers start: they inherit it, and so do the subprocesses tests start.
-_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"jaxdd-compiles-{os.getpid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
@@ -29,8 +28,9 @@ from jaxdd.testing.reference import TINY_K2, TINY_K25, drafter_config, hf_drafte
 
 
 def pytest_unconfigure(config):
-    if _OWN_CACHE and not hasattr(config, "workerinput"):  # the controller, once every worker is done
-        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    cache = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    if cache.name == f"jaxdd-compiles-{os.getpid()}":  # this process made it: the controller, after its workers
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", params=[0, 1], ids=["seed0", "seed1"])
