@@ -21,10 +21,11 @@ from humaneval import humaneval_prompts
 
 import jaxdd
 from jaxdd.generate import DEMO
+from jaxdd.hardware import GPUS
 from jaxdd.moe import Router
 from jaxdd.plan import plan
 from jaxdd.testing.benchmark import write_result
-from jaxdd.traffic import HARDWARE, distinct_experts
+from jaxdd.traffic import distinct_experts
 
 RESULTS = Path(__file__).parent / "results"
 ROUND_TOKENS = (1, 8, 9, 17, 65)  # AR, DFlash block 8, DDTree budgets 8, 16, 64
@@ -78,7 +79,7 @@ def main() -> None:
         for context in (8192, 32768):
             result = plan(config, drafter, 8, moe, max_len=context, compile_round=False)
             runs.append({"moe": moe, "context": context, "rows": result["traffic"]})
-    hardware = {key: dataclasses.asdict(gpu) for key, gpu in HARDWARE.items()}
+    hardware = {key: dataclasses.asdict(gpu) for key, gpu in GPUS.items()}
     routing = demo_routing()
     write_result(RESULTS / "traffic_kimi_k26.json", {"runs": runs, "hardware": hardware, "demo_routing": routing})
     for t in ROUND_TOKENS:
@@ -92,7 +93,7 @@ def main() -> None:
             trees = " / ".join(f"{speed[f'ddtree {b}']:.0f}" for b in (4, 8, 16, 32, 64))
             best = max(speed, key=speed.get)
             print(
-                f"| {HARDWARE[gpu].name} | {run['moe']} | {run['context'] // 1024}k | {speed['ar']:.0f} | "
+                f"| {GPUS[gpu].name} | {run['moe']} | {run['context'] // 1024}k | {speed['ar']:.0f} | "
                 f"{speed['dflash']:.0f} | {trees} | {best} |"
             )
 

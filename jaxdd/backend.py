@@ -26,6 +26,9 @@ Dispatch = Literal[
     "dense", "gathered", "grouped", "scan", "skipping", "tiled"
 ]  # how the MoE runs its experts (``jaxdd.moe``)
 _PLATFORMS: dict[str, Platform] = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+# Shared memory one thread block may opt into, by compute capability (CUDA C++ Programming Guide, "Technical
+# Specifications per Compute Capability"): the Pallas kernel's tiles must fit it.
+SHARED_MEMORY_PER_BLOCK = {"8.0": 163, "8.6": 99, "8.7": 163, "8.9": 99, "9.0": 227, "10.0": 227, "12.0": 99}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +36,7 @@ class Backend:
     """The per-platform choices; frozen and hashable, so it is a static argument of the jitted rounds."""
 
     platform: Platform
+    shared_memory: int | None = None  # GPUs: bytes of shared memory per block (None: unknown, H200's assumed)
 
     # MoE on CPU: tiles from this many tokens, ``skipping`` below (where kimi-mini's two dispatches break even).
     TILED_MIN_TOKENS = 24
@@ -44,7 +48,10 @@ class Backend:
         platforms = {_PLATFORMS.get(d.platform.lower(), d.platform.lower()) for d in devices}
         if len(platforms) != 1 or not platforms <= set(_PLATFORMS.values()):
             raise ValueError(f"devices: expected one platform of cpu, gpu or tpu, got {sorted(platforms)}")
-        return cls(platforms.pop())
+        platform = platforms.pop()
+        capabilities = {getattr(d, "compute_capability", None) for d in devices} if platform == "gpu" else set()
+        shared = [SHARED_MEMORY_PER_BLOCK.get(c) for c in capabilities]
+        return cls(platform, min(shared) * 1024 if shared and None not in shared else None)
 
     @classmethod
     def local(cls) -> Backend:
@@ -110,9 +117,11 @@ class Backend:
     def kernel_options(self) -> dict[str, Any]:
         """Keyword arguments for ``pallas_kernels.tree_attention``: interpreted on CPU; on GPU through Triton,
         not Mosaic GPU (Mosaic stages every block in shared memory, and a whole cache block is far over the
-        227 KB limit; Triton reads the cache through pointers); on TPU Mosaic's defaults."""
+        227 KB limit; Triton reads the cache through pointers), with tiles that fit the GPU's shared memory; on
+        TPU Mosaic's defaults."""
         if self.platform == "cpu":
-            return {"interpret": True, "compiler_params": None}
+            return {"interpret": True, "compiler_params": None, "shared_memory": None}
         if self.platform == "gpu":
-            return {"interpret": False, "compiler_params": pltriton.CompilerParams(num_warps=4)}
-        return {"interpret": False, "compiler_params": None}
+            params = pltriton.CompilerParams(num_warps=4)
+            return {"interpret": False, "compiler_params": params, "shared_memory": self.shared_memory}
+        return {"interpret": False, "compiler_params": None, "shared_memory": None}

@@ -89,16 +89,19 @@ class MoE(nnx.Module):
             routed = routed + self.shared(x)
         return routed.reshape(shape)
 
+    def dispatch_for(self, tokens: int, local_experts: int, backend: Backend) -> Dispatch:
+        """The dispatch this layer runs ``tokens`` tokens with, over the ``local_experts`` a device holds."""
+        if self.dispatch != "auto":
+            return self.dispatch
+        c, quantized = self.config, not isinstance(self.gate, DenseExperts)
+        top_k = c.num_experts_per_tok
+        return backend.moe_dispatch(tokens, top_k, local_experts, c.hidden_size, c.moe_intermediate_size, quantized)
+
     def _routed(self, x, weights, experts, pieces: list[tuple[jax.Array, ...]], backend: Backend) -> jax.Array:
         """fp32 [N, D]: the weighted expert outputs, for experts [N, k] indexing the stored ``pieces`` of
         gate, up and down ([E, ...] each: all experts, or one device's)."""
         projections = (self.gate, self.up, self.down)
-        dispatch = self.dispatch
-        if dispatch == "auto":
-            c, quantized = self.config, not isinstance(self.gate, DenseExperts)
-            n_experts = pieces[0][0].shape[0]
-            tokens, top_k = experts.shape
-            dispatch = backend.moe_dispatch(tokens, top_k, n_experts, c.hidden_size, c.moe_intermediate_size, quantized)
+        dispatch = self.dispatch_for(experts.shape[0], pieces[0][0].shape[0], backend)
         if dispatch == "gathered":
             return _gathered_experts(x, weights, experts, projections, pieces)
         if dispatch == "scan":

@@ -21,6 +21,7 @@ replicated instead (e.g. a 4-head drafter on 8 devices).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import jax
@@ -48,9 +49,10 @@ RULES: dict[MoeMode, dict[str, str | None]] = {
 }
 
 
-def make_mesh(devices: int | None = None) -> Mesh:
-    """A 1-D mesh over the first ``devices`` devices (default: all). Auto axes: XLA propagates the shardings."""
-    available = jax.devices()
+def make_mesh(devices: int | None = None, available: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh over the first ``devices`` of ``available`` (default: all of this process's JAX devices; a
+    deviceless topology's for ``jaxdd.plan``). Auto axes: XLA propagates the shardings."""
+    available = list(jax.devices() if available is None else available)
     devices = len(available) if devices is None else devices
     if not 1 <= devices <= len(available):
         raise ValueError(f"devices: expected 1..{len(available)}, got {devices}")

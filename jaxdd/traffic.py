@@ -21,55 +21,12 @@ import numpy as np
 from flax import nnx
 
 from jaxdd.config import KimiConfig
+from jaxdd.hardware import GPUS, Hardware
 from jaxdd.quant import ExpertWeights
 from jaxdd.target import KimiTarget
 
 BF16 = 2
 
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    """One device of a node, as its datasheet gives it; ``allreduce_latency`` is an estimate (NCCL's small-message
-    all-reduce over 8 devices), not a datasheet figure."""
-
-    name: str
-    memory: float  # bytes per device
-    bandwidth: float  # memory bytes/s per device
-    link: float  # bytes/s each way per device for collectives
-    link_name: str
-    allreduce_latency: float  # seconds per all-reduce, whatever its size
-    source: str
-
-
-HARDWARE: dict[str, Hardware] = {
-    "h200": Hardware(
-        "8 x H200 (NVLink)",
-        141e9,
-        4.8e12,
-        450e9,
-        "NVLink 4, 900 GB/s both ways",
-        10e-6,
-        "NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s",
-    ),
-    "rtx-pro-6000": Hardware(
-        "8 x RTX PRO 6000 (PCIe)",
-        96e9,
-        1.792e12,
-        64e9,
-        "PCIe 5.0 x16, 64 GB/s each way",
-        30e-6,
-        "NVIDIA RTX PRO 6000 Blackwell datasheet: 96 GB GDDR7, 1792 GB/s, PCIe 5.0 x16 (no NVLink)",
-    ),
-    "b200": Hardware(
-        "8 x B200 (NVLink)",
-        180e9,
-        8.0e12,
-        900e9,
-        "NVLink 5, 1.8 TB/s both ways",
-        10e-6,
-        "NVIDIA DGX B200 datasheet: 1440 GB HBM3e for 8 GPUs, 8 TB/s each, NVLink 5 1.8 TB/s",
-    ),
-}
 
 # The demo pair's HumanEval tau (CPU, greedy, block 8; benchmarks/README.md): tokens per verify round.
 DEMO_TAU = {"ar": 1.0, "dflash": 3.00, "ddtree": {4: 2.94, 8: 3.44, 16: 3.77, 32: 4.04, 64: 4.35}}
@@ -199,7 +156,7 @@ def traffic_table(
     for name, tokens, draft, expected in shapes:
         traffic = round_traffic(name.split()[0], tokens, config, model, context, devices, moe, draft)
         row = {"round": name, "tokens": tokens, "tau": expected, **traffic, "targets": {}}
-        for key, hardware in HARDWARE.items():
+        for key, hardware in GPUS.items():
             floor = floor_seconds(traffic, hardware)
             row["targets"][key] = floor | {"tokens_per_s": expected / floor["round_s"]}
         rows.append(row)
@@ -208,9 +165,9 @@ def traffic_table(
 
 def format_table(rows: list[dict]) -> str:
     """The table as text: GB read and sent per device, then per GPU the floor and predicted tokens/s."""
-    names = list(HARDWARE)
+    names = list(GPUS)
     head = f"{'round':<11} {'tau':>5} {'read GB':>8} {'experts':>8} {'sent MB':>8}"
-    head += "".join(f" | {HARDWARE[n].name:>26}" for n in names)
+    head += "".join(f" | {GPUS[n].name:>26}" for n in names)
     lines = [head, f"{'':<44}" + "".join(f" | {'ms (link ms)   tokens/s':>26}" for _ in names)]
     for row in rows:
         line = f"{row['round']:<11} {row['tau']:>5.2f} {row['read_total'] / 1e9:>8.2f} "

@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 
 NEG = -1e30  # finite: a fully masked block must not produce (-inf) - (-inf)
 GPU_PROGRAMS = 128  # about one program per multiprocessor of an H100/H200 (132) keeps the chip busy
+SMALL_SHARED_MEMORY = 128 * 1024  # sm_86/89/120 (RTX PRO 6000: 99 KB per block) hold half an H200's tiles
 
 
 def tree_attention_reference(
@@ -93,7 +94,9 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k", "interpret", "compiler_params"))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "block_q", "block_k", "interpret", "compiler_params", "shared_memory")
+)
 def tree_attention(
     q_latent,
     q_rope,
@@ -108,21 +111,26 @@ def tree_attention(
     block_k: int | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
+    shared_memory: int | None = None,
 ):
     """The Pallas kernel; same arguments and result as ``tree_attention_reference``; ``interpret`` and
     ``compiler_params`` as the backend chooses (``Backend.kernel_options``). ``block_q`` query rows
     (token x head) per program, keys in blocks of ``block_k``; None picks them as measured on an H200
     (benchmarks/results/gpu_kernel.json): keys in blocks of 64 (bf16) or 32 (fp32: 64 asks for 236 KB of
     shared memory, over the 227 KB limit), and 32 query rows per program unless that leaves fewer programs than
-    the GPU has multiprocessors (then 16: 257 tokens x 8 heads over 32k slots ran 1.8x faster)."""
+    the GPU has multiprocessors (then 16: 257 tokens x 8 heads over 32k slots ran 1.8x faster). Under
+    ``SMALL_SHARED_MEMORY`` bytes per block (``shared_memory``, the GPU's opt-in limit) keys in blocks of 32
+    (bf16) or 16 (fp32) and 16 query rows: Kimi's tiles at the H200's sizes ask an RTX PRO 6000 for 166 KB
+    of its 99 KB (a deviceless sm_120 compile's RESOURCE_EXHAUSTED)."""
     b, t, h, r = q_latent.shape
     dr = q_rope.shape[-1]
     slots = cache_latent.shape[1]
     rows = t * h
+    small = shared_memory is not None and shared_memory < SMALL_SHARED_MEMORY
     if block_k is None:
-        block_k = 64 if jnp.dtype(cache_latent.dtype).itemsize <= 2 else 32
+        block_k = (64 if jnp.dtype(cache_latent.dtype).itemsize <= 2 else 32) // (2 if small else 1)
     if block_q is None:
-        block_q = 32 if b * rows >= 32 * GPU_PROGRAMS else 16
+        block_q = 32 if b * rows >= 32 * GPU_PROGRAMS and not small else 16
     block_k = min(block_k, slots)
     if slots % block_k:
         raise ValueError(f"cache slots {slots} must be a multiple of block_k {block_k}")

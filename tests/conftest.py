@@ -6,6 +6,7 @@ are shared through a persistent cache among the xdist workers and the CLI subpro
 directory per run, removed at its end).
 """
 
+import json
 import os
 import shutil
 import tempfile
@@ -46,3 +47,16 @@ def models(request, tmp_path_factory):
     target = jaxdd.load_target(root / "target", dtype="float32")
     drafter = load_hf_drafter(root / "drafter", jnp.float32)
     return ref_target, ref_drafter, SpeculativeDecoder(target, drafter)
+
+
+@pytest.fixture(scope="session")
+def tiny_plan_configs(tmp_path_factory) -> tuple[Path, Path]:
+    """Config files of a tiny Kimi K2.6-style pair for ``jaxdd.plan``: K2.6's own config (nested text_config,
+    INT4 routed experts as compressed-tensors) at TINY_K2's sizes, and a DFlash drafter of block 8."""
+    root = tmp_path_factory.mktemp("plan_configs")
+    k26 = json.loads(Path("tests/fixtures/kimi_k25_config.json").read_text())
+    k26["text_config"] |= TINY_K2 | {"pad_token_id": 255}
+    k26 |= {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 255}
+    (root / "target.json").write_text(json.dumps(k26))
+    (root / "drafter.json").write_text(json.dumps(drafter_config(block_size=8) | {"num_target_layers": 3}))
+    return root / "target.json", root / "drafter.json"

@@ -9,8 +9,9 @@ import sys
 import numpy as np
 import pytest
 
+from jaxdd.hardware import GPUS
 from jaxdd.plan import plan, report
-from jaxdd.traffic import HARDWARE, distinct_experts, slowest_device_experts
+from jaxdd.traffic import distinct_experts, slowest_device_experts
 
 
 @pytest.mark.parametrize(("tokens", "top_k", "experts"), [(1, 8, 384), (16, 8, 128), (65, 8, 384), (9, 2, 16)])
@@ -52,7 +53,7 @@ def test_plan_traffic_table():
     for row in rows:
         for name, target in row["targets"].items():
             assert target["tokens_per_s"] == pytest.approx(row["tau"] / target["round_s"])
-            assert target["memory_s"] == pytest.approx(row["read_total"] / HARDWARE[name].bandwidth)
+            assert target["memory_s"] == pytest.approx(row["read_total"] / GPUS[name].bandwidth)
         assert row["targets"]["rtx-pro-6000"]["link_s"] > row["targets"]["h200"]["link_s"]
     assert "tokens/s" in report(result) and "per device:" not in report(result)
 

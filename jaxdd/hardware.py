@@ -1,0 +1,127 @@
+"""The devices jaxdd plans for, as their vendors describe them: what the traffic account needs (memory, bandwidth,
+link) and, for GPUs, the description a deviceless compile needs (XLA's GpuTargetConfigProto: compute capability,
+SMs, shared memory). TPUs are named by JAX's topology names (``v5p:2x2x2``); their chips are described here.
+
+Sources, per field: memory, bandwidth, link and SMs from NVIDIA's product datasheets / Google Cloud's TPU pages
+(named per entry); shared memory per SM and per block (opt-in) from the CUDA C++ Programming Guide's table of
+compute capabilities (228 / 227 KB on 9.0 and 10.0, 100 / 99 KB on 12.0); L2 size and clock from the
+architecture whitepapers. The all-reduce latency is an estimate (NCCL's small-message all-reduce over 8 GPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+KB, GB = 1024, 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One device of a node."""
+
+    name: str
+    memory: float  # bytes per device
+    bandwidth: float  # memory bytes/s per device
+    link: float  # bytes/s each way per device for collectives
+    link_name: str
+    allreduce_latency: float  # seconds per all-reduce, whatever its size
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu(Hardware):
+    compute_capability: tuple[int, int] = (9, 0)
+    sms: int = 132
+    shared_memory_per_sm: int = 228 * KB
+    shared_memory_per_block_optin: int = 227 * KB
+    l2_bytes: int = 50 * 1024 * KB
+    clock_ghz: float = 1.98
+    device_kind: str = ""  # what jax.Device.device_kind says on the real GPU
+
+    def target_config(self) -> str:
+        """The GpuTargetConfigProto (text format) XLA compiles against when no GPU is present."""
+        major, minor = self.compute_capability
+        return f"""gpu_device_info {{
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: {48 * KB}
+  shared_memory_per_core: {self.shared_memory_per_sm}
+  shared_memory_per_block_optin: {self.shared_memory_per_block_optin}
+  threads_per_core_limit: {2048 if major < 12 else 1536}
+  core_count: {self.sms}
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(self.bandwidth)}
+  l2_cache_size: {self.l2_bytes}
+  clock_rate_ghz: {self.clock_ghz}
+  device_memory_size: {int(self.memory)}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+device_description_str: "{self.device_kind}"
+"""
+
+
+GPUS: dict[str, Gpu] = {
+    "h200": Gpu(
+        "8 x H200 (NVLink)",
+        141 * GB,
+        4.8e12,
+        450e9,
+        "NVLink 4, 900 GB/s both ways",
+        10e-6,
+        "NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s; Hopper: 132 SMs, 50 MB L2",
+        compute_capability=(9, 0),
+        sms=132,
+        device_kind="NVIDIA H200",
+    ),
+    "rtx-pro-6000": Gpu(
+        "8 x RTX PRO 6000 (PCIe)",
+        96 * GB,
+        1.792e12,
+        64e9,
+        "PCIe 5.0 x16, 64 GB/s each way",
+        30e-6,
+        "NVIDIA RTX PRO 6000 Blackwell datasheet: 96 GB GDDR7, 1792 GB/s, 188 SMs, PCIe 5.0 x16 (no NVLink); "
+        "GB202: 128 MB L2",
+        compute_capability=(12, 0),
+        sms=188,
+        shared_memory_per_sm=100 * KB,
+        shared_memory_per_block_optin=99 * KB,
+        l2_bytes=128 * 1024 * KB,
+        clock_ghz=2.617,
+        device_kind="NVIDIA RTX PRO 6000 Blackwell Server Edition",
+    ),
+    "b200": Gpu(
+        "8 x B200 (NVLink)",
+        180 * GB,
+        8.0e12,
+        900e9,
+        "NVLink 5, 1.8 TB/s both ways",
+        10e-6,
+        "NVIDIA DGX B200 datasheet: 1440 GB HBM3e for 8 GPUs, 8 TB/s each, NVLink 5 1.8 TB/s; 148 SMs, 126 MB L2",
+        compute_capability=(10, 0),
+        sms=148,
+        l2_bytes=126 * 1024 * KB,
+        clock_ghz=1.965,
+        device_kind="NVIDIA B200",
+    ),
+}
+
+# One chip (one JAX device) per generation, keyed by the prefix of JAX's topology names.
+TPUS: dict[str, Hardware] = {
+    "v5e": Hardware(
+        "TPU v5e", 16 * GB, 819e9, 200e9, "ICI 1600 Gbps", 10e-6, "Google Cloud TPU v5e: 16 GB HBM2, 819 GB/s"
+    ),
+    "v5p": Hardware(
+        "TPU v5p", 95 * GB, 2765e9, 600e9, "ICI 4800 Gbps", 10e-6, "Google Cloud TPU v5p: 95 GB HBM2e, 2765 GB/s"
+    ),
+    "v6e": Hardware(
+        "TPU v6e", 32 * GB, 1640e9, 448e9, "ICI 3584 Gbps", 10e-6, "Google Cloud TPU v6e: 32 GB HBM, 1640 GB/s"
+    ),
+}
