@@ -15,6 +15,7 @@ The stable Python API:
     sampled = target.generate([1, 2, 3], drafter=drafter, sampling=jaxdd.Sampling(temperature=0.7, seed=1))
 """
 
+import jaxdd.startup  # noqa: F401  (first: imports JAX without the CUDA plugin's start-up lines)
 from jaxdd.api import ForwardResult, Target, load_drafter, load_target
 from jaxdd.cache import LatentCache
 from jaxdd.checkpoint import save_drafter, save_target
