@@ -25,6 +25,7 @@ import jax
 import jaxdd
 from jaxdd.backend import Backend
 from jaxdd.decoder import Generation
+from jaxdd.distributed import disagreeing_processes, join
 from jaxdd.sharding import shard_pair
 from jaxdd.tokenizer import TextTokenizer, load_tokenizer
 
@@ -94,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="with several devices, split each routed expert's width (tp, the default: less traffic per round, "
         "python -m jaxdd.plan --traffic) or place whole experts (ep)",
     )
+    hosts = parser.add_argument_group("several hosts (one process each; not needed where JAX finds the job itself)")
+    hosts.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, the same for every process")
+    hosts.add_argument("--num-processes", type=positive, help="processes in the job")
+    hosts.add_argument("--process-id", type=int, help="this process: 0 (prints the output) .. num-processes - 1")
     parser.add_argument(
         "--verify-checksums",
         action="store_true",
@@ -240,13 +245,20 @@ def run(argv: list[str] | None) -> int:
     if unused:
         print(f"jaxdd: {unused[0]} does not apply to --method {method}", file=sys.stderr)
         return 2
-    if args.devices is not None:
+    processes = args.num_processes or 1
+    try:
+        join(args.coordinator, args.num_processes, args.process_id, max(1, (args.devices or 1) // processes))
+    except jaxdd.InputError as error:
+        print(f"jaxdd: {error}", file=sys.stderr)
+        return 2
+    if args.devices is not None and processes == 1:
         simulate_cpu_devices(args.devices)
     backend = Backend.local()
-    devices = args.devices or (1 if backend.platform == "cpu" else len(jax.local_devices()))
-    if devices > len(jax.local_devices()):
-        print(f"jaxdd: --devices {devices}: this host has {len(jax.local_devices())}", file=sys.stderr)
+    devices = args.devices or (1 if backend.platform == "cpu" and processes == 1 else len(jax.devices()))
+    if devices > len(jax.devices()):
+        print(f"jaxdd: --devices {devices}: the job has {len(jax.devices())}", file=sys.stderr)
         return 2
+    quiet = jax.process_index() != 0  # every process runs the program; process 0 speaks for them
     if args.moe is not None and devices == 1:
         print("jaxdd: --moe applies to several devices (--devices N)", file=sys.stderr)
         return 2
@@ -266,7 +278,7 @@ def run(argv: list[str] | None) -> int:
         if stop_ids is None:
             stop_ids = sorted(set(target.config.eos_token_ids) | set(tokenizer.stop_ids if tokenizer else ()))
         status = f"[{method}] compiling the prefill and the round (once per shape)..."
-        stream = None if args.json else TextStream(tokenizer, set(stop_ids), status)
+        stream = None if args.json or quiet else TextStream(tokenizer, set(stop_ids), status)
         if stream is not None:
             if prompt_text is not None:
                 print(prompt_text, end="", flush=True)
@@ -288,6 +300,12 @@ def run(argv: list[str] | None) -> int:
         print(f"jaxdd: {error}", file=sys.stderr)
         return 2
 
+    differ = disagreeing_processes(result.tokens, args.max_new_tokens)
+    if differ:
+        print(f"jaxdd: processes {differ} generated other tokens than process 0", file=sys.stderr)
+        return 1
+    if quiet:
+        return 0
     report = summary(method, result)
     if args.json:
         text = tokenizer.decode(result.tokens) if tokenizer is not None else None

@@ -119,9 +119,18 @@ def shard_module(module: nnx.Module, mesh: Mesh, mode: MoeMode) -> nnx.Module:
     place(module, mesh, mode)
     state = nnx.state(module, nnx.Param)
     is_variable = lambda x: isinstance(x, nnx.Variable)
-    placed = jax.tree.map(lambda v, s: jax.device_put(v[...], s), state, shardings, is_leaf=is_variable)
+    placed = jax.tree.map(lambda v, s: _put(v[...], s), state, shardings, is_leaf=is_variable)
     nnx.update(module, placed)
     return module
+
+
+def _put(value: jax.Array | np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """``value`` in ``sharding``; on a mesh spanning several processes (which all hold the whole value), each
+    process places only its own devices' shards (device_put takes this process's devices only)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def shard_pair(target: nnx.Module, drafter: nnx.Module | None, devices: int, mode: MoeMode) -> Mesh:

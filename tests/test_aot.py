@@ -86,6 +86,14 @@ def test_kernel_tiles_fit_the_gpus_shared_memory(target, dtype):
             h200.lower(*args).compile(compiler_options=where.compiler_options)
 
 
+def test_a_multi_host_slice_compiles_as_one_program(tiny_plan_configs):
+    """TPU v5p:2x2x4 is 16 chips on 4 hosts (one JAX process each): the plan compiles the one SPMD program all
+    four would run, from this single process."""
+    result = plan(*tiny_plan_configs, None, "tp", 16, 256, target="v5p:2x2x4")
+    assert result["devices"] == 16 and result["target"]["processes"] == 4
+    _check_memory(result)
+
+
 def test_unknown_targets_are_named():
     with pytest.raises(InputError, match="expected one of cpu, h200, rtx-pro-6000, b200"):
         compile_target("a100")

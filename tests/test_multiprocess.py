@@ -1,0 +1,54 @@
+"""One jaxdd job over two processes (4 simulated CPU devices each, gloo collectives on a free local port), as on
+two hosts: the tokens equal one process's, from an HF and from a jaxdd checkpoint, in TP and EP, through the
+library and through ``python -m jaxdd.generate --coordinator``."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import jaxdd
+from jaxdd.generate import DEMO
+from jaxdd.testing.multiprocess import METHODS, PROMPT, free_port, job_environment, start_job
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The demo pair's tokens on one device, and the pair saved as a jaxdd checkpoint."""
+    root = tmp_path_factory.mktemp("jaxdd_pair")
+    target = jaxdd.load_target(DEMO / "target", dtype="float32")
+    drafter = jaxdd.load_drafter(DEMO / "drafter", dtype="float32")
+    jaxdd.save_target(target.model, root / "target")
+    jaxdd.save_drafter(drafter, root / "drafter", json.loads((DEMO / "drafter" / "config.json").read_text()))
+    run = lambda method: target.generate(PROMPT, drafter=drafter, method=method, max_new_tokens=12, stop_token_ids=[])
+    return {method: run(method).tokens for method in METHODS}, root
+
+
+def test_two_processes_give_one_process_tokens(one_process):
+    expected, converted = one_process
+    result = start_job({"tp:hf": DEMO, "ep:jaxdd": converted})
+    assert result == {"tp:hf": expected, "ep:jaxdd": expected}
+
+
+def test_generate_cli_across_two_processes(one_process):
+    """Only process 0 prints; the JSON's tokens are the one-process ones (the processes checked each other)."""
+    expected, _ = one_process
+    port = free_port()
+    env = job_environment()
+    command = [sys.executable, "-m", "jaxdd.generate", "--prompt-ids", ",".join(map(str, PROMPT)), "--json"]
+    command += ["--method", "ddtree", "--max-new-tokens", "12", "--stop-ids", "-1", "--devices", "8", "--moe", "ep"]
+    command += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    procs = [
+        subprocess.Popen([*command, "--process-id", str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for i in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][1].decode()[-2000:]
+    assert json.loads(outputs[0][0].decode().splitlines()[-1])["output_ids"] == expected["ddtree"]
+    assert "output_ids" not in outputs[1][0].decode()
