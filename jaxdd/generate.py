@@ -256,7 +256,8 @@ def run(argv: list[str] | None) -> int:
     backend = Backend.local()
     devices = args.devices or (1 if backend.platform == "cpu" and processes == 1 else len(jax.devices()))
     if devices > len(jax.devices()):
-        print(f"jaxdd: --devices {devices}: the job has {len(jax.devices())}", file=sys.stderr)
+        where = "this host has" if processes == 1 else "the job has"
+        print(f"jaxdd: --devices {devices}: {where} {len(jax.devices())}", file=sys.stderr)
         return 2
     quiet = jax.process_index() != 0  # every process runs the program; process 0 speaks for them
     if args.moe is not None and devices == 1:

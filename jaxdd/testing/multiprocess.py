@@ -5,7 +5,7 @@
 
 Each process joins the job and, per run, loads the target and drafter in DIR, shards them over all the job's
 devices in that mode and generates with AR, DFlash and DDTree; process 0 prints one JSON object
-``{"mode:name": {method: tokens}}`` as its last stdout line (gloo prints its connection lines before).
+``{"mode:name": {method: tokens}}`` as the one stdout line starting with ``{`` (gloo prints its own lines).
 ``start_job`` runs it and always stops its processes.
 """
 
@@ -61,7 +61,8 @@ def start_job(runs: dict[str, Path], processes: int = 2, devices: int = 8, timeo
     for i, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True)):
         if p.returncode != 0:
             raise RuntimeError(f"process {i} exited {p.returncode}: {err.decode()[-2000:]}")
-    return json.loads(outputs[0][0].decode().strip().splitlines()[-1])
+    printed = [line for line in outputs[0][0].decode().splitlines() if line.startswith("{")]  # gloo prints too
+    return json.loads(printed[-1])
 
 
 def main() -> None:
