@@ -3,14 +3,13 @@ two hosts: the tokens equal one process's, from an HF and from a jaxdd checkpoin
 library and through ``python -m jaxdd.generate --coordinator``."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
 import jaxdd
 from jaxdd.generate import DEMO
-from jaxdd.testing.multiprocess import METHODS, PROMPT, free_port, job_environment, start_job
+from jaxdd.testing.multiprocess import METHODS, PROMPT, free_port, run_processes, start_job
 
 
 @pytest.fixture(scope="module")
@@ -35,21 +34,10 @@ def test_generate_cli_across_two_processes(one_process):
     """Only process 0 prints; the JSON's tokens are the one-process ones (the processes checked each other)."""
     expected, _ = one_process
     port = free_port()
-    env = job_environment()
     command = [sys.executable, "-m", "jaxdd.generate", "--prompt-ids", ",".join(map(str, PROMPT)), "--json"]
     command += ["--method", "ddtree", "--max-new-tokens", "12", "--stop-ids", "-1", "--devices", "8", "--moe", "ep"]
     command += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-    procs = [
-        subprocess.Popen([*command, "--process-id", str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        for i in range(2)
-    ]
-    try:
-        outputs = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][1].decode()[-2000:]
-    printed = [line for line in outputs[0][0].decode().splitlines() if line.startswith("{")]  # gloo prints too
+    first, second = run_processes([[*command, "--process-id", str(i)] for i in range(2)], timeout=240)
+    printed = [line for line in first.splitlines() if line.startswith("{")]  # gloo prints too
     assert len(printed) == 1 and json.loads(printed[0])["output_ids"] == expected["ddtree"]
-    assert "output_ids" not in outputs[1][0].decode()
+    assert "output_ids" not in second

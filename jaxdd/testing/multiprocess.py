@@ -44,14 +44,19 @@ def job_environment() -> dict[str, str]:
 def start_job(runs: dict[str, Path], processes: int = 2, devices: int = 8, timeout: float = 300) -> dict:
     """Run the job and return process 0's result; a process that fails or outlives ``timeout`` stops them all."""
     port = free_port()
-    env = job_environment()
     command = [sys.executable, "-m", "jaxdd.testing.multiprocess", "--coordinator", f"127.0.0.1:{port}"]
     command += ["--num-processes", str(processes), "--devices", str(devices)]
     command += [arg for name, path in runs.items() for arg in ("--run", f"{name}={path}")]
-    procs = [
-        subprocess.Popen([*command, "--process-id", str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        for i in range(processes)
-    ]
+    outputs = run_processes([[*command, "--process-id", str(i)] for i in range(processes)], timeout)
+    printed = [line for line in outputs[0].splitlines() if line.startswith("{")]  # gloo prints too
+    return json.loads(printed[-1])
+
+
+def run_processes(commands: list[list[str]], timeout: float) -> list[str]:
+    """Start one process per command in ``job_environment()`` and return their stdouts; one that fails or
+    outlives ``timeout`` raises, and all are stopped whatever happens."""
+    env = job_environment()
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for c in commands]
     try:
         outputs = [p.communicate(timeout=timeout) for p in procs]
     finally:
@@ -61,8 +66,7 @@ def start_job(runs: dict[str, Path], processes: int = 2, devices: int = 8, timeo
     for i, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True)):
         if p.returncode != 0:
             raise RuntimeError(f"process {i} exited {p.returncode}: {err.decode()[-2000:]}")
-    printed = [line for line in outputs[0][0].decode().splitlines() if line.startswith("{")]  # gloo prints too
-    return json.loads(printed[-1])
+    return [out.decode() for out, _ in outputs]
 
 
 def main() -> None:
