@@ -15,10 +15,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxdd.backend import Attention, Backend
 from jaxdd.cache import LatentCache
-from jaxdd.checkpoint import cast_model, is_jaxdd_checkpoint, load_checkpoint
+from jaxdd.checkpoint import abstract_model, cast_model, is_jaxdd_checkpoint, load_checkpoint
 from jaxdd.config import KimiConfig
 from jaxdd.decoder import Generation, SpeculativeDecoder
 from jaxdd.drafter import DFlashDrafter
@@ -26,6 +27,7 @@ from jaxdd.errors import CheckpointError, InputError, checkpoint_directory
 from jaxdd.hf_weights import load_hf_drafter, load_hf_target
 from jaxdd.jit_state import split_module
 from jaxdd.sampling import GREEDY, Sampling
+from jaxdd.sharding import MoeMode, Placement, abstract_shardings, place
 from jaxdd.target import KimiTarget
 from jaxdd.validation import Method, check_positions, check_tokens, check_visible
 
@@ -36,23 +38,47 @@ class ForwardResult(NamedTuple):
     cache: LatentCache
 
 
-def load_target(path: str | Path, dtype: str | jnp.dtype = "bfloat16", verify: bool = False) -> Target:
+def load_target(
+    path: str | Path,
+    dtype: str | jnp.dtype = "bfloat16",
+    verify: bool = False,
+    mesh: Mesh | None = None,
+    moe: MoeMode = "tp",
+) -> Target:
     """Load a target from a jaxdd checkpoint or an HF checkpoint directory (config.json + safetensors, plain or
     with FP8 / INT4 routed experts, which stay quantized). ``verify``: check a jaxdd checkpoint's checksums
-    first (reads every byte once)."""
+    first (reads every byte once). ``mesh``: load straight into its shardings (``moe``: how the routed experts
+    are split), each process reading only its devices' parts."""
     path = _checkpoint(path, verify)
+    placement = None if mesh is None else (mesh, moe)
     if is_jaxdd_checkpoint(path):
-        return Target(load_checkpoint(path, "target", jnp.dtype(dtype), verify=verify))
-    return Target(load_hf_target(path, jnp.dtype(dtype)))
+        return Target(_restore(path, "target", jnp.dtype(dtype), verify, placement))
+    return Target(load_hf_target(path, jnp.dtype(dtype), placement=placement))
 
 
-def load_drafter(path: str | Path, dtype: str | jnp.dtype = "bfloat16", verify: bool = False) -> DFlashDrafter:
+def load_drafter(
+    path: str | Path,
+    dtype: str | jnp.dtype = "bfloat16",
+    verify: bool = False,
+    mesh: Mesh | None = None,
+    moe: MoeMode = "tp",
+) -> DFlashDrafter:
     """Load a DFlash drafter from a jaxdd checkpoint or a z-lab checkpoint directory (config.json with
-    dflash_config + safetensors); ``verify`` as in ``load_target``."""
+    dflash_config + safetensors); ``verify``, ``mesh`` and ``moe`` as in ``load_target``."""
     path = _checkpoint(path, verify)
+    placement = None if mesh is None else (mesh, moe)
     if is_jaxdd_checkpoint(path):
-        return load_checkpoint(path, "drafter", jnp.dtype(dtype), verify=verify)
-    return load_hf_drafter(path, jnp.dtype(dtype))
+        return _restore(path, "drafter", jnp.dtype(dtype), verify, placement)
+    return load_hf_drafter(path, jnp.dtype(dtype), placement=placement)
+
+
+def _restore(path: Path, kind: str, dtype: jnp.dtype, verify: bool, placement: Placement | None):
+    if placement is None:
+        return load_checkpoint(path, kind, dtype, verify=verify)
+    shardings = abstract_shardings(*abstract_model(path, kind), *placement)
+    model = load_checkpoint(path, kind, dtype, shardings=shardings, verify=verify)
+    place(model, *placement)
+    return model
 
 
 def _checkpoint(path: str | Path, verify: bool) -> Path:

@@ -26,7 +26,7 @@ import jaxdd
 from jaxdd.backend import Backend
 from jaxdd.decoder import Generation
 from jaxdd.distributed import disagreeing_processes, join
-from jaxdd.sharding import shard_pair
+from jaxdd.sharding import make_mesh
 from jaxdd.tokenizer import TextTokenizer, load_tokenizer
 
 DEMO = Path(__file__).parent / "demo" / "kimi-mini"
@@ -270,11 +270,11 @@ def run(argv: list[str] | None) -> int:
     try:
         tokenizer = load_tokenizer(checkpoint)
         prompt_ids, prompt_text = read_prompt(args, tokenizer, bundled, parser)
-        target = jaxdd.load_target(checkpoint, dtype=dtype, verify=args.verify_checksums)
-        drafter = jaxdd.load_drafter(drafter_dir, dtype=dtype, verify=args.verify_checksums) if method != "ar" else None
-        if devices > 1:
-            shard_pair(target.model, drafter, devices, args.moe or "tp")
-            target = jaxdd.Target(target.model)
+        # On several devices each process reads only its devices' parts of the checkpoints.
+        placed = {"verify": args.verify_checksums, "mesh": make_mesh(devices) if devices > 1 else None}
+        placed["moe"] = args.moe or "tp"
+        target = jaxdd.load_target(checkpoint, dtype=dtype, **placed)
+        drafter = jaxdd.load_drafter(drafter_dir, dtype=dtype, **placed) if method != "ar" else None
         stop_ids = args.stop_ids
         if stop_ids is None:
             stop_ids = sorted(set(target.config.eos_token_ids) | set(tokenizer.stop_ids if tokenizer else ()))

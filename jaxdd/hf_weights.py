@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -32,6 +33,7 @@ from jaxdd.config import DrafterConfig, KimiConfig, in_file
 from jaxdd.drafter import DFlashDrafter, abstract_drafter
 from jaxdd.errors import CheckpointError, ConfigError, read_json
 from jaxdd.quant import DENSE, ExpertFormat, dequantize_fp8_blocks, dequantize_int4_groups
+from jaxdd.sharding import Placement, abstract_shardings, place
 from jaxdd.target import KimiTarget, abstract_target
 
 # Junk buffers some exports carry, and vision parts of the K2.5/K2.6 wrapper.
@@ -47,40 +49,57 @@ RAW_DTYPES = {"weight_packed": {"I32"}, "weight_scale": {"BF16"}, "weight_scale_
 # --- The tables ------------------------------------------------------------------------------------------------
 
 
+class Axis(NamedTuple):
+    """Where a range of one jaxdd axis lies in the HF tensors: ``scale`` rows (``hf`` 0) or columns (``hf`` 1)
+    of each per index, or (``hf`` None) which of the stacked tensors (one per expert)."""
+
+    hf: int | None
+    scale: int = 1
+
+
+STACK = Axis(None)
+
+
 class Mapping(NamedTuple):
     """jaxdd parameters ``paths`` <-> HF tensors ``names`` (with ``shapes``); ``forward`` maps HF arrays to
-    jaxdd arrays, ``backward`` the other way. ``raw`` names are read as stored (quantized pieces), the others
-    as dense weights (dequantized if the checkpoint stores them quantized)."""
+    jaxdd arrays, ``backward`` the other way. ``layouts``: for each path, where each of its axes lies in the HF
+    tensors (None: nowhere contiguous), so that one device's part is read alone. ``raw`` names are read as
+    stored (quantized pieces), the others as dense weights (dequantized if the checkpoint stores them
+    quantized). ``forward`` works on such parts too: it never assumes the full head or expert count."""
 
     paths: tuple[tuple, ...]
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     forward: Callable[..., tuple[np.ndarray, ...]]
     backward: Callable[..., tuple[np.ndarray, ...]]
+    layouts: tuple[tuple[Axis | None, ...], ...]
     raw: bool = False
 
 
-def _one(path: tuple, name: str, shape: tuple[int, ...], fwd: Callable, bwd: Callable) -> Mapping:
-    return Mapping((path,), (name,), (shape,), lambda w: (fwd(w),), lambda w: (bwd(w),))
+def _one(path: tuple, name: str, shape: tuple[int, ...], fwd: Callable, bwd: Callable, layout: tuple) -> Mapping:
+    return Mapping((path,), (name,), (shape,), lambda w: (fwd(w),), lambda w: (bwd(w),), (layout,))
 
 
 def _same(path: tuple, name: str, shape: tuple[int, ...]) -> Mapping:
-    return _one(path, name, shape, lambda w: w, lambda w: w)
+    return _one(path, name, shape, lambda w: w, lambda w: w, tuple(Axis(i) for i in range(len(shape))))
 
 
 def _linear(path: tuple, name: str, shape: tuple[int, ...]) -> Mapping:
-    return _one(path, name, shape, lambda w: w.T, lambda w: w.T)
+    return _one(path, name, shape, lambda w: w.T, lambda w: w.T, (Axis(1), Axis(0)))
 
 
 def _heads_in(path: tuple, name: str, shape: tuple[int, ...], heads: int) -> Mapping:
     """[heads * d, in] <-> [in, heads, d]."""
-    return _one(path, name, shape, lambda w: w.T.reshape(w.shape[1], heads, -1), lambda w: w.reshape(len(w), -1).T)
+    d = shape[0] // heads
+    fwd, bwd = lambda w: w.T.reshape(w.shape[1], -1, d), lambda w: w.reshape(len(w), -1).T
+    return _one(path, name, shape, fwd, bwd, (Axis(1), Axis(0, d), None))
 
 
 def _heads_out(path: tuple, name: str, shape: tuple[int, ...], heads: int) -> Mapping:
     """[out, heads * d] <-> [heads, d, out]."""
-    out = shape[0]
-    return _one(path, name, shape, lambda w: w.T.reshape(heads, -1, out), lambda w: w.reshape(-1, out).T)
+    d = shape[1] // heads
+    fwd, bwd = lambda w: w.T.reshape(-1, d, w.shape[0]), lambda w: w.reshape(-1, w.shape[2]).T
+    return _one(path, name, shape, fwd, bwd, (Axis(1, d), None, Axis(0)))
 
 
 def _stacked(path: tuple, names: list[str], shape: tuple[int, ...], transpose: bool, raw: bool = False) -> Mapping:
@@ -92,13 +111,15 @@ def _stacked(path: tuple, names: list[str], shape: tuple[int, ...], transpose: b
     def backward(stack):
         return tuple(w.T if transpose else w for w in stack)
 
-    return Mapping((path,), tuple(names), (shape,) * len(names), forward, backward, raw)
+    layout = (STACK, Axis(1), Axis(0)) if transpose else (STACK, Axis(0), Axis(1))
+    return Mapping((path,), tuple(names), (shape,) * len(names), forward, backward, (layout,), raw)
 
 
 def target_mappings(config: KimiConfig, experts: ExpertFormat = DENSE) -> Iterator[Mapping]:
     """How every jaxdd target parameter relates to the HF checkpoint's tensors, layer by layer."""
     c = config
     d, h, dn, dr = c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
+    per_head = dn + c.v_head_dim  # kv_b_proj rows per head
     yield _same(("embed",), "model.embed_tokens.weight", (c.vocab_size, d))
     for i in range(c.num_hidden_layers):
         hf, jx = f"model.layers.{i}.", ("layers", i)
@@ -113,9 +134,13 @@ def target_mappings(config: KimiConfig, experts: ExpertFormat = DENSE) -> Iterat
         yield Mapping(  # kv_b_proj [heads * (nope + v), latent]: each head's key half, then its value half
             ((*attn, "k_up"), (*attn, "v_up")),
             (a + "kv_b_proj.weight",),
-            ((h * (dn + c.v_head_dim), c.kv_lora_rank),),
-            lambda w: (w.reshape(h, -1, w.shape[1])[:, :dn].transpose(0, 2, 1), w.reshape(h, -1, w.shape[1])[:, dn:]),
+            ((h * per_head, c.kv_lora_rank),),
+            lambda w: (
+                w.reshape(-1, per_head, w.shape[1])[:, :dn].transpose(0, 2, 1),
+                w.reshape(-1, per_head, w.shape[1])[:, dn:],
+            ),
             lambda k, v: (np.concatenate([k.transpose(0, 2, 1), v], 1).reshape(-1, k.shape[1]),),
+            ((Axis(0, per_head), Axis(1), None), (Axis(0, per_head), None, Axis(1))),
         )
         yield _heads_out((*attn, "o_proj"), a + "o_proj.weight", (d, h * c.v_head_dim), h)
         m, mlp = hf + "mlp.", (*jx, "mlp")
@@ -310,18 +335,44 @@ class HFCheckpoint:
         """The HF arrays of one mapping: stored pieces as they are, dense weights dequantized (bf16)."""
         return tuple(self._read(n) if mapping.raw else self.read_dense(n) for n in mapping.names)
 
-    def read_dense(self, name: str) -> np.ndarray:
+    def read_part(self, mapping: Mapping, k: int, index: tuple[slice, ...], shape: tuple[int, ...]) -> np.ndarray:
+        """``index`` of the mapping's k-th jaxdd parameter (of ``shape``), reading from disk only the HF rows,
+        columns or experts it covers when it splits one axis the mapping's layout places (one device's shard
+        does); the whole tensors otherwise."""
+        split = [axis for axis, (s, n) in enumerate(zip(index, shape, strict=True)) if s.indices(n)[:2] != (0, n)]
+        names, region, rest = mapping.names, None, list(index)
+        where = mapping.layouts[k][split[0]] if len(split) == 1 else None
+        if where is not None:
+            start, stop, _ = index[split[0]].indices(shape[split[0]])
+            rest[split[0]] = slice(None)
+            if where.hf is None:
+                names = names[start:stop]
+            else:
+                region = (slice(None),) * where.hf + (slice(start * where.scale, stop * where.scale),)
+        pieces = [self._read(n, region) if mapping.raw else self.read_dense(n, region) for n in names]
+        return mapping.forward(*pieces)[k][tuple(rest)]
+
+    def read_dense(self, name: str, region: tuple[slice, ...] | None = None) -> np.ndarray:
+        """A dense weight, or its ``region`` (rows, columns); quantized ones are read and dequantized from the
+        whole groups / blocks around it, then cut."""
         base = name.removesuffix(".weight")
         if base + ".weight_packed" in self.tensors:
-            in_features = int(self._read(base + ".weight_shape")[1])
-            packed, scale = self._read(base + ".weight_packed"), self._read(base + ".weight_scale")
+            out, in_features = (int(n) for n in self._read(base + ".weight_shape"))
             group = _int4_group(self.quantization())
-            return np.asarray(dequantize_int4_groups(packed, scale, in_features, scale.dtype, group))
+            rows, (wide, cut) = _rows(region, out), _widen(region, 1, in_features, group)
+            packed = self._read(base + ".weight_packed", (rows, slice(wide.start // 8, -(-wide.stop // 8))))
+            scale = self._read(base + ".weight_scale", (rows, slice(wide.start // group, -(-wide.stop // group))))
+            dense = dequantize_int4_groups(packed, scale, wide.stop - wide.start, scale.dtype, group)
+            return np.asarray(dense)[:, cut]
         if base + ".weight_scale_inv" in self.tensors:
             block = _fp8_block(self.quantization())
-            weight, scale_inv = self._read(name), self._read(base + ".weight_scale_inv")
-            return np.asarray(dequantize_fp8_blocks(weight, scale_inv, jnp.bfloat16, block))
-        return self._read(name)
+            shape = self.tensors[name].shape
+            (wide_rows, cut_rows), (wide, cut) = (_widen(region, axis, shape[axis], block) for axis in (0, 1))
+            weight = self._read(name, (wide_rows, wide))
+            blocks = tuple(slice(w.start // block, -(-w.stop // block)) for w in (wide_rows, wide))
+            dense = dequantize_fp8_blocks(weight, self._read(base + ".weight_scale_inv", blocks), jnp.bfloat16, block)
+            return np.asarray(dense)[cut_rows, cut]
+        return self._read(name, region)
 
     def nbytes(self, mapping: Mapping) -> int:
         """Bytes this mapping reads, quantization companions (scales, shapes) included."""
@@ -338,12 +389,24 @@ class HFCheckpoint:
             return [name, base + ".weight_scale_inv"]
         return [name]
 
-    def _read(self, name: str) -> np.ndarray:
+    def _read(self, name: str, region: tuple[slice, ...] | None = None) -> np.ndarray:
+        """A stored tensor, or its ``region``: only the bytes that covers are read from the shard."""
         info = self.tensors[name]
         if info.dtype == "F8_E4M3":  # numpy has no float8, so safetensors' numpy reader refuses it
-            return _read_float8(info)
+            return _read_float8(info, region)
         with safe_open(info.file, framework="numpy") as f:
-            return f.get_tensor(info.stored_name)
+            return f.get_tensor(info.stored_name) if region is None else f.get_slice(info.stored_name)[region]
+
+
+def _rows(region: tuple[slice, ...] | None, rows: int) -> slice:
+    return slice(0, rows) if region is None else slice(*region[0].indices(rows)[:2])
+
+
+def _widen(region: tuple[slice, ...] | None, axis: int, size: int, unit: int) -> tuple[slice, slice]:
+    """The range of ``region`` along ``axis`` widened to whole quantization units, and where it lies in that."""
+    start, stop = (0, size) if region is None or len(region) <= axis else region[axis].indices(size)[:2]
+    low, high = start - start % unit, min(size, -(-stop // unit) * unit)
+    return slice(low, high), slice(start - low, stop - low)
 
 
 def quantization_config(raw: dict[str, Any]) -> dict[str, Any]:
@@ -394,39 +457,48 @@ def _read_header(file: Path, mtime_ns: int, size: int) -> tuple[int, dict[str, A
         return 8 + size, json.loads(f.read(size))
 
 
-def _read_float8(info: TensorInfo) -> np.ndarray:
-    """An F8_E4M3 tensor through a memory map of the shard, as an ml_dtypes float8_e4m3fn array."""
+def _read_float8(info: TensorInfo, region: tuple[slice, ...] | None) -> np.ndarray:
+    """An F8_E4M3 tensor (or its region) through a memory map of the shard, as ml_dtypes float8_e4m3fn."""
     data_start, header = _header(info.file)
     begin, end = header[info.stored_name]["data_offsets"]
     raw = np.memmap(info.file, np.uint8, "r", offset=data_start + begin, shape=(end - begin,))
-    return np.array(raw).view(ml_dtypes.float8_e4m3fn).reshape(info.shape)
+    tensor = raw.view(ml_dtypes.float8_e4m3fn).reshape(info.shape)
+    return np.array(tensor if region is None else tensor[region])
 
 
 # --- Loading into memory ---------------------------------------------------------------------------------------
 
 
 def load_hf_target(
-    directory: str | Path, dtype: jnp.dtype = jnp.bfloat16, experts: ExpertFormat | None = None
+    directory: str | Path,
+    dtype: jnp.dtype = jnp.bfloat16,
+    experts: ExpertFormat | None = None,
+    placement: Placement | None = None,
 ) -> KimiTarget:
     """A ``KimiTarget`` from an HF checkpoint directory; every tensor is checked against the config first.
 
     experts: how to hold the routed experts; default as the checkpoint stores them (INT4 / FP8 stay quantized).
+    placement: (mesh, MoE mode) to load straight into their shardings: this process reads from disk only its
+    devices' parts (on a mesh of several hosts, only its own share of the checkpoint).
     """
     source = HFCheckpoint(directory)
     config = in_file(source.config_path, KimiConfig.from_hf, source.raw_config)
     experts = source.stored_expert_format() if experts is None else experts
     mappings = list(target_mappings(config, experts))
     source.check(mappings, ignored=mtp_layers(config))
-    return _fill(source, mappings, abstract_target(config, dtype, experts))
+    return _fill(source, mappings, abstract_target(config, dtype, experts), placement)
 
 
-def load_hf_drafter(directory: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> DFlashDrafter:
-    """A ``DFlashDrafter`` from a z-lab DFlash checkpoint directory (config.json + safetensors)."""
+def load_hf_drafter(
+    directory: str | Path, dtype: jnp.dtype = jnp.bfloat16, placement: Placement | None = None
+) -> DFlashDrafter:
+    """A ``DFlashDrafter`` from a z-lab DFlash checkpoint directory (config.json + safetensors); ``placement``
+    as in ``load_hf_target``."""
     source = HFCheckpoint(directory)
     config = in_file(source.config_path, DrafterConfig.from_hf, source.raw_config)
     mappings = list(drafter_mappings(config))
     source.check(mappings)
-    return _fill(source, mappings, abstract_drafter(config, dtype))
+    return _fill(source, mappings, abstract_drafter(config, dtype), placement)
 
 
 def mtp_layers(config: KimiConfig) -> Callable[[str], bool]:
@@ -441,11 +513,26 @@ def convert_arrays(source: HFCheckpoint, mapping: Mapping, abstract: dict) -> It
         yield path, np.asarray(array).astype(get_path(abstract, path).dtype, copy=False)
 
 
-def _fill(source: HFCheckpoint, mappings: list[Mapping], abstract_model) -> nnx.Module:
+def _fill(source: HFCheckpoint, mappings: list[Mapping], abstract_model, placement: Placement | None) -> nnx.Module:
     graphdef, abstract = abstract_model
     values = nnx.to_pure_dict(abstract)
-    for mapping in mappings:
-        for path, array in convert_arrays(source, mapping, values):
-            set_path(values, path, jnp.asarray(array))
+    if placement is None:
+        for mapping in mappings:
+            for path, array in convert_arrays(source, mapping, values):
+                set_path(values, path, jnp.asarray(array))
+    else:
+        shardings = abstract_shardings(graphdef, abstract, *placement)
+        for mapping in mappings:
+            for k, path in enumerate(mapping.paths):
+                shape, dtype = get_path(values, path).shape, get_path(values, path).dtype
+                part = functools.partial(_part, source, mapping, k, shape, dtype)
+                set_path(values, path, jax.make_array_from_callback(shape, get_path(shardings, path), part))
     nnx.replace_by_pure_dict(abstract, values)
-    return nnx.merge(graphdef, abstract)
+    model = nnx.merge(graphdef, abstract)
+    if placement is not None:
+        place(model, *placement)
+    return model
+
+
+def _part(source: HFCheckpoint, mapping: Mapping, k: int, shape: tuple, dtype, index: tuple) -> np.ndarray:
+    return np.asarray(source.read_part(mapping, k, index, shape)).astype(dtype, copy=False)

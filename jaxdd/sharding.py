@@ -32,6 +32,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxdd.quant import ExpertWeights
 
 MoeMode = Literal["tp", "ep"]
+Placement = tuple[Mesh, MoeMode]  # where a model's parameters go, and how its routed experts are split
 AXIS = "model"
 
 RULES: dict[MoeMode, dict[str, str | None]] = {
@@ -113,6 +114,12 @@ def param_shardings(module: nnx.Module, mesh: Mesh, mode: MoeMode) -> nnx.State:
     return jax.tree_util.tree_map_with_path(sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def abstract_shardings(graphdef: nnx.GraphDef, abstract: nnx.State, mesh: Mesh, mode: MoeMode) -> dict:
+    """``param_shardings`` of a model not loaded yet (its abstract state), as a pure dict like the state's."""
+    shardings = param_shardings(nnx.merge(graphdef, abstract), mesh, mode)
+    return nnx.to_pure_dict(shardings)
+
+
 def shard_module(module: nnx.Module, mesh: Mesh, mode: MoeMode) -> nnx.Module:
     """Move ``module``'s parameters into their shardings (in place) and tell its MoE layers where they run."""
     shardings = param_shardings(module, mesh, mode)
@@ -131,16 +138,6 @@ def _put(value: jax.Array | np.ndarray, sharding: NamedSharding) -> jax.Array:
         return jax.device_put(value, sharding)
     host = np.asarray(value)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-
-def shard_pair(target: nnx.Module, drafter: nnx.Module | None, devices: int, mode: MoeMode) -> Mesh:
-    """A target model and its drafter (if any) moved onto a mesh of the first ``devices`` devices, in place; wrap
-    the target in a new ``jaxdd.Target`` afterwards (it holds the split weights)."""
-    mesh = make_mesh(devices)
-    shard_module(target, mesh, mode)
-    if drafter is not None:
-        shard_module(drafter, mesh, mode)
-    return mesh
 
 
 def place(module: nnx.Module, mesh: Mesh, mode: MoeMode) -> None:

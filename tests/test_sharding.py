@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxdd
 from jaxdd.compile_time import compile_clock
 from jaxdd.decoder import SpeculativeDecoder
+from jaxdd.hf_weights import HFCheckpoint, load_hf_target
 from jaxdd.plan import plan
+from jaxdd.quant import DENSE
 from jaxdd.sharding import make_mesh, shard_module
 from jaxdd.testing.hf_layouts import write_k2_instruct_fp8, write_k25_int4
 from jaxdd.testing.reference import TINY_K2, drafter_config, rel_err, save_random_pair
@@ -30,14 +38,11 @@ def checkpoints(tmp_path_factory):
 
 
 def decoder(checkpoints, target="target", mode=None) -> SpeculativeDecoder:
-    target = jaxdd.load_target(checkpoints / target, dtype="float32")
-    drafter = jaxdd.load_drafter(checkpoints / "drafter", dtype="float32")
-    if mode is not None:
-        mesh = make_mesh(8)
-        shard_module(target.model, mesh, mode)
-        shard_module(drafter, mesh, mode)
-        target = jaxdd.Target(target.model)
-    return SpeculativeDecoder(target, drafter)
+    """The pair loaded onto 8 devices in ``mode`` (None: one device)."""
+    placed = {"dtype": "float32", "mesh": None if mode is None else make_mesh(8), "moe": mode or "tp"}
+    return SpeculativeDecoder(
+        jaxdd.load_target(checkpoints / target, **placed), jaxdd.load_drafter(checkpoints / "drafter", **placed)
+    )
 
 
 def generate(dec: SpeculativeDecoder, prompt=PROMPT) -> dict[str, list[int]]:
@@ -59,6 +64,55 @@ def test_same_tokens_as_one_device_and_no_recompiles(checkpoints, single_device,
     with compile_clock() as compiles:
         generate(dec, [9, 8, 7, 6, 5])  # same shape buckets: nothing new to compile
     assert compiles.count == 0
+
+
+@pytest.mark.parametrize("layout", ["target", "int4", "fp8"])
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_loading_onto_the_mesh_reads_each_device_its_part(checkpoints, layout, mode, monkeypatch):
+    """Loaded straight onto the mesh: the arrays and shardings of loading whole and then sharding, while each
+    device read from disk only its part of the routed experts: the elements read are those of the distinct shards
+    (JAX reads a replicated array once for all devices)."""
+    mesh = make_mesh(8)
+    whole = jaxdd.load_target(checkpoints / layout, dtype="float32").model
+    shard_module(whole, mesh, mode)
+    read = []
+    original = HFCheckpoint._read
+
+    def counted(self, name, region=None):
+        array = original(self, name, region)
+        read.append((name, array.size))
+        return array
+
+    monkeypatch.setattr(HFCheckpoint, "_read", counted)
+    placed = jaxdd.load_target(checkpoints / layout, dtype="float32", mesh=mesh, moe=mode).model
+    held = 0
+    for (path, a), b in zip(_leaves(placed), [b for _, b in _leaves(whole)], strict=True):
+        assert a.sharding == b.sharding and np.array_equal(np.asarray(a), np.asarray(b)), path
+        if a.ndim == 3 and path[-2].key in ("gate", "up", "down") and path[-3].key == "mlp":  # routed experts
+            held += _distinct_shard_elements(a)
+    assert held and sum(size for name, size in read if ".mlp.experts." in name) == held
+
+
+def test_dense_from_quantized_reads_whole_groups(checkpoints):
+    """Dense weights from INT4 / FP8 storage, split over devices where groups or blocks straddle them: each part
+    is dequantized from the whole groups around it and cut, giving the whole weight's values."""
+    mesh = make_mesh(8)
+    for layout in ("int4", "fp8"):
+        whole = load_hf_target(checkpoints / layout, jnp.float32, experts=DENSE)
+        placed = load_hf_target(checkpoints / layout, jnp.float32, experts=DENSE, placement=(mesh, "tp"))
+        for (path, a), (_, b) in zip(_leaves(placed), _leaves(whole), strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), (layout, path)
+        assert placed.layers[1].mlp.down.weight[...].sharding.spec == P(None, "model", None)
+
+
+def _distinct_shard_elements(array: jax.Array) -> int:
+    indices = array.sharding.devices_indices_map(array.shape).values()
+    shards = {tuple(s.indices(n)[:2] for s, n in zip(index, array.shape, strict=True)) for index in indices}
+    return sum(math.prod(stop - start for start, stop in shard) for shard in shards)
+
+
+def _leaves(model):
+    return jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model)))
 
 
 def test_int4_experts_expert_parallel(checkpoints, single_device):

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxdd.crosscheck.trace import PromptTrace, load_traces
 from jaxdd.decoder import SpeculativeDecoder, bucket
-from jaxdd.sharding import shard_pair
+from jaxdd.sharding import make_mesh
 
 # Relative tolerances (of the largest reference magnitude at that position) per jaxdd compute dtype. fp32 runs
 # agree to ~1e-6; bf16 carries ~4e-3 rounding per op through every layer (measured up to ~4e-2 of the largest
@@ -138,15 +138,13 @@ def compare(
 ) -> Report:
     """Run jaxdd (on this process's devices, ``dtype``) on the reference's inputs and compare. The models are the
     ones the reference names, or ``target_dir`` / ``drafter_dir`` (a reference dumped on another machine); with
-    ``devices`` > 1 they are sharded over that many devices (``moe``: tp or ep)."""
+    ``devices`` > 1 they are loaded onto that many devices (``moe``: tp or ep)."""
     import jaxdd
 
     meta, traces = load_traces(reference_path)
-    target = jaxdd.load_target(target_dir or meta["target"], dtype=dtype)
-    drafter = jaxdd.load_drafter(drafter_dir or meta["drafter"], dtype=dtype) if meta["method"] != "ar" else None
-    if devices > 1:
-        shard_pair(target.model, drafter, devices, moe)
-        target = jaxdd.Target(target.model)
+    placed = {"dtype": dtype, "mesh": make_mesh(devices) if devices > 1 else None, "moe": moe}
+    target = jaxdd.load_target(target_dir or meta["target"], **placed)
+    drafter = jaxdd.load_drafter(drafter_dir or meta["drafter"], **placed) if meta["method"] != "ar" else None
     decoder = SpeculativeDecoder(target, drafter)
     tolerance = TOLERANCE[dtype]
     reports = [_compare_prompt(i, t, meta, target, decoder, tolerance) for i, t in enumerate(traces)]

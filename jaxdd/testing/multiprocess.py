@@ -3,9 +3,9 @@
     python -m jaxdd.testing.multiprocess --coordinator 127.0.0.1:PORT --num-processes 2 --process-id I \\
         --devices 8 --run tp:hf=DIR --run ep:jaxdd=DIR
 
-Each process joins the job and, per run, loads the target and drafter in DIR, shards them over all the job's
-devices in that mode and generates with AR, DFlash and DDTree; process 0 prints one JSON object
-``{"mode:name": {method: tokens}}`` as the one stdout line starting with ``{`` (gloo prints its own lines).
+Each process joins the job and, per run, loads the target and drafter in DIR straight onto all the job's devices
+in that mode (reading only its own devices' parts) and generates with AR, DFlash and DDTree; process 0 prints one
+JSON object ``{"mode:name": {method: tokens}}`` as the one stdout line starting with ``{`` (gloo prints its own).
 ``start_job`` runs it and always stops its processes.
 """
 
@@ -23,7 +23,7 @@ import jax
 
 import jaxdd
 from jaxdd.distributed import disagreeing_processes, join
-from jaxdd.sharding import shard_pair
+from jaxdd.sharding import make_mesh
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7]
 METHODS = ("ar", "dflash", "ddtree")
@@ -81,10 +81,9 @@ def main() -> None:
     result: dict = {}
     for run in args.run:
         name, directory = run.split("=", 1)
-        target = jaxdd.load_target(Path(directory) / "target", dtype="float32")
-        drafter = jaxdd.load_drafter(Path(directory) / "drafter", dtype="float32")
-        shard_pair(target.model, drafter, args.devices, name.split(":")[0])
-        target = jaxdd.Target(target.model)
+        placed = {"dtype": "float32", "mesh": make_mesh(args.devices), "moe": name.split(":")[0]}
+        target = jaxdd.load_target(Path(directory) / "target", **placed)
+        drafter = jaxdd.load_drafter(Path(directory) / "drafter", **placed)
         for method in METHODS:
             out = target.generate(PROMPT, drafter=drafter, method=method, max_new_tokens=12, stop_token_ids=[])
             if disagreeing_processes(out.tokens, 12):
