@@ -9,8 +9,9 @@ host's default backend.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +20,8 @@ from flax import nnx
 from jax.experimental.pallas import triton as pltriton
 
 from jaxdd.cpu_memory import keep_allocations
+from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.tree_attention_tpu import tree_attention_tpu
 
 Platform = Literal["cpu", "gpu", "tpu"]
 Attention = Literal["naive", "absorbed", "pallas"]  # how MLA attends (``jaxdd.target.MLAttention``)
@@ -76,12 +79,13 @@ class Backend:
 
     def attention(self, requested: Literal["auto"] | Attention) -> Attention:
         """``auto``: the Pallas tree-attention kernel on GPUs, where it was measured faster in bf16
-        (benchmarks/results/gpu_kernel.json); XLA's absorbed attention elsewhere."""
+        (benchmarks/results/gpu_kernel.json), and on TPUs, where XLA's absorbed attention would hold every
+        head's scores over the whole cache (64 heads x 257 tokens x 128k slots: 8.6 GB); XLA's on CPU."""
         if requested not in ("auto", "naive", "absorbed", "pallas"):
             raise ValueError(f"attention: expected 'auto', 'naive', 'absorbed' or 'pallas', got {requested!r}")
         if requested != "auto":
             return requested
-        return "pallas" if self.platform == "gpu" else "absorbed"
+        return "absorbed" if self.platform == "cpu" else "pallas"
 
     def moe_dispatch(self, tokens: int, top_k: int, experts: int, hidden: int, ffn: int, quantized: bool) -> Dispatch:
         """The exact dispatch that is fastest for this many tokens (see ``jaxdd.moe.MoE``). Quantized experts with
@@ -115,13 +119,20 @@ class Backend:
         return int(available.group(1)) * 1024 // len(devices) if available else None
 
     def kernel_options(self) -> dict[str, Any]:
-        """Keyword arguments for ``pallas_kernels.tree_attention``: interpreted on CPU; on GPU through Triton,
-        not Mosaic GPU (Mosaic stages every block in shared memory, and a whole cache block is far over the
-        227 KB limit; Triton reads the cache through pointers), with tiles that fit the GPU's shared memory; on
-        TPU Mosaic's defaults."""
+        """Keyword arguments for the kernel's GPU form (``pallas_kernels.tree_attention``): interpreted on CPU; on
+        GPU through Triton, not Mosaic GPU (Mosaic stages every block in shared memory, and a whole cache block
+        is far over the 227 KB limit; Triton reads the cache through pointers), with tiles that fit the GPU's
+        shared memory."""
         if self.platform == "cpu":
             return {"interpret": True, "compiler_params": None, "shared_memory": None}
         if self.platform == "gpu":
             params = pltriton.CompilerParams(num_warps=4)
             return {"interpret": False, "compiler_params": params, "shared_memory": self.shared_memory}
-        return {"interpret": False, "compiler_params": None, "shared_memory": None}
+        raise ValueError("the TPU form of the kernel takes no GPU options (Backend.tree_attention)")
+
+    def tree_attention(self) -> Callable[..., jax.Array]:
+        """The tree-attention kernel for this platform, its options bound: the TPU (Mosaic) form on TPU, which
+        streams the cache through VMEM; the GPU form elsewhere (Triton on GPU, interpreted on CPU)."""
+        if self.platform == "tpu":
+            return tree_attention_tpu
+        return functools.partial(tree_attention, **self.kernel_options())

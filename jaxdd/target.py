@@ -25,7 +25,6 @@ from jaxdd.layers import MLP, RMSNorm, apply_rope, param, project_heads, rope_co
 from jaxdd.moe import MoE
 from jaxdd.quant import DENSE, ExpertFormat
 from jaxdd.sharding import AXIS, partition_spec
-from pallas_kernels.tree_attention import tree_attention
 
 
 class TargetOutput(NamedTuple):
@@ -142,10 +141,13 @@ class MLAttention(nnx.Module):
         keys_rope = write_rows(cache_rows[1], k_pe, length)  # [B, S, dr]
         if attention == "pallas":
             q_latent = jnp.einsum("bthd,hrd->bthr", q_nope, self.k_up[...])
-            attend = functools.partial(tree_attention, scale=c.softmax_scale, **backend.kernel_options())
-            if self.placement is not None and partition_spec((c.num_attention_heads,), ("heads",), *self.placement)[0]:
-                # A Pallas kernel is opaque to XLA's partitioner: run it per device on that device's heads.
-                heads, whole = jax.sharding.PartitionSpec(None, None, AXIS), jax.sharding.PartitionSpec()
+            attend = functools.partial(backend.tree_attention(), scale=c.softmax_scale)
+            if self.placement is not None and self.placement[0].size > 1:
+                # A Pallas kernel is opaque to XLA's partitioner: run it per device on that device's heads (all of
+                # them where the mesh does not split the heads; Mosaic refuses to be partitioned at all).
+                split = partition_spec((c.num_attention_heads,), ("heads",), *self.placement)[0]
+                whole = jax.sharding.PartitionSpec()
+                heads = jax.sharding.PartitionSpec(None, None, AXIS) if split else whole
                 specs = (heads, heads, *(whole,) * 6)
                 mesh = self.placement[0]
                 attend = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)

@@ -41,50 +41,54 @@ def tree_attention_reference(
     return jnp.einsum("bhts,bsr->bthr", probs, keys_latent)
 
 
+def online_softmax_step(carry, q_lat, q_rope, latent, rope, visible, scale: float):
+    """One block of keys into the running softmax (shared by the GPU and TPU forms): carry = (acc [rows, r] fp32,
+    max [rows, 1], sum [rows, 1]); ``visible`` [rows or 1, keys] masks scores; returns the new carry.
+
+    Operands enter the dots in their own dtype with fp32 accumulation (bf16 x bf16 products are exact in fp32,
+    and the tensor cores / MXU take bf16); the softmax runs in fp32 and the probabilities meet the values in the
+    values' dtype, as in flash attention. fp32 inputs stay fp32 throughout (Triton's IEEE dot)."""
+    acc, m, total = carry
+    scores = jnp.dot(q_lat, latent.T, preferred_element_type=jnp.float32)
+    scores += jnp.dot(q_rope, rope.T, preferred_element_type=jnp.float32)
+    scores = jnp.where(visible, scores * scale, NEG)
+    m_new = jnp.maximum(m, scores.max(-1, keepdims=True))
+    correction = jnp.exp(m - m_new)
+    p = jnp.where(visible, jnp.exp(scores - m_new), 0.0)
+    acc = correction * acc + jnp.dot(p.astype(latent.dtype), latent, preferred_element_type=jnp.float32)
+    return acc, m_new, correction * total + p.sum(-1, keepdims=True)
+
+
 def _kernel(
     length_ref, q_lat_ref, q_rope_ref, c_ref, cr_ref, t_ref, tr_ref, mask_ref, o_ref, *, scale, block_k, tail_k
 ):
-    # Operands enter the dots in their own dtype with fp32 accumulation (bf16 x bf16 products are exact in fp32,
-    # and the tensor cores take bf16); the softmax runs in fp32 and the probabilities meet the values in the
-    # values' dtype, as in flash attention. fp32 inputs stay fp32 throughout (Triton's IEEE dot).
     q_lat = q_lat_ref[...]  # [bq, r]
     q_rope = q_rope_ref[...]  # [bq, dr]
     rows = q_lat.shape[0]
-
-    def update(carry, latent, rope, visible):
-        acc, m, total = carry
-        scores = jnp.dot(q_lat, latent.T, preferred_element_type=jnp.float32)
-        scores += jnp.dot(q_rope, rope.T, preferred_element_type=jnp.float32)
-        scores = jnp.where(visible, scores * scale, NEG)
-        m_new = jnp.maximum(m, scores.max(-1))
-        correction = jnp.exp(m - m_new)
-        p = jnp.where(visible, jnp.exp(scores - m_new[:, None]), 0.0)
-        acc = correction[:, None] * acc + jnp.dot(p.astype(latent.dtype), latent, preferred_element_type=jnp.float32)
-        return acc, m_new, correction * total + p.sum(-1)
-
+    update = functools.partial(online_softmax_step, q_lat=q_lat, q_rope=q_rope, scale=scale)
     length = length_ref[0]
 
     def prefix_block(i, carry):
         block = pl.ds(i * block_k, block_k)
         visible = (i * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)) < length
-        return update(carry, c_ref[block, :], cr_ref[block, :], visible)
+        return update(carry, latent=c_ref[block, :], rope=cr_ref[block, :], visible=visible)
 
     init = (
         jnp.zeros((rows, q_lat.shape[1]), jnp.float32),
-        jnp.full((rows,), NEG, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
+        jnp.full((rows, 1), NEG, jnp.float32),
+        jnp.zeros((rows, 1), jnp.float32),
     )
 
     def tail_block(j, carry):  # the tree tokens, in blocks too: a whole 256-token tail would not fit on chip
         block = pl.ds(j * tail_k, tail_k)
-        return update(carry, t_ref[block, :], tr_ref[block, :], mask_ref[:, block] != 0)
+        return update(carry, latent=t_ref[block, :], rope=tr_ref[block, :], visible=mask_ref[:, block] != 0)
 
     carry = jax.lax.fori_loop(0, pl.cdiv(length, block_k), prefix_block, init)
     acc, _, total = jax.lax.fori_loop(0, t_ref.shape[0] // tail_k, tail_block, carry)
-    o_ref[...] = (acc / jnp.where(total == 0, 1.0, total)[:, None]).astype(o_ref.dtype)
+    o_ref[...] = (acc / jnp.where(total == 0, 1.0, total)).astype(o_ref.dtype)
 
 
-def _pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
+def pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, size - x.shape[axis])
     return jnp.pad(x, pad)
@@ -139,11 +143,11 @@ def tree_attention(
     padded_rows = pl.cdiv(rows, block_q) * block_q
 
     def query_rows(x):  # [B,T,H,d] -> [B, rows (token-major, head-minor), d], padded
-        return _pad_to(x.reshape(b, rows, x.shape[-1]), 1, padded_rows)
+        return pad_to(x.reshape(b, rows, x.shape[-1]), 1, padded_rows)
 
     mask = jnp.repeat(tail_mask, h, axis=1).astype(jnp.int8)  # row t*H + h sees what token t sees
-    mask = _pad_to(_pad_to(mask, 1, padded_rows), 2, tail)
-    tail_latent, tail_rope = _pad_to(tail_latent, 1, tail), _pad_to(tail_rope, 1, tail)
+    mask = pad_to(pad_to(mask, 1, padded_rows), 2, tail)
+    tail_latent, tail_rope = pad_to(tail_latent, 1, tail), pad_to(tail_rope, 1, tail)
 
     def full(shape):
         return pl.BlockSpec((None, *shape), lambda i, j: (i, *(0,) * len(shape)))

@@ -2,6 +2,8 @@
 ``jaxdd.generate`` runs there compile with the GPU's or TPU's own compiler on this CPU host, each with a memory
 analysis inside a bound computed from the shapes, and the full-width Kimi K2.6 layers fit on the GPU."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -42,18 +44,36 @@ def _check_memory(result: dict) -> None:
 @pytest.mark.parametrize("target", ["h200", "rtx-pro-6000", "v5p:2x2x2"])
 def test_rounds_compile_for_the_target(tiny_plan_configs, target, method, sampled, devices):
     """AR, DFlash and DDTree (greedy and sampled, budget 16) of a tiny Kimi K2.6-style pair (INT4 experts) on 1
-    and 8 devices, with the attention the target's platform gets: the Pallas kernel (Triton) on GPUs, XLA's on
-    TPU (its Mosaic form is not written yet: the xfail below)."""
+    and 8 devices, with the attention the target's platform gets: the Pallas kernel, its Triton form on GPUs and
+    its Mosaic form on TPU (per device under shard_map on 8)."""
     result = plan(*tiny_plan_configs, devices, "ep", 16, 256, target=target, method=method, sampled=sampled)
     platform = "tpu" if target.startswith("v5p") else "gpu"
     assert result["target"]["platform"] == platform and result["devices"] == devices
-    assert result["attention"] == ("pallas" if platform == "gpu" else "absorbed")
+    assert result["attention"] == "pallas"
     _check_memory(result)
 
 
-@pytest.mark.xfail(raises=InputError, strict=True, reason="the tree-attention kernel has no Mosaic (TPU) form yet")
-def test_ddtree_round_with_the_kernel_compiles_for_tpu(tiny_plan_configs):
-    plan(*tiny_plan_configs, 8, "ep", 16, 256, target="v5p:2x2x2", attention="pallas")
+KIMI_KERNEL_SHAPES = [(17, 8, 4096), (257, 64, 131072)]  # (tree tokens, heads per device, cache slots)
+
+
+@pytest.mark.parametrize(("tokens", "heads", "slots"), KIMI_KERNEL_SHAPES, ids=["17x8x4k", "257x64x128k"])
+@pytest.mark.parametrize("target", ["v5e:2x2", "v5p:2x2x2", "v6e:2x2", "h200", "rtx-pro-6000"])
+def test_kernel_compiles_at_kimi_sizes(target, tokens, heads, slots):
+    """Kimi's latent sizes (512 + 64, bf16) with the form and tiles each platform gets: Mosaic streams the cache
+    through VMEM (the GPU form's whole-cache block failed at 16k slots there), Triton reads it through pointers;
+    128k slots compile for every chip."""
+    where = compile_target(target, 1)
+    device = jax.sharding.SingleDeviceSharding(where.devices[0])
+    spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=device)
+    t, h = tokens, heads
+    shapes = [(1, t, h, 512), (1, t, h, 64), (1, slots, 512), (1, slots, 64)]
+    args = [spec(s) for s in shapes] + [spec((1,), jnp.int32), spec((1, t, 512)), spec((1, t, 64))]
+    args.append(spec((1, t, t), jnp.bool_))
+    kernel = jax.jit(functools.partial(where.backend.tree_attention(), scale=0.1))
+    compiled = kernel.lower(*args).compile(compiler_options=where.compiler_options)
+    assert compiled.memory_analysis() is not None
+    if where.platform == "tpu":
+        assert "mla_tree_attention_tpu" in kernel.lower(*args).as_text()
 
 
 def test_a_round_over_the_chips_memory_is_refused_by_the_compiler(tiny_plan_configs):

@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.experimental.pallas import tpu as pltpu
 
 from jaxdd.backend import Backend
 from jaxdd.testing.reference import random_tree_parents, tree_depths_and_mask
 from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
+from pallas_kernels.tree_attention_tpu import tpu_tiles, tree_attention_tpu
 
 ON_GPU = jax.default_backend() == "gpu"
 # (batch, tree tokens, heads, latent, rope, cache slots); GPU lowering wants dims >= 16
@@ -57,6 +59,40 @@ def test_empty_prefix_and_full_prefix():
         expected = tree_attention_reference(*args, 0.3)
         actual = tree_attention(*args, scale=0.3, block_q=16, block_k=16, interpret=True)
         np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=2e-5)
+
+
+# TPU form: caches of 3 key blocks of 128 (lengths inside a block, or 0: blocks skipped), of fewer slots than a
+# block, and one of 4 blocks of 512; trees up to past one 128-lane chunk of the tail; batch rows of other lengths.
+TPU_SHAPES = [(2, 9, 4, 64, 16, 384), (1, 17, 2, 32, 8, 64), (2, 130, 2, 64, 16, 2048)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", TPU_SHAPES, ids=["3-blocks", "under-a-block", "tail-past-128"])
+def test_tpu_form_in_the_tpu_interpreter_matches_reference(shape, dtype):
+    """The Mosaic form run by Pallas' TPU interpreter (TPU semantics: VMEM blocks, the grid's pipeline, scalar
+    prefetch) on random trees and cache lengths that are not multiples of its blocks."""
+    args = inputs(shape, dtype, seed=sum(shape))
+    scale = shape[3] ** -0.5
+    expected = tree_attention_reference(*args, scale)
+    actual = tree_attention_tpu(*args, scale=scale, interpret=pltpu.InterpretParams())
+    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_tpu_form_empty_and_full_prefix():
+    for length in (0, 384 - 9):
+        args = list(inputs((1, 9, 2, 32, 8, 384), "float32", 1))
+        args[4] = jnp.array([length], jnp.int32)
+        expected = tree_attention_reference(*args, 0.3)
+        actual = tree_attention_tpu(*args, scale=0.3, interpret=pltpu.InterpretParams())
+        np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=2e-5)
+
+
+def test_tpu_tiles_are_lane_aligned_and_bounded():
+    """Keys in blocks of 128-multiples, the tail padded to lanes, and VMEM that does not grow with the cache."""
+    small = tpu_tiles(1, 257, 64, 4096, 512, 64, jnp.bfloat16)
+    large = tpu_tiles(1, 257, 64, 131072, 512, 64, jnp.bfloat16)
+    assert small == large and large.block_k % 128 == 0 and large.tail == 384 and large.block_q % 32 == 0
+    assert large.vmem_bytes < 16 * 2**20  # v5e's default scoped VMEM
 
 
 @pytest.mark.gpu

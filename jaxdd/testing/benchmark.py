@@ -67,3 +67,11 @@ def write_result(path: Path, report: dict, **versions: str) -> Path:
     os.replace(partial, path)
     print(f"wrote {path}")
     return path
+
+
+def process_memory_mb(field: str = "VmHWM") -> float:
+    """This process's resident memory from /proc/self/status: ``VmRSS`` now, ``VmHWM`` its peak (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise OSError(f"/proc/self/status: no {field}")

@@ -57,15 +57,12 @@ _MEASURE = """
 import sys, time
 import jax.numpy as jnp
 from convert.hf_to_jaxdd import convert
-def rss_mb(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1]) / 1024
+from jaxdd.testing.benchmark import process_memory_mb
 jnp.zeros(1).block_until_ready()  # the backend is up before the baseline
-before = rss_mb("VmRSS:")
+before = process_memory_mb("VmRSS")
 start = time.perf_counter()
 convert(sys.argv[1], sys.argv[2], dtype=sys.argv[3], progress=False)
-print(time.perf_counter() - start, before, rss_mb("VmHWM:"))
+print(time.perf_counter() - start, before, process_memory_mb("VmHWM"))
 """
 
 

@@ -1,0 +1,152 @@
+"""The tree-verify attention kernel's TPU (Mosaic) form: the GPU form's algorithm (``tree_attention.py``) with the
+committed cache streamed through a grid axis instead of read through pointers.
+
+Mosaic stages every block in VMEM (16-32 MB a core), so the GPU form's whole-cache block fails at 16k slots.
+Here the grid is (batch, query-row blocks, key blocks): the key axis is sequential ("arbitrary") and Pallas
+double-buffers its cache blocks from HBM, so the cache is bounded by HBM, not VMEM. The running softmax state
+lives in VMEM scratch across key steps; past ``length`` no block is computed, and the index map repeats the last
+live block so that none is fetched either. The tree tail (ancestor-masked) runs in the last key step. Blocks are
+TPU-shaped: keys in multiples of 128 lanes, the mask's key axis padded to 128, query rows in multiples of 32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.tree_attention import NEG, online_softmax_step, pad_to
+
+LANES = 128
+ROW_ALIGN = 32  # sublane tiles: 8 rows of fp32, 16 of bf16; 32 suits both
+BLOCK_Q = 512  # query rows per program: each re-reads the cache, so as many as VMEM comfortably holds
+BLOCK_K = 512  # cache rows per key step (a multiple of 128)
+
+
+class TpuTiles(NamedTuple):
+    """The kernel's tiling for one call, and the VMEM it asks for (double-buffered blocks + scratch)."""
+
+    block_q: int
+    block_k: int
+    tail: int  # tree tokens padded to lanes
+    row_blocks: int
+    vmem_bytes: int
+
+
+def tpu_tiles(batch: int, tokens: int, heads: int, slots: int, latent: int, rope: int, dtype: Any) -> TpuTiles:
+    """The tiles ``tree_attention_tpu`` uses for these shapes (also for reporting its VMEM use)."""
+    del batch
+    rows = tokens * heads
+    block_q = min(BLOCK_Q, pl.cdiv(rows, ROW_ALIGN) * ROW_ALIGN)
+    block_k = next((k for k in (BLOCK_K, 256, LANES) if slots % k == 0 and k <= slots), slots)
+    tail = pl.cdiv(tokens, LANES) * LANES
+    size = jnp.dtype(dtype).itemsize
+    blocks = block_q * (latent + rope) * size + block_k * (latent + rope) * size  # queries, one cache block
+    blocks += tail * (latent + rope) * size + block_q * tail * 4 + block_q * latent * 4  # tail, mask, output
+    scratch = block_q * latent * 4 + 2 * block_q * LANES * 4  # acc; max and sum (lane-padded)
+    return TpuTiles(block_q, block_k, tail, pl.cdiv(rows, block_q), 2 * blocks + scratch)
+
+
+def _kernel(
+    length_ref, q_lat_ref, q_rope_ref, c_ref, cr_ref, t_ref, tr_ref, mask_ref, o_ref, acc_ref, m_ref, sum_ref, *, scale
+):
+    block_k = c_ref.shape[0]
+    k = pl.program_id(2)
+    length = length_ref[pl.program_id(0)]
+
+    @pl.when(k == 0)
+    def _start():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+        m_ref[...] = jnp.full_like(m_ref, NEG)
+        sum_ref[...] = jnp.zeros_like(sum_ref)
+
+    def step(latent, rope, visible):
+        carry = (acc_ref[...], m_ref[...], sum_ref[...])
+        acc, m, total = online_softmax_step(carry, q_lat_ref[...], q_rope_ref[...], latent, rope, visible, scale)
+        acc_ref[...], m_ref[...], sum_ref[...] = acc, m, total
+
+    @pl.when(k * block_k < length)
+    def _prefix():
+        visible = (k * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)) < length
+        step(c_ref[...], cr_ref[...], visible)
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _tail_and_output():
+        for j in range(t_ref.shape[0] // LANES):  # static lane-aligned slices of the tree tokens
+            keys = pl.ds(j * LANES, LANES)
+            step(t_ref[keys, :], tr_ref[keys, :], mask_ref[:, keys] != 0)
+        total = sum_ref[...]
+        o_ref[...] = (acc_ref[...] / jnp.where(total == 0, 1.0, total)).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def tree_attention_tpu(
+    q_latent, q_rope, cache_latent, cache_rope, length, tail_latent, tail_rope, tail_mask, scale: float, interpret=False
+):
+    """Same arguments and result as ``tree_attention_reference``; ``interpret``: False to compile with Mosaic, or
+    ``pltpu.InterpretParams()`` for Pallas' TPU interpreter (TPU semantics on any host)."""
+    b, t, h, r = q_latent.shape
+    dr, slots = q_rope.shape[-1], cache_latent.shape[1]
+    tiles = tpu_tiles(b, t, h, slots, r, dr, cache_latent.dtype)
+    bq, bk, rows = tiles.block_q, tiles.block_k, t * h
+    padded_rows = tiles.row_blocks * bq
+
+    def query_rows(x):  # [B,T,H,d] -> [B, rows (token-major, head-minor), d], padded
+        return pad_to(x.reshape(b, rows, x.shape[-1]), 1, padded_rows)
+
+    mask = jnp.repeat(tail_mask, h, axis=1).astype(jnp.int32)  # row t*H + h sees what token t sees
+    mask = pad_to(pad_to(mask, 1, padded_rows), 2, tiles.tail)
+
+    def live_block(i, k, length_ref):  # past the committed rows, the last live block again: no new fetch
+        return jnp.minimum(k, jnp.maximum(pl.cdiv(length_ref[i], bk) - 1, 0))
+
+    def by_rows(width):
+        return pl.BlockSpec((None, bq, width), lambda i, j, k, length_ref: (i, j, 0))
+
+    def cache(width):
+        return pl.BlockSpec((None, bk, width), lambda i, j, k, length_ref: (i, live_block(i, k, length_ref), 0))
+
+    def whole(rows_, width):
+        return pl.BlockSpec((None, rows_, width), lambda i, j, k, length_ref: (i, 0, 0))
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(b, tiles.row_blocks, slots // bk),
+        in_specs=[
+            by_rows(r),
+            by_rows(dr),
+            cache(r),
+            cache(dr),
+            whole(tiles.tail, r),
+            whole(tiles.tail, dr),
+            by_rows(tiles.tail),
+        ],
+        out_specs=by_rows(r),
+        scratch_shapes=[
+            pltpu.VMEM((bq, r), jnp.float32),
+            pltpu.VMEM((bq, 1), jnp.float32),
+            pltpu.VMEM((bq, 1), jnp.float32),
+        ],
+    )
+    out = pl.pallas_call(
+        functools.partial(_kernel, scale=scale),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((b, padded_rows, r), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name="mla_tree_attention_tpu",
+    )(
+        length.astype(jnp.int32),
+        query_rows(q_latent),
+        query_rows(q_rope),
+        cache_latent,
+        cache_rope,
+        pad_to(tail_latent, 1, tiles.tail),
+        pad_to(tail_rope, 1, tiles.tail),
+        mask,
+    )
+    return out[:, :rows].reshape(b, t, h, r)
