@@ -28,27 +28,20 @@ BLOCK_K = 512  # cache rows per key step (a multiple of 128)
 
 
 class TpuTiles(NamedTuple):
-    """The kernel's tiling for one call, and the VMEM it asks for (double-buffered blocks + scratch)."""
+    """The kernel's tiling for one call."""
 
     block_q: int
     block_k: int
     tail: int  # tree tokens padded to lanes
     row_blocks: int
-    vmem_bytes: int
 
 
-def tpu_tiles(batch: int, tokens: int, heads: int, slots: int, latent: int, rope: int, dtype: Any) -> TpuTiles:
-    """The tiles ``tree_attention_tpu`` uses for these shapes (also for reporting its VMEM use)."""
-    del batch
+def tpu_tiles(tokens: int, heads: int, slots: int) -> TpuTiles:
+    """The tiles ``tree_attention_tpu`` uses for these shapes: nothing depends on the cache but its block."""
     rows = tokens * heads
     block_q = min(BLOCK_Q, pl.cdiv(rows, ROW_ALIGN) * ROW_ALIGN)
     block_k = next((k for k in (BLOCK_K, 256, LANES) if slots % k == 0 and k <= slots), slots)
-    tail = pl.cdiv(tokens, LANES) * LANES
-    size = jnp.dtype(dtype).itemsize
-    blocks = block_q * (latent + rope) * size + block_k * (latent + rope) * size  # queries, one cache block
-    blocks += tail * (latent + rope) * size + block_q * tail * 4 + block_q * latent * 4  # tail, mask, output
-    scratch = block_q * latent * 4 + 2 * block_q * LANES * 4  # acc; max and sum (lane-padded)
-    return TpuTiles(block_q, block_k, tail, pl.cdiv(rows, block_q), 2 * blocks + scratch)
+    return TpuTiles(block_q, block_k, pl.cdiv(tokens, LANES) * LANES, pl.cdiv(rows, block_q))
 
 
 def _kernel(
@@ -83,15 +76,27 @@ def _kernel(
         o_ref[...] = (acc_ref[...] / jnp.where(total == 0, 1.0, total)).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "vmem_limit_bytes"))
 def tree_attention_tpu(
-    q_latent, q_rope, cache_latent, cache_rope, length, tail_latent, tail_rope, tail_mask, scale: float, interpret=False
+    q_latent,
+    q_rope,
+    cache_latent,
+    cache_rope,
+    length,
+    tail_latent,
+    tail_rope,
+    tail_mask,
+    scale: float,
+    interpret: Any = False,
+    vmem_limit_bytes: int | None = None,
 ):
     """Same arguments and result as ``tree_attention_reference``; ``interpret``: False to compile with Mosaic, or
-    ``pltpu.InterpretParams()`` for Pallas' TPU interpreter (TPU semantics on any host)."""
+    ``pltpu.InterpretParams()`` for Pallas' TPU interpreter (TPU semantics on any host).
+    ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (default: the chip's); a compile over it fails with the
+    VMEM the kernel needs (``benchmarks/kernel_compiles.py`` reads it from there)."""
     b, t, h, r = q_latent.shape
     dr, slots = q_rope.shape[-1], cache_latent.shape[1]
-    tiles = tpu_tiles(b, t, h, slots, r, dr, cache_latent.dtype)
+    tiles = tpu_tiles(t, h, slots)
     bq, bk, rows = tiles.block_q, tiles.block_k, t * h
     padded_rows = tiles.row_blocks * bq
 
@@ -136,7 +141,10 @@ def tree_attention_tpu(
         functools.partial(_kernel, scale=scale),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((b, padded_rows, r), jnp.float32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=vmem_limit_bytes,
+        ),
         interpret=interpret,
         name="mla_tree_attention_tpu",
     )(

@@ -1,0 +1,101 @@
+"""The tree-attention kernel compiled deviceless at Kimi's latent sizes (512 + 64, bf16) for TPU v5e / v5p / v6e
+(its Mosaic form) and H200 / RTX PRO 6000 (its Triton form), one run.
+
+    python benchmarks/kernel_compiles.py [--targets v5e:2x2,v5p:2x2x2,...]
+
+Heads per device 8 and 64 (Kimi's 64 over TP8, or whole), trees of 17, 65 and 257 tokens, caches of 4k, 32k
+and 128k slots. Per compile: seconds, and on TPU the scoped VMEM the kernel needs: the least limit
+(``vmem_limit_bytes``) Mosaic compiles it under. Writes benchmarks/results/kernel_compiles.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jaxdd.startup  # noqa: F401, I001  (first: JAX without the CUDA plugin's start-up lines)
+import jax
+import jax.numpy as jnp
+
+from jaxdd.aot import compile_target
+from jaxdd.testing.benchmark import write_result
+from pallas_kernels.tree_attention_tpu import tpu_tiles, tree_attention_tpu
+
+RESULTS = Path(__file__).parent / "results" / "kernel_compiles.json"
+TARGETS = ["v5e:2x2", "v5p:2x2x2", "v6e:2x2", "h200", "rtx-pro-6000"]
+HEADS, TREES, SLOTS = (8, 64), (17, 65, 257), (4096, 32768, 131072)
+GRANULE = 64 * 2**10
+
+
+def kernel_args(device, tokens: int, heads: int, slots: int) -> list[jax.ShapeDtypeStruct]:
+    spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=device)
+    t, h = tokens, heads
+    shapes = [(1, t, h, 512), (1, t, h, 64), (1, slots, 512), (1, slots, 64)]
+    args = [spec(s) for s in shapes] + [spec((1,), jnp.int32), spec((1, t, 512)), spec((1, t, 64))]
+    return [*args, spec((1, t, t), jnp.bool_)]
+
+
+def compiles_within(args, limit: int) -> bool:
+    kernel = jax.jit(functools.partial(tree_attention_tpu, scale=0.1, vmem_limit_bytes=limit))
+    try:
+        kernel.lower(*args).compile()
+    except jax.errors.JaxRuntimeError as error:
+        if "CompileTimeScopedVmemOom" not in str(error):
+            raise
+        return False
+    return True
+
+
+@functools.cache
+def vmem_needed(target: str, tokens: int, heads: int) -> int:
+    """The least scoped-VMEM limit Mosaic compiles the kernel under (to 64 KiB), found by bisection; the tiles
+    do not depend on the cache's size, so neither does this (measured at 4k slots)."""
+    where = compile_target(target, 1)
+    args = kernel_args(jax.sharding.SingleDeviceSharding(where.devices[0]), tokens, heads, min(SLOTS))
+    low, high = 0, 32 * 2**20  # compiles at high (every chip's VMEM is larger)
+    while high - low > GRANULE:
+        middle = (low + high) // 2 // GRANULE * GRANULE
+        low, high = (low, middle) if compiles_within(args, middle) else (middle, high)
+    return high
+
+
+def row(target: str, tokens: int, heads: int, slots: int) -> dict:
+    where = compile_target(target, 1)
+    args = kernel_args(jax.sharding.SingleDeviceSharding(where.devices[0]), tokens, heads, slots)
+    kernel = jax.jit(functools.partial(where.backend.tree_attention(), scale=0.1))
+    start = time.perf_counter()
+    kernel.lower(*args).compile(compiler_options=where.compiler_options)
+    result = {"target": target, "tokens": tokens, "heads": heads, "slots": slots}
+    result["compile_s"] = round(time.perf_counter() - start, 2)
+    if where.platform == "tpu":
+        result["vmem_bytes"] = vmem_needed(target, tokens, heads)
+        result["tiles"] = tpu_tiles(tokens, heads, slots)._asdict()
+    else:
+        result["form"] = "triton"
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--targets", default=",".join(TARGETS))
+    args = parser.parse_args()
+    rows = []
+    for target in args.targets.split(","):
+        for heads in HEADS:
+            for tokens in TREES:
+                for slots in SLOTS:
+                    rows.append(row(target, tokens, heads, slots))
+                    r = rows[-1]
+                    vmem = f"{r['vmem_bytes'] / 2**20:5.2f} MiB VMEM" if "vmem_bytes" in r else "triton"
+                    shape = f"{heads:>2} heads {tokens:>3} tokens {slots:>6} slots"
+                    print(f"{target:>13} {shape}: {r['compile_s']:5.2f} s {vmem}")
+    write_result(RESULTS, {"dtype": "bfloat16", "latent": 512, "rope": 64, "rows": rows}, jax=jax.__version__)
+
+
+if __name__ == "__main__":
+    main()
