@@ -3,7 +3,8 @@
 # so that a slow one cannot take the others' results with it; logs and JSON go to $OUT (or benchmarks/results/):
 #   1. the Pallas tree-attention kernel compiled for the GPU against its jnp reference (tests marked gpu), and
 #      DDTree decoding through the compiled kernel against plain XLA and AR (same tokens);
-#   2. kernel vs XLA timings at Kimi-like verify shapes (latent 512, rope 64) -> gpu_kernel.json;
+#   2. kernel vs XLA timings at Kimi-like verify shapes (latent 512, rope 64; caches up to 128k slots) ->
+#      gpu_kernel.json; the DDTree round through the kernel vs XLA (demo pair, same tokens) -> gpu_round.json;
 #   3. the HumanEval benchmark (AR, DFlash, DDTree; PyTorch dflash_generate on CUDA), fp32 with full-precision
 #      matmuls so that token identity is meaningful -> humaneval_gpu.json/.png. PROMPTS (40), BUDGETS (8,32) and
 #      HUMANEVAL_SECONDS (180) size it: all 164 prompts and five budgets take about 5 minutes on an H200;
@@ -26,7 +27,7 @@ timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_tree_attention.py -k
   | tee "$OUT/gpu_tests.log"
 
 echo "== 2. kernel vs XLA at Kimi-like shapes, a few block configurations"
-timeout 110 $PY - "$OUT" <<'PY' 2>&1 | tee "$OUT/gpu_kernel.log"
+timeout 170 $PY - "$OUT" <<'PY' 2>&1 | tee "$OUT/gpu_kernel.log"
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
@@ -38,7 +39,9 @@ rng = np.random.default_rng(0)
 reference = jax.jit(tree_attention_reference, static_argnames="scale")
 CONFIGS = [dict(), dict(block_q=32, block_k=64), dict(block_q=16, block_k=64)]
 for tokens, heads, slots, dtype in [(65, 64, 4096, jnp.bfloat16), (257, 64, 4096, jnp.bfloat16),
-                                    (257, 8, 32768, jnp.bfloat16), (65, 64, 4096, jnp.float32)]:
+                                    (257, 8, 32768, jnp.bfloat16), (65, 64, 4096, jnp.float32),
+                                    (65, 8, 131072, jnp.bfloat16), (257, 8, 131072, jnp.bfloat16),
+                                    (257, 64, 131072, jnp.bfloat16)]:
     r, dr = 512, 64
     def normal(*shape):
         return jnp.asarray(rng.standard_normal(shape), dtype)
@@ -63,6 +66,29 @@ for tokens, heads, slots, dtype in [(65, 64, 4096, jnp.bfloat16), (257, 64, 4096
     rows.append(row)
     json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows},
               open(f"{sys.argv[1]}/gpu_kernel.json", "w"), indent=2)
+PY
+
+echo "== 2b. the DDTree round through the kernel vs through XLA (demo pair, budget 64): same tokens, time"
+JAX_DEFAULT_MATMUL_PRECISION=highest timeout 90 $PY - "$OUT" <<'PY' 2>&1 | tee "$OUT/gpu_round.log"
+import json, sys, time
+import jaxdd
+from jaxdd.decoder import SpeculativeDecoder
+from jaxdd.generate import DEMO
+
+# fp32 with full-precision matmuls, so that the two attentions' tokens may be compared
+target, drafter = jaxdd.load_target(DEMO / "target", "float32"), jaxdd.load_drafter(DEMO / "drafter", "float32")
+prompt, result = list(range(5, 40)), {}
+for attention in ("pallas", "absorbed"):
+    decoder = SpeculativeDecoder(target, drafter, attention=attention)
+    run = lambda: decoder.generate(prompt, method="ddtree", budget=64, max_new_tokens=64, stop_token_ids=[])
+    run()  # compile
+    start = time.perf_counter()
+    out = run()
+    seconds = time.perf_counter() - start
+    result[attention] = {"tokens": out.tokens, "ms_per_round": 1e3 * seconds / len(out.acceptance_lengths)}
+print({a: round(r["ms_per_round"], 2) for a, r in result.items()}, "same tokens:",
+      result["pallas"]["tokens"] == result["absorbed"]["tokens"])
+json.dump(result, open(f"{sys.argv[1]}/gpu_round.json", "w"), indent=2)
 PY
 
 echo "== 3. HumanEval subset on GPU"

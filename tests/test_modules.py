@@ -179,7 +179,7 @@ ROUTINGS = given(
 )
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)  # each example's shapes compile anew
 @ROUTINGS
 def test_tiled_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
     """The tiled layout is exact whatever the routing: unused experts, one expert taking nearly every pair (its
@@ -187,7 +187,7 @@ def test_tiled_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
     check_dispatch(_tiled_experts, tokens, top_k, n_experts, favourite, seed)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)  # each example's shapes compile anew
 @ROUTINGS
 def test_skipping_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
     """Skipping the unchosen experts is exact whatever the routing: every expert chosen, a few, only one, an expert
@@ -195,7 +195,7 @@ def test_skipping_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed
     check_dispatch(_skipping_experts, tokens, top_k, n_experts, favourite, seed)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)  # each example's shapes compile anew
 @ROUTINGS
 def test_gathered_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
     """Gathering each pair's expert is exact whatever the routing, an expert chosen by many tokens or twice by one
