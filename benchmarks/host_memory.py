@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from jaxdd.testing.benchmark import write_result
 from jaxdd.testing.multiprocess import free_port, run_processes
