@@ -37,8 +37,9 @@ import jaxdd
 from jaxdd.crosscheck.torch_reference import dflash_reference, load_reference_models
 from jaxdd.decoder import SpeculativeDecoder
 from jaxdd.drafter import DFlashDrafter
-from jaxdd.generate import DEMO
+from jaxdd.generate import DEMO, simulate_cpu_devices
 from jaxdd.sampling import GREEDY, Sampling
+from jaxdd.sharding import make_mesh
 from jaxdd.testing.benchmark import write_result
 from jaxdd.tokenizer import load_tokenizer
 
@@ -52,10 +53,11 @@ def display_path(path: Path) -> str:
     return str(path.resolve().relative_to(root)) if path.resolve().is_relative_to(root) else str(path)
 
 
-def load_pair(models: Path) -> tuple[jaxdd.Target, DFlashDrafter]:
-    """The pair in ``models`` (``target/`` and ``drafter/``), in fp32 as every benchmark here runs it."""
-    target = jaxdd.load_target(models / "target", dtype="float32")
-    return target, jaxdd.load_drafter(models / "drafter", dtype="float32")
+def load_pair(models: Path, devices: int = 1, moe: str = "tp") -> tuple[jaxdd.Target, DFlashDrafter]:
+    """The pair in ``models`` (``target/`` and ``drafter/``), in fp32 as every benchmark here runs it; on
+    ``devices`` > 1 loaded onto that many devices (``moe``: how the routed experts are split)."""
+    placed = {"dtype": "float32", "mesh": make_mesh(devices) if devices > 1 else None, "moe": moe}
+    return jaxdd.load_target(models / "target", **placed), jaxdd.load_drafter(models / "drafter", **placed)
 
 
 def humaneval_prompts(count: int, keep: int, models: Path = DEMO) -> list[list[int]]:
@@ -206,13 +208,17 @@ def main() -> None:
     parser.add_argument("--short-budgets", default="3,4,6", help="DDTree budgets with the shorter blocks")
     parser.add_argument("--models", type=Path, default=DEMO, help="a pair: MODELS/target and MODELS/drafter")
     parser.add_argument("--out", type=Path, default=RESULTS / "humaneval.json")
+    parser.add_argument("--devices", type=int, default=1, help="shard the pair over this many devices (CPU: simulated)")
+    parser.add_argument("--moe", choices=["tp", "ep"], default="tp", help="routed experts split by width or by expert")
     args = parser.parse_args()
+    if args.devices > 1:
+        simulate_cpu_devices(args.devices)  # before anything starts JAX's backends; no effect on GPUs and TPUs
     max_new, budgets = args.max_new_tokens, [int(b) for b in args.budgets.split(",")]
     short_blocks = [int(b) for b in args.short_blocks.split(",") if b]
     short_budgets = [int(b) for b in args.short_budgets.split(",") if b]
     prompts = humaneval_prompts(args.prompts, args.context - max_new, args.models)
 
-    target, drafter = load_pair(args.models)
+    target, drafter = load_pair(args.models, args.devices, args.moe)
     block = drafter.config.block_size
     stops = list(target.config.eos_token_ids)
     decoder = SpeculativeDecoder(target, drafter)

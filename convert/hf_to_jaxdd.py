@@ -23,14 +23,8 @@ from tqdm import tqdm
 from jaxdd.checkpoint import Kind, get_path, set_path, write_checkpoint
 from jaxdd.config import DrafterConfig, KimiConfig, in_file
 from jaxdd.drafter import abstract_drafter
-from jaxdd.hf_weights import (
-    HFCheckpoint,
-    Mapping,
-    convert_arrays,
-    drafter_mappings,
-    mtp_layers,
-    target_mappings,
-)
+from jaxdd.hf_mappings import Mapping, drafter_mappings, target_mappings
+from jaxdd.hf_weights import HFCheckpoint, convert_arrays, mtp_layers
 from jaxdd.quant import DENSE, ExpertFormat
 from jaxdd.target import abstract_target
 from jaxdd.tokenizer import tokenizer_files

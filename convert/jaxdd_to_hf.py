@@ -33,7 +33,8 @@ from jaxdd.checkpoint import (
 )
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.errors import CheckpointError, ConfigError, checkpoint_directory, read_json
-from jaxdd.hf_weights import INDEX_FILE, Mapping, drafter_mappings, target_mappings
+from jaxdd.hf_mappings import Mapping, drafter_mappings, target_mappings
+from jaxdd.hf_weights import INDEX_FILE
 from jaxdd.quant import ExpertFormat, dense_experts
 from jaxdd.tokenizer import tokenizer_files
 

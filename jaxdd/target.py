@@ -5,7 +5,7 @@ The new tokens see the committed prefix of the cache (slots below ``cache.length
 ``visible`` allows; their latent rows are written at slots ``length .. length + T - 1``; committing (moving
 ``length``, or compacting an accepted tree path) is the caller's job.
 
-Weights use the JAX layout ``x @ W`` ([in, out]); ``jaxdd.hf_weights`` maps the HF names and transposes.
+Weights use the JAX layout ``x @ W`` ([in, out]); ``jaxdd.hf_mappings`` maps the HF names and transposes.
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ the length), then over the tree tail with the ancestor mask, and writes the late
 applies the value up-projection. The latent and rope operands stay apart (two dots), never concatenated.
 
 The caller passes the backend's choices (``jaxdd.backend.Backend.kernel_options``): ``interpret=True`` on CPU;
-Triton compiler parameters on GPU (block sizes are powers of two, as Triton needs).
+Triton compiler parameters on GPU (block sizes are powers of two, as Triton needs). TPUs get the form in
+``tree_attention_tpu.py`` (the same online-softmax step, the cache streamed through VMEM). Pallas' Triton backend
+is deprecated since jax 0.11; a Mosaic GPU form waits for a GPU to be checked on: a deviceless compile here
+stops before Mosaic GPU compiles its kernel (benchmarks/README.md, "The kernel's forms").
 """
 
 from __future__ import annotations

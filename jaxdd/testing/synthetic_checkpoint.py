@@ -13,7 +13,7 @@ from safetensors.numpy import save_file
 from transformers import DeepseekV3Config
 
 from jaxdd.config import KimiConfig
-from jaxdd.hf_weights import target_mappings
+from jaxdd.hf_mappings import target_mappings
 from jaxdd.testing.reference import TINY_K2
 
 
