@@ -151,7 +151,9 @@ class MLAttention(nnx.Module):
                 specs = (heads, heads, *(whole,) * 6)
                 mesh = self.placement[0]
                 attend = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
-            out_latent = attend(q_latent, q_pe, keys_latent, keys_rope, length, latent, k_pe, visible)
+            # The committed rows only (slots < length): the kernel reads the cache as it was, so the new rows are
+            # written after it in place, not into a copy it would wait for.
+            out_latent = attend(q_latent, q_pe, *cache_rows, length, latent, k_pe, visible)
             out = jnp.einsum("bthr,hdr->bthd", out_latent.astype(x.dtype), self.v_up[...])
         elif attention == "naive":
             k_nope = jnp.einsum("bsr,hrd->bshd", keys_latent, self.k_up[...])
