@@ -4,15 +4,18 @@
     python benchmarks/kernel_compiles.py [--targets v5e:2x2,v5p:2x2x2,...]
 
 Heads per device 8 and 64 (Kimi's 64 over TP8, or whole), trees of 17, 65 and 257 tokens, caches of 4k, 32k
-and 128k slots. Per compile: seconds, and on TPU the scoped VMEM the kernel needs: the least limit
-(``vmem_limit_bytes``) Mosaic compiles it under. Writes benchmarks/results/kernel_compiles.json.
+and 128k slots. Per compile: seconds; on TPU the scoped VMEM the kernel needs (the least limit,
+``vmem_limit_bytes``, Mosaic compiles it under); on GPU the shared memory per block Triton asks for (what the
+compile names when the GPU is described with less). Writes benchmarks/results/kernel_compiles.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
+import re
 import time
 from pathlib import Path
 
@@ -22,7 +25,11 @@ import jaxdd.startup  # noqa: F401, I001  (first: JAX without the CUDA plugin's 
 import jax
 import jax.numpy as jnp
 
-from jaxdd.aot import compile_target
+from jax.experimental import topologies
+
+from jaxdd.aot import GPU_COMPILER_OPTIONS, compile_target
+from jaxdd.backend import Backend
+from jaxdd.hardware import GPUS
 from jaxdd.testing.benchmark import write_result
 from pallas_kernels.tree_attention_tpu import tpu_tiles, tree_attention_tpu
 
@@ -30,6 +37,7 @@ RESULTS = Path(__file__).parent / "results" / "kernel_compiles.json"
 TARGETS = ["v5e:2x2", "v5p:2x2x2", "v6e:2x2", "h200", "rtx-pro-6000"]
 HEADS, TREES, SLOTS = (8, 64), (17, 65, 257), (4096, 32768, 131072)
 GRANULE = 64 * 2**10
+PROBE_SHARED_MEMORY = 1024  # bytes per block: under any kernel's need
 
 
 def kernel_args(device, tokens: int, heads: int, slots: int) -> list[jax.ShapeDtypeStruct]:
@@ -64,6 +72,29 @@ def vmem_needed(target: str, tokens: int, heads: int) -> int:
     return high
 
 
+@functools.cache
+def probe_gpu(name: str) -> tuple:
+    """``name``'s GPU described with 1 KB of shared memory per block: every kernel's compile is refused there,
+    naming the shared memory it requests (the kernel keeps the tiles the real GPU gets)."""
+    gpu = dataclasses.replace(GPUS[name], shared_memory_per_block_optin=PROBE_SHARED_MEMORY)
+    topology = topologies.get_topology_desc(platform="cuda", target_config=gpu.target_config(), topology="1x1x1")
+    return tuple(topology.devices)
+
+
+def shared_memory_requested(name: str, tokens: int, heads: int, slots: int) -> int:
+    devices = probe_gpu(name)
+    args = kernel_args(jax.sharding.SingleDeviceSharding(devices[0]), tokens, heads, slots)
+    kernel = jax.jit(functools.partial(Backend.of_devices(devices).tree_attention(), scale=0.1))
+    try:
+        kernel.lower(*args).compile(compiler_options=GPU_COMPILER_OPTIONS)
+    except jax.errors.JaxRuntimeError as error:
+        requested = re.search(r"Shared memory size limit exceeded: requested (\d+)", str(error))
+        if requested:
+            return int(requested.group(1))
+        raise
+    return PROBE_SHARED_MEMORY
+
+
 def row(target: str, tokens: int, heads: int, slots: int) -> dict:
     where = compile_target(target, 1)
     args = kernel_args(jax.sharding.SingleDeviceSharding(where.devices[0]), tokens, heads, slots)
@@ -76,13 +107,14 @@ def row(target: str, tokens: int, heads: int, slots: int) -> dict:
         result["vmem_bytes"] = vmem_needed(target, tokens, heads)
         result["tiles"] = tpu_tiles(tokens, heads, slots)._asdict()
     else:
-        result["form"] = "triton"
+        result["shared_memory_bytes"] = shared_memory_requested(target, tokens, heads, slots)
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     rows = []
     for target in args.targets.split(","):
@@ -91,10 +123,11 @@ def main() -> None:
                 for slots in SLOTS:
                     rows.append(row(target, tokens, heads, slots))
                     r = rows[-1]
-                    vmem = f"{r['vmem_bytes'] / 2**20:5.2f} MiB VMEM" if "vmem_bytes" in r else "triton"
+                    vmem = f"{r['vmem_bytes'] / 2**20:5.2f} MiB VMEM" if "vmem_bytes" in r else ""
+                    vmem = vmem or f"{r['shared_memory_bytes'] / 2**10:5.1f} KiB shared memory"
                     shape = f"{heads:>2} heads {tokens:>3} tokens {slots:>6} slots"
                     print(f"{target:>13} {shape}: {r['compile_s']:5.2f} s {vmem}")
-    write_result(RESULTS, {"dtype": "bfloat16", "latent": 512, "rope": 64, "rows": rows}, jax=jax.__version__)
+    write_result(args.out, {"dtype": "bfloat16", "latent": 512, "rope": 64, "rows": rows}, jax=jax.__version__)
 
 
 if __name__ == "__main__":
