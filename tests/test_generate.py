@@ -262,15 +262,14 @@ def test_rounds_past_memory_are_refused_and_oversized_ones_noted(checkpoints, ca
 
 
 def test_devices_and_moe_flags_shard_the_pair(checkpoints, capsys):
-    """`--devices 8 --moe ep|tp` (the suite's 8 simulated CPU devices) gives one device's tokens for DFlash and
-    DDTree; more devices than the host has, or --moe on one device, is one line and exit code 2."""
+    """`--devices 8 --moe ep|tp` (the suite's 8 simulated CPU devices) gives one device's tokens (DFlash in EP,
+    DDTree in TP); more devices than the host has, or --moe on one device, is one line and exit code 2."""
     _, target, drafter = checkpoints
     common = ["--checkpoint", str(target), "--drafter", str(drafter), "--prompt-ids", "7,100,42", "--stop-ids", "0"]
     common += ["--max-new-tokens", "12"]
-    for method in (["--method", "dflash"], ["--method", "ddtree", "--budget", "6"]):
+    for method, moe in ((["--method", "dflash"], "ep"), (["--method", "ddtree", "--budget", "6"], "tp")):
         alone = run_json(capsys, *common, *method)["output_ids"]
-        for moe in ("ep", "tp"):
-            assert run_json(capsys, *common, *method, "--devices", "8", "--moe", moe)["output_ids"] == alone
+        assert run_json(capsys, *common, *method, "--devices", "8", "--moe", moe)["output_ids"] == alone
     for flags, message in [
         (["--devices", "16"], "jaxdd: --devices 16: this host has 8\n"),
         (["--moe", "ep"], "jaxdd: --moe applies to several devices (--devices N)\n"),

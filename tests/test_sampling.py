@@ -215,11 +215,10 @@ def test_sampled_output_follows_the_target(small_vocab, method, options):
 def test_temperature_to_zero_is_greedy(small_vocab):
     ref_target, decoder = small_vocab
     greedy = hf_greedy(ref_target, PROMPT, 8)
-    for method in ("ar", "dflash", "ddtree"):
-        for temperature in (0.0, 1e-4):  # 0 takes the greedy path, 1e-4 the sampling path
-            settings = Sampling(temperature=temperature, seed=3)
-            out = decoder.generate(PROMPT, method=method, sampling=settings, max_new_tokens=8, stop_token_ids=[])
-            assert out.tokens == greedy, (method, temperature)
+    for method in ("ar", "dflash", "ddtree"):  # the sampling path at a vanishing temperature (0 is the greedy path)
+        settings = Sampling(temperature=1e-4, seed=3)
+        out = decoder.generate(PROMPT, method=method, sampling=settings, max_new_tokens=8, stop_token_ids=[])
+        assert out.tokens == greedy, method
 
 
 def test_batch_rows_equal_their_runs_alone(small_vocab):
