@@ -1,12 +1,13 @@
 """The tree-verify attention kernel's TPU (Mosaic) form: the GPU form's algorithm (``tree_attention.py``) with the
 committed cache streamed through a grid axis instead of read through pointers.
 
-Mosaic stages every block in VMEM (16-32 MB a core), so the GPU form's whole-cache block fails at 16k slots.
-Here the grid is (batch, query-row blocks, key blocks): the key axis is sequential ("arbitrary") and Pallas
-double-buffers its cache blocks from HBM, so the cache is bounded by HBM, not VMEM. The running softmax state
-lives in VMEM scratch across key steps; past ``length`` no block is computed, and the index map repeats the last
-live block so that none is fetched either. The tree tail (ancestor-masked) runs in the last key step. Blocks are
-TPU-shaped: keys in multiples of 128 lanes, the mask's key axis padded to 128, query rows in multiples of 32.
+Mosaic stages every block in VMEM (a scoped 16-32 MiB per kernel by default), so the GPU form's whole-cache block
+fails at 16k slots (v5e, v5p). Here the grid is (batch, query-row blocks, key blocks): the key axis is sequential
+("arbitrary") and Pallas double-buffers its cache blocks from HBM, so the cache is bounded by HBM, not VMEM. The
+running softmax state lives in VMEM scratch across key steps; past ``length`` no block is computed, and the index
+map repeats the last live block so that none is fetched either. The tree tail (ancestor-masked) runs in the last key
+step. Blocks are TPU-shaped: keys in multiples of 128 lanes, the mask's key axis padded to 128, query rows in
+multiples of 32.
 """
 
 from __future__ import annotations
