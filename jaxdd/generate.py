@@ -270,9 +270,8 @@ def run(argv: list[str] | None) -> int:
     try:
         tokenizer = load_tokenizer(checkpoint)
         prompt_ids, prompt_text = read_prompt(args, tokenizer, bundled, parser)
-        # On several devices each process reads only its devices' parts of the checkpoints.
-        placed = {"verify": args.verify_checksums, "mesh": make_mesh(devices) if devices > 1 else None}
-        placed["moe"] = args.moe or "tp"
+        mesh = make_mesh(devices) if devices > 1 else None  # each process reads only its devices' parts
+        placed = {"verify": args.verify_checksums, "mesh": mesh, "moe": args.moe or "tp"}
         target = jaxdd.load_target(checkpoint, dtype=dtype, **placed)
         drafter = jaxdd.load_drafter(drafter_dir, dtype=dtype, **placed) if method != "ar" else None
         stop_ids = args.stop_ids
