@@ -97,11 +97,16 @@ class MoE(nnx.Module):
         top_k = c.num_experts_per_tok
         return backend.moe_dispatch(tokens, top_k, local_experts, c.hidden_size, c.moe_intermediate_size, quantized)
 
-    def _routed(self, x, weights, experts, pieces: list[tuple[jax.Array, ...]], backend: Backend) -> jax.Array:
+    def _routed(
+        self, x, weights, experts, pieces: list[tuple[jax.Array, ...]], backend: Backend, local=None
+    ) -> jax.Array:
         """fp32 [N, D]: the weighted expert outputs, for experts [N, k] indexing the stored ``pieces`` of
-        gate, up and down ([E, ...] each: all experts, or one device's)."""
+        gate, up and down ([E, ...] each: all experts, or one device's). ``local``: under EP, (the pairs routed
+        to this device's experts [N, k], how many to gather at most)."""
         projections = (self.gate, self.up, self.down)
         dispatch = self.dispatch_for(experts.shape[0], pieces[0][0].shape[0], backend)
+        if dispatch == "gathered" and local is not None:
+            return _gathered_local_pairs(x, weights, experts, *local, projections, pieces)
         if dispatch == "gathered":
             return _gathered_experts(x, weights, experts, projections, pieces)
         if dispatch == "scan":
@@ -122,16 +127,20 @@ class MoE(nnx.Module):
         specs = expert_specs(projections, mesh, mode)
         pieces = [p.stored() for p in projections]
         replicated = jax.sharding.PartitionSpec()
-        local_experts = self.config.n_routed_experts // (mesh.shape[AXIS] if specs[0][0] == AXIS else 1)
+        split_experts = specs[0][0] == AXIS  # ep: whole experts per device
+        local_experts = self.config.n_routed_experts // (mesh.shape[AXIS] if split_experts else 1)
+        # Pairs a device gathers at most under EP: twice its even share, and one (past it, every pair is).
+        capacity = 2 * -(-experts.size // mesh.shape[AXIS]) + 1
 
         def local(x, weights, experts, gate_pieces, up_pieces, down_pieces):
-            first = jax.lax.axis_index(AXIS) * local_experts if local_experts < self.config.n_routed_experts else 0
+            first = jax.lax.axis_index(AXIS) * local_experts if split_experts else 0
             ids = experts - first
             mine = (ids >= 0) & (ids < local_experts)
             # Routes to other devices' experts get weight 0 (and any local id, so shapes stay static).
             ids, weights = jnp.where(mine, ids, 0), jnp.where(mine, weights, 0.0)
             local_pieces = [gate_pieces, up_pieces, down_pieces]
-            return jax.lax.psum(self._routed(x, weights, ids, local_pieces, backend), AXIS)
+            pairs = (mine, capacity) if split_experts and capacity < experts.size else None
+            return jax.lax.psum(self._routed(x, weights, ids, local_pieces, backend, pairs), AXIS)
 
         in_specs = (
             replicated,
@@ -160,16 +169,40 @@ def _grouped_experts(x, weights, experts, gate, up, down) -> jax.Array:
 def _gathered_experts(x, weights, experts, projections, pieces) -> jax.Array:
     """Each (token, slot) pair through its own expert, whose stored pieces are gathered (INT4 words, FP8 bytes:
     the chosen experts' bytes, read once per pair) and then dequantized; fp32 [N, D]. For few pairs: an expert
-    chosen by two tokens is read twice, and under EP the pairs routed elsewhere read local expert 0 (weight 0)."""
+    chosen by two tokens is read twice."""
     n, k = experts.shape
-    chosen = experts.reshape(-1)
-    rows = jnp.repeat(x, k, axis=0)  # pair p is token p // k
+    out = _gathered_pairs(jnp.repeat(x, k, axis=0), experts.reshape(-1), projections, pieces)  # pair p: token p // k
+    return jnp.einsum("nkd,nk->nd", out.reshape(n, k, -1).astype(jnp.float32), weights)
+
+
+def _gathered_local_pairs(x, weights, experts, mine, capacity: int, projections, pieces) -> jax.Array:
+    """``_gathered_experts`` on one device under EP, where only the pairs routed to its own experts (``mine``;
+    the others carry weight 0) count: those are moved to the front and the first ``capacity`` gathered, so a
+    device reads about pairs / devices experts instead of one per pair. When more of its pairs are local than
+    that, every pair is gathered instead (lax.cond runs one branch): exact either way."""
+    n, k = experts.shape
+    local = mine.reshape(-1)
+    order = jnp.argsort(~local, stable=True)[:capacity]  # the local pairs first, in pair order
+    tokens = order // k
+
+    def compacted() -> jax.Array:
+        out = _gathered_pairs(x[tokens], experts.reshape(-1)[order], projections, pieces)
+        weighted = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]  # 0 past the local pairs
+        return jnp.zeros((n, out.shape[-1]), jnp.float32).at[tokens].add(weighted)
+
+    def every_pair() -> jax.Array:
+        return _gathered_experts(x, weights, experts, projections, pieces)
+
+    return jax.lax.cond(local.sum() <= capacity, compacted, every_pair)
+
+
+def _gathered_pairs(rows, chosen, projections, pieces) -> jax.Array:
+    """rows [P, D] through experts ``chosen`` [P], their pieces gathered and then dequantized: [P, D]."""
     gate, up, down = (
         p.dequantize(*(piece[chosen] for piece in stored)) for p, stored in zip(projections, pieces, strict=True)
     )  # [P, in, out] each
     hidden = jax.nn.silu(jnp.einsum("pd,pdf->pf", rows, gate)) * jnp.einsum("pd,pdf->pf", rows, up)
-    out = jnp.einsum("pf,pfd->pd", hidden, down).reshape(n, k, -1)
-    return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights)
+    return jnp.einsum("pf,pfd->pd", hidden, down)
 
 
 def _combine_weights(experts: jax.Array, weights: jax.Array, n_experts: int) -> jax.Array:

@@ -15,7 +15,7 @@ import jaxdd
 from jaxdd.backend import Backend
 from jaxdd.cache import write_rows
 from jaxdd.layers import apply_rope, rms_norm, rope_cos_sin
-from jaxdd.moe import _gathered_experts, _skipping_experts, _tiled_experts
+from jaxdd.moe import _gathered_experts, _gathered_local_pairs, _skipping_experts, _tiled_experts
 from jaxdd.quant import DenseExperts
 from jaxdd.target import target_rope
 from jaxdd.testing.reference import FLAVOURS, additive_mask, hf_model, rel_err
@@ -201,6 +201,26 @@ def test_gathered_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed
     """Gathering each pair's expert is exact whatever the routing, an expert chosen by many tokens or twice by one
     included."""
     check_dispatch(_gathered_experts, tokens, top_k, n_experts, favourite, seed)
+
+
+@settings(max_examples=10, deadline=None)  # each example's shapes compile anew
+@given(tokens=st.integers(1, 12), share=st.floats(0, 1), capacity=st.integers(1, 8), seed=st.integers(0, 2**16))
+def test_gathered_local_pairs_under_ep(tokens, share, capacity, seed):
+    """Under EP a device gathers only the pairs routed to its own experts, compacted into ``capacity`` slots:
+    the outputs of gathering every pair with weight 0 for the others, whether its pairs fit or overflow (then
+    every pair is gathered)."""
+    rng = np.random.default_rng(seed)
+    d, f, n_experts, top_k = 16, 8, 6, 2
+    shapes = [(n_experts, d, f), (n_experts, d, f), (n_experts, f, d)]
+    projections = [DenseExperts(nnx.Rngs(i), shape, jnp.float32, (None,) * 3) for i, shape in enumerate(shapes)]
+    pieces = [p.stored() for p in projections]
+    mine = rng.random((tokens, top_k)) < share  # the pairs routed to this device
+    experts = jnp.asarray(np.where(mine, rng.integers(0, n_experts, (tokens, top_k)), 0))
+    weights = jnp.asarray(np.where(mine, rng.random((tokens, top_k)), 0), jnp.float32)
+    x = jnp.asarray(hidden(rng, tokens, d))
+    expected = _gathered_experts(x, weights, experts, projections, pieces)
+    actual = _gathered_local_pairs(x, weights, experts, jnp.asarray(mine), capacity, projections, pieces)
+    np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-6)
 
 
 def check_dispatch(dispatch, tokens, top_k, n_experts, favourite, seed):
