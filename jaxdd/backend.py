@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import jax
 from flax import nnx
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from jaxdd.cpu_memory import keep_allocations
@@ -40,6 +41,7 @@ class Backend:
 
     platform: Platform
     shared_memory: int | None = None  # GPUs: bytes of shared memory per block (None: unknown, H200's assumed)
+    interpreted_kernel: Literal["gpu", "tpu"] = "gpu"  # CPU: the kernel form to interpret (tpu: TPU semantics)
 
     # MoE on CPU: tiles from this many tokens, ``skipping`` below (where kimi-mini's two dispatches break even).
     TILED_MIN_TOKENS = 24
@@ -132,7 +134,11 @@ class Backend:
 
     def tree_attention(self) -> Callable[..., jax.Array]:
         """The tree-attention kernel for this platform, its options bound: the TPU (Mosaic) form on TPU, which
-        streams the cache through VMEM; the GPU form elsewhere (Triton on GPU, interpreted on CPU)."""
+        streams the cache through VMEM; the GPU form elsewhere (Triton on GPU, interpreted on CPU). On CPU
+        ``interpreted_kernel="tpu"`` runs the TPU form in Pallas' TPU interpreter instead (checking it in the
+        rounds without a TPU)."""
         if self.platform == "tpu":
             return tree_attention_tpu
+        if self.platform == "cpu" and self.interpreted_kernel == "tpu":
+            return functools.partial(tree_attention_tpu, interpret=pltpu.InterpretParams())
         return functools.partial(tree_attention, **self.kernel_options())

@@ -129,3 +129,19 @@ def test_ddtree_with_the_kernel_is_lossless(models):
         tokens = kernel.generate(prompt, **kwargs).tokens
         assert tokens == xla.generate(prompt, **kwargs).tokens
         assert tokens == xla.generate(prompt, method="ar", max_new_tokens=12, stop_token_ids=[]).tokens
+
+
+@pytest.mark.parametrize("models", [0], indirect=True, ids=["seed0"])
+def test_ddtree_with_the_tpu_form_is_lossless(models):
+    """The decoder verifying trees through the kernel's TPU form, run by Pallas' TPU interpreter inside the jitted
+    rounds, gives the tokens of verifying with plain XLA."""
+    from jaxdd.decoder import SpeculativeDecoder
+
+    _, _, decoder = models
+    tpu_form = Backend("cpu", interpreted_kernel="tpu")
+    kernel = SpeculativeDecoder(decoder.target, decoder.drafter, attention="pallas", backend=tpu_form)
+    xla = SpeculativeDecoder(decoder.target, decoder.drafter, attention="absorbed")
+    prompt = [5, 17, 3, 250, 9, 1, 77]
+    kwargs = dict(method="ddtree", budget=16, max_new_tokens=12, stop_token_ids=[])
+    with jax.default_matmul_precision("highest"):
+        assert kernel.generate(prompt, **kwargs).tokens == xla.generate(prompt, **kwargs).tokens
