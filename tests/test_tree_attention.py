@@ -45,7 +45,7 @@ def check(shape, dtype, seed, interpret):
     np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=TOLERANCE[dtype], rtol=0)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(shape=st.sampled_from(SHAPES), dtype=st.sampled_from(["float32", "bfloat16"]), seed=st.integers(0, 10**6))
 def test_kernel_interpreted_matches_reference(shape, dtype, seed):
     check(shape, dtype, seed, interpret=True)
