@@ -39,7 +39,6 @@ from jaxdd.decoder import SpeculativeDecoder
 from jaxdd.drafter import DFlashDrafter
 from jaxdd.generate import DEMO, simulate_cpu_devices
 from jaxdd.sampling import GREEDY, Sampling
-from jaxdd.sharding import make_mesh
 from jaxdd.testing.benchmark import write_result
 from jaxdd.tokenizer import load_tokenizer
 
@@ -56,8 +55,7 @@ def display_path(path: Path) -> str:
 def load_pair(models: Path, devices: int = 1, moe: str = "tp") -> tuple[jaxdd.Target, DFlashDrafter]:
     """The pair in ``models`` (``target/`` and ``drafter/``), in fp32 as every benchmark here runs it; on
     ``devices`` > 1 loaded onto that many devices (``moe``: how the routed experts are split)."""
-    placed = {"dtype": "float32", "mesh": make_mesh(devices) if devices > 1 else None, "moe": moe}
-    return jaxdd.load_target(models / "target", **placed), jaxdd.load_drafter(models / "drafter", **placed)
+    return jaxdd.load_pair(models / "target", models / "drafter", "float32", devices, moe)
 
 
 def humaneval_prompts(count: int, keep: int, models: Path = DEMO) -> list[list[int]]:

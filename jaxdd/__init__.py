@@ -16,7 +16,7 @@ The stable Python API:
 """
 
 import jaxdd.startup  # noqa: F401  (first: imports JAX without the CUDA plugin's start-up lines)
-from jaxdd.api import ForwardResult, Target, load_drafter, load_target
+from jaxdd.api import ForwardResult, Target, load_drafter, load_pair, load_target
 from jaxdd.cache import LatentCache
 from jaxdd.checkpoint import save_drafter, save_target
 from jaxdd.config import DrafterConfig, KimiConfig
@@ -38,6 +38,7 @@ __all__ = [
     "SpeculativeDecoder",
     "Target",
     "load_drafter",
+    "load_pair",
     "load_target",
     "save_drafter",
     "save_target",

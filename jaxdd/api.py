@@ -27,7 +27,7 @@ from jaxdd.errors import CheckpointError, InputError, checkpoint_directory
 from jaxdd.hf_weights import load_hf_drafter, load_hf_target
 from jaxdd.jit_state import split_module
 from jaxdd.sampling import GREEDY, Sampling
-from jaxdd.sharding import MoeMode, Placement, abstract_shardings, place
+from jaxdd.sharding import MoeMode, Placement, abstract_shardings, make_mesh, place
 from jaxdd.target import KimiTarget
 from jaxdd.validation import Method, check_positions, check_tokens, check_visible
 
@@ -70,6 +70,21 @@ def load_drafter(
     if is_jaxdd_checkpoint(path):
         return _restore(path, "drafter", jnp.dtype(dtype), verify, placement)
     return load_hf_drafter(path, jnp.dtype(dtype), placement=placement)
+
+
+def load_pair(
+    target_path: str | Path,
+    drafter_path: str | Path | None,
+    dtype: str | jnp.dtype = "bfloat16",
+    devices: int = 1,
+    moe: MoeMode = "tp",
+    verify: bool = False,
+) -> tuple[Target, DFlashDrafter | None]:
+    """A target and its drafter (None without ``drafter_path``) on the first ``devices`` of this job's devices:
+    as loaded on one, straight into their shardings on several (``moe`` and ``verify`` as in ``load_target``)."""
+    placed = {"dtype": dtype, "verify": verify, "mesh": make_mesh(devices) if devices > 1 else None, "moe": moe}
+    target = load_target(target_path, **placed)
+    return target, None if drafter_path is None else load_drafter(drafter_path, **placed)
 
 
 def _restore(path: Path, kind: str, dtype: jnp.dtype, verify: bool, placement: Placement | None):

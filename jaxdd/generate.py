@@ -26,7 +26,6 @@ import jaxdd
 from jaxdd.backend import Backend
 from jaxdd.decoder import Generation
 from jaxdd.distributed import disagreeing_processes, join
-from jaxdd.sharding import make_mesh
 from jaxdd.tokenizer import TextTokenizer, load_tokenizer
 
 DEMO = Path(__file__).parent / "demo" / "kimi-mini"
@@ -270,10 +269,11 @@ def run(argv: list[str] | None) -> int:
     try:
         tokenizer = load_tokenizer(checkpoint)
         prompt_ids, prompt_text = read_prompt(args, tokenizer, bundled, parser)
-        mesh = make_mesh(devices) if devices > 1 else None  # each process reads only its devices' parts
-        placed = {"verify": args.verify_checksums, "mesh": mesh, "moe": args.moe or "tp"}
-        target = jaxdd.load_target(checkpoint, dtype=dtype, **placed)
-        drafter = jaxdd.load_drafter(drafter_dir, dtype=dtype, **placed) if method != "ar" else None
+        # On several devices each process reads only its devices' parts of the checkpoints.
+        drafter_path = drafter_dir if method != "ar" else None
+        target, drafter = jaxdd.load_pair(
+            checkpoint, drafter_path, dtype, devices, args.moe or "tp", args.verify_checksums
+        )
         stop_ids = args.stop_ids
         if stop_ids is None:
             stop_ids = sorted(set(target.config.eos_token_ids) | set(tokenizer.stop_ids if tokenizer else ()))

@@ -368,9 +368,9 @@ def _fill(source: HFCheckpoint, mappings: list[Mapping], abstract_model, placeme
         shardings = abstract_shardings(graphdef, abstract, *placement)
         for mapping in mappings:
             for k, path in enumerate(mapping.paths):
-                shape, dtype = get_path(values, path).shape, get_path(values, path).dtype
-                part = functools.partial(_part, source, mapping, k, shape, dtype)
-                set_path(values, path, jax.make_array_from_callback(shape, get_path(shardings, path), part))
+                leaf = get_path(values, path)
+                part = functools.partial(_part, source, mapping, k, leaf.shape, leaf.dtype)
+                set_path(values, path, jax.make_array_from_callback(leaf.shape, get_path(shardings, path), part))
     nnx.replace_by_pure_dict(abstract, values)
     model = nnx.merge(graphdef, abstract)
     if placement is not None:

@@ -39,9 +39,9 @@ def checkpoints(tmp_path_factory):
 
 def decoder(checkpoints, target="target", mode=None) -> SpeculativeDecoder:
     """The pair loaded onto 8 devices in ``mode`` (None: one device)."""
-    placed = {"dtype": "float32", "mesh": None if mode is None else make_mesh(8), "moe": mode or "tp"}
+    devices = 1 if mode is None else 8
     return SpeculativeDecoder(
-        jaxdd.load_target(checkpoints / target, **placed), jaxdd.load_drafter(checkpoints / "drafter", **placed)
+        *jaxdd.load_pair(checkpoints / target, checkpoints / "drafter", "float32", devices, mode or "tp")
     )
 
 

@@ -20,7 +20,6 @@ import numpy as np
 
 from jaxdd.crosscheck.trace import PromptTrace, load_traces
 from jaxdd.decoder import SpeculativeDecoder, bucket
-from jaxdd.sharding import make_mesh
 
 # Relative tolerances (of the largest reference magnitude at that position) per jaxdd compute dtype. fp32 runs
 # agree to ~1e-6; bf16 carries ~4e-3 rounding per op through every layer (measured up to ~4e-2 of the largest
@@ -142,9 +141,8 @@ def compare(
     import jaxdd
 
     meta, traces = load_traces(reference_path)
-    placed = {"dtype": dtype, "mesh": make_mesh(devices) if devices > 1 else None, "moe": moe}
-    target = jaxdd.load_target(target_dir or meta["target"], **placed)
-    drafter = jaxdd.load_drafter(drafter_dir or meta["drafter"], **placed) if meta["method"] != "ar" else None
+    drafter_path = drafter_dir or meta["drafter"] if meta["method"] != "ar" else None
+    target, drafter = jaxdd.load_pair(target_dir or meta["target"], drafter_path, dtype, devices, moe)
     decoder = SpeculativeDecoder(target, drafter)
     tolerance = TOLERANCE[dtype]
     reports = [_compare_prompt(i, t, meta, target, decoder, tolerance) for i, t in enumerate(traces)]

@@ -23,7 +23,6 @@ import jax
 
 import jaxdd
 from jaxdd.distributed import disagreeing_processes, join
-from jaxdd.sharding import make_mesh
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7]
 METHODS = ("ar", "dflash", "ddtree")
@@ -81,9 +80,10 @@ def main() -> None:
     result: dict = {}
     for run in args.run:
         name, directory = run.split("=", 1)
-        placed = {"dtype": "float32", "mesh": make_mesh(args.devices), "moe": name.split(":")[0]}
-        target = jaxdd.load_target(Path(directory) / "target", **placed)
-        drafter = jaxdd.load_drafter(Path(directory) / "drafter", **placed)
+        mode = name.split(":")[0]
+        target, drafter = jaxdd.load_pair(
+            Path(directory) / "target", Path(directory) / "drafter", "float32", args.devices, mode
+        )
         for method in METHODS:
             out = target.generate(PROMPT, drafter=drafter, method=method, max_new_tokens=12, stop_token_ids=[])
             if disagreeing_processes(out.tokens, 12):
