@@ -97,6 +97,18 @@ def pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
     return jnp.pad(x, pad)
 
 
+def query_rows(x: jax.Array, padded_rows: int) -> jax.Array:
+    """[B, T, H, d] -> [B, padded_rows, d]: one query row per (token, head), token-major, zero-padded."""
+    b, t, h, d = x.shape
+    return pad_to(x.reshape(b, t * h, d), 1, padded_rows)
+
+
+def row_mask(tail_mask: jax.Array, heads: int, padded_rows: int, tail: int, dtype) -> jax.Array:
+    """[B, T, T] bool -> [B, padded_rows, tail]: row t*H + h sees what token t sees; padding sees nothing."""
+    mask = jnp.repeat(tail_mask, heads, axis=1).astype(dtype)
+    return pad_to(pad_to(mask, 1, padded_rows), 2, tail)
+
+
 def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -145,11 +157,7 @@ def tree_attention(
     block_q = min(block_q, _pow2(rows))
     padded_rows = pl.cdiv(rows, block_q) * block_q
 
-    def query_rows(x):  # [B,T,H,d] -> [B, rows (token-major, head-minor), d], padded
-        return pad_to(x.reshape(b, rows, x.shape[-1]), 1, padded_rows)
-
-    mask = jnp.repeat(tail_mask, h, axis=1).astype(jnp.int8)  # row t*H + h sees what token t sees
-    mask = pad_to(pad_to(mask, 1, padded_rows), 2, tail)
+    mask = row_mask(tail_mask, h, padded_rows, tail, jnp.int8)
     tail_latent, tail_rope = pad_to(tail_latent, 1, tail), pad_to(tail_rope, 1, tail)
 
     def full(shape):
@@ -178,8 +186,8 @@ def tree_attention(
         name="mla_tree_attention",
     )(
         length.astype(jnp.int32)[:, None],
-        query_rows(q_latent),
-        query_rows(q_rope),
+        query_rows(q_latent, padded_rows),
+        query_rows(q_rope, padded_rows),
         cache_latent,
         cache_rope,
         tail_latent,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tree_attention import NEG, online_softmax_step, pad_to
+from pallas_kernels.tree_attention import NEG, online_softmax_step, pad_to, query_rows, row_mask
 
 LANES = 128
 ROW_ALIGN = 32  # sublane tiles: 8 rows of fp32, 16 of bf16; 32 suits both
@@ -101,11 +101,7 @@ def tree_attention_tpu(
     bq, bk, rows = tiles.block_q, tiles.block_k, t * h
     padded_rows = tiles.row_blocks * bq
 
-    def query_rows(x):  # [B,T,H,d] -> [B, rows (token-major, head-minor), d], padded
-        return pad_to(x.reshape(b, rows, x.shape[-1]), 1, padded_rows)
-
-    mask = jnp.repeat(tail_mask, h, axis=1).astype(jnp.int32)  # row t*H + h sees what token t sees
-    mask = pad_to(pad_to(mask, 1, padded_rows), 2, tiles.tail)
+    mask = row_mask(tail_mask, h, padded_rows, tiles.tail, jnp.int32)  # int32: TPU tiles of 8 rows
 
     def live_block(i, k, length_ref):  # past the committed rows, the last live block again: no new fetch
         return jnp.minimum(k, jnp.maximum(pl.cdiv(length_ref[i], bk) - 1, 0))
@@ -150,8 +146,8 @@ def tree_attention_tpu(
         name="mla_tree_attention_tpu",
     )(
         length.astype(jnp.int32),
-        query_rows(q_latent),
-        query_rows(q_rope),
+        query_rows(q_latent, padded_rows),
+        query_rows(q_rope, padded_rows),
         cache_latent,
         cache_rope,
         pad_to(tail_latent, 1, tiles.tail),
