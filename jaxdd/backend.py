@@ -20,6 +20,7 @@ from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from jaxdd import int4_cpu
 from jaxdd.cpu_memory import keep_allocations
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_tpu import tree_attention_tpu
@@ -42,6 +43,7 @@ class Backend:
     platform: Platform
     shared_memory: int | None = None  # GPUs: bytes of shared memory per block (None: unknown, H200's assumed)
     interpreted_kernel: Literal["gpu", "tpu"] = "gpu"  # CPU: the kernel form to interpret (tpu: TPU semantics)
+    int4_kernel: bool = True  # CPU: gathered INT4 experts through jaxdd.int4_cpu where it builds (False: XLA's)
 
     # MoE on CPU: tiles from this many tokens, ``skipping`` below (where kimi-mini's two dispatches break even).
     TILED_MIN_TOKENS = 24
@@ -103,6 +105,13 @@ class Backend:
         if 3 * tokens * experts * hidden * ffn <= self.DENSE_MAX_FLOPS:
             return "dense"
         return "scan" if quantized else "grouped"
+
+    def int4_matvec(self) -> Callable[..., jax.Array] | None:
+        """The gathered INT4 expert matvec kernel (``jaxdd.int4_cpu``): on CPU where it builds, else None (XLA's
+        dequantize-then-dot; GPUs and TPUs fuse the dequantization into the dot themselves)."""
+        if self.platform == "cpu" and self.int4_kernel and int4_cpu.available():
+            return int4_cpu.gathered_int4_matvec
+        return None
 
     @staticmethod
     def free_bytes(devices: Iterable[Any]) -> int | None:

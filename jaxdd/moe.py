@@ -12,6 +12,8 @@ caller casts back.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -22,7 +24,7 @@ from flax import nnx
 from jaxdd.backend import Backend, Dispatch
 from jaxdd.config import KimiConfig
 from jaxdd.layers import MLP, param
-from jaxdd.quant import DenseExperts, ExpertFormat, expert_weights
+from jaxdd.quant import INT4_PER_WORD, DenseExperts, ExpertFormat, Int4Experts, expert_weights
 from jaxdd.sharding import AXIS, expert_specs
 
 
@@ -105,10 +107,11 @@ class MoE(nnx.Module):
         to this device's experts [N, k], how many to gather at most)."""
         projections = (self.gate, self.up, self.down)
         dispatch = self.dispatch_for(experts.shape[0], pieces[0][0].shape[0], backend)
-        if dispatch == "gathered" and local is not None:
-            return _gathered_local_pairs(x, weights, experts, *local, projections, pieces)
         if dispatch == "gathered":
-            return _gathered_experts(x, weights, experts, projections, pieces)
+            through = _pair_experts(projections, pieces, backend)
+            if local is not None:
+                return _gathered_local_pairs(x, weights, experts, *local, through)
+            return _gathered_experts(x, weights, experts, through)
         if dispatch == "scan":
             return _scanned_experts(x, weights, experts, projections, pieces)
         if dispatch == "skipping":
@@ -166,16 +169,32 @@ def _grouped_experts(x, weights, experts, gate, up, down) -> jax.Array:
     return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights)
 
 
-def _gathered_experts(x, weights, experts, projections, pieces) -> jax.Array:
+def _pair_experts(projections, pieces, backend: Backend) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """(rows [P, D], chosen [P]) -> [P, D]: each row through its own expert. INT4 experts go through the backend's
+    matvec kernel where it has one (XLA:CPU: unpacked in registers as the words are read); otherwise the chosen
+    experts' pieces are gathered and then dequantized."""
+    kernel = backend.int4_matvec()
+    if kernel is None or not all(isinstance(p, Int4Experts) and p.group % INT4_PER_WORD == 0 for p in projections):
+        return functools.partial(_gathered_pairs, projections=projections, pieces=pieces)
+    gate, up, down = pieces  # (packed, scale) each
+
+    def through(rows: jax.Array, chosen: jax.Array) -> jax.Array:
+        hidden = jax.nn.silu(kernel(rows, *gate, chosen)) * kernel(rows, *up, chosen)
+        return kernel(hidden, *down, chosen)
+
+    return through
+
+
+def _gathered_experts(x, weights, experts, through) -> jax.Array:
     """Each (token, slot) pair through its own expert, whose stored pieces are gathered (INT4 words, FP8 bytes:
     the chosen experts' bytes, read once per pair) and then dequantized; fp32 [N, D]. For few pairs: an expert
     chosen by two tokens is read twice."""
     n, k = experts.shape
-    out = _gathered_pairs(jnp.repeat(x, k, axis=0), experts.reshape(-1), projections, pieces)  # pair p: token p // k
+    out = through(jnp.repeat(x, k, axis=0), experts.reshape(-1))  # pair p: token p // k
     return jnp.einsum("nkd,nk->nd", out.reshape(n, k, -1).astype(jnp.float32), weights)
 
 
-def _gathered_local_pairs(x, weights, experts, mine, capacity: int, projections, pieces) -> jax.Array:
+def _gathered_local_pairs(x, weights, experts, mine, capacity: int, through) -> jax.Array:
     """``_gathered_experts`` on one device under EP, where only the pairs routed to its own experts (``mine``;
     the others carry weight 0) count: those are moved to the front and the first ``capacity`` gathered, so a
     device reads about pairs / devices experts instead of one per pair. When more of its pairs are local than
@@ -186,12 +205,12 @@ def _gathered_local_pairs(x, weights, experts, mine, capacity: int, projections,
     tokens = order // k
 
     def compacted() -> jax.Array:
-        out = _gathered_pairs(x[tokens], experts.reshape(-1)[order], projections, pieces)
+        out = through(x[tokens], experts.reshape(-1)[order])
         weighted = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]  # 0 past the local pairs
         return jnp.zeros((n, out.shape[-1]), jnp.float32).at[tokens].add(weighted)
 
     def every_pair() -> jax.Array:
-        return _gathered_experts(x, weights, experts, projections, pieces)
+        return _gathered_experts(x, weights, experts, through)
 
     return jax.lax.cond(local.sum() <= capacity, compacted, every_pair)
 

@@ -1,0 +1,100 @@
+"""The gathered INT4 expert matvec as an XLA:CPU custom call (``int4_matvec.cc``, XLA's FFI).
+
+XLA:CPU dequantizes INT4 at ~5 G values/s (unpack, then a dot over the dense copy), so a decode step of a
+quantized MoE ran at 3.4x the time its bytes take to read (benchmarks/moe_bandwidth.py). The kernel unpacks in
+registers and multiplies as it reads. Pallas has no CPU backend, so it is C++, compiled on first use with this
+machine's C++ compiler for this machine's vector units (``-march=native``) and cached by source, compiler, flags,
+CPU and jax version. Where no compiler works, ``available()`` is False and the MoE keeps XLA's form.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+SOURCE = Path(__file__).with_name("int4_matvec.cc")
+TARGET = "jaxdd_int4_gathered_matvec"
+# No FMA contraction: the kernel's bf16 rounding (a Veltkamp split) needs each product rounded on its own.
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept: $JAXDD_CACHE, else ~/.cache/jaxdd (XDG)."""
+    base = os.environ.get("JAXDD_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxdd"
+    return Path(base) / "native"
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (``-march=native`` code is only valid on a CPU that has them)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((line for line in info.splitlines() if line.startswith(("flags", "Features"))), "")
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def _build(compiler: str) -> Path:
+    """The kernel's shared library, compiled unless the cache has it (written atomically: a temporary file
+    renamed into place, so concurrent processes and interrupted builds leave no partial library)."""
+    flags = (*FLAGS, "-march=native", "-I", jax.ffi.include_dir())
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(flags).encode(), _cpu_flags().encode()):
+        key.update(part)
+    key.update(jax.__version__.encode())
+    library = cache_dir() / f"int4_matvec-{key.hexdigest()[:16]}.so"
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+        built = Path(scratch) / library.name
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], check=True, capture_output=True, text=True)
+        os.replace(built, library)
+    return library
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel is built and registered with XLA:CPU (once per process; False, with one warning, where
+    it cannot be compiled)."""
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("jaxdd: no C++ compiler found; INT4 experts on CPU use XLA's slower dequantization")
+        return False
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        log.warning("jaxdd: the INT4 CPU kernel did not build (%s); using XLA's dequantization", str(detail)[:500])
+        return False
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, TARGET)), platform="cpu")
+    return True
+
+
+def gathered_int4_matvec(rows: jax.Array, packed: jax.Array, scale: jax.Array, chosen: jax.Array) -> jax.Array:
+    """rows [P, K] through experts ``chosen`` [P] of packed [E, N, K/8] int32 with scale [E, N, K/group] bf16
+    (``jaxdd.quant.Int4Experts``): [P, N] in rows' dtype, each weight dequantized as ``dequantize_int4_groups``
+    does (bf16(q x scale)) and the products summed in fp32. Call only where ``available()``."""
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], packed.shape[1]), jnp.float32))
+    out = call(
+        rows.astype(jnp.float32),
+        packed,
+        scale.astype(jnp.bfloat16),
+        chosen.astype(jnp.int32),
+    )
+    return out.astype(rows.dtype)
