@@ -48,6 +48,7 @@ class Backend:
     # MoE on CPU: tiles from this many tokens, ``skipping`` below (where kimi-mini's two dispatches break even).
     TILED_MIN_TOKENS = 24
     DENSE_MAX_FLOPS = 2**28  # elsewhere: all-experts compute below this many multiply-adds
+    KERNEL_GATHERED_PAIRS = 4  # pairs per expert up to which the INT4 kernel's gathered dispatch is the fastest
 
     @classmethod
     def of_devices(cls, devices: Iterable[Any]) -> Backend:
@@ -91,13 +92,19 @@ class Backend:
             return requested
         return "absorbed" if self.platform == "cpu" else "pallas"
 
-    def moe_dispatch(self, tokens: int, top_k: int, experts: int, hidden: int, ffn: int, quantized: bool) -> Dispatch:
+    def moe_dispatch(
+        self, tokens: int, top_k: int, experts: int, hidden: int, ffn: int, quantized: bool, kernel: bool = False
+    ) -> Dispatch:
         """The exact dispatch that is fastest for this many tokens (see ``jaxdd.moe.MoE``). Quantized experts with
-        few (token, slot) pairs (a decode step, a short verify) are gathered: decode is bound by
-        the bytes it reads, and only the chosen experts are read. Past half as many pairs as experts, every
-        expert dequantized once (``scan``) costs less than one dequantization per pair (a 16-token verify of 128
-        INT4 experts top 8 on XLA:CPU: 385 vs 471 ms, benchmarks/moe_bandwidth.py)."""
-        if quantized and 2 * tokens * top_k <= experts:
+        few (token, slot) pairs (a decode step, a short verify) are gathered: decode is bound by the bytes it
+        reads, and only the chosen experts are read. Past half as many pairs as experts, every expert dequantized
+        once (``scan``) costs less than one dequantization per pair (a 16-token verify of 128 INT4 experts top 8
+        on XLA:CPU: 385 vs 471 ms, benchmarks/moe_bandwidth.py). ``kernel``: the experts go through the INT4
+        matvec kernel (``int4_matvec``), which dequantizes in registers, so gathering pays up to
+        ``KERNEL_GATHERED_PAIRS`` pairs per expert (that verify: 255 ms gathered, 356 tiled, 1433 scan; 64
+        tokens, 4 pairs per expert: 921 vs 1132 ms tiled)."""
+        pairs = tokens * top_k
+        if quantized and (2 * pairs <= experts or (kernel and pairs <= self.KERNEL_GATHERED_PAIRS * experts)):
             return "gathered"
         if self.platform == "cpu" and not quantized:
             # XLA:CPU runs ragged_dot as a dense matmul over all experts for every pair: skip unused experts.

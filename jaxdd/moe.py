@@ -23,8 +23,9 @@ from flax import nnx
 
 from jaxdd.backend import Backend, Dispatch
 from jaxdd.config import KimiConfig
+from jaxdd.int4_cpu import GROUP_MULTIPLE
 from jaxdd.layers import MLP, param
-from jaxdd.quant import INT4_PER_WORD, DenseExperts, ExpertFormat, Int4Experts, expert_weights
+from jaxdd.quant import DenseExperts, ExpertFormat, Int4Experts, expert_weights
 from jaxdd.sharding import AXIS, expert_specs
 
 
@@ -96,8 +97,9 @@ class MoE(nnx.Module):
         if self.dispatch != "auto":
             return self.dispatch
         c, quantized = self.config, not isinstance(self.gate, DenseExperts)
-        top_k = c.num_experts_per_tok
-        return backend.moe_dispatch(tokens, top_k, local_experts, c.hidden_size, c.moe_intermediate_size, quantized)
+        kernel = _int4_kernel((self.gate, self.up, self.down), backend) is not None
+        d, f, top_k = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
+        return backend.moe_dispatch(tokens, top_k, local_experts, d, f, quantized, kernel)
 
     def _routed(
         self, x, weights, experts, pieces: list[tuple[jax.Array, ...]], backend: Backend, local=None
@@ -173,8 +175,8 @@ def _pair_experts(projections, pieces, backend: Backend) -> Callable[[jax.Array,
     """(rows [P, D], chosen [P]) -> [P, D]: each row through its own expert. INT4 experts go through the backend's
     matvec kernel where it has one (XLA:CPU: unpacked in registers as the words are read); otherwise the chosen
     experts' pieces are gathered and then dequantized."""
-    kernel = backend.int4_matvec()
-    if kernel is None or not all(isinstance(p, Int4Experts) and p.group % INT4_PER_WORD == 0 for p in projections):
+    kernel = _int4_kernel(projections, backend)
+    if kernel is None:
         return functools.partial(_gathered_pairs, projections=projections, pieces=pieces)
     gate, up, down = pieces  # (packed, scale) each
 
@@ -185,10 +187,16 @@ def _pair_experts(projections, pieces, backend: Backend) -> Callable[[jax.Array,
     return through
 
 
+def _int4_kernel(projections, backend: Backend) -> Callable[..., jax.Array] | None:
+    """The backend's INT4 matvec kernel if it has one and all three projections are INT4 in groups it takes."""
+    if all(isinstance(p, Int4Experts) and p.group % GROUP_MULTIPLE == 0 for p in projections):
+        return backend.int4_matvec()
+    return None
+
+
 def _gathered_experts(x, weights, experts, through) -> jax.Array:
-    """Each (token, slot) pair through its own expert, whose stored pieces are gathered (INT4 words, FP8 bytes:
-    the chosen experts' bytes, read once per pair) and then dequantized; fp32 [N, D]. For few pairs: an expert
-    chosen by two tokens is read twice."""
+    """Each (token, slot) pair through its own expert (``through``, from ``_pair_experts``: the chosen experts'
+    stored bytes read once per pair); fp32 [N, D]. For few pairs: an expert chosen by two tokens is read twice."""
     n, k = experts.shape
     out = through(jnp.repeat(x, k, axis=0), experts.reshape(-1))  # pair p: token p // k
     return jnp.einsum("nkd,nk->nd", out.reshape(n, k, -1).astype(jnp.float32), weights)

@@ -15,7 +15,7 @@ import jaxdd
 from jaxdd.backend import Backend
 from jaxdd.cache import write_rows
 from jaxdd.layers import apply_rope, rms_norm, rope_cos_sin
-from jaxdd.moe import _gathered_experts, _gathered_local_pairs, _skipping_experts, _tiled_experts
+from jaxdd.moe import _gathered_experts, _gathered_local_pairs, _pair_experts, _skipping_experts, _tiled_experts
 from jaxdd.quant import DenseExperts
 from jaxdd.target import target_rope
 from jaxdd.testing.reference import FLAVOURS, additive_mask, hf_model, rel_err
@@ -200,7 +200,7 @@ def test_skipping_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed
 def test_gathered_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
     """Gathering each pair's expert is exact whatever the routing, an expert chosen by many tokens or twice by one
     included."""
-    check_dispatch(_gathered_experts, tokens, top_k, n_experts, favourite, seed)
+    check_dispatch(gathered, tokens, top_k, n_experts, favourite, seed)
 
 
 @settings(max_examples=10, deadline=None)  # each example's shapes compile anew
@@ -218,9 +218,14 @@ def test_gathered_local_pairs_under_ep(tokens, share, capacity, seed):
     experts = jnp.asarray(np.where(mine, rng.integers(0, n_experts, (tokens, top_k)), 0))
     weights = jnp.asarray(np.where(mine, rng.random((tokens, top_k)), 0), jnp.float32)
     x = jnp.asarray(hidden(rng, tokens, d))
-    expected = _gathered_experts(x, weights, experts, projections, pieces)
-    actual = _gathered_local_pairs(x, weights, experts, jnp.asarray(mine), capacity, projections, pieces)
+    through = _pair_experts(projections, pieces, Backend.local())
+    expected = _gathered_experts(x, weights, experts, through)
+    actual = _gathered_local_pairs(x, weights, experts, jnp.asarray(mine), capacity, through)
     np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-6)
+
+
+def gathered(x, weights, experts, projections, pieces):
+    return _gathered_experts(x, weights, experts, _pair_experts(projections, pieces, Backend.local()))
 
 
 def check_dispatch(dispatch, tokens, top_k, n_experts, favourite, seed):

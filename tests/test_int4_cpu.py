@@ -1,0 +1,136 @@
+"""The gathered INT4 matvec kernel for XLA:CPU (jaxdd/int4_matvec.cc): its dequantization equals
+``dequantize_int4_groups`` (itself checked against compressed-tensors in test_quant.py) bit for bit, its products
+equal XLA's gathered form, and the MoE picks it only where it applies."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxdd import int4_cpu
+from jaxdd.backend import Backend
+from jaxdd.moe import _gathered_experts, _int4_kernel, _pair_experts
+from jaxdd.quant import Int4Experts, dequantize_int4_groups
+
+pytestmark = pytest.mark.skipif(not int4_cpu.available(), reason="no C++ compiler builds the kernel here")
+
+
+def every_bf16_scale() -> np.ndarray:
+    """Every finite bf16 (subnormals, zero, both signs, both sides of the kernel's 2^100 split limit) whose
+    products with q in [-8, 7] stay finite."""
+    values = (np.arange(2**16, dtype=np.uint32) << 16).view(np.float32)
+    values = values[np.isfinite(values)]
+    return values[np.abs(values) < np.finfo(np.float32).max / 8]
+
+
+def packed_with_every_q(rng, rows: int, in_features: int) -> np.ndarray:
+    """[rows, in/8] int32 words in which every 32-value run holds each stored nibble 0..15 twice, shuffled."""
+    runs = np.tile(np.arange(16), (rows * in_features // 32, 2))
+    nibbles = rng.permuted(runs, axis=1).reshape(rows, in_features // 8, 8).astype(np.uint32)
+    return (nibbles << (4 * np.arange(8, dtype=np.uint32))).sum(-1).astype(np.uint32).view(np.int32)
+
+
+@pytest.mark.parametrize(("group", "in_features"), [(32, 96), (64, 128), (128, 384)])
+def test_kernel_dequantizes_every_scale_exactly(group, in_features):
+    """One-hot rows read the dequantized weights back exactly: every finite bf16 scale, every q with each, groups of
+    32 (two per 8-word block), 64 and 128 (whole blocks), and inputs ending in a partial block (96, 384)."""
+    rng = np.random.default_rng(0)
+    scales = rng.permutation(every_bf16_scale())
+    groups = in_features // group
+    experts, rows = 2, -(-scales.size // (2 * groups))
+    scale = np.resize(scales, experts * rows * groups).reshape(experts, rows, groups).astype(ml_dtypes.bfloat16)
+    packed = packed_with_every_q(rng, experts * rows, in_features).reshape(experts, rows, -1)
+    # Pair (e, i): expert e, the one-hot row of input i, so out[pair] is expert e's weight column i.
+    chosen = np.repeat(np.arange(experts, dtype=np.int32), in_features)
+    one_hot = np.tile(np.eye(in_features, dtype=np.float32), (experts, 1))
+    out = jax.jit(int4_cpu.gathered_int4_matvec)(one_hot, packed, scale, chosen)
+    dense = dequantize_int4_groups(jnp.asarray(packed), jnp.asarray(scale), in_features, jnp.bfloat16, group)
+    expected = np.asarray(dense, np.float32).transpose(0, 2, 1).reshape(experts * in_features, rows)
+    np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+@settings(max_examples=8, deadline=None)  # each example's shapes compile anew
+@given(
+    pairs=st.integers(1, 40),
+    n_out=st.integers(1, 70),
+    blocks=st.integers(1, 5),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_kernel_products_equal_xla_gathered_form(pairs, n_out, blocks, dtype, seed):
+    """Any number of pairs and output rows (chunks split across XLA's threads, ragged last chunks), any chosen
+    experts (repeated ones included): the products equal XLA's gather, dequantize and dot to fp32 rounding."""
+    rng = np.random.default_rng(seed)
+    experts, in_features = 5, 32 * blocks
+    packed = rng.integers(-(2**31), 2**31, (experts, n_out, in_features // 8), dtype=np.int64).astype(np.int32)
+    scale = rng.uniform(0.001, 0.01, (experts, n_out, in_features // 32)).astype(ml_dtypes.bfloat16)
+    rows = rng.standard_normal((pairs, in_features)).astype(dtype)
+    chosen = rng.integers(0, experts, pairs).astype(np.int32)
+    out = jax.jit(int4_cpu.gathered_int4_matvec)(rows, packed, scale, chosen)
+    assert out.dtype == dtype and out.shape == (pairs, n_out)
+    dense = dequantize_int4_groups(jnp.asarray(packed)[chosen], jnp.asarray(scale)[chosen], in_features)
+    expected = np.einsum("pk,pnk->pn", np.asarray(rows, np.float64), np.asarray(dense, np.float64))
+    tolerance = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=tolerance, atol=tolerance)
+
+
+def int4_projections(rng, n_experts: int, d: int, f: int, group: int) -> list[Int4Experts]:
+    projections = []
+    for shape in [(n_experts, d, f), (n_experts, d, f), (n_experts, f, d)]:
+        p = Int4Experts(shape, jnp.float32, (None,) * 3, group)
+        p.packed[...] = rng.integers(-(2**31), 2**31, p.packed.shape, dtype=np.int64).astype(np.int32)
+        p.scale[...] = jnp.asarray(rng.uniform(0.01, 0.05, p.scale.shape), jnp.bfloat16)
+        projections.append(p)
+    return projections
+
+
+def test_gathered_dispatch_through_the_kernel_equals_xla():
+    """The MoE's gathered dispatch gives the same outputs through the kernel as through XLA's dequantization."""
+    rng = np.random.default_rng(1)
+    projections = int4_projections(rng, 6, 64, 96, 32)
+    pieces = [p.stored() for p in projections]
+    x = jnp.asarray(rng.standard_normal((7, 64)), jnp.float32)
+    experts = jnp.asarray(rng.integers(0, 6, (7, 3)))
+    weights = jnp.asarray(rng.random((7, 3)), jnp.float32)
+    outputs = {}
+    for kernel in (True, False):
+        backend = Backend("cpu", int4_kernel=kernel)
+        through = _pair_experts(projections, pieces, backend)
+        outputs[kernel] = jax.jit(lambda x, w, e, t=through: _gathered_experts(x, w, e, t))(x, weights, experts)
+    np.testing.assert_allclose(outputs[True], outputs[False], rtol=1e-5, atol=1e-6)
+
+
+def test_the_kernel_is_used_only_where_it_applies():
+    """CPU and INT4 groups that are whole half-blocks; not for other groups, GPUs, or when turned off; and with it
+    gathering pays up to a few pairs per expert (without it, only below half a pair per expert)."""
+    rng = np.random.default_rng(2)
+    cpu = Backend("cpu")
+    assert _int4_kernel(int4_projections(rng, 2, 64, 32, 32), cpu) is int4_cpu.gathered_int4_matvec
+    for backend, group in ((cpu, 16), (Backend("gpu"), 32), (Backend("cpu", int4_kernel=False), 32)):
+        assert _int4_kernel(int4_projections(rng, 2, 64, 32, group), backend) is None
+    assert cpu.moe_dispatch(16, 8, 128, 1024, 512, quantized=True, kernel=True) == "gathered"
+    assert cpu.moe_dispatch(16, 8, 128, 1024, 512, quantized=True, kernel=False) != "gathered"
+    assert cpu.moe_dispatch(80, 8, 128, 1024, 512, quantized=True, kernel=True) != "gathered"
+
+
+def test_build_is_cached_and_a_failing_compiler_falls_back(tmp_path, monkeypatch, caplog):
+    """The library is built once into the cache (a rename: no partial file), reused after; a compiler that fails
+    leaves nothing in the cache and makes ``load`` answer None with one warning."""
+    monkeypatch.setenv("JAXDD_CACHE", str(tmp_path))
+    compiler = int4_cpu.compiler()
+    library = int4_cpu.build(compiler)
+    assert library.parent == tmp_path / "native" and [p.name for p in library.parent.iterdir()] == [library.name]
+    built = library.stat().st_mtime_ns
+    assert int4_cpu.build(compiler) == library and library.stat().st_mtime_ns == built
+    monkeypatch.setenv("JAXDD_CACHE", str(tmp_path / "failing"))
+    with caplog.at_level(logging.WARNING, logger="jaxdd.int4_cpu"):
+        assert int4_cpu.load("false") is None
+    assert "did not build" in caplog.text
+    assert not any((tmp_path / "failing").rglob("*.so"))
