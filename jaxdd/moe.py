@@ -2,12 +2,12 @@
 
 Dispatches (``Backend.moe_dispatch`` picks one per platform and token count; ``MoE.dispatch`` can force one):
 ``gathered`` gives each (token, slot) pair its own expert's weights, gathered from the stored pieces (and
-dequantized after the gather), so only the chosen experts are read; ``grouped`` sorts the (token, slot) pairs
-by expert and runs grouped matmuls (``ragged_dot``), the scalable form for dense weights; ``dense`` runs every
-expert on every token and weights the outputs by the combine weights (zero for unchosen experts); ``scan`` does
-the same one expert at a time; ``skipping`` too, but skips the experts no token chose; ``tiled`` sorts the pairs
-by expert into tiles of one expert each and runs the used tiles one at a time. All return fp32 [N, D]; the
-caller casts back.
+dequantized after the gather; INT4 on CPU: in registers by ``jaxdd.int4_cpu``), so only the chosen experts are
+read; ``grouped`` sorts the (token, slot) pairs by expert and runs grouped matmuls (``ragged_dot``), the scalable
+form for dense weights; ``dense`` runs every expert on every token and weights the outputs by the combine weights
+(zero for unchosen experts); ``scan`` does the same one expert at a time; ``skipping`` too, but skips the experts
+no token chose; ``tiled`` sorts the pairs by expert into tiles of one expert each and runs the used tiles one at a
+time. All return fp32 [N, D]; the caller casts back.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class MoE(nnx.Module):
     Expert weights may be stored quantized (``jaxdd.quant.ExpertFormat``) and are dequantized to the model dtype
     inside the jitted forward. Dequantizing a whole expert stack at once would need its dense copy in memory
     (and XLA may hoist those copies for all layers to the start of the step), so beyond small problems
-    quantized experts go through ``scan``: one expert dequantized at a time, right before its matmuls.
+    quantized experts go through ``scan``: one expert dequantized at a time, right before its matmuls. On CPU,
+    INT4 experts of few pairs go through a C++ kernel that dequantizes in registers (``jaxdd.int4_cpu``).
     """
 
     def __init__(self, config: KimiConfig, dtype: jnp.dtype, experts: ExpertFormat, rngs: nnx.Rngs):
