@@ -72,11 +72,8 @@ inline Floats dequantized(Floats q, Floats scale, Floats split_scale) {
   return (Floats)bits;
 }
 
-// One row's dot product: sum_k x[k] * bf16(q[k] * scale[group of k]), a block of 8 words at a time. ``xt`` is x
-// transposed per block to match the words (vector i of a block, lane j = input 8j + i: value i of word j) and
-// zero-padded to whole blocks; ``half_group`` maps each 4-word half-block to its scale group (groups are whole
-// halves: a multiple of 32 inputs), so lanes 0-3 and 4-7 each need one scale. Two accumulators (even and odd
-// values) keep two FMA chains in flight.
+// acc += one block's 64 products x * bf16(q * scale): vector i of the block holds value i of each of its 8 words.
+// Two accumulators (even and odd values) keep two FMA chains in flight.
 template <bool kSplit>
 inline void dot_block(Words words, const float* xs, Floats scale, Floats split_scale, Floats* acc) {
   words ^= 0x88888888u;  // each nibble now holds q = nibble - 8 as a signed 4-bit value
@@ -87,6 +84,10 @@ inline void dot_block(Words words, const float* xs, Floats scale, Floats split_s
   }
 }
 
+// One row's dot product: sum_k x[k] * bf16(q[k] * scale[group of k]), a block of 8 words at a time. ``xt`` is x
+// transposed per block to match the words (vector i of a block, lane j = input 8j + i: value i of word j) and
+// zero-padded to whole blocks; ``half_group`` maps each 4-word half-block to its scale group (groups are whole
+// halves: a multiple of 32 inputs), so lanes 0-3 and 4-7 each need one scale.
 float dot_row(const float* xt, const uint32_t* words, const uint16_t* scales, int64_t words_per_row,
               const int32_t* half_group) {
   Floats acc[2] = {};
