@@ -135,7 +135,7 @@ def ar_step_ms(target: jaxdd.Target, repeats: int) -> tuple[float, int]:
 def verify_ms(target: jaxdd.Target, repeats: int, slots: int) -> float:
     """Median ms of a target forward of ``VERIFY_TOKENS`` tokens after the prompt, left uncommitted."""
     holder = {"cache": target.forward(np.array([PROMPT]), cache=target.new_cache(1, slots)).cache}
-    ids = np.array([(PROMPT * 4)[:VERIFY_TOKENS]])
+    ids = np.array([PROMPT[:VERIFY_TOKENS]])
 
     def verify():
         out = target.forward(ids, cache=holder["cache"], commit=False)

@@ -1,8 +1,8 @@
 """The gathered INT4 expert matvec as an XLA:CPU custom call (``int4_matvec.cc``, XLA's FFI).
 
-XLA:CPU dequantizes INT4 at ~5 G values/s (unpack, then a dot over the dense copy), so a decode step of a
-quantized MoE ran at 3.4x the time its bytes take to read (benchmarks/moe_bandwidth.py). The kernel unpacks in
-registers and multiplies as it reads. Pallas has no CPU backend, so it is C++, compiled on first use with this
+XLA:CPU gathers the chosen experts' INT4 words, unpacks them to a dense copy and then multiplies (a projection of
+8 experts: 2.7-3.9 ms; benchmarks/moe_bandwidth.py). The kernel unpacks in registers and multiplies as it reads
+(0.63-0.74 ms). Pallas has no CPU backend, so it is C++, compiled on first use with this
 machine's C++ compiler for this machine's vector units (``-march=native``) and cached by source, compiler, flags,
 CPU and jax version. Where no compiler works, ``available()`` is False and the MoE keeps XLA's form.
 """
@@ -97,10 +97,4 @@ def gathered_int4_matvec(rows: jax.Array, packed: jax.Array, scale: jax.Array, c
     does (bf16(q x scale)) and the products summed in fp32. Call only where ``available()``, for groups that
     are a multiple of ``GROUP_MULTIPLE``."""
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], packed.shape[1]), jnp.float32))
-    out = call(
-        rows.astype(jnp.float32),
-        packed,
-        scale.astype(jnp.bfloat16),
-        chosen.astype(jnp.int32),
-    )
-    return out.astype(rows.dtype)
+    return call(rows.astype(jnp.float32), packed, scale, chosen.astype(jnp.int32)).astype(rows.dtype)
