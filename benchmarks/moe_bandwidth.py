@@ -115,7 +115,7 @@ def with_dispatch(model: KimiTarget, dispatch: str, kernel: bool = True) -> jaxd
         if hasattr(layer.mlp, "dispatch"):
             layer.mlp.dispatch = dispatch
     target = jaxdd.Target(model)
-    target.backend = Backend("cpu", int4_kernel=kernel)
+    target.backend = Backend("cpu", cpu_kernels=kernel)
     return target
 
 

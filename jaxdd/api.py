@@ -112,7 +112,7 @@ def _forward(spec, weights, tokens, positions, cache, visible, taps, attention, 
     cache = out.cache
     if commit:
         cache = cache.replace(length=cache.length + tokens.shape[1])
-    return ForwardResult(model.logits(out.hidden), out.taps, cache)
+    return ForwardResult(model.logits(out.hidden, backend), out.taps, cache)
 
 
 class Target:

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from jaxdd import int4_cpu
+from jaxdd import cpu_kernels
 from jaxdd.cpu_memory import keep_allocations
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_tpu import tree_attention_tpu
@@ -43,12 +43,14 @@ class Backend:
     platform: Platform
     shared_memory: int | None = None  # GPUs: bytes of shared memory per block (None: unknown, H200's assumed)
     interpreted_kernel: Literal["gpu", "tpu"] = "gpu"  # CPU: the kernel form to interpret (tpu: TPU semantics)
-    int4_kernel: bool = True  # CPU: gathered INT4 experts through jaxdd.int4_cpu where it builds (False: XLA's)
+    cpu_kernels: bool = True  # CPU: decode's matvecs through jaxdd.cpu_kernels where it builds (False: XLA's)
+    devices: int = 1  # how many devices the weights are placed on
 
     # MoE on CPU: tiles from this many tokens, ``skipping`` below (where kimi-mini's two dispatches break even).
     TILED_MIN_TOKENS = 24
     DENSE_MAX_FLOPS = 2**28  # elsewhere: all-experts compute below this many multiply-adds
     KERNEL_GATHERED_PAIRS = 4  # pairs per expert up to which the INT4 kernel's gathered dispatch is the fastest
+    DENSE_KERNEL_ROWS = 2  # rows up to which the dense matvec kernel beats XLA:CPU's matmul (equal at 4)
 
     @classmethod
     def of_devices(cls, devices: Iterable[Any]) -> Backend:
@@ -59,7 +61,8 @@ class Backend:
         platform = platforms.pop()
         capabilities = {getattr(d, "compute_capability", None) for d in devices} if platform == "gpu" else set()
         shared = [SHARED_MEMORY_PER_BLOCK.get(c) for c in capabilities]
-        return cls(platform, min(shared) * 1024 if shared and None not in shared else None)
+        memory = min(shared) * 1024 if shared and None not in shared else None
+        return cls(platform, memory, devices=len(set(devices)))
 
     @classmethod
     def local(cls) -> Backend:
@@ -114,10 +117,18 @@ class Backend:
         return "scan" if quantized else "grouped"
 
     def int4_matvec(self) -> Callable[..., jax.Array] | None:
-        """The gathered INT4 expert matvec kernel (``jaxdd.int4_cpu``): on CPU where it builds, else None (XLA's
+        """The gathered INT4 expert matvec kernel (``jaxdd.cpu_kernels``): on CPU where it builds, else None (XLA's
         dequantize-then-dot; GPUs and TPUs fuse the dequantization into the dot themselves)."""
-        if self.platform == "cpu" and self.int4_kernel and int4_cpu.available():
-            return int4_cpu.gathered_int4_matvec
+        if self.platform == "cpu" and self.cpu_kernels and cpu_kernels.available():
+            return cpu_kernels.gathered_int4_matvec
+        return None
+
+    def dense_matvec(self, rows: int) -> Callable[[jax.Array, jax.Array], jax.Array] | None:
+        """The dense matvec kernel (``jaxdd.cpu_kernels``) for ``rows`` rows times a weight: on one CPU device
+        (XLA cannot partition a custom call over sharded weights) for up to ``DENSE_KERNEL_ROWS`` rows, where it
+        builds; else None (XLA's matmul)."""
+        if self.platform == "cpu" and self.devices == 1 and rows <= self.DENSE_KERNEL_ROWS and self.cpu_kernels:
+            return cpu_kernels.dense_matvec if cpu_kernels.available() else None
         return None
 
     @staticmethod

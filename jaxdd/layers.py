@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxdd.backend import Backend
 from jaxdd.config import YarnConfig, yarn_mscale
 
 INIT_STD = 0.02  # HF initializer_range for DeepSeek-V3 / Kimi
@@ -24,11 +25,22 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, axes: tuple[
     return nnx.Param(INIT_STD * jax.random.normal(rngs.params(), shape, dtype), logical_axes=axes)
 
 
-def project_heads(heads: jax.Array, weight: jax.Array) -> jax.Array:
+def linear(x: jax.Array, weight: jax.Array, backend: Backend | None = None) -> jax.Array:
+    """x [..., in] @ weight [in, ...] -> [..., ...]: the weight's leading axis is contracted, its others kept.
+    Decoding on one CPU device, the few rows go through the dense matvec kernel (``Backend.dense_matvec``)."""
+    rows = math.prod(x.shape[:-1])
+    kernel = backend.dense_matvec(rows) if backend is not None else None
+    if kernel is None:
+        return jnp.tensordot(x, weight, axes=1)
+    out = kernel(x.reshape(rows, x.shape[-1]), weight.reshape(weight.shape[0], -1))
+    return out.reshape(*x.shape[:-1], *weight.shape[1:])
+
+
+def project_heads(heads: jax.Array, weight: jax.Array, backend: Backend | None = None) -> jax.Array:
     """Attention output projection: heads [B, T, H, Dh] @ weight [H, Dh, D] -> [B, T, D], as one matmul over the
     flattened H * Dh. Written as an einsum over (H, Dh), XLA:CPU relaid the whole weight on every call to match
     the attention output's layout; flattening copies the small activation instead."""
-    return heads.reshape(*heads.shape[:-2], -1) @ weight.reshape(-1, weight.shape[-1])
+    return linear(heads.reshape(*heads.shape[:-2], -1), weight.reshape(-1, weight.shape[-1]), backend)
 
 
 def ones_param(size: int, dtype: jnp.dtype, axis: str | None) -> nnx.Param:
@@ -59,9 +71,9 @@ class MLP(nnx.Module):
         self.up = param(rngs, (dim, hidden), dtype, ("embed", "mlp"))
         self.down = param(rngs, (hidden, dim), dtype, ("mlp", "embed"))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
-        return h @ self.down[...]
+    def __call__(self, x: jax.Array, backend: Backend | None = None) -> jax.Array:
+        h = jax.nn.silu(linear(x, self.gate[...], backend)) * linear(x, self.up[...], backend)
+        return linear(h, self.down[...], backend)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Dispatches (``Backend.moe_dispatch`` picks one per platform and token count; ``MoE.dispatch`` can force one):
 ``gathered`` gives each (token, slot) pair its own expert's weights, gathered from the stored pieces (and
-dequantized after the gather; INT4 on CPU: in registers by ``jaxdd.int4_cpu``), so only the chosen experts are
+dequantized after the gather; INT4 on CPU: in registers by ``jaxdd.cpu_kernels``), so only the chosen experts are
 read; ``grouped`` sorts the (token, slot) pairs by expert and runs grouped matmuls (``ragged_dot``), the scalable
 form for dense weights; ``dense`` runs every expert on every token and weights the outputs by the combine weights
 (zero for unchosen experts); ``scan`` does the same one expert at a time; ``skipping`` too, but skips the experts
@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxdd.backend import Backend, Dispatch
 from jaxdd.config import KimiConfig
-from jaxdd.int4_cpu import GROUP_MULTIPLE
+from jaxdd.cpu_kernels import GROUP_MULTIPLE
 from jaxdd.layers import MLP, param
 from jaxdd.quant import DenseExperts, ExpertFormat, Int4Experts, expert_weights
 from jaxdd.sharding import AXIS, expert_specs
@@ -64,7 +64,7 @@ class MoE(nnx.Module):
     inside the jitted forward. Dequantizing a whole expert stack at once would need its dense copy in memory
     (and XLA may hoist those copies for all layers to the start of the step), so beyond small problems
     quantized experts go through ``scan``: one expert dequantized at a time, right before its matmuls. On CPU,
-    INT4 experts of few pairs go through a C++ kernel that dequantizes in registers (``jaxdd.int4_cpu``).
+    INT4 experts of few pairs go through a C++ kernel that dequantizes in registers (``jaxdd.cpu_kernels``).
     """
 
     def __init__(self, config: KimiConfig, dtype: jnp.dtype, experts: ExpertFormat, rngs: nnx.Rngs):
@@ -90,7 +90,7 @@ class MoE(nnx.Module):
             routed = self._sharded_routed(x, weights, experts, backend)
         routed = routed.astype(x.dtype)
         if self.shared is not None:
-            routed = routed + self.shared(x)
+            routed = routed + self.shared(x, backend)
         return routed.reshape(shape)
 
     def dispatch_for(self, tokens: int, local_experts: int, backend: Backend) -> Dispatch:

@@ -202,7 +202,7 @@ def _ddtree_round(spec: RoundSpec, target: KimiTarget, drafter: DFlashDrafter, s
         taps = drafter.config.target_layer_ids
         positions = start[:, None] + tree.depths
         out = target(tree.tokens, positions, state.target_cache, tree.visible, taps=taps, **_forward_options(spec))
-        target_logits = target.logits(out.hidden)
+        target_logits = target.logits(out.hidden, spec.backend)
     with jax.named_scope("accept"):
         choice, rng = _choose(spec, target_logits, requests.sampling, state.rng)
         path, accepted = accept_path(tree, choice, spec.block - 1)
@@ -237,7 +237,7 @@ def _verify_chain(spec: RoundSpec, target: KimiTarget, cache: LatentCache, token
     positions = cache.length[:, None] + jnp.arange(t)[None, :]
     visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     out = target(tokens, positions, cache, visible, taps=taps, **_forward_options(spec))
-    return target.logits(out.hidden), out.taps, out.cache
+    return target.logits(out.hidden, spec.backend), out.taps, out.cache
 
 
 def _choose(spec: RoundSpec, logits: jax.Array, sampling: SamplingArrays, rng: jax.Array):
@@ -347,7 +347,7 @@ def prefill(
     )
     cache = cache.replace(latent=latent, rope=rope, length=prompt_len)
     last = jnp.take_along_axis(out.hidden, (prompt_len - 1)[:, None, None], axis=1)
-    first, rng = _choose(spec, target.logits(last)[:, 0], requests.sampling, state.rng)
+    first, rng = _choose(spec, target.logits(last, spec.backend)[:, 0], requests.sampling, state.rng)
     done = (first[:, None] == requests.stop_ids).any(-1) | (prompt_len + 1 >= requests.max_length)
     state = state.replace(target_cache=cache, bonus=first, rng=rng, done=done)
     if drafter is not None:

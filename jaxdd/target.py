@@ -21,7 +21,7 @@ from flax import nnx
 from jaxdd.backend import Attention, Backend
 from jaxdd.cache import LatentCache, write_rows
 from jaxdd.config import KimiConfig
-from jaxdd.layers import MLP, RMSNorm, apply_rope, param, project_heads, rope_cos_sin, rope_frequencies
+from jaxdd.layers import MLP, RMSNorm, apply_rope, linear, param, project_heads, rope_cos_sin, rope_frequencies
 from jaxdd.moe import MoE
 from jaxdd.quant import DENSE, ExpertFormat
 from jaxdd.sharding import AXIS, partition_spec
@@ -104,12 +104,12 @@ class MLAttention(nnx.Module):
         """
         c = self.config
         cos, sin = cos_sin
-        q = self.q_a_norm(x @ self.q_a_proj[...])
-        q = jnp.einsum("btq,qhd->bthd", q, self.q_b_proj[...])
+        q = self.q_a_norm(linear(x, self.q_a_proj[...], backend))
+        q = linear(q, self.q_b_proj[...], backend)  # [B, T, heads, d]
         q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
         q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None], c.rope_interleave)
 
-        kv = x @ self.kv_a_proj[...]
+        kv = linear(x, self.kv_a_proj[...], backend)
         latent = self.kv_a_norm(kv[..., : c.kv_lora_rank])  # the norm covers the latent only, not the rope key
         k_pe = apply_rope(kv[..., c.kv_lora_rank :], cos, sin, c.rope_interleave)
 
@@ -135,7 +135,7 @@ class MLAttention(nnx.Module):
             out = jnp.einsum("bthr,hdr->bthd", out_latent, self.v_up[...])
             rows = _after(out_latent, (latent, k_pe))
             new_rows = write_rows(cache_latent, rows[0], length), write_rows(cache_rope, rows[1], length)
-            return project_heads(out, self.o_proj[...]), new_rows
+            return project_heads(out, self.o_proj[...], backend), new_rows
 
         keys_latent = write_rows(cache_rows[0], latent, length)  # [B, S, r]
         keys_rope = write_rows(cache_rows[1], k_pe, length)  # [B, S, dr]
@@ -166,7 +166,7 @@ class MLAttention(nnx.Module):
             out = jnp.einsum("bhts,bshd->bthd", self._softmax(scores, mask), values)
         else:
             raise ValueError(f"attention: expected 'naive', 'absorbed' or 'pallas', got {attention!r}")
-        return project_heads(out, self.o_proj[...]), (keys_latent, keys_rope)
+        return project_heads(out, self.o_proj[...], backend), (keys_latent, keys_rope)
 
     def _softmax(self, scores: jax.Array, mask: jax.Array) -> jax.Array:
         # HF: scale in the activation dtype, softmax in fp32, probabilities back in the activation dtype.
@@ -189,7 +189,7 @@ class DecoderLayer(nnx.Module):
         attn, cache_rows = self.attn(self.attn_norm(x), cos_sin, cache_rows, length, visible, mask, attention, backend)
         x = x + attn
         mlp_in = self.mlp_norm(x)
-        return x + (self.mlp(mlp_in, backend) if isinstance(self.mlp, MoE) else self.mlp(mlp_in)), cache_rows
+        return x + self.mlp(mlp_in, backend), cache_rows
 
 
 class KimiTarget(nnx.Module):
@@ -257,9 +257,9 @@ class KimiTarget(nnx.Module):
         specs = (jax.sharding.PartitionSpec(AXIS), jax.sharding.PartitionSpec())
         return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=jax.sharding.PartitionSpec())(table, tokens)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
+    def logits(self, hidden: jax.Array, backend: Backend | None = None) -> jax.Array:
         """fp32 logits for final hidden states (the untied lm_head)."""
-        return (hidden @ self.lm_head[...]).astype(jnp.float32)
+        return linear(hidden, self.lm_head[...], backend).astype(jnp.float32)
 
 
 def abstract_target(

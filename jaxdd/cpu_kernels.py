@@ -1,10 +1,13 @@
-"""The gathered INT4 expert matvec as an XLA:CPU custom call (``int4_matvec.cc``, XLA's FFI).
+"""Decode's matvecs as XLA:CPU custom calls (``cpu_kernels.cc``, XLA's FFI): the gathered INT4 expert matvec and
+the few-row dense matvec.
 
 XLA:CPU gathers the chosen experts' INT4 words, unpacks them to a dense copy and then multiplies (a projection of
-8 experts: 2.7-3.9 ms; benchmarks/moe_bandwidth.py). The kernel unpacks in registers and multiplies as it reads
-(0.63-0.74 ms). Pallas has no CPU backend, so it is C++, compiled on first use with this
-machine's C++ compiler for this machine's vector units (``-march=native``) and cached by source, compiler, flags,
-CPU and jax version. Where no compiler works, ``available()`` is False and the MoE keeps XLA's form.
+8 experts: 2.7-3.9 ms; benchmarks/moe_bandwidth.py); the kernel unpacks in registers as it reads (0.25-0.3 ms on
+an AVX-512 host, 0.63-0.74 ms on an AVX2 one). XLA:CPU runs a one-row matmul on one thread, which reads about half
+the memory bandwidth of two cores; the dense kernel splits the weight's rows across XLA's threads. Pallas has no
+CPU backend, so it is C++, compiled on first use with this machine's C++ compiler for this machine's vector units
+(``-march=native``) and cached by source, compiler, flags, CPU and jax version. Where no compiler works,
+``available()`` is False and the model keeps XLA's forms.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-SOURCE = Path(__file__).with_name("int4_matvec.cc")
-TARGET = "jaxdd_int4_gathered_matvec"
+SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+INT4_TARGET = "jaxdd_int4_gathered_matvec"
+DENSE_TARGETS = {jnp.dtype(jnp.float32): "jaxdd_dense_matvec_f32", jnp.dtype(jnp.bfloat16): "jaxdd_dense_matvec_bf16"}
 GROUP_MULTIPLE = 32  # the kernel's scale groups are whole 4-word half-blocks (every Kimi INT4 checkpoint: 32)
-# No FMA contraction: the kernel's bf16 rounding (a Veltkamp split) needs each product rounded on its own.
+# No FMA contraction: the portable INT4 path's bf16 rounding (a Veltkamp split) needs each product rounded alone.
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 log = logging.getLogger(__name__)
 
@@ -51,14 +55,15 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
-def build(compiler: str) -> Path:
-    """The kernel's shared library, compiled unless the cache has it (written atomically: a temporary file
-    renamed into place, so concurrent processes and interrupted builds leave no partial library)."""
-    flags = (*FLAGS, "-march=native", "-I", jax.ffi.include_dir())
+def build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The kernels' shared library, compiled unless the cache has it (written atomically: a temporary file
+    renamed into place, so concurrent processes and interrupted builds leave no partial library). ``extra_flags``
+    e.g. ``-mno-avx512f`` builds the portable form on an AVX-512 host (tests)."""
+    flags = (*FLAGS, "-march=native", *extra_flags, "-I", jax.ffi.include_dir())
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), compiler, " ".join(flags), _cpu_flags(), jax.__version__):
         key.update(part if isinstance(part, bytes) else part.encode())
-    library = cache_dir() / f"int4_matvec-{key.hexdigest()[:16]}.so"
+    library = cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
@@ -72,29 +77,40 @@ def build(compiler: str) -> Path:
 def load(compiler: str | None) -> ctypes.CDLL | None:
     """The built library, or None with one warning where there is no compiler or the build fails."""
     if compiler is None:
-        log.warning("jaxdd: no C++ compiler found; INT4 experts on CPU use XLA's slower dequantization")
+        log.warning("jaxdd: no C++ compiler found; decode on CPU uses XLA's slower matvecs")
         return None
     try:
         return ctypes.CDLL(str(build(compiler)))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", None) or error
-        log.warning("jaxdd: the INT4 CPU kernel did not build (%s); using XLA's dequantization", str(detail)[-500:])
+        log.warning("jaxdd: the CPU kernels did not build (%s); using XLA's matvecs", str(detail)[-500:])
         return None
 
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel is built and registered with XLA:CPU (once per process)."""
+    """Whether the kernels are built and registered with XLA:CPU (once per process)."""
     library = load(compiler())
     if library is not None:
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, TARGET)), platform="cpu")
+        for target in (INT4_TARGET, *DENSE_TARGETS.values()):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
     return library is not None
 
 
-def gathered_int4_matvec(rows: jax.Array, packed: jax.Array, scale: jax.Array, chosen: jax.Array) -> jax.Array:
+def gathered_int4_matvec(
+    rows: jax.Array, packed: jax.Array, scale: jax.Array, chosen: jax.Array, target: str = INT4_TARGET
+) -> jax.Array:
     """rows [P, K] through experts ``chosen`` [P] of packed [E, N, K/8] int32 with scale [E, N, K/group] bf16
     (``jaxdd.quant.Int4Experts``): [P, N] in rows' dtype, each weight dequantized as ``dequantize_int4_groups``
     does (bf16(q x scale)) and the products summed in fp32. Call only where ``available()``, for groups that
-    are a multiple of ``GROUP_MULTIPLE``."""
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], packed.shape[1]), jnp.float32))
+    are a multiple of ``GROUP_MULTIPLE``. ``target``: the FFI target it is registered as (tests register another
+    build of it under another name)."""
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], packed.shape[1]), jnp.float32))
     return call(rows.astype(jnp.float32), packed, scale, chosen.astype(jnp.int32)).astype(rows.dtype)
+
+
+def dense_matvec(rows: jax.Array, weight: jax.Array) -> jax.Array:
+    """rows [P, K] @ weight [K, N] (fp32 or bf16) for a few rows: [P, N] in rows' dtype, products summed in fp32,
+    each weight read once. Call only where ``available()``."""
+    out = jax.ShapeDtypeStruct((rows.shape[0], weight.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(DENSE_TARGETS[weight.dtype], out)(rows.astype(jnp.float32), weight).astype(rows.dtype)

@@ -1,9 +1,12 @@
-"""The gathered INT4 matvec kernel for XLA:CPU (jaxdd/int4_matvec.cc): its dequantization equals
-``dequantize_int4_groups`` (itself checked against compressed-tensors in test_quant.py) bit for bit, its products
-equal XLA's gathered form, and the MoE picks it only where it applies."""
+"""The XLA:CPU kernels (jaxdd/cpu_kernels.cc). The gathered INT4 matvec's dequantization equals
+``dequantize_int4_groups`` (itself checked against compressed-tensors in test_quant.py) bit for bit, in the form
+this host compiles and in the portable form; its products equal XLA's gathered form; the dense matvec equals XLA's
+matmul; the model picks each only where it applies."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 
 import jax
@@ -14,12 +17,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxdd import int4_cpu
+from jaxdd import cpu_kernels
 from jaxdd.backend import Backend
+from jaxdd.layers import linear
 from jaxdd.moe import _gathered_experts, _int4_kernel, _pair_experts
 from jaxdd.quant import Int4Experts, dequantize_int4_groups
 
-pytestmark = pytest.mark.skipif(not int4_cpu.available(), reason="no C++ compiler builds the kernel here")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler builds the kernels here")
 
 
 def every_bf16_scale() -> np.ndarray:
@@ -37,10 +41,22 @@ def packed_with_every_q(rng, rows: int, in_features: int) -> np.ndarray:
     return (nibbles << (4 * np.arange(8, dtype=np.uint32))).sum(-1).astype(np.uint32).view(np.int32)
 
 
+@functools.cache
+def portable_target() -> str:
+    """The INT4 matvec built without AVX-512 (the form AVX2 and ARM hosts run), registered under its own name."""
+    library = ctypes.CDLL(str(cpu_kernels.build(cpu_kernels.compiler(), ("-mno-avx512f",))))
+    name = "jaxdd_test_portable_int4_matvec"
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, cpu_kernels.INT4_TARGET)), platform="cpu")
+    return name
+
+
+@pytest.mark.parametrize("form", ["native", "portable"])
 @pytest.mark.parametrize(("group", "in_features"), [(32, 96), (64, 128), (128, 384)])
-def test_kernel_dequantizes_every_scale_exactly(group, in_features):
+def test_kernel_dequantizes_every_scale_exactly(group, in_features, form):
     """One-hot rows read the dequantized weights back exactly: every finite bf16 scale, every q with each, groups of
-    32 (two per 8-word block), 64 and 128 (whole blocks), and inputs ending in a partial block (96, 384)."""
+    32 (two per 8-word block), 64 and 128 (whole blocks), and inputs ending in a partial block (96, 384); in the
+    form this host compiles (AVX-512: table lookups) and the portable one (arithmetic)."""
+    target = cpu_kernels.INT4_TARGET if form == "native" else portable_target()
     rng = np.random.default_rng(0)
     scales = rng.permutation(every_bf16_scale())
     groups = in_features // group
@@ -50,7 +66,7 @@ def test_kernel_dequantizes_every_scale_exactly(group, in_features):
     # Pair (e, i): expert e, the one-hot row of input i, so out[pair] is expert e's weight column i.
     chosen = np.repeat(np.arange(experts, dtype=np.int32), in_features)
     one_hot = np.tile(np.eye(in_features, dtype=np.float32), (experts, 1))
-    out = jax.jit(int4_cpu.gathered_int4_matvec)(one_hot, packed, scale, chosen)
+    out = jax.jit(cpu_kernels.gathered_int4_matvec, static_argnames="target")(one_hot, packed, scale, chosen, target)
     dense = dequantize_int4_groups(jnp.asarray(packed), jnp.asarray(scale), in_features, jnp.bfloat16, group)
     expected = np.asarray(dense, np.float32).transpose(0, 2, 1).reshape(experts * in_features, rows)
     np.testing.assert_array_equal(np.asarray(out), expected)
@@ -73,7 +89,7 @@ def test_kernel_products_equal_xla_gathered_form(pairs, n_out, blocks, dtype, se
     scale = rng.uniform(0.001, 0.01, (experts, n_out, in_features // 32)).astype(ml_dtypes.bfloat16)
     rows = rng.standard_normal((pairs, in_features)).astype(dtype)
     chosen = rng.integers(0, experts, pairs).astype(np.int32)
-    out = jax.jit(int4_cpu.gathered_int4_matvec)(rows, packed, scale, chosen)
+    out = jax.jit(cpu_kernels.gathered_int4_matvec)(rows, packed, scale, chosen)
     assert out.dtype == dtype and out.shape == (pairs, n_out)
     dense = dequantize_int4_groups(jnp.asarray(packed)[chosen], jnp.asarray(scale)[chosen], in_features)
     expected = np.einsum("pk,pnk->pn", np.asarray(rows, np.float64), np.asarray(dense, np.float64))
@@ -101,7 +117,7 @@ def test_gathered_dispatch_through_the_kernel_equals_xla():
     weights = jnp.asarray(rng.random((7, 3)), jnp.float32)
     outputs = {}
     for kernel in (True, False):
-        backend = Backend("cpu", int4_kernel=kernel)
+        backend = Backend("cpu", cpu_kernels=kernel)
         through = _pair_experts(projections, pieces, backend)
         outputs[kernel] = jax.jit(lambda x, w, e, t=through: _gathered_experts(x, w, e, t))(x, weights, experts)
     np.testing.assert_allclose(outputs[True], outputs[False], rtol=1e-5, atol=1e-6)
@@ -112,8 +128,8 @@ def test_the_kernel_is_used_only_where_it_applies():
     gathering pays up to a few pairs per expert (without it, only below half a pair per expert)."""
     rng = np.random.default_rng(2)
     cpu = Backend("cpu")
-    assert _int4_kernel(int4_projections(rng, 2, 64, 32, 32), cpu) is int4_cpu.gathered_int4_matvec
-    for backend, group in ((cpu, 16), (Backend("gpu"), 32), (Backend("cpu", int4_kernel=False), 32)):
+    assert _int4_kernel(int4_projections(rng, 2, 64, 32, 32), cpu) is cpu_kernels.gathered_int4_matvec
+    for backend, group in ((cpu, 16), (Backend("gpu"), 32), (Backend("cpu", cpu_kernels=False), 32)):
         assert _int4_kernel(int4_projections(rng, 2, 64, 32, group), backend) is None
     assert cpu.moe_dispatch(16, 8, 128, 1024, 512, quantized=True, kernel=True) == "gathered"
     assert cpu.moe_dispatch(16, 8, 128, 1024, 512, quantized=True, kernel=False) != "gathered"
@@ -124,13 +140,50 @@ def test_build_is_cached_and_a_failing_compiler_falls_back(tmp_path, monkeypatch
     """The library is built once into the cache (a rename: no partial file), reused after; a compiler that fails
     leaves nothing in the cache and makes ``load`` answer None with one warning."""
     monkeypatch.setenv("JAXDD_CACHE", str(tmp_path))
-    compiler = int4_cpu.compiler()
-    library = int4_cpu.build(compiler)
+    compiler = cpu_kernels.compiler()
+    library = cpu_kernels.build(compiler)
     assert library.parent == tmp_path / "native" and [p.name for p in library.parent.iterdir()] == [library.name]
     built = library.stat().st_mtime_ns
-    assert int4_cpu.build(compiler) == library and library.stat().st_mtime_ns == built
+    assert cpu_kernels.build(compiler) == library and library.stat().st_mtime_ns == built
     monkeypatch.setenv("JAXDD_CACHE", str(tmp_path / "failing"))
-    with caplog.at_level(logging.WARNING, logger="jaxdd.int4_cpu"):
-        assert int4_cpu.load("false") is None
+    with caplog.at_level(logging.WARNING, logger="jaxdd.cpu_kernels"):
+        assert cpu_kernels.load("false") is None
     assert "did not build" in caplog.text
     assert not any((tmp_path / "failing").rglob("*.so"))
+
+
+@settings(max_examples=8, deadline=None)  # each example's shapes compile anew
+@given(
+    rows=st.integers(1, 3),
+    k=st.integers(1, 700),
+    n=st.integers(1, 90),
+    weight_dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    row_dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_dense_matvec_equals_xla(rows, k, n, weight_dtype, row_dtype, seed):
+    """Any rows, inputs (one block of W's rows or several, split across threads) and outputs (whole vectors and a
+    ragged tail): the dense kernel equals XLA's matmul to fp32 rounding, in the rows' dtype."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((rows, k)), row_dtype)
+    weight = jnp.asarray(rng.standard_normal((k, n)), weight_dtype)
+    out = jax.jit(cpu_kernels.dense_matvec)(x, weight)
+    assert out.dtype == row_dtype and out.shape == (rows, n)
+    expected = np.asarray(x, np.float64) @ np.asarray(weight, np.float64)
+    tolerance = 1e-5 * np.sqrt(k) if row_dtype == jnp.float32 else 1e-2 * np.sqrt(k)
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_linear_uses_the_dense_kernel_only_where_it_applies():
+    """``linear`` (any weight rank) gives XLA's result through the kernel for a few rows on one CPU device; more
+    rows, several devices, other platforms and the switch leave it to XLA."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((1, 1, 48)), jnp.float32)
+    weight = jnp.asarray(rng.standard_normal((48, 4, 24)), jnp.float32)
+    through_kernel = jax.jit(lambda x, w: linear(x, w, Backend("cpu")))(x, weight)
+    np.testing.assert_allclose(through_kernel, jnp.einsum("btq,qhd->bthd", x, weight), rtol=1e-5, atol=1e-5)
+    cpu = Backend("cpu")
+    assert cpu.dense_matvec(1) is cpu_kernels.dense_matvec and cpu.dense_matvec(Backend.DENSE_KERNEL_ROWS)
+    off = [Backend("cpu", devices=8), Backend("gpu"), Backend("tpu"), Backend("cpu", cpu_kernels=False)]
+    assert cpu.dense_matvec(Backend.DENSE_KERNEL_ROWS + 1) is None and all(b.dense_matvec(1) is None for b in off)
+    assert Backend.of_devices(jax.devices()[:1]).devices == 1

@@ -1,0 +1,435 @@
+// Gathered INT4 matvecs for XLA:CPU (loaded by jaxdd/int4_cpu.py): out[p] = rows[p] @ W[chosen[p]]^T, where W is
+// one projection's stacked routed experts in compressed-tensors pack-quantized form (jaxdd/quant.py). Each weight
+// is dequantized in registers exactly as the XLA path does (bf16(q * scale), q = nibble - 8) and used once: the
+// chosen experts' INT4 words are read once and nothing dense is written (XLA:CPU gathers, unpacks to a dense
+// copy, then multiplies).
+//
+// GCC/Clang vector extensions, not intrinsics (but for the FMA): -march=native picks AVX2, AVX-512 or NEON.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kLanes = 8;  // INT4 values per int32 word
+constexpr int64_t kQuad = 4 * kLanes;  // inputs per 4 words: one scale covers whole quads (groups of 32k)
+
+template <typename T>
+inline T load(const void* p) {
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float bf16_to_float(uint32_t bits) {
+  uint32_t wide = bits << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
+#if defined(__AVX512F__)
+// --- AVX-512: each weight is one lookup in a 16-entry table --------------------------------------------------
+// For a normal scale s = m x 2^e (m in [1, 2)), bf16(q x s) = bf16(q x m) x 2^e: the rounding depends on m's 7
+// stored bits only. So a quad's 32 weights are lookups (vpermps) in the table of bf16((n - 8) x m) for stored
+// nibbles n, and the quad's sum is scaled by 2^e (exact) once. Scales whose products could leave the normal
+// range take the arithmetic form.
+constexpr uint32_t kMinExponent = 127 - 100, kMaxExponent = 127 + 99;  // biased exponents of 2^-100 .. 2^100
+
+// bf16(p) for fp32 p: round to nearest, ties to even, as XLA's f32 -> bf16 convert.
+inline __m512 rounded_to_bf16(__m512 p) {
+  const __m512i bits = _mm512_castps_si512(p);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd);
+  return _mm512_castsi512_ps(_mm512_and_si512(sum, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+}
+
+struct Tables {
+  alignas(64) float value[128][16];  // [stored mantissa bits][stored nibble]: bf16((nibble - 8) x mantissa)
+  Tables() {
+    for (int m = 0; m < 128; ++m) {
+      alignas(64) float products[16];
+      for (int n = 0; n < 16; ++n) products[n] = float(n - 8) * (1.0f + float(m) / 128.0f);  // exact
+      _mm512_store_ps(value[m], rounded_to_bf16(_mm512_load_ps(products)));
+    }
+  }
+};
+const Tables tables;
+
+// The layout dot_row reads: per quad, lane t of the first 16 floats is input 8 (t / 4) + 2 (t % 4) (the low
+// nibble of byte t % 4 of word t / 4), of the second 16 the input after it (the byte's high nibble).
+void lay_out(const float* x, int64_t k, float* xt) {
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t quad = i / kQuad, word = (i % kQuad) / kLanes, value = i % kLanes;
+    xt[quad * kQuad + (value % 2) * 16 + word * 4 + value / 2] = x[i];
+  }
+}
+
+// A quad's 16 bytes, one per lane: the low nibbles are the even values, and vpermps reads only an index's low 4
+// bits (bytes and one immediate shift: variable shifts of 512-bit vectors are slow on AMD Zen 4).
+inline __m512i quad_bytes(const uint32_t* words) { return _mm512_cvtepu8_epi32(load<__m128i>(words)); }
+
+// x (laid out) times the 32 weights of one quad, looked up in ``table``, added to ``even`` and ``odd``.
+inline void add_quad(const float* x, const uint32_t* words, __m512 table, __m512& even, __m512& odd) {
+  const __m512i bytes = quad_bytes(words);
+  even = _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_permutexvar_ps(bytes, table), even);
+  odd = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table), odd);
+}
+
+// The arithmetic form for one group of any scale: sum_k x[k] x bf16(q[k] x scale).
+inline __m512 exact_group_sum(const float* x, const uint32_t* words, int64_t n_words, uint32_t scale) {
+  const __m512 s = _mm512_set1_ps(bf16_to_float(scale));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t word = 0; word < n_words; word += 4, x += kQuad) {
+    const __m512i bytes = quad_bytes(words + word);
+    for (int half = 0; half < 2; ++half) {
+      const __m512i nibbles = _mm512_and_si512(half ? _mm512_srli_epi32(bytes, 4) : bytes, _mm512_set1_epi32(15));
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(nibbles, _mm512_set1_epi32(8)));
+      sum = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * half), rounded_to_bf16(_mm512_mul_ps(q, s)), sum);  // exact
+    }
+  }
+  return sum;
+}
+
+// Up to 16 groups' scales at a time: where all are in the table's range, each group's sum of lookups is scaled by
+// its +-2^e (exact) into one of two accumulators; otherwise each group takes the arithmetic form.
+template <int64_t kWordsPerGroup>
+__attribute__((always_inline)) inline void add_groups(const float* x, const uint32_t* words, const uint16_t* scales, int64_t groups, int64_t words_per_group,
+                __m512* acc) {
+  const int64_t n_words = kWordsPerGroup ? kWordsPerGroup : words_per_group;
+  const __mmask16 valid = _cvtu32_mask16((1u << groups) - 1);
+  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, scales));
+  const __m512i exponent = _mm512_and_si512(_mm512_srli_epi32(bits, 7), _mm512_set1_epi32(0xFF));
+  const __mmask16 tabled = _mm512_mask_cmple_epu32_mask(
+      valid, _mm512_sub_epi32(exponent, _mm512_set1_epi32(kMinExponent)), _mm512_set1_epi32(kMaxExponent - kMinExponent));
+  if (tabled != valid) {
+    for (int64_t g = 0; g < groups; ++g) {
+      acc[g & 1] = _mm512_add_ps(acc[g & 1], exact_group_sum(x + g * n_words * kLanes, words + g * n_words, n_words,
+                                                              scales[g]));
+    }
+    return;
+  }
+  alignas(64) int32_t offset[16];  // each group's table, in floats from tables.value
+  alignas(64) float power[16];     // each group's +-2^e
+  _mm512_store_si512(offset, _mm512_slli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7F)), 4));
+  _mm512_store_si512(power, _mm512_slli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0xFF80)), 16));
+  auto group_sum = [&](int64_t g) {
+    const __m512 table = _mm512_load_ps(&tables.value[0][0] + offset[g]);
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+    for (int64_t word = 0; word < n_words; word += 4) {
+      add_quad(x + (g * n_words + word) * kLanes, words + g * n_words + word, table, even, odd);
+    }
+    return _mm512_add_ps(even, odd);
+  };
+  __m512 even = acc[0], odd = acc[1];  // in registers: two chains in flight
+  int64_t g = 0;
+  for (; g + 1 < groups; g += 2) {
+    even = _mm512_fmadd_ps(group_sum(g), _mm512_set1_ps(power[g]), even);
+    odd = _mm512_fmadd_ps(group_sum(g + 1), _mm512_set1_ps(power[g + 1]), odd);
+  }
+  if (g < groups) even = _mm512_fmadd_ps(group_sum(g), _mm512_set1_ps(power[g]), even);
+  acc[0] = even;
+  acc[1] = odd;
+}
+
+// One row's dot product: sum_k x[k] x bf16(q[k] x scale[group of k]).
+float dot_row(const float* xt, const uint32_t* words, const uint16_t* scales, int64_t words_per_row,
+              int64_t words_per_group) {
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  const int64_t groups = words_per_row / words_per_group;
+  for (int64_t g = 0; g < groups; g += 16) {
+    const int64_t n = std::min<int64_t>(16, groups - g), word = g * words_per_group;
+    if (words_per_group == 4) {  // groups of 32: every Kimi INT4 checkpoint
+      add_groups<4>(xt + word * kLanes, words + word, scales + g, n, 4, acc);
+    } else {
+      add_groups<0>(xt + word * kLanes, words + word, scales + g, n, words_per_group, acc);
+    }
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+}
+
+#else
+// --- Portable: GCC/Clang vector extensions (+ the FMA where there is one) -------------------------------------
+typedef float Floats __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+constexpr int64_t kBlock = kLanes * kLanes;  // inputs per block: 8 words, lane j holding word j's 8 values
+// Veltkamp's split c - (c - p), c = p * (2^16 + 1), is p rounded to bf16's 8 significant bits, ties to even (for
+// all 16 x 65536 products q x scale, tests/test_int4_cpu.py); c overflows past this scale, where the bit form runs.
+constexpr float kSplitLimit = 0x1p100f;
+
+inline Floats fma(Floats a, Floats b, Floats c) {
+#ifdef __FMA__
+  return (Floats)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;  // compiled with -ffp-contract=off: the split below must not be fused
+#endif
+}
+
+// bf16(q * scale) for the block's 8 x 8 values: the product is exact in fp32 (4 x 8 significant bits), then it is
+// rounded to the nearest bf16, ties to even, as XLA's f32 -> bf16 convert.
+template <bool kSplit>
+inline Floats dequantized(Floats q, Floats scale, Floats split_scale) {
+  const Floats p = q * scale;
+  if (kSplit) {
+    const Floats c = q * split_scale;  // = p * (2^16 + 1), rounded once: split_scale is exact
+    return c - (c - p);
+  }
+  Words bits = (Words)p;
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  return (Floats)bits;
+}
+
+// acc += one block's 64 products x * bf16(q * scale): vector i of the block holds value i of each of its 8 words.
+// Two accumulators (even and odd values) keep two FMA chains in flight.
+template <bool kSplit>
+inline void dot_block(Words words, const float* xs, Floats scale, Floats split_scale, Floats* acc) {
+  words ^= 0x88888888u;  // each nibble now holds q = nibble - 8 as a signed 4-bit value
+  for (int i = 0; i < kLanes; ++i) {
+    const Ints q = (Ints)(words << (28 - 4 * i)) >> 28;  // value i of each word, sign-extended
+    const Floats w = dequantized<kSplit>(__builtin_convertvector(q, Floats), scale, split_scale);
+    acc[i % 2] = fma(load<Floats>(xs + i * kLanes), w, acc[i % 2]);
+  }
+}
+
+// The layout dot_row reads: x transposed per block to match the words (vector i of a block, lane j = input
+// 8j + i: value i of word j), zero-padded to whole blocks.
+void lay_out(const float* x, int64_t k, float* xt) {
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t b = i / kBlock, word = (i / kLanes) % kLanes, value = i % kLanes;
+    xt[b * kBlock + value * kLanes + word] = x[i];
+  }
+}
+
+// One row's dot product: sum_k x[k] * bf16(q[k] * scale[group of k]), a block of 8 words at a time; each 4-word
+// half-block lies in one scale group (groups are whole quads), so lanes 0-3 and 4-7 each need one scale.
+float dot_row(const float* xt, const uint32_t* words, const uint16_t* scales, int64_t words_per_row,
+              int64_t words_per_group) {
+  Floats acc[2] = {};
+  for (int64_t first = 0; first < words_per_row; first += kLanes) {
+    Words block;
+    if (first + kLanes <= words_per_row) {
+      block = load<Words>(words + first);
+    } else {  // a partial last block: its padding words meet zero inputs
+      uint32_t padded[kLanes] = {};
+      std::copy(words + first, words + words_per_row, padded);
+      block = load<Words>(padded);
+    }
+    const int64_t last_group = (words_per_row - 1) / words_per_group;
+    const float lo = bf16_to_float(scales[first / words_per_group]);
+    const float hi = bf16_to_float(scales[std::min((first + 4) / words_per_group, last_group)]);
+    const Floats scale = {lo, lo, lo, lo, hi, hi, hi, hi};
+    if (std::fabs(lo) < kSplitLimit && std::fabs(hi) < kSplitLimit) {
+      dot_block<true>(block, xt + first * kLanes, scale, scale * 65537.0f, acc);
+    } else {
+      dot_block<false>(block, xt + first * kLanes, scale, scale, acc);
+    }
+  }
+  const Floats sum = acc[0] + acc[1];
+  float total = 0.0f;
+  for (int i = 0; i < kLanes; ++i) total += sum[i];
+  return total;
+}
+#endif
+
+// Floats per row in dot_row's layout: whole quads (AVX-512) or whole 8-word blocks.
+inline int64_t laid_out_size(int64_t words_per_row) {
+#if defined(__AVX512F__)
+  return words_per_row * kLanes;
+#else
+  return (words_per_row + kLanes - 1) / kLanes * kLanes * kLanes;
+#endif
+}
+
+// Runs task(i) for i in [0, count) on the calling thread and on XLA's intra-op pool. Tasks are taken from a shared
+// counter; the caller waits only for tasks already taken, never for a pool thread to start, so a busy pool cannot
+// deadlock it (a pool thread that starts late finds nothing left and touches nothing but the counter).
+template <typename Task>
+void parallel_for(ffi::ThreadPool& pool, int64_t count, Task task) {
+  struct Shared {
+    Shared(Task task, int64_t count) : task(std::move(task)), count(count) {}
+    Task task;
+    int64_t count;
+    std::atomic<int64_t> next{0}, finished{0};
+    void work() {
+      for (int64_t i; (i = next.fetch_add(1)) < count;) {
+        task(i);
+        finished.fetch_add(1, std::memory_order_release);
+      }
+    }
+  };
+  auto shared = std::make_shared<Shared>(std::move(task), count);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
+  shared->work();
+  while (shared->finished.load(std::memory_order_acquire) < count) std::this_thread::yield();
+}
+
+// --- Gathered INT4 matvecs ---------------------------------------------------------------------------------------
+constexpr int64_t kRowsPerTask = 64;  // output rows one task computes
+constexpr int64_t kPrefetchRows = 8;  // the hardware prefetcher alone leaves the kernel waiting on memory
+
+struct Gathered {
+  std::vector<float> xt;  // [P, row_floats]: each row in dot_row's layout
+  const uint32_t* packed;  // [E, N, K / 8]
+  const uint16_t* scale;   // [E, N, K / group] bf16 bits
+  const int32_t* chosen;   // [P]
+  float* out;              // [P, N]
+  int64_t experts, n, words_per_row, groups, row_floats, total_rows;
+
+  int64_t weight_row(int64_t row) const {  // of the flattened [P, N] output row
+    return std::clamp<int64_t>(chosen[row / n], 0, experts - 1) * n + row % n;  // as XLA's gather clamps
+  }
+
+  void run_rows(int64_t begin, int64_t end) const {
+    for (int64_t row = begin; row < end; ++row) {
+      if (row + kPrefetchRows < total_rows) {
+        const int64_t ahead = weight_row(row + kPrefetchRows);
+        const char* words = reinterpret_cast<const char*>(packed + ahead * words_per_row);
+        for (int64_t byte = 0; byte < words_per_row * 4; byte += 64) __builtin_prefetch(words + byte);
+        __builtin_prefetch(scale + ahead * groups);
+      }
+      const int64_t w = weight_row(row);
+      out[row] = dot_row(xt.data() + row / n * row_floats, packed + w * words_per_row, scale + w * groups,
+                         words_per_row, words_per_row / groups);
+    }
+  }
+};
+
+ffi::Error Int4GatheredMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::S32> packed,
+                              ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::S32> chosen,
+                              ffi::ResultBuffer<ffi::F32> out) {
+  const auto rd = rows.dimensions(), pd = packed.dimensions(), sd = scale.dimensions();
+  if (rd.size() != 2 || pd.size() != 3 || sd.size() != 3 || chosen.element_count() != rd[0] ||
+      pd[2] * kLanes != rd[1] || sd[0] != pd[0] || sd[1] != pd[1] || sd[2] == 0 || pd[2] % (4 * sd[2]) != 0) {
+    return ffi::Error::InvalidArgument(
+        "int4 gathered matvec: rows [P, K], packed [E, N, K/8], scale [E, N, K/group], group a multiple of 32");
+  }
+  const int64_t pairs = rd[0], k = rd[1], row_floats = laid_out_size(pd[2]);
+  const Gathered problem{std::vector<float>(pairs * row_floats, 0.0f),
+                         reinterpret_cast<const uint32_t*>(packed.typed_data()),
+                         scale.typed_data(),
+                         chosen.typed_data(),
+                         out->typed_data(),
+                         pd[0], pd[1], pd[2], sd[2], row_floats, pairs * pd[1]};
+  for (int64_t p = 0; p < pairs; ++p) {
+    lay_out(rows.typed_data() + p * k, k, const_cast<float*>(problem.xt.data()) + p * row_floats);
+  }
+  parallel_for(pool, (problem.total_rows + kRowsPerTask - 1) / kRowsPerTask, [&problem](int64_t task) {
+    problem.run_rows(task * kRowsPerTask, std::min(problem.total_rows, (task + 1) * kRowsPerTask));
+  });
+  return ffi::Error::Success();
+}
+
+// --- Dense matvecs: out = x @ W for a few rows, W [K, N] fp32 or bf16 read once --------------------------------
+// XLA:CPU runs a one-row matvec on one thread (~half this host's read bandwidth). Here tasks take fixed blocks of
+// W's rows (contiguous reads), each sums its rows' products into its own partial [P, N] in row order, and the
+// partials are added in block order: the same sums whichever thread runs which block.
+typedef float Floats16 __attribute__((vector_size(16 * sizeof(float))));
+constexpr int64_t kDenseRowsPerTask = 128;
+constexpr int64_t kDenseTasksPerThread = 2;
+
+inline Floats16 widen(const float* w) { return load<Floats16>(w); }
+inline Floats16 widen(const uint16_t* w) {  // bf16 -> fp32 is a shift
+  typedef uint16_t Halves16 __attribute__((vector_size(16 * sizeof(uint16_t))));
+  typedef uint32_t Words16 __attribute__((vector_size(16 * sizeof(uint32_t))));
+  return (Floats16)(__builtin_convertvector(load<Halves16>(w), Words16) << 16);
+}
+inline float widen(const float* w, int64_t) { return *w; }
+inline float widen(const uint16_t* w, int64_t) { return bf16_to_float(*w); }
+
+// partial [P, N] = x[:, begin:end] @ w[begin:end], adding each row of w (four at a time) in order.
+template <typename W>
+void dense_block(const float* x, int64_t rows, const W* w, int64_t k, int64_t n, int64_t begin, int64_t end,
+                 float* partial) {
+  const int64_t vectors = n / 16;
+  for (int64_t p = 0; p < rows; ++p) {
+    float* out = partial + p * n;
+    std::fill_n(out, n, 0.0f);
+    for (int64_t i = begin; i < end; i += 4) {
+      const int64_t count = std::min<int64_t>(4, end - i);
+      const W* r[4];
+      float xs[4];
+      for (int64_t j = 0; j < 4; ++j) {  // missing rows repeat the last one with a zero input
+        r[j] = w + (i + std::min(j, count - 1)) * n;
+        xs[j] = j < count ? x[p * k + i + j] : 0.0f;
+      }
+      for (int64_t v = 0; v < vectors; ++v) {
+        Floats16 sum = load<Floats16>(out + 16 * v);
+        for (int j = 0; j < 4; ++j) sum += xs[j] * widen(r[j] + 16 * v);
+        std::memcpy(out + 16 * v, &sum, sizeof sum);
+      }
+      for (int64_t c = 16 * vectors; c < n; ++c) {
+        for (int j = 0; j < 4; ++j) out[c] += xs[j] * widen(r[j] + c, 0);
+      }
+    }
+  }
+}
+
+template <ffi::DataType kWeight>
+ffi::Error DenseMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<kWeight> weight,
+                       ffi::ResultBuffer<ffi::F32> out) {
+  const auto rd = rows.dimensions(), wd = weight.dimensions();
+  if (rd.size() != 2 || wd.size() != 2 || rd[1] != wd[0]) {
+    return ffi::Error::InvalidArgument("dense matvec: rows [P, K], weight [K, N]");
+  }
+  const int64_t p = rd[0], k = rd[1], n = wd[1];
+  using W = std::conditional_t<kWeight == ffi::DataType::F32, float, uint16_t>;
+  const W* w = reinterpret_cast<const W*>(weight.typed_data());
+  const int64_t blocks = std::clamp<int64_t>(k / kDenseRowsPerTask, 1, kDenseTasksPerThread * pool.num_threads());
+  const int64_t rows_per_block = (k + blocks - 1) / blocks;
+  std::vector<float> partials(blocks * p * n);
+  const float* x = rows.typed_data();
+  parallel_for(pool, blocks, [&](int64_t block) {
+    const int64_t begin = block * rows_per_block;
+    dense_block(x, p, w, k, n, begin, std::min(k, begin + rows_per_block), partials.data() + block * p * n);
+  });
+  float* o = out->typed_data();
+  std::copy_n(partials.data(), p * n, o);
+  for (int64_t block = 1; block < blocks; ++block) {
+    for (int64_t i = 0; i < p * n; ++i) o[i] += partials[block * p * n + i];
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdd_int4_gathered_matvec, Int4GatheredMatvec,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdd_dense_matvec_f32, DenseMatvec<ffi::DataType::F32>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdd_dense_matvec_bf16, DenseMatvec<ffi::DataType::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
