@@ -7,10 +7,11 @@ A decode step reads its weights once and only the experts its tokens chose, so i
 / (this machine's read bandwidth, measured here as the best jitted sum or matvec over 1 GiB). Bytes: every
 non-expert weight but the embedding (one row per token), the distinct chosen experts' INT4 words and scales, the
 KV slots attention reads. Timed: the AR step and a DFlash verify-sized target forward (16 tokens: 128 pairs, ~81
-distinct experts per layer under uniform routing), with the dispatch the backend picks now (``gathered`` through
-the INT4 kernel, ``jaxdd.int4_cpu``), with what it picks without the kernel (``gathered`` through XLA's
-dequantization for one token, ``scan`` for 16) and with what it picked first (every expert dequantized: ``dense``
-for one token, ``scan`` for 16). Writes benchmarks/results/moe_bandwidth.json and moe_bandwidth.png.
+distinct experts per layer under uniform routing), with what the backend picks now (``gathered`` through the INT4
+kernel and, for one token, the dense weights through the dense matvec kernel: ``jaxdd.cpu_kernels``), with what it
+picks without the kernels (``gathered`` through XLA's dequantization for one token, ``scan`` for 16, XLA's matmuls)
+and with what it picked first (every expert dequantized: ``dense`` for one token, ``scan`` for 16). Writes
+benchmarks/results/moe_bandwidth.json and moe_bandwidth.png.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ SHAPE = TINY_K2 | dict(  # 1 dense + 5 MoE layers; the routed experts are 0.57 G
 INT4 = ExpertFormat("int4")
 PROMPT = list(range(3, 67))
 VERIFY_TOKENS = 16
-VARIANTS = {  # name: (AR dispatch, verify dispatch, INT4 kernel)
+VARIANTS = {  # name: (AR dispatch, verify dispatch, the CPU kernels)
     "now": ("auto", "auto", True),
     "xla": ("auto", "auto", False),
     "before": ("dense", "scan", False),
@@ -110,7 +111,7 @@ def bytes_per_step(model: KimiTarget, tokens: int, slots: int) -> dict[str, floa
 
 def with_dispatch(model: KimiTarget, dispatch: str, kernel: bool = True) -> jaxdd.Target:
     """The model with every MoE layer forced to ``dispatch`` ("auto": the backend's choice), on CPU with or
-    without the INT4 kernel."""
+    without the CPU kernels."""
     for layer in model.layers:
         if hasattr(layer.mlp, "dispatch"):
             layer.mlp.dispatch = dispatch
@@ -146,7 +147,7 @@ def verify_ms(target: jaxdd.Target, repeats: int, slots: int) -> float:
 
 
 def measure(model: KimiTarget, repeats: int) -> dict:
-    """Median ms of the AR step and of the verify forward with the dispatch picked now, without the kernel, and
+    """Median ms of the AR step and of the verify forward with the dispatch picked now, without the kernels, and
     first."""
     out = {"ar": {}, "verify": {}}
     for name, (ar_dispatch, verify_dispatch, kernel) in VARIANTS.items():
@@ -166,7 +167,7 @@ def plot(report: dict, path: Path) -> None:
     fig, axis = plt.subplots(figsize=(7, 4))
     labels = ["AR step", f"verify {VERIFY_TOKENS} tokens"]
     x = np.arange(2)
-    labels_of = {"floor": "floor", "now": "INT4 kernel", "xla": "XLA dequantization", "before": "every expert"}
+    labels_of = {"floor": "floor", "now": "CPU kernels", "xla": "XLA only", "before": "every expert"}
     for offset, (name, label) in zip((-0.3, -0.1, 0.1, 0.3), labels_of.items(), strict=True):
         values = [report[k][f"{name}_ms"] for k in ("ar", "verify")]
         bars = axis.bar(x + offset, values, 0.19, label=label)
