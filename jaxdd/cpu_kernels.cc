@@ -1,10 +1,12 @@
-// Gathered INT4 matvecs for XLA:CPU (loaded by jaxdd/int4_cpu.py): out[p] = rows[p] @ W[chosen[p]]^T, where W is
-// one projection's stacked routed experts in compressed-tensors pack-quantized form (jaxdd/quant.py). Each weight
-// is dequantized in registers exactly as the XLA path does (bf16(q * scale), q = nibble - 8) and used once: the
-// chosen experts' INT4 words are read once and nothing dense is written (XLA:CPU gathers, unpacks to a dense
-// copy, then multiplies).
+// Decode's matvecs for XLA:CPU (loaded by jaxdd/cpu_kernels.py).
 //
-// GCC/Clang vector extensions, not intrinsics (but for the FMA): -march=native picks AVX2, AVX-512 or NEON.
+// Gathered INT4 matvecs: out[p] = rows[p] @ W[chosen[p]]^T, where W is one projection's stacked routed experts in
+// compressed-tensors pack-quantized form (jaxdd/quant.py). Each weight is dequantized in registers exactly as the
+// XLA path does (bf16(q * scale), q = nibble - 8) and used once: the chosen experts' INT4 words are read once and
+// nothing dense is written (XLA:CPU gathers, unpacks to a dense copy, then multiplies). AVX-512 hosts look each
+// weight up in a table; elsewhere GCC/Clang vector extensions (-march=native: AVX2 or NEON) compute it.
+//
+// Dense matvecs: out = rows @ W for a few rows, W's rows split across XLA's threads.
 
 #include <algorithm>
 #include <atomic>
@@ -17,7 +19,12 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__FMA__)
+// The table-lookup form needs AVX-512 F (512-bit permutes) with BW and VL (a masked load of 16-bit scales).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define JAXDD_TABLE_LOOKUP 1
+#endif
+
+#if defined(JAXDD_TABLE_LOOKUP) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -44,7 +51,7 @@ inline float bf16_to_float(uint32_t bits) {
   return f;
 }
 
-#if defined(__AVX512F__)
+#if defined(JAXDD_TABLE_LOOKUP)
 // --- AVX-512: each weight is one lookup in a 16-entry table --------------------------------------------------
 // For a normal scale s = m x 2^e (m in [1, 2)), bf16(q x s) = bf16(q x m) x 2^e: the rounding depends on m's 7
 // stored bits only. So a quad's 32 weights are lookups (vpermps) in the table of bf16((n - 8) x m) for stored
@@ -251,7 +258,7 @@ float dot_row(const float* xt, const uint32_t* words, const uint16_t* scales, in
 
 // Floats per row in dot_row's layout: whole quads (AVX-512) or whole 8-word blocks.
 inline int64_t laid_out_size(int64_t words_per_row) {
-#if defined(__AVX512F__)
+#if defined(JAXDD_TABLE_LOOKUP)
   return words_per_row * kLanes;
 #else
   return (words_per_row + kLanes - 1) / kLanes * kLanes * kLanes;
