@@ -54,8 +54,8 @@ inline float bf16_to_float(uint32_t bits) {
 #if defined(JAXDD_TABLE_LOOKUP)
 // --- AVX-512: each weight is one lookup in a 16-entry table --------------------------------------------------
 // For a normal scale s = m x 2^e (m in [1, 2)), bf16(q x s) = bf16(q x m) x 2^e: the rounding depends on m's 7
-// stored bits only. So a quad's 32 weights are lookups (vpermps) in the table of bf16((n - 8) x m) for stored
-// nibbles n, and the quad's sum is scaled by 2^e (exact) once. Scales whose products could leave the normal
+// stored bits only. So a group's weights are lookups (vpermps) in the table of bf16((n - 8) x m) for stored
+// nibbles n, and the group's sum is scaled by 2^e (exact) once. Scales whose products could leave the normal
 // range take the arithmetic form.
 constexpr uint32_t kMinExponent = 127 - 100, kMaxExponent = 127 + 99;  // biased exponents of 2^-100 .. 2^100
 
@@ -116,19 +116,21 @@ inline __m512 exact_group_sum(const float* x, const uint32_t* words, int64_t n_w
 
 // Up to 16 groups' scales at a time: where all are in the table's range, each group's sum of lookups is scaled by
 // its +-2^e (exact) into one of two accumulators; otherwise each group takes the arithmetic form.
+// Inlined so that the two accumulators stay in registers (through the pointer they went through memory).
 template <int64_t kWordsPerGroup>
-__attribute__((always_inline)) inline void add_groups(const float* x, const uint32_t* words, const uint16_t* scales, int64_t groups, int64_t words_per_group,
-                __m512* acc) {
+__attribute__((always_inline)) inline void add_groups(const float* x, const uint32_t* words, const uint16_t* scales,
+                                                      int64_t groups, int64_t words_per_group, __m512* acc) {
   const int64_t n_words = kWordsPerGroup ? kWordsPerGroup : words_per_group;
   const __mmask16 valid = _cvtu32_mask16((1u << groups) - 1);
   const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, scales));
   const __m512i exponent = _mm512_and_si512(_mm512_srli_epi32(bits, 7), _mm512_set1_epi32(0xFF));
-  const __mmask16 tabled = _mm512_mask_cmple_epu32_mask(
-      valid, _mm512_sub_epi32(exponent, _mm512_set1_epi32(kMinExponent)), _mm512_set1_epi32(kMaxExponent - kMinExponent));
+  const __m512i above_min = _mm512_sub_epi32(exponent, _mm512_set1_epi32(kMinExponent));
+  const __mmask16 tabled =
+      _mm512_mask_cmple_epu32_mask(valid, above_min, _mm512_set1_epi32(kMaxExponent - kMinExponent));
   if (tabled != valid) {
     for (int64_t g = 0; g < groups; ++g) {
-      acc[g & 1] = _mm512_add_ps(acc[g & 1], exact_group_sum(x + g * n_words * kLanes, words + g * n_words, n_words,
-                                                              scales[g]));
+      const __m512 sum = exact_group_sum(x + g * n_words * kLanes, words + g * n_words, n_words, scales[g]);
+      acc[g & 1] = _mm512_add_ps(acc[g & 1], sum);
     }
     return;
   }
@@ -179,7 +181,7 @@ typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 constexpr int64_t kBlock = kLanes * kLanes;  // inputs per block: 8 words, lane j holding word j's 8 values
 // Veltkamp's split c - (c - p), c = p * (2^16 + 1), is p rounded to bf16's 8 significant bits, ties to even (for
-// all 16 x 65536 products q x scale, tests/test_int4_cpu.py); c overflows past this scale, where the bit form runs.
+// all 16 x 65536 products q x scale, tests/test_cpu_kernels.py); c overflows past this scale, where the bit form runs.
 constexpr float kSplitLimit = 0x1p100f;
 
 inline Floats fma(Floats a, Floats b, Floats c) {
@@ -330,14 +332,14 @@ ffi::Error Int4GatheredMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, 
         "int4 gathered matvec: rows [P, K], packed [E, N, K/8], scale [E, N, K/group], group a multiple of 32");
   }
   const int64_t pairs = rd[0], k = rd[1], row_floats = laid_out_size(pd[2]);
-  const Gathered problem{std::vector<float>(pairs * row_floats, 0.0f),
+  Gathered problem{std::vector<float>(pairs * row_floats, 0.0f),
                          reinterpret_cast<const uint32_t*>(packed.typed_data()),
                          scale.typed_data(),
                          chosen.typed_data(),
                          out->typed_data(),
                          pd[0], pd[1], pd[2], sd[2], row_floats, pairs * pd[1]};
   for (int64_t p = 0; p < pairs; ++p) {
-    lay_out(rows.typed_data() + p * k, k, const_cast<float*>(problem.xt.data()) + p * row_floats);
+    lay_out(rows.typed_data() + p * k, k, problem.xt.data() + p * row_floats);
   }
   parallel_for(pool, (problem.total_rows + kRowsPerTask - 1) / kRowsPerTask, [&problem](int64_t task) {
     problem.run_rows(task * kRowsPerTask, std::min(problem.total_rows, (task + 1) * kRowsPerTask));
@@ -359,8 +361,8 @@ inline Floats16 widen(const uint16_t* w) {  // bf16 -> fp32 is a shift
   typedef uint32_t Words16 __attribute__((vector_size(16 * sizeof(uint32_t))));
   return (Floats16)(__builtin_convertvector(load<Halves16>(w), Words16) << 16);
 }
-inline float widen(const float* w, int64_t) { return *w; }
-inline float widen(const uint16_t* w, int64_t) { return bf16_to_float(*w); }
+inline float to_float(float w) { return w; }
+inline float to_float(uint16_t w) { return bf16_to_float(w); }
 
 // partial [P, N] = x[:, begin:end] @ w[begin:end], adding each row of w (four at a time) in order.
 template <typename W>
@@ -384,7 +386,7 @@ void dense_block(const float* x, int64_t rows, const W* w, int64_t k, int64_t n,
         std::memcpy(out + 16 * v, &sum, sizeof sum);
       }
       for (int64_t c = 16 * vectors; c < n; ++c) {
-        for (int j = 0; j < 4; ++j) out[c] += xs[j] * widen(r[j] + c, 0);
+        for (int j = 0; j < 4; ++j) out[c] += xs[j] * to_float(r[j][c]);
       }
     }
   }
@@ -402,16 +404,17 @@ ffi::Error DenseMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Bu
   const W* w = reinterpret_cast<const W*>(weight.typed_data());
   const int64_t blocks = std::clamp<int64_t>(k / kDenseRowsPerTask, 1, kDenseTasksPerThread * pool.num_threads());
   const int64_t rows_per_block = (k + blocks - 1) / blocks;
-  std::vector<float> partials(blocks * p * n);
+  float* o = out->typed_data();
+  std::vector<float> partials((blocks - 1) * p * n);  // block 0 sums straight into out
+  auto partial = [&](int64_t block) { return block ? partials.data() + (block - 1) * p * n : o; };
   const float* x = rows.typed_data();
   parallel_for(pool, blocks, [&](int64_t block) {
     const int64_t begin = block * rows_per_block;
-    dense_block(x, p, w, k, n, begin, std::min(k, begin + rows_per_block), partials.data() + block * p * n);
+    dense_block(x, p, w, k, n, begin, std::min(k, begin + rows_per_block), partial(block));
   });
-  float* o = out->typed_data();
-  std::copy_n(partials.data(), p * n, o);
   for (int64_t block = 1; block < blocks; ++block) {
-    for (int64_t i = 0; i < p * n; ++i) o[i] += partials[block * p * n + i];
+    const float* sums = partial(block);
+    for (int64_t i = 0; i < p * n; ++i) o[i] += sums[i];
   }
   return ffi::Error::Success();
 }

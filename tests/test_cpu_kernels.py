@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import platform
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,10 @@ def packed_with_every_q(rng, rows: int, in_features: int) -> np.ndarray:
 
 @functools.cache
 def portable_target() -> str:
-    """The INT4 matvec built without AVX-512 (the form AVX2 and ARM hosts run), registered under its own name."""
+    """The INT4 matvec built without AVX-512 (the form AVX2 and ARM hosts run), registered under its own name; off
+    x86 the native build is that form."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return cpu_kernels.INT4_TARGET
     library = ctypes.CDLL(str(cpu_kernels.build(cpu_kernels.compiler(), ("-mno-avx512f",))))
     name = "jaxdd_test_portable_int4_matvec"
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, cpu_kernels.INT4_TARGET)), platform="cpu")
