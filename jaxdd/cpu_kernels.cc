@@ -52,12 +52,9 @@ inline float bf16_to_float(uint32_t bits) {
 }
 
 #if defined(JAXDD_TABLE_LOOKUP)
-// --- AVX-512: each weight is one lookup in a 16-entry table --------------------------------------------------
-// For a normal scale s = m x 2^e (m in [1, 2)), bf16(q x s) = bf16(q x m) x 2^e: the rounding depends on m's 7
-// stored bits only. So a group's weights are lookups (vpermps) in the table of bf16((n - 8) x m) for stored
-// nibbles n, and the group's sum is scaled by 2^e (exact) once. Scales whose products could leave the normal
-// range take the arithmetic form.
-constexpr uint32_t kMinExponent = 127 - 100, kMaxExponent = 127 + 99;  // biased exponents of 2^-100 .. 2^100
+// --- AVX-512: each weight is one lookup in its scale's 16-entry table -------------------------------------------
+// A group's 32 weights are bf16(q x s) for one bf16 scale s and q = nibble - 8: lookups (vpermps) in the table of
+// those 16 values. There is one table per bf16 bit pattern (4 MiB); a checkpoint's scales touch a few hundred.
 
 // bf16(p) for fp32 p: round to nearest, ties to even, as XLA's f32 -> bf16 convert.
 inline __m512 rounded_to_bf16(__m512 p) {
@@ -68,16 +65,19 @@ inline __m512 rounded_to_bf16(__m512 p) {
 }
 
 struct Tables {
-  alignas(64) float value[128][16];  // [stored mantissa bits][stored nibble]: bf16((nibble - 8) x mantissa)
+  alignas(64) float value[1 << 16][16];  // [scale's bf16 bits][stored nibble]: bf16((nibble - 8) x scale)
+  // Built by the first call, on XLA's thread: in its floating-point mode (subnormal scales read as zero on x86).
   Tables() {
-    for (int m = 0; m < 128; ++m) {
-      alignas(64) float products[16];
-      for (int n = 0; n < 16; ++n) products[n] = float(n - 8) * (1.0f + float(m) / 128.0f);  // exact
-      _mm512_store_ps(value[m], rounded_to_bf16(_mm512_load_ps(products)));
+    const __m512 q = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    for (uint32_t bits = 0; bits < (1u << 16); ++bits) {
+      _mm512_store_ps(value[bits], rounded_to_bf16(_mm512_mul_ps(q, _mm512_set1_ps(bf16_to_float(bits)))));
     }
   }
 };
-const Tables tables;
+const Tables& tables() {
+  static const auto* built = new Tables();
+  return *built;
+}
 
 // The layout dot_row reads: per quad, lane t of the first 16 floats is input 8 (t / 4) + 2 (t % 4) (the low
 // nibble of byte t % 4 of word t / 4), of the second 16 the input after it (the byte's high nibble).
@@ -88,89 +88,43 @@ void lay_out(const float* x, int64_t k, float* xt) {
   }
 }
 
-// A quad's 16 bytes, one per lane: the low nibbles are the even values, and vpermps reads only an index's low 4
-// bits (bytes and one immediate shift: variable shifts of 512-bit vectors are slow on AMD Zen 4).
-inline __m512i quad_bytes(const uint32_t* words) { return _mm512_cvtepu8_epi32(load<__m128i>(words)); }
-
-// x (laid out) times the 32 weights of one quad, looked up in ``table``, added to ``even`` and ``odd``.
-inline void add_quad(const float* x, const uint32_t* words, __m512 table, __m512& even, __m512& odd) {
-  const __m512i bytes = quad_bytes(words);
-  even = _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_permutexvar_ps(bytes, table), even);
-  odd = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table), odd);
+// x (laid out) times the 32 weights of one quad, looked up in ``table``, added to ``even`` and ``odd``. The quad's
+// 16 bytes go one per lane: the low nibbles are the even values, and vpermps reads only an index's low 4 bits
+// (bytes and one immediate shift: variable shifts of 512-bit vectors are slow on AMD Zen 4).
+inline void add_quad(const float* x, const uint32_t* words, const float* table, __m512& even, __m512& odd) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(load<__m128i>(words));
+  const __m512 values = _mm512_load_ps(table);
+  even = _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_permutexvar_ps(bytes, values), even);
+  odd = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values), odd);
 }
 
-// The arithmetic form for one group of any scale: sum_k x[k] x bf16(q[k] x scale).
-inline __m512 exact_group_sum(const float* x, const uint32_t* words, int64_t n_words, uint32_t scale) {
-  const __m512 s = _mm512_set1_ps(bf16_to_float(scale));
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t word = 0; word < n_words; word += 4, x += kQuad) {
-    const __m512i bytes = quad_bytes(words + word);
-    for (int half = 0; half < 2; ++half) {
-      const __m512i nibbles = _mm512_and_si512(half ? _mm512_srli_epi32(bytes, 4) : bytes, _mm512_set1_epi32(15));
-      const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(nibbles, _mm512_set1_epi32(8)));
-      sum = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * half), rounded_to_bf16(_mm512_mul_ps(q, s)), sum);  // exact
-    }
-  }
-  return sum;
-}
-
-// Up to 16 groups' scales at a time: where all are in the table's range, each group's sum of lookups is scaled by
-// its +-2^e (exact) into one of two accumulators; otherwise each group takes the arithmetic form.
-// Inlined so that the two accumulators stay in registers (through the pointer they went through memory).
+// One row's dot product: sum_k x[k] x bf16(q[k] x scale[group of k]), four FMA chains in flight (two per group, the
+// groups alternating). Groups of 32 (every Kimi INT4 checkpoint) are one quad each, unrolled.
 template <int64_t kWordsPerGroup>
-__attribute__((always_inline)) inline void add_groups(const float* x, const uint32_t* words, const uint16_t* scales,
-                                                      int64_t groups, int64_t words_per_group, __m512* acc) {
-  const int64_t n_words = kWordsPerGroup ? kWordsPerGroup : words_per_group;
-  const __mmask16 valid = _cvtu32_mask16((1u << groups) - 1);
-  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, scales));
-  const __m512i exponent = _mm512_and_si512(_mm512_srli_epi32(bits, 7), _mm512_set1_epi32(0xFF));
-  const __m512i above_min = _mm512_sub_epi32(exponent, _mm512_set1_epi32(kMinExponent));
-  const __mmask16 tabled =
-      _mm512_mask_cmple_epu32_mask(valid, above_min, _mm512_set1_epi32(kMaxExponent - kMinExponent));
-  if (tabled != valid) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m512 sum = exact_group_sum(x + g * n_words * kLanes, words + g * n_words, n_words, scales[g]);
-      acc[g & 1] = _mm512_add_ps(acc[g & 1], sum);
+__attribute__((always_inline)) inline float dot_groups(const float* xt, const uint32_t* words, const uint16_t* scales,
+                                                       int64_t words_per_row, int64_t words_per_group) {
+  const int64_t n = kWordsPerGroup ? kWordsPerGroup : words_per_group, groups = words_per_row / n;
+  const auto& table_of = tables().value;
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  auto add_group = [&](int64_t group, __m512& even, __m512& odd) {
+    const float* table = table_of[scales[group]];
+    for (int64_t word = group * n; word < (group + 1) * n; word += 4) {
+      add_quad(xt + word * kLanes, words + word, table, even, odd);
     }
-    return;
-  }
-  alignas(64) int32_t offset[16];  // each group's table, in floats from tables.value
-  alignas(64) float power[16];     // each group's +-2^e
-  _mm512_store_si512(offset, _mm512_slli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7F)), 4));
-  _mm512_store_si512(power, _mm512_slli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0xFF80)), 16));
-  auto group_sum = [&](int64_t g) {
-    const __m512 table = _mm512_load_ps(&tables.value[0][0] + offset[g]);
-    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-    for (int64_t word = 0; word < n_words; word += 4) {
-      add_quad(x + (g * n_words + word) * kLanes, words + g * n_words + word, table, even, odd);
-    }
-    return _mm512_add_ps(even, odd);
   };
-  __m512 even = acc[0], odd = acc[1];  // in registers: two chains in flight
-  int64_t g = 0;
-  for (; g + 1 < groups; g += 2) {
-    even = _mm512_fmadd_ps(group_sum(g), _mm512_set1_ps(power[g]), even);
-    odd = _mm512_fmadd_ps(group_sum(g + 1), _mm512_set1_ps(power[g + 1]), odd);
+  int64_t group = 0;
+  for (; group + 1 < groups; group += 2) {
+    add_group(group, a0, a1);
+    add_group(group + 1, a2, a3);
   }
-  if (g < groups) even = _mm512_fmadd_ps(group_sum(g), _mm512_set1_ps(power[g]), even);
-  acc[0] = even;
-  acc[1] = odd;
+  if (group < groups) add_group(group, a0, a1);
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 
-// One row's dot product: sum_k x[k] x bf16(q[k] x scale[group of k]).
 float dot_row(const float* xt, const uint32_t* words, const uint16_t* scales, int64_t words_per_row,
               int64_t words_per_group) {
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  const int64_t groups = words_per_row / words_per_group;
-  for (int64_t g = 0; g < groups; g += 16) {
-    const int64_t n = std::min<int64_t>(16, groups - g), word = g * words_per_group;
-    if (words_per_group == 4) {  // groups of 32: every Kimi INT4 checkpoint
-      add_groups<4>(xt + word * kLanes, words + word, scales + g, n, 4, acc);
-    } else {
-      add_groups<0>(xt + word * kLanes, words + word, scales + g, n, words_per_group, acc);
-    }
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+  if (words_per_group == 4) return dot_groups<4>(xt, words, scales, words_per_row, 4);
+  return dot_groups<0>(xt, words, scales, words_per_row, words_per_group);
 }
 
 #else
