@@ -13,6 +13,7 @@ import functools
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Literal
 
 import jax
@@ -50,7 +51,7 @@ class Backend:
     TILED_MIN_TOKENS = 24
     DENSE_MAX_FLOPS = 2**28  # elsewhere: all-experts compute below this many multiply-adds
     KERNEL_GATHERED_PAIRS = 4  # pairs per expert up to which the INT4 kernel's gathered dispatch is the fastest
-    DENSE_KERNEL_ROWS = 2  # rows up to which the dense matvec kernel beats XLA:CPU's matmul (equal at 4)
+    DENSE_KERNEL_ROWS = 2  # tokens up to which the dense matvec kernel beats XLA:CPU's matmul (equal at 4)
 
     @classmethod
     def of_devices(cls, devices: Iterable[Any]) -> Backend:
@@ -123,13 +124,18 @@ class Backend:
             return cpu_kernels.gathered_int4_matvec
         return None
 
-    def dense_matvec(self, rows: int) -> Callable[[jax.Array, jax.Array], jax.Array] | None:
-        """The dense matvec kernel (``jaxdd.cpu_kernels``) for ``rows`` rows times a weight: on one CPU device
-        (XLA cannot partition a custom call over sharded weights) for up to ``DENSE_KERNEL_ROWS`` rows, where it
-        builds; else None (XLA's matmul)."""
-        if self.platform == "cpu" and self.devices == 1 and rows <= self.DENSE_KERNEL_ROWS and self.cpu_kernels:
-            return cpu_kernels.dense_matvec if cpu_kernels.available() else None
+    def decode_kernels(self, tokens: int) -> ModuleType | None:
+        """``jaxdd.cpu_kernels`` where a forward of ``tokens`` tokens runs its dense matvecs and decode attention's
+        products through it: on one CPU device (XLA cannot partition a custom call over sharded weights), for up
+        to ``DENSE_KERNEL_ROWS`` tokens, where it builds; else None (XLA's matmuls)."""
+        if self.platform == "cpu" and self.devices == 1 and tokens <= self.DENSE_KERNEL_ROWS and self.cpu_kernels:
+            return cpu_kernels if cpu_kernels.available() else None
         return None
+
+    def dense_matvec(self, rows: int) -> Callable[[jax.Array, jax.Array], jax.Array] | None:
+        """The dense matvec kernel for ``rows`` rows times a weight where ``decode_kernels(rows)``; else None."""
+        kernels = self.decode_kernels(rows)
+        return kernels.dense_matvec if kernels else None
 
     @staticmethod
     def free_bytes(devices: Iterable[Any]) -> int | None:

@@ -7,6 +7,8 @@
 // weight up in a table; elsewhere GCC/Clang vector extensions (-march=native: AVX2 or NEON) compute it.
 //
 // Dense matvecs: out = rows @ W for a few rows, W's rows split across XLA's threads.
+//
+// Row dots: out[g, p, n] = x[g, p] . w[g, n] for a few rows p of x, w's rows split across XLA's threads.
 
 #include <algorithm>
 #include <atomic>
@@ -307,7 +309,7 @@ ffi::Error Int4GatheredMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, 
 // partials are added in block order: the same sums whichever thread runs which block.
 typedef float Floats16 __attribute__((vector_size(16 * sizeof(float))));
 constexpr int64_t kDenseRowsPerTask = 128;
-constexpr int64_t kDenseTasksPerThread = 2;
+constexpr int64_t kDenseTasksPerThread = 8;
 
 inline Floats16 widen(const float* w) { return load<Floats16>(w); }
 inline Floats16 widen(const uint16_t* w) {  // bf16 -> fp32 is a shift
@@ -373,6 +375,67 @@ ffi::Error DenseMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Bu
   return ffi::Error::Success();
 }
 
+// --- Row dots: out[g, p, n] = x[g, p, :] . w[g, n, :] for a few rows p, each row of w read once ---------------
+// Decode attention's products with weights or cache rows stored [rows, K]: the absorbed key and value
+// up-projections (g: heads) and the scores over the cache (g: the batch; p: heads). XLA:CPU runs each on one
+// thread at a fraction of the read bandwidth.
+constexpr int64_t kRowDotRowsPerTask = 64;
+
+// out[p * n_out + i] = x[p] . w[i] for kRows rows of x (its row stride k) and w's rows [begin, end).
+template <int kRows, typename W>
+void row_dots(const float* x, const W* w, int64_t k, int64_t begin, int64_t end, float* out, int64_t n_out) {
+  const int64_t vectors = k / 16;
+  for (int64_t i = begin; i < end; ++i) {
+    const W* row = w + i * k;
+    Floats16 acc[kRows] = {};
+    for (int64_t v = 0; v < vectors; ++v) {
+      const Floats16 weights = widen(row + 16 * v);
+      for (int r = 0; r < kRows; ++r) acc[r] += load<Floats16>(x + r * k + 16 * v) * weights;
+    }
+    for (int r = 0; r < kRows; ++r) {
+      float sum = 0.0f;
+      for (int lane = 0; lane < 16; ++lane) sum += acc[r][lane];
+      for (int64_t c = 16 * vectors; c < k; ++c) sum += x[r * k + c] * to_float(row[c]);
+      out[r * n_out + i] = sum;
+    }
+  }
+}
+
+template <ffi::DataType kWeight>
+ffi::Error RowDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWeight> w,
+                  ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 3 || wd.size() != 3 || xd[0] != wd[0] || xd[2] != wd[2]) {
+    return ffi::Error::InvalidArgument("row dot: x [G, P, K], w [G, N, K]");
+  }
+  const int64_t groups = xd[0], rows = xd[1], k = xd[2], n = wd[1];
+  const int64_t blocks = (n + kRowDotRowsPerTask - 1) / kRowDotRowsPerTask;
+  using W = std::conditional_t<kWeight == ffi::DataType::F32, float, uint16_t>;
+  const float* xs = x.typed_data();
+  const W* ws = reinterpret_cast<const W*>(w.typed_data());
+  float* o = out->typed_data();
+  parallel_for(pool, groups * blocks, [&](int64_t task) {
+    const int64_t g = task / blocks, begin = task % blocks * kRowDotRowsPerTask;
+    const int64_t end = std::min(n, begin + kRowDotRowsPerTask);
+    const W* wg = ws + g * n * k;
+    for (int64_t p = 0; p < rows;) {  // x's rows 8, 4, 2 or 1 at a time: accumulators in registers
+      const float* xp = xs + (g * rows + p) * k;
+      float* op = o + (g * rows + p) * n;
+      const int64_t left = rows - p;
+      if (left >= 8) {
+        row_dots<8>(xp, wg, k, begin, end, op, n), p += 8;
+      } else if (left >= 4) {
+        row_dots<4>(xp, wg, k, begin, end, op, n), p += 4;
+      } else if (left >= 2) {
+        row_dots<2>(xp, wg, k, begin, end, op, n), p += 2;
+      } else {
+        row_dots<1>(xp, wg, k, begin, end, op, n), p += 1;
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdd_int4_gathered_matvec, Int4GatheredMatvec,
@@ -389,6 +452,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdd_dense_matvec_f32, DenseMatvec<ffi::DataType:
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdd_row_dot_f32, RowDot<ffi::DataType::F32>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdd_row_dot_bf16, RowDot<ffi::DataType::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdd_dense_matvec_bf16, DenseMatvec<ffi::DataType::BF16>,

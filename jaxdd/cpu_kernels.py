@@ -1,13 +1,13 @@
-"""Decode's matvecs as XLA:CPU custom calls (``cpu_kernels.cc``, XLA's FFI): the gathered INT4 expert matvec and
-the few-row dense matvec.
+"""Decode's matvecs as XLA:CPU custom calls (``cpu_kernels.cc``, XLA's FFI): the gathered INT4 expert matvec, the
+few-row dense matvec and the row dot (decode attention's products with weights and cache rows stored [rows, K]).
 
 XLA:CPU gathers the chosen experts' INT4 words, unpacks them to a dense copy and then multiplies (a projection of
-8 experts: 2.7-3.9 ms; benchmarks/moe_bandwidth.py); the kernel unpacks in registers as it reads (0.25-0.3 ms on
-an AVX-512 host, 0.63-0.74 ms on an AVX2 one). XLA:CPU runs a one-row matmul on one thread, which reads about half
-the memory bandwidth of two cores; the dense kernel splits the weight's rows across XLA's threads. Pallas has no
-CPU backend, so it is C++, compiled on first use with this machine's C++ compiler for this machine's vector units
-(``-march=native``) and cached by source, compiler, flags, CPU and jax version. Where no compiler works,
-``available()`` is False and the model keeps XLA's forms.
+8 experts: 2.7-3.9 ms; benchmarks/moe_bandwidth.py); the kernel unpacks in registers as it reads (0.2-0.25 ms on
+an AVX-512 host, 0.63-0.74 ms on an AVX2 one). XLA:CPU runs a one-row matmul on one thread, which reads about
+half the memory bandwidth of two cores; the dense kernel and the row dot split the weight's rows across XLA's
+threads. Pallas has no CPU backend, so it is C++, compiled on first use with this machine's C++ compiler for this
+machine's vector units (``-march=native``) and cached by source, compiler, flags, CPU and jax version. Where no
+compiler works, ``available()`` is False and the model keeps XLA's forms.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import jax.numpy as jnp
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 INT4_TARGET = "jaxdd_int4_gathered_matvec"
 DENSE_TARGETS = {jnp.dtype(jnp.float32): "jaxdd_dense_matvec_f32", jnp.dtype(jnp.bfloat16): "jaxdd_dense_matvec_bf16"}
+ROW_DOT_TARGETS = {jnp.dtype(jnp.float32): "jaxdd_row_dot_f32", jnp.dtype(jnp.bfloat16): "jaxdd_row_dot_bf16"}
 GROUP_MULTIPLE = 32  # the kernel's scale groups are whole 4-word half-blocks (every Kimi INT4 checkpoint: 32)
 # No FMA contraction: the portable INT4 path's bf16 rounding (a Veltkamp split) needs each product rounded alone.
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
@@ -92,7 +93,7 @@ def available() -> bool:
     """Whether the kernels are built and registered with XLA:CPU (once per process)."""
     library = load(compiler())
     if library is not None:
-        for target in (INT4_TARGET, *DENSE_TARGETS.values()):
+        for target in (INT4_TARGET, *DENSE_TARGETS.values(), *ROW_DOT_TARGETS.values()):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
     return library is not None
 
@@ -114,3 +115,10 @@ def dense_matvec(rows: jax.Array, weight: jax.Array) -> jax.Array:
     each weight read once. Call only where ``available()``."""
     out = jax.ShapeDtypeStruct((rows.shape[0], weight.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(DENSE_TARGETS[weight.dtype], out)(rows.astype(jnp.float32), weight).astype(rows.dtype)
+
+
+def row_dot(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x [G, P, K] . weight [G, N, K] (fp32 or bf16) -> [G, P, N] in x's dtype: every row of group g's weight dotted
+    with the P rows of x[g], products summed in fp32, each weight row read once. Call only where ``available()``."""
+    out = jax.ShapeDtypeStruct((*x.shape[:2], weight.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(ROW_DOT_TARGETS[weight.dtype], out)(x.astype(jnp.float32), weight).astype(x.dtype)

@@ -24,7 +24,7 @@ from flax import nnx
 from jaxdd.backend import Backend, Dispatch
 from jaxdd.config import KimiConfig
 from jaxdd.cpu_kernels import GROUP_MULTIPLE
-from jaxdd.layers import MLP, param
+from jaxdd.layers import MLP, linear, param
 from jaxdd.quant import DenseExperts, ExpertFormat, Int4Experts, expert_weights
 from jaxdd.sharding import AXIS, expert_specs
 
@@ -39,10 +39,10 @@ class Router(nnx.Module):
         self.weight = param(rngs, (config.hidden_size, e), jnp.float32, ("embed", None))
         self.bias = nnx.Param(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
         """x [N, D] -> (weights [N, k] fp32, expert ids [N, k] int32)."""
         c = self.config
-        scores = jax.nn.sigmoid(x.astype(jnp.float32) @ self.weight[...])
+        scores = jax.nn.sigmoid(linear(x.astype(jnp.float32), self.weight[...], backend))
         choice = scores + self.bias[...]
         if c.n_group > 1:
             n, per_group = x.shape[0], c.n_routed_experts // c.n_group
@@ -82,7 +82,7 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array, backend: Backend) -> jax.Array:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, experts = self.router(x)
+        weights, experts = self.router(x, backend)
         if self.placement is None:
             pieces = [p.stored() for p in (self.gate, self.up, self.down)]
             routed = self._routed(x, weights, experts, pieces, backend)

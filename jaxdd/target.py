@@ -11,6 +11,7 @@ Weights use the JAX layout ``x @ W`` ([in, out]); ``jaxdd.hf_mappings`` maps the
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 from typing import NamedTuple
 
 import jax
@@ -50,6 +51,38 @@ def _after(value: jax.Array, rows: tuple[jax.Array, ...]) -> tuple[jax.Array, ..
     0 for any finite x."""
     zero = 0 * jnp.nan_to_num(value.reshape(-1)[0])
     return tuple(r + zero.astype(r.dtype) for r in rows)
+
+
+# Absorbed attention's products with weights and cache rows. Decoding on one CPU device they go through
+# ``jaxdd.cpu_kernels`` (``kernels``; XLA:CPU runs each on one thread at a fraction of the read bandwidth),
+# elsewhere through the einsum they compute.
+
+
+def _per_head(x: jax.Array, weight: jax.Array, kernels: ModuleType | None) -> jax.Array:
+    """x [B, T, H, K] . weight [H, N, K] -> [B, T, H, N], head by head (the absorbed key and value projections)."""
+    if kernels is None:
+        return jnp.einsum("bthk,hnk->bthn", x, weight)
+    b, t, h, k = x.shape
+    out = kernels.row_dot(x.transpose(2, 0, 1, 3).reshape(h, b * t, k), weight)  # [H, B * T, N]
+    return out.reshape(h, b, t, -1).transpose(1, 2, 0, 3)
+
+
+def _cache_scores(q: jax.Array, rows: jax.Array, kernels: ModuleType | None) -> jax.Array:
+    """q [B, T, H, K] . rows [B, S, K] -> scores [B, H, T, S] over the cache's slots."""
+    if kernels is None:
+        return jnp.einsum("bthk,bsk->bhts", q, rows)
+    b, t, h, k = q.shape
+    return kernels.row_dot(q.reshape(b, t * h, k), rows).reshape(b, t, h, -1).transpose(0, 2, 1, 3)
+
+
+def _cache_values(rows: jax.Array, probs: jax.Array, kernels: ModuleType | None) -> jax.Array:
+    """rows [B, S, K] weighted by probs [B, H, T, S] -> [B, T, H, K]. Cache first: XLA:CPU then keeps the cache as
+    stored in this batched matmul (no relayout)."""
+    if kernels is None:
+        return jnp.einsum("bsk,bhts->bthk", rows, probs)
+    b, h, t, s = probs.shape
+    out = jnp.stack([kernels.dense_matvec(probs[i].reshape(h * t, s), rows[i]) for i in range(b)])
+    return out.reshape(b, h, t, -1).transpose(0, 2, 1, 3)
 
 
 def target_rope(config: KimiConfig) -> tuple[np.ndarray, float]:
@@ -116,23 +149,22 @@ class MLAttention(nnx.Module):
         if attention == "absorbed":
             # The committed cache and the new rows as two sets of keys joined for one softmax, the new rows
             # written afterwards: written first, a one-token step made XLA:CPU copy each layer's whole cache.
-            q_latent = jnp.einsum("bthd,hrd->bthr", q_nope, self.k_up[...])
+            kernels = backend.decode_kernels(x.shape[0] * x.shape[1])
+            q_latent = _per_head(q_nope, self.k_up[...], kernels)
             cache_latent, cache_rope = cache_rows
             slots = cache_latent.shape[1]
             committed = jnp.broadcast_to(jnp.arange(slots) < length[:, None, None], (*visible.shape[:2], slots))
             scores = jnp.concatenate(
                 [
-                    jnp.einsum("bthr,bsr->bhts", q_latent, cache_latent)
-                    + jnp.einsum("bthd,bsd->bhts", q_pe, cache_rope),
+                    _cache_scores(q_latent, cache_latent, kernels) + _cache_scores(q_pe, cache_rope, kernels),
                     jnp.einsum("bthr,bur->bhtu", q_latent, latent) + jnp.einsum("bthd,bud->bhtu", q_pe, k_pe),
                 ],
                 axis=-1,
             )
             probs = self._softmax(scores, jnp.concatenate([committed, visible], -1))
-            # Cache first: XLA:CPU then keeps the cache as stored in this batched matmul (no relayout).
-            out_latent = jnp.einsum("bsr,bhts->bthr", cache_latent, probs[..., :slots])
+            out_latent = _cache_values(cache_latent, probs[..., :slots], kernels)
             out_latent += jnp.einsum("bur,bhtu->bthr", latent, probs[..., slots:])
-            out = jnp.einsum("bthr,hdr->bthd", out_latent, self.v_up[...])
+            out = _per_head(out_latent, self.v_up[...], kernels)
             rows = _after(out_latent, (latent, k_pe))
             new_rows = write_rows(cache_latent, rows[0], length), write_rows(cache_rope, rows[1], length)
             return project_heads(out, self.o_proj[...], backend), new_rows

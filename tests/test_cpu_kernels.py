@@ -1,7 +1,8 @@
 """The XLA:CPU kernels (jaxdd/cpu_kernels.cc). The gathered INT4 matvec's dequantization equals
 ``dequantize_int4_groups`` (itself checked against compressed-tensors in test_quant.py) bit for bit, in the form
-this host compiles and in the portable form; its products equal XLA's gathered form; the dense matvec equals XLA's
-matmul; the model picks each only where it applies."""
+this host compiles and in the portable form; its products equal XLA's gathered form; the dense matvec and the row
+dot equal XLA's products, and decode attention through them equals XLA's; the model picks each only where it
+applies."""
 
 from __future__ import annotations
 
@@ -15,14 +16,20 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import DeepseekV3Config
 
 from jaxdd import cpu_kernels
 from jaxdd.backend import Backend
+from jaxdd.cache import LatentCache
+from jaxdd.config import KimiConfig
 from jaxdd.layers import linear
 from jaxdd.moe import _gathered_experts, _int4_kernel, _pair_experts
 from jaxdd.quant import Int4Experts, dequantize_int4_groups
+from jaxdd.target import KimiTarget
+from jaxdd.testing.reference import TINY_K2
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler builds the kernels here")
 
@@ -191,3 +198,54 @@ def test_linear_uses_the_dense_kernel_only_where_it_applies():
     off = [Backend("cpu", devices=8), Backend("gpu"), Backend("tpu"), Backend("cpu", cpu_kernels=False)]
     assert cpu.dense_matvec(Backend.DENSE_KERNEL_ROWS + 1) is None and all(b.dense_matvec(1) is None for b in off)
     assert Backend.of_devices(jax.devices()[:1]).devices == 1
+
+
+@settings(max_examples=8, deadline=None)  # each example's shapes compile anew
+@given(
+    groups=st.integers(1, 9),
+    rows=st.integers(1, 19),
+    n=st.integers(1, 150),
+    k=st.integers(1, 300),
+    weight_dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_row_dot_equals_xla(groups, rows, n, k, weight_dtype, seed):
+    """Any groups, rows of x (8, 4, 2 and 1 at a time), weight rows (split across threads, a ragged last task) and
+    lengths (whole vectors and a tail): the row-dot kernel equals the einsum to fp32 rounding."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((groups, rows, k)), jnp.float32)
+    weight = jnp.asarray(rng.standard_normal((groups, n, k)), weight_dtype)
+    out = jax.jit(cpu_kernels.row_dot)(x, weight)
+    assert out.dtype == jnp.float32 and out.shape == (groups, rows, n)
+    expected = np.einsum("gpk,gnk->gpn", np.asarray(x, np.float64), np.asarray(weight, np.float64))
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=1e-5 * np.sqrt(k), atol=1e-5 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_attention_through_the_kernels_equals_xla(batch):
+    """A one-token step after a prefill (a batch of one, and of two: one cache each) gives XLA's hidden states and
+    logits with the dense matvecs and absorbed attention's products through the kernels."""
+    config = KimiConfig.from_hf(DeepseekV3Config(**TINY_K2).to_dict())
+    target = KimiTarget(config, jnp.float32, rngs=nnx.Rngs(4))
+    rng = np.random.default_rng(4)
+    prompt = jnp.asarray(rng.integers(0, config.vocab_size, (batch, 5)), jnp.int32)
+
+    def step(backend: Backend) -> tuple[jax.Array, jax.Array]:
+        @jax.jit
+        def run(tokens):
+            cache = LatentCache.zeros(config, batch, 16, jnp.float32)
+            positions = jnp.broadcast_to(jnp.arange(5), (batch, 5))
+            causal = jnp.broadcast_to(jnp.tril(jnp.ones((5, 5), bool)), (batch, 5, 5))
+            cache = target(tokens, positions, cache, causal, backend=backend).cache.replace(
+                length=jnp.full((batch,), 5, jnp.int32)
+            )
+            one = jnp.ones((batch, 1, 1), bool)
+            hidden = target(tokens[:, -1:], positions[:, -1:] + 1, cache, one, backend=backend).hidden
+            return hidden, target.logits(hidden, backend)
+
+        return run(prompt)
+
+    assert Backend("cpu").decode_kernels(batch) is cpu_kernels
+    with_kernels, xla = step(Backend("cpu")), step(Backend("cpu", cpu_kernels=False))
+    for ours, theirs in zip(with_kernels, xla, strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
