@@ -81,12 +81,15 @@ const Tables& tables() {
   return *built;
 }
 
-// The layout dot_row reads: per quad, lane t of the first 16 floats is input 8 (t / 4) + 2 (t % 4) (the low
-// nibble of byte t % 4 of word t / 4), of the second 16 the input after it (the byte's high nibble).
+// The layout dot_row reads: per quad, lane t of the first 16 floats is input 2t (the low nibble of byte t % 4 of
+// word t / 4), of the second 16 input 2t + 1 (that byte's high nibble). k is a whole number of quads.
 void lay_out(const float* x, int64_t k, float* xt) {
-  for (int64_t i = 0; i < k; ++i) {
-    const int64_t quad = i / kQuad, word = (i % kQuad) / kLanes, value = i % kLanes;
-    xt[quad * kQuad + (value % 2) * 16 + word * 4 + value / 2] = x[i];
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t i = 0; i < k; i += kQuad) {
+    const __m512 low = _mm512_loadu_ps(x + i), high = _mm512_loadu_ps(x + i + 16);
+    _mm512_storeu_ps(xt + i, _mm512_permutex2var_ps(low, even, high));
+    _mm512_storeu_ps(xt + i + 16, _mm512_permutex2var_ps(low, odd, high));
   }
 }
 
