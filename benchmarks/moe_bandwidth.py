@@ -178,12 +178,13 @@ def measure(model: KimiTarget, repeats: int, rounds: int, probe: Callable[[], fl
 
 
 def plot(report: dict, path: Path) -> None:
+    """Left: the steps against their floors (log); right: each AR round's ratio against the bandwidth it met."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axis = plt.subplots(figsize=(7, 4))
+    fig, (axis, rounds) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
     labels = ["AR step", f"verify {VERIFY_TOKENS} tokens"]
     x = np.arange(2)
     labels_of = {"floor": "floor", "now": "CPU kernels", "xla": "XLA only", "before": "every expert"}
@@ -196,6 +197,14 @@ def plot(report: dict, path: Path) -> None:
     axis.set_ylabel("ms (log)")
     axis.set_title(f"INT4 MoE, 128 experts top 8, read bandwidth {report['read_gb_s']:.1f} GB/s")
     axis.legend()
+    measured = report["ar"]["rounds"]
+    rounds.scatter([r["read_gb_s"] for r in measured], [r["over_floor"] for r in measured], label="AR rounds")
+    rounds.axhline(2, color="gray", linestyle="--", label="2x the floor")
+    rounds.axhline(report["ar"]["now_over_floor"], color="C1", label=f"median {report['ar']['now_over_floor']:.2f}x")
+    rounds.set_xlabel("read bandwidth that round (GB/s)")
+    rounds.set_ylabel("AR step / floor")
+    rounds.set_title("each round against its own floor")
+    rounds.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
