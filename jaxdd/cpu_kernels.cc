@@ -321,6 +321,8 @@ inline Floats16 widen(const uint16_t* w) {  // bf16 -> fp32 is a shift
   typedef uint32_t Words16 __attribute__((vector_size(16 * sizeof(uint32_t))));
   return (Floats16)(__builtin_convertvector(load<Halves16>(w), Words16) << 16);
 }
+template <ffi::DataType kWeight>  // how a weight's elements are read: fp32, or bf16 as its 16 bits
+using WeightBits = std::conditional_t<kWeight == ffi::DataType::F32, float, uint16_t>;
 inline float to_float(float w) { return w; }
 inline float to_float(uint16_t w) { return bf16_to_float(w); }
 
@@ -360,7 +362,7 @@ ffi::Error DenseMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Bu
     return ffi::Error::InvalidArgument("dense matvec: rows [P, K], weight [K, N]");
   }
   const int64_t p = rd[0], k = rd[1], n = wd[1];
-  using W = std::conditional_t<kWeight == ffi::DataType::F32, float, uint16_t>;
+  using W = WeightBits<kWeight>;
   const W* w = reinterpret_cast<const W*>(weight.typed_data());
   const int64_t blocks = std::clamp<int64_t>(k / kDenseRowsPerTask, 1, kDenseTasksPerThread * pool.num_threads());
   const int64_t rows_per_block = (k + blocks - 1) / blocks;
@@ -421,7 +423,7 @@ ffi::Error RowDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
   }
   const int64_t groups = xd[0], rows = xd[1], k = xd[2], n = wd[1];
   const int64_t blocks = (n + kRowDotRowsPerTask - 1) / kRowDotRowsPerTask;
-  using W = std::conditional_t<kWeight == ffi::DataType::F32, float, uint16_t>;
+  using W = WeightBits<kWeight>;
   const float* xs = x.typed_data();
   const W* ws = reinterpret_cast<const W*>(w.typed_data());
   float* o = out->typed_data();
@@ -447,6 +449,16 @@ ffi::Error RowDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
   return ffi::Error::Success();
 }
 
+// The dense matvec's and the row dot's signature: fp32 rows and a weight of kWeight in, fp32 out.
+template <ffi::DataType kWeight>
+auto fp32_rows_times() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<kWeight>>()
+      .template Ret<ffi::Buffer<ffi::F32>>();  // ``template``: the builder's type depends on kWeight
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdd_int4_gathered_matvec, Int4GatheredMatvec,
@@ -459,29 +471,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdd_int4_gathered_matvec, Int4GatheredMatvec,
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdd_dense_matvec_f32, DenseMatvec<ffi::DataType::F32>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdd_row_dot_f32, RowDot<ffi::DataType::F32>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdd_row_dot_bf16, RowDot<ffi::DataType::BF16>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
+                              fp32_rows_times<ffi::DataType::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdd_dense_matvec_bf16, DenseMatvec<ffi::DataType::BF16>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              fp32_rows_times<ffi::DataType::BF16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdd_row_dot_f32, RowDot<ffi::DataType::F32>, fp32_rows_times<ffi::DataType::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdd_row_dot_bf16, RowDot<ffi::DataType::BF16>, fp32_rows_times<ffi::DataType::BF16>());
