@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 import jaxdd
-from jaxdd.decoder import SpeculativeDecoder
+from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.testing.benchmark import timed, write_result
 from jaxdd.testing.oracle import OracleDrafter
 from jaxdd.testing.reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model

@@ -24,7 +24,7 @@ import torch
 
 import jaxdd
 from jaxdd.crosscheck.torch_reference import dflash_reference
-from jaxdd.decoder import SpeculativeDecoder
+from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.testing.benchmark import median_ms, timed, write_result
 from jaxdd.testing.oracle import OracleDrafter, patched_reference_drafter
 from jaxdd.testing.reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model

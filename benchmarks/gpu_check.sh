@@ -31,7 +31,7 @@ timeout 170 $PY - "$OUT" <<'PY' 2>&1 | tee "$OUT/gpu_kernel.log"
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
-from jaxdd.backend import Backend
+from jaxdd.runtime.backend import Backend
 from jaxdd.testing.benchmark import median_ms
 
 rows = []
@@ -72,7 +72,7 @@ echo "== 2b. the DDTree round through the kernel vs through XLA (demo pair, budg
 JAX_DEFAULT_MATMUL_PRECISION=highest timeout 90 $PY - "$OUT" <<'PY' 2>&1 | tee "$OUT/gpu_round.log"
 import json, sys, time
 import jaxdd
-from jaxdd.decoder import SpeculativeDecoder
+from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.generate import DEMO
 
 # fp32 with full-precision matmuls, so that the two attentions' tokens may be compared

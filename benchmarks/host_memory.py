@@ -37,8 +37,8 @@ def worker(checkpoint: Path, way: str, processes: int, process_id: int, port: in
     from flax import nnx
 
     import jaxdd
-    from jaxdd.distributed import join
-    from jaxdd.sharding import make_mesh, shard_module
+    from jaxdd.runtime.distributed import join
+    from jaxdd.runtime.sharding import make_mesh, shard_module
     from jaxdd.testing.benchmark import process_memory_mb
 
     if processes > 1:

@@ -35,12 +35,12 @@ from tqdm import tqdm
 
 import jaxdd
 from jaxdd.crosscheck.torch_reference import dflash_reference, load_reference_models
-from jaxdd.decoder import SpeculativeDecoder
-from jaxdd.drafter import DFlashDrafter
+from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.decoding.sampling import GREEDY, Sampling
 from jaxdd.generate import DEMO, simulate_cpu_devices
-from jaxdd.sampling import GREEDY, Sampling
+from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.testing.benchmark import write_result
-from jaxdd.tokenizer import load_tokenizer
+from jaxdd.weights.tokenizer import load_tokenizer
 
 RESULTS = Path(__file__).parent / "results"
 REFERENCE = "dflash_generate (PyTorch)"

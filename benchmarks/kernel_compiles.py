@@ -21,15 +21,15 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jaxdd.startup  # noqa: F401, I001  (first: JAX without the CUDA plugin's start-up lines)
+import jaxdd.runtime.startup  # noqa: F401, I001  (first: JAX without the CUDA plugin's start-up lines)
 import jax
 import jax.numpy as jnp
 
 from jax.experimental import topologies
 
-from jaxdd.aot import GPU_COMPILER_OPTIONS, compile_target
-from jaxdd.backend import Backend
-from jaxdd.hardware import GPUS
+from jaxdd.planning.aot import GPU_COMPILER_OPTIONS, compile_target
+from jaxdd.runtime.backend import Backend
+from jaxdd.planning.hardware import GPUS
 from jaxdd.testing.benchmark import write_result
 from pallas_kernels.tree_attention_tpu import tpu_tiles, tree_attention_tpu
 

@@ -11,7 +11,7 @@ AR step with the CPU kernels is timed in rounds that alternate with the bandwidt
 median step over the floor at that round's bandwidth, and the result is the median round. Also timed: a DFlash
 verify-sized target forward (16 tokens: 128 pairs, ~81 distinct experts per layer under uniform routing), with
 what the backend picks now (``gathered`` through the INT4 kernel and, for one token, the dense weights through the
-dense matvec kernel: ``jaxdd.cpu_kernels``), with what it picks without the kernels (``gathered`` through XLA's
+dense matvec kernel: ``jaxdd.runtime.cpu_kernels``), with what it picks without the kernels (``gathered`` through XLA's
 dequantization for one token, ``scan`` for 16, XLA's matmuls) and with what it picked first (every expert
 dequantized: ``dense`` for one token, ``scan`` for 16). Writes benchmarks/results/moe_bandwidth.json and
 moe_bandwidth.png.
@@ -31,15 +31,15 @@ from flax import nnx
 from transformers import DeepseekV3Config
 
 import jaxdd
-from jaxdd import cpu_kernels
-from jaxdd.backend import Backend
-from jaxdd.checkpoint import groups_of, write_checkpoint
 from jaxdd.config import KimiConfig
-from jaxdd.decoder import SpeculativeDecoder
-from jaxdd.quant import ExpertFormat, ExpertWeights
-from jaxdd.target import KimiTarget, abstract_target
+from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.models.quant import ExpertFormat, ExpertWeights
+from jaxdd.models.target import KimiTarget, abstract_target
+from jaxdd.runtime import cpu_kernels
+from jaxdd.runtime.backend import Backend
 from jaxdd.testing.benchmark import median_ms, timed, write_result
 from jaxdd.testing.reference import TINY_K2
+from jaxdd.weights.checkpoint import groups_of, write_checkpoint
 
 RESULTS = Path(__file__).parent / "results"
 SHAPE = TINY_K2 | dict(  # 1 dense + 5 MoE layers; the routed experts are 0.57 GB of INT4, the rest ~0.3 GB fp32

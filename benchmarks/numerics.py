@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 import jaxdd
-from jaxdd.backend import Backend
-from jaxdd.layers import rope_cos_sin
-from jaxdd.target import target_rope
+from jaxdd.models.layers import rope_cos_sin
+from jaxdd.models.target import target_rope
+from jaxdd.runtime.backend import Backend
 from jaxdd.testing.benchmark import write_result
 from jaxdd.testing.reference import FLAVOURS, additive_mask, hf_model, rel_err
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxdd.plan import plan
+from jaxdd.planning.fit import plan
 from jaxdd.testing.benchmark import write_result
 
 RESULT = Path(__file__).parent / "results" / "plan_kimi_k26.json"

@@ -29,10 +29,10 @@ from humaneval import humaneval_prompts, jaxdd_runner, load_pair
 
 from jaxdd.api import Target
 from jaxdd.config import DrafterConfig, KimiConfig
-from jaxdd.decoder import SpeculativeDecoder
-from jaxdd.drafter import DFlashDrafter
+from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.generate import DEMO
-from jaxdd.target import KimiTarget
+from jaxdd.models.drafter import DFlashDrafter
+from jaxdd.models.target import KimiTarget
 from jaxdd.testing.benchmark import write_result
 from jaxdd.train.drafter import drafter_hf_config
 from jaxdd.train.target import KIMI_MINI

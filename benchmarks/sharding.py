@@ -24,8 +24,8 @@ import numpy as np
 from flax import nnx
 
 import jaxdd
-from jaxdd.decoder import SpeculativeDecoder
-from jaxdd.sharding import make_mesh, shard_module
+from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.runtime.sharding import make_mesh, shard_module
 from jaxdd.testing.benchmark import timed, write_result
 from jaxdd.testing.reference import TINY_K2, drafter_config, save_random_pair
 

@@ -3,7 +3,7 @@ tokens/s the demo pair's tau curve predicts, TP vs EP, 8k and 32k tokens of cont
 
     python benchmarks/traffic_table.py
 
-Computed from the model's shapes and the GPUs' datasheets (``jaxdd.traffic``), not measured, under uniform
+Computed from the model's shapes and the GPUs' datasheets (``jaxdd.planning.traffic``), not measured, under uniform
 routing. Beside it, the demo pair's measured routing (its router's choices on 16 HumanEval prompts, per MoE
 layer): the distinct experts a round of T tokens reads under that histogram against uniform routing. Writes
 benchmarks/results/traffic_kimi_k26.json and prints the README's table (best round per GPU, mode and context).
@@ -21,11 +21,11 @@ from humaneval import humaneval_prompts
 
 import jaxdd
 from jaxdd.generate import DEMO
-from jaxdd.hardware import GPUS
-from jaxdd.moe import Router
-from jaxdd.plan import plan
+from jaxdd.models.moe import Router
+from jaxdd.planning.fit import plan
+from jaxdd.planning.hardware import GPUS
+from jaxdd.planning.traffic import distinct_experts
 from jaxdd.testing.benchmark import write_result
-from jaxdd.traffic import distinct_experts
 
 RESULTS = Path(__file__).parent / "results"
 ROUND_TOKENS = (1, 8, 9, 17, 65)  # AR, DFlash block 8, DDTree budgets 8, 16, 64

@@ -1,3 +1,3 @@
 """Weight conversion between HF safetensors checkpoints and jaxdd checkpoints."""
 
-import jaxdd.startup  # noqa: F401  (JAX imported quietly before the converters import it)
+import jaxdd.runtime.startup  # noqa: F401  (JAX imported quietly before the converters import it)

@@ -1,7 +1,7 @@
 """HF checkpoint directory -> jaxdd checkpoint, streamed one group (a layer, the embedding, the head) at a time.
 
 Everything is validated from the shard headers before anything is written; the output appears atomically
-(``jaxdd.checkpoint.write_checkpoint``), so an interrupted or failed run leaves nothing jaxdd would load.
+(``jaxdd.weights.checkpoint.write_checkpoint``), so an interrupted or failed run leaves nothing jaxdd would load.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from jaxdd.checkpoint import Kind, get_path, set_path, write_checkpoint
 from jaxdd.config import DrafterConfig, KimiConfig, in_file
-from jaxdd.drafter import abstract_drafter
-from jaxdd.hf_mappings import Mapping, drafter_mappings, target_mappings
-from jaxdd.hf_weights import HFCheckpoint, convert_arrays, mtp_layers
-from jaxdd.quant import DENSE, ExpertFormat
-from jaxdd.target import abstract_target
-from jaxdd.tokenizer import tokenizer_files
+from jaxdd.models.drafter import abstract_drafter
+from jaxdd.models.quant import DENSE, ExpertFormat
+from jaxdd.models.target import abstract_target
+from jaxdd.weights.checkpoint import Kind, get_path, set_path, write_checkpoint
+from jaxdd.weights.hf_mappings import Mapping, drafter_mappings, target_mappings
+from jaxdd.weights.hf_reader import HFCheckpoint, convert_arrays, mtp_layers
+from jaxdd.weights.tokenizer import tokenizer_files
 
 
 @dataclasses.dataclass

@@ -20,7 +20,10 @@ from flax import nnx
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
-from jaxdd.checkpoint import (
+from jaxdd.config import DrafterConfig, KimiConfig
+from jaxdd.errors import CheckpointError, ConfigError, checkpoint_directory, read_json
+from jaxdd.models.quant import ExpertFormat, dense_experts
+from jaxdd.weights.checkpoint import (
     MARKER,
     abstract_model,
     atomic_directory,
@@ -31,12 +34,9 @@ from jaxdd.checkpoint import (
     read_meta,
     restore_groups,
 )
-from jaxdd.config import DrafterConfig, KimiConfig
-from jaxdd.errors import CheckpointError, ConfigError, checkpoint_directory, read_json
-from jaxdd.hf_mappings import Mapping, drafter_mappings, target_mappings
-from jaxdd.hf_weights import INDEX_FILE
-from jaxdd.quant import ExpertFormat, dense_experts
-from jaxdd.tokenizer import tokenizer_files
+from jaxdd.weights.hf_mappings import Mapping, drafter_mappings, target_mappings
+from jaxdd.weights.hf_reader import INDEX_FILE
+from jaxdd.weights.tokenizer import tokenizer_files
 
 FP32_TENSORS = ("e_score_correction_bias",)  # fp32 in the real checkpoints whatever the model dtype
 

@@ -1,5 +1,5 @@
 """``python -m convert verify DIR``: a jaxdd checkpoint's files against the sizes and sha256 checksums recorded
-when it was written (``jaxdd.checksums``)."""
+when it was written (``jaxdd.weights.checksums``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from jaxdd.checkpoint import MARKER, check_files, is_jaxdd_checkpoint, read_meta
 from jaxdd.errors import CheckpointError, checkpoint_directory, read_json
+from jaxdd.weights.checkpoint import MARKER, check_files, is_jaxdd_checkpoint, read_meta
 
 
 def verify_checkpoint(directory: str | Path, progress: bool = True) -> str:

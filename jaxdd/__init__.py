@@ -15,14 +15,14 @@ The stable Python API:
     sampled = target.generate([1, 2, 3], drafter=drafter, sampling=jaxdd.Sampling(temperature=0.7, seed=1))
 """
 
-import jaxdd.startup  # noqa: F401  (first: imports JAX without the CUDA plugin's start-up lines)
+import jaxdd.runtime.startup  # noqa: F401  (first: imports JAX without the CUDA plugin's start-up lines)
 from jaxdd.api import ForwardResult, Target, load_drafter, load_pair, load_target
-from jaxdd.cache import LatentCache
-from jaxdd.checkpoint import save_drafter, save_target
 from jaxdd.config import DrafterConfig, KimiConfig
-from jaxdd.decoder import Generation, SpeculativeDecoder
+from jaxdd.decoding.engine import Generation, SpeculativeDecoder
+from jaxdd.decoding.sampling import Sampling
 from jaxdd.errors import CheckpointError, ConfigError, InputError, LargeRoundWarning
-from jaxdd.sampling import Sampling
+from jaxdd.models.cache import LatentCache
+from jaxdd.weights.checkpoint import save_drafter, save_target
 
 __all__ = [
     "CheckpointError",

@@ -1,7 +1,7 @@
 """The host-side API: load a target, run jitted forwards over a latent cache (inputs checked by
-``jaxdd.validation``), generate.
+``jaxdd.decoding.requests``), generate.
 
-The jitted step takes the model as a flat list of arrays (``jaxdd.jit_state``) and donates the cache so XLA
+The jitted step takes the model as a flat list of arrays (``jaxdd.runtime.jit_state``) and donates the cache so XLA
 writes the new rows in place.
 """
 
@@ -17,19 +17,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxdd.backend import Attention, Backend
-from jaxdd.cache import LatentCache
-from jaxdd.checkpoint import abstract_model, cast_model, is_jaxdd_checkpoint, load_checkpoint
 from jaxdd.config import KimiConfig
-from jaxdd.decoder import Generation, SpeculativeDecoder
-from jaxdd.drafter import DFlashDrafter
+from jaxdd.decoding.engine import Generation, SpeculativeDecoder
+from jaxdd.decoding.requests import Method, check_positions, check_tokens, check_visible
+from jaxdd.decoding.sampling import GREEDY, Sampling
 from jaxdd.errors import CheckpointError, InputError, checkpoint_directory
-from jaxdd.hf_weights import load_hf_drafter, load_hf_target
-from jaxdd.jit_state import split_module
-from jaxdd.sampling import GREEDY, Sampling
-from jaxdd.sharding import MoeMode, Placement, abstract_shardings, make_mesh, place
-from jaxdd.target import KimiTarget
-from jaxdd.validation import Method, check_positions, check_tokens, check_visible
+from jaxdd.models.cache import LatentCache
+from jaxdd.models.drafter import DFlashDrafter
+from jaxdd.models.target import KimiTarget
+from jaxdd.runtime.backend import Attention, Backend
+from jaxdd.runtime.jit_state import split_module
+from jaxdd.runtime.sharding import MoeMode, Placement, abstract_shardings, make_mesh, place
+from jaxdd.weights.checkpoint import abstract_model, cast_model, is_jaxdd_checkpoint, load_checkpoint
+from jaxdd.weights.hf_reader import load_hf_drafter, load_hf_target
 
 
 class ForwardResult(NamedTuple):

@@ -23,10 +23,10 @@ from pathlib import Path
 import jax
 
 import jaxdd
-from jaxdd.backend import Backend
-from jaxdd.decoder import Generation
-from jaxdd.distributed import disagreeing_processes, join
-from jaxdd.tokenizer import TextTokenizer, load_tokenizer
+from jaxdd.decoding.engine import Generation
+from jaxdd.runtime.backend import Backend
+from jaxdd.runtime.distributed import disagreeing_processes, join
+from jaxdd.weights.tokenizer import TextTokenizer, load_tokenizer
 
 DEMO = Path(__file__).parent / "demo" / "kimi-mini"
 DEFAULT_PROMPT = 'def read_config(path):\n    """Read a JSON config file and return it as a dict."""\n'

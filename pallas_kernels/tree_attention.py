@@ -7,7 +7,7 @@ kernel flattens (token, head) into query rows, runs an online softmax over the p
 the length), then over the tree tail with the ancestor mask, and writes the latent-space output; the caller
 applies the value up-projection. The latent and rope operands stay apart (two dots), never concatenated.
 
-The caller passes the backend's choices (``jaxdd.backend.Backend.kernel_options``): ``interpret=True`` on CPU;
+The caller passes the backend's choices (``jaxdd.runtime.backend.Backend.kernel_options``): ``interpret=True`` on CPU;
 Triton compiler parameters on GPU (block sizes are powers of two, as Triton needs). TPUs get the form in
 ``tree_attention_tpu.py`` (the same online-softmax step, the cache streamed through VMEM). Pallas' Triton backend
 is deprecated since jax 0.11; a Mosaic GPU form waits for a GPU to be checked on: a deviceless compile here

@@ -19,12 +19,12 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 
-import jaxdd.startup  # noqa: I001  (first: JAX without the CUDA plugin's start-up lines)
+import jaxdd.runtime.startup  # noqa: I001  (first: JAX without the CUDA plugin's start-up lines)
 import jaxdd
 import jax.numpy as jnp
 import pytest
-from jaxdd.decoder import SpeculativeDecoder
-from jaxdd.hf_weights import load_hf_drafter
+from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.weights.hf_reader import load_hf_drafter
 from jaxdd.testing.reference import TINY_K2, TINY_K25, drafter_config, hf_drafter, hf_model
 
 

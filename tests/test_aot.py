@@ -1,4 +1,4 @@
-"""Deviceless compiles for the real targets (``jaxdd.aot``, ``jaxdd.plan --target``): the rounds
+"""Deviceless compiles for the real targets (``jaxdd.planning.aot``, ``jaxdd.plan --target``): the rounds
 ``jaxdd.generate`` runs there compile with the GPU's or TPU's own compiler on this CPU host, each with a memory
 analysis inside a bound computed from the shapes, and the full-width Kimi K2.6 layers fit on the GPU."""
 
@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxdd.aot import compile_target
-from jaxdd.backend import Backend
 from jaxdd.errors import InputError
-from jaxdd.plan import plan
+from jaxdd.planning.aot import compile_target
+from jaxdd.planning.fit import plan
+from jaxdd.runtime.backend import Backend
 from jaxdd.testing.reference import TINY_K2
 from pallas_kernels.tree_attention import tree_attention
 

@@ -9,8 +9,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import jaxdd
-from jaxdd.checkpoint import is_jaxdd_checkpoint
 from jaxdd.testing.reference import TINY_K2, hf_model
+from jaxdd.weights.checkpoint import is_jaxdd_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_bad_checkpoint_directories(hf_dir, tmp_path):
 
 def test_equal_models_share_one_jit_spec(hf_dir, target):
     """Decoders built one after another reuse compiled rounds without jit comparing their module graphs again."""
-    from jaxdd.jit_state import split_module
+    from jaxdd.runtime.jit_state import split_module
 
     again = jaxdd.load_target(hf_dir, dtype="float32")  # a separate, equal model
     spec, weights = split_module(again.model)

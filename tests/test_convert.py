@@ -26,11 +26,11 @@ import jaxdd
 from convert.__main__ import main as convert_main
 from convert.hf_to_jaxdd import convert
 from convert.jaxdd_to_hf import export
-from jaxdd.quant import Fp8Experts, Int4Experts
+from jaxdd.models.quant import Fp8Experts, Int4Experts
 from jaxdd.testing.hf_layouts import CONVERT_TINY, write_k2_instruct_fp8, write_k25_int4, write_reference
 from jaxdd.testing.reference import drafter_config, hf_drafter, hf_model, rel_err
 from jaxdd.testing.synthetic_checkpoint import measure_conversion, write_synthetic_target
-from jaxdd.tokenizer import load_tokenizer
+from jaxdd.weights.tokenizer import load_tokenizer
 
 IDS = np.array([[5, 17, 3, 250, 9, 1, 77, 200]])
 
@@ -152,7 +152,7 @@ def test_drafter_convert_and_export(tmp_path):
 def test_interrupted_conversion_leaves_nothing_and_rerun_works(layouts, tmp_path, monkeypatch):
     source, _ = layouts["fp8"]
     calls = {"n": 0}
-    real_read = jaxdd.hf_weights.HFCheckpoint.read
+    real_read = jaxdd.weights.hf_reader.HFCheckpoint.read
 
     def read_then_interrupt(self, mapping):
         calls["n"] += 1
@@ -160,7 +160,7 @@ def test_interrupted_conversion_leaves_nothing_and_rerun_works(layouts, tmp_path
             raise KeyboardInterrupt
         return real_read(self, mapping)
 
-    monkeypatch.setattr(jaxdd.hf_weights.HFCheckpoint, "read", read_then_interrupt)
+    monkeypatch.setattr(jaxdd.weights.hf_reader.HFCheckpoint, "read", read_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         convert(source, tmp_path / "ckpt", progress=False)
     assert list(tmp_path.iterdir()) == []
@@ -272,7 +272,7 @@ def test_restore_lands_in_target_shardings(layouts, tmp_path):
     """Each array is restored straight into the sharding asked for (here: experts split over 8 devices)."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from jaxdd.checkpoint import abstract_model, load_checkpoint
+    from jaxdd.weights.checkpoint import abstract_model, load_checkpoint
 
     convert(layouts["int4"][0], tmp_path / "ckpt", dtype="float32", progress=False)
     mesh = Mesh(np.array(jax.devices()[:8]), ("experts",))
@@ -305,7 +305,7 @@ def test_a_killed_run_leaves_nothing_and_a_live_one_is_not_overrun(layouts, tmp_
     into OUT is refused by name; after, a rerun removes the dead run's staging directory and leaves only OUT."""
     source, out = layouts["int4"][0], tmp_path / "runs" / "out"
     writer = (
-        "import sys, time\nfrom jaxdd.checkpoint import atomic_directory\n"
+        "import sys, time\nfrom jaxdd.weights.checkpoint import atomic_directory\n"
         "with atomic_directory(sys.argv[1]) as staging:\n"
         "    (staging / 'partial').write_bytes(bytes(1000))\n    print('staging', flush=True)\n    time.sleep(120)\n"
     )

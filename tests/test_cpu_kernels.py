@@ -1,4 +1,4 @@
-"""The XLA:CPU kernels (jaxdd/cpu_kernels.cc). The gathered INT4 matvec's dequantization equals
+"""The XLA:CPU kernels (jaxdd/runtime/cpu_kernels.cc). The gathered INT4 matvec's dequantization equals
 ``dequantize_int4_groups`` (itself checked against compressed-tensors in test_quant.py) bit for bit, in the form
 this host compiles and in the portable form; its products equal XLA's gathered form; the dense matvec and the row
 dot equal XLA's products, and decode attention through them equals XLA's; the model picks each only where it
@@ -21,14 +21,14 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from transformers import DeepseekV3Config
 
-from jaxdd import cpu_kernels
-from jaxdd.backend import Backend
-from jaxdd.cache import LatentCache
 from jaxdd.config import KimiConfig
-from jaxdd.layers import linear
-from jaxdd.moe import _gathered_experts, _int4_kernel, _pair_experts
-from jaxdd.quant import Int4Experts, dequantize_int4_groups
-from jaxdd.target import KimiTarget
+from jaxdd.models.cache import LatentCache
+from jaxdd.models.layers import linear
+from jaxdd.models.moe import _gathered_experts, _int4_kernel, _pair_experts
+from jaxdd.models.quant import Int4Experts, dequantize_int4_groups
+from jaxdd.models.target import KimiTarget
+from jaxdd.runtime import cpu_kernels
+from jaxdd.runtime.backend import Backend
 from jaxdd.testing.reference import TINY_K2
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler builds the kernels here")
@@ -157,7 +157,7 @@ def test_build_is_cached_and_a_failing_compiler_falls_back(tmp_path, monkeypatch
     built = library.stat().st_mtime_ns
     assert cpu_kernels.build(compiler) == library and library.stat().st_mtime_ns == built
     monkeypatch.setenv("JAXDD_CACHE", str(tmp_path / "failing"))
-    with caplog.at_level(logging.WARNING, logger="jaxdd.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="jaxdd.runtime.cpu_kernels"):
         assert cpu_kernels.load("false") is None
     assert "did not build" in caplog.text
     assert not any((tmp_path / "failing").rglob("*.so"))

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-import jaxdd.target
+import jaxdd.models.target
 from jaxdd.crosscheck.__main__ import main
 from jaxdd.crosscheck.compare import compare
 from jaxdd.crosscheck.trace import load_traces
@@ -83,8 +83,10 @@ def fresh_compilations():
 def test_wrong_rope_layout_is_caught_and_localised(references, monkeypatch, fresh_compilations, capsys):
     """Rotating the rope channels as halves instead of interleaved pairs: position 0 (angle 0) is unaffected,
     so the hidden states must point at position 1, layer 0; the logits fail from the first stored position."""
-    apply_rope = jaxdd.target.apply_rope
-    monkeypatch.setattr(jaxdd.target, "apply_rope", lambda x, cos, sin, interleaved: apply_rope(x, cos, sin, False))
+    apply_rope = jaxdd.models.target.apply_rope
+    monkeypatch.setattr(
+        jaxdd.models.target, "apply_rope", lambda x, cos, sin, interleaved: apply_rope(x, cos, sin, False)
+    )
     report = compare(references["ddtree"])
     assert not report.ok
     _, traces = load_traces(references["ddtree"])
@@ -109,7 +111,7 @@ def test_bad_reference_file(tmp_path, capsys):
 def test_text_prompts_use_the_target_tokenizer(tmp_path):
     from jaxdd.crosscheck.dump import read_prompts
     from jaxdd.generate import DEMO
-    from jaxdd.tokenizer import load_tokenizer
+    from jaxdd.weights.tokenizer import load_tokenizer
 
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["def f(x):", [5, 6, 7]]))

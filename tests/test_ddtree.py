@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxdd.compile_time import compile_clock
 from jaxdd.crosscheck.torch_reference import ddtree_reference
-from jaxdd.decoder import SpeculativeDecoder
+from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.runtime.compile_time import compile_clock
 from jaxdd.testing.oracle import OracleDrafter, patched_reference_drafter
 from jaxdd.testing.reference import hf_greedy
 

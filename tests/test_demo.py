@@ -8,10 +8,10 @@ import torch
 
 import jaxdd
 from jaxdd.crosscheck.torch_reference import dflash_reference, load_reference_models
-from jaxdd.decoder import SpeculativeDecoder
+from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.generate import DEFAULT_PROMPT, DEMO
 from jaxdd.testing.reference import hf_greedy
-from jaxdd.tokenizer import load_tokenizer
+from jaxdd.weights.tokenizer import load_tokenizer
 
 NEW_TOKENS = 24
 

@@ -14,10 +14,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import jaxdd
-from jaxdd.compile_time import compile_clock
 from jaxdd.config import DrafterConfig
 from jaxdd.crosscheck.torch_reference import dflash_reference
-from jaxdd.decoder import (
+from jaxdd.decoding.engine import (
     CACHE_ALIGN,
     PROMPT_BUCKETS_PER_OCTAVE,
     PROMPT_MIN_STEP,
@@ -25,8 +24,9 @@ from jaxdd.decoder import (
     bucket,
     cache_slots,
 )
-from jaxdd.drafter import DFlashDrafter
-from jaxdd.sampling import argmax
+from jaxdd.decoding.sampling import argmax
+from jaxdd.models.drafter import DFlashDrafter
+from jaxdd.runtime.compile_time import compile_clock
 from jaxdd.testing.oracle import OracleDrafter, patched_reference_drafter
 from jaxdd.testing.reference import drafter_config, hf_greedy
 

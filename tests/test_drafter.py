@@ -9,10 +9,10 @@ import torch
 from transformers import DynamicCache
 
 from jaxdd.config import DrafterConfig, default_target_layer_ids
-from jaxdd.drafter import DraftCache
 from jaxdd.errors import ConfigError
-from jaxdd.hf_weights import load_hf_drafter
+from jaxdd.models.drafter import DraftCache
 from jaxdd.testing.reference import drafter_config, hf_drafter, rel_err
+from jaxdd.weights.hf_reader import load_hf_drafter
 
 TOL = 1e-5
 

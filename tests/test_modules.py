@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 import jaxdd
-from jaxdd.backend import Backend
-from jaxdd.cache import write_rows
-from jaxdd.layers import apply_rope, rms_norm, rope_cos_sin
-from jaxdd.moe import _gathered_experts, _gathered_local_pairs, _pair_experts, _skipping_experts, _tiled_experts
-from jaxdd.quant import DenseExperts
-from jaxdd.target import target_rope
+from jaxdd.models.cache import write_rows
+from jaxdd.models.layers import apply_rope, rms_norm, rope_cos_sin
+from jaxdd.models.moe import _gathered_experts, _gathered_local_pairs, _pair_experts, _skipping_experts, _tiled_experts
+from jaxdd.models.quant import DenseExperts
+from jaxdd.models.target import target_rope
+from jaxdd.runtime.backend import Backend
 from jaxdd.testing.reference import FLAVOURS, additive_mask, hf_model, rel_err
 
 TOL = 1e-5

@@ -10,7 +10,7 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32,
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import dequantize
 
-from jaxdd.quant import dequantize_fp8_blocks, dequantize_int4_groups, unpack_int4
+from jaxdd.models.quant import dequantize_fp8_blocks, dequantize_int4_groups, unpack_int4
 from jaxdd.testing.hf_layouts import deepseek_weight_dequant
 
 

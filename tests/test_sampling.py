@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxdd
-from jaxdd.decoder import SpeculativeDecoder
-from jaxdd.sampling import CANDIDATES, Sampling, SamplingArrays, filtered_probs, sample, seed_keys, split_keys
+from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.decoding.sampling import CANDIDATES, Sampling, SamplingArrays, filtered_probs, sample, seed_keys, split_keys
 from jaxdd.testing.reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model
 
 # A vocabulary small enough to enumerate every 3-token continuation (8^3 = 512), and logits scaled up so the

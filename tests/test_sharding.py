@@ -12,14 +12,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxdd
-from jaxdd.compile_time import compile_clock
-from jaxdd.decoder import SpeculativeDecoder
-from jaxdd.hf_weights import HFCheckpoint, load_hf_target
-from jaxdd.plan import plan
-from jaxdd.quant import DENSE
-from jaxdd.sharding import make_mesh, shard_module
+from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.models.quant import DENSE
+from jaxdd.planning.fit import plan
+from jaxdd.runtime.compile_time import compile_clock
+from jaxdd.runtime.sharding import make_mesh, shard_module
 from jaxdd.testing.hf_layouts import write_k2_instruct_fp8, write_k25_int4
 from jaxdd.testing.reference import TINY_K2, drafter_config, rel_err, save_random_pair
+from jaxdd.weights.hf_reader import HFCheckpoint, load_hf_target
 
 # 8 heads and 16 experts of width 64 so that 8 devices split heads, experts (ep) and expert width (tp).
 SHARDABLE = TINY_K2 | dict(num_attention_heads=8, num_key_value_heads=8, moe_intermediate_size=64)

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from jaxdd.errors import CheckpointError
-from jaxdd.tokenizer import KIMI_PATTERN, KimiTokenizer, load_tokenizer
+from jaxdd.weights.tokenizer import KIMI_PATTERN, KimiTokenizer, load_tokenizer
 
 # Shaped like Kimi K2's template: role markers, <|im_middle|> before the content, <|im_end|> after each turn.
 KIMI_STYLE_TEMPLATE = (

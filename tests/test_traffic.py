@@ -1,4 +1,4 @@
-"""The traffic account (jaxdd.traffic): distinct experts, bytes per round, and the plan's table."""
+"""The traffic account (jaxdd.planning.traffic): distinct experts, bytes per round, and the plan's table."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from jaxdd.hardware import GPUS
-from jaxdd.plan import plan, report
-from jaxdd.traffic import distinct_experts, slowest_device_experts
+from jaxdd.planning.fit import plan, report
+from jaxdd.planning.hardware import GPUS
+from jaxdd.planning.traffic import distinct_experts, slowest_device_experts
 
 
 @pytest.mark.parametrize(("tokens", "top_k", "experts"), [(1, 8, 384), (16, 8, 128), (65, 8, 384), (9, 2, 16)])

@@ -11,7 +11,7 @@ from transformers import DeepseekV3ForCausalLM
 import jaxdd
 from convert.jaxdd_to_hf import export
 from jaxdd.config import KimiConfig
-from jaxdd.target import KimiTarget
+from jaxdd.models.target import KimiTarget
 from jaxdd.train.data import split, stdlib_files
 from jaxdd.train.target import KIMI_MINI, eval_loss, make_optimizer, train_step
 from jaxdd.train.tokenizer import END_OF_TEXT, MASK, train_tokenizer
@@ -60,7 +60,7 @@ def test_drafter_training_steps_and_export_loads_in_dflash(tmp_path):
     from dflash.model import DFlashDraftModel
 
     from jaxdd.config import DrafterConfig
-    from jaxdd.drafter import DFlashDrafter
+    from jaxdd.models.drafter import DFlashDrafter
     from jaxdd.train.drafter import (
         drafter_eval,
         drafter_hf_config,

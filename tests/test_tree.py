@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from jaxdd.tree import accept_path, build_tree, build_tree_host
+from jaxdd.decoding.tree import accept_path, build_tree, build_tree_host
 
 SCORE_TOL = 1e-4
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxdd.backend import Backend
+from jaxdd.runtime.backend import Backend
 from jaxdd.testing.reference import random_tree_parents, tree_depths_and_mask
 from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
 from pallas_kernels.tree_attention_tpu import tpu_tiles, tree_attention_tpu
@@ -118,7 +118,7 @@ def test_kernel_lowers_for_gpu_at_kimi_sizes():
 def test_ddtree_with_the_kernel_is_lossless(models):
     """The decoder verifying trees through the kernel (interpreted on CPU, compiled on GPU) gives the same tokens
     as verifying with plain XLA, and as AR."""
-    from jaxdd.decoder import SpeculativeDecoder
+    from jaxdd.decoding.engine import SpeculativeDecoder
 
     _, _, decoder = models
     kernel = SpeculativeDecoder(decoder.target, decoder.drafter, attention="pallas")
@@ -135,7 +135,7 @@ def test_ddtree_with_the_kernel_is_lossless(models):
 def test_ddtree_with_the_tpu_form_is_lossless(models):
     """The decoder verifying trees through the kernel's TPU form, run by Pallas' TPU interpreter inside the jitted
     rounds, gives the tokens of verifying with plain XLA."""
-    from jaxdd.decoder import SpeculativeDecoder
+    from jaxdd.decoding.engine import SpeculativeDecoder
 
     _, _, decoder = models
     tpu_form = Backend("cpu", interpreted_kernel="tpu")

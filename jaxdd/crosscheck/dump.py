@@ -8,9 +8,9 @@ import numpy as np
 
 from jaxdd.config import KimiConfig
 from jaxdd.crosscheck.trace import PromptTrace, pad_rows, save_traces, selected_positions
+from jaxdd.decoding.requests import check_tokens
 from jaxdd.errors import InputError, read_json
-from jaxdd.tokenizer import load_tokenizer
-from jaxdd.validation import check_tokens
+from jaxdd.weights.tokenizer import load_tokenizer
 
 
 def read_prompts(path: str | Path, target_dir: str | Path) -> list[list[int]]:

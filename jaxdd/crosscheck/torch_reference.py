@@ -3,7 +3,7 @@ loop on HF transformers models written here (ours, not the paper authors'). Need
 (torch, transformers, dflash).
 
 The DDTree loop follows the paper's ``ddtree_generate`` (liranringel/ddtree): draft exactly as z-lab
-``dflash_generate``, build the tree with the paper's heap (``jaxdd.tree.build_tree_host``, a plain port),
+``dflash_generate``, build the tree with the paper's heap (``jaxdd.decoding.tree.build_tree_host``, a plain port),
 verify all nodes in one HF target forward with a 4-D mask (whole prefix + ancestors) at positions
 start + depth, follow the target's argmax down the tree, compact the accepted path's cache rows, and feed the
 path's features to the drafter.
@@ -25,8 +25,8 @@ import torch
 from dflash.model import DFlashDraftModel, _crop_to, _make_cache, _raw_input_embeddings, extract_context_feature
 from transformers import DeepseekV3ForCausalLM
 
-from jaxdd.sampling import GREEDY, Sampling
-from jaxdd.tree import build_tree_host
+from jaxdd.decoding.sampling import GREEDY, Sampling
+from jaxdd.decoding.tree import build_tree_host
 
 
 def load_reference_models(target_dir: str | Path, drafter_dir: str | Path | None = None, device: str = "cpu"):

@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 
 import jaxdd
-from jaxdd.distributed import disagreeing_processes, join
+from jaxdd.runtime.distributed import disagreeing_processes, join
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7]
 METHODS = ("ar", "dflash", "ddtree")

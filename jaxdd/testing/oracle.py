@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from flax import nnx
 
-from jaxdd.drafter import DFlashDrafter
+from jaxdd.models.drafter import DFlashDrafter
 
 
 class OracleDrafter(nnx.Module):

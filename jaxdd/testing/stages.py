@@ -1,5 +1,6 @@
 """Where a real round spends its time, by stage: the profiler's per-op events attributed to the ``named_scope`` of
-the round's stages (``jaxdd.rounds``: draft, build, verify, accept, commit) through the compiled HLO's metadata.
+the round's stages (``jaxdd.decoding.rounds``: draft, build, verify, accept, commit) through the compiled HLO's
+metadata.
 
 This measures the round that decoding runs, not a copy rebuilt from stage functions. Ops run concurrently on the
 backend's threads, so a stage's time is the sum of its ops' durations ("op time"), not wall time.

@@ -13,8 +13,8 @@ from safetensors.numpy import save_file
 from transformers import DeepseekV3Config
 
 from jaxdd.config import KimiConfig
-from jaxdd.hf_mappings import target_mappings
 from jaxdd.testing.reference import TINY_K2
+from jaxdd.weights.hf_mappings import target_mappings
 
 
 def write_synthetic_target(

@@ -33,16 +33,16 @@ from tokenizers import Tokenizer
 
 import jaxdd
 from convert.jaxdd_to_hf import export
-from jaxdd.backend import Backend
-from jaxdd.cache import LatentCache
-from jaxdd.checkpoint import save_drafter
 from jaxdd.config import DrafterConfig
-from jaxdd.decoder import SpeculativeDecoder
-from jaxdd.drafter import DFlashDrafter, DraftCache
-from jaxdd.target import KimiTarget
+from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.models.cache import LatentCache
+from jaxdd.models.drafter import DFlashDrafter, DraftCache
+from jaxdd.models.target import KimiTarget
+from jaxdd.runtime.backend import Backend
 from jaxdd.train.data import encode_corpus, split, stdlib_files, windows
 from jaxdd.train.target import make_optimizer
 from jaxdd.train.tokenizer import END_OF_TEXT, MASK
+from jaxdd.weights.checkpoint import save_drafter
 
 
 def drafter_hf_config(target_config, block_size: int = 8, layers: int = 2, mask_token_id: int = 1) -> dict:

@@ -22,13 +22,13 @@ import optax
 from flax import nnx
 
 from convert.jaxdd_to_hf import export
-from jaxdd.backend import Backend
-from jaxdd.cache import LatentCache
-from jaxdd.checkpoint import save_target
 from jaxdd.config import KimiConfig
-from jaxdd.target import KimiTarget
+from jaxdd.models.cache import LatentCache
+from jaxdd.models.target import KimiTarget
+from jaxdd.runtime.backend import Backend
 from jaxdd.train.data import encode_corpus, read_texts, split, stdlib_files, windows
 from jaxdd.train.tokenizer import END_OF_TEXT, train_tokenizer
+from jaxdd.weights.checkpoint import save_target
 
 VOCAB = 4096
 KIMI_MINI = {

@@ -1,5 +1,5 @@
 """Reading HF checkpoints (config.json + safetensors shards) into jaxdd parameters, for the Kimi target and the
-DFlash drafter, through the tables in ``jaxdd.hf_mappings``; whole, or each device's part alone.
+DFlash drafter, through the tables in ``jaxdd.weights.hf_mappings``; whole, or each device's part alone.
 
 ``HFCheckpoint`` reads the real layouts: plain bf16/fp32 (save_pretrained), Kimi K2-Instruct / DeepSeek-V3 FP8
 (``weight`` e4m3 + ``weight_scale_inv`` per 128 x 128 block), and K2-Thinking / K2.5 / K2.6 compressed-tensors
@@ -24,14 +24,14 @@ import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 
-from jaxdd.checkpoint import get_path, set_path
 from jaxdd.config import DrafterConfig, KimiConfig, in_file
-from jaxdd.drafter import DFlashDrafter, abstract_drafter
 from jaxdd.errors import CheckpointError, ConfigError, read_json
-from jaxdd.hf_mappings import Mapping, drafter_mappings, target_mappings
-from jaxdd.quant import DENSE, ExpertFormat, dequantize_fp8_blocks, dequantize_int4_groups
-from jaxdd.sharding import Placement, abstract_shardings, place
-from jaxdd.target import KimiTarget, abstract_target
+from jaxdd.models.drafter import DFlashDrafter, abstract_drafter
+from jaxdd.models.quant import DENSE, ExpertFormat, dequantize_fp8_blocks, dequantize_int4_groups
+from jaxdd.models.target import KimiTarget, abstract_target
+from jaxdd.runtime.sharding import Placement, abstract_shardings, place
+from jaxdd.weights.checkpoint import get_path, set_path
+from jaxdd.weights.hf_mappings import Mapping, drafter_mappings, target_mappings
 
 # Junk buffers some exports carry, and vision parts of the K2.5/K2.6 wrapper.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

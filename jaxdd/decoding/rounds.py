@@ -6,7 +6,7 @@ A round, for a committed prefix of length ``start`` and the bonus token at posit
 1. draft:  the drafter caches the K/V of the context features committed last round, then denoises
            ``[bonus, MASK x (B-1)]`` in one forward: draft logits for positions start+1 .. start+B-1;
 2. build:  DFlash takes one token per position (a chain); DDTree builds a best-first tree of ``budget`` nodes
-           (``jaxdd.tree``);
+           (``jaxdd.decoding.tree``);
 3. verify: one target forward over the chain or the tree (each node sees the prefix and its ancestors, at
            position start + depth), which also returns the tapped hidden layers;
 4. accept: the target's choice per node (argmax, or a sample), walked from the root while it matches a child;
@@ -29,16 +29,16 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxdd.backend import Attention, Backend
-from jaxdd.cache import LatentCache, compact_rows
 from jaxdd.config import DrafterConfig, KimiConfig
-from jaxdd.drafter import DFlashDrafter, DraftCache
-from jaxdd.jit_state import ModuleSpec
-from jaxdd.sampling import SamplingArrays, argmax, filtered_probs, sample, seed_keys, split_keys
-from jaxdd.sharding import cache_sharding
-from jaxdd.target import KimiTarget
-from jaxdd.tree import accept_path, build_tree
-from jaxdd.validation import Method, TreeLogits
+from jaxdd.decoding.requests import Method, TreeLogits
+from jaxdd.decoding.sampling import SamplingArrays, argmax, filtered_probs, sample, seed_keys, split_keys
+from jaxdd.decoding.tree import accept_path, build_tree
+from jaxdd.models.cache import LatentCache, compact_rows
+from jaxdd.models.drafter import DFlashDrafter, DraftCache
+from jaxdd.models.target import KimiTarget
+from jaxdd.runtime.backend import Attention, Backend
+from jaxdd.runtime.jit_state import ModuleSpec
+from jaxdd.runtime.sharding import cache_sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ class RoundSpec:
 
 @struct.dataclass
 class Models:
-    """The target (and drafter) as static structure + weight arrays (``jaxdd.jit_state``), merged in the jit."""
+    """The target (and drafter) as static structure + weight arrays (``jaxdd.runtime.jit_state``), merged in the jit."""
 
     target_weights: list[jax.Array]
     drafter_weights: list[jax.Array] | None

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdd.layers import param
+from jaxdd.models.layers import param
 
 FP8_BLOCK = 128
 INT4_GROUP = 32

@@ -5,7 +5,7 @@ The new tokens see the committed prefix of the cache (slots below ``cache.length
 ``visible`` allows; their latent rows are written at slots ``length .. length + T - 1``; committing (moving
 ``length``, or compacting an accepted tree path) is the caller's job.
 
-Weights use the JAX layout ``x @ W`` ([in, out]); ``jaxdd.hf_mappings`` maps the HF names and transposes.
+Weights use the JAX layout ``x @ W`` ([in, out]); ``jaxdd.weights.hf_mappings`` maps the HF names and transposes.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxdd.backend import Attention, Backend
-from jaxdd.cache import LatentCache, write_rows
 from jaxdd.config import KimiConfig
-from jaxdd.layers import MLP, RMSNorm, apply_rope, linear, param, project_heads, rope_cos_sin, rope_frequencies
-from jaxdd.moe import MoE
-from jaxdd.quant import DENSE, ExpertFormat
-from jaxdd.sharding import AXIS, partition_spec
+from jaxdd.models.cache import LatentCache, write_rows
+from jaxdd.models.layers import MLP, RMSNorm, apply_rope, linear, param, project_heads, rope_cos_sin, rope_frequencies
+from jaxdd.models.moe import MoE
+from jaxdd.models.quant import DENSE, ExpertFormat
+from jaxdd.runtime.backend import Attention, Backend
+from jaxdd.runtime.sharding import AXIS, partition_spec
 
 
 class TargetOutput(NamedTuple):
@@ -54,7 +54,7 @@ def _after(value: jax.Array, rows: tuple[jax.Array, ...]) -> tuple[jax.Array, ..
 
 
 # Absorbed attention's products with weights and cache rows. Decoding on one CPU device they go through
-# ``jaxdd.cpu_kernels`` (``kernels``; XLA:CPU runs each on one thread at a fraction of the read bandwidth),
+# ``jaxdd.runtime.cpu_kernels`` (``kernels``; XLA:CPU runs each on one thread at a fraction of the read bandwidth),
 # elsewhere through the einsum they compute.
 
 
@@ -115,7 +115,7 @@ class MLAttention(nnx.Module):
         self.k_up = param(rngs, (h, c.kv_lora_rank, dn), dtype, ("heads", None, None))
         self.v_up = param(rngs, (h, dv, c.kv_lora_rank), dtype, ("heads", None, None))
         self.o_proj = param(rngs, (h, dv, c.hidden_size), dtype, ("heads", None, "embed"))
-        self.placement = None  # (mesh, mode) once placed by ``jaxdd.sharding.shard_module``
+        self.placement = None  # (mesh, mode) once placed by ``jaxdd.runtime.sharding.shard_module``
 
     def __call__(
         self,
@@ -231,7 +231,7 @@ class KimiTarget(nnx.Module):
         self.config = config
         self.dtype = dtype
         self.experts = experts  # how routed-expert weights are stored
-        self.placement = None  # (mesh, "tp" | "ep") once placed by ``jaxdd.sharding.shard_module``
+        self.placement = None  # (mesh, "tp" | "ep") once placed by ``jaxdd.runtime.sharding.shard_module``
         self.embed = param(rngs, (config.vocab_size, config.hidden_size), dtype, ("vocab", "embed"))
         layers = [DecoderLayer(config, i, dtype, experts, rngs) for i in range(config.num_hidden_layers)]
         self.layers = nnx.List(layers)

@@ -32,12 +32,12 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxdd import checksums
 from jaxdd.config import DrafterConfig, KimiConfig
-from jaxdd.drafter import DFlashDrafter, abstract_drafter
 from jaxdd.errors import CheckpointError, read_json
-from jaxdd.quant import ExpertFormat
-from jaxdd.target import KimiTarget, abstract_target
+from jaxdd.models.drafter import DFlashDrafter, abstract_drafter
+from jaxdd.models.quant import ExpertFormat
+from jaxdd.models.target import KimiTarget, abstract_target
+from jaxdd.weights import checksums
 
 FORMAT_VERSION = 2
 MARKER = "jaxdd.json"
@@ -134,7 +134,7 @@ def write_checkpoint(
 ) -> Path:
     """Write a checkpoint atomically, one group at a time: ``groups`` yields (name, subtree of numpy or jax
     arrays) and may build each group lazily, so only one is ever held. ``extra_files`` (e.g. the tokenizer's)
-    are copied in beside the weights. Every file's size and sha256 go into the marker (``jaxdd.checksums``),
+    are copied in beside the weights. Every file's size and sha256 go into the marker (``jaxdd.weights.checksums``),
     each group hashed as soon as it is written (while its files are in the page cache). With ``expected_bytes``
     (the arrays' size), a destination without that much free space is refused before anything is written; a
     write that fails (a full or read-only disk) is a CheckpointError, and nothing is kept."""

@@ -1,7 +1,7 @@
-// Decode's matvecs for XLA:CPU (loaded by jaxdd/cpu_kernels.py).
+// Decode's matvecs for XLA:CPU (loaded by jaxdd/runtime/cpu_kernels.py).
 //
 // Gathered INT4 matvecs: out[p] = rows[p] @ W[chosen[p]]^T, where W is one projection's stacked routed experts in
-// compressed-tensors pack-quantized form (jaxdd/quant.py). Each weight is dequantized in registers exactly as the
+// compressed-tensors pack-quantized form (jaxdd/models/quant.py). Each weight is dequantized in registers exactly as the
 // XLA path does (bf16(q * scale), q = nibble - 8) and used once: the chosen experts' INT4 words are read once and
 // nothing dense is written (XLA:CPU gathers, unpacks to a dense copy, then multiplies). AVX-512 hosts look each
 // weight up in a table; elsewhere GCC/Clang vector extensions (-march=native: AVX2 or NEON) compute it.

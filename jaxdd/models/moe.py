@@ -2,8 +2,8 @@
 
 Dispatches (``Backend.moe_dispatch`` picks one per platform and token count; ``MoE.dispatch`` can force one):
 ``gathered`` gives each (token, slot) pair its own expert's weights, gathered from the stored pieces (and
-dequantized after the gather; INT4 on CPU: in registers by ``jaxdd.cpu_kernels``), so only the chosen experts are
-read; ``grouped`` sorts the (token, slot) pairs by expert and runs grouped matmuls (``ragged_dot``), the scalable
+dequantized after the gather; INT4 on CPU: in registers by ``jaxdd.runtime.cpu_kernels``), so only the chosen
+experts are read; ``grouped`` sorts the (token, slot) pairs by expert and runs grouped matmuls (``ragged_dot``), the scalable
 form for dense weights; ``dense`` runs every expert on every token and weights the outputs by the combine weights
 (zero for unchosen experts); ``scan`` does the same one expert at a time; ``skipping`` too, but skips the experts
 no token chose; ``tiled`` sorts the pairs by expert into tiles of one expert each and runs the used tiles one at a
@@ -21,12 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxdd.backend import Backend, Dispatch
 from jaxdd.config import KimiConfig
-from jaxdd.cpu_kernels import GROUP_MULTIPLE
-from jaxdd.layers import MLP, linear, param
-from jaxdd.quant import DenseExperts, ExpertFormat, Int4Experts, expert_weights
-from jaxdd.sharding import AXIS, expert_specs
+from jaxdd.models.layers import MLP, linear, param
+from jaxdd.models.quant import DenseExperts, ExpertFormat, Int4Experts, expert_weights
+from jaxdd.runtime.backend import Backend, Dispatch
+from jaxdd.runtime.cpu_kernels import GROUP_MULTIPLE
+from jaxdd.runtime.sharding import AXIS, expert_specs
 
 
 class Router(nnx.Module):
@@ -60,11 +60,11 @@ class Router(nnx.Module):
 class MoE(nnx.Module):
     """Routed SwiGLU experts plus unweighted shared experts.
 
-    Expert weights may be stored quantized (``jaxdd.quant.ExpertFormat``) and are dequantized to the model dtype
+    Expert weights may be stored quantized (``jaxdd.models.quant.ExpertFormat``) and are dequantized to the model dtype
     inside the jitted forward. Dequantizing a whole expert stack at once would need its dense copy in memory
     (and XLA may hoist those copies for all layers to the start of the step), so beyond small problems
     quantized experts go through ``scan``: one expert dequantized at a time, right before its matmuls. On CPU,
-    INT4 experts of few pairs go through a C++ kernel that dequantizes in registers (``jaxdd.cpu_kernels``).
+    INT4 experts of few pairs go through a C++ kernel that dequantizes in registers (``jaxdd.runtime.cpu_kernels``).
     """
 
     def __init__(self, config: KimiConfig, dtype: jnp.dtype, experts: ExpertFormat, rngs: nnx.Rngs):
@@ -72,7 +72,7 @@ class MoE(nnx.Module):
         e, d, f = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
         self.config = c
         self.dispatch: Literal["auto"] | Dispatch = "auto"  # "auto": as the backend chooses
-        self.placement = None  # (mesh, "tp" | "ep") once placed by ``jaxdd.sharding.shard_module``
+        self.placement = None  # (mesh, "tp" | "ep") once placed by ``jaxdd.runtime.sharding.shard_module``
         self.router = Router(c, rngs)
         self.gate = expert_weights(experts, rngs, (e, d, f), dtype, ("experts", "embed", "expert_mlp"))
         self.up = expert_weights(experts, rngs, (e, d, f), dtype, ("experts", "embed", "expert_mlp"))
@@ -125,7 +125,7 @@ class MoE(nnx.Module):
         return (_all_experts if dispatch == "dense" else _grouped_experts)(x, weights, experts, *dense)
 
     def _sharded_routed(self, x: jax.Array, weights: jax.Array, experts: jax.Array, backend: Backend) -> jax.Array:
-        """The routed experts under ``shard_map`` (see ``jaxdd.sharding``): each device holds a slice of every
+        """The routed experts under ``shard_map`` (see ``jaxdd.runtime.sharding``): each device holds a slice of every
         expert (tp) or whole experts (ep), sees every (token, route) pair, computes its share and the shares
         are summed across devices: no ragged all-to-all, which XLA:CPU lacks."""
         mesh, mode = self.placement

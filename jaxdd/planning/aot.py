@@ -2,7 +2,7 @@
 JAX's topology name, or this host's CPU devices.
 
 JAX builds compile-only devices from the CUDA PJRT plugin (``jax-cuda12-plugin``, given XLA's
-GpuTargetConfigProto from ``jaxdd.hardware``) or from libtpu (given a topology name such as ``v5p:2x2x2``); a
+GpuTargetConfigProto from ``jaxdd.planning.hardware``) or from libtpu (given a topology name such as ``v5p:2x2x2``); a
 program lowered with shardings over them compiles with that backend's own compiler, so its memory analysis is
 the target's, not XLA:CPU's (which keeps fp32 copies no GPU makes). ``pip install 'jaxdd[aot]'`` installs both.
 """
@@ -17,9 +17,9 @@ from typing import Any
 import jax
 from jax.experimental import topologies
 
-from jaxdd.backend import Backend, Platform
 from jaxdd.errors import InputError
-from jaxdd.hardware import GPUS, TPUS
+from jaxdd.planning.hardware import GPUS, TPUS
+from jaxdd.runtime.backend import Backend, Platform
 
 # libtpu asks the cloud metadata server which slice it is on unless told it is on none, and takes a lock file
 # that lets one process at a time use it (compiling needs no chip: several may).

@@ -1,7 +1,7 @@
 """How each jaxdd parameter relates to HF tensors, for the Kimi target and the DFlash drafter, in both directions.
 
 One table per model (``target_mappings``, ``drafter_mappings``): HF keeps ``nn.Linear`` weights as [out, in],
-jaxdd as [in, out] with heads and experts as their own axes. Loading (``jaxdd.hf_weights``), the streaming
+jaxdd as [in, out] with heads and experts as their own axes. Loading (``jaxdd.weights.hf_reader``), the streaming
 converter and the exporter in ``convert/`` all read the same table; each entry also says where a range of a
 jaxdd axis lies in the HF tensors, so that one device's part is read alone.
 """
@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxdd.config import DrafterConfig, KimiConfig
-from jaxdd.quant import DENSE, ExpertFormat
+from jaxdd.models.quant import DENSE, ExpertFormat
 
 
 class Axis(NamedTuple):

@@ -1,6 +1,6 @@
 """The host side of decoding: requests in, tokens out. ``SpeculativeDecoder`` checks a batch of requests, pads
 them to static shapes (batch, prompt and cache buckets, so shapes repeat and compile once), runs the prefill and
-then one jitted round of ``jaxdd.rounds`` after another, streaming each round's accepted tokens.
+then one jitted round of ``jaxdd.decoding.rounds`` after another, streaming each round's accepted tokens.
 """
 
 from __future__ import annotations
@@ -14,16 +14,7 @@ from typing import Literal, Protocol
 import jax
 import numpy as np
 
-from jaxdd.backend import Backend
-from jaxdd.compile_time import compile_clock
-from jaxdd.drafter import DFlashDrafter
-from jaxdd.errors import InputError, LargeRoundWarning
-from jaxdd.jit_state import split_module
-from jaxdd.rounds import DecodeState, Models, Requests, RoundSpec, decode_round, prefill
-from jaxdd.sampling import GREEDY, Sampling, SamplingArrays
-from jaxdd.sharding import mesh_of
-from jaxdd.target import KimiTarget
-from jaxdd.validation import (
+from jaxdd.decoding.requests import (
     MAX_STOP_TOKENS,
     Method,
     TreeLogits,
@@ -34,6 +25,15 @@ from jaxdd.validation import (
     check_tree_logits,
     per_request,
 )
+from jaxdd.decoding.rounds import DecodeState, Models, Requests, RoundSpec, decode_round, prefill
+from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays
+from jaxdd.errors import InputError, LargeRoundWarning
+from jaxdd.models.drafter import DFlashDrafter
+from jaxdd.models.target import KimiTarget
+from jaxdd.runtime.backend import Backend
+from jaxdd.runtime.compile_time import compile_clock
+from jaxdd.runtime.jit_state import split_module
+from jaxdd.runtime.sharding import mesh_of
 
 MIN_BUCKET = 16
 PROMPT_BUCKETS_PER_OCTAVE = 8
@@ -110,7 +110,7 @@ class SpeculativeDecoder:
     compiled once per shape bucket.
 
     ``attention`` picks the verify attention: ``absorbed`` (XLA), ``pallas`` (the tree-attention kernel,
-    interpreted on CPU), or ``auto``: as the backend of the target's devices prefers (``jaxdd.backend``).
+    interpreted on CPU), or ``auto``: as the backend of the target's devices prefers (``jaxdd.runtime.backend``).
     """
 
     def __init__(
@@ -128,7 +128,7 @@ class SpeculativeDecoder:
         self.backend = backend or Backend.of_module(target.model)
         self.backend.prepare_host()
         self.attention = self.backend.attention(attention)
-        self.mesh = mesh_of(target.model)  # set when the models were placed with jaxdd.sharding.shard_module
+        self.mesh = mesh_of(target.model)  # set when the models were placed with jaxdd.runtime.sharding.shard_module
         self._working_memory: dict[tuple, int] = {}  # compiled rounds' temporaries, by round shape
         target_spec, target_weights = split_module(target.model)
         self._target_only = Models(target_weights, None, target_spec=target_spec, drafter_spec=None)

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxdd.backend import Backend
 from jaxdd.config import YarnConfig, yarn_mscale
+from jaxdd.runtime.backend import Backend
 
 INIT_STD = 0.02  # HF initializer_range for DeepSeek-V3 / Kimi
 

@@ -14,16 +14,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxdd.cache import write_rows
 from jaxdd.config import DrafterConfig
-from jaxdd.layers import MLP, RMSNorm, apply_rope, param, project_heads, rope_cos_sin, rope_frequencies
+from jaxdd.models.cache import write_rows
+from jaxdd.models.layers import MLP, RMSNorm, apply_rope, param, project_heads, rope_cos_sin, rope_frequencies
 
 SLOT_AXIS = 2  # of the drafter cache's [batch, kv_heads, slots, head_dim] buffers
 
 
 @struct.dataclass
 class DraftCache:
-    # One buffer per layer, updated in place under donation (see ``jaxdd.cache``). Heads before slots, as the
+    # One buffer per layer, updated in place under donation (see ``jaxdd.models.cache``). Heads before slots, as the
     # attention matmuls read them (see ``DraftAttention``): stored [batch, slots, kv_heads, head_dim], XLA:CPU
     # transposed every layer's whole cache in every round (~0.14 ms of a ~2 ms DFlash round at 256 slots).
     keys: tuple[jax.Array, ...]  # per layer [batch, kv_heads, slots, head_dim] (normed and rotated)

@@ -21,9 +21,9 @@ import numpy as np
 from flax import nnx
 
 from jaxdd.config import KimiConfig
-from jaxdd.hardware import GPUS, Hardware
-from jaxdd.quant import ExpertWeights
-from jaxdd.target import KimiTarget
+from jaxdd.models.quant import ExpertWeights
+from jaxdd.models.target import KimiTarget
+from jaxdd.planning.hardware import GPUS, Hardware
 
 BF16 = 2
 

@@ -1,6 +1,6 @@
 """Placing a target and drafter on a mesh of 1..8 devices: one rules table from logical axes to the mesh axis.
 
-Every parameter carries logical axis names (``jaxdd.layers.param``); ``RULES`` maps them to the single mesh
+Every parameter carries logical axis names (``jaxdd.models.layers.param``); ``RULES`` maps them to the single mesh
 axis ``"model"``. Two MoE modes:
 
 - ``tp``: tensor-parallel everything: attention heads, dense-MLP width and each routed expert's FFN width are
@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxdd.quant import ExpertWeights
+from jaxdd.models.quant import ExpertWeights
 
 MoeMode = Literal["tp", "ep"]
 Placement = tuple[Mesh, MoeMode]  # where a model's parameters go, and how its routed experts are split

@@ -102,7 +102,7 @@ def gathered_int4_matvec(
     rows: jax.Array, packed: jax.Array, scale: jax.Array, chosen: jax.Array, target: str = INT4_TARGET
 ) -> jax.Array:
     """rows [P, K] through experts ``chosen`` [P] of packed [E, N, K/8] int32 with scale [E, N, K/group] bf16
-    (``jaxdd.quant.Int4Experts``): [P, N] in rows' dtype, each weight dequantized as ``dequantize_int4_groups``
+    (``jaxdd.models.quant.Int4Experts``): [P, N] in rows' dtype, each weight dequantized as ``dequantize_int4_groups``
     does (bf16(q x scale)) and the products summed in fp32. Call only where ``available()``, for groups that
     are a multiple of ``GROUP_MULTIPLE``. ``target``: the FFI target it is registered as (tests register another
     build of it under another name)."""

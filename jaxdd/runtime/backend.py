@@ -21,16 +21,16 @@ from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from jaxdd import cpu_kernels
-from jaxdd.cpu_memory import keep_allocations
+from jaxdd.runtime import cpu_kernels
+from jaxdd.runtime.cpu_memory import keep_allocations
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_tpu import tree_attention_tpu
 
 Platform = Literal["cpu", "gpu", "tpu"]
-Attention = Literal["naive", "absorbed", "pallas"]  # how MLA attends (``jaxdd.target.MLAttention``)
+Attention = Literal["naive", "absorbed", "pallas"]  # how MLA attends (``jaxdd.models.target.MLAttention``)
 Dispatch = Literal[
     "dense", "gathered", "grouped", "scan", "skipping", "tiled"
-]  # how the MoE runs its experts (``jaxdd.moe``)
+]  # how the MoE runs its experts (``jaxdd.models.moe``)
 _PLATFORMS: dict[str, Platform] = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 # Shared memory one thread block may opt into, by compute capability (CUDA C++ Programming Guide, "Technical
 # Specifications per Compute Capability"): the Pallas kernel's tiles must fit it.
@@ -44,7 +44,7 @@ class Backend:
     platform: Platform
     shared_memory: int | None = None  # GPUs: bytes of shared memory per block (None: unknown, H200's assumed)
     interpreted_kernel: Literal["gpu", "tpu"] = "gpu"  # CPU: the kernel form to interpret (tpu: TPU semantics)
-    cpu_kernels: bool = True  # CPU: decode's matvecs through jaxdd.cpu_kernels where it builds (False: XLA's)
+    cpu_kernels: bool = True  # CPU: decode's matvecs through jaxdd.runtime.cpu_kernels where it builds (False: XLA's)
     devices: int = 1  # how many devices the weights are placed on
 
     # MoE on CPU: tiles from this many tokens, ``skipping`` below (where kimi-mini's two dispatches break even).
@@ -82,7 +82,7 @@ class Backend:
 
     def prepare_host(self) -> None:
         """Once per process before running on this backend: on CPU, keep XLA's freed temporaries in the heap
-        (``jaxdd.cpu_memory``)."""
+        (``jaxdd.runtime.cpu_memory``)."""
         if self.platform == "cpu":
             keep_allocations()
 
@@ -99,8 +99,8 @@ class Backend:
     def moe_dispatch(
         self, tokens: int, top_k: int, experts: int, hidden: int, ffn: int, quantized: bool, kernel: bool = False
     ) -> Dispatch:
-        """The exact dispatch that is fastest for this many tokens (see ``jaxdd.moe.MoE``). Quantized experts with
-        few (token, slot) pairs (a decode step, a short verify) are gathered: decode is bound by the bytes it
+        """The exact dispatch that is fastest for this many tokens (see ``jaxdd.models.moe.MoE``). Quantized
+        experts with few (token, slot) pairs (a decode step, a short verify) are gathered: decode is bound by the bytes it
         reads, and only the chosen experts are read. Past half as many pairs as experts, every expert dequantized
         once (``scan``) costs less than one dequantization per pair (a 16-token verify of 128 INT4 experts top 8
         on XLA:CPU: 385 vs 471 ms, benchmarks/moe_bandwidth.py). ``kernel``: the experts go through the INT4
@@ -118,15 +118,15 @@ class Backend:
         return "scan" if quantized else "grouped"
 
     def int4_matvec(self) -> Callable[..., jax.Array] | None:
-        """The gathered INT4 expert matvec kernel (``jaxdd.cpu_kernels``): on CPU where it builds, else None (XLA's
-        dequantize-then-dot; GPUs and TPUs fuse the dequantization into the dot themselves)."""
+        """The gathered INT4 expert matvec kernel (``jaxdd.runtime.cpu_kernels``): on CPU where it builds, else None
+        (XLA's dequantize-then-dot; GPUs and TPUs fuse the dequantization into the dot themselves)."""
         if self.platform == "cpu" and self.cpu_kernels and cpu_kernels.available():
             return cpu_kernels.gathered_int4_matvec
         return None
 
     def decode_kernels(self, tokens: int) -> ModuleType | None:
-        """``jaxdd.cpu_kernels`` where a forward of ``tokens`` tokens runs its dense matvecs and decode attention's
-        products through it: on one CPU device (XLA cannot partition a custom call over sharded weights), for up
+        """``jaxdd.runtime.cpu_kernels`` where a forward of ``tokens`` tokens runs its dense matvecs and decode
+        attention's products through it: on one CPU device (XLA cannot partition a custom call over sharded weights), for up
         to ``DENSE_KERNEL_ROWS`` tokens, where it builds; else None (XLA's matmuls)."""
         if self.platform == "cpu" and self.devices == 1 and tokens <= self.DENSE_KERNEL_ROWS and self.cpu_kernels:
             return cpu_kernels if cpu_kernels.available() else None

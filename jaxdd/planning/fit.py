@@ -1,0 +1,290 @@
+"""The fit planner: will a full-size target + drafter fit a machine's devices, and how are the bytes spread?
+
+    python -m jaxdd.plan --config CONFIG.json --drafter-config DRAFTER.json --target rtx-pro-6000 --devices 8 \\
+        --moe tp|ep --budget 64 --max-len 8192 --batch 1 [--method ddtree] [--sampled] [--layers N] [--json]
+
+Builds both models abstractly (shapes and shardings only, nothing allocated), lowers the round ``jaxdd.generate``
+would run on the target (its attention form and MoE dispatch, chosen from the target's platform) and compiles it
+ahead of time with the target's own compiler: ``cpu`` (this host's simulated devices), a GPU by name (``h200``,
+``rtx-pro-6000``, ``b200``: ``jaxdd.planning.hardware``) or a TPU slice by JAX's topology name (``v5p:2x2x2``), deviceless
+(``jaxdd.planning.aot``). Reports per device: weights as stored (INT4 or FP8 routed experts included), caches (the
+target's MLA latent rows and the drafter's K/V), the compiler's temporaries, the total, and whether it fits the
+device's memory. ``--layers`` keeps the full width but fewer layers (for quick checks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxdd.api import Target
+from jaxdd.config import DrafterConfig, KimiConfig
+from jaxdd.decoding.engine import RequestPlan, SpeculativeDecoder, cache_slots
+from jaxdd.decoding.requests import MAX_STOP_TOKENS, Method
+from jaxdd.decoding.rounds import DecodeState, Requests, state_shardings
+from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays
+from jaxdd.errors import InputError
+from jaxdd.models.drafter import DFlashDrafter
+from jaxdd.models.target import KimiTarget
+from jaxdd.planning.aot import CompileTarget, compile_target
+from jaxdd.planning.traffic import ModelBytes, format_table, traffic_table
+from jaxdd.runtime.backend import Attention
+from jaxdd.runtime.sharding import make_mesh, param_shardings, place
+from jaxdd.weights.hf_reader import declared_expert_format
+
+GB = 1e9
+METHODS = ("ar", "dflash", "ddtree")
+DEFAULT_GPU_FRACTION = 0.75  # of each GPU's memory that JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION)
+
+
+def plan(
+    config_path: str | Path,
+    drafter_config_path: str | Path,
+    devices: int | None = None,
+    moe: str = "ep",
+    budget: int = 64,
+    max_len: int = 8192,
+    batch: int = 1,
+    layers: int | None = None,
+    compile_round: bool = True,
+    *,
+    target: str = "cpu",
+    attention: Literal["auto"] | Attention = "auto",
+    method: Method = "ddtree",
+    sampled: bool = False,
+) -> dict[str, Any]:
+    """Compile one round (DDTree at ``budget`` by default) of the full-size pair ahead of time for ``target`` and
+    count its bytes per device, with the traffic account of AR / DFlash / DDTree rounds at ``max_len`` tokens of
+    context (``jaxdd.planning.traffic``); ``compile_round=False``: the traffic account only (seconds, not minutes)."""
+    if method not in METHODS:
+        raise InputError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
+    raw = json.loads(Path(config_path).read_text())
+    config = KimiConfig.from_hf(raw)
+    drafter_config = DrafterConfig.from_json_file(drafter_config_path)
+    if layers is not None:  # full width, fewer layers; the drafter taps the layers that remain
+        config = dataclasses.replace(
+            config, num_hidden_layers=layers, first_k_dense_replace=min(config.first_k_dense_replace, layers - 1)
+        )
+        taps = tuple(min(t, layers - 1) for t in drafter_config.target_layer_ids)
+        drafter_config = dataclasses.replace(drafter_config, target_layer_ids=taps)
+    experts = declared_expert_format(raw)
+    where = compile_target(target, devices)
+    mesh = make_mesh(len(where.devices), where.devices)
+    form = where.backend.attention(attention)
+    decoder, per_device, stored = _abstract_decoder(config, drafter_config, experts, mesh, moe, jnp.bfloat16, form)
+    block = 1 if method == "ar" else drafter_config.block_size
+    tokens = {"ar": 1, "dflash": block, "ddtree": budget + 1}[method]
+    slots = cache_slots(max_len + tokens)
+    model_bytes = ModelBytes.of(decoder.target.model, decoder.drafter, _shard_bytes)
+    shape = {
+        "config": str(config_path),
+        "layers": config.num_hidden_layers,
+        "routed_experts": experts.kind,
+        "target": _describe(where),
+        "devices": len(where.devices),
+        "moe": moe,
+        "method": method,
+        "sampled": sampled,
+        "budget": budget,
+        "max_len": max_len,
+        "cache_slots": slots,
+        "batch": batch,
+        "attention": form,
+        "dispatch": _dispatch(decoder.target.model, tokens * batch, len(where.devices), moe, where),
+        "traffic": traffic_table(config, model_bytes, len(where.devices), moe, max_len, drafter_config.block_size),
+    }
+    if not compile_round:
+        return shape
+    round_shape = (method, block, budget, batch, slots, sampled)
+    request_plan, state = _abstract_requests(decoder, mesh, config, drafter_config, *round_shape)
+    per_device["target_cache"] = sum(_shard_bytes(x) for x in jax.tree.leaves(state.target_cache))
+    per_device["drafter_cache"] = sum(_shard_bytes(x) for x in jax.tree.leaves(state.draft_cache))
+    compiled = _compile(decoder, request_plan, state, where, form)
+    per_device["temporaries"] = compiled["temp_bytes"]
+    total = compiled.get("used_bytes", sum(per_device.values()))  # the compiler's figure where it ran out
+    return shape | {
+        "per_device_bytes": per_device | {"total": total},
+        "compiled": compiled,
+        "fits": bool(compiled["fits_compiler"] and total <= where.memory),
+        # JAX preallocates this fraction of each GPU (0.75 unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise)
+        "memory_fraction": math.ceil(100 * total / where.memory) / 100,
+        "stored_bytes": stored,  # all devices together
+    }
+
+
+def _describe(where: CompileTarget) -> dict[str, Any]:
+    return {
+        "name": where.name,
+        "platform": where.platform,
+        "device_kind": where.devices[0].device_kind,
+        "memory_bytes": where.memory,
+        "processes": where.processes,
+        "source": where.description,
+    }
+
+
+def _dispatch(model: KimiTarget, tokens: int, devices: int, moe: str, where: CompileTarget) -> str | None:
+    """The MoE dispatch the round's MoE layers run (over one device's experts under EP)."""
+    layer = next((m for _, m in nnx.iter_modules(model) if hasattr(m, "router")), None)
+    if layer is None:
+        return None
+    experts = layer.config.n_routed_experts
+    local = experts // devices if moe == "ep" and layer.placement is not None else experts
+    return layer.dispatch_for(tokens, local, where.backend)
+
+
+def _compile(decoder, request_plan, state, where: CompileTarget, form: str) -> dict[str, Any]:
+    """Compile the round for ``where``: its memory analysis, or what the compiler said it needs when it ran out
+    of memory (RESOURCE_EXHAUSTED, raised inside the compile on TPU)."""
+    start = time.perf_counter()
+    try:
+        lowered = decoder.lower_round(request_plan, state)
+        compiled = lowered.compile(compiler_options=where.compiler_options or None)
+    except Exception as error:
+        needed = _exhausted(str(error)) if isinstance(error, jax.errors.JaxRuntimeError) else None
+        if needed is not None:
+            return {"fits_compiler": False, "temp_bytes": 0, **needed, "compile_seconds": _since(start)}
+        if form == "pallas" and _from_pallas(error):
+            raise InputError(
+                f"--target {where.name}: the Pallas tree-attention kernel does not compile for it "
+                f"({type(error).__name__}: {str(error).strip().splitlines()[0][:200]}); "
+                "--attention absorbed compiles XLA's attention instead"
+            ) from None
+        raise
+    memory = compiled.memory_analysis()
+    return {
+        "fits_compiler": True,
+        "argument_bytes": int(memory.argument_size_in_bytes),
+        "output_bytes": int(memory.output_size_in_bytes),
+        "alias_bytes": int(memory.alias_size_in_bytes),
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "compile_seconds": _since(start),
+    }
+
+
+def _since(start: float) -> float:
+    return round(time.perf_counter() - start, 1)
+
+
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_SIZE = r"([0-9.]+)([KMGT])"
+
+
+def _exhausted(message: str) -> dict[str, int] | None:
+    """What an out-of-memory compile error says was needed: XLA:TPU's "the total memory required for HLO
+    temporaries (35.32G) exceeds available HBM (15.75G)" (``temp_bytes``) or "Used 120.5G of 95.7G hbm"
+    (``used_bytes``, everything); None for another error (a kernel over its on-chip memory among them)."""
+    if "RESOURCE_EXHAUSTED" not in message or "Shared memory" in message:
+        return None
+    size = lambda found: int(float(found.group(1)) * _UNITS[found.group(2)])
+    if found := re.search(rf"temporaries \({_SIZE}\)", message):
+        return {"temp_bytes": size(found)}
+    if found := re.search(rf"Used {_SIZE} of", message):
+        return {"used_bytes": size(found)}
+    return {}
+
+
+def _from_pallas(error: BaseException) -> bool:
+    """Whether a compile error came from a Pallas kernel: raised in jax's pallas package (its lowering rules), or
+    naming Mosaic, Pallas or a GPU's shared memory (only kernels ask for it)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    text = f"{error}".lower()
+    words = ("mosaic", "pallas", "shared memory")
+    return any(w in text for w in words) or any("/pallas/" in f.filename for f in frames)
+
+
+def _abstract_decoder(config, drafter_config, experts, mesh: jax.sharding.Mesh, moe: str, dtype, attention: str):
+    """A decoder over abstract models placed on a mesh (shapes and shardings only, nothing allocated), the bytes
+    of parameters each device holds, and the bytes stored on all devices together."""
+
+    def abstract(make) -> tuple[nnx.Module, int, int]:
+        module = nnx.eval_shape(make)
+        shardings = param_shardings(module, mesh, moe)
+        place(module, mesh, moe)
+        is_variable = lambda x: isinstance(x, nnx.Variable)
+        placed = jax.tree.map(
+            lambda v, s: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype, sharding=s),
+            nnx.state(module, nnx.Param),
+            shardings,
+            is_leaf=is_variable,
+        )
+        nnx.update(module, placed)
+        leaves = jax.tree.leaves(placed)
+        return module, sum(_shard_bytes(x) for x in leaves), sum(_bytes(x) for x in leaves)
+
+    target, target_bytes, target_stored = abstract(lambda: KimiTarget(config, dtype, experts=experts, rngs=nnx.Rngs(0)))
+    drafter, drafter_bytes, drafter_stored = abstract(lambda: DFlashDrafter(drafter_config, dtype, rngs=nnx.Rngs(0)))
+    decoder = SpeculativeDecoder(Target(target), drafter, attention=attention)
+    per_device = {"target_weights": target_bytes, "drafter_weights": drafter_bytes}
+    return decoder, per_device, {"target": target_stored, "drafter": drafter_stored}
+
+
+def _abstract_requests(decoder, mesh, config, drafter_config, method, block, budget, batch, slots, sampled):
+    """A request plan for one round and the decode state it runs on, as sharded ShapeDtypeStructs."""
+    rng = jax.ShapeDtypeStruct((batch, 2), jnp.uint32)
+    empty = lambda rng: DecodeState.empty(config, drafter_config, batch, slots, block, jnp.bfloat16, rng)
+    state = jax.eval_shape(empty, rng)
+    shardings = state_shardings(state, mesh)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+    settings = Sampling(temperature=1.0) if sampled else GREEDY
+    requests = Requests(
+        max_length=jax.ShapeDtypeStruct((batch,), jnp.int32),
+        stop_ids=jax.ShapeDtypeStruct((batch, MAX_STOP_TOKENS), jnp.int32),
+        sampling=jax.eval_shape(lambda: SamplingArrays.of([settings] * batch)),
+    )
+    spec = decoder.round_spec(method, block, budget if method == "ddtree" else None, sampled=sampled)
+    return RequestPlan(spec, batch, [1] * batch, requests), state
+
+
+def _shard_bytes(x) -> int:
+    """Bytes of one device's shard of an abstract array."""
+    return _bytes(x, x.sharding.shard_shape(x.shape))
+
+
+def _bytes(x, shape: tuple[int, ...] | None = None) -> int:
+    return int(np.prod(x.shape if shape is None else shape, dtype=np.int64)) * x.dtype.itemsize
+
+
+def report(result: dict[str, Any]) -> str:
+    where = result["target"]
+    round_name = {"ar": "AR step", "dflash": "DFlash round", "ddtree": f"DDTree round (budget {result['budget']})"}
+    lines = [
+        f"{result['config']}: {result['layers']} layers, routed experts {result['routed_experts']}, "
+        f"{result['devices']} x {where['device_kind']} ({where['name']}), MoE {result['moe']}, "
+        f"batch {result['batch']}, max length {result['max_len']} ({result['cache_slots']} cache slots)",
+        f"per round and device at {result['max_len']} tokens of context (the floor: bytes / bandwidth + link):",
+        format_table(result["traffic"]),
+    ]
+    if "per_device_bytes" not in result:
+        return "\n".join(lines)
+    sampled = "sampled" if result["sampled"] else "greedy"
+    lines.append(
+        f"{round_name[result['method']]}, {sampled}, attention {result['attention']}, "
+        f"MoE dispatch {result['dispatch']}, per device:"
+    )
+    lines += [f"  {name:<16} {value / GB:9.2f} GB" for name, value in result["per_device_bytes"].items()]
+    compiled = result["compiled"]
+    lines.append(f"compiled for {where['platform']} in {compiled['compile_seconds']} s")
+    memory = where["memory_bytes"] / GB
+    total = result["per_device_bytes"]["total"] / GB
+    verdict = "fits" if result["fits"] else "does not fit"
+    lines.append(f"{verdict} {where['name']}: needs {total:.1f} of {memory:.0f} GB per device")
+    if not compiled["fits_compiler"]:
+        lines[-1] += " (the compiler ran out of memory)"
+    elif where["platform"] == "gpu" and result["fits"] and result["memory_fraction"] > DEFAULT_GPU_FRACTION:
+        lines.append(
+            f"run with XLA_PYTHON_CLIENT_MEM_FRACTION={result['memory_fraction']:.2f} or more: JAX preallocates "
+            f"{DEFAULT_GPU_FRACTION:.0%} of each GPU by default"
+        )
+    return "\n".join(lines)
