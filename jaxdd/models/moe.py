@@ -1,13 +1,13 @@
 """The routed experts of a Kimi / DeepSeek-V3 MoE layer: noaux_tc routing and six exact expert dispatches.
 
 Dispatches (``Backend.moe_dispatch`` picks one per platform and token count; ``MoE.dispatch`` can force one):
-``gathered`` gives each (token, slot) pair its own expert's weights, gathered from the stored pieces (and
-dequantized after the gather; INT4 on CPU: in registers by ``jaxdd.runtime.cpu_kernels``), so only the chosen
-experts are read; ``grouped`` sorts the (token, slot) pairs by expert and runs grouped matmuls (``ragged_dot``), the scalable
-form for dense weights; ``dense`` runs every expert on every token and weights the outputs by the combine weights
-(zero for unchosen experts); ``scan`` does the same one expert at a time; ``skipping`` too, but skips the experts
-no token chose; ``tiled`` sorts the pairs by expert into tiles of one expert each and runs the used tiles one at a
-time. All return fp32 [N, D]; the caller casts back.
+``gathered`` gives each (token, slot) pair its own expert's weights, gathered from the stored pieces (and dequantized
+after the gather; INT4 on CPU: in registers by ``jaxdd.runtime.cpu_kernels``), so only the chosen experts are read;
+``grouped`` sorts the (token, slot) pairs by expert and runs grouped matmuls (``ragged_dot``), the scalable form for
+dense weights; ``dense`` runs every expert on every token and weights the outputs by the combine weights (zero for
+unchosen experts); ``scan`` does the same one expert at a time; ``skipping`` too, but skips the experts no token chose;
+``tiled`` sorts the pairs by expert into tiles of one expert each and runs the used tiles one at a time. All return fp32
+[N, D]; the caller casts back.
 """
 
 from __future__ import annotations

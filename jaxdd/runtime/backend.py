@@ -100,13 +100,13 @@ class Backend:
         self, tokens: int, top_k: int, experts: int, hidden: int, ffn: int, quantized: bool, kernel: bool = False
     ) -> Dispatch:
         """The exact dispatch that is fastest for this many tokens (see ``jaxdd.models.moe.MoE``). Quantized
-        experts with few (token, slot) pairs (a decode step, a short verify) are gathered: decode is bound by the bytes it
-        reads, and only the chosen experts are read. Past half as many pairs as experts, every expert dequantized
-        once (``scan``) costs less than one dequantization per pair (a 16-token verify of 128 INT4 experts top 8
-        on XLA:CPU: 385 vs 471 ms, benchmarks/moe_bandwidth.py). ``kernel``: the experts go through the INT4
-        matvec kernel (``int4_matvec``), which dequantizes in registers, so gathering pays up to
-        ``KERNEL_GATHERED_PAIRS`` pairs per expert (that verify: 255 ms gathered, 356 tiled, 1433 scan; 64
-        tokens, 4 pairs per expert: 921 vs 1132 ms tiled)."""
+        experts with few (token, slot) pairs (a decode step, a short verify) are gathered: decode is bound by the bytes
+        it reads, and only the chosen experts are read. Past half as many pairs as experts, every expert dequantized
+        once (``scan``) costs less than one dequantization per pair (a 16-token verify of 128 INT4 experts top 8 on
+        XLA:CPU: 385 vs 471 ms, benchmarks/moe_bandwidth.py). ``kernel``: the experts go through the INT4 matvec kernel
+        (``int4_matvec``), which dequantizes in registers, so gathering pays up to ``KERNEL_GATHERED_PAIRS`` pairs per
+        expert (that verify: 255 ms gathered, 356 tiled, 1433 scan; 64 tokens, 4 pairs per expert: 921 vs 1132 ms
+        tiled)."""
         pairs = tokens * top_k
         if quantized and (2 * pairs <= experts or (kernel and pairs <= self.KERNEL_GATHERED_PAIRS * experts)):
             return "gathered"
@@ -126,8 +126,8 @@ class Backend:
 
     def decode_kernels(self, tokens: int) -> ModuleType | None:
         """``jaxdd.runtime.cpu_kernels`` where a forward of ``tokens`` tokens runs its dense matvecs and decode
-        attention's products through it: on one CPU device (XLA cannot partition a custom call over sharded weights), for up
-        to ``DENSE_KERNEL_ROWS`` tokens, where it builds; else None (XLA's matmuls)."""
+        attention's products through it: on one CPU device (XLA cannot partition a custom call over sharded weights),
+        for up to ``DENSE_KERNEL_ROWS`` tokens, where it builds; else None (XLA's matmuls)."""
         if self.platform == "cpu" and self.devices == 1 and tokens <= self.DENSE_KERNEL_ROWS and self.cpu_kernels:
             return cpu_kernels if cpu_kernels.available() else None
         return None
