@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from jax.experimental import topologies
 
-from jaxdd.planning.aot import GPU_COMPILER_OPTIONS, compile_target
+from jaxdd.planning.aot import GPU_COMPILER_OPTIONS, find_machine
 from jaxdd.runtime.backend import Backend
 from jaxdd.planning.hardware import GPUS
 from jaxdd.testing.benchmark import write_result
@@ -63,7 +63,7 @@ def compiles_within(args, limit: int) -> bool:
 def vmem_needed(target: str, tokens: int, heads: int) -> int:
     """The least scoped-VMEM limit Mosaic compiles the kernel under (to 64 KiB), found by bisection; the tiles
     do not depend on the cache's size, so neither does this (measured at 4k slots)."""
-    where = compile_target(target, 1)
+    where = find_machine(target, 1)
     args = kernel_args(jax.sharding.SingleDeviceSharding(where.devices[0]), tokens, heads, min(SLOTS))
     low, high = 0, 32 * 2**20  # compiles at high (every chip's VMEM is larger)
     while high - low > GRANULE:
@@ -96,7 +96,7 @@ def shared_memory_requested(name: str, tokens: int, heads: int, slots: int) -> i
 
 
 def row(target: str, tokens: int, heads: int, slots: int) -> dict:
-    where = compile_target(target, 1)
+    where = find_machine(target, 1)
     args = kernel_args(jax.sharding.SingleDeviceSharding(where.devices[0]), tokens, heads, slots)
     kernel = jax.jit(functools.partial(where.backend.tree_attention(), scale=0.1))
     start = time.perf_counter()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxdd.planning.fit import plan
+from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.testing.benchmark import write_result
 
 RESULT = Path(__file__).parent / "results" / "plan_kimi_k26.json"
@@ -31,7 +31,7 @@ GB = 1e9
 
 
 def key(row: dict) -> tuple:
-    return row["target"]["name"], row["moe"], row["budget"], row["max_len"]
+    return row["hardware"]["name"], row["moe"], row["budget"], row["max_len"]
 
 
 def saved_rows() -> list[dict]:
@@ -44,7 +44,7 @@ def table(rows: list[dict]) -> str:
         "| target | MoE | budget | context | weights GB | caches GB | temporaries GB | total GB | of | fits |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in sorted(rows, key=lambda r: (TARGETS.index(r["target"]["name"]), r["moe"], r["budget"], r["max_len"])):
+    for row in sorted(rows, key=lambda r: (TARGETS.index(r["hardware"]["name"]), r["moe"], r["budget"], r["max_len"])):
         d = row["per_device_bytes"]
         weights = (d["target_weights"] + d["drafter_weights"]) / GB
         caches = (d["target_cache"] + d["drafter_cache"]) / GB
@@ -68,11 +68,7 @@ def main() -> None:
         row = plan(
             FIXTURES / "kimi_k25_config.json",
             FIXTURES / "kimi_k26_dflash_config.json",
-            None,
-            moe,
-            budget,
-            context,
-            target=target,
+            PlanOptions(target, moe=moe, budget=budget, max_len=context),
         )
         row.pop("traffic")  # benchmarks/traffic_table.py's subject
         print(f"{target} {moe} budget {budget} {context // 1024}k: {row['per_device_bytes']['total'] / GB:.1f} GB")

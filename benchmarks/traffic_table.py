@@ -22,7 +22,7 @@ from humaneval import humaneval_prompts
 import jaxdd
 from jaxdd.generate import DEMO
 from jaxdd.models.moe import Router
-from jaxdd.planning.fit import plan
+from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.planning.hardware import GPUS
 from jaxdd.planning.traffic import distinct_experts
 from jaxdd.testing.benchmark import write_result
@@ -77,7 +77,7 @@ def main() -> None:
     runs = []
     for moe in ("tp", "ep"):
         for context in (8192, 32768):
-            result = plan(config, drafter, 8, moe, max_len=context, compile_round=False)
+            result = plan(config, drafter, PlanOptions(devices=8, moe=moe, max_len=context, compile_round=False))
             runs.append({"moe": moe, "context": context, "rows": result["traffic"]})
     hardware = {key: dataclasses.asdict(gpu) for key, gpu in GPUS.items()}
     routing = demo_routing()

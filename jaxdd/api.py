@@ -19,15 +19,16 @@ from jax.sharding import Mesh
 
 from jaxdd.config import KimiConfig
 from jaxdd.decoding.engine import Generation, SpeculativeDecoder
-from jaxdd.decoding.requests import Method, check_positions, check_tokens, check_visible
+from jaxdd.decoding.requests import check_positions, check_tokens, check_visible
 from jaxdd.decoding.sampling import GREEDY, Sampling
 from jaxdd.errors import CheckpointError, InputError, checkpoint_directory
 from jaxdd.models.cache import LatentCache
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget
-from jaxdd.runtime.backend import Attention, Backend
+from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.jit_state import split_module
-from jaxdd.runtime.sharding import MoeMode, Placement, abstract_shardings, make_mesh, place
+from jaxdd.runtime.sharding import Placement, abstract_shardings, make_mesh, place
+from jaxdd.types import Attention, Method, MoeMode
 from jaxdd.weights.checkpoint import abstract_model, cast_model, is_jaxdd_checkpoint, load_checkpoint
 from jaxdd.weights.hf_reader import load_hf_drafter, load_hf_target
 

@@ -26,6 +26,7 @@ import jaxdd
 from jaxdd.decoding.engine import Generation
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.distributed import disagreeing_processes, join
+from jaxdd.types import METHODS, MOE_MODES
 from jaxdd.weights.tokenizer import TextTokenizer, load_tokenizer
 
 DEMO = Path(__file__).parent / "demo" / "kimi-mini"
@@ -65,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-ids", type=parse_ids, help="prompt token ids, e.g. 1,2,3")
     parser.add_argument("--checkpoint", type=Path, help="target: HF or jaxdd checkpoint (default: bundled kimi-mini)")
     parser.add_argument("--drafter", type=Path, help="DFlash drafter checkpoint (default with kimi-mini: its drafter)")
-    parser.add_argument("--method", choices=["ar", "dflash", "ddtree"], help="default: dflash with a drafter, else ar")
+    parser.add_argument("--method", choices=METHODS, help="default: dflash with a drafter, else ar")
     parser.add_argument("--block-size", type=positive, help="DFlash block size (default: the drafter's)")
     parser.add_argument("--budget", type=positive, help="DDTree nodes per round (default: block size - 1)")
     parser.add_argument("--max-new-tokens", type=positive, default=64, help="generate at most this many tokens")
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--moe",
-        choices=["tp", "ep"],
+        choices=MOE_MODES,
         help="with several devices, split each routed expert's width (tp, the default: less traffic per round, "
         "python -m jaxdd.plan --traffic) or place whole experts (ep)",
     )

@@ -15,6 +15,7 @@ memory. ``--layers`` keeps the full width but fewer layers (for quick checks).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -23,19 +24,20 @@ import jax
 
 from jaxdd.errors import ConfigError, InputError
 from jaxdd.planning.aot import names
-from jaxdd.planning.fit import METHODS, plan, report
+from jaxdd.planning.fit import PlanOptions, plan, report
+from jaxdd.types import ATTENTION_CHOICES, METHODS, MOE_MODES
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxdd.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="target HF config.json (kimi_k25 / kimi_k2 / deepseek_v3)")
     parser.add_argument("--drafter-config", required=True, help="DFlash drafter config.json")
-    parser.add_argument("--target", default="cpu", help=f"what to compile for: {', '.join(names())}")
+    parser.add_argument("--hardware", "--target", default="cpu", help=f"what to compile for: {', '.join(names())}")
     parser.add_argument("--devices", type=int, help="devices (default: 8 GPUs or CPUs, a TPU topology's chips)")
-    parser.add_argument("--moe", choices=["tp", "ep"], default="ep")
+    parser.add_argument("--moe", choices=MOE_MODES, default="ep")
     parser.add_argument("--method", choices=METHODS, default="ddtree", help="the round compiled")
     parser.add_argument("--sampled", action="store_true", help="a sampled round (default: greedy)")
-    parser.add_argument("--attention", choices=["auto", "absorbed", "pallas"], default="auto")
+    parser.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto")
     parser.add_argument("--budget", type=int, default=64, help="DDTree nodes per round")
     parser.add_argument("--max-len", type=int, default=8192, help="prompt + generated tokens")
     parser.add_argument("--batch", type=int, default=1)
@@ -45,12 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Simulated devices must exist before JAX starts its CPU backend; other targets compile without devices.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if args.target == "cpu":
+    if args.hardware == "cpu":
         jax.config.update("jax_num_cpu_devices", max(args.devices or 8, 1))
-    options = (args.devices, args.moe, args.budget, args.max_len, args.batch, args.layers, not args.traffic)
-    choices = {"target": args.target, "attention": args.attention, "method": args.method, "sampled": args.sampled}
     try:
-        result = plan(args.config, args.drafter_config, *options, **choices)
+        options = PlanOptions(
+            **{f.name: getattr(args, f.name) for f in dataclasses.fields(PlanOptions) if f.name != "compile_round"},
+            compile_round=not args.traffic,
+        )
+        result = plan(args.config, args.drafter_config, options)
     except (ConfigError, InputError, OSError) as error:
         print(f"jaxdd: {error}", file=sys.stderr)
         return 2

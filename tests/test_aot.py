@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 from jaxdd.errors import InputError
-from jaxdd.planning.aot import compile_target
-from jaxdd.planning.fit import plan
+from jaxdd.planning.aot import find_machine
+from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.runtime.backend import Backend
 from jaxdd.testing.reference import TINY_K2
 from pallas_kernels.tree_attention import tree_attention
@@ -38,7 +38,7 @@ def _check_memory(result: dict) -> None:
     reads = per_device["target_weights"] + per_device["target_cache"]
     if method != "ar":
         reads += per_device["drafter_weights"] + per_device["drafter_cache"]
-    tpu = result["target"]["platform"] == "tpu"
+    tpu = result["hardware"]["platform"] == "tpu"
     padding = TPU_TILE_PADDING if tpu else 1
     assert reads <= compiled["argument_bytes"] <= padding * reads + 64 * 1024
     scores = TINY_K2["vocab_size"] + TINY_K2["num_attention_heads"] * result["cache_slots"]
@@ -53,9 +53,9 @@ def test_rounds_compile_for_the_target(tiny_plan_configs, target, method, sample
     """AR, DFlash and DDTree (greedy and sampled, budget 16) of a tiny Kimi K2.6-style pair (INT4 experts) on 8
     devices (greedy DDTree on 1), with the attention the target's platform gets: the Pallas kernel, its Triton
     form on GPUs and its Mosaic form on TPU (per device under shard_map on 8)."""
-    result = plan(*tiny_plan_configs, devices, "ep", 16, 256, target=target, method=method, sampled=sampled)
+    result = plan(*tiny_plan_configs, PlanOptions(target, devices, "ep", method, 16, 256, sampled=sampled))
     platform = "tpu" if target.startswith("v5p") else "gpu"
-    assert result["target"]["platform"] == platform and result["devices"] == devices
+    assert result["hardware"]["platform"] == platform and result["devices"] == devices
     assert result["attention"] == "pallas"
     _check_memory(result)
 
@@ -69,7 +69,7 @@ def test_kernel_compiles_at_kimi_sizes(target, tokens, heads, slots):
     """Kimi's latent sizes (512 + 64, bf16) with the form and tiles each platform gets: Mosaic streams the cache
     through VMEM (the GPU form's whole-cache block failed at 16k slots there), Triton reads it through pointers;
     128k slots compile for every chip."""
-    where = compile_target(target, 1)
+    where = find_machine(target, 1)
     device = jax.sharding.SingleDeviceSharding(where.devices[0])
     spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=device)
     t, h = tokens, heads
@@ -86,9 +86,9 @@ def test_kernel_compiles_at_kimi_sizes(target, tokens, heads, slots):
 def test_a_round_over_the_chips_memory_is_refused_by_the_compiler(tiny_plan_configs):
     """32M cache slots on one 16 GB v5e chip: XLA:TPU refuses the program inside the compile, and the plan
     reports what the compiler said it needs."""
-    result = plan(*tiny_plan_configs, 1, "ep", 16, 2**25, target="v5e:2x2")
+    result = plan(*tiny_plan_configs, PlanOptions("v5e:2x2", 1, "ep", budget=16, max_len=2**25))
     assert not result["fits"] and not result["compiled"]["fits_compiler"]
-    assert result["per_device_bytes"]["total"] > 16e9 > result["target"]["memory_bytes"] - 1e9
+    assert result["per_device_bytes"]["total"] > 16e9 > result["hardware"]["memory_bytes"] - 1e9
 
 
 @pytest.mark.parametrize(("target", "dtype"), [("rtx-pro-6000", jnp.bfloat16), ("rtx-pro-6000", jnp.float32)])
@@ -96,7 +96,7 @@ def test_kernel_tiles_fit_the_gpus_shared_memory(target, dtype):
     """Kimi's latent sizes (512 + 64, 8 heads per device, a 65-token tree over 32k slots) with the tiles the
     backend picks for a GPU of 99 KB shared memory per block: Triton's compile accepts them (H200's tiles ask
     for 166 KB and are refused)."""
-    where = compile_target(target, 1)
+    where = find_machine(target, 1)
     backend = Backend.of_devices(where.devices)
     assert backend.shared_memory == 99 * 1024
     device = jax.sharding.SingleDeviceSharding(where.devices[0])
@@ -116,15 +116,15 @@ def test_kernel_tiles_fit_the_gpus_shared_memory(target, dtype):
 def test_a_multi_host_slice_compiles_as_one_program(tiny_plan_configs):
     """TPU v5p:2x2x4 is 16 chips on 4 hosts (one JAX process each): the plan compiles the one SPMD program all
     four would run, from this single process."""
-    result = plan(*tiny_plan_configs, None, "tp", 16, 256, target="v5p:2x2x4")
-    assert result["devices"] == 16 and result["target"]["processes"] == 4
+    result = plan(*tiny_plan_configs, PlanOptions("v5p:2x2x4", None, "tp", budget=16, max_len=256))
+    assert result["devices"] == 16 and result["hardware"]["processes"] == 4
     _check_memory(result)
 
 
 def test_unknown_targets_are_named():
     with pytest.raises(InputError, match="expected one of cpu, h200, rtx-pro-6000, b200"):
-        compile_target("a100")
+        find_machine("a100")
     with pytest.raises(InputError, match="v5p:9x9x9"):
-        compile_target("v5p:9x9x9")
+        find_machine("v5p:9x9x9")
     with pytest.raises(InputError, match="has 8 devices, asked for 9"):
-        compile_target("v5p:2x2x2", 9)
+        find_machine("v5p:2x2x2", 9)

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import jaxdd
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.models.quant import DENSE
-from jaxdd.planning.fit import plan
+from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.runtime.compile_time import compile_clock
 from jaxdd.runtime.sharding import make_mesh, shard_module
 from jaxdd.testing.hf_layouts import write_k2_instruct_fp8, write_k25_int4
@@ -165,18 +165,14 @@ def test_plan_reduced_depth_full_width():
     result = plan(
         "tests/fixtures/kimi_k25_config.json",
         "tests/fixtures/kimi_k26_dflash_config.json",
-        devices=8,
-        moe="ep",
-        budget=8,
-        max_len=256,
-        layers=2,
+        PlanOptions(devices=8, moe="ep", budget=8, max_len=256, layers=2),
     )
     per_device = result["per_device_bytes"]
     assert result["routed_experts"] == "int4" and result["layers"] == 2
     # 384 experts x 3 x 7168 x 2048 INT4 values = 8.46e9 bytes, split 8 ways; plus scales, attention, embeddings.
     assert 1.5e9 < per_device["target_weights"] < 2.5e9
-    assert per_device["temporaries"] > 0 and result["target"]["name"] == "cpu"
-    assert result["fits"] == (per_device["total"] <= result["target"]["memory_bytes"])
+    assert per_device["temporaries"] > 0 and result["hardware"]["name"] == "cpu"
+    assert result["fits"] == (per_device["total"] <= result["hardware"]["memory_bytes"])
     # As stored, all devices together: embed + lm_head 4.70e9, experts 8.46e9 + scales 0.53e9, dense MLP 0.79e9,
     # attention 2 x 0.20e9, shared expert and router 0.10e9.
     assert 1.48e10 < result["stored_bytes"]["target"] < 1.57e10

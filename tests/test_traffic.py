@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxdd.planning.fit import plan, report
+from jaxdd.planning.fit import PlanOptions, plan, report
 from jaxdd.planning.hardware import GPUS
 from jaxdd.planning.traffic import distinct_experts, slowest_device_experts
 
@@ -43,7 +43,9 @@ def test_plan_traffic_table():
     experts' worth."""
     fixtures = "tests/fixtures/"
     configs = (fixtures + "kimi_k25_config.json", fixtures + "kimi_k26_dflash_config.json")
-    result = plan(*configs, 8, "tp", layers=3, compile_round=False)  # full width; depth only scales the bytes
+    result = plan(
+        *configs, PlanOptions(devices=8, moe="tp", layers=3, compile_round=False)
+    )  # full width; depth only scales the bytes
     rows = result["traffic"]
     assert [r["round"] for r in rows] == ["ar", "dflash", "ddtree 4", "ddtree 8", "ddtree 16", "ddtree 32", "ddtree 64"]
     ar = rows[0]

@@ -9,6 +9,7 @@ import sys
 from jaxdd.crosscheck import __doc__ as usage
 from jaxdd.errors import CheckpointError, ConfigError, InputError
 from jaxdd.generate import parse_ids, positive
+from jaxdd.types import METHODS, MOE_MODES
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -20,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--target", required=True, help="HF target checkpoint directory")
     dump.add_argument("--drafter", help="z-lab DFlash drafter directory (dflash, ddtree)")
     dump.add_argument("--prompts", required=True, help="JSON list of prompts (token-id lists or strings)")
-    dump.add_argument("--method", choices=["ar", "dflash", "ddtree"], required=True)
+    dump.add_argument("--method", choices=METHODS, required=True)
     dump.add_argument("--out", required=True, help="reference file to write (.npz)")
     dump.add_argument("--max-new-tokens", type=positive, default=32)
     dump.add_argument("--block-size", type=positive, help="default: the drafter's")
@@ -33,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--target", help="the target checkpoint (default: the directory the reference names)")
     compare.add_argument("--drafter", help="the drafter checkpoint (default: the directory the reference names)")
     compare.add_argument("--devices", type=positive, default=1, help="shard the models over this many devices")
-    compare.add_argument("--moe", choices=["tp", "ep"], default="tp", help="with several devices: tp or ep experts")
+    compare.add_argument("--moe", choices=MOE_MODES, default="tp", help="with several devices: tp or ep experts")
     compare.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 

@@ -9,15 +9,13 @@ import dataclasses
 import time
 import warnings
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import Protocol
 
 import jax
 import numpy as np
 
 from jaxdd.decoding.requests import (
     MAX_STOP_TOKENS,
-    Method,
-    TreeLogits,
     check_lengths,
     check_round_options,
     check_stop_ids,
@@ -25,7 +23,7 @@ from jaxdd.decoding.requests import (
     check_tree_logits,
     per_request,
 )
-from jaxdd.decoding.rounds import DecodeState, Models, Requests, RoundSpec, decode_round, prefill
+from jaxdd.decoding.rounds import DecodeState, ModelPair, Requests, RoundSpec, decode_round, prefill
 from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays
 from jaxdd.errors import InputError, LargeRoundWarning
 from jaxdd.models.drafter import DFlashDrafter
@@ -34,6 +32,7 @@ from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.compile_time import compile_clock
 from jaxdd.runtime.jit_state import split_module
 from jaxdd.runtime.sharding import mesh_of
+from jaxdd.types import ATTENTION_CHOICES, AttentionChoice, Method, TreeLogits, verified_tokens
 
 MIN_BUCKET = 16
 PROMPT_BUCKETS_PER_OCTAVE = 8
@@ -77,7 +76,7 @@ class Generation:
 
 
 @dataclasses.dataclass(frozen=True)
-class RequestPlan:
+class RoundBatch:
     """A batch's fixed settings: the round every step runs and the per-row arrays it reads."""
 
     spec: RoundSpec
@@ -117,10 +116,10 @@ class SpeculativeDecoder:
         self,
         target: LoadedTarget,
         drafter: DFlashDrafter | None = None,
-        attention: Literal["auto", "absorbed", "pallas"] = "auto",
+        attention: AttentionChoice = "auto",
         backend: Backend | None = None,
     ):
-        if attention not in ("auto", "absorbed", "pallas"):
+        if attention not in ATTENTION_CHOICES:
             raise InputError(f"attention: expected 'auto', 'absorbed' or 'pallas', got {attention!r}")
         self.target = target
         self.config = target.model.config
@@ -131,12 +130,14 @@ class SpeculativeDecoder:
         self.mesh = mesh_of(target.model)  # set when the models were placed with jaxdd.runtime.sharding.shard_module
         self._working_memory: dict[tuple, int] = {}  # compiled rounds' temporaries, by round shape
         target_spec, target_weights = split_module(target.model)
-        self._target_only = Models(target_weights, None, target_spec=target_spec, drafter_spec=None)
+        self._target_only = ModelPair(target_weights, None, target_spec=target_spec, drafter_spec=None)
         self._models = self._target_only
         if drafter is not None:
             drafter.config.check_fits(self.config)
             drafter_spec, drafter_weights = split_module(drafter)
-            self._models = Models(target_weights, drafter_weights, target_spec=target_spec, drafter_spec=drafter_spec)
+            self._models = ModelPair(
+                target_weights, drafter_weights, target_spec=target_spec, drafter_spec=drafter_spec
+            )
 
     def generate(self, prompt_ids, *, sampling: Sampling = GREEDY, **options) -> Generation:
         """Decode up to ``max_new_tokens`` after one prompt; see ``generate_batch`` for the options."""
@@ -188,7 +189,7 @@ class SpeculativeDecoder:
             result.round_shape = dict(round_shape)
         return results
 
-    def _decode(self, plan: RequestPlan, state: DecodeState, done: np.ndarray, results: list[Generation], emit):
+    def _decode(self, plan: RoundBatch, state: DecodeState, done: np.ndarray, results: list[Generation], emit):
         """Run rounds until every request is done, appending each round's tokens to ``results``."""
         n, width = plan.count, 1 if plan.spec.method == "ar" else plan.spec.block  # tokens per report row
         pending = None if done[:n].all() else self.step(plan, state)
@@ -216,11 +217,11 @@ class SpeculativeDecoder:
             elif pending is None:
                 pending = self.step(plan, state)
 
-    def step(self, plan: RequestPlan, state: DecodeState) -> tuple[DecodeState, jax.Array]:
+    def step(self, plan: RoundBatch, state: DecodeState) -> tuple[DecodeState, jax.Array]:
         """One jitted round for the whole batch: (new state, the round's report [rows, ...])."""
         return decode_round(plan.spec, self._models_for(plan.spec), state, plan.requests)
 
-    def lower_round(self, plan: RequestPlan, state: DecodeState) -> jax.stages.Lowered:
+    def lower_round(self, plan: RoundBatch, state: DecodeState) -> jax.stages.Lowered:
         """The round ``step`` runs for ``plan``, lowered for ``state`` (arrays or ShapeDtypeStructs): for
         compiling ahead of time (``jaxdd.plan``), reading the HLO, or profiling its stages."""
         return decode_round.lower(plan.spec, self._models_for(plan.spec), state, plan.requests)
@@ -252,7 +253,7 @@ class SpeculativeDecoder:
         max_children: int | None = None,
         trace_topk: int = 0,
         tree_logits: str = "scaled",
-    ) -> tuple[RequestPlan, DecodeState]:
+    ) -> tuple[RoundBatch, DecodeState]:
         """Check the requests, fix the static shapes and run the prefill: (plan, state after the prefill)."""
         if not prompts:
             raise InputError("prompts: the batch is empty")
@@ -265,7 +266,7 @@ class SpeculativeDecoder:
         options = (block_size, budget, max_children)
         block, budget = check_round_options(method, self.drafter is not None, drafter_block, *options)
         max_lengths = check_lengths(checked, lengths, self.config)
-        verify_width = budget + 1 if method == "ddtree" else block
+        verify_width = verified_tokens(method, block, budget)
 
         rows = bucket(n, minimum=1)
         # Prompts in eighth octaves, multiples of 16, the cache in quarter octaves: a prefill's cost grows with
@@ -285,12 +286,12 @@ class SpeculativeDecoder:
         # On the device in one transfer: the prefill and every round read them.
         requests = jax.device_put(Requests(max_length, stop_ids, SamplingArrays.of(settings)))
         spec = self.round_spec(method, block, budget, max_children, sampled, trace_topk, check_tree_logits(tree_logits))
-        plan = RequestPlan(spec, n, lengths, requests)
+        plan = RoundBatch(spec, n, lengths, requests)
         state = prefill(spec, self._models_for(spec), tokens, prompt_len, requests, seeds, slots, self.mesh)
         self._check_round_size(plan, state)
         return plan, state
 
-    def _check_round_size(self, plan: RequestPlan, state: DecodeState) -> None:
+    def _check_round_size(self, plan: RoundBatch, state: DecodeState) -> None:
         """Compile the round (``step`` then reuses it) and refuse it, naming the option that sizes it, when its
         working memory is more than the devices have free; warn (``LargeRoundWarning``) when it verifies far
         more tokens than it can accept. Without the check an oversized round dies of an out-of-memory
@@ -325,7 +326,7 @@ class SpeculativeDecoder:
             return
         warnings.warn(f"{what} {note}; it needs {gigabytes(needed)} of working memory per device", LargeRoundWarning, 3)
 
-    def _models_for(self, spec: RoundSpec) -> Models:
+    def _models_for(self, spec: RoundSpec) -> ModelPair:
         return self._target_only if spec.method == "ar" else self._models
 
 

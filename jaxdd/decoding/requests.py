@@ -3,16 +3,12 @@ out-of-range id or position, or wrap it. Each failure is an ``InputError`` namin
 
 from __future__ import annotations
 
-from typing import Literal
-
 import numpy as np
 
 from jaxdd.config import KimiConfig
 from jaxdd.errors import InputError
+from jaxdd.types import METHODS, TREE_LOGITS, TreeLogits
 
-Method = Literal["ar", "dflash", "ddtree"]
-METHODS: tuple[Method, ...] = ("ar", "dflash", "ddtree")
-TreeLogits = Literal["scaled", "raw"]  # what a sampled DDTree round builds its tree from
 MAX_STOP_TOKENS = 16  # stop ids are padded to this many so their number never changes a compiled shape
 
 
@@ -98,8 +94,8 @@ def check_round_options(
 
 
 def check_tree_logits(tree_logits: str) -> TreeLogits:
-    if tree_logits not in ("scaled", "raw"):
-        raise InputError(f"tree_logits: expected 'scaled' or 'raw', got {tree_logits!r}")
+    if tree_logits not in TREE_LOGITS:
+        raise InputError(f"tree_logits: expected one of {', '.join(TREE_LOGITS)}, got {tree_logits!r}")
     return tree_logits
 
 

@@ -30,15 +30,15 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxdd.config import DrafterConfig, KimiConfig
-from jaxdd.decoding.requests import Method, TreeLogits
 from jaxdd.decoding.sampling import SamplingArrays, argmax, filtered_probs, sample, seed_keys, split_keys
 from jaxdd.decoding.tree import accept_path, build_tree
 from jaxdd.models.cache import LatentCache, compact_rows
 from jaxdd.models.drafter import DFlashDrafter, DraftCache
 from jaxdd.models.target import KimiTarget
-from jaxdd.runtime.backend import Attention, Backend
+from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.jit_state import ModuleSpec
 from jaxdd.runtime.sharding import cache_sharding
+from jaxdd.types import Attention, Method, TreeLogits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +57,7 @@ class RoundSpec:
 
 
 @struct.dataclass
-class Models:
+class ModelPair:
     """The target (and drafter) as static structure + weight arrays (``jaxdd.runtime.jit_state``), merged in the jit."""
 
     target_weights: list[jax.Array]
@@ -134,7 +134,7 @@ def state_shardings(state: DecodeState, mesh: jax.sharding.Mesh) -> DecodeState:
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
 def decode_round(
-    spec: RoundSpec, models: Models, state: DecodeState, requests: Requests
+    spec: RoundSpec, models: ModelPair, state: DecodeState, requests: Requests
 ) -> tuple[DecodeState, jax.Array]:
     """One round of ``spec.method`` for the whole batch: (new state, the round's report). A report row is the
     emitted tokens (1 for AR, else ``block``), then produced and stopped, then with ``trace`` the drafter's top-k
@@ -316,7 +316,7 @@ def _commit(state: DecodeState, emitted, accepted, cache, context, draft_cache, 
 @functools.partial(jax.jit, static_argnames=("spec", "slots", "mesh"))
 def prefill(
     spec: RoundSpec,
-    models: Models,
+    models: ModelPair,
     tokens: jax.Array,
     prompt_len: jax.Array,
     requests: Requests,

@@ -24,9 +24,10 @@ from flax import nnx
 from jaxdd.config import KimiConfig
 from jaxdd.models.layers import MLP, linear, param
 from jaxdd.models.quant import DenseExperts, ExpertFormat, Int4Experts, expert_weights
-from jaxdd.runtime.backend import Backend, Dispatch
+from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.cpu_kernels import GROUP_MULTIPLE
 from jaxdd.runtime.sharding import AXIS, expert_specs
+from jaxdd.types import Dispatch
 
 
 class Router(nnx.Module):

@@ -24,8 +24,9 @@ from jaxdd.models.cache import LatentCache, write_rows
 from jaxdd.models.layers import MLP, RMSNorm, apply_rope, linear, param, project_heads, rope_cos_sin, rope_frequencies
 from jaxdd.models.moe import MoE
 from jaxdd.models.quant import DENSE, ExpertFormat
-from jaxdd.runtime.backend import Attention, Backend
+from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.sharding import AXIS, partition_spec
+from jaxdd.types import Attention
 
 
 class TargetOutput(NamedTuple):
@@ -44,7 +45,7 @@ def attention_mask(length: jax.Array, visible: jax.Array, slots: int) -> jax.Arr
     return (slot < start) | (is_new & new_visible)
 
 
-def _after(value: jax.Array, rows: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+def _write_after(value: jax.Array, rows: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     """``rows`` unchanged, made to depend on ``value``: their write into the cache is then scheduled after the
     reads of the cache that produced ``value``, so it can update the (donated) buffer in place. XLA has no other
     way to order them (``optimization_barrier`` is dropped on CPU). ``nan_to_num`` keeps the sum exact: 0 * x is
@@ -165,7 +166,7 @@ class MLAttention(nnx.Module):
             out_latent = _cache_values(cache_latent, probs[..., :slots], kernels)
             out_latent += jnp.einsum("bur,bhtu->bthr", latent, probs[..., slots:])
             out = _per_head(out_latent, self.v_up[...], kernels)
-            rows = _after(out_latent, (latent, k_pe))
+            rows = _write_after(out_latent, (latent, k_pe))
             new_rows = write_rows(cache_latent, rows[0], length), write_rows(cache_rope, rows[1], length)
             return project_heads(out, self.o_proj[...], backend), new_rows
 
@@ -207,7 +208,7 @@ class MLAttention(nnx.Module):
         return jax.nn.softmax(scores, axis=-1).astype(self.k_up.dtype)
 
 
-class DecoderLayer(nnx.Module):
+class TargetLayer(nnx.Module):
     def __init__(self, config: KimiConfig, layer: int, dtype: jnp.dtype, experts: ExpertFormat, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.attn = MLAttention(config, dtype, rngs)
@@ -233,7 +234,7 @@ class KimiTarget(nnx.Module):
         self.experts = experts  # how routed-expert weights are stored
         self.placement = None  # (mesh, "tp" | "ep") once placed by ``jaxdd.runtime.sharding.shard_module``
         self.embed = param(rngs, (config.vocab_size, config.hidden_size), dtype, ("vocab", "embed"))
-        layers = [DecoderLayer(config, i, dtype, experts, rngs) for i in range(config.num_hidden_layers)]
+        layers = [TargetLayer(config, i, dtype, experts, rngs) for i in range(config.num_hidden_layers)]
         self.layers = nnx.List(layers)
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = param(rngs, (config.hidden_size, config.vocab_size), dtype, ("embed", "vocab"))

@@ -19,7 +19,8 @@ from jax.experimental import topologies
 
 from jaxdd.errors import InputError
 from jaxdd.planning.hardware import GPUS, TPUS
-from jaxdd.runtime.backend import Backend, Platform
+from jaxdd.runtime.backend import Backend
+from jaxdd.types import Platform
 
 # libtpu asks the cloud metadata server which slice it is on unless told it is on none, and takes a lock file
 # that lets one process at a time use it (compiling needs no chip: several may).
@@ -31,7 +32,7 @@ INSTALL_HINT = "pip install 'jaxdd[aot]'"
 
 
 @dataclasses.dataclass(frozen=True)
-class CompileTarget:
+class Machine:
     """The devices one plan compiles for and what each can hold."""
 
     name: str  # as asked: "cpu", "rtx-pro-6000", "v5p:2x2x2"
@@ -55,7 +56,7 @@ def names() -> list[str]:
     return ["cpu", *GPUS, *(f"{chip}:<topology>" for chip in TPUS)]
 
 
-def compile_target(name: str, devices: int | None = None) -> CompileTarget:
+def find_machine(name: str, devices: int | None = None) -> Machine:
     """The target ``name`` with its first ``devices`` devices (default: 8 GPUs, the TPU topology's chips, all of
     this process's CPU devices)."""
     if name == "cpu":
@@ -84,13 +85,13 @@ def compile_target(name: str, devices: int | None = None) -> CompileTarget:
     return _fit(name, "tpu", topology.devices, devices, lambda _: chip.memory, chip.source, {})
 
 
-def _fit(name, platform, available, count, memory, description, options) -> CompileTarget:
+def _fit(name, platform, available, count, memory, description, options) -> Machine:
     available = list(available)
     count = len(available) if count is None else count
     if not 1 <= count <= len(available):
         raise InputError(f"--devices: {name} has {len(available)} devices, asked for {count}")
     chosen = tuple(available[:count])
-    return CompileTarget(name, platform, chosen, float(memory(chosen)), description, options)
+    return Machine(name, platform, chosen, float(memory(chosen)), description, options)
 
 
 def _host_memory_per_device(devices) -> float:

@@ -21,7 +21,7 @@ import re
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,45 +30,64 @@ from flax import nnx
 
 from jaxdd.api import Target
 from jaxdd.config import DrafterConfig, KimiConfig
-from jaxdd.decoding.engine import RequestPlan, SpeculativeDecoder, cache_slots
-from jaxdd.decoding.requests import MAX_STOP_TOKENS, Method
+from jaxdd.decoding.engine import RoundBatch, SpeculativeDecoder, cache_slots
+from jaxdd.decoding.requests import MAX_STOP_TOKENS
 from jaxdd.decoding.rounds import DecodeState, Requests, state_shardings
 from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays
 from jaxdd.errors import InputError
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget
-from jaxdd.planning.aot import CompileTarget, compile_target
+from jaxdd.planning.aot import Machine, find_machine
 from jaxdd.planning.traffic import ModelBytes, format_table, traffic_table
-from jaxdd.runtime.backend import Attention
 from jaxdd.runtime.sharding import make_mesh, param_shardings, place
+from jaxdd.types import ATTENTION_CHOICES, METHODS, MOE_MODES, AttentionChoice, Method, MoeMode, verified_tokens
 from jaxdd.weights.hf_reader import declared_expert_format
 
 GB = 1e9
-METHODS = ("ar", "dflash", "ddtree")
 DEFAULT_GPU_FRACTION = 0.75  # of each GPU's memory that JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION)
 
 
-def plan(
-    config_path: str | Path,
-    drafter_config_path: str | Path,
-    devices: int | None = None,
-    moe: str = "ep",
-    budget: int = 64,
-    max_len: int = 8192,
-    batch: int = 1,
-    layers: int | None = None,
-    compile_round: bool = True,
-    *,
-    target: str = "cpu",
-    attention: Literal["auto"] | Attention = "auto",
-    method: Method = "ddtree",
-    sampled: bool = False,
-) -> dict[str, Any]:
-    """Compile one round (DDTree at ``budget`` by default) of the full-size pair ahead of time for ``target`` and
-    count its bytes per device, with the traffic account of AR / DFlash / DDTree rounds at ``max_len`` tokens of
-    context (``jaxdd.planning.traffic``); ``compile_round=False``: the traffic account only (seconds, not minutes)."""
-    if method not in METHODS:
-        raise InputError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """What one plan compiles: the hardware (``names()``), its devices, the MoE split and the round's shape."""
+
+    hardware: str = "cpu"
+    devices: int | None = None  # default: 8 GPUs, a TPU topology's chips, every CPU device
+    moe: MoeMode = "ep"
+    method: Method = "ddtree"
+    budget: int = 64
+    max_len: int = 8192
+    batch: int = 1
+    layers: int | None = None  # full width, this many layers
+    sampled: bool = False
+    attention: AttentionChoice = "auto"
+    compile_round: bool = True  # False: the traffic account only (seconds, not minutes)
+
+    def __post_init__(self) -> None:
+        choices = {"method": METHODS, "moe": MOE_MODES, "attention": ATTENTION_CHOICES}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise InputError(f"--{name}: expected one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        for name in ("devices", "budget", "max_len", "batch", "layers"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InputError(f"--{name.replace('_', '-')}: expected at least 1, got {value}")
+
+
+def plan(config_path: str | Path, drafter_config_path: str | Path, options: PlanOptions = PlanOptions()) -> dict:
+    """Compile one round (DDTree at ``budget`` by default) of the full-size pair ahead of time for the options'
+    hardware and count its bytes per device, with the traffic account of AR / DFlash / DDTree rounds at
+    ``max_len`` tokens of context (``jaxdd.planning.traffic``)."""
+    o = options
+    method, moe, budget, max_len, batch, layers, sampled = (
+        o.method,
+        o.moe,
+        o.budget,
+        o.max_len,
+        o.batch,
+        o.layers,
+        o.sampled,
+    )
     raw = json.loads(Path(config_path).read_text())
     config = KimiConfig.from_hf(raw)
     drafter_config = DrafterConfig.from_json_file(drafter_config_path)
@@ -79,19 +98,19 @@ def plan(
         taps = tuple(min(t, layers - 1) for t in drafter_config.target_layer_ids)
         drafter_config = dataclasses.replace(drafter_config, target_layer_ids=taps)
     experts = declared_expert_format(raw)
-    where = compile_target(target, devices)
+    where = find_machine(o.hardware, o.devices)
     mesh = make_mesh(len(where.devices), where.devices)
-    form = where.backend.attention(attention)
+    form = where.backend.attention(o.attention)
     decoder, per_device, stored = _abstract_decoder(config, drafter_config, experts, mesh, moe, jnp.bfloat16, form)
     block = 1 if method == "ar" else drafter_config.block_size
-    tokens = {"ar": 1, "dflash": block, "ddtree": budget + 1}[method]
+    tokens = verified_tokens(method, block, budget)
     slots = cache_slots(max_len + tokens)
     model_bytes = ModelBytes.of(decoder.target.model, decoder.drafter, _shard_bytes)
     shape = {
         "config": str(config_path),
         "layers": config.num_hidden_layers,
         "routed_experts": experts.kind,
-        "target": _describe(where),
+        "hardware": _describe(where),
         "devices": len(where.devices),
         "moe": moe,
         "method": method,
@@ -104,13 +123,13 @@ def plan(
         "dispatch": _dispatch(decoder.target.model, tokens * batch, len(where.devices), moe, where),
         "traffic": traffic_table(config, model_bytes, len(where.devices), moe, max_len, drafter_config.block_size),
     }
-    if not compile_round:
+    if not o.compile_round:
         return shape
     round_shape = (method, block, budget, batch, slots, sampled)
-    request_plan, state = _abstract_requests(decoder, mesh, config, drafter_config, *round_shape)
+    round_batch, state = _abstract_requests(decoder, mesh, config, drafter_config, *round_shape)
     per_device["target_cache"] = sum(_shard_bytes(x) for x in jax.tree.leaves(state.target_cache))
     per_device["drafter_cache"] = sum(_shard_bytes(x) for x in jax.tree.leaves(state.draft_cache))
-    compiled = _compile(decoder, request_plan, state, where, form)
+    compiled = _compile(decoder, round_batch, state, where, form)
     per_device["temporaries"] = compiled["temp_bytes"]
     total = compiled.get("used_bytes", sum(per_device.values()))  # the compiler's figure where it ran out
     return shape | {
@@ -123,7 +142,7 @@ def plan(
     }
 
 
-def _describe(where: CompileTarget) -> dict[str, Any]:
+def _describe(where: Machine) -> dict[str, Any]:
     return {
         "name": where.name,
         "platform": where.platform,
@@ -134,7 +153,7 @@ def _describe(where: CompileTarget) -> dict[str, Any]:
     }
 
 
-def _dispatch(model: KimiTarget, tokens: int, devices: int, moe: str, where: CompileTarget) -> str | None:
+def _dispatch(model: KimiTarget, tokens: int, devices: int, moe: str, where: Machine) -> str | None:
     """The MoE dispatch the round's MoE layers run (over one device's experts under EP)."""
     layer = next((m for _, m in nnx.iter_modules(model) if hasattr(m, "router")), None)
     if layer is None:
@@ -144,12 +163,12 @@ def _dispatch(model: KimiTarget, tokens: int, devices: int, moe: str, where: Com
     return layer.dispatch_for(tokens, local, where.backend)
 
 
-def _compile(decoder, request_plan, state, where: CompileTarget, form: str) -> dict[str, Any]:
+def _compile(decoder, round_batch, state, where: Machine, form: str) -> dict[str, Any]:
     """Compile the round for ``where``: its memory analysis, or what the compiler said it needs when it ran out
     of memory (RESOURCE_EXHAUSTED, raised inside the compile on TPU)."""
     start = time.perf_counter()
     try:
-        lowered = decoder.lower_round(request_plan, state)
+        lowered = decoder.lower_round(round_batch, state)
         compiled = lowered.compile(compiler_options=where.compiler_options or None)
     except Exception as error:
         needed = _exhausted(str(error)) if isinstance(error, jax.errors.JaxRuntimeError) else None
@@ -244,7 +263,7 @@ def _abstract_requests(decoder, mesh, config, drafter_config, method, block, bud
         sampling=jax.eval_shape(lambda: SamplingArrays.of([settings] * batch)),
     )
     spec = decoder.round_spec(method, block, budget if method == "ddtree" else None, sampled=sampled)
-    return RequestPlan(spec, batch, [1] * batch, requests), state
+    return RoundBatch(spec, batch, [1] * batch, requests), state
 
 
 def _shard_bytes(x) -> int:
@@ -257,7 +276,7 @@ def _bytes(x, shape: tuple[int, ...] | None = None) -> int:
 
 
 def report(result: dict[str, Any]) -> str:
-    where = result["target"]
+    where = result["hardware"]
     round_name = {"ar": "AR step", "dflash": "DFlash round", "ddtree": f"DDTree round (budget {result['budget']})"}
     lines = [
         f"{result['config']}: {result['layers']} layers, routed experts {result['routed_experts']}, "

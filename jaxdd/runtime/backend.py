@@ -23,14 +23,10 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxdd.runtime import cpu_kernels
 from jaxdd.runtime.cpu_memory import keep_allocations
+from jaxdd.types import ATTENTIONS, Attention, Dispatch, Platform
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_tpu import tree_attention_tpu
 
-Platform = Literal["cpu", "gpu", "tpu"]
-Attention = Literal["naive", "absorbed", "pallas"]  # how MLA attends (``jaxdd.models.target.MLAttention``)
-Dispatch = Literal[
-    "dense", "gathered", "grouped", "scan", "skipping", "tiled"
-]  # how the MoE runs its experts (``jaxdd.models.moe``)
 _PLATFORMS: dict[str, Platform] = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 # Shared memory one thread block may opt into, by compute capability (CUDA C++ Programming Guide, "Technical
 # Specifications per Compute Capability"): the Pallas kernel's tiles must fit it.
@@ -90,7 +86,7 @@ class Backend:
         """``auto``: the Pallas tree-attention kernel on GPUs, where it was measured faster in bf16
         (benchmarks/results/gpu_kernel.json), and on TPUs, where XLA's absorbed attention would hold every
         head's scores over the whole cache (64 heads x 257 tokens x 128k slots: 8.6 GB); XLA's on CPU."""
-        if requested not in ("auto", "naive", "absorbed", "pallas"):
+        if requested != "auto" and requested not in ATTENTIONS:
             raise ValueError(f"attention: expected 'auto', 'naive', 'absorbed' or 'pallas', got {requested!r}")
         if requested != "auto":
             return requested

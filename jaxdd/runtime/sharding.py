@@ -22,7 +22,6 @@ replicated instead (e.g. a 4-head drafter on 8 devices).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import jax
 import numpy as np
@@ -30,8 +29,8 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxdd.models.quant import ExpertWeights
+from jaxdd.types import MOE_MODES, MoeMode
 
-MoeMode = Literal["tp", "ep"]
 Placement = tuple[Mesh, MoeMode]  # where a model's parameters go, and how its routed experts are split
 AXIS = "model"
 
@@ -46,7 +45,7 @@ RULES: dict[MoeMode, dict[str, str | None]] = {
         "embed": None,
         "q_lora": None,
     }
-    for mode in ("tp", "ep")
+    for mode in MOE_MODES
 }
 
 

@@ -1,0 +1,27 @@
+"""The project's small vocabularies, each a ``Literal`` with its choices derived once (CLIs and checks use these)."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Method = Literal["ar", "dflash", "ddtree"]  # plain decoding, linear DFlash, DDTree
+Attention = Literal["naive", "absorbed", "pallas"]  # how MLA attends (``jaxdd.models.target.MLAttention``)
+AttentionChoice = Literal["auto", "absorbed", "pallas"]  # what a decoder may be asked for (auto: the platform's)
+MoeMode = Literal["tp", "ep"]  # routed experts split by FFN width, or as whole experts
+Platform = Literal["cpu", "gpu", "tpu"]
+Dispatch = Literal["dense", "gathered", "grouped", "scan", "skipping", "tiled"]  # ``jaxdd.models.moe``
+TreeLogits = Literal["scaled", "raw"]  # what a sampled DDTree round builds its tree from
+
+METHODS: tuple[Method, ...] = get_args(Method)
+ATTENTIONS: tuple[Attention, ...] = get_args(Attention)
+ATTENTION_CHOICES: tuple[AttentionChoice, ...] = get_args(AttentionChoice)
+MOE_MODES: tuple[MoeMode, ...] = get_args(MoeMode)
+DISPATCHES: tuple[Dispatch, ...] = get_args(Dispatch)
+TREE_LOGITS: tuple[TreeLogits, ...] = get_args(TreeLogits)
+
+
+def verified_tokens(method: Method, block: int, budget: int | None) -> int:
+    """Tokens one round verifies per request: AR its one token, DFlash its block, DDTree its tree and root."""
+    if method == "ddtree":
+        return budget + 1
+    return 1 if method == "ar" else block
