@@ -23,7 +23,7 @@ $PY -c 'import flax, sys; sys.exit(not flax.__version__.startswith("0.12"))' || 
 } 2>&1 | tee "$OUT/gpu_env.log"
 
 echo "== 1. kernel on GPU vs reference; DDTree through the kernel"
-timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_tree_attention.py -k "gpu or ddtree_with_the_kernel" -rs 2>&1 \
+timeout 150 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_tree_attention.py -k "gpu or ddtree_with_the_kernel" -rs 2>&1 \
   | tee "$OUT/gpu_tests.log"
 
 echo "== 2. kernel vs XLA at Kimi-like shapes, a few block configurations"

@@ -8,7 +8,7 @@ that pop order is simply "descending score, ties by rank tuple" over all nodes, 
 depth d are children of the best ``budget`` at depth d-1. The device build uses exactly that: a beam of width
 ``budget`` per depth, then one sort over all beams. Scores are fp32 running sums (parent + log-prob), which keeps
 the order monotone; the oracle reproduces the paper's float64 incremental arithmetic, so the two agree unless two
-competing scores lie within float rounding of each other (see tests/test_tree.py for the stated tolerance).
+competing scores lie within float rounding of each other (see tests/decoding/test_tree.py for the stated tolerance).
 
 Trees are laid out with the root (the bonus token) at index 0 and nodes 1..budget in pop order, so a parent's
 index is always below its children's.

@@ -140,7 +140,7 @@ typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 constexpr int64_t kBlock = kLanes * kLanes;  // inputs per block: 8 words, lane j holding word j's 8 values
 // Veltkamp's split c - (c - p), c = p * (2^16 + 1), is p rounded to bf16's 8 significant bits, ties to even (for
-// all 16 x 65536 products q x scale, tests/test_cpu_kernels.py); c overflows past this scale, where the bit form runs.
+// all 16 x 65536 products q x scale, tests/runtime/test_cpu_kernels.py); c overflows past this scale, where the bit form runs.
 constexpr float kSplitLimit = 0x1p100f;
 
 inline Floats fma(Floats a, Floats b, Floats c) {

@@ -12,10 +12,10 @@ import subprocess
 import sys
 
 import pytest
-from test_tokenizer import SPECIAL, write_kimi_tokenizer
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from jaxdd.generate import DEFAULT_PROMPT, main
+from jaxdd.testing.kimi_tokenizer import SPECIAL, write_kimi_tokenizer
 from jaxdd.testing.reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model
 
 PROMPT = [7, 100, 42, 3, 9]

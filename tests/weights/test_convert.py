@@ -19,7 +19,6 @@ import torch
 from dflash.model import DFlashDraftModel
 from flax import nnx
 from safetensors.numpy import load_file, save_file
-from test_tokenizer import write_kimi_tokenizer
 from transformers import DeepseekV3ForCausalLM
 
 import jaxdd
@@ -28,6 +27,7 @@ from convert.hf_to_jaxdd import convert
 from convert.jaxdd_to_hf import export
 from jaxdd.models.quant import Fp8Experts, Int4Experts
 from jaxdd.testing.hf_layouts import CONVERT_TINY, write_k2_instruct_fp8, write_k25_int4, write_reference
+from jaxdd.testing.kimi_tokenizer import write_kimi_tokenizer
 from jaxdd.testing.reference import drafter_config, hf_drafter, hf_model, rel_err
 from jaxdd.testing.synthetic_checkpoint import measure_conversion, write_synthetic_target
 from jaxdd.weights.tokenizer import load_tokenizer
