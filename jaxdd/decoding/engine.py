@@ -270,7 +270,7 @@ class SpeculativeDecoder:
 
         rows = bucket(n, minimum=1)
         # Prompts in eighth octaves, multiples of 16, the cache in quarter octaves: a prefill's cost grows with
-        # its padded length and a round's with its slots, and each new shape compiles (~1 s for kimi-mini).
+        # its padded length and a round's with its slots, and each new shape compiles.
         padded = bucket(max(len(p) for p in checked), per_octave=PROMPT_BUCKETS_PER_OCTAVE, min_step=PROMPT_MIN_STEP)
         slots = cache_slots(max(padded, max(max_lengths) + max(block, verify_width)))
         tokens = np.zeros((rows, padded), np.int32)
@@ -297,10 +297,10 @@ class SpeculativeDecoder:
         more tokens than it can accept. Without the check an oversized round dies of an out-of-memory
         traceback, and a merely huge one runs at a fraction of a token per second without a word."""
         spec = plan.spec
-        width = {"ar": 1, "dflash": spec.block, "ddtree": (spec.budget or 0) + 1}[spec.method]
+        width = verified_tokens(spec.method, spec.block, spec.budget)
         option = {"ar": "the batch", "dflash": f"block_size {spec.block}", "ddtree": f"budget {spec.budget}"}
         what = f"the {spec.method} round verifies {width} tokens per request ({option[spec.method]})"
-        # Once per round shape: lowering again, even to a cached executable, cost ~23 ms per request (demo pair).
+        # Once per round shape: lowering again, even to a cached executable, costs more than a round.
         key = (spec, tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves((state, plan.requests))))
         if key not in self._working_memory:
             try:

@@ -57,7 +57,7 @@ class SamplingArrays:
     @classmethod
     def of(cls, settings: list[Sampling]) -> SamplingArrays:
         """Host (numpy) arrays: the caller moves them to the device together with its other inputs, in one
-        ``device_put`` (eager ``jnp.asarray`` calls took ~0.08 ms each, ~0.25 ms for the three)."""
+        ``device_put`` (one eager ``jnp.asarray`` per array costs a dispatch each)."""
         return cls(
             temperature=np.array([s.temperature for s in settings], np.float32),
             top_p=np.array([s.top_p for s in settings], np.float32),
@@ -94,10 +94,10 @@ CANDIDATES = 64  # the top-k / top-p cut-offs are looked for among each row's th
 def filtered_probs(logits: jax.Array, settings: SamplingArrays) -> jax.Array:
     """fp32 probabilities [B, ..., V] to sample from, for logits [B, ..., V] and per-row settings.
 
-    The top-k and top-p cut-offs come from the ``CANDIDATES`` most likely tokens, as the sorted formulation
-    finds them (ties included), without sorting the vocabulary: XLA:CPU sorts a 4096-token row in ~0.5 ms, and a
-    sampled DFlash round sorted 15 rows twice (12x a greedy round). A cut-off beyond the candidates is found by
-    bisection over the values' bits, only when some row needs it."""
+    The top-k and top-p cut-offs come from the ``CANDIDATES`` most likely tokens, as the sorted formulation finds them
+    (ties included), without sorting the vocabulary: a sort per row made a sampled DFlash round many times a greedy one
+    on XLA:CPU (benchmarks/README.md, "What temperature costs"). A cut-off beyond the candidates is found by bisection
+    over the values' bits, only when some row needs it."""
     vocab = logits.shape[-1]
     expand = (slice(None),) + (None,) * (logits.ndim - 1)
     temperature, top_p, top_k = settings.temperature[expand], settings.top_p[expand], settings.top_k[expand]
@@ -179,7 +179,7 @@ def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
 
     By inverse CDF with one uniform per distribution, in two levels (which block of ~sqrt(V) tokens, then which
     token in it), so no cumulative sum or random number spans the vocabulary: Gumbel-max sampling drew a random
-    number per token and took a variadic argmax, ~0.4 ms for 8 x 4096 on XLA:CPU."""
+    number per token and took a variadic argmax over the whole vocabulary."""
     vocab = probs.shape[-1]
     block = 1 << max(vocab - 1, 1).bit_length() // 2  # a power of two near sqrt(vocab)
     blocks = -(-vocab // block)

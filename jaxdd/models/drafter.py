@@ -25,7 +25,7 @@ SLOT_AXIS = 2  # of the drafter cache's [batch, kv_heads, slots, head_dim] buffe
 class DraftCache:
     # One buffer per layer, updated in place under donation (see ``jaxdd.models.cache``). Heads before slots, as the
     # attention matmuls read them (see ``DraftAttention``): stored [batch, slots, kv_heads, head_dim], XLA:CPU
-    # transposed every layer's whole cache in every round (~0.14 ms of a ~2 ms DFlash round at 256 slots).
+    # transposed every layer's whole cache in every round.
     keys: tuple[jax.Array, ...]  # per layer [batch, kv_heads, slots, head_dim] (normed and rotated)
     values: tuple[jax.Array, ...]  # per layer [batch, kv_heads, slots, head_dim]
     length: jax.Array  # [batch] int32: context tokens cached

@@ -20,14 +20,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxdd.config import KimiConfig
 from jaxdd.models.layers import MLP, linear, param
-from jaxdd.models.quant import DenseExperts, ExpertFormat, Int4Experts, expert_weights
+from jaxdd.models.quant import DenseExperts, ExpertFormat, ExpertWeights, Int4Experts, expert_weights
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.cpu_kernels import GROUP_MULTIPLE
-from jaxdd.runtime.sharding import AXIS, expert_specs
-from jaxdd.types import Dispatch
+from jaxdd.runtime.sharding import AXIS, Placeable, partition_spec
+from jaxdd.types import Dispatch, MoeMode
+
+
+def expert_specs(projections: tuple[ExpertWeights, ...], mesh: Mesh, mode: MoeMode) -> list[PartitionSpec] | None:
+    """One spec per routed-expert projection (gate, up, down), shared by all its stored pieces; None when the
+    mesh cannot split the same logical axis of all three (then the experts stay replicated)."""
+    specs = [partition_spec(p.shape, p.axes, mesh, mode, p.units) for p in projections]
+    split = [
+        {axis for axis, s in zip(p.axes, spec, strict=True) if s} for p, spec in zip(projections, specs, strict=True)
+    ]
+    return specs if split[0] and all(s == split[0] for s in split) else None
 
 
 class Router(nnx.Module):
@@ -58,7 +69,7 @@ class Router(nnx.Module):
         return weights * c.routed_scaling_factor, experts
 
 
-class MoE(nnx.Module):
+class MoE(nnx.Module, Placeable):
     """Routed SwiGLU experts plus unweighted shared experts.
 
     Expert weights may be stored quantized (``jaxdd.models.quant.ExpertFormat``) and are dequantized to the model dtype
@@ -93,6 +104,20 @@ class MoE(nnx.Module):
         if self.shared is not None:
             routed = routed + self.shared(x, backend)
         return routed.reshape(shape)
+
+    def joint_specs(self, mesh: Mesh, mode: MoeMode) -> dict[tuple[str, ...], PartitionSpec]:
+        """Every stored piece of gate, up and down splits as its projection does, all three alike or not at all."""
+        specs = expert_specs((self.gate, self.up, self.down), mesh, mode) or [PartitionSpec()] * 3
+        projections = {"gate": self.gate, "up": self.up, "down": self.down}
+        return {
+            (name, piece): spec
+            for (name, projection), spec in zip(projections.items(), specs, strict=True)
+            for piece in projection.PIECES
+        }
+
+    def accepts(self, mesh: Mesh, mode: MoeMode) -> bool:
+        """Replicated experts (the mesh cannot split them) keep the plain dispatch."""
+        return expert_specs((self.gate, self.up, self.down), mesh, mode) is not None
 
     def dispatch_for(self, tokens: int, local_experts: int, backend: Backend) -> Dispatch:
         """The dispatch this layer runs ``tokens`` tokens with, over the ``local_experts`` a device holds."""

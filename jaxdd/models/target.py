@@ -25,7 +25,7 @@ from jaxdd.models.layers import MLP, RMSNorm, apply_rope, linear, param, project
 from jaxdd.models.moe import MoE
 from jaxdd.models.quant import DENSE, ExpertFormat
 from jaxdd.runtime.backend import Backend
-from jaxdd.runtime.sharding import AXIS, partition_spec
+from jaxdd.runtime.sharding import AXIS, Placeable, partition_spec
 from jaxdd.types import Attention
 
 
@@ -91,7 +91,7 @@ def target_rope(config: KimiConfig) -> tuple[np.ndarray, float]:
     return rope_frequencies(config.qk_rope_head_dim, config.rope_theta, config.yarn)
 
 
-class MLAttention(nnx.Module):
+class MLAttention(nnx.Module, Placeable):
     """Multi-head latent attention. K/V live in the cache as one normed latent row plus one rope key per token.
 
     ``naive`` expands the latents into per-head keys and values (HF's formulation); ``absorbed`` folds the
@@ -225,7 +225,7 @@ class TargetLayer(nnx.Module):
         return x + self.mlp(mlp_in, backend), cache_rows
 
 
-class KimiTarget(nnx.Module):
+class KimiTarget(nnx.Module, Placeable):
     def __init__(
         self, config: KimiConfig, dtype: jnp.dtype = jnp.bfloat16, *, experts: ExpertFormat = DENSE, rngs: nnx.Rngs
     ):

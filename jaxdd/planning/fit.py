@@ -36,6 +36,7 @@ from jaxdd.decoding.rounds import DecodeState, Requests, state_shardings
 from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays
 from jaxdd.errors import InputError
 from jaxdd.models.drafter import DFlashDrafter
+from jaxdd.models.moe import MoE
 from jaxdd.models.target import KimiTarget
 from jaxdd.planning.aot import Machine, find_machine
 from jaxdd.planning.traffic import ModelBytes, format_table, traffic_table
@@ -155,7 +156,7 @@ def _describe(where: Machine) -> dict[str, Any]:
 
 def _dispatch(model: KimiTarget, tokens: int, devices: int, moe: str, where: Machine) -> str | None:
     """The MoE dispatch the round's MoE layers run (over one device's experts under EP)."""
-    layer = next((m for _, m in nnx.iter_modules(model) if hasattr(m, "router")), None)
+    layer = next((m for _, m in nnx.iter_modules(model) if isinstance(m, MoE)), None)
     if layer is None:
         return None
     experts = layer.config.n_routed_experts

@@ -98,11 +98,9 @@ class Backend:
         """The exact dispatch that is fastest for this many tokens (see ``jaxdd.models.moe.MoE``). Quantized
         experts with few (token, slot) pairs (a decode step, a short verify) are gathered: decode is bound by the bytes
         it reads, and only the chosen experts are read. Past half as many pairs as experts, every expert dequantized
-        once (``scan``) costs less than one dequantization per pair (a 16-token verify of 128 INT4 experts top 8 on
-        XLA:CPU: 385 vs 471 ms, benchmarks/moe_bandwidth.py). ``kernel``: the experts go through the INT4 matvec kernel
-        (``int4_matvec``), which dequantizes in registers, so gathering pays up to ``KERNEL_GATHERED_PAIRS`` pairs per
-        expert (that verify: 255 ms gathered, 356 tiled, 1433 scan; 64 tokens, 4 pairs per expert: 921 vs 1132 ms
-        tiled)."""
+        once (``scan``) costs less than one dequantization per pair. ``kernel``: the experts go through the INT4 matvec
+        kernel (``int4_matvec``), which dequantizes in registers, so gathering pays up to ``KERNEL_GATHERED_PAIRS``
+        pairs per expert. The thresholds' measurements: benchmarks/README.md, "MoE dispatch thresholds"."""
         pairs = tokens * top_k
         if quantized and (2 * pairs <= experts or (kernel and pairs <= self.KERNEL_GATHERED_PAIRS * experts)):
             return "gathered"

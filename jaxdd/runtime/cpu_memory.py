@@ -1,7 +1,7 @@
 """XLA:CPU allocates each execution's temporaries with malloc, and glibc serves blocks past its mmap threshold
 with fresh mappings that it unmaps at free: every decode step would page-fault its temporaries in again (the
-kernel zeroing each page). Measured on a 0.9 GB INT4 MoE: one layer's gathered experts 16 ms as mmapped
-temporaries, 3.5 ms kept in the heap. ``keep_allocations`` raises glibc's thresholds once per process so
+kernel zeroing each page), which made an INT4 MoE layer several times slower (benchmarks/README.md).
+``keep_allocations`` raises glibc's thresholds once per process so
 freed blocks are reused instead."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Jit helper: pass NNX modules to jitted functions as a flat list of arrays.
 
-Flattening an NNX State to build jit's cache key costs about 0.9 ms per call for the tiny target (52 arrays),
-against 0.2 ms for a plain list; a decode step is about 1 ms. So modules are split once, the static structure
+Flattening an NNX State to build jit's cache key costs several times what a plain list does, and about as much as a
+small model's decode step (benchmarks/README.md). So modules are split once, the static structure
 (graphdef + treedef) goes in as a hashable static argument and the arrays as a list, merged inside the jit.
 """
 
@@ -18,8 +18,8 @@ from flax import nnx
 class ModuleSpec:
     """The static half of a split module: hashable, so it can be a static jit argument.
 
-    jit hashes its static arguments on every call, and an NNX GraphDef's hash walks the whole module graph: 0.27 ms
-    for kimi-mini's target, paid twice per DFlash round (found with jax.profiler). So the hash is computed once,
+    jit hashes its static arguments on every call, and an NNX GraphDef's hash walks the whole module graph, twice
+    per DFlash round (found with jax.profiler). So the hash is computed once,
     and a spec compares equal to itself without a walk.
     """
 
@@ -45,7 +45,7 @@ class ModuleSpec:
 
 
 # One spec object per module structure. jit compares a call's static arguments with its cache keys, and two equal
-# specs that are different objects are compared graph by graph: ~1 ms per call and spec, paid on every round by a
+# specs that are different objects are compared graph by graph, on every round, by a
 # decoder that was built after another one compiled the same shapes (``Target.generate`` builds one per call).
 # The compiled functions keep their specs alive anyway, so holding them here costs nothing extra.
 _SPECS: dict[ModuleSpec, ModuleSpec] = {}

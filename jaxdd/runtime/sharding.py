@@ -28,7 +28,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxdd.models.quant import ExpertWeights
 from jaxdd.types import MOE_MODES, MoeMode
 
 Placement = tuple[Mesh, MoeMode]  # where a model's parameters go, and how its routed experts are split
@@ -81,25 +80,27 @@ def partition_spec(
     return PartitionSpec(*spec)
 
 
-def expert_specs(projections: tuple[ExpertWeights, ...], mesh: Mesh, mode: MoeMode) -> list[PartitionSpec] | None:
-    """One spec per routed-expert projection (gate, up, down), shared by all its stored pieces; None when the
-    mesh cannot split the same logical axis of all three (then the experts stay replicated)."""
-    specs = [partition_spec(p.shape, p.axes, mesh, mode, p.units) for p in projections]
-    split = [
-        {axis for axis, s in zip(p.axes, spec, strict=True) if s} for p, spec in zip(projections, specs, strict=True)
-    ]
-    return specs if split[0] and all(s == split[0] for s in split) else None
+class Placeable:
+    """A module that runs collectives by hand once placed (its ``placement``), and may split some of its
+    parameters together rather than one by one through ``RULES``. The owner knows its own layout."""
+
+    placement: Placement | None = None
+
+    def joint_specs(self, mesh: Mesh, mode: MoeMode) -> dict[tuple[str, ...], PartitionSpec]:
+        """Specs of the parameters split together, by path below this module; the others follow ``RULES``."""
+        return {}
+
+    def accepts(self, mesh: Mesh, mode: MoeMode) -> bool:
+        """Whether the module runs its collectives on ``mesh`` (else it keeps its single-device path)."""
+        return True
 
 
 def param_shardings(module: nnx.Module, mesh: Mesh, mode: MoeMode) -> nnx.State:
     """A NamedSharding for every parameter of ``module`` (from its ``logical_axes`` metadata)."""
     pieces = {}
     for path, sub in nnx.iter_modules(module):
-        if hasattr(sub, "router"):  # an MoE: its expert projections are split together or not at all
-            projections = {"gate": sub.gate, "up": sub.up, "down": sub.down}
-            specs = expert_specs(tuple(projections.values()), mesh, mode) or [PartitionSpec()] * 3
-            for (name, projection), spec in zip(projections.items(), specs, strict=True):
-                pieces |= {(*path, name, piece): spec for piece in projection.PIECES}
+        if isinstance(sub, Placeable):
+            pieces |= {(*path, *below): spec for below, spec in sub.joint_specs(mesh, mode).items()}
 
     def sharding(path, variable):
         key = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
@@ -145,10 +146,7 @@ def place(module: nnx.Module, mesh: Mesh, mode: MoeMode) -> None:
     if mode not in RULES:
         raise ValueError(f"MoE mode: expected 'tp' or 'ep', got {mode!r}")
     for _, sub in nnx.iter_modules(module):
-        if not hasattr(sub, "placement"):
-            continue
-        is_moe = hasattr(sub, "router")
-        if not is_moe or expert_specs((sub.gate, sub.up, sub.down), mesh, mode) is not None:
+        if isinstance(sub, Placeable) and sub.accepts(mesh, mode):
             sub.placement = (mesh, mode)
 
 
