@@ -24,6 +24,7 @@ from jaxdd.config import KimiConfig
 from jaxdd.models.quant import ExpertWeights
 from jaxdd.models.target import KimiTarget
 from jaxdd.planning.hardware import GPUS, Hardware
+from jaxdd.types import verified_tokens
 
 BF16 = 2
 
@@ -150,8 +151,13 @@ def traffic_table(
 ) -> list[dict]:
     """One row per round shape (AR, DFlash at ``block``, DDTree at each budget): what a device reads and sends,
     and per named GPU the floor per round and the tokens/s ``tau`` predicts at that floor."""
-    shapes = [("ar", 1, 0, tau["ar"]), ("dflash", block, block, tau["dflash"])]
-    shapes += [(f"ddtree {b}", b + 1, block, tau["ddtree"][b]) for b in budgets if b in tau["ddtree"]]
+    shapes = [("ar", verified_tokens("ar", 1, None), 0, tau["ar"])]
+    shapes += [("dflash", verified_tokens("dflash", block, None), block, tau["dflash"])]
+    shapes += [
+        (f"ddtree {b}", verified_tokens("ddtree", block, b), block, tau["ddtree"][b])
+        for b in budgets
+        if b in tau["ddtree"]
+    ]
     rows = []
     for name, tokens, draft, expected in shapes:
         traffic = round_traffic(name.split()[0], tokens, config, model, context, devices, moe, draft)
