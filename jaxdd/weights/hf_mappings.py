@@ -44,30 +44,31 @@ class Mapping(NamedTuple):
     raw: bool = False
 
 
-def _one(path: tuple, name: str, shape: tuple[int, ...], fwd: Callable, bwd: Callable, layout: tuple) -> Mapping:
+def _single(path: tuple, name: str, shape: tuple[int, ...], fwd: Callable, bwd: Callable, layout: tuple) -> Mapping:
+    """One HF tensor <-> one jaxdd parameter, through ``fwd`` and back through ``bwd``."""
     return Mapping((path,), (name,), (shape,), lambda w: (fwd(w),), lambda w: (bwd(w),), (layout,))
 
 
-def _same(path: tuple, name: str, shape: tuple[int, ...]) -> Mapping:
-    return _one(path, name, shape, lambda w: w, lambda w: w, tuple(Axis(i) for i in range(len(shape))))
+def _unchanged(path: tuple, name: str, shape: tuple[int, ...]) -> Mapping:
+    return _single(path, name, shape, lambda w: w, lambda w: w, tuple(Axis(i) for i in range(len(shape))))
 
 
 def _linear(path: tuple, name: str, shape: tuple[int, ...]) -> Mapping:
-    return _one(path, name, shape, lambda w: w.T, lambda w: w.T, (Axis(1), Axis(0)))
+    return _single(path, name, shape, lambda w: w.T, lambda w: w.T, (Axis(1), Axis(0)))
 
 
 def _heads_in(path: tuple, name: str, shape: tuple[int, ...], heads: int) -> Mapping:
     """[heads * d, in] <-> [in, heads, d]."""
     d = shape[0] // heads
     fwd, bwd = lambda w: w.T.reshape(w.shape[1], -1, d), lambda w: w.reshape(len(w), -1).T
-    return _one(path, name, shape, fwd, bwd, (Axis(1), Axis(0, d), None))
+    return _single(path, name, shape, fwd, bwd, (Axis(1), Axis(0, d), None))
 
 
 def _heads_out(path: tuple, name: str, shape: tuple[int, ...], heads: int) -> Mapping:
     """[out, heads * d] <-> [heads, d, out]."""
     d = shape[1] // heads
     fwd, bwd = lambda w: w.T.reshape(-1, d, w.shape[0]), lambda w: w.reshape(-1, w.shape[2]).T
-    return _one(path, name, shape, fwd, bwd, (Axis(1, d), None, Axis(0)))
+    return _single(path, name, shape, fwd, bwd, (Axis(1, d), None, Axis(0)))
 
 
 def _stacked(path: tuple, names: list[str], shape: tuple[int, ...], transpose: bool, raw: bool = False) -> Mapping:
@@ -88,17 +89,17 @@ def target_mappings(config: KimiConfig, experts: ExpertFormat = DENSE) -> Iterat
     c = config
     d, h, dn, dr = c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
     per_head = dn + c.v_head_dim  # kv_b_proj rows per head
-    yield _same(("embed",), "model.embed_tokens.weight", (c.vocab_size, d))
+    yield _unchanged(("embed",), "model.embed_tokens.weight", (c.vocab_size, d))
     for i in range(c.num_hidden_layers):
         hf, jx = f"model.layers.{i}.", ("layers", i)
         a, attn = hf + "self_attn.", (*jx, "attn")
-        yield _same((*jx, "attn_norm", "weight"), hf + "input_layernorm.weight", (d,))
-        yield _same((*jx, "mlp_norm", "weight"), hf + "post_attention_layernorm.weight", (d,))
+        yield _unchanged((*jx, "attn_norm", "weight"), hf + "input_layernorm.weight", (d,))
+        yield _unchanged((*jx, "mlp_norm", "weight"), hf + "post_attention_layernorm.weight", (d,))
         yield _linear((*attn, "q_a_proj"), a + "q_a_proj.weight", (c.q_lora_rank, d))
-        yield _same((*attn, "q_a_norm", "weight"), a + "q_a_layernorm.weight", (c.q_lora_rank,))
+        yield _unchanged((*attn, "q_a_norm", "weight"), a + "q_a_layernorm.weight", (c.q_lora_rank,))
         yield _heads_in((*attn, "q_b_proj"), a + "q_b_proj.weight", (h * (dn + dr), c.q_lora_rank), h)
         yield _linear((*attn, "kv_a_proj"), a + "kv_a_proj_with_mqa.weight", (c.kv_lora_rank + dr, d))
-        yield _same((*attn, "kv_a_norm", "weight"), a + "kv_a_layernorm.weight", (c.kv_lora_rank,))
+        yield _unchanged((*attn, "kv_a_norm", "weight"), a + "kv_a_layernorm.weight", (c.kv_lora_rank,))
         yield Mapping(  # kv_b_proj [heads * (nope + v), latent]: each head's key half, then its value half
             ((*attn, "k_up"), (*attn, "v_up")),
             (a + "kv_b_proj.weight",),
@@ -116,14 +117,14 @@ def target_mappings(config: KimiConfig, experts: ExpertFormat = DENSE) -> Iterat
             yield from _mlp(mlp, m, d, c.intermediate_size)
             continue
         yield _linear((*mlp, "router", "weight"), m + "gate.weight", (c.n_routed_experts, d))
-        yield _same((*mlp, "router", "bias"), m + "gate.e_score_correction_bias", (c.n_routed_experts,))
+        yield _unchanged((*mlp, "router", "bias"), m + "gate.e_score_correction_bias", (c.n_routed_experts,))
         f = c.moe_intermediate_size
         for proj, (n_out, n_in) in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
             base = [f"{m}experts.{e}.{proj}_proj." for e in range(c.n_routed_experts)]
             yield from _experts((*mlp, proj), base, n_out, n_in, experts)
         if c.n_shared_experts:
             yield from _mlp((*mlp, "shared"), m + "shared_experts.", d, f * c.n_shared_experts)
-    yield _same(("final_norm", "weight"), "model.norm.weight", (d,))
+    yield _unchanged(("final_norm", "weight"), "model.norm.weight", (d,))
     yield _linear(("lm_head",), "lm_head.weight", (c.vocab_size, d))
 
 
@@ -151,17 +152,17 @@ def drafter_mappings(config: DrafterConfig) -> Iterator[Mapping]:
     c = config
     d, n, k, h = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     yield _linear(("fc",), "fc.weight", (d, len(c.target_layer_ids) * d))
-    yield _same(("hidden_norm", "weight"), "hidden_norm.weight", (d,))
-    yield _same(("norm", "weight"), "norm.weight", (d,))
+    yield _unchanged(("hidden_norm", "weight"), "hidden_norm.weight", (d,))
+    yield _unchanged(("norm", "weight"), "norm.weight", (d,))
     for i in range(c.num_hidden_layers):
         hf, jx = f"layers.{i}.", ("layers", i)
         a, attn = hf + "self_attn.", (*jx, "attn")
-        yield _same((*jx, "attn_norm", "weight"), hf + "input_layernorm.weight", (d,))
-        yield _same((*jx, "mlp_norm", "weight"), hf + "post_attention_layernorm.weight", (d,))
+        yield _unchanged((*jx, "attn_norm", "weight"), hf + "input_layernorm.weight", (d,))
+        yield _unchanged((*jx, "mlp_norm", "weight"), hf + "post_attention_layernorm.weight", (d,))
         yield _heads_in((*attn, "q_proj"), a + "q_proj.weight", (n * h, d), n)
         yield _heads_in((*attn, "k_proj"), a + "k_proj.weight", (k * h, d), k)
         yield _heads_in((*attn, "v_proj"), a + "v_proj.weight", (k * h, d), k)
         yield _heads_out((*attn, "o_proj"), a + "o_proj.weight", (d, n * h), n)
-        yield _same((*attn, "q_norm", "weight"), a + "q_norm.weight", (h,))
-        yield _same((*attn, "k_norm", "weight"), a + "k_norm.weight", (h,))
+        yield _unchanged((*attn, "q_norm", "weight"), a + "q_norm.weight", (h,))
+        yield _unchanged((*attn, "k_norm", "weight"), a + "k_norm.weight", (h,))
         yield from _mlp((*jx, "mlp"), hf + "mlp.", d, c.intermediate_size)
