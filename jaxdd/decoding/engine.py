@@ -237,8 +237,7 @@ class SpeculativeDecoder:
         tree_logits: TreeLogits = "scaled",
     ) -> RoundSpec:
         """The static description of a round on this decoder's backend and attention."""
-        spec = (block, budget, max_children, self.attention, sampled, trace, tree_logits)
-        return RoundSpec(method, self.backend, *spec)
+        return RoundSpec(method, self.backend, block, budget, max_children, self.attention, sampled, trace, tree_logits)
 
     def start(
         self,
@@ -263,8 +262,9 @@ class SpeculativeDecoder:
         lengths = per_request("sampling and max_new_tokens", max_new_tokens, n)
         stops = check_stop_ids(stop_token_ids, self.config)
         drafter_block = None if self.drafter is None else self.drafter.config.block_size
-        options = (block_size, budget, max_children)
-        block, budget = check_round_options(method, self.drafter is not None, drafter_block, *options)
+        block, budget = check_round_options(
+            method, self.drafter is not None, drafter_block, block_size, budget, max_children
+        )
         max_lengths = check_lengths(checked, lengths, self.config)
         verify_width = verified_tokens(method, block, budget)
 
