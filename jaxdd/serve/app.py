@@ -135,9 +135,9 @@ def make_job(server: Server, body: protocol.SamplingFields, prompt: list[int], m
     try:
         server.pool.check(prompt, max_tokens, stop_ids, sampling)
     except InputError as error:
-        param = str(error).split(":")[0].split()[0]
-        known = param in {"prompt", "max_tokens", "stop_token_ids"}
-        raise APIError(400, str(error), param=param if known else None) from None
+        field = str(error).split(":")[0].split()[0]
+        param = {"token_ids": "prompt", "prompt": "prompt", "max_tokens": "max_tokens"}.get(field, field)
+        raise APIError(400, str(error), param=param) from None
     timeouts = [t for t in (body.timeout, server.request_timeout) if t is not None]
     return Job(prompt, max_tokens, stop_ids, sampling, deliver, timeout=min(timeouts) if timeouts else None)
 

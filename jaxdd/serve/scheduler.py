@@ -70,6 +70,7 @@ class Scheduler:
         self.pool, self.metrics, self.max_waiting = pool, metrics, max_waiting
         self._waiting: collections.deque[Job] = collections.deque()
         self._rows: dict[int, Job] = {}
+        self._free = pool.rows  # rows free after the last admission: requests taking them do not count as waiting
         self._wake = threading.Condition()
         self._stopping = threading.Event()
         self.ready = threading.Event()
@@ -90,8 +91,9 @@ class Scheduler:
         if not self.ready.is_set() or self.failure is not None:
             raise NotReady(self.failure or "the server is still compiling")
         with self._wake:
-            if len(self._waiting) >= self.max_waiting:
-                raise QueueFull(f"{len(self._waiting)} requests are already waiting (--max-waiting {self.max_waiting})")
+            waiting = len(self._waiting) - self._free
+            if waiting >= self.max_waiting:
+                raise QueueFull(f"{waiting} requests are already waiting (--max-waiting {self.max_waiting})")
             self._waiting.append(job)
             self.metrics.waiting.set(len(self._waiting))
             self._wake.notify()
@@ -125,6 +127,7 @@ class Scheduler:
                 del self._rows[row]
                 if not job.cancelled:
                     job.deliver(Event([], finish="timeout"))
+        self._free = len(self.pool.free_rows())
         self.metrics.running.set(len(self._rows))
 
     def _next_waiting(self) -> Job | None:
@@ -145,13 +148,14 @@ class Scheduler:
         while self.pool.free_rows():
             job = self._next_waiting()
             if job is None:
-                return
+                break
             row, update = self.pool.admit(job.prompt, job.max_new_tokens, job.stop_ids, job.sampling)
             self.metrics.prompt_tokens.inc(len(job.prompt))
             job.first_token_at = time.monotonic()
             self.metrics.ttft.observe(job.first_token_at - job.arrived)
             if update.finish is None:
                 self._rows[row] = job
+            self._free = len(self.pool.free_rows())
             self._hand(job, update)
         self.metrics.running.set(len(self._rows))
 
@@ -170,6 +174,7 @@ class Scheduler:
             if update.finish is not None:
                 del self._rows[row]
             self._hand(job, update)
+        self._free = len(self.pool.free_rows())
         self.metrics.running.set(len(self._rows))
 
     def _hand(self, job: Job, update: RowUpdate) -> None:
