@@ -1,15 +1,20 @@
 """Continuous batching: a fixed pool of rows in ONE decode state, requests coming and going between rounds.
 
-Every shape is fixed when the pool is made: ``rows`` rows, one cache size for all (from ``max_len``), one round
-(the sampled round, whose greedy rows still decode greedily: their distributions are one-hot), and one prefill per
-prompt bucket up to ``max_prompt``. A request is prefilled on its own (batch 1, at the prompt bucket
+Every shape is fixed when the pool is made: ``rows`` rows, one cache size for all (from ``max_len``), two rounds
+(the sampled round, whose greedy rows still decode greedily: their distributions are one-hot; and the cheaper
+greedy round, run while every active row is greedy: the tokens are the same), and one prefill per prompt bucket
+up to ``max_prompt``. A request is prefilled on its own (batch 1, at the prompt bucket
 ``SpeculativeDecoder.start`` would pick) and copied into a free row by a jitted insert, the row index traced and the
 state donated, so admitting never compiles. Rows never mix: each row's tokens depend only on its own request and
 its random stream only on its own seed and its own round count, so a request decodes to what it gives alone.
+
+Rounds can be dispatched ahead (``dispatch`` twice, then ``collect`` the older one) so the host's bookkeeping
+overlaps the device's round; a report is only handed to the requests that held its rows when it was dispatched.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 
@@ -73,6 +78,7 @@ class RowPool:
         self.decoder, self.rows, self.max_len, self.max_prompt = decoder, rows, max_len, max_prompt
         self.method, self.block, self.budget = method, block, budget
         self.spec = decoder.round_spec(method, block, budget, sampled=True)
+        self.greedy_spec = decoder.round_spec(method, block, budget, sampled=False)
         self.models = decoder._models_for(self.spec)
         self.buckets = sorted({prompt_bucket(n) for n in range(1, max_prompt + 1)})
         self.slots = cache_slots(max(self.buckets[-1], max_len + max(block, verified_tokens(method, block, budget))))
@@ -85,6 +91,7 @@ class RowPool:
         self.requests = self._device_requests()
         self.state = self._empty_state()
         self.active: dict[int, _Row] = {}
+        self._in_flight: collections.deque[tuple[jax.Array, dict[int, _Row]]] = collections.deque()
 
     @property
     def width(self) -> int:
@@ -145,12 +152,28 @@ class RowPool:
         which costs nothing extra (the round's shape is fixed) and touches no other row."""
         self.active.pop(row, None)
 
-    def step(self) -> dict[int, RowUpdate]:
-        """One round for every row: each active row's new tokens; finished rows leave the pool."""
-        self.state, report = decode_round(self.spec, self.models, self.state, self.requests)
+    @property
+    def in_flight(self) -> int:
+        """Rounds dispatched and not yet collected."""
+        return len(self._in_flight)
+
+    def dispatch(self) -> None:
+        """Start one round for every row without waiting for it: the greedy round while every active row is
+        greedy, else the sampled one."""
+        sampled = any(not self._settings[row].greedy for row in self.active)
+        spec = self.spec if sampled else self.greedy_spec
+        self.state, report = decode_round(spec, self.models, self.state, self.requests)
+        self._in_flight.append((report, dict(self.active)))
+
+    def collect(self) -> dict[int, RowUpdate]:
+        """The oldest dispatched round's new tokens for each row still held by the request it ran for; finished
+        rows leave the pool."""
+        report, holders = self._in_flight.popleft()
         report = np.asarray(report)
         updates = {}
-        for row, entry in list(self.active.items()):
+        for row, entry in holders.items():
+            if self.active.get(row) is not entry:  # released, or already finished by an earlier report
+                continue
             produced, stopped = int(report[row, self.width]), bool(report[row, self.width + 1])
             entry.produced += produced
             finish = "stop" if stopped else "length" if entry.produced >= entry.max_new_tokens else None
@@ -158,6 +181,11 @@ class RowPool:
             if finish is not None:
                 del self.active[row]
         return updates
+
+    def step(self) -> dict[int, RowUpdate]:
+        """One round for every row, waited for (with nothing else in flight)."""
+        self.dispatch()
+        return self.collect()
 
     def _device_requests(self) -> Requests:
         return jax.device_put(Requests(self._max_length, self._stop_ids, SamplingArrays.of(self._settings)))
@@ -179,6 +207,7 @@ class RowPool:
         for _ in range(2):
             for padded in self.buckets:
                 self.admit([1] * min(padded, self.max_prompt), 1, [], GREEDY)
-            self.admit([1], min(self.width + 1, self.max_len - 1), [], Sampling(temperature=1.0, seed=1))
-            while self.active:
+            for sampling in (Sampling(temperature=1.0, seed=1), GREEDY):  # the sampled round, the greedy round
+                row, _ = self.admit([1], min(self.width + 1, self.max_len - 1), [], sampling)
                 self.step()
+                self.release(row)
