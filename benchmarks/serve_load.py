@@ -16,6 +16,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import os
+import queue
 import re
 import signal
 import socket
@@ -117,15 +118,25 @@ def one_request(client: openai.OpenAI, request: dict) -> dict:
 
 
 def load(url: str, requests: list[dict], clients: int) -> dict:
-    """``clients`` threads, each sending its share of the requests one after another."""
+    """``clients`` threads, each taking the next unsent request when its last one ends (at most ``clients`` in
+    flight, as vLLM's benchmark_serving --max-concurrency)."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600, max_retries=0)
     before = {name: metric(url, name) for name in ("spec_decode_num_drafts_total", "generation_tokens_total")}
     accepted0, compiles0 = metric(url, "spec_decode_num_accepted_tokens_total"), metric(url, "compiles_total")
     start = time.perf_counter()
+    unsent = queue.SimpleQueue()
+    for request in requests:
+        unsent.put(request)
+
+    def send_until_empty() -> list[dict]:
+        results = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                results.append(one_request(client, unsent.get_nowait()))
+        return results
+
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        shares = [requests[i::clients] for i in range(clients)]
-        done = pool.map(lambda share: [one_request(client, r) for r in share], shares)
-        results = [r for share in done for r in share]
+        results = [r for done in pool.map(lambda _: send_until_empty(), range(clients)) for r in done]
     seconds = time.perf_counter() - start
     drafts = metric(url, "spec_decode_num_drafts_total") - before["spec_decode_num_drafts_total"]
     accepted = metric(url, "spec_decode_num_accepted_tokens_total") - accepted0

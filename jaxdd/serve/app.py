@@ -156,16 +156,18 @@ async def generate(server: Server, kind: Literal["completion", "chat"], body, pr
     if body.stream:
         chunks = stream(server, kind, body, job, events, output, request_id)
         return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    watcher = asyncio.create_task(watch_disconnect(request, events))
     try:
         text, finish = "", None
         while finish is None:
-            event = await next_event(events, request)
+            event = await events.get()
             if event is None:  # the client went away
                 return Response(status_code=499)
             delta, finish = take(event, output, job)
             text += delta
     finally:
         job.cancel()
+        watcher.cancel()
     ids = output.token_ids if body.return_token_ids else None
     choice = protocol.completion_choice(text, finish, ids)
     if kind == "chat":
@@ -186,14 +188,11 @@ def take(event: Event, output: Output, job: Job) -> tuple[str, str | None]:
     return delta, event.finish
 
 
-async def next_event(events: asyncio.Queue, request: Request) -> Event | None:
-    """The next event, or None once the client has disconnected."""
-    while True:
-        try:
-            return await asyncio.wait_for(events.get(), DISCONNECT_POLL)
-        except TimeoutError:
-            if await request.is_disconnected():
-                return None
+async def watch_disconnect(request: Request, events: asyncio.Queue) -> None:
+    """Put None in ``events`` once the client has disconnected (looked at every ``DISCONNECT_POLL`` seconds)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL)
+    events.put_nowait(None)
 
 
 async def stream(server: Server, kind, body, job: Job, events, output: Output, request_id: str) -> AsyncIterator[str]:
