@@ -15,7 +15,7 @@ LAYERS = [
     ("jaxdd.weights", "jaxdd.decoding"),
     ("jaxdd.api", "jaxdd"),
     ("jaxdd.planning", "jaxdd.testing", "jaxdd.serve"),
-    ("jaxdd.cli", "jaxdd.generate", "jaxdd.plan", "jaxdd.crosscheck", "jaxdd.train", "convert"),
+    ("jaxdd.cli", "jaxdd.generate", "jaxdd.plan", "jaxdd.serve.__main__", "jaxdd.crosscheck", "jaxdd.train", "convert"),
 ]
 
 

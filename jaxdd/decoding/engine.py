@@ -94,6 +94,11 @@ def bucket(n: int, minimum: int = MIN_BUCKET, per_octave: int = 1, min_step: int
     return max(minimum, -(-n // step) * step)
 
 
+def prompt_bucket(length: int) -> int:
+    """The padded length a prompt of ``length`` tokens is prefilled at (eighth octaves, multiples of 16)."""
+    return bucket(length, per_octave=PROMPT_BUCKETS_PER_OCTAVE, min_step=PROMPT_MIN_STEP)
+
+
 def cache_slots(needed: int) -> int:
     """The cache size for ``needed`` slots: up to ``CACHE_ALIGN``, the next power of two; beyond, the next of four
     sizes per octave rounded up to a multiple of ``CACHE_ALIGN``. Either way whole blocks for the Pallas
@@ -271,7 +276,7 @@ class SpeculativeDecoder:
         rows = bucket(n, minimum=1)
         # Prompts in eighth octaves, multiples of 16, the cache in quarter octaves: a prefill's cost grows with
         # its padded length and a round's with its slots, and each new shape compiles.
-        padded = bucket(max(len(p) for p in checked), per_octave=PROMPT_BUCKETS_PER_OCTAVE, min_step=PROMPT_MIN_STEP)
+        padded = prompt_bucket(max(len(p) for p in checked))
         slots = cache_slots(max(padded, max(max_lengths) + max(block, verify_width)))
         tokens = np.zeros((rows, padded), np.int32)
         prompt_len = np.ones((rows,), np.int32)

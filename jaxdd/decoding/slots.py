@@ -1,0 +1,213 @@
+"""Continuous batching: a fixed pool of rows in ONE decode state, requests coming and going between rounds.
+
+Every shape is fixed when the pool is made: ``rows`` rows, one cache size for all (from ``max_len``), two rounds
+(the sampled round, whose greedy rows still decode greedily: their distributions are one-hot; and the cheaper
+greedy round, run while every active row is greedy: the tokens are the same), and one prefill per prompt bucket
+up to ``max_prompt``. A request is prefilled on its own (batch 1, at the prompt bucket
+``SpeculativeDecoder.start`` would pick) and copied into a free row by a jitted insert, the row index traced and the
+state donated, so admitting never compiles. Rows never mix: each row's tokens depend only on its own request and
+its random stream only on its own seed and its own round count, so a request decodes to what it gives alone.
+
+Rounds can be dispatched ahead (``dispatch`` twice, then ``collect`` the older one) so the host's bookkeeping
+overlaps the device's round; a report is only handed to the requests that held its rows when it was dispatched.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdd.decoding.engine import SpeculativeDecoder, cache_slots, prompt_bucket
+from jaxdd.decoding.requests import MAX_STOP_TOKENS, check_round_options, check_stop_ids, check_tokens
+from jaxdd.decoding.rounds import DecodeState, Requests, decode_round, prefill, state_shardings
+from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays, seed_keys
+from jaxdd.errors import InputError
+from jaxdd.types import Method, verified_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class RowUpdate:
+    """What one round (or the prefill) gave a row: its new tokens and, once it ends, why ("stop" or "length")."""
+
+    tokens: list[int]
+    finish: str | None = None
+
+
+@dataclasses.dataclass
+class _Row:
+    max_new_tokens: int
+    produced: int = 0
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def insert_row(state: DecodeState, row: jax.Array, new: DecodeState) -> DecodeState:
+    """``state`` with row ``row`` replaced by the one-row state ``new`` (in place: the state is donated)."""
+    return jax.tree.map(lambda rows, one: jax.lax.dynamic_update_slice_in_dim(rows, one, row, axis=0), state, new)
+
+
+class RowPool:
+    """``rows`` decode rows of one method; ``admit`` a request into a free row, ``step`` one round for all."""
+
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        *,
+        method: Method,
+        rows: int,
+        max_len: int,
+        max_prompt: int | None = None,
+        block_size: int | None = None,
+        budget: int | None = None,
+    ):
+        config = decoder.config
+        if rows < 1:
+            raise InputError(f"rows: must be >= 1, got {rows}")
+        if not 2 <= max_len <= config.max_position_embeddings:
+            raise InputError(f"max_len: must be in [2, {config.max_position_embeddings}], got {max_len}")
+        max_prompt = max_len - 1 if max_prompt is None else max_prompt
+        if not 1 <= max_prompt < max_len:
+            raise InputError(f"max_prompt: must be in [1, max_len), got {max_prompt}")
+        drafter_block = None if decoder.drafter is None else decoder.drafter.config.block_size
+        has_drafter = decoder.drafter is not None
+        block, budget = check_round_options(method, has_drafter, drafter_block, block_size, budget, None)
+        self.decoder, self.rows, self.max_len, self.max_prompt = decoder, rows, max_len, max_prompt
+        self.method, self.block, self.budget = method, block, budget
+        self.spec = decoder.round_spec(method, block, budget, sampled=True)
+        self.greedy_spec = decoder.round_spec(method, block, budget, sampled=False)
+        self.models = decoder._models_for(self.spec)
+        self.buckets = sorted({prompt_bucket(n) for n in range(1, max_prompt + 1)})
+        self.slots = cache_slots(max(self.buckets[-1], max_len + max(block, verified_tokens(method, block, budget))))
+        self.default_stop_ids = check_stop_ids(None, config)
+        # Host copies of the per-row settings; the device copy is replaced whole on each admission (a few hundred
+        # bytes), free rows keep their last request's settings: a done row changes nothing whatever they say.
+        self._max_length = np.full((rows,), 2, np.int32)
+        self._stop_ids = np.full((rows, MAX_STOP_TOKENS), -1, np.int32)
+        self._settings = [GREEDY] * rows
+        self.requests = self._device_requests()
+        self.state = self._empty_state()
+        self.active: dict[int, _Row] = {}
+        self._in_flight: collections.deque[tuple[jax.Array, dict[int, _Row]]] = collections.deque()
+
+    @property
+    def width(self) -> int:
+        """Tokens per report row: 1 for AR, else the block."""
+        return 1 if self.method == "ar" else self.block
+
+    def free_rows(self) -> list[int]:
+        return [row for row in range(self.rows) if row not in self.active]
+
+    def check(self, prompt: list[int], max_new_tokens: int, stop_ids: list[int], sampling: Sampling) -> None:
+        """Raise ``InputError`` naming what in a request this pool cannot run (nothing is changed)."""
+        check_tokens([prompt], self.decoder.config.vocab_size)
+        if len(prompt) > self.max_prompt:
+            raise InputError(f"prompt: {len(prompt)} tokens, this server admits at most {self.max_prompt}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InputError(f"max_tokens: must be an integer >= 1, got {max_new_tokens!r}")
+        if len(prompt) + max_new_tokens > self.max_len:
+            raise InputError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_new_tokens}) exceeds the server's --max-len "
+                f"{self.max_len}"
+            )
+        check_stop_ids(stop_ids, self.decoder.config)
+        if not isinstance(sampling, Sampling):
+            raise InputError("sampling: expected a jaxdd.Sampling")
+
+    def admit(
+        self, prompt: list[int], max_new_tokens: int, stop_ids: list[int], sampling: Sampling
+    ) -> tuple[int, RowUpdate]:
+        """Prefill a request alone and put it in a free row: (its row, its first token)."""
+        self.check(prompt, max_new_tokens, stop_ids, sampling)
+        free = self.free_rows()
+        if not free:
+            raise InputError("no free row: admit only while free_rows() is not empty")
+        row = free[0]
+        padded = prompt_bucket(len(prompt))
+        tokens = np.zeros((1, padded), np.int32)
+        tokens[0, : len(prompt)] = prompt
+        stops = np.full((1, MAX_STOP_TOKENS), -1, np.int32)
+        stops[0, : len(stop_ids)] = stop_ids
+        max_length = np.array([len(prompt) + max_new_tokens], np.int32)
+        one = Requests(max_length, stops, SamplingArrays.of([sampling]))
+        seeds = np.array([sampling.seed], np.uint32)
+        prompt_len = np.array([len(prompt)], np.int32)
+        new = prefill(self.spec, self.models, tokens, prompt_len, one, seeds, self.slots, self.decoder.mesh)
+        self.state = insert_row(self.state, np.int32(row), new)
+        self._max_length[row], self._stop_ids[row], self._settings[row] = max_length[0], stops[0], sampling
+        self.requests = self._device_requests()
+        first, done = int(new.bonus[0]), bool(new.done[0])
+        self.active[row] = _Row(max_new_tokens, produced=1)
+        finish = None
+        if done:
+            finish = "stop" if first in stop_ids else "length"
+            del self.active[row]
+        return row, RowUpdate([first], finish)
+
+    def release(self, row: int) -> None:
+        """Free a row (a cancelled request): its device row keeps running until a new request overwrites it,
+        which costs nothing extra (the round's shape is fixed) and touches no other row."""
+        self.active.pop(row, None)
+
+    @property
+    def in_flight(self) -> int:
+        """Rounds dispatched and not yet collected."""
+        return len(self._in_flight)
+
+    def dispatch(self) -> None:
+        """Start one round for every row without waiting for it: the greedy round while every active row is
+        greedy, else the sampled one."""
+        sampled = any(not self._settings[row].greedy for row in self.active)
+        spec = self.spec if sampled else self.greedy_spec
+        self.state, report = decode_round(spec, self.models, self.state, self.requests)
+        self._in_flight.append((report, dict(self.active)))
+
+    def collect(self) -> dict[int, RowUpdate]:
+        """The oldest dispatched round's new tokens for each row still held by the request it ran for; finished
+        rows leave the pool."""
+        report, holders = self._in_flight.popleft()
+        report = np.asarray(report)
+        updates = {}
+        for row, entry in holders.items():
+            if self.active.get(row) is not entry:  # released, or already finished by an earlier report
+                continue
+            produced, stopped = int(report[row, self.width]), bool(report[row, self.width + 1])
+            entry.produced += produced
+            finish = "stop" if stopped else "length" if entry.produced >= entry.max_new_tokens else None
+            updates[row] = RowUpdate([int(t) for t in report[row, :produced]], finish)
+            if finish is not None:
+                del self.active[row]
+        return updates
+
+    def step(self) -> dict[int, RowUpdate]:
+        """One round for every row, waited for (with nothing else in flight)."""
+        self.dispatch()
+        return self.collect()
+
+    def _device_requests(self) -> Requests:
+        return jax.device_put(Requests(self._max_length, self._stop_ids, SamplingArrays.of(self._settings)))
+
+    def _empty_state(self) -> DecodeState:
+        """Every row done (nothing to decode) until a request is inserted."""
+        config = self.decoder.config
+        drafter = None if self.spec.method == "ar" else self.decoder.drafter.config
+        seeds = jnp.zeros((self.rows,), jnp.uint32)
+        dtype = self.decoder.target.model.dtype
+        state = DecodeState.empty(config, drafter, self.rows, self.slots, self.spec.block, dtype, seed_keys(seeds))
+        state = state.replace(done=jnp.ones((self.rows,), bool))
+        mesh = self.decoder.mesh
+        return jax.device_put(state, state_shardings(state, mesh)) if mesh is not None else state
+
+    def warm_up(self) -> None:
+        """Compile every executable the pool will run: each prompt bucket's prefill, the insert and the round
+        (twice each, so a second call finds what the first left: shardings and layouts settle after one)."""
+        for _ in range(2):
+            for padded in self.buckets:
+                self.admit([1] * min(padded, self.max_prompt), 1, [], GREEDY)
+            for sampling in (Sampling(temperature=1.0, seed=1), GREEDY):  # the sampled round, the greedy round
+                row, _ = self.admit([1], min(self.width + 1, self.max_len - 1), [], sampling)
+                self.step()
+                self.release(row)

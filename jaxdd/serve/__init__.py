@@ -1,0 +1,1 @@
+"""``python -m jaxdd.serve``: the OpenAI-compatible server (see ``jaxdd.serve.__main__``)."""

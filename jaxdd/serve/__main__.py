@@ -1,0 +1,141 @@
+"""``python -m jaxdd.serve``: an OpenAI-compatible server (completions and chat completions, streamed or not) with
+continuous batching of speculative rounds.
+
+    python -m jaxdd.serve                                     # the bundled kimi-mini pair on 127.0.0.1:8000
+    python -m jaxdd.serve --method ddtree --budget 16 --max-batch 16 --max-len 1024
+    python -m jaxdd.serve --checkpoint TARGET_DIR --drafter DRAFTER_DIR --port 8080
+
+It compiles every shape it will run first (each prompt bucket up to --max-prompt, the insert, the round);
+GET /health answers 200 from then on. GET /metrics has Prometheus metrics under ``jaxdd:``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import uvicorn
+
+import jaxdd
+from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.decoding.slots import RowPool
+from jaxdd.generate import DEMO, positive, print_note, simulate_cpu_devices
+from jaxdd.runtime.backend import Backend
+from jaxdd.serve.app import Server, create_app
+from jaxdd.serve.metrics import Metrics
+from jaxdd.serve.scheduler import Scheduler
+from jaxdd.types import METHODS, MOE_MODES
+from jaxdd.weights.tokenizer import load_tokenizer
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxdd.serve",
+        description=__doc__.split("\n\n")[0].replace("``", ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1].replace("``", ""),
+    )
+    parser.add_argument("--checkpoint", type=Path, help="target: HF or jaxdd checkpoint (default: bundled kimi-mini)")
+    parser.add_argument("--drafter", type=Path, help="DFlash drafter checkpoint (default with kimi-mini: its drafter)")
+    parser.add_argument("--method", choices=METHODS, help="default: dflash with a drafter, else ar")
+    parser.add_argument("--block-size", type=positive, help="DFlash block size (default: the drafter's)")
+    parser.add_argument("--budget", type=positive, help="DDTree nodes per round (default: block size - 1)")
+    parser.add_argument("--max-batch", type=positive, default=8, help="decode rows: requests decoded at once")
+    parser.add_argument("--max-waiting", type=positive, default=64, help="queued requests past which a 429 answers")
+    parser.add_argument("--max-len", type=positive, default=1024, help="prompt + output tokens per request")
+    parser.add_argument("--max-prompt", type=positive, help="prompt tokens per request (default: --max-len - 1)")
+    parser.add_argument("--request-timeout", type=seconds, help="seconds a request may run before it is ended")
+    parser.add_argument(
+        "--drain-timeout",
+        type=seconds,
+        default=30.0,
+        help="on SIGTERM / SIGINT: seconds to let requests in flight finish before exiting",
+    )
+    parser.add_argument("--chat-template", type=Path, help="a Jinja chat template (default: the checkpoint's)")
+    parser.add_argument("--model-name", help="the model id clients name (default: the checkpoint directory's name)")
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
+    parser.add_argument("--devices", type=positive, help="shard over this many local devices (as in jaxdd.generate)")
+    parser.add_argument("--moe", choices=MOE_MODES, help="with several devices: tp (default) or ep")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    bundled = args.checkpoint is None
+    checkpoint = DEMO / "target" if bundled else args.checkpoint
+    drafter_dir = args.drafter or (DEMO / "drafter" if bundled else None)
+    method = args.method or ("dflash" if drafter_dir else "ar")
+    if method != "ar" and not drafter_dir:
+        parser.error(f"--method {method} needs --drafter DIR")
+    if args.devices is not None:
+        simulate_cpu_devices(args.devices)
+    backend = Backend.local()
+    devices = args.devices or (1 if backend.platform == "cpu" else len(jax.devices()))
+    if devices > len(jax.devices()):
+        print(f"jaxdd: --devices {devices}: this host has {len(jax.devices())}", file=sys.stderr)
+        return 2
+    if args.moe is not None and devices == 1:
+        print("jaxdd: --moe applies to several devices (--devices N)", file=sys.stderr)
+        return 2
+    dtype = args.dtype if args.dtype != "auto" else "float32" if backend.platform == "cpu" else "bfloat16"
+    try:
+        tokenizer = load_tokenizer(checkpoint)
+        chat_template = tokenizer.chat_template if tokenizer is not None else None
+        if args.chat_template is not None:
+            chat_template = read_template(args.chat_template)
+            if tokenizer is None:
+                raise jaxdd.InputError("--chat-template: the checkpoint has no tokenizer to encode its text")
+        drafter_path = drafter_dir if method != "ar" else None
+        target, drafter = jaxdd.load_pair(checkpoint, drafter_path, dtype, devices, args.moe or "tp")
+        options = {"block_size": args.block_size, "budget": args.budget, "max_prompt": args.max_prompt}
+        pool = RowPool(SpeculativeDecoder(target, drafter), method=method, rows=args.max_batch, max_len=args.max_len,
+                       **options)  # fmt: skip
+    except (jaxdd.CheckpointError, jaxdd.ConfigError, jaxdd.InputError) as error:
+        print(f"jaxdd: {error}", file=sys.stderr)
+        return 2
+    stop_ids = sorted(set(target.config.eos_token_ids) | set(tokenizer.stop_ids if tokenizer else ()))
+    scheduler = Scheduler(pool, Metrics(pool.block), args.max_waiting)
+    name = args.model_name or ("kimi-mini" if bundled else Path(checkpoint).resolve().name)
+    server = Server(scheduler, pool, tokenizer, name, stop_ids, chat_template, args.request_timeout)
+    scheduler.start()  # compiles in its thread while the HTTP side already answers /health with 503
+    shape = f"{method}, {args.max_batch} rows, {pool.slots} cache slots, prompt buckets {pool.buckets}"
+    print_note(f"serving {name} ({shape}) on http://{args.host}:{args.port}/v1")
+    try:
+        uvicorn.run(
+            create_app(server),
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_graceful_shutdown=args.drain_timeout,
+        )
+    finally:
+        scheduler.stop()
+    return 0
+
+
+def read_template(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as error:
+        raise jaxdd.InputError(f"--chat-template {path}: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise jaxdd.InputError(f"--chat-template {path}: not UTF-8 text") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

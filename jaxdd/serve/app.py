@@ -1,0 +1,228 @@
+"""The HTTP side: FastAPI routes for the OpenAI endpoints, Server-Sent Events for streams, OpenAI error bodies.
+
+Every request is checked before it is queued (a 400 names the field); past ``--max-waiting`` it gets a 429. A
+stream whose client goes away cancels its request (the generator is closed), and so does a non-streaming request
+whose client disconnects (polled while it waits), so its row is free for the next round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import secrets
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxdd.decoding.sampling import Sampling
+from jaxdd.decoding.slots import RowPool
+from jaxdd.errors import InputError
+from jaxdd.serve import protocol
+from jaxdd.serve.output import Output
+from jaxdd.serve.scheduler import Event, Job, NotReady, QueueFull, Scheduler
+from jaxdd.weights.tokenizer import TextTokenizer, render_chat_template
+
+DISCONNECT_POLL = 0.25  # seconds between a non-streaming request's looks at its connection
+
+
+@dataclasses.dataclass
+class Server:
+    scheduler: Scheduler
+    pool: RowPool
+    tokenizer: TextTokenizer | None
+    model: str
+    stop_ids: list[int]  # always stop here (EOS, end of turn); requests add their own
+    chat_template: str | None
+    request_timeout: float | None
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.body = status, protocol.error_body(message, kind, param, code)
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body, status_code=error.status)
+
+
+def create_app(server: Server) -> FastAPI:
+    app = FastAPI(title="jaxdd", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(_, error: APIError):
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, error: RequestValidationError):
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+        return error_response(APIError(400, f"{where or 'body'}: {first.get('msg')}", param=where or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, error: StarletteHTTPException):
+        return error_response(APIError(error.status_code, str(error.detail), code=error.status_code))
+
+    @app.get("/health")
+    async def health():
+        if server.scheduler.failure is not None:
+            return error_response(APIError(503, server.scheduler.failure, "server_error"))
+        if not server.scheduler.ready.is_set():
+            return error_response(APIError(503, "compiling", "server_error", code="not_ready"))
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.scheduler.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": server.model, "object": "model", "created": 0, "owned_by": "jaxdd"}
+        return {"object": "list", "data": [{**card, "max_model_len": server.pool.max_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: protocol.CompletionRequest, request: Request):
+        text = isinstance(body.prompt, str)
+        prompt = encode(server, body.prompt, special=False) if text else list(body.prompt)
+        return await generate(server, "completion", body, prompt, body.max_tokens, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: protocol.ChatRequest, request: Request):
+        if server.chat_template is None:
+            raise APIError(400, "this model has no chat template (start the server with --chat-template FILE)")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        special = {"bos_token": server.tokenizer.named_token("bos_token") or ""}
+        special["eos_token"] = server.tokenizer.named_token("eos_token") or ""
+        try:
+            text = render_chat_template(server.chat_template, messages, **special)
+        except InputError as error:
+            raise APIError(400, str(error), param="messages") from None
+        prompt = encode(server, text, special=True)
+        return await generate(server, "chat", body, prompt, body.max_completion_tokens or body.max_tokens, request)
+
+    return app
+
+
+def encode(server: Server, text: str, special: bool) -> list[int]:
+    if server.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer: give the prompt as token ids", param="prompt")
+    ids = server.tokenizer.encode(text, special=special)
+    if not ids:
+        raise APIError(400, "the prompt has no tokens", param="prompt")
+    return ids
+
+
+def make_job(server: Server, body: protocol.SamplingFields, prompt: list[int], max_tokens: int | None, deliver):
+    """The request's job, checked against what the server runs (APIError 400 / 404 otherwise)."""
+    if body.model is not None and body.model != server.model:
+        raise APIError(404, f"model {body.model!r} does not exist; this server has {server.model!r}", param="model",
+                       code="model_not_found")  # fmt: skip
+    if body.stop_strings() and server.tokenizer is None:
+        raise APIError(400, "stop strings need a tokenizer; this model has none: give stop ids", param="stop")
+    if max_tokens is None:
+        max_tokens = server.pool.max_len - len(prompt)
+        if max_tokens < 1:
+            raise APIError(400, f"prompt: {len(prompt)} tokens leaves no room in --max-len {server.pool.max_len}")
+    stop_ids = sorted(set(server.stop_ids) | set(body.stop_ids()))
+    seed = secrets.randbelow(2**32) if body.seed is None else body.seed
+    sampling = Sampling(body.temperature, body.top_p, max(body.top_k, 0), seed)
+    try:
+        server.pool.check(prompt, max_tokens, stop_ids, sampling)
+    except InputError as error:
+        field = str(error).split(":")[0].split()[0]
+        param = {"token_ids": "prompt", "prompt": "prompt", "max_tokens": "max_tokens"}.get(field, field)
+        raise APIError(400, str(error), param=param) from None
+    timeouts = [t for t in (body.timeout, server.request_timeout) if t is not None]
+    return Job(prompt, max_tokens, stop_ids, sampling, deliver, timeout=min(timeouts) if timeouts else None)
+
+
+async def generate(server: Server, kind: Literal["completion", "chat"], body, prompt, max_tokens, request: Request):
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    job = make_job(server, body, prompt, max_tokens, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+    try:
+        server.scheduler.submit(job)
+    except QueueFull as error:
+        raise APIError(429, str(error), "requests", code="rate_limit_exceeded") from None
+    except NotReady as error:
+        raise APIError(503, str(error), "server_error", code="not_ready") from None
+    output = Output(server.tokenizer, set(server.stop_ids), body.stop_strings())
+    request_id = protocol.new_id("chatcmpl" if kind == "chat" else "cmpl")
+    if body.stream:
+        chunks = stream(server, kind, body, job, events, output, request_id)
+        return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    watcher = asyncio.create_task(watch_disconnect(request, events))
+    try:
+        text, finish = "", None
+        while finish is None:
+            event = await events.get()
+            if event is None:  # the client went away
+                return Response(status_code=499)
+            delta, finish = take(event, output, job)
+            text += delta
+    finally:
+        job.cancel()
+        watcher.cancel()
+    ids = output.token_ids if body.return_token_ids else None
+    choice = protocol.completion_choice(text, finish, ids)
+    if kind == "chat":
+        choice = protocol.chat_choice(text, finish, ids, delta=False, first=True)
+    usage = protocol.usage(len(prompt), len(output.token_ids))
+    return protocol.body(kind, request_id, server.model, [choice], usage=usage)
+
+
+def take(event: Event, output: Output, job: Job) -> tuple[str, str | None]:
+    """(the text to release, the finish reason: the engine's, or "stop" for a stop string); an engine error
+    raises."""
+    if event.error is not None:
+        raise APIError(500, event.error, "server_error")
+    delta = output.add(event.tokens, final=event.finish is not None)
+    if output.stopped:
+        job.cancel()  # the row is freed before the next round
+        return delta, "stop"
+    return delta, event.finish
+
+
+async def watch_disconnect(request: Request, events: asyncio.Queue) -> None:
+    """Put None in ``events`` once the client has disconnected (looked at every ``DISCONNECT_POLL`` seconds)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL)
+    events.put_nowait(None)
+
+
+async def stream(server: Server, kind, body, job: Job, events, output: Output, request_id: str) -> AsyncIterator[str]:
+    """The SSE chunks of a streamed request; closing the generator (the client left) cancels the request."""
+    usage_field = {"usage": None} if body.include_usage else {}
+    first = True
+    try:
+        finish = None
+        while finish is None:
+            event = await events.get()
+            before = len(output.token_ids)
+            try:
+                delta, finish = take(event, output, job)
+            except APIError as error:
+                yield sse(error.body)
+                break
+            ids = output.token_ids[before:] if body.return_token_ids else None
+            if kind == "chat":
+                choice = protocol.chat_choice(delta, finish, ids, delta=True, first=first)
+            else:
+                choice = protocol.completion_choice(delta, finish, ids)
+            first = False
+            yield sse(protocol.body(kind, request_id, server.model, [choice], chunk=True, **usage_field))
+        if body.include_usage and finish is not None:
+            usage = protocol.usage(len(job.prompt), len(output.token_ids))
+            yield sse(protocol.body(kind, request_id, server.model, [], chunk=True, usage=usage))
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -1,0 +1,64 @@
+"""The server's Prometheus metrics, vLLM's names under ``jaxdd:`` (prometheus-client renders them)."""
+
+from __future__ import annotations
+
+import jax
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from jaxdd.runtime.compile_time import BACKEND_COMPILE
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
+
+
+class Metrics:
+    """One registry per server (tests start several in a process); compiles are counted from ``watch_compiles``."""
+
+    def __init__(self, block: int):
+        self.registry = registry = CollectorRegistry()
+        name = lambda suffix: f"jaxdd:{suffix}"
+        self.running = Gauge(name("num_requests_running"), "Requests in decode rows", registry=registry)
+        self.waiting = Gauge(name("num_requests_waiting"), "Requests queued for a row", registry=registry)
+        self.generation_tokens = Counter(name("generation_tokens"), "Tokens generated", registry=registry)
+        self.prompt_tokens = Counter(name("prompt_tokens"), "Prompt tokens prefilled", registry=registry)
+        self.drafts = Counter(name("spec_decode_num_drafts"), "Speculative rounds, per request", registry=registry)
+        self.draft_tokens = Counter(
+            name("spec_decode_num_draft_tokens"), "Draft tokens (or tree nodes) verified", registry=registry
+        )
+        self.accepted_tokens = Counter(
+            name("spec_decode_num_accepted_tokens"), "Draft tokens accepted", registry=registry
+        )
+        self.compiles = Counter(name("compiles"), "XLA compilations (warm-up included)", registry=registry)
+        self.ttft = Histogram(
+            name("time_to_first_token_seconds"), "Arrival to first token", buckets=LATENCY_BUCKETS, registry=registry
+        )
+        self.tpot = Histogram(
+            name("time_per_output_token_seconds"),
+            "Per request: (last token - first token) / (tokens - 1)",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.acceptance = Histogram(
+            name("acceptance_length"),
+            "Tokens a request gets per round (accepted drafts + 1)",
+            buckets=tuple(range(1, block + 1)),
+            registry=registry,
+        )
+        self._listening = False
+
+    def watch_compiles(self) -> None:
+        """Count every XLA compilation in this process from now on, until ``close``."""
+        if not self._listening:
+            jax.monitoring.register_event_duration_secs_listener(self._on_event)
+            self._listening = True
+
+    def close(self) -> None:
+        if self._listening:
+            jax.monitoring.unregister_event_duration_listener(self._on_event)
+            self._listening = False
+
+    def _on_event(self, event: str, seconds: float, **_) -> None:
+        if event == BACKEND_COMPILE:
+            self.compiles.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

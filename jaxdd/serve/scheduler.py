@@ -1,0 +1,191 @@
+"""The one thread that owns the decode state: between rounds it frees the rows of finished, cancelled and timed-out
+requests, admits waiting requests into free rows, then runs a round and hands every request its new tokens.
+
+Requests wait in a bounded queue (``submit`` refuses past ``max_waiting``: the caller answers 429). Tokens reach a
+request through its ``deliver`` callback, which must be thread-safe (the HTTP side wraps an asyncio queue with
+``loop.call_soon_threadsafe``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+from jaxdd.decoding.sampling import Sampling
+from jaxdd.decoding.slots import RowPool, RowUpdate
+from jaxdd.serve.metrics import Metrics
+
+IDLE_WAIT = 0.05  # seconds the idle loop sleeps between looks at the queue when nothing else wakes it
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the server allows (``--max-waiting``)."""
+
+
+class NotReady(Exception):
+    """The server is still compiling, or its engine failed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What a request receives: new tokens, and at its end the finish reason ("stop", "length", "timeout") or an
+    error message."""
+
+    tokens: list[int]
+    finish: str | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class Job:
+    prompt: list[int]
+    max_new_tokens: int
+    stop_ids: list[int]
+    sampling: Sampling
+    deliver: Callable[[Event], None]
+    timeout: float | None = None
+    arrived: float = dataclasses.field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    produced: int = 0
+    _cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Thread-safe: the request's row (or queue place) is freed before the next round."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def expired(self, now: float) -> bool:
+        return self.timeout is not None and now - self.arrived > self.timeout
+
+
+class Scheduler:
+    def __init__(self, pool: RowPool, metrics: Metrics, max_waiting: int):
+        self.pool, self.metrics, self.max_waiting = pool, metrics, max_waiting
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._rows: dict[int, Job] = {}
+        self._free = pool.rows  # rows free after the last admission: requests taking them do not count as waiting
+        self._wake = threading.Condition()
+        self._stopping = threading.Event()
+        self.ready = threading.Event()
+        self.failure: str | None = None  # why the engine stopped, if it did
+        self._thread = threading.Thread(target=self._run, name="jaxdd-scheduler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        with self._wake:
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        """Queue a request, or raise ``NotReady`` / ``QueueFull`` at once."""
+        if not self.ready.is_set() or self.failure is not None:
+            raise NotReady(self.failure or "the server is still compiling")
+        with self._wake:
+            waiting = len(self._waiting) - self._free
+            if waiting >= self.max_waiting:
+                raise QueueFull(f"{waiting} requests are already waiting (--max-waiting {self.max_waiting})")
+            self._waiting.append(job)
+            self.metrics.waiting.set(len(self._waiting))
+            self._wake.notify()
+
+    def _run(self) -> None:
+        try:
+            self.metrics.watch_compiles()
+            self.pool.warm_up()
+            self.ready.set()
+            while not self._stopping.is_set():
+                self._free_rows()
+                self._admit()
+                if self._rows or self.pool.in_flight:
+                    self._round()
+                else:
+                    with self._wake:
+                        if not self._waiting and not self._stopping.is_set():
+                            self._wake.wait(IDLE_WAIT)
+        except Exception as error:  # the engine cannot go on: fail everyone, /health says why
+            self.failure = f"engine failed: {type(error).__name__}: {error}"
+            traceback.print_exc()
+            for job in [*self._rows.values(), *self._waiting]:
+                job.deliver(Event([], error=self.failure))
+            self._rows.clear()
+
+    def _free_rows(self) -> None:
+        now = time.monotonic()
+        for row, job in list(self._rows.items()):
+            if job.cancelled or job.expired(now):
+                self.pool.release(row)
+                del self._rows[row]
+                if not job.cancelled:
+                    job.deliver(Event([], finish="timeout"))
+        self._free = len(self.pool.free_rows())
+        self.metrics.running.set(len(self._rows))
+
+    def _next_waiting(self) -> Job | None:
+        now = time.monotonic()
+        with self._wake:
+            while self._waiting:
+                job = self._waiting.popleft()
+                self.metrics.waiting.set(len(self._waiting))
+                if job.cancelled:
+                    continue
+                if job.expired(now):
+                    job.deliver(Event([], finish="timeout"))
+                    continue
+                return job
+        return None
+
+    def _admit(self) -> None:
+        while self.pool.free_rows():
+            job = self._next_waiting()
+            if job is None:
+                break
+            row, update = self.pool.admit(job.prompt, job.max_new_tokens, job.stop_ids, job.sampling)
+            self.metrics.prompt_tokens.inc(len(job.prompt))
+            job.first_token_at = time.monotonic()
+            self.metrics.ttft.observe(job.first_token_at - job.arrived)
+            if update.finish is None:
+                self._rows[row] = job
+            self._free = len(self.pool.free_rows())
+            self._hand(job, update)
+        self.metrics.running.set(len(self._rows))
+
+    def _round(self) -> None:
+        """Dispatch a round, then hand out the previous one's tokens while it runs (at most two in flight)."""
+        if self._rows:
+            self.pool.dispatch()
+        if self.pool.in_flight < 2 and self._rows:
+            return
+        updates = self.pool.collect()
+        for row, update in updates.items():
+            job = self._rows.get(row)
+            if job is None:
+                continue
+            if self.pool.method != "ar" and update.tokens:
+                self.metrics.drafts.inc()
+                self.metrics.draft_tokens.inc(self.pool.budget or self.pool.block - 1)
+                self.metrics.accepted_tokens.inc(len(update.tokens) - 1)
+            if update.tokens:
+                self.metrics.acceptance.observe(len(update.tokens))
+            if update.finish is not None:
+                del self._rows[row]
+            self._hand(job, update)
+        self._free = len(self.pool.free_rows())
+        self.metrics.running.set(len(self._rows))
+
+    def _hand(self, job: Job, update: RowUpdate) -> None:
+        job.produced += len(update.tokens)
+        self.metrics.generation_tokens.inc(len(update.tokens))
+        if update.finish is not None and job.produced > 1:
+            self.metrics.tpot.observe((time.monotonic() - job.first_token_at) / (job.produced - 1))
+        if not job.cancelled:
+            job.deliver(Event(update.tokens, finish=update.finish))

@@ -1,0 +1,57 @@
+"""RowPool: requests admitted into a running decode state at any round decode to what they give alone (DDTree,
+greedy and seeded sampled, another cache size and batch than alone), and nothing compiles after warm-up."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jaxdd
+from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.decoding.slots import RowPool
+from jaxdd.errors import InputError
+from jaxdd.generate import DEMO
+from jaxdd.runtime.compile_time import compile_clock
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return SpeculativeDecoder(*jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32"))
+
+
+def test_interleaved_ddtree_rows_equal_their_runs_alone(decoder):
+    rng = np.random.default_rng(4)
+    pool = RowPool(decoder, method="ddtree", budget=12, rows=2, max_len=100, max_prompt=16)
+    pool.warm_up()
+    requests = [
+        (rng.integers(1, 4096, size=int(rng.integers(3, 16))).tolist(), int(rng.integers(12, 30)), sampling)
+        for sampling in [jaxdd.Sampling(), jaxdd.Sampling(0.8, 0.95, 0, 5), jaxdd.Sampling(1.0, 1.0, 20, 6)] * 2
+    ]
+    outputs, row_of, pending = {}, {}, list(range(len(requests)))
+    with compile_clock() as clock:
+        for _ in range(1000):  # bounded: every request ends within its max_tokens rounds
+            if not pending and not pool.active:
+                break
+            if pending and pool.free_rows() and (not pool.active or rng.random() < 0.4):
+                i = pending.pop(0)
+                row, update = pool.admit(*requests[i][:2], [0], requests[i][2])
+                outputs[i] = update.tokens
+                row_of[row] = i
+                continue
+            for row, update in pool.step().items():
+                outputs[row_of[row]] = outputs[row_of[row]] + update.tokens
+    assert clock.count == 0 and not pending and not pool.active
+    for i, (prompt, length, sampling) in enumerate(requests):
+        alone = decoder.generate(prompt, method="ddtree", budget=12, max_new_tokens=length, stop_token_ids=[0],
+                                 sampling=sampling)  # fmt: skip
+        assert outputs[i] == alone.tokens, i
+
+
+def test_requests_past_the_pool_are_refused(decoder):
+    pool = RowPool(decoder, method="dflash", rows=1, max_len=40, max_prompt=16)
+    with pytest.raises(InputError, match="max-len 40"):
+        pool.check([1, 2, 3], 38, [0], jaxdd.Sampling())
+    with pytest.raises(InputError, match="at most 16"):
+        pool.check([1] * 17, 2, [0], jaxdd.Sampling())
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        pool.check([1, 4096], 2, [0], jaxdd.Sampling())

@@ -1,0 +1,307 @@
+"""python -m jaxdd.serve on loopback with the bundled pair, driven by the real ``openai`` client: both endpoints,
+streamed and not, concurrent requests equal to their runs alone (greedy and seeded), stop strings and ids, usage,
+token ids, cancellation, the queue limit, bad requests, health, metrics, no compile after warm-up."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+import jaxdd
+from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.generate import DEMO
+from jaxdd.weights.tokenizer import load_tokenizer
+
+ROWS, WAITING, MAX_LEN, MAX_PROMPT = 4, 4, 512, 32
+START_SECONDS = 240  # bounded: loading and compiling the demo pair on a busy 2-core host
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(base url, openai client, the server's compiles right after warm-up), the server stopped by pid after."""
+    template = tmp_path_factory.mktemp("serve") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    port = free_port()
+    command = [sys.executable, "-m", "jaxdd.serve", "--port", str(port), "--max-batch", str(ROWS)]
+    command += ["--max-waiting", str(WAITING), "--max-len", str(MAX_LEN), "--max-prompt", str(MAX_PROMPT)]
+    command += ["--chat-template", str(template)]
+    log = tmp_path_factory.mktemp("serve_log") / "server.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_SECONDS
+        while time.monotonic() < deadline:
+            assert process.poll() is None, log.read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"the server did not become healthy in {START_SECONDS} s:\n{log.read_text()}")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60, max_retries=0)
+        yield url, client, metric(url, "compiles_total")
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = re.search(rf"^jaxdd:{name} (\S+)$", text, re.MULTILINE)
+    assert found, name
+    return float(found.group(1))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Each request decoded alone by SpeculativeDecoder.generate (its own cache size and batch of one)."""
+    target, drafter = jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32")
+    decoder = SpeculativeDecoder(target, drafter)
+    tokenizer = load_tokenizer(DEMO / "target")
+    stops = sorted(set(target.config.eos_token_ids) | set(tokenizer.stop_ids))
+
+    def run(prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0, top_p: float = 1.0):
+        sampling = jaxdd.Sampling(temperature, top_p, 0, seed)
+        return decoder.generate(prompt, max_new_tokens=max_tokens, stop_token_ids=stops, sampling=sampling).tokens
+
+    return run, tokenizer
+
+
+def requests_for(seed: int, count: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        prompt = rng.integers(1, 4096, size=int(rng.integers(3, MAX_PROMPT))).tolist()
+        sampled = i % 2 == 1
+        out.append(
+            {
+                "prompt": prompt,
+                "max_tokens": int(rng.integers(8, 48)),
+                "temperature": 0.7 if sampled else 0.0,
+                "top_p": 0.9 if sampled else 1.0,
+                "seed": int(rng.integers(0, 2**31)),
+                "stream": i % 3 == 0,
+            }
+        )
+    return out
+
+
+def complete(client: openai.OpenAI, request: dict) -> tuple[list[int], str, str, dict | None]:
+    """(token ids, text, finish reason, usage) of a completion, streamed or not."""
+    options = {k: v for k, v in request.items() if k != "stream"}
+    extra = {"return_token_ids": True}
+    if not request.get("stream"):
+        response = client.completions.create(model="kimi-mini", extra_body=extra, **options)
+        choice = response.choices[0]
+        return choice.token_ids, choice.text, choice.finish_reason, response.usage.model_dump(exclude_none=True)
+    ids, text, finish, usage = [], "", None, None
+    stream = client.completions.create(
+        model="kimi-mini", stream=True, stream_options={"include_usage": True}, extra_body=extra, **options
+    )
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump(exclude_none=True)
+        for choice in chunk.choices:
+            ids += choice.token_ids
+            text += choice.text
+            finish = choice.finish_reason or finish
+    return ids, text, finish, usage
+
+
+def test_concurrent_requests_equal_their_runs_alone(server, reference):
+    """Greedy and seeded sampled requests of mixed lengths, more than there are rows, sent at once (some streamed):
+    each one's tokens are what it decodes alone; usage counts them."""
+    _, client, _ = server
+    run, _ = reference
+    batch = requests_for(seed=1, count=ROWS + 2)
+    with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+        results = list(pool.map(lambda r: complete(client, r), batch))
+    for request, (ids, _, finish, usage) in zip(batch, results, strict=True):
+        settings = [request[k] for k in ("prompt", "max_tokens", "temperature", "seed", "top_p")]
+        expected = run(*settings)
+        assert ids == expected, request
+        assert finish == ("length" if len(ids) == request["max_tokens"] else "stop")
+        assert usage == {
+            "prompt_tokens": len(request["prompt"]),
+            "completion_tokens": len(ids),
+            "total_tokens": len(request["prompt"]) + len(ids),
+        }
+
+
+def test_server_equals_the_cli(server):
+    """A seeded sampled request gives what python -m jaxdd.generate --no-chat gives for it."""
+    _, client, _ = server
+    prompt = "def fibonacci(n):"
+    argv = [sys.executable, "-m", "jaxdd.generate", prompt, "--no-chat", "--json", "--max-new-tokens", "24"]
+    argv += ["--temperature", "0.8", "--seed", "11", "--dtype", "float32"]
+    cli = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300).stdout)
+    ids, text, _, _ = complete(client, {"prompt": prompt, "max_tokens": 24, "temperature": 0.8, "seed": 11})
+    assert ids == cli["output_ids"] and text == cli["text"]  # no stop id among them: the texts agree too
+
+
+def test_chat_streamed_equals_chat_whole(server, reference):
+    _, client, _ = server
+    run, tokenizer = reference
+    messages = [{"role": "user", "content": "Write a loop."}]
+    whole = client.chat.completions.create(model="kimi-mini", messages=messages, max_tokens=20, temperature=0)
+    chunks = list(
+        client.chat.completions.create(
+            model="kimi-mini",
+            messages=messages,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert whole.choices[0].message.role == "assistant" and text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    prompt = tokenizer.encode("<user>Write a loop.\n<assistant>", special=True)
+    assert whole.usage.prompt_tokens == len(prompt)
+    expected = run(prompt, 20)
+    assert whole.usage.completion_tokens == len(expected)
+    assert whole.choices[0].message.content == tokenizer.decode([t for t in expected if t != 0])
+
+
+def test_stop_ids_and_stop_strings(server, reference):
+    _, client, _ = server
+    run, tokenizer = reference
+    prompt = tokenizer.encode("class Stack:\n")
+    full = run(prompt, 40)
+    stop_id = full[6]
+    ids, _, finish, _ = complete(client, {"prompt": prompt, "max_tokens": 40, "temperature": 0, "stop": [stop_id]})
+    assert ids == full[: full.index(stop_id) + 1] and finish == "stop"
+    text = tokenizer.decode(full)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    ids, cut, finish, _ = complete(client, {"prompt": prompt, "max_tokens": 40, "temperature": 0, "stop": stop})
+    assert finish == "stop" and cut == text[: text.index(stop)]
+    assert stop in tokenizer.decode(ids) and stop not in tokenizer.decode(ids[:-1])
+    streamed = complete(client, {"prompt": prompt, "max_tokens": 40, "temperature": 0, "stop": stop, "stream": True})
+    assert streamed[:3] == (ids, cut, "stop")
+
+
+def test_closed_stream_frees_its_row(server):
+    url, client, _ = server
+    before = metric(url, "generation_tokens_total")
+    max_tokens = MAX_LEN - 8
+    stream = client.completions.create(
+        model="kimi-mini", prompt=[5, 6, 7], max_tokens=max_tokens, temperature=1.0, seed=3, stream=True
+    )
+    next(iter(stream))
+    assert metric(url, "num_requests_running") == 1
+    stream.close()
+    deadline = time.monotonic() + 10
+    while metric(url, "num_requests_running") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(url, "num_requests_running") == 0
+    assert metric(url, "generation_tokens_total") - before < max_tokens  # ended early, not run to its length
+
+
+def test_a_client_read_timeout_frees_its_row(server):
+    """A non-streaming client that gives up (its own read timeout) frees the row as a closed stream does."""
+    url, _, _ = server
+    before = metric(url, "generation_tokens_total")
+    body = {"prompt": [4, 5, 6], "max_tokens": MAX_LEN - 8, "temperature": 1.0, "seed": 2}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+    deadline = time.monotonic() + 10
+    while metric(url, "num_requests_running") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(url, "num_requests_running") == 0
+    assert metric(url, "generation_tokens_total") - before < MAX_LEN - 8
+
+
+def test_timeout_ends_a_request(server):
+    _, client, _ = server
+    response = client.completions.create(
+        model="kimi-mini", prompt=[9, 8, 7], max_tokens=MAX_LEN - 8, temperature=1.0, extra_body={"timeout": 0.05}
+    )
+    assert response.choices[0].finish_reason == "timeout"
+    assert response.usage.completion_tokens < MAX_LEN - 8
+
+
+def test_past_the_queue_limit_429(server):
+    """More requests at once than rows + queue: the surplus is refused at once with an OpenAI error body, and
+    every admitted request completes."""
+    url, _, _ = server
+    body = {"prompt": [3, 4, 5], "max_tokens": 200, "temperature": 1.0}
+
+    def post(i: int) -> httpx.Response:
+        return httpx.post(f"{url}/v1/completions", json={**body, "seed": i}, timeout=120)
+
+    count = 3 * (ROWS + WAITING)
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        responses = list(pool.map(post, range(count)))
+    refused = [r for r in responses if r.status_code == 429]
+    served = [r for r in responses if r.status_code == 200]
+    assert refused and len(served) + len(refused) == count and len(served) >= ROWS + WAITING
+    error = refused[0].json()["error"]
+    assert error["code"] == "rate_limit_exceeded" and "--max-waiting" in error["message"]
+    assert all(r.json()["choices"][0]["finish_reason"] in {"length", "stop"} for r in served)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": [1, 2, 4096], "max_tokens": 4}, 400, "prompt"),
+        ({"prompt": [1] * (MAX_PROMPT + 1), "max_tokens": 4}, 400, "prompt"),
+        ({"prompt": [1, 2], "max_tokens": MAX_LEN}, 400, "prompt"),
+        ({"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
+        ({"prompt": [1, 2], "n": 2}, 400, "n"),
+        ({"prompt": [1, 2], "model": "gpt-9"}, 404, "model"),
+        ({"max_tokens": 3}, 400, "prompt"),
+    ],
+)
+def test_bad_requests_get_openai_error_bodies(server, body, status, param):
+    url, _, _ = server
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+
+
+def test_not_json_is_400(server):
+    url, _, _ = server
+    response = httpx.post(f"{url}/v1/completions", content=b"{not json", timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_health_models_metrics_and_no_compile_after_warm_up(server):
+    url, client, compiles = server
+    assert httpx.get(f"{url}/health", timeout=10).json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == ["kimi-mini"]
+    for i, length in enumerate([3, MAX_PROMPT]):  # both prompt buckets, greedy and sampled
+        complete(client, {"prompt": [7] * length, "max_tokens": 12, "temperature": 0.5 * i, "seed": i})
+    assert metric(url, "compiles_total") == compiles > 0
+    assert metric(url, "spec_decode_num_drafts_total") > 0
+    assert metric(url, "spec_decode_num_accepted_tokens_total") <= metric(url, "spec_decode_num_draft_tokens_total")
+    assert metric(url, "time_to_first_token_seconds_count") > 0
+    assert metric(url, "acceptance_length_count") == metric(url, "spec_decode_num_drafts_total")
