@@ -13,7 +13,8 @@ experts as the whole table and a loop as one trip. This walks the HLO instead, w
 - a collective moves what it sends plus what it receives (ring algorithms over its replica group of n devices: an
   all-reduce of N bytes sends and receives 2 (n - 1) / n N each way), counted in ``bytes`` and in ``collective_bytes``;
 - a custom call (a Pallas kernel, a CPU FFI kernel, a cuBLAS GEMM) counts the bytes it declares (a Pallas TPU
-  kernel's ``pl.CostEstimate``) or, by default, its operands and output once; ``custom_calls`` says which;
+  kernel's ``pl.CostEstimate``) or, by default, its operands and output once (not a cuBLAS workspace);
+  ``custom_calls`` says which;
 - arrays outside device memory (TPU layouts in VMEM, ``S(1)``) move nothing.
 """
 
@@ -170,13 +171,14 @@ def _moved(account: _Account, comps, comp: Computation, ins: Instruction) -> tup
         reads = [(o, min(size(o), _param_reads(comps, fused, k))) for k, o in enumerate(ins.operands)]
         return reads, _fusion_writes(comps, fused, ins.shape)
     if op in _COLLECTIVES:
-        outputs = array_shapes(ins.shape)
-        received = shape_bytes(ins.shape, len(outputs) - 1 if ins.shape.startswith("(") else None)
-        link = _link_bytes(op, sum(m for _, m in everything), received, ins)
+        # What crosses the link, wherever the buffers live (a TPU's may be in VMEM).
+        last = len(array_shapes(ins.shape)) - 1 if ins.shape.startswith("(") else None
+        sent = sum(shape_bytes(comp.instructions[o].shape, anywhere=True) for o in ins.operands)
+        link = _link_bytes(op, sent, shape_bytes(ins.shape, last, anywhere=True), ins)
         account.collective_bytes += link
         return [], link
     if ins.opcode == "custom-call":
-        return _custom_call(account, ins, everything, shape_bytes(ins.shape))
+        return _custom_call(account, ins, everything, _custom_call_output(ins))
     if ins.opcode in _SLICING:
         out = shape_bytes(ins.shape)
         return [(ins.operands[0], out), *everything[1:]], out
@@ -204,7 +206,7 @@ def _param_reads(comps: dict[str, Computation], fused: Computation, number: int)
 
 def _touched(comps: dict[str, Computation], fused: Computation, name: str) -> float:
     """The fraction of the value ``name`` that its users inside ``fused`` touch (summed over users)."""
-    total = 0.0
+    total = 1.0 if name == fused.root else 0.0  # the output (a nested fusion's: what its consumer reads) is all of it
     elements = _elements(fused.instructions[name].shape)
     for user, position in fused.users(name):
         if user.opcode in _SLICING and position == 0:
@@ -266,6 +268,12 @@ def _link_bytes(op: str, operands: float, output: float, ins: Instruction) -> fl
 
 
 def _group_size(ins: Instruction) -> int:
+    """Devices in each of the collective's replica groups: ``{{0,1,...}}``, the iota form ``[groups,size]<=[n]``,
+    or the mesh form ``mesh['a'=1,'b'=8] {'b'}`` (the named axes' sizes multiplied)."""
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", ins.attributes)
+    if mesh is not None:
+        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=([0-9]+)", mesh.group(1))}
+        return math.prod(sizes[a] for a in re.findall(r"'([^']+)'", mesh.group(2)))
     groups = re.search(r"replica_groups=(\{\{[^=]*?\}\}|\[[0-9,]+\]<=\[[0-9,]+\][^,]*)", ins.attributes)
     if groups is None:
         return 1
@@ -273,6 +281,16 @@ def _group_size(ins: Instruction) -> int:
     if text.startswith("["):  # iota form [groups, size]<=[devices]
         return int(text[1:].split("]")[0].split(",")[-1])
     return len(text.split("}")[0].strip("{").split(","))
+
+
+def _custom_call_output(ins: Instruction) -> float:
+    """A custom call's output bytes; a cuBLAS or cuDNN call's trailing s8 array is its scratch workspace, which it
+    need not touch in full: not counted."""
+    arrays = array_shapes(ins.shape)
+    library = (ins.attribute("custom_call_target") or "").startswith(("__cublas", "__cudnn"))
+    if library and len(arrays) > 1 and arrays[-1][0] == "s8":
+        return sum(shape_bytes(ins.shape, k) for k in range(len(arrays) - 1))
+    return shape_bytes(ins.shape)
 
 
 def _custom_call(account: _Account, ins: Instruction, everything, output: float):

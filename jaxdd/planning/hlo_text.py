@@ -133,13 +133,14 @@ def in_device_memory(layout: str) -> bool:
     return found is None or found.group(1) == "0"
 
 
-def shape_bytes(shape: str, element: int | None = None) -> int:
-    """Bytes in device memory of a shape (or of its ``element``-th array), packed sub-byte types rounded up."""
+def shape_bytes(shape: str, element: int | None = None, anywhere: bool = False) -> int:
+    """Bytes in device memory (``anywhere``: in any memory) of a shape or of its ``element``-th array, packed
+    sub-byte types rounded up."""
     arrays = array_shapes(shape)
     if element is not None:
         arrays = arrays[element : element + 1]
     total = 0
     for dtype, dims, layout in arrays:
-        if in_device_memory(layout):
+        if anywhere or in_device_memory(layout):
             total += math.ceil(math.prod(dims) * _BITS[dtype] / 8)
     return total
