@@ -65,12 +65,12 @@ class _Account:
         return sum(record[2] for record in self.ops.values())
 
     def add(self, where: str, ins: Instruction, moved: float, stage: str) -> None:
-        record = self.ops.setdefault((where, ins.name), [ins.name, ins.opcode, 0.0, stage])
+        record = self.ops.setdefault((where, ins.name), [ins.name, ins.opcode, 0.0, stage, ins.op_name])
         record[2] += moved
 
     def merge(self, other: _Account) -> None:
-        for key, (name, op, moved, stage) in other.ops.items():
-            self.ops.setdefault(key, [name, op, 0.0, stage])[2] += moved
+        for key, (name, op, moved, stage, scope) in other.ops.items():
+            self.ops.setdefault(key, [name, op, 0.0, stage, scope])[2] += moved
         for k, v in other.weights.items():
             self.weights[k] += v
         for target, call in other.custom_calls.items():
@@ -93,7 +93,7 @@ def compiled_traffic(compiled: Any, names: Mapping[str, str] | None = None) -> d
     main = computations[entry]
     _walk(account, computations, main, 1.0, {k: k for k in main.parameters}, "other")
     by_stage = dict.fromkeys((*STAGES, "other"), 0)
-    for _, _, moved, stage in account.ops.values():
+    for _, _, moved, stage, _ in account.ops.values():
         by_stage[stage] += round(moved)
     names = names or {}
     by_weight: dict[str, int] = {}
@@ -106,7 +106,7 @@ def compiled_traffic(compiled: Any, names: Mapping[str, str] | None = None) -> d
         "bytes": round(account.total),
         "by_stage": by_stage,
         "by_weight": by_weight,
-        "top_ops": [{"name": n, "op": op, "bytes": round(b), "stage": s} for n, op, b, s in ranked],
+        "top_ops": [{"name": n, "op": op, "bytes": round(b), "stage": s, "scope": sc} for n, op, b, s, sc in ranked],
         "collective_bytes": round(account.collective_bytes),
         "custom_calls": {t: c | {"bytes": round(c["bytes"])} for t, c in sorted(account.custom_calls.items())},
         "loops": account.loops,
