@@ -36,6 +36,8 @@ _FREE = {
     "opt-barrier", "add-dependency", "domain", "copy-done", "send-done", "recv-done", "async-done", "async-update",
     "all-reduce-done", "all-gather-done", "collective-permute-done", "get-dimension-size",
 }  # fmt: skip
+_MOVES = {"copy", "concatenate", "transpose", "reshape", "bitcast", "slice", "pad", "parameter", "tuple", "constant"}
+COPY_MIN_BYTES = 1024  # XLA copies the donated state's scalars (lengths, the bonus token) around the round
 _SLICING = {"dynamic-slice", "gather", "slice"}  # read what they output
 _UPDATING = {"dynamic-update-slice", "scatter"}  # in place: read and write their update
 _VIEWS = {"bitcast", "reshape"}  # inside a fusion: the same bytes, another shape
@@ -59,6 +61,8 @@ class _Account:
     loops: list[dict] = dataclasses.field(default_factory=list)
     conditionals: list[dict] = dataclasses.field(default_factory=list)
     collective_bytes: float = 0.0
+    parameter_bytes: dict[int, int] = dataclasses.field(default_factory=dict)  # the entry's, by number
+    weight_copies: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def total(self) -> float:
@@ -80,17 +84,20 @@ class _Account:
         self.loops += other.loops
         self.conditionals += other.conditionals
         self.collective_bytes += other.collective_bytes
+        self.weight_copies += other.weight_copies
 
 
 def compiled_traffic(compiled: Any, names: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The traffic account of ``compiled`` (a ``jax.stages.Compiled`` or its HLO text): ``bytes`` per device,
     ``by_stage`` (the round's named scopes), ``by_weight`` (bytes read of each entry parameter, named by ``names``
-    from the parameter's argument path, e.g. ``models.target_weights[12]``, else by that path), ``top_ops``, and
-    what the counting assumed: ``custom_calls`` (declared or defaulted), ``loops``, ``conditionals``."""
+    from the parameter's argument path, e.g. ``models.target_weights[12]``, else by that path), ``top_ops``, what
+    the counting assumed: ``custom_calls`` (declared or defaulted), ``loops``, ``conditionals``, and
+    ``weight_copies``: instructions that copy a whole parameter (a weight concatenated or relaid inside the round)."""
     text = compiled if isinstance(compiled, str) else compiled.as_text()
     computations, entry = parse_module(text)
     account = _Account()
     main = computations[entry]
+    account.parameter_bytes = {k: shape_bytes(main.instructions[n].shape) for k, n in main.parameters.items()}
     _walk(account, computations, main, 1.0, {k: k for k in main.parameters}, "other")
     by_stage = dict.fromkeys((*STAGES, "other"), 0)
     for _, _, moved, stage, _ in account.ops.values():
@@ -102,6 +109,8 @@ def compiled_traffic(compiled: Any, names: Mapping[str, str] | None = None) -> d
         if moved >= 1:
             by_weight[names.get(path, path)] = round(moved)
     ranked = sorted(account.ops.values(), key=lambda r: -r[2])[:TOP_OPS]
+    path = lambda k: main.instructions[main.parameters[k]].op_name or f"parameter {k}"
+    copies = [c | {"parameter": names.get(path(c["parameter"]), path(c["parameter"]))} for c in account.weight_copies]
     return {
         "bytes": round(account.total),
         "by_stage": by_stage,
@@ -111,6 +120,7 @@ def compiled_traffic(compiled: Any, names: Mapping[str, str] | None = None) -> d
         "custom_calls": {t: c | {"bytes": round(c["bytes"])} for t, c in sorted(account.custom_calls.items())},
         "loops": account.loops,
         "conditionals": account.conditionals,
+        "weight_copies": copies,
     }
 
 
@@ -144,7 +154,20 @@ def _walk(account: _Account, comps: dict[str, Computation], comp: Computation, s
             for operand, moved in reads:
                 if isinstance(origins.get(operand), int):
                     account.weights[origins[operand]] += moved * scale
+                    _check_copy(account, comps, ins, origins[operand], moved, writes)
             account.add(comp.name, ins, (sum(m for _, m in reads) + writes) * scale, here)
+
+
+def _check_copy(account: _Account, comps, ins: Instruction, parameter: int, moved: float, writes: float) -> None:
+    """Note an instruction that only moves data (a copy, concatenation, transpose, or a fusion of such) and reads
+    all of an entry parameter past a few scalars, writing as many bytes: a weight (or cache) copied inside the
+    program."""
+    size = account.parameter_bytes.get(parameter, 0)
+    if size < COPY_MIN_BYTES or moved < size or writes < size:
+        return
+    fused = comps[ins.called("calls")[0]].instructions.values() if ins.opcode == "fusion" else [ins]
+    if all(i.opcode in _MOVES for i in fused):
+        account.weight_copies.append({"name": ins.name, "op": ins.opcode, "parameter": parameter, "bytes": size})
 
 
 def _origin(ins: Instruction, origins: dict[str, Any], params: Mapping[int, Any]) -> Any:

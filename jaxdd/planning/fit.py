@@ -138,7 +138,9 @@ def plan(config_path: str | Path, drafter_config_path: str | Path, options: Plan
         floor_bytes = floor["read_total"] + 2 * floor["allreduce_bytes"]  # reads, and all-reduces sent + received
         shape["compiled_traffic"] = account | {
             "floor_bytes": round(floor_bytes),
-            "floor": {k: round(floor[k]) for k in ("weights", "experts", "kv", "drafter", "allreduce_bytes")},
+            "floor": {
+                k: round(floor[k]) for k in ("weights", "experts", "kv", "drafter", "allreduce_bytes", "allreduces")
+            },
             "ratio": round(account["bytes"] / floor_bytes, 3),
         }
     total = compiled.get("used_bytes", sum(per_device.values()))  # the compiler's figure where it ran out

@@ -4,6 +4,8 @@ their update, loops count their trips, conditionals their larger branch, collect
 custom calls what they declare (a Pallas TPU kernel's cost estimate, from its grid and index maps) or their operands
 and outputs."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -15,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdd
 from jaxdd.planning.aot import find_machine
+from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.runtime import cpu_kernels
 from pallas_kernels.block_traffic import block_fetches, grid_bytes
 
@@ -188,3 +191,46 @@ def test_stages_come_from_named_scopes(machine):
     assert 2 * ROW <= stages["draft"] <= 2 * ROW + INDEX_SLACK
     assert sum(stages.values()) == account["bytes"]
     assert account["top_ops"][0]["stage"] == "verify"
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+@pytest.mark.parametrize(("method", "sampled"), [("ar", False), ("dflash", False), ("ddtree", True)])
+def test_rounds_copy_no_weight(tiny_plan_configs, machine, method, sampled):
+    """A round reads its weights where they are stored: no instruction copies, concatenates or relays one out
+    (XLA:GPU's dot merger concatenated the MLP's gate and up, and the drafter's q, k and v, inside every round),
+    and every weight read is attributed to the model's own name."""
+    options = PlanOptions(machine, 8, "tp", method, 16, 256, sampled=sampled)
+    account = plan(*tiny_plan_configs, options)["compiled_traffic"]
+    assert account["weight_copies"] == []
+    assert "target/lm_head" in account["by_weight"]
+    assert account["bytes"] >= account["by_weight"]["target/lm_head"] > 0
+
+
+def test_gathered_int4_experts_are_read_once_on_gpu():
+    """The MoE's gathered dispatch on XLA:GPU: a DFlash block's 64 (token, slot) pairs through K2.6's 384 INT4
+    experts (TP8 shards, gate / up / down) read each pair's expert about once. With the words unpacked by a bitcast
+    to uint4, XLA writes the gathered experts out and reads them again."""
+    from flax import nnx
+
+    from jaxdd.models.moe import _gathered_pairs
+    from jaxdd.models.quant import Int4Experts
+    from jaxdd.runtime.backend import Backend
+
+    experts, hidden, ffn, pairs = 384, 7168, 256, 64
+    axes = ("experts", "embed", "expert_mlp")
+    make = lambda shape: nnx.eval_shape(lambda: Int4Experts(shape, jnp.bfloat16, axes, 32))
+    projections = [make((experts, hidden, ffn)), make((experts, hidden, ffn)), make((experts, ffn, hidden))]
+    where = find_machine("h200", 1)
+    assert Backend.of_devices(where.devices).platform == "gpu"  # the platform _pair_experts unpacks by shifts on
+    pieces_shapes = [[(p.packed.shape, jnp.int32), (p.scale.shape, jnp.bfloat16)] for p in projections]
+
+    def moved(shifts: bool) -> int:
+        def f(rows, chosen, *flat):
+            return _gathered_pairs(rows, chosen, projections, [flat[0:2], flat[2:4], flat[4:6]], shifts=shifts)
+
+        shapes = [((pairs, hidden), jnp.bfloat16), ((pairs,), jnp.int32), *(s for p in pieces_shapes for s in p)]
+        return jaxdd.compiled_traffic(_compile("h200", f, shapes))["bytes"]
+
+    per_expert = sum(math.prod(shape[1:]) * jnp.dtype(dtype).itemsize for p in pieces_shapes for shape, dtype in p)
+    assert pairs * per_expert <= moved(shifts=True) <= 1.3 * pairs * per_expert
+    assert moved(shifts=False) >= 2 * pairs * per_expert
