@@ -22,6 +22,7 @@ from jaxdd.decoding.engine import Generation, SpeculativeDecoder
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.errors import CheckpointError, ConfigError, InputError, LargeRoundWarning
 from jaxdd.models.cache import LatentCache
+from jaxdd.planning.compiled_traffic import compiled_traffic
 from jaxdd.weights.checkpoint import save_drafter, save_target
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "Sampling",
     "SpeculativeDecoder",
     "Target",
+    "compiled_traffic",
     "load_drafter",
     "load_pair",
     "load_target",

@@ -16,7 +16,7 @@ from flax import nnx, struct
 
 from jaxdd.config import DrafterConfig
 from jaxdd.models.cache import write_rows
-from jaxdd.models.layers import MLP, RMSNorm, apply_rope, param, project_heads, rope_cos_sin, rope_frequencies
+from jaxdd.models.layers import MLP, RMSNorm, apply_rope, param, project_heads, rope_cos_sin, rope_frequencies, unmerged
 
 SLOT_AXIS = 2  # of the drafter cache's [batch, kv_heads, slots, head_dim] buffers
 
@@ -63,8 +63,8 @@ class DraftAttention(nnx.Module):
         """[B,T,D] -> normed, rotated keys and values [B,kv_heads,T,head_dim] (the cache's layout)."""
         # Projected as the weights are stored, then the few new rows transposed: projecting straight into the
         # cache's layout made XLA:CPU relay out both weights on every call.
-        k = self.k_norm(jnp.einsum("btd,dkh->btkh", x, self.k_proj[...]))
-        v = jnp.einsum("btd,dkh->btkh", x, self.v_proj[...])
+        k = self.k_norm(jnp.einsum("btd,dkh->btkh", *unmerged(x, self.k_proj[...])))
+        v = jnp.einsum("btd,dkh->btkh", *unmerged(x, self.v_proj[...]))
         k = apply_rope(k, cos[:, :, None], sin[:, :, None], interleaved=False)
         return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
@@ -78,7 +78,7 @@ class DraftAttention(nnx.Module):
         """
         c = self.config
         cos, sin = cos_sin
-        q = self.q_norm(jnp.einsum("btd,dnh->btnh", x, self.q_proj[...]))
+        q = self.q_norm(jnp.einsum("btd,dnh->btnh", *unmerged(x, self.q_proj[...])))
         q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleaved=False)
         k, v = self.keys_values(x, cos, sin)
         keys, values = write_rows(cached[0], k, length, SLOT_AXIS), write_rows(cached[1], v, length, SLOT_AXIS)

@@ -36,6 +36,13 @@ def linear(x: jax.Array, weight: jax.Array, backend: Backend | None = None) -> j
     return out.reshape(*x.shape[:-1], *weight.shape[1:])
 
 
+def unmerged(x: jax.Array, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x`` and ``weight`` through one optimization barrier (no copy): XLA then cannot tell that two matmuls share
+    ``x``, and XLA:GPU's dot merger no longer fuses them into one, which concatenated the weights inside every call
+    (a copy of each weight, per round)."""
+    return jax.lax.optimization_barrier((x, weight))
+
+
 def project_heads(heads: jax.Array, weight: jax.Array, backend: Backend | None = None) -> jax.Array:
     """Attention output projection: heads [B, T, H, Dh] @ weight [H, Dh, D] -> [B, T, D], as one matmul over the
     flattened H * Dh. Written as an einsum over (H, Dh), XLA:CPU relaid the whole weight on every call to match
@@ -72,7 +79,8 @@ class MLP(nnx.Module):
         self.down = param(rngs, (hidden, dim), dtype, ("mlp", "embed"))
 
     def __call__(self, x: jax.Array, backend: Backend | None = None) -> jax.Array:
-        h = jax.nn.silu(linear(x, self.gate[...], backend)) * linear(x, self.up[...], backend)
+        gate, up = unmerged(x, self.gate[...]), unmerged(x, self.up[...])
+        h = jax.nn.silu(linear(*gate, backend)) * linear(*up, backend)
         return linear(h, self.down[...], backend)
 
 

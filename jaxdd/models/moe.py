@@ -204,7 +204,8 @@ def _pair_experts(projections, pieces, backend: Backend) -> Callable[[jax.Array,
     experts' pieces are gathered and then dequantized."""
     kernel = _int4_kernel(projections, backend)
     if kernel is None:
-        return functools.partial(_gathered_pairs, projections=projections, pieces=pieces)
+        shifts = backend.platform != "cpu"  # so XLA:GPU and XLA:TPU fuse the gather into the matmuls
+        return functools.partial(_gathered_pairs, projections=projections, pieces=pieces, shifts=shifts)
     gate, up, down = pieces  # (packed, scale) each
 
     def through(rows: jax.Array, chosen: jax.Array) -> jax.Array:
@@ -250,11 +251,17 @@ def _gathered_local_pairs(x, weights, experts, mine, capacity: int, through) -> 
     return jax.lax.cond(local.sum() <= capacity, compacted, every_pair)
 
 
-def _gathered_pairs(rows, chosen, projections, pieces) -> jax.Array:
-    """rows [P, D] through experts ``chosen`` [P], their pieces gathered and then dequantized: [P, D]."""
-    gate, up, down = (
-        p.dequantize(*(piece[chosen] for piece in stored)) for p, stored in zip(projections, pieces, strict=True)
-    )  # [P, in, out] each
+def _gathered_pairs(rows, chosen, projections, pieces, shifts: bool = False) -> jax.Array:
+    """rows [P, D] through experts ``chosen`` [P], their pieces gathered and then dequantized: [P, D]
+    (``shifts``: INT4 unpacked by shifts, ``jaxdd.models.quant.unpack_int4``)."""
+
+    def dequantize(projection, stored):
+        taken = [piece[chosen] for piece in stored]
+        if shifts and isinstance(projection, Int4Experts):
+            return projection.dequantize(*taken, shifts=True)
+        return projection.dequantize(*taken)
+
+    gate, up, down = map(dequantize, projections, pieces)  # [P, in, out] each
     hidden = jax.nn.silu(jnp.einsum("pd,pdf->pf", rows, gate)) * jnp.einsum("pd,pdf->pf", rows, up)
     return jnp.einsum("pf,pfd->pd", hidden, down)
 

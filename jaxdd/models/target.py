@@ -21,7 +21,17 @@ from flax import nnx
 
 from jaxdd.config import KimiConfig
 from jaxdd.models.cache import LatentCache, write_rows
-from jaxdd.models.layers import MLP, RMSNorm, apply_rope, linear, param, project_heads, rope_cos_sin, rope_frequencies
+from jaxdd.models.layers import (
+    MLP,
+    RMSNorm,
+    apply_rope,
+    linear,
+    param,
+    project_heads,
+    rope_cos_sin,
+    rope_frequencies,
+    unmerged,
+)
 from jaxdd.models.moe import MoE
 from jaxdd.models.quant import DENSE, ExpertFormat
 from jaxdd.runtime.backend import Backend
@@ -138,12 +148,12 @@ class MLAttention(nnx.Module, Placeable):
         """
         c = self.config
         cos, sin = cos_sin
-        q = self.q_a_norm(linear(x, self.q_a_proj[...], backend))
+        q = self.q_a_norm(linear(*unmerged(x, self.q_a_proj[...]), backend))
         q = linear(q, self.q_b_proj[...], backend)  # [B, T, heads, d]
         q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
         q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None], c.rope_interleave)
 
-        kv = linear(x, self.kv_a_proj[...], backend)
+        kv = linear(*unmerged(x, self.kv_a_proj[...]), backend)
         latent = self.kv_a_norm(kv[..., : c.kv_lora_rank])  # the norm covers the latent only, not the rope key
         k_pe = apply_rope(kv[..., c.kv_lora_rank :], cos, sin, c.rope_interleave)
 

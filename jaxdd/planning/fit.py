@@ -39,7 +39,8 @@ from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.moe import MoE
 from jaxdd.models.target import KimiTarget
 from jaxdd.planning.aot import Machine, find_machine
-from jaxdd.planning.traffic import ModelBytes, format_table, traffic_table
+from jaxdd.planning.compiled_traffic import compiled_traffic
+from jaxdd.planning.traffic import ModelBytes, format_table, round_traffic, traffic_table
 from jaxdd.runtime.sharding import make_mesh, param_shardings, place
 from jaxdd.types import ATTENTION_CHOICES, METHODS, MOE_MODES, AttentionChoice, Method, MoeMode, verified_tokens
 from jaxdd.weights.hf_reader import declared_expert_format
@@ -130,8 +131,19 @@ def plan(config_path: str | Path, drafter_config_path: str | Path, options: Plan
     round_batch, state = _abstract_requests(decoder, mesh, config, drafter_config, *round_shape)
     per_device["target_cache"] = sum(_shard_bytes(x) for x in jax.tree.leaves(state.target_cache))
     per_device["drafter_cache"] = sum(_shard_bytes(x) for x in jax.tree.leaves(state.draft_cache))
-    compiled = _compile(decoder, round_batch, state, where, form)
+    compiled, account = _compile(decoder, round_batch, state, where, form)
     per_device["temporaries"] = compiled["temp_bytes"]
+    if account is not None:
+        draft = 0 if method == "ar" else block
+        floor = round_traffic(method, tokens, config, model_bytes, max_len, len(where.devices), moe, draft)
+        floor_bytes = floor["read_total"] + 2 * floor["allreduce_bytes"]  # reads, and all-reduces sent + received
+        shape["compiled_traffic"] = account | {
+            "floor_bytes": round(floor_bytes),
+            "floor": {
+                k: round(floor[k]) for k in ("weights", "experts", "kv", "drafter", "allreduce_bytes", "allreduces")
+            },
+            "ratio": round(account["bytes"] / floor_bytes, 3),
+        }
     total = compiled.get("used_bytes", sum(per_device.values()))  # the compiler's figure where it ran out
     return shape | {
         "per_device_bytes": per_device | {"total": total},
@@ -174,7 +186,7 @@ def _compile(decoder, round_batch, state, where: Machine, form: str) -> dict[str
     except Exception as error:
         needed = _exhausted(str(error)) if isinstance(error, jax.errors.JaxRuntimeError) else None
         if needed is not None:
-            return {"fits_compiler": False, "temp_bytes": 0, **needed, "compile_seconds": _since(start)}
+            return {"fits_compiler": False, "temp_bytes": 0, **needed, "compile_seconds": _since(start)}, None
         if form == "pallas" and _from_pallas(error):
             raise InputError(
                 f"--target {where.name}: the Pallas tree-attention kernel does not compile for it "
@@ -183,7 +195,7 @@ def _compile(decoder, round_batch, state, where: Machine, form: str) -> dict[str
             ) from None
         raise
     memory = compiled.memory_analysis()
-    return {
+    analysis = {
         "fits_compiler": True,
         "argument_bytes": int(memory.argument_size_in_bytes),
         "output_bytes": int(memory.output_size_in_bytes),
@@ -191,6 +203,19 @@ def _compile(decoder, round_batch, state, where: Machine, form: str) -> dict[str
         "temp_bytes": int(memory.temp_size_in_bytes),
         "compile_seconds": _since(start),
     }
+    return analysis, compiled_traffic(compiled, weight_names(decoder))
+
+
+def weight_names(decoder: SpeculativeDecoder) -> dict[str, str]:
+    """The round's weight arguments (``models.target_weights[i]``, as the HLO's parameters name them) by the
+    model's own paths (``target/layers/0/mlp/gate``)."""
+    names = {}
+    for side, module in (("target", decoder.target.model), ("drafter", decoder.drafter)):
+        leaves = jax.tree_util.tree_flatten_with_path(nnx.split(module)[1])[0]
+        for i, (path, _) in enumerate(leaves):
+            keys = [str(getattr(k, "key", getattr(k, "idx", k))).strip(".") for k in path]
+            names[f"models.{side}_weights[{i}]"] = "/".join([side, *(k for k in keys if k != "value")])
+    return names
 
 
 def _since(start: float) -> float:
@@ -300,6 +325,8 @@ def report(result: dict[str, Any]) -> str:
     total = result["per_device_bytes"]["total"] / GB
     verdict = "fits" if result["fits"] else "does not fit"
     lines.append(f"{verdict} {where['name']}: needs {total:.1f} of {memory:.0f} GB per device")
+    if "compiled_traffic" in result:
+        lines += traffic_report(result["compiled_traffic"])
     if not compiled["fits_compiler"]:
         lines[-1] += " (the compiler ran out of memory)"
     elif where["platform"] == "gpu" and result["fits"] and result["memory_fraction"] > DEFAULT_GPU_FRACTION:
@@ -308,3 +335,26 @@ def report(result: dict[str, Any]) -> str:
             f"{DEFAULT_GPU_FRACTION:.0%} of each GPU by default"
         )
     return "\n".join(lines)
+
+
+def traffic_report(account: dict[str, Any], top: int = 10) -> list[str]:
+    """The compiled round's bytes beside the floor's parts: per stage, and its largest instructions."""
+    mb = lambda n: f"{n / 1e6:.1f} MB"
+    floor = account["floor"]
+    parts = {"weights": "weights", "experts": "experts", "kv": "caches", "drafter": "drafter + lm_head again"}
+    lines = [
+        f"compiled traffic per device: {account['bytes'] / GB:.3f} GB, {account['ratio']:.2f}x the floor's "
+        f"{account['floor_bytes'] / GB:.3f} GB",
+        "  floor:    "
+        + ", ".join(f"{name} {mb(floor[key])}" for key, name in parts.items())
+        + f", all-reduces {mb(2 * floor['allreduce_bytes'])}",
+        "  compiled: "
+        + ", ".join(f"{stage} {mb(n)}" for stage, n in account["by_stage"].items() if n)
+        + f" (collectives {mb(account['collective_bytes'])})",
+        "  largest instructions:",
+    ]
+    lines += [
+        f"    {op['bytes'] / 1e6:9.1f} MB  {op['op']:<14} {op['stage']:<7} {op['name']} ({op['scope'][-60:]})"
+        for op in account["top_ops"][:top]
+    ]
+    return lines

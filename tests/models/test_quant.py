@@ -30,7 +30,9 @@ def test_fp8_block_dequant_matches_deepseek(shape):
 def test_int4_unpack_matches_compressed_tensors(shape):
     values = torch.from_numpy(np.random.default_rng(1).integers(-8, 8, shape).astype(np.int8))
     packed = pack_to_int32(values, 4)
-    np.testing.assert_array_equal(np.asarray(unpack_int4(jnp.asarray(packed.numpy()), shape[1])), values.numpy())
+    for shifts in (False, True):  # the bitcast and the shifts-and-masks unpacking (GPU, TPU)
+        unpacked = unpack_int4(jnp.asarray(packed.numpy()), shape[1], shifts=shifts)
+        np.testing.assert_array_equal(np.asarray(unpacked), values.numpy())
     np.testing.assert_array_equal(unpack_from_int32(packed, 4, torch.Size(shape)).numpy(), values.numpy())
 
 
