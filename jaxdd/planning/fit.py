@@ -1,15 +1,11 @@
-"""The fit planner: will a full-size target + drafter fit a machine's devices, and how are the bytes spread?
+"""The fit planner behind ``python -m jaxdd.plan``: will a full-size target + drafter fit a machine's devices, and
+how are the bytes spread?
 
-    python -m jaxdd.plan --config CONFIG.json --drafter-config DRAFTER.json --target rtx-pro-6000 --devices 8 \\
-        --moe tp|ep --budget 64 --max-len 8192 --batch 1 [--method ddtree] [--sampled] [--layers N] [--json]
-
-Builds both models abstractly (shapes and shardings only, nothing allocated), lowers the round ``jaxdd.generate`` would
-run on the target (its attention form and MoE dispatch, chosen from the target's platform) and compiles it ahead of time
-with the target's own compiler: ``cpu`` (this host's simulated devices), a GPU by name (``h200``, ``rtx-pro-6000``,
-``b200``: ``jaxdd.planning.hardware``) or a TPU slice by JAX's topology name (``v5p:2x2x2``), deviceless
-(``jaxdd.planning.aot``). Reports per device: weights as stored (INT4 or FP8 routed experts included), caches (the
-target's MLA latent rows and the drafter's K/V), the compiler's temporaries, the total, and whether it fits the device's
-memory. ``--layers`` keeps the full width but fewer layers (for quick checks).
+Both models are built abstractly (shapes and shardings only, nothing allocated) on the machine's devices (this host's
+CPUs, or compile-only GPUs and TPUs from ``jaxdd.planning.aot``), and the round ``jaxdd.generate`` would run there (the
+attention form and MoE dispatch the machine's platform picks) is compiled ahead of time by the machine's own compiler.
+The result holds per device the weights as stored, the caches, the compiler's temporaries and the verdict, the traffic
+floor of every round (``jaxdd.planning.traffic``) and what the compiled round moves (``compiled_traffic``).
 """
 
 from __future__ import annotations
