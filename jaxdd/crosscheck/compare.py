@@ -78,16 +78,6 @@ class Report:
             entry["unexplained"] = prompt.unexplained
         return _json_numbers(out)
 
-
-def _json_numbers(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _json_numbers(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_numbers(v) for v in value]
-    if isinstance(value, float) and not np.isfinite(value):
-        return "NaN" if np.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    return value
-
     def __str__(self) -> str:
         lines = [f"jaxdd cross-check: {self.method}, jaxdd {self.dtype} on {self.backend} vs the PyTorch reference"]
         if self.inconsistency is not None:
@@ -102,6 +92,16 @@ def _json_numbers(value: Any) -> Any:
             why += ["the reference contradicts its method"] if self.inconsistency else []
             lines.append(f"result: FAIL ({'; '.join(why)})")
         return "\n".join(lines)
+
+
+def _json_numbers(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _json_numbers(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_numbers(v) for v in value]
+    if isinstance(value, float) and not np.isfinite(value):
+        return "NaN" if np.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return value
 
 
 def _prompt_lines(p: PromptReport, tolerance: float) -> list[str]:
