@@ -10,6 +10,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -90,6 +91,13 @@ def choose_platform(cpu_only: bool = False) -> str:
     chosen = "cpu" if cpu_only or (not names and not any(_present(p) for p in DEVICE_FILES)) else asked
     if chosen:
         jax.config.update("jax_platforms", chosen)
+    forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    if forced:
+        _check_simulated(int(forced.group(1)), f"XLA_FLAGS={forced.group(0)}")
+    if os.environ.get("JAX_NUM_CPU_DEVICES", "").strip().isdigit():
+        _check_simulated(
+            int(os.environ["JAX_NUM_CPU_DEVICES"]), f"JAX_NUM_CPU_DEVICES={os.environ['JAX_NUM_CPU_DEVICES']}"
+        )
     return chosen
 
 
@@ -154,18 +162,22 @@ def simulated_device_limit(available: int | None) -> int:
 
 def simulate_cpu_devices(count: int) -> None:
     """Give the CPU backend ``count`` devices, or a Refusal when the host's memory cannot hold that many."""
+    _check_simulated(count, f"--devices {count}")
+    # Once JAX's backend runs (main called in-process), the devices it has are what --devices is checked against.
+    with contextlib.suppress(RuntimeError):
+        jax.config.update("jax_num_cpu_devices", count)
+
+
+def _check_simulated(count: int, asked: str) -> None:
     available = available_memory()
     limit = simulated_device_limit(available)
     if count > limit:
         need = count**2 * CPU_DEVICE_PAIR_BYTES / 1e9
         have = "" if available is None else f" of the {available / 1e9:.1f} GB available"
         raise Refusal(
-            f"--devices {count}: this host has 1 CPU device; simulating {count} would take about {need:.0f} GB "
+            f"{asked}: this host has 1 CPU device; simulating {count} would take about {need:.0f} GB "
             f"(at most {limit} fit in half{have})"
         )
-    # Once JAX's backend runs (main called in-process), the devices it has are what --devices is checked against.
-    with contextlib.suppress(RuntimeError):
-        jax.config.update("jax_num_cpu_devices", count)
 
 
 def enable_compilation_cache() -> Path | None:

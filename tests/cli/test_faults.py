@@ -90,6 +90,8 @@ def test_more_devices_than_the_host_can_simulate():
     process = run([*GENERATE, *QUICK, "--devices", "100000"])
     assert "--devices 100000: this host has 1 CPU device; simulating 100000 would take" in one_line(process)
     assert "--devices 100000" in one_line(run([*PLAN, "--devices", "100000"]))
+    flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=100000"}
+    assert one_line(run([*GENERATE, *QUICK], flags)).startswith(f"jaxdd: {flags['XLA_FLAGS']}: this host has 1 CPU")
     assert cli.simulated_device_limit(64 * 2**30) == 692  # sqrt(32 GiB / 70 KiB per device pair)
 
 
@@ -98,7 +100,7 @@ def test_broken_pipe_is_quiet_libtpu_never_speaks_and_compiles_are_cached(tmp_pa
     silent on stderr but for its status line; its output into a reader that closes after 10 bytes ends it
     quietly; its compiles land in the user's cache directory."""
     env = environment({"JAX_PLATFORMS": None, "JAX_COMPILATION_CACHE_DIR": None, "XDG_CACHE_HOME": str(tmp_path)})
-    argv = [*GENERATE, "--method", "ddtree", "--max-new-tokens", "48", "--stop-ids", "-1", "--dtype", "float32"]
+    argv = [*GENERATE, "--method", "ar", "--max-new-tokens", "8", "--stop-ids", "-1"]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     head = process.stdout.read(10)
     process.stdout.close()
@@ -106,7 +108,7 @@ def test_broken_pipe_is_quiet_libtpu_never_speaks_and_compiles_are_cached(tmp_pa
     assert len(head) == 10 and process.returncode == cli.BROKEN_PIPE
     stderr = err.decode()
     assert "Traceback" not in stderr and "libtpu" not in stderr and "TPU_" not in stderr and "cuda" not in stderr
-    assert all(line.startswith("[ddtree]") for line in stderr.splitlines()), stderr
+    assert all(line.startswith("[ar]") for line in stderr.splitlines()), stderr
     assert any((tmp_path / "jaxdd" / "compiles").iterdir())
 
 
