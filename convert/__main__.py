@@ -12,11 +12,11 @@ checkpoint's files against the sizes and sha256 checksums recorded when it was w
 from __future__ import annotations
 
 import argparse
-import sys
 
 from convert.hf_to_jaxdd import convert
 from convert.jaxdd_to_hf import export
 from convert.verify import verify_checkpoint
+from jaxdd import cli
 from jaxdd.errors import CheckpointError, ConfigError
 
 
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_jaxdd = commands.add_parser("hf-to-jaxdd", help="HF checkpoint directory -> jaxdd checkpoint")
     to_jaxdd.add_argument("source", help="HF checkpoint directory (config.json + *.safetensors)")
     to_jaxdd.add_argument("output", help="new directory for the jaxdd checkpoint")
-    to_jaxdd.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    to_jaxdd.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the weights' dtype")
     to_jaxdd.add_argument(
         "--dequantize-experts", action="store_true", help="store INT4/FP8 routed experts dense (small models)"
     )
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    cli.choose_platform(cpu_only=True)  # conversion runs on the host
     try:
         if args.command == "hf-to-jaxdd":
             print(convert(args.source, args.output, args.dtype, args.dequantize_experts, progress=not args.quiet))
@@ -51,16 +52,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(verify_checkpoint(args.source, progress=not args.quiet))
     except (CheckpointError, ConfigError, FileExistsError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return cli.fail(error)
     except KeyboardInterrupt:
-        print(
-            f"error: interrupted; {args.output if args.command != 'verify' else 'nothing'} was not written",
-            file=sys.stderr,
-        )
-        return 130
+        cli.fail(f"interrupted; {args.output if args.command != 'verify' else 'nothing'} was not written")
+        return cli.INTERRUPTED
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

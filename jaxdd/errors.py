@@ -23,12 +23,14 @@ class LargeRoundWarning(UserWarning):
 
 def read_json(path: str | Path, error: type[ValueError] = CheckpointError, what: str = "file") -> Any:
     """The JSON in ``path``, or ``error`` naming the file when it is missing ("no such ``what``"), not text or
-    not JSON."""
+    not JSON, or unreadable (the OS's reason)."""
     path = Path(path)
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise error(f"{path}: no such {what}") from None
+    except OSError as e:  # unreadable: permissions, a directory in its place
+        raise error(f"{path}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise error(f"{path}: not UTF-8 text") from None
     except json.JSONDecodeError as e:

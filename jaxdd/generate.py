@@ -13,7 +13,6 @@ compile time) goes to stderr. ``--json`` prints one JSON object instead. Checkpo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import threading
@@ -23,6 +22,7 @@ from pathlib import Path
 import jax
 
 import jaxdd
+from jaxdd import cli
 from jaxdd.decoding.engine import Generation
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.distributed import disagreeing_processes, join
@@ -72,9 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=positive, default=64, help="generate at most this many tokens")
     parser.add_argument("--stop-ids", type=parse_ids, help="stop token ids (default: EOS and end of turn)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability mass")
     parser.add_argument("--top-k", type=int, default=0, help="0 = no limit")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, help="use the chat template (default: if any)")
     parser.add_argument("--system", help="system message for the chat template")
     parser.add_argument(
@@ -99,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, the same for every process")
     hosts.add_argument("--num-processes", type=positive, help="processes in the job")
     hosts.add_argument("--process-id", type=int, help="this process: 0 (prints the output) .. num-processes - 1")
+    hosts.add_argument(
+        "--coordinator-timeout",
+        type=positive,
+        default=60,
+        metavar="SECONDS",
+        help="give up when the other processes have not joined within this long (default: 60)",
+    )
     parser.add_argument(
         "--verify-checksums",
         action="store_true",
@@ -177,6 +184,8 @@ def read_text(path: Path) -> str:
 
 
 def read_stdin() -> str:
+    if sys.stdin is None:
+        raise jaxdd.InputError("--prompt-file -: standard input is closed")
     try:
         return sys.stdin.read()
     except UnicodeDecodeError:
@@ -186,13 +195,6 @@ def read_stdin() -> str:
 def method_flags(args, method: str) -> list[tuple[str, object, bool]]:
     """(flag, value, whether the method uses it) for the flags that only some methods read."""
     return [("--block-size", args.block_size, method != "ar"), ("--budget", args.budget, method == "ddtree")]
-
-
-def simulate_cpu_devices(count: int) -> None:
-    """Give the CPU backend ``count`` devices; possible only before JAX starts its backends (otherwise the
-    devices it has are what ``--devices`` is checked against)."""
-    with contextlib.suppress(RuntimeError):
-        jax.config.update("jax_num_cpu_devices", count)
 
 
 def summary(method: str, result: Generation) -> dict:
@@ -246,13 +248,17 @@ def run(argv: list[str] | None) -> int:
         print(f"jaxdd: {unused[0]} does not apply to --method {method}", file=sys.stderr)
         return 2
     processes = args.num_processes or 1
+    platform = cli.choose_platform()
+    cli.enable_compilation_cache()
     try:
-        join(args.coordinator, args.num_processes, args.process_id, max(1, (args.devices or 1) // processes))
+        share = max(1, (args.devices or 1) // processes)
+        join(args.coordinator, args.num_processes, args.process_id, share, args.coordinator_timeout)
     except jaxdd.InputError as error:
         print(f"jaxdd: {error}", file=sys.stderr)
         return 2
-    if args.devices is not None and processes == 1:
-        simulate_cpu_devices(args.devices)
+    if args.devices is not None and processes == 1 and platform == "cpu":
+        cli.simulate_cpu_devices(args.devices)
+    cli.start_backend()
     backend = Backend.local()
     devices = args.devices or (1 if backend.platform == "cpu" and processes == 1 else len(jax.devices()))
     if devices > len(jax.devices()):
@@ -319,4 +325,4 @@ def run(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -17,11 +17,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import sys
 
-import jax
-
+from jaxdd import cli
 from jaxdd.errors import ConfigError, InputError
 from jaxdd.planning.aot import names
 from jaxdd.planning.fit import PlanOptions, plan, report
@@ -34,33 +31,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafter-config", required=True, help="DFlash drafter config.json")
     parser.add_argument("--hardware", "--target", default="cpu", help=f"what to compile for: {', '.join(names())}")
     parser.add_argument("--devices", type=int, help="devices (default: 8 GPUs or CPUs, a TPU topology's chips)")
-    parser.add_argument("--moe", choices=MOE_MODES, default="ep")
+    parser.add_argument(
+        "--moe",
+        choices=MOE_MODES,
+        default="tp",
+        help="split each routed expert's width (tp, the default, as in python -m jaxdd.generate) or place whole "
+        "experts (ep)",
+    )
     parser.add_argument("--method", choices=METHODS, default="ddtree", help="the round compiled")
     parser.add_argument("--sampled", action="store_true", help="a sampled round (default: greedy)")
-    parser.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto")
+    parser.add_argument(
+        "--attention", choices=ATTENTION_CHOICES, default="auto", help="verify attention (auto: the hardware's own)"
+    )
     parser.add_argument("--budget", type=int, default=64, help="DDTree nodes per round")
     parser.add_argument("--max-len", type=int, default=8192, help="prompt + generated tokens")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     parser.add_argument("--layers", type=int, help="keep the full width but only this many layers")
     parser.add_argument("--traffic", action="store_true", help="only the traffic account: no compile")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
-    # Simulated devices must exist before JAX starts its CPU backend; other targets compile without devices.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if args.hardware == "cpu":
-        jax.config.update("jax_num_cpu_devices", max(args.devices or 8, 1))
+    # Planning runs on the host: deviceless compiles for GPUs and TPUs, simulated devices for the CPU.
+    cli.choose_platform(cpu_only=True)
     try:
+        if args.hardware == "cpu":
+            cli.simulate_cpu_devices(max(args.devices or 8, 1))
         options = PlanOptions(
             **{f.name: getattr(args, f.name) for f in dataclasses.fields(PlanOptions) if f.name != "compile_round"},
             compile_round=not args.traffic,
         )
         result = plan(args.config, args.drafter_config, options)
-    except (ConfigError, InputError, OSError) as error:
-        print(f"jaxdd: {error}", file=sys.stderr)
-        return 2
+    except (ConfigError, InputError, cli.Refusal) as error:
+        return cli.fail(error)
     print(json.dumps(result, indent=2) if args.json else report(result))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

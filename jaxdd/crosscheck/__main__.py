@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from jaxdd import cli
 from jaxdd.crosscheck import __doc__ as usage
 from jaxdd.errors import CheckpointError, ConfigError, InputError
 from jaxdd.generate import parse_ids, positive
@@ -23,14 +23,14 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--prompts", required=True, help="JSON list of prompts (token-id lists or strings)")
     dump.add_argument("--method", choices=METHODS, required=True)
     dump.add_argument("--out", required=True, help="reference file to write (.npz)")
-    dump.add_argument("--max-new-tokens", type=positive, default=32)
+    dump.add_argument("--max-new-tokens", type=positive, default=32, help="tokens to generate per prompt")
     dump.add_argument("--block-size", type=positive, help="default: the drafter's")
     dump.add_argument("--budget", type=positive, help="DDTree nodes per round (default: block size - 1)")
     dump.add_argument("--stop-ids", type=parse_ids, help="default: the target's EOS ids")
     dump.add_argument("--topk", type=positive, default=8, help="draft and logit top-k to store")
     compare = commands.add_parser("compare", help="run jaxdd on this backend and compare with a reference")
     compare.add_argument("reference", help="file written by dump")
-    compare.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    compare.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="what jaxdd computes in")
     compare.add_argument("--target", help="the target checkpoint (default: the directory the reference names)")
     compare.add_argument("--drafter", help="the drafter checkpoint (default: the directory the reference names)")
     compare.add_argument("--devices", type=positive, default=1, help="shard the models over this many devices")
@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    cli.choose_platform()
+    cli.enable_compilation_cache()
     try:
         if args.command == "dump":
             from jaxdd.crosscheck.dump import dump, read_prompts
@@ -63,12 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         from jaxdd.crosscheck.compare import compare
 
         report = compare(args.reference, DTYPES[args.dtype], args.target, args.drafter, args.devices, args.moe)
-    except (CheckpointError, ConfigError, InputError, FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(json.dumps(report.to_json(), indent=2) if args.json else report)
+    except (CheckpointError, ConfigError, InputError, FileNotFoundError, ValueError, cli.Refusal) as error:
+        return cli.fail(error)
+    print(json.dumps(report.to_json(), indent=2, allow_nan=False) if args.json else report)
     return 0 if report.ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -45,7 +45,7 @@ class PromptReport:
     logits_mean_abs: float
     logits_max_rel: float
     first_logit_excess: dict[str, Any] | None  # position, relative error
-    first_hidden_excess: dict[str, Any] | None  # layer, position, relative error
+    first_hidden_excess: dict[str, Any] | None  # layer, position, relative error, whether jaxdd's is non-finite
 
     @property
     def unexplained(self) -> bool:
@@ -70,11 +70,13 @@ class Report:
         return self.inconsistency is None and not any(p.unexplained for p in self.prompts)
 
     def to_json(self) -> dict[str, Any]:
+        """The report as JSON values: a NaN or infinite number as the string "NaN", "Infinity" or "-Infinity"
+        (JSON has no such numbers)."""
         out = dataclasses.asdict(self)
         out["ok"] = self.ok
         for entry, prompt in zip(out["prompts"], self.prompts, strict=True):
             entry["unexplained"] = prompt.unexplained
-        return out
+        return _json_numbers(out)
 
     def __str__(self) -> str:
         lines = [f"jaxdd cross-check: {self.method}, jaxdd {self.dtype} on {self.backend} vs the PyTorch reference"]
@@ -90,6 +92,16 @@ class Report:
             why += ["the reference contradicts its method"] if self.inconsistency else []
             lines.append(f"result: FAIL ({'; '.join(why)})")
         return "\n".join(lines)
+
+
+def _json_numbers(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _json_numbers(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_numbers(v) for v in value]
+    if isinstance(value, float) and not np.isfinite(value):
+        return "NaN" if np.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return value
 
 
 def _prompt_lines(p: PromptReport, tolerance: float) -> list[str]:
@@ -126,9 +138,13 @@ def _prompt_lines(p: PromptReport, tolerance: float) -> list[str]:
         out.append(f"target logits first exceed tolerance at position {e['position']} (rel {e['rel']:.1e})")
     if p.first_hidden_excess is not None:
         e = p.first_hidden_excess
-        out.append(
-            f"hidden states first exceed it after layer {e['layer']} at position {e['position']} (rel {e['rel']:.1e})"
-        )
+        if e.get("non_finite"):
+            out.append(f"hidden states are NaN or infinite after layer {e['layer']} (position {e['position']})")
+        else:
+            out.append(
+                f"hidden states first exceed it after layer {e['layer']} at position {e['position']} "
+                f"(rel {e['rel']:.1e})"
+            )
     return out
 
 
@@ -210,7 +226,7 @@ def _compare_prompt(index: int, ref: PromptTrace, meta, target, decoder, toleran
     diff = np.abs(ours_at_ids - ref.logit_values)
     scale = np.maximum(np.abs(ref.logit_values).max(axis=1), 1e-30)
     rel = diff.max(axis=1) / scale
-    excess = np.flatnonzero(rel > tolerance)
+    excess = np.flatnonzero(~(rel <= tolerance))  # NaN compares false: it is an excess too
     first_logit = None
     if excess.size:
         first_logit = {"position": int(ref.logit_positions[excess[0]]), "rel": float(rel[excess[0]])}
@@ -220,16 +236,7 @@ def _compare_prompt(index: int, ref: PromptTrace, meta, target, decoder, toleran
         noise = float(diff[first].max()) if first < len(diff) else 0.0
         divergence = _divergence(ref, ours.tokens, first, last_round, tolerance, noise)
 
-    first_hidden = None
-    if hidden is not None:
-        ours_hidden = hidden[:, ref.hidden_positions]  # [layers - 1, H, D]
-        scale = np.maximum(np.abs(ref.hidden).max(axis=-1), 1e-30)
-        hidden_rel = np.abs(ours_hidden - ref.hidden).max(axis=-1) / scale  # [layers - 1, H]
-        for layer, h in zip(*np.nonzero(hidden_rel > tolerance), strict=True):
-            position = int(ref.hidden_positions[h])
-            first_hidden = {"layer": int(layer), "position": position, "rel": float(hidden_rel[layer, h])}
-            break  # np.nonzero is in layer-major order: the first layer, then its first position
-
+    first_hidden = None if hidden is None else first_hidden_excess(hidden, ref, tolerance)
     return PromptReport(
         prompt=index,
         tokens=len(ref.tokens),
@@ -249,6 +256,21 @@ def _compare_prompt(index: int, ref: PromptTrace, meta, target, decoder, toleran
         first_logit_excess=first_logit,
         first_hidden_excess=first_hidden,
     )
+
+
+def first_hidden_excess(hidden: np.ndarray, ref: PromptTrace, tolerance: float) -> dict[str, Any] | None:
+    """The first layer, then position, where jaxdd's residual stream departs from the reference's by more than
+    ``tolerance`` or is not finite (a NaN compares false with any tolerance)."""
+    ours_hidden = hidden[:, ref.hidden_positions]  # [layers - 1, H, D]
+    scale = np.maximum(np.abs(ref.hidden).max(axis=-1), 1e-30)
+    hidden_rel = np.abs(ours_hidden - ref.hidden).max(axis=-1) / scale  # [layers - 1, H]
+    bad = np.argwhere(~(hidden_rel <= tolerance))  # layer-major order: the first layer, then its first position
+    if not bad.size:
+        return None
+    layer, h = (int(i) for i in bad[0])
+    position = int(ref.hidden_positions[h])
+    non_finite = not np.isfinite(ours_hidden[layer, h]).all()
+    return {"layer": layer, "position": position, "rel": float(hidden_rel[layer, h]), "non_finite": non_finite}
 
 
 def _divergence(

@@ -11,7 +11,6 @@ floor of every round (``jaxdd.planning.traffic``) and what the compiled round mo
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 import time
@@ -30,7 +29,7 @@ from jaxdd.decoding.engine import RoundBatch, SpeculativeDecoder, cache_slots
 from jaxdd.decoding.requests import MAX_STOP_TOKENS
 from jaxdd.decoding.rounds import DecodeState, Requests, state_shardings
 from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays
-from jaxdd.errors import InputError
+from jaxdd.errors import ConfigError, InputError, read_json
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.moe import MoE
 from jaxdd.models.target import KimiTarget
@@ -51,7 +50,7 @@ class PlanOptions:
 
     hardware: str = "cpu"
     devices: int | None = None  # default: 8 GPUs, a TPU topology's chips, every CPU device
-    moe: MoeMode = "ep"
+    moe: MoeMode = "tp"  # as jaxdd.generate's default
     method: Method = "ddtree"
     budget: int = 64
     max_len: int = 8192
@@ -86,7 +85,7 @@ def plan(config_path: str | Path, drafter_config_path: str | Path, options: Plan
         o.layers,
         o.sampled,
     )
-    raw = json.loads(Path(config_path).read_text())
+    raw = read_json(config_path, ConfigError, "config file")
     config = KimiConfig.from_hf(raw)
     drafter_config = DrafterConfig.from_json_file(drafter_config_path)
     if layers is not None:  # full width, fewer layers; the drafter taps the layers that remain

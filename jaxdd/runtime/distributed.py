@@ -8,6 +8,8 @@ SLURM, or ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID
 from __future__ import annotations
 
 import os
+import sys
+import threading
 
 import jax
 import numpy as np
@@ -19,10 +21,18 @@ from jaxdd.errors import InputError
 _JOB_ENVIRONMENT = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
 
 
-def join(coordinator: str | None, num_processes: int | None, process_id: int | None, cpu_devices: int) -> None:
+def join(
+    coordinator: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    cpu_devices: int,
+    timeout: float = 60.0,
+) -> None:
     """Join the job before any JAX backend starts: with all three flags, or as JAX finds it in the environment
     (a TPU slice of more than one host, SLURM); a single process otherwise. ``cpu_devices``: this process's
-    simulated CPU devices (each host's share of ``--devices``)."""
+    simulated CPU devices (each host's share of ``--devices``). Says on stderr what it waits for; when the job is
+    not complete within ``timeout`` seconds, says so in one line and exits with code 2 (JAX's own timeout aborts
+    the process with a C++ stack trace)."""
     flags = (coordinator, num_processes, process_id)
     if any(f is not None for f in flags) and not all(f is not None for f in flags):
         raise InputError("--coordinator, --num-processes and --process-id go together")
@@ -32,7 +42,21 @@ def join(coordinator: str | None, num_processes: int | None, process_id: int | N
         raise InputError(f"--process-id: expected 0..{num_processes - 1}, got {process_id}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # used only where the devices are CPUs
     jax.config.update("jax_num_cpu_devices", cpu_devices)
-    jax.distributed.initialize(coordinator, num_processes, process_id)
+    where = f"{num_processes} processes at {coordinator}" if coordinator else "the job JAX found in the environment"
+    print(f"jaxdd: waiting for {where} (at most {timeout:g} s: --coordinator-timeout)", file=sys.stderr, flush=True)
+    watchdog = threading.Timer(timeout, _give_up, (where, timeout))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=int(timeout) + 60)
+    finally:
+        watchdog.cancel()
+
+
+def _give_up(where: str, timeout: float) -> None:
+    # os._exit: the main thread is blocked in the coordination service's C++ client, which nothing interrupts.
+    print(f"jaxdd: {where}: the job did not assemble within {timeout:g} s", file=sys.stderr, flush=True)
+    os._exit(2)
 
 
 def _job_in_environment() -> bool:

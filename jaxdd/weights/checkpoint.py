@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -281,9 +282,32 @@ def restore_groups(directory: str | Path, abstract: dict, shardings: dict | None
                 jax.tree.map(lambda _: default, target) if shardings is None else get_path(shardings, group_path(group))
             )
             target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, placement)
-            yield group, _restore_group(checkpointer, directory, group, target)
+            tree = _restore_group(checkpointer, directory, group, target)
+            bad = first_non_finite(tree)
+            if bad is not None:
+                where = directory / "state" / group
+                raise CheckpointError(f"{where}: tensor {group}.{bad} holds NaN or infinite values")
+            yield group, tree
     finally:
         checkpointer.close()
+
+
+def first_non_finite(tree: Any) -> str | None:
+    """The path of the first floating array in ``tree`` holding a NaN or an infinity, or None: checked where the
+    arrays are, one compiled reduction per group layout (the layers share theirs)."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    named = [(".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), x) for path, x in leaves]
+    floating = [(name, x) for name, x in named if jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not floating:
+        return None
+    flags = _all_finite([x for _, x in floating])
+    finite = np.asarray(flags.addressable_data(0))  # replicated: every process holds all of it
+    return next((name for (name, _), ok in zip(floating, finite, strict=True) if not ok), None)
+
+
+@jax.jit
+def _all_finite(arrays: list[jax.Array]) -> jax.Array:
+    return jnp.stack([jnp.isfinite(x).all() for x in arrays])
 
 
 ABANDONED_READS_SECONDS = 0.5

@@ -69,7 +69,7 @@ def _shard_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
         names = sorted(set(weight_map.values()))
-        missing = [n for n in names if not (directory / n).is_file()]
+        missing = [n for n in names if not (directory / n).exists()]  # present but unreadable: said when opened
         if missing:
             raise CheckpointError(f"{index} names missing shard(s): {', '.join(missing)}")
         return [directory / n for n in names], weight_map
@@ -91,6 +91,10 @@ class HFCheckpoint:
         files, weight_map = _shard_files(self.directory)
         self.tensors: dict[str, TensorInfo] = {}
         for file in files:
+            try:
+                file.open("rb").close()  # safetensors reports any unreadable file as missing
+            except OSError as e:
+                raise CheckpointError(f"{file}: {e.strerror}") from None
             try:
                 with safe_open(file, framework="numpy") as f:
                     for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -237,9 +241,19 @@ class HFCheckpoint:
         """A stored tensor, or its ``region``: only the bytes that covers are read from the shard."""
         info = self.tensors[name]
         if info.dtype == "F8_E4M3":  # numpy has no float8, so safetensors' numpy reader refuses it
-            return _read_float8(info, region)
-        with safe_open(info.file, framework="numpy") as f:
-            return f.get_tensor(info.stored_name) if region is None else f.get_slice(info.stored_name)[region]
+            array = _read_float8(info, region)
+        else:
+            with safe_open(info.file, framework="numpy") as f:
+                array = f.get_tensor(info.stored_name) if region is None else f.get_slice(info.stored_name)[region]
+        return finite(array, info)
+
+
+def finite(array: np.ndarray, info: TensorInfo) -> np.ndarray:
+    """``array`` as read from ``info``'s file, or a CheckpointError naming it when it holds a NaN or an infinity
+    (a model with one computes garbage that speculative decoding would silently accept)."""
+    if jnp.issubdtype(array.dtype, jnp.inexact) and not np.isfinite(array).all():
+        raise CheckpointError(f"{info.file}: tensor {info.stored_name} holds NaN or infinite values")
+    return array
 
 
 def _rows(region: tuple[slice, ...] | None, rows: int) -> slice:

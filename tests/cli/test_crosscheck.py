@@ -69,7 +69,7 @@ def test_compare_on_eight_devices(references, moe, capsys):
     assert main(["compare", str(references["ddtree"]), "--devices", "8", "--moe", moe, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ok"]
     assert main(["compare", str(references["ddtree"]), "--devices", "16"]) == 2
-    assert capsys.readouterr().err == "error: devices: expected 1..8, got 16\n"
+    assert capsys.readouterr().err == "jaxdd: devices: expected 1..8, got 16\n"
 
 
 @pytest.fixture

@@ -187,7 +187,7 @@ def test_ctrl_c_during_a_real_conversion_leaves_nothing(tmp_path):
         err = process.communicate(timeout=120)[1]
     finally:
         process.kill()
-    assert process.returncode == 130 and err == f"error: interrupted; {out} was not written\n", err
+    assert process.returncode == 130 and err == f"jaxdd: interrupted; {out} was not written\n", err
     assert list(runs.iterdir()) == []
 
 
@@ -435,5 +435,5 @@ def test_a_write_that_fails_midway_leaves_nothing(layouts, tmp_path):
     out = tmp_path / "runs" / "out"
     argv = ["hf-to-jaxdd", str(layouts["int4"][0]), str(out), "--quiet"]
     run = subprocess.run([sys.executable, "-c", limited, *argv], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and run.stderr == f"error: {out}: cannot write (File too large); nothing was kept\n"
+    assert run.returncode == 2 and run.stderr == f"jaxdd: {out}: cannot write (File too large); nothing was kept\n"
     assert list(out.parent.iterdir()) == []

@@ -1,0 +1,202 @@
+"""What the command lines (``jaxdd.generate``, ``jaxdd.plan``, ``jaxdd.crosscheck``, ``convert``) share: one
+``jaxdd: ...`` line and exit code 2 for what the user can fix, exit 130 on Ctrl-C, silence when the output pipe
+closes, and the checks of the platform and device count made before JAX starts a backend (afterwards a wrong
+one is an assertion, a C++ abort, a stall in libtpu's probe for a TPU, or a host filled with simulated devices).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+import jax
+
+from jaxdd.errors import CheckpointError, ConfigError, InputError
+
+USAGE, INTERRUPTED, BROKEN_PIPE = 2, 130, 141  # 130 and 141: the shell's codes for SIGINT and SIGPIPE
+PLATFORMS = {"cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "tpu": "tpu"}
+# The device files an accelerator's driver creates: without them JAX can only fail (or, for a TPU, probe the
+# cloud metadata server first).
+DEVICE_FILES = {"gpu": ("/dev/nvidiactl", "/dev/kfd"), "tpu": ("/dev/accel0", "/dev/vfio/0")}
+# Simulated CPU devices cost the host memory growing with their count squared (every device pair's collective
+# buffers and partitioned programs): bytes per pair, measured on the bundled pair (benchmarks/README.md, "Faults").
+CPU_DEVICE_PAIR_BYTES = 70 * 2**10
+CACHE_ENVIRONMENT = "JAXDD_COMPILATION_CACHE"  # a directory, or 0 / off: no persistent compilation cache
+CLEAR_ERRORS = (CheckpointError, ConfigError, InputError)
+
+
+class Refusal(Exception):
+    """What a command refuses to do, said in one line (exit code 2)."""
+
+
+def fail(message: object) -> int:
+    """Print the one ``jaxdd: ...`` line; the exit code for it."""
+    if sys.stderr is not None:
+        print(f"jaxdd: {message}", file=sys.stderr, flush=True)
+    return USAGE
+
+
+def run(main: Callable[[], int]) -> NoReturn:
+    """Run a command's ``main`` as the process: its exit code, or the one line for the faults around it."""
+    if sys.stdout is None:
+        sys.exit(fail("standard output is closed (redirect it to /dev/null to discard the output)"))
+    try:
+        code = main()
+        sys.stdout.flush()
+    except KeyboardInterrupt:
+        # os._exit: unwinding would run interpreter shutdown under XLA's running threads (a segfault).
+        fail("interrupted")
+        os._exit(INTERRUPTED)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush into the pipe
+        os._exit(BROKEN_PIPE)
+    except (Refusal, *CLEAR_ERRORS) as error:
+        code = fail(error)
+    except OSError as error:
+        if error.filename is None:
+            raise
+        code = fail(f"{error.filename}: {error.strerror}")
+    sys.exit(code)
+
+
+def _present(platform: str) -> str | None:
+    """The device file that shows ``platform``'s accelerator is here, or None."""
+    return next((f for f in DEVICE_FILES.get(platform, ()) if os.path.exists(f)), None)
+
+
+def choose_platform(cpu_only: bool = False) -> str:
+    """Check ``JAX_PLATFORMS`` against this host and settle the platform before a backend starts: a value JAX
+    has no backend for, or an accelerator asked for where none is, is a Refusal. Unset: the CPU unless a GPU or
+    TPU is here, so a host with libtpu or the CUDA plugin installed but no accelerator never starts them.
+    ``cpu_only``: the command runs on the host whatever is here (``jaxdd.plan`` compiles deviceless)."""
+    asked = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+    names = [n.strip() for n in asked.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PLATFORMS]
+    if unknown:
+        raise Refusal(f"JAX_PLATFORMS={asked}: {unknown[0]!r} is not a platform (expected cpu, cuda, rocm or tpu)")
+    missing = [n for n in names if PLATFORMS[n] != "cpu" and _present(PLATFORMS[n]) is None]
+    if missing and not cpu_only:
+        kind = PLATFORMS[missing[0]].upper()
+        raise Refusal(
+            f"JAX_PLATFORMS={asked}: this host has no {kind} ({' or '.join(DEVICE_FILES[PLATFORMS[missing[0]]])} "
+            "missing); unset it to run on the CPU"
+        )
+    chosen = "cpu" if cpu_only or (not names and not any(_present(p) for p in DEVICE_FILES)) else asked
+    if chosen:
+        jax.config.update("jax_platforms", chosen)
+    forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    if forced:
+        _check_simulated(int(forced.group(1)), f"XLA_FLAGS={forced.group(0)}")
+    if os.environ.get("JAX_NUM_CPU_DEVICES", "").strip().isdigit():
+        _check_simulated(
+            int(os.environ["JAX_NUM_CPU_DEVICES"]), f"JAX_NUM_CPU_DEVICES={os.environ['JAX_NUM_CPU_DEVICES']}"
+        )
+    return chosen
+
+
+def start_backend() -> list:
+    """JAX's devices, starting its backend; a Refusal naming the platform when its runtime fails to start (a
+    driver without its CUDA libraries, a TPU held by another process). JAX logs a plugin's failure as a
+    traceback: held, and said in one line (a note when JAX started another platform instead)."""
+    logger = logging.getLogger("jax._src.xla_bridge")
+    held = _Held(logging.WARNING)
+    logger.addHandler(held)
+    propagate, logger.propagate = logger.propagate, False
+    try:
+        devices = jax.devices()
+    except (RuntimeError, AssertionError) as error:  # JAX asserts when no platform it was asked for started
+        platforms = f"JAX_PLATFORMS={jax.config.jax_platforms}" if jax.config.jax_platforms else "JAX"
+        reasons = [*held.reasons(), *_lines(error)]
+        raise Refusal(f"{platforms}: no backend started ({reasons[0] if reasons else 'no reason given'})") from None
+    finally:
+        logger.removeHandler(held)
+        logger.propagate = propagate
+    for reason in held.reasons():
+        print(f"jaxdd: note: {reason}; running on {devices[0].platform}", file=sys.stderr, flush=True)
+    return devices
+
+
+class _Held(logging.Handler):
+    def __init__(self, level: int):
+        super().__init__(level)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def reasons(self) -> list[str]:
+        """Each record's message in one line, with its exception's (the cause of a plugin's failure)."""
+        out = []
+        for record in self.records:
+            message = _lines(record.getMessage())
+            cause = _lines(record.exc_info[1]) if record.exc_info and record.exc_info[1] else []
+            out.append(": ".join(message[:1] + cause[:1])[:300])
+        return [line for line in out if line]
+
+
+def _lines(value: object) -> list[str]:
+    return [line.strip() for line in str(value).strip().splitlines() if line.strip()]
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this host can still give (``MemAvailable``), None where unknown."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        return next(int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def simulated_device_limit(available: int | None) -> int:
+    """The most CPU devices to simulate: those whose cost stays within half of ``available`` bytes (the other
+    half for the model and its compiles); 64 where the host's memory is unknown."""
+    return 64 if available is None else max(1, math.isqrt(available // 2 // CPU_DEVICE_PAIR_BYTES))
+
+
+def simulate_cpu_devices(count: int) -> None:
+    """Give the CPU backend ``count`` devices, or a Refusal when the host's memory cannot hold that many."""
+    _check_simulated(count, f"--devices {count}")
+    # Once JAX's backend runs (main called in-process), the devices it has are what --devices is checked against.
+    with contextlib.suppress(RuntimeError):
+        jax.config.update("jax_num_cpu_devices", count)
+
+
+def _check_simulated(count: int, asked: str) -> None:
+    available = available_memory()
+    limit = simulated_device_limit(available)
+    if count > limit:
+        need = count**2 * CPU_DEVICE_PAIR_BYTES / 1e9
+        have = "" if available is None else f" of the {available / 1e9:.1f} GB available"
+        raise Refusal(
+            f"{asked}: this host has 1 CPU device; simulating {count} would take about {need:.0f} GB "
+            f"(at most {limit} fit in half{have})"
+        )
+
+
+def enable_compilation_cache() -> Path | None:
+    """JAX's persistent compilation cache in the user's cache directory, so a second run skips the compiles:
+    ``$JAXDD_COMPILATION_CACHE``, else ``$JAX_COMPILATION_CACHE_DIR`` where set (JAX reads it itself), else
+    ``$XDG_CACHE_HOME/jaxdd`` or ``~/.cache/jaxdd``. None: turned off (``JAXDD_COMPILATION_CACHE=0``) or not
+    writable."""
+    setting = os.environ.get(CACHE_ENVIRONMENT, "")
+    if setting.lower() in ("0", "off", "false", "no"):
+        return None
+    if not setting and os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    directory = Path(setting) if setting else base / "jaxdd" / "compiles"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    if not os.access(directory, os.W_OK):
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    return directory
