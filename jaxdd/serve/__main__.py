@@ -19,9 +19,10 @@ import jax
 import uvicorn
 
 import jaxdd
+from jaxdd.cli import simulate_cpu_devices
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.slots import RowPool
-from jaxdd.generate import DEMO, positive, print_note, simulate_cpu_devices
+from jaxdd.generate import DEMO, positive, print_note
 from jaxdd.runtime.backend import Backend
 from jaxdd.serve.app import Server, create_app
 from jaxdd.serve.metrics import Metrics
