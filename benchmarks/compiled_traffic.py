@@ -1,0 +1,109 @@
+"""What the real targets' compiled rounds move: Kimi K2.6 + its DFlash drafter (full width), each round compiled
+deviceless for H200, RTX PRO 6000 and TPU v5p (``jaxdd.plan``), its HLO traffic account (``jaxdd.compiled_traffic``)
+against the floor (``jaxdd.planning.traffic``), and the tokens/s each predicts with the demo pair's tau.
+
+    JAX_PLATFORMS=cpu python benchmarks/compiled_traffic.py [--layers 3] [--hardware h200 ...] [--method ar ...]
+
+TP8 over 8 devices, 8k tokens of context, batch 1; AR, DFlash (block 8) and DDTree (budget 16) rounds, greedy, and
+the sampled DDTree round. Each round compiles in its own process, one at a time (a full-width compile takes a minute
+and several GB). Writes benchmarks/results/compiled_traffic_<layers>l.json and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from jaxdd.planning.hardware import GPUS, TPUS
+from jaxdd.planning.traffic import DEMO_TAU
+from jaxdd.testing.benchmark import write_result
+
+RESULTS = Path(__file__).parent / "results"
+FIXTURES = Path(__file__).parent.parent / "tests" / "fixtures"
+HARDWARE = ("h200", "rtx-pro-6000", "v5p:2x2x2")
+ROUNDS = (("ar", False), ("dflash", False), ("ddtree", False), ("ddtree", True))
+BUDGET = 16
+
+
+def compile_round(hardware: str, method: str, sampled: bool, layers: int | None) -> dict:
+    """``jaxdd.plan --json`` for one round, in a fresh process (its memory goes back when it ends)."""
+    command = [sys.executable, "-m", "jaxdd.plan", "--config", str(FIXTURES / "kimi_k25_config.json")]
+    command += ["--drafter-config", str(FIXTURES / "kimi_k26_dflash_config.json"), "--hardware", hardware]
+    command += ["--devices", "8", "--moe", "tp", "--method", method, "--budget", str(BUDGET), "--max-len", "8192"]
+    command += ["--json"] + (["--sampled"] if sampled else []) + ([f"--layers={layers}"] if layers else [])
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+    return json.loads(done.stdout)
+
+
+def row(result: dict, hardware: str, method: str, sampled: bool) -> dict:
+    """One table row: floor and compiled bytes, their ratio, and tokens/s at each (memory bytes / bandwidth plus
+    the floor's link time, with the demo pair's tau)."""
+    chip = GPUS.get(hardware) or TPUS[hardware.split(":")[0]]
+    account = result["compiled_traffic"]
+    floor = account["floor"]
+    link_s = floor["allreduce_bytes"] / chip.link + floor["allreduces"] * chip.allreduce_latency
+    tau = DEMO_TAU[method][BUDGET] if method == "ddtree" else DEMO_TAU[method]
+    floor_s = (account["floor_bytes"] - 2 * floor["allreduce_bytes"]) / chip.bandwidth + link_s
+    compiled_s = (account["bytes"] - account["collective_bytes"]) / chip.bandwidth + link_s
+    return {
+        "hardware": hardware,
+        "round": f"{method}{' sampled' if sampled else ''}",
+        "floor_bytes": account["floor_bytes"],
+        "compiled_bytes": account["bytes"],
+        "ratio": account["ratio"],
+        "tau": tau,
+        "tokens_per_s_floor": tau / floor_s,
+        "tokens_per_s_compiled": tau / compiled_s,
+        "by_stage": account["by_stage"],
+        "top_ops": account["top_ops"][:5],
+        "custom_calls": account["custom_calls"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=3, help="full width, this many layers (0: all 61)")
+    parser.add_argument("--hardware", nargs="+", default=list(HARDWARE))
+    parser.add_argument("--method", nargs="+", default=["ar", "dflash", "ddtree"])
+    args = parser.parse_args()
+    rows, failures = [], []
+    for hardware in args.hardware:
+        for method, sampled in ROUNDS:
+            if method not in args.method:
+                continue
+            result = compile_round(hardware, method, sampled, args.layers or None)
+            if "error" in result or "compiled_traffic" not in result:
+                failures.append({"hardware": hardware, "round": method, "sampled": sampled, **result})
+                print(f"{hardware} {method}{' sampled' if sampled else ''}: {result.get('error', 'did not fit')}")
+                continue
+            rows.append(row(result, hardware, method, sampled))
+            r = rows[-1]
+            print(
+                f"{hardware:<13} {r['round']:<15} floor {r['floor_bytes'] / 1e9:6.3f} GB  compiled "
+                f"{r['compiled_bytes'] / 1e9:6.3f} GB  {r['ratio']:5.2f}x  tokens/s {r['tokens_per_s_floor']:7.0f} "
+                f"at the floor, {r['tokens_per_s_compiled']:7.0f} compiled",
+                flush=True,
+            )
+    for hardware in args.hardware:
+        greedy, sampled = (
+            next((r for r in rows if r["hardware"] == hardware and r["round"] == name), None)
+            for name in ("ddtree", "ddtree sampled")
+        )
+        if greedy and sampled:
+            print(
+                f"{hardware}: sampled / greedy DDTree bytes {sampled['compiled_bytes'] / greedy['compiled_bytes']:.3f}"
+            )
+    layers = args.layers or 61
+    report = {"layers": layers, "devices": 8, "moe": "tp", "max_len": 8192, "budget": BUDGET, "rows": rows}
+    write_result(RESULTS / f"compiled_traffic_{layers}l.json", report | {"failures": failures})
+
+
+if __name__ == "__main__":
+    main()
