@@ -10,8 +10,6 @@ Weights use the JAX layout ``x @ W`` ([in, out]); ``jaxdd.weights.hf_mappings`` 
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
 from typing import NamedTuple
 
 import jax
@@ -20,17 +18,15 @@ import numpy as np
 from flax import nnx
 
 from jaxdd.config import KimiConfig
-from jaxdd.models.cache import LatentCache, write_rows
+from jaxdd.models.attention import MLAttention, attention_mask
+from jaxdd.models.cache import LatentCache
 from jaxdd.models.layers import (
     MLP,
     RMSNorm,
-    apply_rope,
     linear,
     param,
-    project_heads,
     rope_cos_sin,
     rope_frequencies,
-    unmerged,
 )
 from jaxdd.models.moe import MoE
 from jaxdd.models.quant import DENSE, ExpertFormat
@@ -45,177 +41,9 @@ class TargetOutput(NamedTuple):
     cache: LatentCache  # new rows written, ``length`` unchanged
 
 
-def attention_mask(length: jax.Array, visible: jax.Array, slots: int) -> jax.Array:
-    """[B, T, slots]: committed slots (< length) for everyone; new token j's slot (length + j) where visible."""
-    slot = jnp.arange(slots)[None, None, :]
-    start = length[:, None, None]
-    new_index = jnp.clip(slot - start, 0, visible.shape[-1] - 1)
-    is_new = (slot >= start) & (slot < start + visible.shape[-1])
-    new_visible = jnp.take_along_axis(visible, jnp.broadcast_to(new_index, (*visible.shape[:2], slots)), axis=-1)
-    return (slot < start) | (is_new & new_visible)
-
-
-def _write_after(value: jax.Array, rows: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    """``rows`` unchanged, made to depend on ``value``: their write into the cache is then scheduled after the
-    reads of the cache that produced ``value``, so it can update the (donated) buffer in place. XLA has no other
-    way to order them (``optimization_barrier`` is dropped on CPU). ``nan_to_num`` keeps the sum exact: 0 * x is
-    0 for any finite x."""
-    zero = 0 * jnp.nan_to_num(value.reshape(-1)[0])
-    return tuple(r + zero.astype(r.dtype) for r in rows)
-
-
-# Absorbed attention's products with weights and cache rows. Decoding on one CPU device they go through
-# ``jaxdd.runtime.cpu_kernels`` (``kernels``; XLA:CPU runs each on one thread at a fraction of the read bandwidth),
-# elsewhere through the einsum they compute.
-
-
-def _per_head(x: jax.Array, weight: jax.Array, kernels: ModuleType | None) -> jax.Array:
-    """x [B, T, H, K] . weight [H, N, K] -> [B, T, H, N], head by head (the absorbed key and value projections)."""
-    if kernels is None:
-        return jnp.einsum("bthk,hnk->bthn", x, weight)
-    b, t, h, k = x.shape
-    out = kernels.row_dot(x.transpose(2, 0, 1, 3).reshape(h, b * t, k), weight)  # [H, B * T, N]
-    return out.reshape(h, b, t, -1).transpose(1, 2, 0, 3)
-
-
-def _cache_scores(q: jax.Array, rows: jax.Array, kernels: ModuleType | None) -> jax.Array:
-    """q [B, T, H, K] . rows [B, S, K] -> scores [B, H, T, S] over the cache's slots."""
-    if kernels is None:
-        return jnp.einsum("bthk,bsk->bhts", q, rows)
-    b, t, h, k = q.shape
-    return kernels.row_dot(q.reshape(b, t * h, k), rows).reshape(b, t, h, -1).transpose(0, 2, 1, 3)
-
-
-def _cache_values(rows: jax.Array, probs: jax.Array, kernels: ModuleType | None) -> jax.Array:
-    """rows [B, S, K] weighted by probs [B, H, T, S] -> [B, T, H, K]. Cache first: XLA:CPU then keeps the cache as
-    stored in this batched matmul (no relayout)."""
-    if kernels is None:
-        return jnp.einsum("bsk,bhts->bthk", rows, probs)
-    b, h, t, s = probs.shape
-    out = jnp.stack([kernels.dense_matvec(probs[i].reshape(h * t, s), rows[i]) for i in range(b)])
-    return out.reshape(b, h, t, -1).transpose(0, 2, 1, 3)
-
-
 def target_rope(config: KimiConfig) -> tuple[np.ndarray, float]:
     """(inv_freq, amplitude) of the MLA rope slice."""
     return rope_frequencies(config.qk_rope_head_dim, config.rope_theta, config.yarn)
-
-
-class MLAttention(nnx.Module, Placeable):
-    """Multi-head latent attention. K/V live in the cache as one normed latent row plus one rope key per token.
-
-    ``naive`` expands the latents into per-head keys and values (HF's formulation); ``absorbed`` folds the
-    key up-projection into the query and the value up-projection after the attention (DeepSeek's decode form),
-    so attention runs over the 512 + 64 wide rows directly. They are equal up to float reassociation.
-    ``pallas`` is the absorbed form with the attention itself in the Pallas tree-attention kernel
-    (``pallas_kernels.tree_attention``; interpreted on CPU).
-    """
-
-    def __init__(self, config: KimiConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
-        c = config
-        h, dn, dr, dv = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
-        self.config = c
-        self.q_a_proj = param(rngs, (c.hidden_size, c.q_lora_rank), dtype, ("embed", "q_lora"))
-        self.q_a_norm = RMSNorm(c.q_lora_rank, c.latent_norm_eps, dtype, axis="q_lora")
-        self.q_b_proj = param(rngs, (c.q_lora_rank, h, dn + dr), dtype, ("q_lora", "heads", None))
-        self.kv_a_proj = param(rngs, (c.hidden_size, c.kv_lora_rank + dr), dtype, ("embed", None))
-        self.kv_a_norm = RMSNorm(c.kv_lora_rank, c.latent_norm_eps, dtype, axis=None)
-        # kv_b_proj split per head into its key half (nope channels) and value half, heads first and each head's
-        # matrix laid out as absorbed attention multiplies it: stored [latent, heads, d], XLA relaid both out on
-        # every call (8 weight copies per forward of the demo target, ~5% of a one-token step on CPU).
-        self.k_up = param(rngs, (h, c.kv_lora_rank, dn), dtype, ("heads", None, None))
-        self.v_up = param(rngs, (h, dv, c.kv_lora_rank), dtype, ("heads", None, None))
-        self.o_proj = param(rngs, (h, dv, c.hidden_size), dtype, ("heads", None, "embed"))
-        self.placement = None  # (mesh, mode) once placed by ``jaxdd.runtime.sharding.shard_module``
-
-    def __call__(
-        self,
-        x: jax.Array,
-        cos_sin: tuple[jax.Array, jax.Array],
-        cache_rows: tuple[jax.Array, jax.Array],
-        length: jax.Array,
-        visible: jax.Array,
-        mask: jax.Array,
-        attention: Attention,
-        backend: Backend,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """x [B,T,D]; cache_rows (latent [B,S,r], rope [B,S,dr]); the new tokens see the committed slots
-        (< length) and each other where visible [B,T,T]; mask [B,T,S] is the same over the cache slots.
-
-        This step's rows go to slots ``length .. length + T - 1``: ``naive`` and ``pallas`` write them first and
-        attend over the cache alone (no concatenated copy of it per layer); ``absorbed`` attends to the cache and
-        the new rows separately and writes them last. Returns the output [B,T,D] and the updated rows.
-        """
-        c = self.config
-        cos, sin = cos_sin
-        q = self.q_a_norm(linear(*unmerged(x, self.q_a_proj[...]), backend))
-        q = linear(q, self.q_b_proj[...], backend)  # [B, T, heads, d]
-        q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
-        q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None], c.rope_interleave)
-
-        kv = linear(*unmerged(x, self.kv_a_proj[...]), backend)
-        latent = self.kv_a_norm(kv[..., : c.kv_lora_rank])  # the norm covers the latent only, not the rope key
-        k_pe = apply_rope(kv[..., c.kv_lora_rank :], cos, sin, c.rope_interleave)
-
-        if attention == "absorbed":
-            # The committed cache and the new rows as two sets of keys joined for one softmax, the new rows
-            # written afterwards: written first, a one-token step made XLA:CPU copy each layer's whole cache.
-            kernels = backend.decode_kernels(x.shape[0] * x.shape[1])
-            q_latent = _per_head(q_nope, self.k_up[...], kernels)
-            cache_latent, cache_rope = cache_rows
-            slots = cache_latent.shape[1]
-            committed = jnp.broadcast_to(jnp.arange(slots) < length[:, None, None], (*visible.shape[:2], slots))
-            scores = jnp.concatenate(
-                [
-                    _cache_scores(q_latent, cache_latent, kernels) + _cache_scores(q_pe, cache_rope, kernels),
-                    jnp.einsum("bthr,bur->bhtu", q_latent, latent) + jnp.einsum("bthd,bud->bhtu", q_pe, k_pe),
-                ],
-                axis=-1,
-            )
-            probs = self._softmax(scores, jnp.concatenate([committed, visible], -1))
-            out_latent = _cache_values(cache_latent, probs[..., :slots], kernels)
-            out_latent += jnp.einsum("bur,bhtu->bthr", latent, probs[..., slots:])
-            out = _per_head(out_latent, self.v_up[...], kernels)
-            rows = _write_after(out_latent, (latent, k_pe))
-            new_rows = write_rows(cache_latent, rows[0], length), write_rows(cache_rope, rows[1], length)
-            return project_heads(out, self.o_proj[...], backend), new_rows
-
-        keys_latent = write_rows(cache_rows[0], latent, length)  # [B, S, r]
-        keys_rope = write_rows(cache_rows[1], k_pe, length)  # [B, S, dr]
-        if attention == "pallas":
-            q_latent = jnp.einsum("bthd,hrd->bthr", q_nope, self.k_up[...])
-            attend = functools.partial(backend.tree_attention(), scale=c.softmax_scale)
-            if self.placement is not None and self.placement[0].size > 1:
-                # A Pallas kernel is opaque to XLA's partitioner: run it per device on that device's heads (all of
-                # them where the mesh does not split the heads; Mosaic refuses to be partitioned at all).
-                split = partition_spec((c.num_attention_heads,), ("heads",), *self.placement)[0]
-                whole = jax.sharding.PartitionSpec()
-                heads = jax.sharding.PartitionSpec(None, None, AXIS) if split else whole
-                specs = (heads, heads, *(whole,) * 6)
-                mesh = self.placement[0]
-                attend = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
-            # The committed rows only (slots < length): the kernel reads the cache as it was, so the new rows are
-            # written after it in place, not into a copy it would wait for.
-            out_latent = attend(q_latent, q_pe, *cache_rows, length, latent, k_pe, visible)
-            out = jnp.einsum("bthr,hdr->bthd", out_latent.astype(x.dtype), self.v_up[...])
-        elif attention == "naive":
-            k_nope = jnp.einsum("bsr,hrd->bshd", keys_latent, self.k_up[...])
-            values = jnp.einsum("bsr,hdr->bshd", keys_latent, self.v_up[...])
-            # One score matmul over the [nope | rope] channels, as HF concatenates them: two matmuls and their
-            # sum take XLA:CPU about twice as long.
-            k_pe_heads = jnp.broadcast_to(keys_rope[:, :, None], (*k_nope.shape[:3], c.qk_rope_head_dim))
-            keys = jnp.concatenate([k_nope, k_pe_heads], axis=-1)
-            scores = jnp.einsum("bthd,bshd->bhts", jnp.concatenate([q_nope, q_pe], axis=-1), keys)
-            out = jnp.einsum("bhts,bshd->bthd", self._softmax(scores, mask), values)
-        else:
-            raise ValueError(f"attention: expected 'naive', 'absorbed' or 'pallas', got {attention!r}")
-        return project_heads(out, self.o_proj[...], backend), (keys_latent, keys_rope)
-
-    def _softmax(self, scores: jax.Array, mask: jax.Array) -> jax.Array:
-        # HF: scale in the activation dtype, softmax in fp32, probabilities back in the activation dtype.
-        scores = (scores * self.config.softmax_scale).astype(jnp.float32)
-        scores = jnp.where(mask[:, None], scores, -jnp.inf)
-        return jax.nn.softmax(scores, axis=-1).astype(self.k_up.dtype)
 
 
 class TargetLayer(nnx.Module):

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-import jaxdd.models.target
+import jaxdd.models.attention
 from jaxdd.crosscheck.__main__ import main
 from jaxdd.crosscheck.compare import compare
 from jaxdd.crosscheck.trace import load_traces
@@ -83,9 +83,9 @@ def fresh_compilations():
 def test_wrong_rope_layout_is_caught_and_localised(references, monkeypatch, fresh_compilations, capsys):
     """Rotating the rope channels as halves instead of interleaved pairs: position 0 (angle 0) is unaffected,
     so the hidden states must point at position 1, layer 0; the logits fail from the first stored position."""
-    apply_rope = jaxdd.models.target.apply_rope
+    apply_rope = jaxdd.models.attention.apply_rope
     monkeypatch.setattr(
-        jaxdd.models.target, "apply_rope", lambda x, cos, sin, interleaved: apply_rope(x, cos, sin, False)
+        jaxdd.models.attention, "apply_rope", lambda x, cos, sin, interleaved: apply_rope(x, cos, sin, False)
     )
     report = compare(references["ddtree"])
     assert not report.ok
