@@ -145,6 +145,13 @@ class RowPool:
         which costs nothing extra (the round's shape is fixed) and touches no other row."""
         self.active.pop(row, None)
 
+    def reset(self) -> None:
+        """Every row free in a fresh state: after a fault, the old state may have been donated to a call that
+        never returned."""
+        self.active.clear()
+        self.state = self._empty_state()
+        self.requests = self._device_requests()
+
     def step(self) -> dict[int, RowUpdate]:
         """One round for every row: each active row's new tokens; finished rows leave the pool."""
         self.state, report = decode_round(self.spec, self.models, self.state, self.requests)

@@ -16,13 +16,13 @@ import sys
 from pathlib import Path
 
 import jax
-import uvicorn
 
 import jaxdd
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.slots import RowPool
 from jaxdd.generate import DEMO, positive, print_note, simulate_cpu_devices
 from jaxdd.runtime.backend import Backend
+from jaxdd.serve import faults, lifecycle
 from jaxdd.serve.app import Server, create_app
 from jaxdd.serve.metrics import Metrics
 from jaxdd.serve.scheduler import Scheduler
@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-len", type=positive, default=1024, help="prompt + output tokens per request")
     parser.add_argument("--max-prompt", type=positive, help="prompt tokens per request (default: --max-len - 1)")
     parser.add_argument("--request-timeout", type=seconds, help="seconds a request may run before it is ended")
+    parser.add_argument("--drain-timeout", type=seconds, default=30.0, help="on SIGTERM/SIGINT: seconds to finish")
     parser.add_argument("--chat-template", type=Path, help="a Jinja chat template (default: the checkpoint's)")
     parser.add_argument("--model-name", help="the model id clients name (default: the checkpoint directory's name)")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
@@ -110,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     shape = f"{method}, {args.max_batch} rows, {pool.slots} cache slots, prompt buckets {pool.buckets}"
     print_note(f"serving {name} ({shape}) on http://{args.host}:{args.port}/v1")
     try:
-        uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning")
+        app = create_app(server)
+        faults.install_from_env(app, pool)
+        lifecycle.serve(app, scheduler, args.host, args.port, args.drain_timeout)
     finally:
         scheduler.stop()
     return 0

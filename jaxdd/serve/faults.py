@@ -1,0 +1,58 @@
+"""Test-only fault injection: with ``JAXDD_SERVE_FAULTS=1`` in the environment the server gets
+``POST /debug/fault {"rounds": N, "fatal": false}``, which makes its next N rounds raise inside the engine (the
+decode state deleted first, as a fault mid-call would leave it); ``fatal`` also makes the pool's reset raise, so
+the engine cannot recover. Without the variable nothing is installed: the normal path runs unwrapped.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+from fastapi import FastAPI
+from pydantic import BaseModel, Field
+
+from jaxdd.decoding.slots import RowPool
+
+ENV = "JAXDD_SERVE_FAULTS"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by an armed round."""
+
+
+class FaultPlan(BaseModel):
+    rounds: int = Field(1, ge=1)
+    fatal: bool = False
+
+
+class Injector:
+    def __init__(self, pool: RowPool):
+        self.rounds, self.fatal = 0, False
+        step, reset = pool.step, pool.reset
+
+        def faulty_step():
+            if self.rounds > 0:
+                self.rounds -= 1
+                jax.tree.map(lambda leaf: leaf.delete() if isinstance(leaf, jax.Array) else None, pool.state)
+                raise InjectedFault("injected fault in a round")
+            return step()
+
+        def faulty_reset():
+            if self.fatal:
+                raise InjectedFault("injected fault: the pool cannot be reset")
+            reset()
+
+        pool.step, pool.reset = faulty_step, faulty_reset  # on the instance: the class's methods stay as they are
+
+
+def install_from_env(app: FastAPI, pool: RowPool) -> None:
+    """Add the fault endpoint when ``JAXDD_SERVE_FAULTS=1``; otherwise do nothing."""
+    if os.environ.get(ENV) != "1":
+        return
+    injector = Injector(pool)
+
+    @app.post("/debug/fault")
+    async def arm(plan: FaultPlan):
+        injector.rounds, injector.fatal = plan.rounds, plan.fatal
+        return {"armed": plan.rounds, "fatal": plan.fatal}
