@@ -1,15 +1,23 @@
 """Continuous batching: a fixed pool of rows in ONE decode state, requests coming and going between rounds.
 
-Every shape is fixed when the pool is made: ``rows`` rows, one cache size for all (from ``max_len``), one round
-(the sampled round, whose greedy rows still decode greedily: their distributions are one-hot), and one prefill per
-prompt bucket up to ``max_prompt``. A request is prefilled on its own (batch 1, at the prompt bucket
-``SpeculativeDecoder.start`` would pick) and copied into a free row by a jitted insert, the row index traced and the
-state donated, so admitting never compiles. Rows never mix: each row's tokens depend only on its own request and
-its random stream only on its own seed and its own round count, so a request decodes to what it gives alone.
+Every shape is fixed when the pool is made: ``rows`` rows, one cache size for all (from ``max_len``), one prefill
+per prompt bucket up to ``max_prompt``, and two rounds per tier: the sampled round, whose greedy rows still decode
+greedily (their distributions are one-hot), and the cheaper greedy round, run while every active row is greedy
+(the tokens are the same). A tier is the first 1, 4, 16, ... rows or all of them; a round runs over the fewest
+that hold every busy row (requests take the lowest free row), so a lightly loaded pool pays for the rows it uses.
+
+A request is prefilled on its own (batch 1, at the prompt bucket ``SpeculativeDecoder.start`` would pick) and
+copied into a free row by a jitted insert, the row index traced and the state donated, so admitting never
+compiles. Rows never mix: each row's tokens depend only on its own request and its random stream only on its own
+seed and its own round count, so a request decodes to what it gives alone.
+
+Rounds can be dispatched ahead (``dispatch`` twice, then ``collect`` the older one) so the host's bookkeeping
+overlaps the device's round; a report is only handed to the requests that held its rows when it was dispatched.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 
@@ -19,7 +27,15 @@ import numpy as np
 
 from jaxdd.decoding.engine import SpeculativeDecoder, cache_slots, prompt_bucket
 from jaxdd.decoding.requests import MAX_STOP_TOKENS, check_round_options, check_stop_ids, check_tokens
-from jaxdd.decoding.rounds import DecodeState, Requests, decode_round, prefill, state_shardings
+from jaxdd.decoding.rounds import (
+    DecodeState,
+    ModelPair,
+    Requests,
+    RoundSpec,
+    decode_round,
+    prefill,
+    state_shardings,
+)
 from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays, seed_keys
 from jaxdd.errors import InputError
 from jaxdd.types import Method, verified_tokens
@@ -43,6 +59,18 @@ class _Row:
 def insert_row(state: DecodeState, row: jax.Array, new: DecodeState) -> DecodeState:
     """``state`` with row ``row`` replaced by the one-row state ``new`` (in place: the state is donated)."""
     return jax.tree.map(lambda rows, one: jax.lax.dynamic_update_slice_in_dim(rows, one, row, axis=0), state, new)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "rows"), donate_argnames=("state",))
+def front_round(
+    spec: RoundSpec, models: ModelPair, state: DecodeState, requests: Requests, rows: int
+) -> tuple[DecodeState, jax.Array]:
+    """``decode_round`` on the first ``rows`` rows only (the rest unchanged): while few rows are busy, a round
+    costs what their number does, not the pool's."""
+    front = jax.tree.map(lambda x: x[:rows], (state, requests))
+    new, report = decode_round(spec, models, *front)
+    update = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, 0, axis=0)
+    return jax.tree.map(update, state, new), report
 
 
 class RowPool:
@@ -73,8 +101,12 @@ class RowPool:
         self.decoder, self.rows, self.max_len, self.max_prompt = decoder, rows, max_len, max_prompt
         self.method, self.block, self.budget = method, block, budget
         self.spec = decoder.round_spec(method, block, budget, sampled=True)
+        self.greedy_spec = decoder.round_spec(method, block, budget, sampled=False)
         self.models = decoder._models_for(self.spec)
         self.buckets = sorted({prompt_bucket(n) for n in range(1, max_prompt + 1)})
+        # Rounds over the first 1, 4, 16, ... rows and over all: requests take the lowest free row, so the round
+        # runs over the rows up to the highest busy one.
+        self.tiers = sorted({4**i for i in range(rows.bit_length()) if 4**i < rows} | {rows})
         self.slots = cache_slots(max(self.buckets[-1], max_len + max(block, verified_tokens(method, block, budget))))
         self.default_stop_ids = check_stop_ids(None, config)
         # Host copies of the per-row settings; the device copy is replaced whole on each admission (a few hundred
@@ -85,6 +117,7 @@ class RowPool:
         self.requests = self._device_requests()
         self.state = self._empty_state()
         self.active: dict[int, _Row] = {}
+        self._in_flight: collections.deque[tuple[jax.Array, dict[int, _Row]]] = collections.deque()
 
     @property
     def width(self) -> int:
@@ -146,18 +179,41 @@ class RowPool:
         self.active.pop(row, None)
 
     def reset(self) -> None:
-        """Every row free in a fresh state: after a fault, the old state may have been donated to a call that
-        never returned."""
+        """Every row free in a fresh state, nothing in flight: after a fault, the old state may have been donated
+        to a call that never returned."""
         self.active.clear()
+        self._in_flight.clear()
         self.state = self._empty_state()
         self.requests = self._device_requests()
 
-    def step(self) -> dict[int, RowUpdate]:
-        """One round for every row: each active row's new tokens; finished rows leave the pool."""
-        self.state, report = decode_round(self.spec, self.models, self.state, self.requests)
+    @property
+    def in_flight(self) -> int:
+        """Rounds dispatched and not yet collected."""
+        return len(self._in_flight)
+
+    def dispatch(self) -> None:
+        """Start one round for every row without waiting for it: the greedy round while every active row is
+        greedy, else the sampled one."""
+        sampled = any(not self._settings[row].greedy for row in self.active)
+        tier = next(t for t in self.tiers if t > max(self.active, default=0))
+        self._run_round(self.spec if sampled else self.greedy_spec, tier)
+
+    def _run_round(self, spec: RoundSpec, tier: int) -> None:
+        if tier == self.rows:
+            self.state, report = decode_round(spec, self.models, self.state, self.requests)
+        else:
+            self.state, report = front_round(spec, self.models, self.state, self.requests, tier)
+        self._in_flight.append((report, dict(self.active)))
+
+    def collect(self) -> dict[int, RowUpdate]:
+        """The oldest dispatched round's new tokens for each row still held by the request it ran for; finished
+        rows leave the pool."""
+        report, holders = self._in_flight.popleft()
         report = np.asarray(report)
         updates = {}
-        for row, entry in list(self.active.items()):
+        for row, entry in holders.items():
+            if self.active.get(row) is not entry:  # released, or already finished by an earlier report
+                continue
             produced, stopped = int(report[row, self.width]), bool(report[row, self.width + 1])
             entry.produced += produced
             finish = "stop" if stopped else "length" if entry.produced >= entry.max_new_tokens else None
@@ -165,6 +221,11 @@ class RowPool:
             if finish is not None:
                 del self.active[row]
         return updates
+
+    def step(self) -> dict[int, RowUpdate]:
+        """One round for every row, waited for (with nothing else in flight)."""
+        self.dispatch()
+        return self.collect()
 
     def _device_requests(self) -> Requests:
         return jax.device_put(Requests(self._max_length, self._stop_ids, SamplingArrays.of(self._settings)))
@@ -181,11 +242,15 @@ class RowPool:
         return jax.device_put(state, state_shardings(state, mesh)) if mesh is not None else state
 
     def warm_up(self) -> None:
-        """Compile every executable the pool will run: each prompt bucket's prefill, the insert and the round
-        (twice each, so a second call finds what the first left: shardings and layouts settle after one)."""
+        """Compile every executable the pool will run: each prompt bucket's prefill, the insert and each tier's
+        sampled and greedy rounds (twice each, so a second call finds what the first left: shardings and layouts
+        settle after one)."""
         for _ in range(2):
             for padded in self.buckets:
                 self.admit([1] * min(padded, self.max_prompt), 1, [], GREEDY)
-            self.admit([1], min(self.width + 1, self.max_len - 1), [], Sampling(temperature=1.0, seed=1))
-            while self.active:
-                self.step()
+            row, _ = self.admit([1], min(self.width + 1, self.max_len - 1), [], GREEDY)
+            for spec in (self.spec, self.greedy_spec):
+                for tier in self.tiers:
+                    self._run_round(spec, tier)
+                    self.collect()
+            self.release(row)

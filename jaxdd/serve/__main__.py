@@ -57,7 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-len", type=positive, default=1024, help="prompt + output tokens per request")
     parser.add_argument("--max-prompt", type=positive, help="prompt tokens per request (default: --max-len - 1)")
     parser.add_argument("--request-timeout", type=seconds, help="seconds a request may run before it is ended")
-    parser.add_argument("--drain-timeout", type=seconds, default=30.0, help="on SIGTERM/SIGINT: seconds to finish")
+    parser.add_argument(
+        "--drain-timeout",
+        type=seconds,
+        default=30.0,
+        help="on SIGTERM / SIGINT: seconds to let requests in flight finish before exiting",
+    )
     parser.add_argument("--chat-template", type=Path, help="a Jinja chat template (default: the checkpoint's)")
     parser.add_argument("--model-name", help="the model id clients name (default: the checkpoint directory's name)")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")

@@ -2,7 +2,7 @@
 
 Every request is checked before it is queued (a 400 names the field); past ``--max-waiting`` it gets a 429. A
 stream whose client goes away cancels its request (the generator is closed), and so does a non-streaming request
-whose client disconnects (a task waits for the disconnect), so its row is free for the next round.
+whose client disconnects (polled while it waits), so its row is free for the next round.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from jaxdd.serve import errors, protocol
 from jaxdd.serve.output import Output
 from jaxdd.serve.scheduler import Event, Job, NotReady, QueueFull, Scheduler
 from jaxdd.weights.tokenizer import TextTokenizer, render_chat_template
+
+DISCONNECT_POLL = 0.25  # seconds between a non-streaming request's looks at its connection
 
 
 @dataclasses.dataclass
@@ -157,7 +159,7 @@ async def generate(server: Server, kind: Literal["completion", "chat"], body, pr
     if body.stream:
         chunks = stream(server, kind, body, job, events, output, request_id)
         return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    watcher = asyncio.create_task(wake_on_disconnect(request, events))
+    watcher = asyncio.create_task(watch_disconnect(request, events))
     try:
         text, finish = "", None
         while finish is None:
@@ -167,8 +169,8 @@ async def generate(server: Server, kind: Literal["completion", "chat"], body, pr
             delta, finish = take(event, output, job)
             text += delta
     finally:
-        watcher.cancel()
         job.cancel()
+        watcher.cancel()
     ids = output.token_ids if body.return_token_ids else None
     choice = protocol.completion_choice(text, finish, ids)
     if kind == "chat":
@@ -189,10 +191,10 @@ def take(event: Event, output: Output, job: Job) -> tuple[str, str | None]:
     return delta, event.finish
 
 
-async def wake_on_disconnect(request: Request, events: asyncio.Queue) -> None:
-    """Put None on ``events`` once the client disconnects (the body is read, so ``receive`` waits for that)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+async def watch_disconnect(request: Request, events: asyncio.Queue) -> None:
+    """Put None in ``events`` once the client has disconnected (looked at every ``DISCONNECT_POLL`` seconds)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL)
     events.put_nowait(None)
 
 

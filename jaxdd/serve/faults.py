@@ -1,7 +1,7 @@
 """Test-only fault injection: with ``JAXDD_SERVE_FAULTS=1`` in the environment the server gets
-``POST /debug/fault {"rounds": N, "fatal": false}``, which makes its next N rounds raise inside the engine (the
-decode state deleted first, as a fault mid-call would leave it); ``fatal`` also makes the pool's reset raise, so
-the engine cannot recover. Without the variable nothing is installed: the normal path runs unwrapped.
+``POST /debug/fault {"rounds": N, "fatal": false}``, which makes its next N round dispatches raise inside the
+engine (the decode state deleted first, as a fault mid-call would leave it); ``fatal`` also makes the pool's reset
+raise, so the engine cannot recover. Without the variable nothing is installed: the normal path runs unwrapped.
 """
 
 from __future__ import annotations
@@ -29,21 +29,22 @@ class FaultPlan(BaseModel):
 class Injector:
     def __init__(self, pool: RowPool):
         self.rounds, self.fatal = 0, False
-        step, reset = pool.step, pool.reset
+        dispatch, reset = pool.dispatch, pool.reset
 
-        def faulty_step():
+        def faulty_dispatch():
             if self.rounds > 0:
                 self.rounds -= 1
                 jax.tree.map(lambda leaf: leaf.delete() if isinstance(leaf, jax.Array) else None, pool.state)
                 raise InjectedFault("injected fault in a round")
-            return step()
+            dispatch()
 
         def faulty_reset():
             if self.fatal:
                 raise InjectedFault("injected fault: the pool cannot be reset")
             reset()
 
-        pool.step, pool.reset = faulty_step, faulty_reset  # on the instance: the class's methods stay as they are
+        # On the instance: the class's methods stay as they are.
+        pool.dispatch, pool.reset = faulty_dispatch, faulty_reset
 
 
 def install_from_env(app: FastAPI, pool: RowPool) -> None:

@@ -121,7 +121,7 @@ class Scheduler:
             while not self._stopping.is_set():
                 self._free_rows()
                 self._guarded(self._admit)
-                if self._rows:
+                if self._rows or self.pool.in_flight:
                     self._guarded(self._round)
                 else:
                     with self._wake:
@@ -152,6 +152,7 @@ class Scheduler:
             for job in jobs:
                 job.deliver(Event([], error=message))
             self.pool.reset()
+            self._free = len(self.pool.free_rows())
             self.metrics.running.set(0)
 
     def _free_rows(self) -> None:
@@ -201,7 +202,12 @@ class Scheduler:
         self.metrics.running.set(len(self._rows))
 
     def _round(self) -> None:
-        updates = self.pool.step()
+        """Dispatch a round, then hand out the previous one's tokens while it runs (at most two in flight)."""
+        if self._rows:
+            self.pool.dispatch()
+        if self.pool.in_flight < 2 and self._rows:
+            return
+        updates = self.pool.collect()
         for row, update in updates.items():
             job = self._rows.get(row)
             if job is None:

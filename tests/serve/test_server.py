@@ -224,6 +224,20 @@ def test_closed_stream_frees_its_row(server):
     assert metric(url, "generation_tokens_total") - before < max_tokens  # ended early, not run to its length
 
 
+def test_a_client_read_timeout_frees_its_row(server):
+    """A non-streaming client that gives up (its own read timeout) frees the row as a closed stream does."""
+    url, _, _ = server
+    before = metric(url, "generation_tokens_total")
+    body = {"prompt": [4, 5, 6], "max_tokens": MAX_LEN - 8, "temperature": 1.0, "seed": 2}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+    deadline = time.monotonic() + 10
+    while metric(url, "num_requests_running") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(url, "num_requests_running") == 0
+    assert metric(url, "generation_tokens_total") - before < MAX_LEN - 8
+
+
 def test_timeout_ends_a_request(server):
     _, client, _ = server
     response = client.completions.create(

@@ -1,0 +1,220 @@
+"""python -m jaxdd.serve under load: N concurrent clients (1, 4, 16) with mixed prompt and output lengths, greedy and
+T=0.7, against static batching (``generate_batch``) of the same requests in groups of N; the bundled pair.
+
+    python benchmarks/serve_load.py [--requests-per-client 2] [--clients 1,4,16] [--max-batch 16]
+
+Reports throughput (generated tokens / wall seconds), TTFT (arrival to the first streamed token), TPOT ((last token
+- first token) / (tokens - 1) per request; a speculative chunk carries several tokens, so not per-chunk ITL) and
+mean acceptance (tokens per request per round, from the server's metrics), and the server's compiles after warm-up.
+The static baseline runs each group of N requests as one batch that ends with its longest request, compile time
+excluded. Writes benchmarks/results/serve_load.json and serve_load.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import os
+import queue
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+
+import jaxdd
+from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.generate import DEMO
+from jaxdd.testing.benchmark import write_result
+from jaxdd.weights.tokenizer import load_tokenizer
+
+RESULTS = Path(__file__).parent / "results" / "serve_load.json"
+MAX_LEN, MAX_PROMPT = 320, 64
+SNIPPETS = [
+    'def read_config(path):\n    """Read a JSON config file and return it as a dict."""\n',
+    "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "for i in range(10):\n    print(i)\n",
+    "def merge_sort(values):\n    if len(values) <= 1:\n        return values\n    middle = len(values) // 2\n",
+]
+
+
+def make_requests(count: int, temperature: float, seed: int) -> list[dict]:
+    """Mixed lengths: prompts of 4..64 tokens cut from code snippets, outputs log-uniform in 16..256 tokens."""
+    rng = np.random.default_rng(seed)
+    tokenizer = load_tokenizer(DEMO / "target")
+    requests = []
+    for i in range(count):
+        ids = tokenizer.encode(SNIPPETS[i % len(SNIPPETS)] * 4)
+        prompt = ids[: int(rng.integers(4, MAX_PROMPT + 1))]
+        length = int(np.exp(rng.uniform(np.log(16), np.log(256))))
+        requests.append({"prompt": prompt, "max_tokens": length, "temperature": temperature, "seed": i})
+    return requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return float(re.search(rf"^jaxdd:{name} (\S+)$", text, re.MULTILINE).group(1))
+
+
+@contextlib.contextmanager
+def server(max_batch: int, method: str):
+    port = free_port()
+    command = [sys.executable, "-m", "jaxdd.serve", "--port", str(port), "--max-batch", str(max_batch)]
+    command += ["--max-len", str(MAX_LEN), "--max-prompt", str(MAX_PROMPT), "--max-waiting", "256"]
+    command += ["--method", method]
+    process = subprocess.Popen(command, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise SystemExit("jaxdd: the server exited during start-up")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.5)
+        else:
+            raise SystemExit("jaxdd: the server did not start in 600 s")
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def one_request(client: openai.OpenAI, request: dict) -> dict:
+    start = time.perf_counter()
+    first, tokens = None, 0
+    options = {"prompt": request["prompt"], "max_tokens": request["max_tokens"], "temperature": request["temperature"]}
+    stream = client.completions.create(
+        model="kimi-mini", stream=True, seed=request["seed"], extra_body={"return_token_ids": True}, **options
+    )
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.token_ids:
+                first = first or time.perf_counter()
+                tokens += len(choice.token_ids)
+    end = time.perf_counter()
+    tpot = (end - first) / (tokens - 1) if tokens > 1 else None
+    return {"ttft": first - start, "tpot": tpot, "tokens": tokens}
+
+
+def load(url: str, requests: list[dict], clients: int) -> dict:
+    """``clients`` threads, each taking the next unsent request when its last one ends (at most ``clients`` in
+    flight, as vLLM's benchmark_serving --max-concurrency)."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600, max_retries=0)
+    before = {name: metric(url, name) for name in ("spec_decode_num_drafts_total", "generation_tokens_total")}
+    accepted0, compiles0 = metric(url, "spec_decode_num_accepted_tokens_total"), metric(url, "compiles_total")
+    start = time.perf_counter()
+    unsent = queue.SimpleQueue()
+    for request in requests:
+        unsent.put(request)
+
+    def send_until_empty() -> list[dict]:
+        results = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                results.append(one_request(client, unsent.get_nowait()))
+        return results
+
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        results = [r for done in pool.map(lambda _: send_until_empty(), range(clients)) for r in done]
+    seconds = time.perf_counter() - start
+    drafts = metric(url, "spec_decode_num_drafts_total") - before["spec_decode_num_drafts_total"]
+    accepted = metric(url, "spec_decode_num_accepted_tokens_total") - accepted0
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "requests": len(results),
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_second": tokens / seconds,
+        "ttft_median_s": statistics.median(r["ttft"] for r in results),
+        "tpot_median_s": statistics.median(r["tpot"] for r in results if r["tpot"] is not None),
+        "mean_acceptance": 1 + accepted / drafts if drafts else None,
+        "compiles_during_load": metric(url, "compiles_total") - compiles0,
+    }
+
+
+def static(decoder: SpeculativeDecoder, method: str, requests: list[dict], clients: int) -> dict:
+    """The same requests as batches of ``clients`` that start and end together (compile time excluded)."""
+    tokens, seconds = 0, 0.0
+    for i in range(0, len(requests), clients):
+        group = requests[i : i + clients]
+        results = decoder.generate_batch(
+            [r["prompt"] for r in group],
+            method=method,
+            max_new_tokens=[r["max_tokens"] for r in group],
+            sampling=[jaxdd.Sampling(r["temperature"], seed=r["seed"]) for r in group],
+        )
+        tokens += sum(len(r.tokens) for r in results)
+        seconds += results[0].prefill_seconds + results[0].decode_seconds - results[0].compile_seconds
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for temperature, axis in zip((0.0, 0.7), axes, strict=True):
+        picked = [r for r in rows if r["temperature"] == temperature]
+        clients = [r["clients"] for r in picked]
+        axis.plot(clients, [r["continuous"]["tokens_per_second"] for r in picked], "o-", label="continuous (server)")
+        axis.plot(clients, [r["static"]["tokens_per_second"] for r in picked], "s--", label="static generate_batch")
+        axis.set(xscale="log", xlabel="concurrent clients", ylabel="generated tokens / s", title=f"T = {temperature}")
+        axis.set_xticks(clients, [str(c) for c in clients])
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", default="1,4,16", help="comma-separated client counts")
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--method", default="dflash", choices=["ar", "dflash", "ddtree"])
+    args = parser.parse_args()
+    counts = [int(c) for c in args.clients.split(",")]
+    plans = [(t, n, make_requests(n * args.requests_per_client, t, seed=n)) for t in (0.0, 0.7) for n in counts]
+    rows = []
+    with server(args.max_batch, args.method) as url:
+        for temperature, clients, requests in plans:
+            row = {"temperature": temperature, "clients": clients, "continuous": load(url, requests, clients)}
+            print(row, flush=True)
+            rows.append(row)
+    target, drafter = jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32")
+    decoder = SpeculativeDecoder(target, None if args.method == "ar" else drafter)
+    for row, (_, clients, requests) in zip(rows, plans, strict=True):
+        row["static"] = static(decoder, args.method, requests, clients)
+        row["speedup"] = row["continuous"]["tokens_per_second"] / row["static"]["tokens_per_second"]
+        print(row["temperature"], clients, row["static"], f"{row['speedup']:.2f}x", flush=True)
+    settings = {"method": args.method, "max_batch": args.max_batch, "max_len": MAX_LEN, "max_prompt": MAX_PROMPT}
+    settings["requests_per_client"] = args.requests_per_client
+    write_result(RESULTS, {"settings": settings, "rows": rows})
+    plot(rows, RESULTS.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
