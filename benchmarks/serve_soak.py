@@ -1,9 +1,9 @@
 """Soak the server on loopback: a mixed load with bad requests, vanished clients and overload, then whether
 anything crashed, hung or grew.
 
-    python benchmarks/serve_soak.py [--requests 2000] [--seconds 900] [--clients 16] [--max-tokens 48]
+    python benchmarks/serve_soak.py [--requests 2000] [--seconds 900] [--clients 10] [--max-tokens 64]
 
-Starts ``python -m jaxdd.serve`` on the bundled pair (4 rows, 4 waiting: 16 clients overload it) and sends
+Starts ``python -m jaxdd.serve`` on the bundled pair (4 rows, 4 waiting: 10 clients overload it) and sends
 ``--requests`` completions from ``--clients`` threads, stopping early after ``--seconds``. Each request is, by
 its own seed: bad (``--bad``, one of many malformed or out-of-range bodies: a 4xx with an error body is
 "rejected"), a client that vanishes (``--disconnect``: a stream closed after its first chunk, or a read timeout),
@@ -12,7 +12,7 @@ or a normal one (streamed or not, greedy or sampled, token ids or text). Served 
 its end); a hang is a request still unanswered after ``--hang-seconds``; a crash is the server process exiting.
 Every few seconds it samples the server's RSS, threads, open files and ``compiles_total``; growth is measured from
 the end of the warm-up (the first ``--warm-up`` requests) to the end, with the server idle both times. Writes
-benchmarks/results/serve_soak.json and serve_soak.png.
+benchmarks/results/serve_soak.json and serve_soak.png (``--name`` for another stem).
 """
 
 from __future__ import annotations
@@ -62,14 +62,15 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--seconds", type=float, default=900.0, help="stop sending after this long")
-    parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=48, help="normal requests ask for 1..this many tokens")
+    parser.add_argument("--clients", type=int, default=10, help="more than rows + waiting (8): overload")
+    parser.add_argument("--max-tokens", type=int, default=64, help="normal requests ask for 1..this many tokens")
     parser.add_argument("--bad", type=float, default=0.1, help="share of bad requests")
     parser.add_argument("--disconnect", type=float, default=0.1, help="share of clients that vanish")
     parser.add_argument("--warm-up", type=int, default=200, help="requests before the baseline")
     parser.add_argument("--hang-seconds", type=float, default=120.0, help="a request unanswered this long hangs")
     parser.add_argument("--sample-every", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=41)
+    parser.add_argument("--name", default="serve_soak", help="results file stem under benchmarks/results/")
     return parser.parse_args()
 
 
@@ -269,8 +270,8 @@ def main() -> None:
     print(json.dumps({k: v for k, v in report.items() if k not in {"samples", "problems"}}, indent=2))
     for problem in load.problems[:10]:
         print("problem:", problem)
-    write_result(RESULTS / "serve_soak.json", report)
-    plot(samples, warm_done, RESULTS / "serve_soak.png")
+    write_result(RESULTS / f"{args.name}.json", report)
+    plot(samples, warm_done, RESULTS / f"{args.name}.png")
 
 
 if __name__ == "__main__":

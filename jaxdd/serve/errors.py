@@ -74,8 +74,8 @@ def describe(errors: list[dict]) -> tuple[str, str | None]:
     the deepest error, and one that is not a type mismatch where there is one."""
     first = errors[0]
     if first.get("type") == "json_invalid":
-        where = first.get("loc", ("body", "?"))[-1]
-        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'decode error')} at {where}", None
+        where, why = first.get("loc", ("body", "?"))[-1], first.get("ctx", {}).get("error", "decode error")
+        return f"the body is not valid JSON: {why} (at character {where})", None
     if tuple(first.get("loc", ())) == ("body",):
         if first.get("type") == "missing":
             return "the body is empty: expected a JSON object", None

@@ -4,6 +4,10 @@ requests, admits waiting requests into free rows, then runs a round and hands ev
 Requests wait in a bounded queue (``submit`` refuses past ``max_waiting``: the caller answers 429). Tokens reach a
 request through its ``deliver`` callback, which must be thread-safe (the HTTP side wraps an asyncio queue with
 ``loop.call_soon_threadsafe``).
+
+An exception in a round or an admission fails the requests the pool held (each gets an error event: a 500) and
+the pool starts afresh; only a pool that cannot is fatal (``failure`` set: /health answers 503). ``drain`` (on
+shutdown) refuses new requests and ends what still runs at its deadline with finish reason "abort".
 """
 
 from __future__ import annotations
@@ -75,7 +79,6 @@ class Scheduler:
         self._stopping = threading.Event()
         self.ready = threading.Event()
         self.failure: str | None = None  # why the engine stopped, if it did
-        self.faults = 0  # rounds (or admissions) that raised and were recovered from
         self._admitting: Job | None = None
         self._drain_deadline: float | None = None  # set on shutdown: admit nothing new, end what runs by then
         self._thread = threading.Thread(target=self._run, name="jaxdd-scheduler", daemon=True)
@@ -144,7 +147,6 @@ class Scheduler:
             step()
         except Exception as error:
             traceback.print_exc()
-            self.faults += 1
             message = f"engine fault in a round: {type(error).__name__}: {error}"
             jobs = [*self._rows.values(), *filter(None, [self._admitting])]
             self._rows.clear()
