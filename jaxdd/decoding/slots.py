@@ -178,6 +178,14 @@ class RowPool:
         which costs nothing extra (the round's shape is fixed) and touches no other row."""
         self.active.pop(row, None)
 
+    def reset(self) -> None:
+        """Every row free in a fresh state, nothing in flight: after a fault, the old state may have been donated
+        to a call that never returned."""
+        self.active.clear()
+        self._in_flight.clear()
+        self.state = self._empty_state()
+        self.requests = self._device_requests()
+
     @property
     def in_flight(self) -> int:
         """Rounds dispatched and not yet collected."""

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import jax
-import uvicorn
 
 import jaxdd
 from jaxdd.cli import simulate_cpu_devices
@@ -24,6 +23,7 @@ from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.slots import RowPool
 from jaxdd.generate import DEMO, positive, print_note
 from jaxdd.runtime.backend import Backend
+from jaxdd.serve import faults, lifecycle
 from jaxdd.serve.app import Server, create_app
 from jaxdd.serve.metrics import Metrics
 from jaxdd.serve.scheduler import Scheduler
@@ -117,13 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     shape = f"{method}, {args.max_batch} rows, {pool.slots} cache slots, prompt buckets {pool.buckets}"
     print_note(f"serving {name} ({shape}) on http://{args.host}:{args.port}/v1")
     try:
-        uvicorn.run(
-            create_app(server),
-            host=args.host,
-            port=args.port,
-            log_level="warning",
-            timeout_graceful_shutdown=args.drain_timeout,
-        )
+        app = create_app(server)
+        faults.install_from_env(app, pool)
+        lifecycle.serve(app, scheduler, args.host, args.port, args.drain_timeout)
     finally:
         scheduler.stop()
     return 0

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.decoding.slots import RowPool
 from jaxdd.errors import InputError
-from jaxdd.serve import protocol
+from jaxdd.serve import errors, protocol
 from jaxdd.serve.output import Output
 from jaxdd.serve.scheduler import Event, Job, NotReady, QueueFull, Scheduler
 from jaxdd.weights.tokenizer import TextTokenizer, render_chat_template
@@ -75,6 +75,8 @@ def create_app(server: Server) -> FastAPI:
             return error_response(APIError(503, server.scheduler.failure, "server_error"))
         if not server.scheduler.ready.is_set():
             return error_response(APIError(503, "compiling", "server_error", code="not_ready"))
+        if server.scheduler.draining:
+            return error_response(APIError(503, "shutting down", "server_error", code="draining"))
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -106,6 +108,7 @@ def create_app(server: Server) -> FastAPI:
         prompt = encode(server, text, special=True)
         return await generate(server, "chat", body, prompt, body.max_completion_tokens or body.max_tokens, request)
 
+    errors.install(app)
     return app
 
 

@@ -7,11 +7,11 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from jaxdd.decoding.requests import MAX_STOP_TOKENS
 
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Strict(), Field(ge=0, lt=2**31)]  # strict: true / 1.0 / "1" are not token ids
 
 
 class StreamOptions(BaseModel):
@@ -25,9 +25,9 @@ class SamplingFields(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)  # OpenAI's default; 0 is greedy
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # OpenAI's default and range; 0 is greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # 0 or -1 (vLLM's spelling): no limit
+    top_k: int = Field(0, ge=-1, lt=2**31)  # 0 or -1 (vLLM's spelling): no limit
     seed: int | None = Field(None, ge=0, lt=2**32)
     n: Literal[1] = 1
     stop: str | list[str | TokenId] | None = Field(None, max_length=MAX_STOP_TOKENS)

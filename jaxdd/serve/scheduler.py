@@ -4,6 +4,10 @@ requests, admits waiting requests into free rows, then runs a round and hands ev
 Requests wait in a bounded queue (``submit`` refuses past ``max_waiting``: the caller answers 429). Tokens reach a
 request through its ``deliver`` callback, which must be thread-safe (the HTTP side wraps an asyncio queue with
 ``loop.call_soon_threadsafe``).
+
+An exception in a round or an admission fails the requests the pool held (each gets an error event: a 500) and
+the pool starts afresh; only a pool that cannot is fatal (``failure`` set: /health answers 503). ``drain`` (on
+shutdown) refuses new requests and ends what still runs at its deadline with finish reason "abort".
 """
 
 from __future__ import annotations
@@ -75,6 +79,8 @@ class Scheduler:
         self._stopping = threading.Event()
         self.ready = threading.Event()
         self.failure: str | None = None  # why the engine stopped, if it did
+        self._admitting: Job | None = None
+        self._drain_deadline: float | None = None  # set on shutdown: admit nothing new, end what runs by then
         self._thread = threading.Thread(target=self._run, name="jaxdd-scheduler", daemon=True)
 
     def start(self) -> None:
@@ -86,11 +92,23 @@ class Scheduler:
             self._wake.notify()
         self._thread.join(timeout)
 
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    def drain(self, timeout: float) -> None:
+        """Admit no new request; requests already queued or running finish, or end ("abort") after ``timeout``."""
+        with self._wake:
+            self._drain_deadline = time.monotonic() + timeout
+            self._wake.notify()
+
     def submit(self, job: Job) -> None:
         """Queue a request, or raise ``NotReady`` / ``QueueFull`` at once."""
         if not self.ready.is_set() or self.failure is not None:
             raise NotReady(self.failure or "the server is still compiling")
         with self._wake:
+            if self._drain_deadline is not None:
+                raise NotReady("the server is shutting down")
             waiting = len(self._waiting) - self._free
             if waiting >= self.max_waiting:
                 raise QueueFull(f"{waiting} requests are already waiting (--max-waiting {self.max_waiting})")
@@ -105,9 +123,9 @@ class Scheduler:
             self.ready.set()
             while not self._stopping.is_set():
                 self._free_rows()
-                self._admit()
+                self._guarded(self._admit)
                 if self._rows or self.pool.in_flight:
-                    self._round()
+                    self._guarded(self._round)
                 else:
                     with self._wake:
                         if not self._waiting and not self._stopping.is_set():
@@ -115,18 +133,39 @@ class Scheduler:
         except Exception as error:  # the engine cannot go on: fail everyone, /health says why
             self.failure = f"engine failed: {type(error).__name__}: {error}"
             traceback.print_exc()
-            for job in [*self._rows.values(), *self._waiting]:
+            with self._wake:
+                jobs = [*self._rows.values(), *self._waiting, *filter(None, [self._admitting])]
+                self._rows.clear()
+                self._waiting.clear()
+            for job in jobs:
                 job.deliver(Event([], error=self.failure))
+
+    def _guarded(self, step: Callable[[], None]) -> None:
+        """Run ``step``; if the engine raises, fail the requests it held (a 500 each) and start the pool afresh
+        (its state may be half-donated). A pool that cannot be made afresh is fatal: the caller fails all."""
+        try:
+            step()
+        except Exception as error:
+            traceback.print_exc()
+            message = f"engine fault in a round: {type(error).__name__}: {error}"
+            jobs = [*self._rows.values(), *filter(None, [self._admitting])]
             self._rows.clear()
+            self._admitting = None
+            for job in jobs:
+                job.deliver(Event([], error=message))
+            self.pool.reset()
+            self._free = len(self.pool.free_rows())
+            self.metrics.running.set(0)
 
     def _free_rows(self) -> None:
         now = time.monotonic()
+        aborting = self._drain_deadline is not None and now > self._drain_deadline
         for row, job in list(self._rows.items()):
-            if job.cancelled or job.expired(now):
+            if job.cancelled or job.expired(now) or aborting:
                 self.pool.release(row)
                 del self._rows[row]
                 if not job.cancelled:
-                    job.deliver(Event([], finish="timeout"))
+                    job.deliver(Event([], finish="abort" if aborting else "timeout"))
         self._free = len(self.pool.free_rows())
         self.metrics.running.set(len(self._rows))
 
@@ -141,6 +180,10 @@ class Scheduler:
                 if job.expired(now):
                     job.deliver(Event([], finish="timeout"))
                     continue
+                if self._drain_deadline is not None and now > self._drain_deadline:
+                    job.deliver(Event([], finish="abort"))
+                    continue
+                self._admitting = job
                 return job
         return None
 
@@ -150,6 +193,7 @@ class Scheduler:
             if job is None:
                 break
             row, update = self.pool.admit(job.prompt, job.max_new_tokens, job.stop_ids, job.sampling)
+            self._admitting = None
             self.metrics.prompt_tokens.inc(len(job.prompt))
             job.first_token_at = time.monotonic()
             self.metrics.ttft.observe(job.first_token_at - job.arrived)
