@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 
 import jaxdd
-from jaxdd.cli import simulate_cpu_devices
+from jaxdd import cli
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.slots import RowPool
 from jaxdd.generate import DEMO, positive, print_note
@@ -83,8 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     method = args.method or ("dflash" if drafter_dir else "ar")
     if method != "ar" and not drafter_dir:
         parser.error(f"--method {method} needs --drafter DIR")
-    if args.devices is not None:
-        simulate_cpu_devices(args.devices)
+    platform = cli.choose_platform()  # before JAX starts a backend: no libtpu stall, a clear line for a missing GPU
+    cli.enable_compilation_cache()
+    if args.devices is not None and platform == "cpu":
+        cli.simulate_cpu_devices(args.devices)
+    cli.start_backend()
     backend = Backend.local()
     devices = args.devices or (1 if backend.platform == "cpu" else len(jax.devices()))
     if devices > len(jax.devices()):
@@ -135,4 +138,4 @@ def read_template(path: Path) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -95,6 +95,15 @@ def test_more_devices_than_the_host_can_simulate():
     assert cli.simulated_device_limit(64 * 2**30) == 692  # sqrt(32 GiB / 70 KiB per device pair)
 
 
+def test_server_start_up_faults(tmp_path):
+    """The server's start-up answers as the other CLIs do, before it loads or compiles anything."""
+    serve = [sys.executable, "-m", "jaxdd.serve", "--port", "1"]
+    if not cli._present(cli.PLATFORMS["cuda"]):
+        assert "this host has no GPU" in one_line(run(serve, {"JAX_PLATFORMS": "cuda"}))
+    assert "--devices 100000: this host has 1 CPU device" in one_line(run([*serve, "--devices", "100000"]))
+    assert one_line(run([*serve, "--checkpoint", str(tmp_path / "absent")])).endswith("not a directory\n")
+
+
 def test_broken_pipe_is_quiet_libtpu_never_speaks_and_compiles_are_cached(tmp_path):
     """With no JAX_PLATFORMS (libtpu and the CUDA plugin installed, neither device here) the run is the CPU's,
     silent on stderr but for its status line; its output into a reader that closes after 10 bytes ends it
