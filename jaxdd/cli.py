@@ -6,6 +6,7 @@ one is an assertion, a C++ abort, a stall in libtpu's probe for a TPU, or a host
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import math
@@ -19,6 +20,7 @@ from typing import NoReturn
 import jax
 
 from jaxdd.errors import CheckpointError, ConfigError, InputError
+from jaxdd.types import METHODS
 
 USAGE, INTERRUPTED, BROKEN_PIPE = 2, 130, 141  # 130 and 141: the shell's codes for SIGINT and SIGPIPE
 PLATFORMS = {"cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "tpu": "tpu"}
@@ -30,6 +32,45 @@ DEVICE_FILES = {"gpu": ("/dev/nvidiactl", "/dev/kfd"), "tpu": ("/dev/accel0", "/
 CPU_DEVICE_PAIR_BYTES = 70 * 2**10
 CACHE_ENVIRONMENT = "JAXDD_COMPILATION_CACHE"  # a directory, or 0 / off: no persistent compilation cache
 CLEAR_ERRORS = (CheckpointError, ConfigError, InputError)
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("the prompt is empty")
+    return ids
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """A command's parser: its docstring's first paragraph as the description, the rest as the epilog."""
+    return argparse.ArgumentParser(
+        prog=prog,
+        description=doc.split("\n\n")[0].replace("``", ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=doc.split("\n\n", 1)[1].replace("``", ""),
+    )
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The pair and the round: what ``generate`` and ``serve`` both take."""
+    parser.add_argument("--checkpoint", type=Path, help="target: HF or jaxdd checkpoint (default: bundled kimi-mini)")
+    parser.add_argument("--drafter", type=Path, help="DFlash drafter checkpoint (default with kimi-mini: its drafter)")
+    parser.add_argument("--method", choices=METHODS, help="default: dflash with a drafter, else ar")
+    parser.add_argument("--block-size", type=positive, help="DFlash block size (default: the drafter's)")
+    parser.add_argument("--budget", type=positive, help="DDTree nodes per round (default: block size - 1)")
 
 
 class Refusal(Exception):

@@ -23,52 +23,24 @@ import jax
 
 import jaxdd
 from jaxdd import cli
+from jaxdd.cli import parse_ids, positive
 from jaxdd.decoding.engine import Generation
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.distributed import disagreeing_processes, join
-from jaxdd.types import METHODS, MOE_MODES
+from jaxdd.types import MOE_MODES
 from jaxdd.weights.tokenizer import TextTokenizer, load_tokenizer
 
 DEMO = Path(__file__).parent / "demo" / "kimi-mini"
 DEFAULT_PROMPT = 'def read_config(path):\n    """Read a JSON config file and return it as a dict."""\n'
 
 
-def parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise argparse.ArgumentTypeError("the prompt is empty")
-    return ids
-
-
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m jaxdd.generate",
-        description=__doc__.split("\n\n")[0].replace("``", ""),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1].replace("``", ""),
-    )
+    parser = cli.command_parser("python -m jaxdd.generate", __doc__)
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("prompt", nargs="?", help="prompt text (default with the bundled model: a Python stub)")
     prompt.add_argument("--prompt-file", type=Path, help="read the prompt text from a file ('-': stdin)")
     prompt.add_argument("--prompt-ids", type=parse_ids, help="prompt token ids, e.g. 1,2,3")
-    parser.add_argument("--checkpoint", type=Path, help="target: HF or jaxdd checkpoint (default: bundled kimi-mini)")
-    parser.add_argument("--drafter", type=Path, help="DFlash drafter checkpoint (default with kimi-mini: its drafter)")
-    parser.add_argument("--method", choices=METHODS, help="default: dflash with a drafter, else ar")
-    parser.add_argument("--block-size", type=positive, help="DFlash block size (default: the drafter's)")
-    parser.add_argument("--budget", type=positive, help="DDTree nodes per round (default: block size - 1)")
+    cli.add_model_flags(parser)
     parser.add_argument("--max-new-tokens", type=positive, default=64, help="generate at most this many tokens")
     parser.add_argument("--stop-ids", type=parse_ids, help="stop token ids (default: EOS and end of turn)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

@@ -6,9 +6,9 @@ import argparse
 import json
 
 from jaxdd import cli
+from jaxdd.cli import parse_ids, positive
 from jaxdd.crosscheck import __doc__ as usage
 from jaxdd.errors import CheckpointError, ConfigError, InputError
-from jaxdd.generate import parse_ids, positive
 from jaxdd.types import METHODS, MOE_MODES
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}

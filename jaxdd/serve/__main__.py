@@ -19,15 +19,16 @@ import jax
 
 import jaxdd
 from jaxdd import cli
+from jaxdd.cli import positive
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.slots import RowPool
-from jaxdd.generate import DEMO, positive, print_note
+from jaxdd.generate import DEMO, print_note
 from jaxdd.runtime.backend import Backend
 from jaxdd.serve import faults, lifecycle
 from jaxdd.serve.app import Server, create_app
 from jaxdd.serve.metrics import Metrics
 from jaxdd.serve.scheduler import Scheduler
-from jaxdd.types import METHODS, MOE_MODES
+from jaxdd.types import MOE_MODES
 from jaxdd.weights.tokenizer import load_tokenizer
 
 
@@ -42,17 +43,8 @@ def seconds(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m jaxdd.serve",
-        description=__doc__.split("\n\n")[0].replace("``", ""),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1].replace("``", ""),
-    )
-    parser.add_argument("--checkpoint", type=Path, help="target: HF or jaxdd checkpoint (default: bundled kimi-mini)")
-    parser.add_argument("--drafter", type=Path, help="DFlash drafter checkpoint (default with kimi-mini: its drafter)")
-    parser.add_argument("--method", choices=METHODS, help="default: dflash with a drafter, else ar")
-    parser.add_argument("--block-size", type=positive, help="DFlash block size (default: the drafter's)")
-    parser.add_argument("--budget", type=positive, help="DDTree nodes per round (default: block size - 1)")
+    parser = cli.command_parser("python -m jaxdd.serve", __doc__)
+    cli.add_model_flags(parser)
     parser.add_argument("--max-batch", type=positive, default=8, help="decode rows: requests decoded at once")
     parser.add_argument("--max-waiting", type=positive, default=64, help="queued requests past which a 429 answers")
     parser.add_argument("--max-len", type=positive, default=1024, help="prompt + output tokens per request")
