@@ -73,6 +73,20 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=positive, help="DDTree nodes per round (default: block size - 1)")
 
 
+def model_choice(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, demo: Path
+) -> tuple[bool, Path, Path | None, str]:
+    """(bundled, target directory, drafter directory or None, method) from the model flags; the bundled pair in
+    ``demo`` when no checkpoint is named."""
+    bundled = args.checkpoint is None
+    checkpoint = demo / "target" if bundled else args.checkpoint
+    drafter_dir = args.drafter or (demo / "drafter" if bundled else None)
+    method = args.method or ("dflash" if drafter_dir else "ar")
+    if method != "ar" and not drafter_dir:
+        parser.error(f"--method {method} needs --drafter DIR")
+    return bundled, checkpoint, drafter_dir, method
+
+
 class Refusal(Exception):
     """What a command refuses to do, said in one line (exit code 2)."""
 

@@ -209,12 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    bundled = args.checkpoint is None
-    checkpoint = DEMO / "target" if bundled else args.checkpoint
-    drafter_dir = args.drafter or (DEMO / "drafter" if bundled else None)
-    method = args.method or ("dflash" if drafter_dir else "ar")
-    if method != "ar" and not drafter_dir:
-        parser.error(f"--method {method} needs --drafter DIR")
+    bundled, checkpoint, drafter_dir, method = cli.model_choice(args, parser, DEMO)
     unused = [flag for flag, value, used in method_flags(args, method) if value is not None and not used]
     if unused:
         print(f"jaxdd: {unused[0]} does not apply to --method {method}", file=sys.stderr)

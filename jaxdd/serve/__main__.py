@@ -69,12 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    bundled = args.checkpoint is None
-    checkpoint = DEMO / "target" if bundled else args.checkpoint
-    drafter_dir = args.drafter or (DEMO / "drafter" if bundled else None)
-    method = args.method or ("dflash" if drafter_dir else "ar")
-    if method != "ar" and not drafter_dir:
-        parser.error(f"--method {method} needs --drafter DIR")
+    bundled, checkpoint, drafter_dir, method = cli.model_choice(args, parser, DEMO)
     platform = cli.choose_platform()  # before JAX starts a backend: no libtpu stall, a clear line for a missing GPU
     cli.enable_compilation_cache()
     if args.devices is not None and platform == "cpu":
