@@ -67,3 +67,9 @@ def test_measurements_live_in_the_benchmarks_readme():
     lines = sum(len(p.read_text().splitlines()) for p in files)
     remarks = {k: v for k, v in found.items() if v}
     assert sum(map(len, remarks.values())) <= lines / 1000, remarks
+
+
+def test_test_files_have_unique_names():
+    """pytest imports test files by their base name (no packages under tests/): two of one name cannot both run."""
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
