@@ -44,11 +44,11 @@ def expert_specs(projections: tuple[ExpertWeights, ...], mesh: Mesh, mode: MoeMo
 class Router(nnx.Module):
     """noaux_tc routing: sigmoid scores; the correction bias picks experts but does not weight them."""
 
-    def __init__(self, config: KimiConfig, rngs: nnx.Rngs):
+    def __init__(self, config: KimiConfig, dtype: str, rngs: nnx.Rngs):
         self.config = config
         e = config.n_routed_experts
-        # fp32 like the reference (HF keeps gate.weight and e_score_correction_bias in fp32).
-        self.weight = param(rngs, (config.hidden_size, e), jnp.float32, ("embed", None))
+        # bf16 where the checkpoint stores it so (Kimi, DeepSeek-V3): HF's fp32 copy holds the same values.
+        self.weight = param(rngs, (config.hidden_size, e), jnp.dtype(dtype), ("embed", None))
         self.bias = nnx.Param(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
 
     def __call__(self, x: jax.Array, backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
@@ -85,7 +85,7 @@ class MoE(nnx.Module, Placeable):
         self.config = c
         self.dispatch: Literal["auto"] | Dispatch = "auto"  # "auto": as the backend chooses
         self.placement = None  # (mesh, "tp" | "ep") once placed by ``jaxdd.runtime.sharding.shard_module``
-        self.router = Router(c, rngs)
+        self.router = Router(c, experts.router, rngs)
         self.gate = expert_weights(experts, rngs, (e, d, f), dtype, ("experts", "embed", "expert_mlp"))
         self.up = expert_weights(experts, rngs, (e, d, f), dtype, ("experts", "embed", "expert_mlp"))
         self.down = expert_weights(experts, rngs, (e, f, d), dtype, ("experts", "expert_mlp", "embed"))
