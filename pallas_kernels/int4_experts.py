@@ -27,6 +27,12 @@ BLOCK_N = 64  # output rows per program (at most; a power of two dividing N)
 BLOCK_WORDS = 32  # words of K per loop step and output row (at most; whole groups): a 64 x 32 tile in registers
 
 
+def supports(group: int) -> bool:
+    """Whether scale groups of ``group`` inputs fit the kernel's tiles: whole words, a power of two of them."""
+    words = group // PER_WORD
+    return group % PER_WORD == 0 and words > 0 and words & (words - 1) == 0
+
+
 def _pow2_divisor(n: int, cap: int) -> int:
     """The largest power of two that divides ``n``, at most ``cap`` (Triton's tiles are powers of two)."""
     return min(n & -n, cap)
@@ -113,4 +119,3 @@ def gathered_int4_matvec_gpu(
         metadata={"bytes_accessed": str(cost.bytes_accessed)},
         name="gathered_int4_matvec",
     )(chosen.astype(jnp.int32), by_nibble, *pieces)
-    return out

@@ -13,8 +13,8 @@ experts as the whole table and a loop as one trip. This walks the HLO instead, w
 - a collective moves what it sends plus what it receives (ring algorithms over its replica group of n devices: an
   all-reduce of N bytes sends and receives 2 (n - 1) / n N each way), counted in ``bytes`` and in ``collective_bytes``;
 - a custom call (a Pallas kernel, a CPU FFI kernel, a cuBLAS GEMM) counts the bytes it declares (a Pallas TPU
-  kernel's ``pl.CostEstimate``; a Triton kernel's ``bytes_accessed`` metadata) or, by default, its operands and output once (not a cuBLAS workspace);
-  ``custom_calls`` says which;
+  kernel's ``pl.CostEstimate``, a Triton kernel's ``bytes_accessed`` metadata) or, by default, its operands and
+  output once (not a cuBLAS workspace); ``custom_calls`` says which;
 - arrays outside device memory (TPU layouts in VMEM, ``S(1)``) move nothing.
 """
 
