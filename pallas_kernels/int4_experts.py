@@ -65,7 +65,8 @@ def _kernel(chosen_ref, rows_ref, packed_ref, scale_ref, out_ref, *, block_n: in
         scale = scale_ref[expert, outputs, at].astype(jnp.float32)[:, :, None]
         for i in range(PER_WORD):
             q = ((words >> (4 * i)) & 15) - 8
-            weight = (q.astype(jnp.float32) * scale).astype(jnp.bfloat16).astype(jnp.float32)  # exact product
+            # The fp32 product is exact (|q| <= 8); rounded once to bf16, as dequantize_int4_groups does.
+            weight = (q.astype(jnp.float32) * scale).astype(jnp.bfloat16).astype(jnp.float32)
             acc += weight * rows_ref[i, at, :].astype(jnp.float32)[None]
         return acc
 
@@ -85,7 +86,8 @@ def gathered_int4_matvec_gpu(
 ) -> jax.Array:
     """rows [P, K] through experts ``chosen`` [P] of packed [E, N, K/8] int32 with scale [E, N, K/group] bf16:
     [P, N] in rows' dtype (``jaxdd.runtime.cpu_kernels.gathered_int4_matvec``'s contract). Grid: pairs x blocks
-    of N; K looped inside. ``interpret``: on CPU, through Pallas' interpreter; ``compiler_params``: Triton's."""
+    of N; K looped inside. Ids must be in [0, E) (Triton does not check the loads). ``interpret``: on CPU, through
+    Pallas' interpreter; ``compiler_params``: Triton's."""
     pairs, k = rows.shape
     experts, n_out, words = packed.shape
     groups = scale.shape[2]
