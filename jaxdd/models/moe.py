@@ -2,7 +2,8 @@
 
 Dispatches (``Backend.moe_dispatch`` picks one per platform and token count; ``MoE.dispatch`` can force one):
 ``gathered`` gives each (token, slot) pair its own expert's weights, gathered from the stored pieces (and dequantized
-after the gather; INT4 on CPU: in registers by ``jaxdd.runtime.cpu_kernels``), so only the chosen experts are read;
+after the gather; INT4 on CPU and GPU: in registers by ``jaxdd.runtime.cpu_kernels`` and
+``pallas_kernels.int4_experts``), so only the chosen experts are read;
 ``grouped`` sorts the (token, slot) pairs by expert and runs grouped matmuls (``ragged_dot``), the scalable form for
 dense weights; ``dense`` runs every expert on every token and weights the outputs by the combine weights (zero for
 unchosen experts); ``scan`` does the same one expert at a time; ``skipping`` too, but skips the experts no token chose;
@@ -26,7 +27,6 @@ from jaxdd.config import KimiConfig
 from jaxdd.models.layers import MLP, linear, param
 from jaxdd.models.quant import DenseExperts, ExpertFormat, ExpertWeights, Int4Experts, expert_weights
 from jaxdd.runtime.backend import Backend
-from jaxdd.runtime.cpu_kernels import GROUP_MULTIPLE
 from jaxdd.runtime.sharding import AXIS, Placeable, partition_spec
 from jaxdd.types import Dispatch, MoeMode
 
@@ -200,11 +200,11 @@ def _grouped_experts(x, weights, experts, gate, up, down) -> jax.Array:
 
 def _pair_experts(projections, pieces, backend: Backend) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """(rows [P, D], chosen [P]) -> [P, D]: each row through its own expert. INT4 experts go through the backend's
-    matvec kernel where it has one (XLA:CPU: unpacked in registers as the words are read); otherwise the chosen
+    matvec kernel where it has one (CPU and GPU: unpacked in registers as the words are read); otherwise the chosen
     experts' pieces are gathered and then dequantized."""
     kernel = _int4_kernel(projections, backend)
     if kernel is None:
-        shifts = backend.platform != "cpu"  # so XLA:GPU and XLA:TPU fuse the gather into the matmuls
+        shifts = backend.platform != "cpu"  # so XLA:TPU (and XLA:GPU, groups the kernel lacks) fuse the gather
         return functools.partial(_gathered_pairs, projections=projections, pieces=pieces, shifts=shifts)
     gate, up, down = pieces  # (packed, scale) each
 
@@ -216,9 +216,11 @@ def _pair_experts(projections, pieces, backend: Backend) -> Callable[[jax.Array,
 
 
 def _int4_kernel(projections, backend: Backend) -> Callable[..., jax.Array] | None:
-    """The backend's INT4 matvec kernel if it has one and all three projections are INT4 in groups it takes."""
-    if all(isinstance(p, Int4Experts) and p.group % GROUP_MULTIPLE == 0 for p in projections):
-        return backend.int4_matvec()
+    """The backend's INT4 matvec kernel if it has one and all three projections are INT4 in one group size it
+    takes."""
+    groups = {p.group if isinstance(p, Int4Experts) else None for p in projections}
+    if len(groups) == 1 and None not in groups:
+        return backend.int4_matvec(groups.pop())
     return None
 
 
