@@ -168,10 +168,12 @@ class MLAttention(nnx.Module, Placeable):
             specs = (heads, heads, *(whole,) * 6)
             mesh = self.placement[0]
             attend = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
-        # The committed rows only (slots < length): the kernel reads the cache as it was, so the new rows are
-        # written after it in place, not into a copy it would wait for.
+        # The committed rows only (slots < length): the kernel reads the cache as it was, and the new rows are
+        # written after it (ordered by ``_write_after``: XLA:GPU for the RTX PRO 6000 had scheduled the write first,
+        # into a copy of the cache) in place.
         out_latent = attend(q_latent, q_pe, *cache_rows, length, latent, k_pe, visible)
         out = jnp.einsum("bthr,hdr->bthd", out_latent.astype(q_pe.dtype), self.v_up[...])
+        latent, k_pe = _write_after(out_latent, (latent, k_pe))
         keys_latent = write_rows(cache_rows[0], latent, length)  # [B, S, r]
         keys_rope = write_rows(cache_rows[1], k_pe, length)  # [B, S, dr]
         return out, (keys_latent, keys_rope)

@@ -54,7 +54,7 @@ class Router(nnx.Module):
     def __call__(self, x: jax.Array, backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
         """x [N, D] -> (weights [N, k] fp32, expert ids [N, k] int32)."""
         c = self.config
-        scores = jax.nn.sigmoid(linear(x.astype(jnp.float32), self.weight[...], backend))
+        scores = jax.nn.sigmoid(self._logits(x.astype(jnp.float32), backend))
         choice = scores + self.bias[...]
         if c.n_group > 1:
             n, per_group = x.shape[0], c.n_routed_experts // c.n_group
@@ -67,6 +67,19 @@ class Router(nnx.Module):
         if c.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
         return weights * c.routed_scaling_factor, experts
+
+    def _logits(self, x: jax.Array, backend: Backend | None) -> jax.Array:
+        """fp32 x [N, D] @ the gate, with fp32 products and sums. A bf16 gate off CPU is multiplied as stored: x
+        as three bf16 parts (exact: their 3 x 8 significant bits hold fp32's 24) through one bf16 matmul, whose
+        products are exact in fp32 (for a matmul of mixed types XLA:GPU wrote the gate out in fp32 first)."""
+        weight = self.weight[...]
+        if weight.dtype == jnp.float32 or backend is None or backend.platform == "cpu":
+            return linear(x, weight, backend)
+        high = x.astype(jnp.bfloat16)
+        middle = (x - high.astype(jnp.float32)).astype(jnp.bfloat16)
+        low = (x - high.astype(jnp.float32) - middle.astype(jnp.float32)).astype(jnp.bfloat16)
+        parts = jnp.einsum("pnd,de->pne", jnp.stack([high, middle, low]), weight, preferred_element_type=jnp.float32)
+        return parts[0] + parts[1] + parts[2]
 
 
 class MoE(nnx.Module, Placeable):

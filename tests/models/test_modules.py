@@ -137,6 +137,36 @@ def test_router(pair):
     )
 
 
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+def test_bf16_router_matches_hf(pair, platform):
+    """A router gate stored in bf16 (as K2.x checkpoints store it; HF upcasts it to fp32) picks HF's experts with
+    HF's weights on every backend, including the GPU / TPU path that multiplies it as stored, x in three bf16
+    parts."""
+    model, target = pair
+    i = moe_layer(target)
+    gate, router = model.model.layers[i].mlp.gate, target.layers[i].mlp.router
+    stored = gate.weight.data.clone()
+    gate.weight.data = stored.to(torch.bfloat16).float()
+    fp32 = router.weight.value
+    router.weight.value = jnp.asarray(gate.weight.data.numpy().T).astype(jnp.bfloat16)
+    x = hidden(np.random.default_rng([5, len(platform)]), 33, target.config.hidden_size)
+    try:
+        with torch.no_grad():
+            _, ref_weights, ref_experts = gate(torch_of(x))
+        weights, experts = router(jnp.asarray(x), Backend(platform))
+    finally:
+        gate.weight.data, router.weight.value = stored, fp32
+    ref_order, order = np.argsort(ref_experts.numpy(), -1), np.argsort(np.asarray(experts), -1)
+    np.testing.assert_array_equal(
+        np.take_along_axis(np.asarray(experts), order, -1), np.take_along_axis(ref_experts.numpy(), ref_order, -1)
+    )
+    np.testing.assert_allclose(
+        np.take_along_axis(np.asarray(weights), order, -1),
+        np.take_along_axis(ref_weights.numpy(), ref_order, -1),
+        rtol=1e-6,
+    )
+
+
 def test_router_bias_selects_but_does_not_weight(pair):
     """A large bias on one expert forces it into every top-k, yet its weight is its unbiased sigmoid score."""
     _, target = pair

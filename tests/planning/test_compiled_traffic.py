@@ -206,6 +206,42 @@ def test_rounds_copy_no_weight(tiny_plan_configs, machine, method, sampled):
     assert account["bytes"] >= account["by_weight"]["target/lm_head"] > 0
 
 
+def test_sampled_tree_round_updates_the_cache_in_place_on_rtx_pro_6000():
+    """K2.6 at full width (one layer), the sampled DDTree round for RTX PRO 6000: the tree-attention kernel reads
+    the cache before the new rows are written into it, so the donated cache is updated in place. Unordered, XLA:GPU
+    wrote first, into a copy of the cache (``weight_copies`` names it), and copied the result back."""
+    options = PlanOptions("rtx-pro-6000", 8, "tp", "ddtree", 16, 8192, layers=1, sampled=True)
+    account = plan("tests/fixtures/kimi_k25_config.json", "tests/fixtures/kimi_k26_dflash_config.json", options)
+    assert account["compiled_traffic"]["weight_copies"] == []
+
+
+@pytest.mark.parametrize("machine", ["h200", "v5p:2x2x2"])
+def test_bf16_router_gate_is_read_as_stored(machine):
+    """K2.6's router gate (7168 x 384, bf16 as stored) for a DDTree verify's 17 tokens is read once, in bf16 (the
+    rest: x's parts and the scores). A matmul of fp32 x with it made XLA:GPU write an fp32 copy of the gate and read
+    that (5x the gate's bytes)."""
+    from flax import nnx
+
+    from jaxdd.config import KimiConfig
+    from jaxdd.models.moe import Router
+    from jaxdd.runtime.backend import Backend
+
+    config = KimiConfig.from_json_file("tests/fixtures/kimi_k25_config.json")
+    graphdef = nnx.split(nnx.eval_shape(lambda: Router(config, "bfloat16", nnx.Rngs(0))))[0]
+    where = find_machine(machine, 1)
+    backend = Backend.of_devices(where.devices)
+
+    def f(weight, bias, x):
+        router = nnx.merge(graphdef, nnx.State({"weight": nnx.Param(weight), "bias": nnx.Param(bias)}))
+        return router(x, backend)
+
+    gate = 7168 * 384 * 2
+    shapes = [((7168, 384), jnp.bfloat16), ((384,), jnp.float32), ((17, 7168), jnp.float32)]
+    account = jaxdd.compiled_traffic(_compile(machine, f, shapes))
+    assert account["by_weight"]["weight"] == gate
+    assert account["bytes"] <= 1.5 * gate
+
+
 def test_gathered_int4_experts_are_read_once_on_gpu():
     """The MoE's gathered dispatch on XLA:GPU: a DFlash block's 64 (token, slot) pairs through K2.6's 384 INT4
     experts (TP8 shards, gate / up / down) read each pair's expert about once. With the words unpacked by a bitcast
