@@ -124,7 +124,7 @@ class MoE(nnx.Module, Placeable):
         if self.dispatch != "auto":
             return self.dispatch
         c, quantized = self.config, not isinstance(self.gate, DenseExperts)
-        kernel = _int4_kernel((self.gate, self.up, self.down), backend) is not None
+        kernel = _int4_kernel((self.gate, self.up, self.down), backend, self._unplaced(backend)) is not None
         d, f, top_k = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
         return backend.moe_dispatch(tokens, top_k, local_experts, d, f, quantized, kernel)
 
@@ -137,7 +137,7 @@ class MoE(nnx.Module, Placeable):
         projections = (self.gate, self.up, self.down)
         dispatch = self.dispatch_for(experts.shape[0], pieces[0][0].shape[0], backend)
         if dispatch == "gathered":
-            through = _pair_experts(projections, pieces, backend)
+            through = _pair_experts(projections, pieces, backend, self._unplaced(backend))
             if local is not None:
                 return _gathered_local_pairs(x, weights, experts, *local, through)
             return _gathered_experts(x, weights, experts, through)
@@ -149,6 +149,10 @@ class MoE(nnx.Module, Placeable):
             return _tiled_experts(x, weights, experts, projections, pieces)
         dense = [p.dequantize(*stored) for p, stored in zip(projections, pieces, strict=True)]
         return (_all_experts if dispatch == "dense" else _grouped_experts)(x, weights, experts, *dense)
+
+    def _unplaced(self, backend: Backend) -> bool:
+        """Whether the experts lie on several devices outside ``shard_map`` (no kernel that is not partitioned)."""
+        return self.placement is None and backend.devices > 1
 
     def _sharded_routed(self, x: jax.Array, weights: jax.Array, experts: jax.Array, backend: Backend) -> jax.Array:
         """The routed experts under ``shard_map`` (see ``jaxdd.runtime.sharding``): each device holds a slice of every
@@ -198,11 +202,14 @@ def _grouped_experts(x, weights, experts, gate, up, down) -> jax.Array:
     return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights)
 
 
-def _pair_experts(projections, pieces, backend: Backend) -> Callable[[jax.Array, jax.Array], jax.Array]:
+def _pair_experts(
+    projections, pieces, backend: Backend, sharded: bool = False
+) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """(rows [P, D], chosen [P]) -> [P, D]: each row through its own expert. INT4 experts go through the backend's
-    matvec kernel where it has one (XLA:CPU: unpacked in registers as the words are read); otherwise the chosen
-    experts' pieces are gathered and then dequantized."""
-    kernel = _int4_kernel(projections, backend)
+    matvec kernel where it has one (XLA:CPU: unpacked in registers as the words are read; TPU: the chosen experts'
+    blocks fetched and dequantized in VMEM); otherwise the chosen experts' pieces are gathered and then dequantized.
+    ``sharded``: the pieces lie on several devices outside ``shard_map``."""
+    kernel = _int4_kernel(projections, backend, sharded)
     if kernel is None:
         shifts = backend.platform != "cpu"  # so XLA:GPU and XLA:TPU fuse the gather into the matmuls
         return functools.partial(_gathered_pairs, projections=projections, pieces=pieces, shifts=shifts)
@@ -215,10 +222,11 @@ def _pair_experts(projections, pieces, backend: Backend) -> Callable[[jax.Array,
     return through
 
 
-def _int4_kernel(projections, backend: Backend) -> Callable[..., jax.Array] | None:
-    """The backend's INT4 matvec kernel if it has one and all three projections are INT4 in groups it takes."""
+def _int4_kernel(projections, backend: Backend, sharded: bool = False) -> Callable[..., jax.Array] | None:
+    """The backend's INT4 matvec kernel if it has one (for pieces ``sharded`` outside ``shard_map`` or not) and all
+    three projections are INT4 in groups it takes."""
     if all(isinstance(p, Int4Experts) and p.group % GROUP_MULTIPLE == 0 for p in projections):
-        return backend.int4_matvec()
+        return backend.int4_matvec(sharded)
     return None
 
 

@@ -24,6 +24,7 @@ from jax.experimental.pallas import triton as pltriton
 from jaxdd.runtime import cpu_kernels
 from jaxdd.runtime.cpu_memory import keep_allocations
 from jaxdd.types import ATTENTIONS, Attention, Dispatch, Platform
+from pallas_kernels.int4_experts_tpu import gathered_int4_matvec_tpu
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_tpu import tree_attention_tpu
 
@@ -111,11 +112,15 @@ class Backend:
             return "dense"
         return "scan" if quantized else "grouped"
 
-    def int4_matvec(self) -> Callable[..., jax.Array] | None:
-        """The gathered INT4 expert matvec kernel (``jaxdd.runtime.cpu_kernels``): on CPU where it builds, else None
-        (XLA's dequantize-then-dot; GPUs and TPUs fuse the dequantization into the dot themselves)."""
+    def int4_matvec(self, sharded: bool = False) -> Callable[..., jax.Array] | None:
+        """The gathered INT4 expert matvec kernel: on CPU ``jaxdd.runtime.cpu_kernels``' where it builds; on TPU the
+        Mosaic kernel (``pallas_kernels.int4_experts_tpu``: XLA:TPU relays the gathered experts out in fp32), unless the
+        experts are ``sharded`` over devices outside ``shard_map`` (a Mosaic call is not partitioned); else None
+        (XLA's dequantize-then-dot, which XLA:GPU fuses into the dot)."""
         if self.platform == "cpu" and self.cpu_kernels and cpu_kernels.available():
             return cpu_kernels.gathered_int4_matvec
+        if self.platform == "tpu" and not sharded:
+            return gathered_int4_matvec_tpu
         return None
 
     def decode_kernels(self, tokens: int) -> ModuleType | None:
