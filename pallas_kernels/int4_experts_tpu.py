@@ -141,7 +141,10 @@ def gathered_int4_matvec_tpu(
     )(
         ids,
         x,
-        packed.swapaxes(1, 2) if swapped[0] else packed,
-        scale.swapaxes(1, 2) if swapped[1] else scale,
+        *(
+            # In HBM: left free, XLA:TPU prefetched every expert's scales into VMEM for the call, to be read once.
+            pltpu.with_memory_space_constraint(piece.swapaxes(1, 2) if swap else piece, pltpu.HBM)
+            for piece, swap in zip((packed, scale), swapped, strict=True)
+        ),
     )
     return jnp.zeros((pairs, n), jnp.float32).at[order].set(out[:, 0]).astype(rows.dtype)
