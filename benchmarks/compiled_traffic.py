@@ -6,7 +6,8 @@ against the floor (``jaxdd.planning.traffic``), and the tokens/s each predicts w
 
 TP8 over 8 devices, 8k tokens of context, batch 1; AR, DFlash (block 8) and DDTree (budget 16) rounds, greedy, and
 the sampled DDTree round. Each round compiles in its own process, one at a time (a full-width compile takes a minute
-and several GB). Writes benchmarks/results/compiled_traffic_<layers>l.json and prints the table.
+and several GB). Merges its rows into benchmarks/results/compiled_traffic_<layers>l.json by (hardware, round), so
+the rows of rounds not compiled this run stay, and prints the table.
 """
 
 from __future__ import annotations
@@ -67,6 +68,24 @@ def row(result: dict, hardware: str, method: str, sampled: bool) -> dict:
     }
 
 
+def round_key(entry: dict) -> tuple[str, str]:
+    """(hardware, round) of a row, or of a failure (which says ``sampled`` apart)."""
+    return entry["hardware"], entry["round"] + (" sampled" if entry.get("sampled") else "")
+
+
+def merged(previous: list[dict], new: list[dict], attempted: set[tuple[str, str]]) -> list[dict]:
+    """``previous`` entries but those of a (hardware, round) ``attempted`` this run, and ``new``'s, in the order of
+    ``HARDWARE`` and ``ROUNDS`` (others last)."""
+    names = [f"{m}{' sampled' if s else ''}" for m, s in ROUNDS]
+    rank = lambda name, known: known.index(name) if name in known else len(known)
+
+    def order(entry: dict) -> tuple:
+        hardware, name = round_key(entry)
+        return rank(hardware, HARDWARE), hardware, rank(name, names)
+
+    return sorted([e for e in previous if round_key(e) not in attempted] + new, key=order)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=3, help="full width, this many layers (0: all 61)")
@@ -101,8 +120,13 @@ def main() -> None:
                 f"{hardware}: sampled / greedy DDTree bytes {sampled['compiled_bytes'] / greedy['compiled_bytes']:.3f}"
             )
     layers = args.layers or 61
+    path = RESULTS / f"compiled_traffic_{layers}l.json"
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    attempted = {round_key(e) for e in rows + failures}  # a round compiled now replaces its old row or failure
+    rows = merged(previous.get("rows", []), rows, attempted)
+    failures = merged(previous.get("failures", []), failures, attempted)
     report = {"layers": layers, "devices": 8, "moe": "tp", "max_len": 8192, "budget": BUDGET, "rows": rows}
-    write_result(RESULTS / f"compiled_traffic_{layers}l.json", report | {"failures": failures})
+    write_result(path, report | {"failures": failures})
 
 
 if __name__ == "__main__":
