@@ -96,8 +96,8 @@ def filtered_probs(logits: jax.Array, settings: SamplingArrays) -> jax.Array:
 
     The top-k and top-p cut-offs come from the ``CANDIDATES`` most likely tokens, as the sorted formulation finds them
     (ties included), without sorting the vocabulary: a sort per row made a sampled DFlash round many times a greedy one
-    on XLA:CPU (benchmarks/README.md, "What temperature costs"). A cut-off beyond the candidates is found by bisection
-    over the values' bits, only when some row needs it."""
+    on XLA:CPU (benchmarks/README.md, "What temperature costs"). A cut-off beyond the candidates is found by a
+    16-way search over the values' bits, only when some row needs it."""
     vocab = logits.shape[-1]
     expand = (slice(None),) + (None,) * (logits.ndim - 1)
     temperature, top_p, top_k = settings.temperature[expand], settings.top_p[expand], settings.top_k[expand]
@@ -129,7 +129,9 @@ def _cut_off(scores: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array
     return probs / probs.sum(-1, keepdims=True)
 
 
-_BISECTION_STEPS = 32  # int32 keys: 32 halvings pin one key down exactly
+# The search beyond the candidates: each pass reads the values once to test 15 thresholds (a bisection reads them
+# once per threshold), and 8 passes pin one of 2**32 int32 keys down.
+_WAYS, _PASSES = 16, 8
 
 
 def _where_any(needed: jax.Array, compute, otherwise: jax.Array) -> jax.Array:
@@ -148,30 +150,38 @@ def _float_of(key: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ jnp.int32(0x7FFFFFFF), key), jnp.float32)
 
 
-def _bisect(predicate, low: jax.Array, high: jax.Array) -> jax.Array:
-    """The smallest key in (low, high] where ``predicate`` (monotone: false at low, true at high) holds."""
+def _search(holds, low: jax.Array, high: jax.Array) -> jax.Array:
+    """The smallest key in (low, high] [..., 1] where ``holds`` (monotone: false at low, true at high) holds;
+    ``holds(thresholds [..., W])`` tests W thresholds at once."""
+    as_unsigned = lambda k: jax.lax.bitcast_convert_type(k, jnp.uint32)
+    ways = jnp.arange(1, _WAYS, dtype=jnp.uint32)
 
     def step(_, bracket):
         low, high = bracket
-        middle = (low >> 1) + (high >> 1) + (low & high & 1)  # floor((low + high) / 2) without overflow
-        holds = predicate(middle)
-        return jnp.where(holds, low, middle), jnp.where(holds, middle, high)
+        width = as_unsigned(high) - as_unsigned(low)  # exact modulo 2**32, and high - low < 2**32
+        offsets = jnp.minimum(ways * (width // _WAYS + (width % _WAYS > 0)), width)
+        thresholds = jax.lax.bitcast_convert_type(as_unsigned(low) + offsets, jnp.int32)  # ascending, <= high
+        passed = holds(thresholds)
+        first = jnp.argmax(jnp.concatenate([passed, jnp.ones_like(passed[..., :1])], -1), -1, keepdims=True)
+        edges = jnp.concatenate([low, thresholds, high], -1)
+        return jnp.take_along_axis(edges, first, -1), jnp.take_along_axis(edges, first + 1, -1)
 
-    return jax.lax.fori_loop(0, _BISECTION_STEPS, step, (low, high))[1]
+    return jax.lax.fori_loop(0, _PASSES, step, (low, high))[1]
 
 
 def _kth_largest(scores: jax.Array, k: jax.Array) -> jax.Array:
     """Each row's k-th largest score [..., 1]: the smallest t with fewer than k scores above t."""
+    fewer = lambda t: (_ordered(scores)[..., None, :] > t[..., None]).sum(-1) < k
     keys = _ordered(scores)
-    fewer = lambda t: (keys > t).sum(-1, keepdims=True) < k
-    return _float_of(_bisect(fewer, keys.min(-1, keepdims=True) - 1, keys.max(-1, keepdims=True)))
+    return _float_of(_search(fewer, keys.min(-1, keepdims=True) - 1, keys.max(-1, keepdims=True)))
 
 
 def _nucleus_floor(probs: jax.Array, top_p: jax.Array) -> jax.Array:
     """The smallest kept probability [..., 1]: the smallest p whose strictly larger mass is below top_p."""
-    keys = _ordered(probs)
-    below = lambda t: jnp.where(keys > t, probs, 0.0).sum(-1, keepdims=True) < top_p
-    return _float_of(_bisect(below, jnp.full_like(keys[..., :1], -1), keys.max(-1, keepdims=True)))
+    above = lambda t: jnp.where(_ordered(probs)[..., None, :] > t[..., None], probs[..., None, :], 0.0)
+    below = lambda t: above(t).sum(-1) < top_p
+    top = _ordered(probs).max(-1, keepdims=True)
+    return _float_of(_search(below, jnp.full_like(top, -1), top))
 
 
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:

@@ -76,14 +76,15 @@ def sorted_filter(logits: np.ndarray, temperature: float, top_p: float, top_k: i
     ties=st.booleans(),
 )
 def test_cut_offs_keep_what_sorting_keeps(seed, vocab, scale, top_p, top_k, ties):
-    """The top-k and top-p cut-offs, found among the candidates or by bisection beyond them (flat distributions,
+    """The top-k and top-p cut-offs, found among the candidates or by a search beyond them (flat distributions,
     large top_k), keep exactly the tokens that sorting keeps, ties included."""
     logits = np.random.default_rng(seed).standard_normal((2, 3, vocab)).astype(np.float32) * scale
     if ties:
         logits = np.round(logits * 2) / 2
     expected = sorted_filter(logits, 0.7, top_p, top_k)
     ours = np.asarray(filtered_probs(jnp.asarray(logits), SamplingArrays.of([Sampling(0.7, top_p, top_k)] * 2)))
-    np.testing.assert_array_equal(ours > 0, expected > 0)
+    normal = (expected == 0) | (expected >= np.finfo(np.float32).tiny)  # XLA flushes subnormal probabilities to 0
+    np.testing.assert_array_equal((ours > 0)[normal], (expected > 0)[normal])
     np.testing.assert_allclose(ours, expected, atol=1e-6)
 
 
