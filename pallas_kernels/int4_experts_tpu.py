@@ -76,7 +76,7 @@ def _kernel(ids_ref, x_ref, packed_ref, scale_ref, o_ref, *, packed_swapped: boo
 
 def _blockings(packed_shape, scale_shape, swapped: tuple[bool, bool], x_dtype, scale_dtype, bn: int):
     """The kernel's operands' blockings (x, packed, scale, out), index maps over (output block j, pair p, ids)."""
-    (_, n, words), groups = packed_shape, scale_shape[-1]
+    words, groups = packed_shape[-1], scale_shape[-1]
 
     def piece(width: int, is_swapped: bool) -> tuple[tuple[int | None, ...], Any]:
         if is_swapped:  # handed over [E, width, N]
@@ -120,22 +120,18 @@ def gathered_int4_matvec_tpu(
     ids = jnp.clip(chosen[order], 0, n_experts - 1).astype(jnp.int32)
     x = rows[order].reshape(pairs, words, PER_WORD).swapaxes(1, 2)  # [P, 8, words]
     blockings = _blockings(packed.shape, scale.shape, swapped, x.dtype, scale.dtype, bn)
-    grid = (n // bn, pairs)
-    worst = np.arange(pairs) % n_experts
-    flops = 2 * pairs * n * k
+    moved = declared_bytes(pairs, packed.shape, scale.shape, x.dtype, scale.dtype, swapped)
     out = pl.pallas_call(
         functools.partial(_kernel, packed_swapped=swapped[0], scale_swapped=swapped[1], group=group),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
-            grid=grid,
+            grid=(n // bn, pairs),
             in_specs=[pl.BlockSpec(shape, index_map) for shape, index_map, _ in blockings[:3]],
             out_specs=pl.BlockSpec(*blockings[3][:2]),
         ),
         out_shape=jax.ShapeDtypeStruct((pairs, 1, n), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        cost_estimate=pl.CostEstimate(
-            flops=flops, transcendentals=0, bytes_accessed=grid_bytes(grid, blockings, scalars=(worst,))
-        ),
+        cost_estimate=pl.CostEstimate(flops=2 * pairs * n * k, transcendentals=0, bytes_accessed=moved),
         interpret=interpret,
         name="gathered_int4_matvec_tpu",
     )(

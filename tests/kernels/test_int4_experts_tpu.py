@@ -43,7 +43,8 @@ def quantized(rng, experts: int, n: int, k: int, group: int) -> tuple[np.ndarray
 
 def dense(packed, scale, k: int, group: int) -> np.ndarray:
     """[E, N, K] fp32: the weights as ``dequantize_int4_groups`` makes them (bf16(q x scale))."""
-    return np.asarray(dequantize_int4_groups(jnp.asarray(packed), jnp.asarray(scale), k, jnp.bfloat16, group), np.float32)
+    weights = dequantize_int4_groups(jnp.asarray(packed), jnp.asarray(scale), k, jnp.bfloat16, group)
+    return np.asarray(weights, np.float32)
 
 
 @pytest.mark.parametrize(("experts", "n", "k", "group"), SHAPES)
@@ -97,7 +98,7 @@ def _v5p():
 def test_predicted_layouts_are_the_compilers():
     """XLA:TPU stores the scales and the down projection's words with their last two dimensions swapped, the gate and
     up words row-major: ``stored_transposed`` says which for every Kimi piece, as the compiler's own layouts do."""
-    where, spec = _v5p()
+    _, spec = _v5p()
     shapes = [(e, n, k // d) for e, n, k in KIMI_PIECES for d in (PER_WORD, 32)]
     dtypes = [jnp.int32 if i % 2 == 0 else jnp.bfloat16 for i in range(len(shapes))]
     compiled = jax.jit(lambda *a: [x[0] for x in a]).lower(*map(spec, shapes, dtypes)).compile()
