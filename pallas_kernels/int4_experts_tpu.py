@@ -1,10 +1,11 @@
 """The gathered INT4 expert matvec's TPU (Mosaic) form: each (token, slot) pair's row through its own expert, with only
 the chosen experts' blocks fetched (by scalar-prefetched expert ids) and dequantized in VMEM.
 
-XLA:TPU gathers the chosen experts' words and scales and relays them out in fp32 before the matmuls (about 2 GB of
-copies per 3-layer K2.6 DDTree round). Here the grid is (output blocks, pairs): the pairs are visited in expert order,
-so consecutive pairs on one expert share its block index and Pallas fetches the block once; each step unpacks the
-block's nibbles, scales them (bf16(q x scale), as ``jaxdd.models.quant.dequantize_int4_groups``) and multiplies in fp32.
+XLA:TPU gathers the chosen experts' words and scales and relays them out in fp32 before the matmuls
+(benchmarks/README.md, "What the compiled rounds move"). Here the grid is (output blocks, pairs): the pairs are visited
+in expert order, so consecutive pairs on one expert share its block index and Pallas fetches the block once; each step
+unpacks the block's nibbles, scales them (bf16(q x scale), as ``jaxdd.models.quant.dequantize_int4_groups``) and
+multiplies in fp32.
 
 XLA:TPU stores an array whose minor dimension pads badly with its last two dimensions swapped (the scales [E, N,
 K/group], the down projection's words [E, 7168, 32]); a Mosaic call takes its operands row-major, so such a piece is
@@ -117,7 +118,7 @@ def gathered_int4_matvec_tpu(
     swapped = (stored_transposed(packed.shape, packed.dtype), stored_transposed(scale.shape, scale.dtype))
     bn = block_n(n, words)
     order = jnp.argsort(chosen)  # pairs in expert order: an expert's block is fetched once per run of its pairs
-    ids = jnp.clip(chosen[order], 0, n_experts - 1).astype(jnp.int32)
+    ids = jnp.clip(chosen[order], 0, n_experts - 1).astype(jnp.int32)  # clamped as XLA's gather clamps
     x = rows[order].reshape(pairs, words, PER_WORD).swapaxes(1, 2)  # [P, 8, words]
     blockings = _blockings(packed.shape, scale.shape, swapped, x.dtype, scale.dtype, bn)
     moved = declared_bytes(pairs, packed.shape, scale.shape, x.dtype, scale.dtype, swapped)

@@ -2,7 +2,8 @@
 
 Dispatches (``Backend.moe_dispatch`` picks one per platform and token count; ``MoE.dispatch`` can force one):
 ``gathered`` gives each (token, slot) pair its own expert's weights, gathered from the stored pieces (and dequantized
-after the gather; INT4 on CPU: in registers by ``jaxdd.runtime.cpu_kernels``), so only the chosen experts are read;
+after the gather; INT4 on CPU: in registers by ``jaxdd.runtime.cpu_kernels``, on TPU: in VMEM by
+``pallas_kernels.int4_experts_tpu``), so only the chosen experts are read;
 ``grouped`` sorts the (token, slot) pairs by expert and runs grouped matmuls (``ragged_dot``), the scalable form for
 dense weights; ``dense`` runs every expert on every token and weights the outputs by the combine weights (zero for
 unchosen experts); ``scan`` does the same one expert at a time; ``skipping`` too, but skips the experts no token chose;
@@ -76,7 +77,8 @@ class MoE(nnx.Module, Placeable):
     inside the jitted forward. Dequantizing a whole expert stack at once would need its dense copy in memory
     (and XLA may hoist those copies for all layers to the start of the step), so beyond small problems
     quantized experts go through ``scan``: one expert dequantized at a time, right before its matmuls. On CPU,
-    INT4 experts of few pairs go through a C++ kernel that dequantizes in registers (``jaxdd.runtime.cpu_kernels``).
+    INT4 experts of few pairs go through a C++ kernel that dequantizes in registers (``jaxdd.runtime.cpu_kernels``),
+    on TPU through a Mosaic kernel that fetches the chosen experts' blocks and dequantizes them in VMEM.
     """
 
     def __init__(self, config: KimiConfig, dtype: jnp.dtype, experts: ExpertFormat, rngs: nnx.Rngs):

@@ -100,7 +100,7 @@ class Backend:
         experts with few (token, slot) pairs (a decode step, a short verify) are gathered: decode is bound by the bytes
         it reads, and only the chosen experts are read. Past half as many pairs as experts, every expert dequantized
         once (``scan``) costs less than one dequantization per pair. ``kernel``: the experts go through the INT4 matvec
-        kernel (``int4_matvec``), which dequantizes in registers, so gathering pays up to ``KERNEL_GATHERED_PAIRS``
+        kernel (``int4_matvec``), which dequantizes as it reads, so gathering pays up to ``KERNEL_GATHERED_PAIRS``
         pairs per expert. The thresholds' measurements: benchmarks/README.md, "MoE dispatch thresholds"."""
         pairs = tokens * top_k
         if quantized and (2 * pairs <= experts or (kernel and pairs <= self.KERNEL_GATHERED_PAIRS * experts)):

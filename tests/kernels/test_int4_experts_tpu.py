@@ -5,6 +5,7 @@ predicts are the compiler's), and the MoE's gathered dispatch through it reads e
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -78,6 +79,26 @@ def test_products_equal_xla_gathered_form(experts, n, k, group, dtype, repeated)
         np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=1e-5, atol=1e-6)
     else:
         np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=2**-7, atol=1e-3)
+
+
+def test_gathered_dispatch_through_the_kernel_equals_xla(monkeypatch):
+    """The MoE's gathered dispatch on TPU (its kernel interpreted here) gives XLA's gather-then-dequantize outputs:
+    7 tokens, 3 slots each, over 6 INT4 experts (group 32)."""
+    rng = np.random.default_rng(2)
+    shapes = [(6, 64, 96), (6, 64, 96), (6, 96, 64)]
+    projections = [Int4Experts(shape, jnp.float32, (None,) * 3, 32) for shape in shapes]
+    for p in projections:
+        p.packed[...], p.scale[...] = quantized(rng, p.packed.shape[0], p.packed.shape[1], p.scale.shape[2] * 32, 32)
+    pieces = [p.stored() for p in projections]
+    x = jnp.asarray(rng.standard_normal((7, 64)), jnp.float32)
+    experts = jnp.asarray(rng.integers(0, 6, (7, 3)))
+    weights = jnp.asarray(rng.random((7, 3)), jnp.float32)
+    interpreted = functools.partial(gathered_int4_matvec_tpu, interpret=INTERPRET)
+    monkeypatch.setattr(Backend, "int4_matvec", lambda self, sharded=False: interpreted)
+    through = _pair_experts(projections, pieces, Backend("tpu"))
+    ours = _gathered_experts(x, weights, experts, through)
+    xla = _gathered_experts(x, weights, experts, lambda r, c: _gathered_pairs(r, c, projections, pieces))
+    np.testing.assert_allclose(ours, xla, rtol=1e-5, atol=1e-6)
 
 
 def test_the_kernel_is_used_on_tpu_where_experts_are_placed():
