@@ -131,7 +131,9 @@ def gathered_int4_matvec_tpu(
             out_specs=pl.BlockSpec(*blockings[3][:2]),
         ),
         out_shape=jax.ShapeDtypeStruct((pairs, 1, n), jnp.float32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        # Every step writes its own output block: both axes split across a megacore's two cores (v4, v5p), each
+        # core still walking its pairs in expert order.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         cost_estimate=pl.CostEstimate(flops=2 * pairs * n * k, transcendentals=0, bytes_accessed=moved),
         interpret=interpret,
         name="gathered_int4_matvec_tpu",
