@@ -195,3 +195,20 @@ def test_gathered_int4_experts_are_read_once_on_tpu():
     # Nothing but the kernel moves two experts' bytes: no gather or relayout of the experts.
     assert [op["op"] for op in kernel["top_ops"] if op["bytes"] > 2 * per_expert] == ["custom-call"] * 3
     assert moved(through_kernel=False)["bytes"] >= 2 * pairs * per_expert
+
+
+def test_a_v5p_round_runs_the_kernel_on_each_devices_experts(tiny_plan_configs, monkeypatch):
+    """The AR round of a tiny K2.6-style pair (INT4 experts) on 8 v5p chips under EP: each MoE layer's gate, up and
+    down go through the kernel on the device's own experts (6 Mosaic calls more than XLA's all-experts dispatch,
+    which the layer runs without the kernel), and no weight is copied for it."""
+    from jaxdd.planning.fit import PlanOptions, plan
+
+    def mosaic_calls() -> tuple[str, int]:
+        result = plan(*tiny_plan_configs, PlanOptions("v5p:2x2x2", 8, "ep", "ar", 16, 256))
+        assert result["compiled_traffic"]["weight_copies"] == []
+        return result["dispatch"], result["compiled_traffic"]["custom_calls"]["tpu_custom_call"]["count"]
+
+    dispatch, with_kernel = mosaic_calls()
+    monkeypatch.setattr(Backend, "int4_matvec", lambda self, sharded=False: None)
+    without = mosaic_calls()
+    assert (dispatch, with_kernel) == ("gathered", without[1] + 3 * 2) and without[0] == "dense"  # 2 MoE layers
