@@ -92,13 +92,14 @@ def _blockings(packed_shape, scale_shape, swapped: tuple[bool, bool], x_dtype, s
 def declared_bytes(
     pairs: int, packed_shape, scale_shape, x_dtype, scale_dtype=jnp.bfloat16, swapped: tuple[bool, bool] | None = None
 ) -> int:
-    """The bytes the kernel declares for ``pairs`` pairs: its blocks' moves over the grid when every pair is on a new
-    expert (the worst case of the run-time ids; an expert shared by consecutive pairs is fetched once)."""
+    """The bytes the kernel declares for ``pairs`` pairs: its blocks' moves over the grid for the worst case of the
+    run-time ids, as many distinct experts as can be (the ids are sorted, so each expert's pairs are consecutive and
+    its blocks fetched once per output block)."""
     swapped = swapped or (stored_transposed(packed_shape, np.int32), stored_transposed(scale_shape, scale_dtype))
     n_experts, n, words = packed_shape
     bn = block_n(n, words)
     blockings: list[Blocking] = _blockings(packed_shape, scale_shape, swapped, x_dtype, scale_dtype, bn)
-    worst = np.arange(pairs) % n_experts
+    worst = np.sort(np.arange(pairs) % n_experts)
     return grid_bytes((n // bn, pairs), blockings, scalars=(worst,))
 
 
@@ -131,9 +132,9 @@ def gathered_int4_matvec_tpu(
             out_specs=pl.BlockSpec(*blockings[3][:2]),
         ),
         out_shape=jax.ShapeDtypeStruct((pairs, 1, n), jnp.float32),
-        # Every step writes its own output block: both axes split across a megacore's two cores (v4, v5p), each
-        # core still walking its pairs in expert order.
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        # The pairs in one sequence: split across a megacore's cores, each core's first pair would fetch its expert
+        # again (past the declared bytes where experts repeat).
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         cost_estimate=pl.CostEstimate(flops=2 * pairs * n * k, transcendentals=0, bytes_accessed=moved),
         interpret=interpret,
         name="gathered_int4_matvec_tpu",
