@@ -1,13 +1,14 @@
 """python -m jaxdd.serve under load: N concurrent clients (1, 4, 16) with mixed prompt and output lengths, greedy and
 T=0.7, against static batching (``generate_batch``) of the same requests in groups of N; the bundled pair.
 
-    python benchmarks/serve_load.py [--requests-per-client 2] [--clients 1,4,16] [--max-batch 16]
+    python benchmarks/serve_load.py [--requests-per-client 2] [--clients 1,4,16] [--max-batch 16] [--repeats 3]
 
 Reports throughput (generated tokens / wall seconds), TTFT (arrival to the first streamed token), TPOT ((last token
 - first token) / (tokens - 1) per request; a speculative chunk carries several tokens, so not per-chunk ITL) and
 mean acceptance (tokens per request per round, from the server's metrics), and the server's compiles after warm-up.
 The static baseline runs each group of N requests as one batch that ends with its longest request, compile time
-excluded. Writes benchmarks/results/serve_load.json and serve_load.png.
+excluded. Each row repeats the pair ``--repeats`` times and reports the trial with the median speedup (all are kept).
+Writes benchmarks/results/serve_load.json and serve_load.png.
 """
 
 from __future__ import annotations
@@ -169,6 +170,12 @@ def static(decoder: SpeculativeDecoder, method: str, requests: list[dict], clien
     return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
 
 
+def paired_trial(url: str, decoder: SpeculativeDecoder, method: str, requests: list[dict], clients: int) -> dict:
+    """A load and its static twin back to back (the shared host's load drifts over minutes), and their ratio."""
+    trial = {"continuous": load(url, requests, clients), "static": static(decoder, method, requests, clients)}
+    return trial | {"speedup": trial["continuous"]["tokens_per_second"] / trial["static"]["tokens_per_second"]}
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -195,6 +202,7 @@ def main() -> None:
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--method", default="dflash", choices=["ar", "dflash", "ddtree"])
+    parser.add_argument("--repeats", type=int, default=3, help="paired trials per row; the median ratio is reported")
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
     plans = [(t, n, make_requests(n * args.requests_per_client, t, seed=n)) for t in (0.0, 0.7) for n in counts]
@@ -202,15 +210,14 @@ def main() -> None:
     decoder = SpeculativeDecoder(target, None if args.method == "ar" else drafter)
     rows = []
     with server(args.max_batch, args.method) as url:
-        # Each load and its static twin back to back: the shared host's load drifts over minutes.
         for temperature, clients, requests in plans:
-            row = {"temperature": temperature, "clients": clients, "continuous": load(url, requests, clients)}
-            row["static"] = static(decoder, args.method, requests, clients)
-            row["speedup"] = row["continuous"]["tokens_per_second"] / row["static"]["tokens_per_second"]
-            print(row, flush=True)
+            trials = [paired_trial(url, decoder, args.method, requests, clients) for _ in range(args.repeats)]
+            median = sorted(trials, key=lambda t: t["speedup"])[len(trials) // 2]
+            row = {"temperature": temperature, "clients": clients, **median, "trials": trials}
+            print({k: v for k, v in row.items() if k != "trials"}, flush=True)
             rows.append(row)
     settings = {"method": args.method, "max_batch": args.max_batch, "max_len": MAX_LEN, "max_prompt": MAX_PROMPT}
-    settings["requests_per_client"] = args.requests_per_client
+    settings |= {"requests_per_client": args.requests_per_client, "repeats": args.repeats}
     write_result(RESULTS, {"settings": settings, "rows": rows})
     plot(rows, RESULTS.with_suffix(".png"))
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from jaxdd.config import DrafterConfig, KimiConfig, in_file
 from jaxdd.models.drafter import abstract_drafter
-from jaxdd.models.quant import DENSE, ExpertFormat
+from jaxdd.models.quant import ExpertFormat
 from jaxdd.models.target import abstract_target
 from jaxdd.weights.checkpoint import Kind, get_path, set_path, write_checkpoint
 from jaxdd.weights.hf_mappings import Mapping, drafter_mappings, target_mappings
@@ -83,7 +83,8 @@ def convert(
     else:
         kind = "target"
         config = in_file(source.config_path, KimiConfig.from_hf, source.raw_config)
-        experts = DENSE if dequantize_experts else source.stored_expert_format()
+        stored = source.stored_expert_format()
+        experts = ExpertFormat(router=stored.router) if dequantize_experts else stored
         mappings = list(target_mappings(config, experts))
         source.check(mappings, ignored=mtp_layers(config))
         abstract = abstract_target(config, dtype, experts)[1]

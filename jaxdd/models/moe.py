@@ -2,8 +2,9 @@
 
 Dispatches (``Backend.moe_dispatch`` picks one per platform and token count; ``MoE.dispatch`` can force one):
 ``gathered`` gives each (token, slot) pair its own expert's weights, gathered from the stored pieces (and dequantized
-after the gather; INT4 on CPU: in registers by ``jaxdd.runtime.cpu_kernels``, on TPU: in VMEM by
-``pallas_kernels.int4_experts_tpu``), so only the chosen experts are read;
+after the gather; INT4 on CPU and GPU: in registers by ``jaxdd.runtime.cpu_kernels`` and
+``pallas_kernels.int4_experts``, on TPU: in VMEM by ``pallas_kernels.int4_experts_tpu``), so only the chosen experts
+are read;
 ``grouped`` sorts the (token, slot) pairs by expert and runs grouped matmuls (``ragged_dot``), the scalable form for
 dense weights; ``dense`` runs every expert on every token and weights the outputs by the combine weights (zero for
 unchosen experts); ``scan`` does the same one expert at a time; ``skipping`` too, but skips the experts no token chose;
@@ -27,7 +28,6 @@ from jaxdd.config import KimiConfig
 from jaxdd.models.layers import MLP, linear, param
 from jaxdd.models.quant import DenseExperts, ExpertFormat, ExpertWeights, Int4Experts, expert_weights
 from jaxdd.runtime.backend import Backend
-from jaxdd.runtime.cpu_kernels import GROUP_MULTIPLE
 from jaxdd.runtime.sharding import AXIS, Placeable, partition_spec
 from jaxdd.types import Dispatch, MoeMode
 
@@ -45,11 +45,11 @@ def expert_specs(projections: tuple[ExpertWeights, ...], mesh: Mesh, mode: MoeMo
 class Router(nnx.Module):
     """noaux_tc routing: sigmoid scores; the correction bias picks experts but does not weight them."""
 
-    def __init__(self, config: KimiConfig, rngs: nnx.Rngs):
+    def __init__(self, config: KimiConfig, dtype: str, rngs: nnx.Rngs):
         self.config = config
         e = config.n_routed_experts
-        # fp32 like the reference (HF keeps gate.weight and e_score_correction_bias in fp32).
-        self.weight = param(rngs, (config.hidden_size, e), jnp.float32, ("embed", None))
+        # bf16 where the checkpoint stores it so (Kimi, DeepSeek-V3): HF's fp32 copy holds the same values.
+        self.weight = param(rngs, (config.hidden_size, e), jnp.dtype(dtype), ("embed", None))
         self.bias = nnx.Param(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
 
     def __call__(self, x: jax.Array, backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
@@ -87,7 +87,7 @@ class MoE(nnx.Module, Placeable):
         self.config = c
         self.dispatch: Literal["auto"] | Dispatch = "auto"  # "auto": as the backend chooses
         self.placement = None  # (mesh, "tp" | "ep") once placed by ``jaxdd.runtime.sharding.shard_module``
-        self.router = Router(c, rngs)
+        self.router = Router(c, experts.router, rngs)
         self.gate = expert_weights(experts, rngs, (e, d, f), dtype, ("experts", "embed", "expert_mlp"))
         self.up = expert_weights(experts, rngs, (e, d, f), dtype, ("experts", "embed", "expert_mlp"))
         self.down = expert_weights(experts, rngs, (e, f, d), dtype, ("experts", "expert_mlp", "embed"))
@@ -208,12 +208,12 @@ def _pair_experts(
     projections, pieces, backend: Backend, sharded: bool = False
 ) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """(rows [P, D], chosen [P]) -> [P, D]: each row through its own expert. INT4 experts go through the backend's
-    matvec kernel where it has one (XLA:CPU: unpacked in registers as the words are read; TPU: the chosen experts'
-    blocks fetched and dequantized in VMEM); otherwise the chosen experts' pieces are gathered and then dequantized.
-    ``sharded``: the pieces lie on several devices outside ``shard_map``."""
+    matvec kernel where it has one (CPU and GPU: unpacked in registers as the words are read; TPU: the chosen
+    experts' blocks fetched and dequantized in VMEM); otherwise the chosen experts' pieces are gathered and then
+    dequantized. ``sharded``: the pieces lie on several devices outside ``shard_map``."""
     kernel = _int4_kernel(projections, backend, sharded)
     if kernel is None:
-        shifts = backend.platform != "cpu"  # so XLA:GPU and XLA:TPU fuse the gather into the matmuls
+        shifts = backend.platform != "cpu"  # so XLA:GPU and XLA:TPU fuse the gather, for groups their kernels lack
         return functools.partial(_gathered_pairs, projections=projections, pieces=pieces, shifts=shifts)
     gate, up, down = pieces  # (packed, scale) each
 
@@ -226,9 +226,10 @@ def _pair_experts(
 
 def _int4_kernel(projections, backend: Backend, sharded: bool = False) -> Callable[..., jax.Array] | None:
     """The backend's INT4 matvec kernel if it has one (for pieces ``sharded`` outside ``shard_map`` or not) and all
-    three projections are INT4 in groups it takes."""
-    if all(isinstance(p, Int4Experts) and p.group % GROUP_MULTIPLE == 0 for p in projections):
-        return backend.int4_matvec(sharded)
+    three projections are INT4 in one group size it takes."""
+    groups = {p.group if isinstance(p, Int4Experts) else None for p in projections}
+    if len(groups) == 1 and None not in groups:
+        return backend.int4_matvec(groups.pop(), sharded)
     return None
 
 

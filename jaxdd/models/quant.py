@@ -73,13 +73,15 @@ def dequantize_int4_groups(
 
 @dataclasses.dataclass(frozen=True)
 class ExpertFormat:
-    """How routed-expert weights are stored: ``dense`` (the model dtype), ``int4`` (compressed-tensors
-    pack-quantized, symmetric, ``group`` inputs per bf16 scale) or ``fp8`` (e4m3 with fp32 ``block`` x ``block``
-    scales)."""
+    """How an MoE layer's routing weights are stored. The experts: ``dense`` (the model dtype), ``int4``
+    (compressed-tensors pack-quantized, symmetric, ``group`` inputs per bf16 scale) or ``fp8`` (e4m3 with fp32
+    ``block`` x ``block`` scales). ``router``: the router's gate weight, held as the checkpoint stores it (its scores
+    are computed in fp32 either way, as HF does after upcasting it)."""
 
     kind: Literal["dense", "int4", "fp8"] = "dense"
     group: int = INT4_GROUP
     block: int = FP8_BLOCK
+    router: Literal["float32", "bfloat16"] = "float32"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -13,8 +13,8 @@ experts as the whole table and a loop as one trip. This walks the HLO instead, w
 - a collective moves what it sends plus what it receives (ring algorithms over its replica group of n devices: an
   all-reduce of N bytes sends and receives 2 (n - 1) / n N each way), counted in ``bytes`` and in ``collective_bytes``;
 - a custom call (a Pallas kernel, a CPU FFI kernel, a cuBLAS GEMM) counts the bytes it declares (a Pallas TPU
-  kernel's ``pl.CostEstimate``) or, by default, its operands and output once (not a cuBLAS workspace);
-  ``custom_calls`` says which;
+  kernel's ``pl.CostEstimate``, a Triton kernel's ``bytes_accessed`` metadata) or, by default, its operands and
+  output once (not a cuBLAS workspace); ``custom_calls`` says which;
 - arrays outside device memory (TPU layouts in VMEM, ``S(1)``) move nothing.
 """
 
@@ -49,7 +49,9 @@ _ELEMENTWISE = {
 _COLLECTIVES = {
     "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "collective-broadcast",
 }  # fmt: skip
-_DECLARED = re.compile(r'bytes_accessed\\?"?\s*:\s*\\?"?([0-9]+)')
+# A quote as printed in a backend config: ", \" (TPU's JSON) or \22 (an MLIR string: a Triton call's metadata).
+_QUOTE = r'(?:\\22|\\?")?'
+_DECLARED = re.compile(rf"bytes_accessed{_QUOTE}\s*:\s*{_QUOTE}([0-9]+)")
 _TRIP = re.compile(r'known_trip_count\\?"?\s*:\s*\{\\?"?n\\?"?\s*:\s*\\?"?([0-9]+)')
 
 

@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as pltriton
 from jaxdd.runtime import cpu_kernels
 from jaxdd.runtime.cpu_memory import keep_allocations
 from jaxdd.types import ATTENTIONS, Attention, Dispatch, Platform
-from pallas_kernels.int4_experts_tpu import gathered_int4_matvec_tpu
+from pallas_kernels import int4_experts, int4_experts_tpu
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_tpu import tree_attention_tpu
 
@@ -47,7 +47,7 @@ class Backend:
     # MoE on CPU: tiles from this many tokens, ``skipping`` below (where kimi-mini's two dispatches break even).
     TILED_MIN_TOKENS = 24
     DENSE_MAX_FLOPS = 2**28  # elsewhere: all-experts compute below this many multiply-adds
-    KERNEL_GATHERED_PAIRS = 4  # pairs per expert up to which the INT4 kernel's gathered dispatch is the fastest
+    KERNEL_GATHERED_PAIRS = 4  # CPU: pairs per expert up to which the INT4 kernel's gathered dispatch is the fastest
     DENSE_KERNEL_ROWS = 2  # tokens up to which the dense matvec kernel beats XLA:CPU's matmul (equal at 4)
 
     @classmethod
@@ -101,9 +101,12 @@ class Backend:
         it reads, and only the chosen experts are read. Past half as many pairs as experts, every expert dequantized
         once (``scan``) costs less than one dequantization per pair. ``kernel``: the experts go through the INT4 matvec
         kernel (``int4_matvec``), which dequantizes as it reads, so gathering pays up to ``KERNEL_GATHERED_PAIRS``
-        pairs per expert. The thresholds' measurements: benchmarks/README.md, "MoE dispatch thresholds"."""
+        pairs per expert on CPU (compute-bound there); elsewhere up to one (on GPU it reads an expert per pair, on TPU
+        it dequantizes one per pair; ``scan`` every expert once). The thresholds' measurements: benchmarks/README.md,
+        "MoE dispatch thresholds"."""
         pairs = tokens * top_k
-        if quantized and (2 * pairs <= experts or (kernel and pairs <= self.KERNEL_GATHERED_PAIRS * experts)):
+        per_expert = self.KERNEL_GATHERED_PAIRS if self.platform == "cpu" else 1
+        if quantized and (2 * pairs <= experts or (kernel and pairs <= per_expert * experts)):
             return "gathered"
         if self.platform == "cpu" and not quantized:
             # XLA:CPU runs ragged_dot as a dense matmul over all experts for every pair: skip unused experts.
@@ -112,15 +115,20 @@ class Backend:
             return "dense"
         return "scan" if quantized else "grouped"
 
-    def int4_matvec(self, sharded: bool = False) -> Callable[..., jax.Array] | None:
-        """The gathered INT4 expert matvec kernel: on CPU ``jaxdd.runtime.cpu_kernels``' where it builds; on TPU the
-        Mosaic kernel (``pallas_kernels.int4_experts_tpu``: XLA:TPU relays the gathered experts out in fp32), unless the
+    def int4_matvec(self, group: int, sharded: bool = False) -> Callable[..., jax.Array] | None:
+        """The gathered INT4 expert matvec kernel for scale groups of ``group`` inputs: on CPU the C++ one
+        (``jaxdd.runtime.cpu_kernels``) where it builds; on GPU the Pallas Triton one
+        (``pallas_kernels.int4_experts``: XLA:GPU writes the gathered experts out and reads them again); on TPU the
+        Mosaic one (``pallas_kernels.int4_experts_tpu``: XLA:TPU relays the gathered experts out in fp32), unless the
         experts are ``sharded`` over devices outside ``shard_map`` (a Mosaic call is not partitioned); else None
-        (XLA's dequantize-then-dot, which XLA:GPU fuses into the dot)."""
-        if self.platform == "cpu" and self.cpu_kernels and cpu_kernels.available():
-            return cpu_kernels.gathered_int4_matvec
-        if self.platform == "tpu" and not sharded:
-            return gathered_int4_matvec_tpu
+        (XLA's dequantize-then-dot)."""
+        if self.platform == "cpu" and self.cpu_kernels and group % cpu_kernels.GROUP_MULTIPLE == 0:
+            return cpu_kernels.gathered_int4_matvec if cpu_kernels.available() else None
+        if self.platform == "gpu" and int4_experts.supports(group):
+            params = pltriton.CompilerParams(num_warps=4)
+            return functools.partial(int4_experts.gathered_int4_matvec_gpu, compiler_params=params)
+        if self.platform == "tpu" and not sharded and group % int4_experts_tpu.PER_WORD == 0:
+            return int4_experts_tpu.gathered_int4_matvec_tpu
         return None
 
     def decode_kernels(self, tokens: int) -> ModuleType | None:

@@ -117,15 +117,18 @@ class HFCheckpoint:
         return quantization_config(self.raw_config)
 
     def stored_expert_format(self) -> ExpertFormat:
-        """How the first routed expert is stored here: INT4 packed, FP8 blocks, or dense."""
+        """How the first routed expert is stored here (INT4 packed, FP8 blocks, or dense) and the first router's
+        gate (bf16 kept as bf16; fp16 and fp32 held in fp32)."""
         q = self.quantization()
         first = next((n for n in self.tensors if ".mlp.experts." in n), "")
         base = first.rsplit(".", 1)[0]
+        gate = next((info for n, info in self.tensors.items() if n.endswith(".mlp.gate.weight")), None)
+        router = "bfloat16" if gate is not None and gate.dtype == "BF16" else "float32"
         if base + ".weight_packed" in self.tensors:
-            return ExpertFormat("int4", group=_int4_group(q))
+            return ExpertFormat("int4", group=_int4_group(q), router=router)
         if base + ".weight_scale_inv" in self.tensors:
-            return ExpertFormat("fp8", block=_fp8_block(q))
-        return DENSE
+            return ExpertFormat("fp8", block=_fp8_block(q), router=router)
+        return ExpertFormat(router=router)
 
     def check(self, mappings: list[Mapping], ignored: Callable[[str], bool] = lambda name: False) -> None:
         """Every tensor the mappings need is present with its shape and dtype, and nothing else is there.
@@ -273,12 +276,13 @@ def quantization_config(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def declared_expert_format(raw: dict[str, Any]) -> ExpertFormat:
-    """How a config says its routed experts are stored (for planning without the tensors)."""
+    """How a config says its routed experts are stored (for planning without the tensors); the quantized Kimi and
+    DeepSeek-V3 checkpoints store their routers' gates in bf16."""
     q = quantization_config(raw)
     if q.get("quant_method") == "compressed-tensors":
-        return ExpertFormat("int4", group=_int4_group(q))
+        return ExpertFormat("int4", group=_int4_group(q), router="bfloat16")
     if q.get("quant_method") == "fp8":
-        return ExpertFormat("fp8", block=_fp8_block(q))
+        return ExpertFormat("fp8", block=_fp8_block(q), router="bfloat16")
     return DENSE
 
 

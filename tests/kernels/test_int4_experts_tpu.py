@@ -94,7 +94,7 @@ def test_gathered_dispatch_through_the_kernel_equals_xla(monkeypatch):
     experts = jnp.asarray(rng.integers(0, 6, (7, 3)))
     weights = jnp.asarray(rng.random((7, 3)), jnp.float32)
     interpreted = functools.partial(gathered_int4_matvec_tpu, interpret=INTERPRET)
-    monkeypatch.setattr(Backend, "int4_matvec", lambda self, sharded=False: interpreted)
+    monkeypatch.setattr(Backend, "int4_matvec", lambda self, group, sharded=False: interpreted)
     through = _pair_experts(projections, pieces, Backend("tpu"))
     ours = _gathered_experts(x, weights, experts, through)
     xla = _gathered_experts(x, weights, experts, lambda r, c: _gathered_pairs(r, c, projections, pieces))
@@ -210,6 +210,6 @@ def test_a_v5p_round_runs_the_kernel_on_each_devices_experts(tiny_plan_configs, 
         return result["dispatch"], result["compiled_traffic"]["custom_calls"]["tpu_custom_call"]["count"]
 
     dispatch, with_kernel = mosaic_calls()
-    monkeypatch.setattr(Backend, "int4_matvec", lambda self, sharded=False: None)
+    monkeypatch.setattr(Backend, "int4_matvec", lambda self, group, sharded=False: None)
     without = mosaic_calls()
     assert (dispatch, with_kernel) == ("gathered", without[1] + 3 * 2) and without[0] == "dense"  # 2 MoE layers

@@ -234,3 +234,34 @@ def test_gathered_int4_experts_are_read_once_on_gpu():
     per_expert = sum(math.prod(shape[1:]) * jnp.dtype(dtype).itemsize for p in pieces_shapes for shape, dtype in p)
     assert pairs * per_expert <= moved(shifts=True) <= 1.3 * pairs * per_expert
     assert moved(shifts=False) >= 2 * pairs * per_expert
+
+
+@pytest.mark.parametrize("machine", ["h200", "rtx-pro-6000"])
+@pytest.mark.parametrize("pairs", [64, 136])
+def test_gathered_int4_experts_through_the_gpu_kernel_are_read_once(machine, pairs):
+    """The MoE's gathered dispatch as the GPU backend runs it (``_pair_experts``: the Pallas INT4 kernel) at a
+    DFlash block's 64 and a DDTree verify's 136 (token, slot) pairs through K2.6's 384 INT4 experts (TP8 shards):
+    each pair's expert is read once, plus the rows, on sm_90 and on sm_120, where XLA's own form wrote the gathered
+    experts out and read them again (1.4-1.6x the floor of a whole round)."""
+    from flax import nnx
+
+    from jaxdd.models.moe import _pair_experts
+    from jaxdd.models.quant import Int4Experts
+
+    experts, hidden, ffn = 384, 7168, 256
+    axes = ("experts", "embed", "expert_mlp")
+    make = lambda shape: nnx.eval_shape(lambda: Int4Experts(shape, jnp.bfloat16, axes, 32))
+    projections = [make((experts, hidden, ffn)), make((experts, hidden, ffn)), make((experts, ffn, hidden))]
+    where = find_machine(machine, 1)
+    pieces_shapes = [[(p.packed.shape, jnp.int32), (p.scale.shape, jnp.bfloat16)] for p in projections]
+
+    def f(rows, chosen, *flat):
+        through = _pair_experts(projections, [flat[0:2], flat[2:4], flat[4:6]], where.backend)
+        return through(rows, chosen)
+
+    shapes = [((pairs, hidden), jnp.bfloat16), ((pairs,), jnp.int32), *(s for p in pieces_shapes for s in p)]
+    account = jaxdd.compiled_traffic(_compile(machine, f, shapes))
+    call = account["custom_calls"]["__gpu$xla.gpu.triton"]
+    assert (call["count"], call["counted"]) == (3, "declared")  # gate, up and down through the kernel
+    per_expert = sum(math.prod(shape[1:]) * jnp.dtype(dtype).itemsize for p in pieces_shapes for shape, dtype in p)
+    assert pairs * per_expert <= account["bytes"] <= 1.1 * pairs * per_expert

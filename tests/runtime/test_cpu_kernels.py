@@ -135,12 +135,15 @@ def test_gathered_dispatch_through_the_kernel_equals_xla():
 
 
 def test_the_kernel_is_used_only_where_it_applies():
-    """CPU and INT4 groups that are whole half-blocks; not for other groups, GPUs, or when turned off; and with it
-    gathering pays up to a few pairs per expert (without it, only below half a pair per expert)."""
+    """CPU and INT4 groups that are whole half-blocks; not for other groups, GPUs (they have their own,
+    tests/kernels/test_int4_experts.py), or when turned off; and with it gathering pays up to a few pairs per expert
+    (without it, only below half a pair per expert)."""
     rng = np.random.default_rng(2)
     cpu = Backend("cpu")
     assert _int4_kernel(int4_projections(rng, 2, 64, 32, 32), cpu) is cpu_kernels.gathered_int4_matvec
-    for backend, group in ((cpu, 16), (Backend("gpu"), 32), (Backend("cpu", cpu_kernels=False), 32)):
+    gpu = _int4_kernel(int4_projections(rng, 2, 64, 32, 32), Backend("gpu"))
+    assert gpu is not cpu_kernels.gathered_int4_matvec
+    for backend, group in ((cpu, 16), (Backend("cpu", cpu_kernels=False), 32)):
         assert _int4_kernel(int4_projections(rng, 2, 64, 32, group), backend) is None
     assert cpu.moe_dispatch(16, 8, 128, 1024, 512, quantized=True, kernel=True) == "gathered"
     assert cpu.moe_dispatch(16, 8, 128, 1024, 512, quantized=True, kernel=False) != "gathered"

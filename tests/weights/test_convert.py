@@ -64,6 +64,9 @@ def test_converted_logits_equal_hf(layouts, layout, tmp_path):
     summary = convert(source, tmp_path / "ckpt", dtype="float32", progress=False)
     assert summary.experts == {"plain": "dense", "fp8": "fp8", "int4": "int4"}[layout]
     target = jaxdd.load_target(tmp_path / "ckpt", dtype="float32")
+    # The routers' gates as stored (bf16 in the real layouts); HF computes with the same values upcast to fp32.
+    router = target.model.layers[1].mlp.router.weight.dtype
+    assert router == (jnp.float32 if layout == "plain" else jnp.bfloat16)
     assert rel_err(target.logits(IDS), hf_logits(reference)) < 1e-5
     # On the device, not numpy (which every jitted call would copy there again: 0.9 GB per step for a 1 GB model).
     assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(nnx.state(target.model)))
