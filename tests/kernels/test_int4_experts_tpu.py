@@ -6,6 +6,7 @@ predicts are the compiler's), and the MoE's gathered dispatch through it reads e
 from __future__ import annotations
 
 import functools
+import json
 import math
 
 import jax
@@ -198,18 +199,22 @@ def test_gathered_int4_experts_are_read_once_on_tpu():
     assert moved(through_kernel=False)["bytes"] >= 2 * pairs * per_expert
 
 
-def test_a_v5p_round_runs_the_kernel_on_each_devices_experts(tiny_plan_configs, monkeypatch):
-    """The AR round of a tiny K2.6-style pair (INT4 experts) on 8 v5p chips under EP: each MoE layer's gate, up and
-    down go through the kernel on the device's own experts (6 Mosaic calls more than XLA's all-experts dispatch,
-    which the layer runs without the kernel), and no weight is copied for it."""
+def test_a_v5p_round_runs_the_kernel_on_each_devices_experts(tiny_plan_configs, tmp_path, monkeypatch):
+    """The AR round of a tiny K2.6-style pair (INT4 experts, 64 of them) on 8 v5p chips under EP: each MoE layer's
+    gate, up and down go through the kernel on the device's own 8 experts (6 Mosaic calls more than XLA's gathered
+    form), and no weight is copied for it."""
     from jaxdd.planning.fit import PlanOptions, plan
 
+    target, drafter = tiny_plan_configs
+    config = json.loads(target.read_text())
+    config["text_config"]["n_routed_experts"] = 64
+    (tmp_path / "target.json").write_text(json.dumps(config))
+
     def mosaic_calls() -> tuple[str, int]:
-        result = plan(*tiny_plan_configs, PlanOptions("v5p:2x2x2", 8, "ep", "ar", 16, 256))
+        result = plan(tmp_path / "target.json", drafter, PlanOptions("v5p:2x2x2", 8, "ep", "ar", 16, 256))
         assert result["compiled_traffic"]["weight_copies"] == []
         return result["dispatch"], result["compiled_traffic"]["custom_calls"]["tpu_custom_call"]["count"]
 
     dispatch, with_kernel = mosaic_calls()
     monkeypatch.setattr(Backend, "int4_matvec", lambda self, group, sharded=False: None)
-    without = mosaic_calls()
-    assert (dispatch, with_kernel) == ("gathered", without[1] + 3 * 2) and without[0] == "dense"  # 2 MoE layers
+    assert mosaic_calls() == (dispatch, with_kernel - 3 * 2) and dispatch == "gathered"  # 2 MoE layers
