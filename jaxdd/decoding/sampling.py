@@ -91,32 +91,33 @@ def split_keys(keys: jax.Array, count: int) -> tuple[jax.Array, list[jax.Array]]
 CANDIDATES = 64  # the top-k / top-p cut-offs are looked for among each row's this many most likely tokens
 
 
-def filtered_probs(logits: jax.Array, settings: SamplingArrays) -> jax.Array:
+def filtered_probs(logits: jax.Array, settings: SamplingArrays, ways: int = 2) -> jax.Array:
     """fp32 probabilities [B, ..., V] to sample from, for logits [B, ..., V] and per-row settings.
 
     The top-k and top-p cut-offs come from the ``CANDIDATES`` most likely tokens, as the sorted formulation finds them
     (ties included), without sorting the vocabulary: a sort per row made a sampled DFlash round many times a greedy one
-    on XLA:CPU (benchmarks/README.md, "What temperature costs"). A cut-off beyond the candidates is found by a
-    16-way search over the values' bits, only when some row needs it."""
+    on XLA:CPU (benchmarks/README.md, "What temperature costs"). A cut-off beyond the candidates is found by a search
+    over the values' bits that tests ``ways - 1`` thresholds per read of the values (2: a bisection;
+    ``Backend.cut_off_ways``), only when some row needs it."""
     vocab = logits.shape[-1]
     expand = (slice(None),) + (None,) * (logits.ndim - 1)
     temperature, top_p, top_k = settings.temperature[expand], settings.top_p[expand], settings.top_k[expand]
     scores = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
     limited, nucleus = (top_k > 0) & (top_k < vocab), top_p < 1
-    cut = lambda: _cut_off(scores, jnp.where(limited, top_k, 0), jnp.where(nucleus, top_p, 1.0))
+    cut = lambda: _cut_off(scores, jnp.where(limited, top_k, 0), jnp.where(nucleus, top_p, 1.0), ways)
     probs = jax.lax.cond((limited | nucleus).any(), cut, lambda: jax.nn.softmax(scores, axis=-1))
     greedy = temperature == 0  # one-hot on the argmax; computed only when some row is greedy
     return _where_any(greedy, lambda: jax.nn.one_hot(argmax(logits), vocab, dtype=jnp.float32), probs)
 
 
-def _cut_off(scores: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def _cut_off(scores: jax.Array, top_k: jax.Array, top_p: jax.Array, ways: int) -> jax.Array:
     """softmax(scores) cut to the top_k largest (0: no cut) and to the top_p nucleus (1: no cut), renormalized."""
     vocab = scores.shape[-1]
     candidates = min(CANDIDATES, vocab)
     top_scores, ids = jax.lax.top_k(scores, candidates)
     limited = top_k > 0
     kth = jnp.take_along_axis(top_scores, jnp.clip(top_k - 1, 0, candidates - 1), axis=-1)
-    kth = _where_any(top_k > candidates, lambda: _kth_largest(scores, jnp.clip(top_k, 1, vocab)), kth)
+    kth = _where_any(top_k > candidates, lambda: _kth_largest(scores, jnp.clip(top_k, 1, vocab), ways), kth)
     probs = jax.nn.softmax(jnp.where(limited & (scores < kth), -jnp.inf, scores), axis=-1)
     # Nucleus: keep the sorted prefix whose mass before each token is still below top_p (the token that crosses
     # it included), then every token as likely as the last one kept.
@@ -124,14 +125,9 @@ def _cut_off(scores: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array
     sorted_probs = jnp.take_along_axis(probs, ids, axis=-1)
     kept = (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs < top_p).sum(-1, keepdims=True)
     floor = jnp.take_along_axis(sorted_probs, kept - 1, axis=-1)
-    floor = _where_any(nucleus & (kept >= candidates), lambda: _nucleus_floor(probs, top_p), floor)
+    floor = _where_any(nucleus & (kept >= candidates), lambda: _nucleus_floor(probs, top_p, ways), floor)
     probs = jnp.where(nucleus & (probs < floor), 0.0, probs)
     return probs / probs.sum(-1, keepdims=True)
-
-
-# The search beyond the candidates: each pass reads the values once to test 15 thresholds (a bisection reads them
-# once per threshold), and 8 passes pin one of 2**32 int32 keys down.
-_WAYS, _PASSES = 16, 8
 
 
 def _where_any(needed: jax.Array, compute, otherwise: jax.Array) -> jax.Array:
@@ -150,38 +146,42 @@ def _float_of(key: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ jnp.int32(0x7FFFFFFF), key), jnp.float32)
 
 
-def _search(holds, low: jax.Array, high: jax.Array) -> jax.Array:
+def _search(holds, low: jax.Array, high: jax.Array, ways: int) -> jax.Array:
     """The smallest key in (low, high] [..., 1] where ``holds`` (monotone: false at low, true at high) holds;
-    ``holds(thresholds [..., W])`` tests W thresholds at once."""
+    ``holds(thresholds [..., ways - 1])`` tests them at once. Each pass cuts the bracket into ``ways`` parts, so
+    log_ways(2**32) passes pin an int32 key down."""
+    if ways < 2 or ways & (ways - 1):
+        raise ValueError(f"ways: expected a power of 2 from 2, got {ways}")
+    passes = -(-32 // (ways.bit_length() - 1))
     as_unsigned = lambda k: jax.lax.bitcast_convert_type(k, jnp.uint32)
-    ways = jnp.arange(1, _WAYS, dtype=jnp.uint32)
+    parts = jnp.arange(1, ways, dtype=jnp.uint32)
 
     def step(_, bracket):
         low, high = bracket
         width = as_unsigned(high) - as_unsigned(low)  # exact modulo 2**32, and high - low < 2**32
-        offsets = jnp.minimum(ways * (width // _WAYS + (width % _WAYS > 0)), width)
+        offsets = jnp.minimum(parts * (width // ways + (width % ways > 0)), width)
         thresholds = jax.lax.bitcast_convert_type(as_unsigned(low) + offsets, jnp.int32)  # ascending, <= high
         passed = holds(thresholds)
         first = jnp.argmax(jnp.concatenate([passed, jnp.ones_like(passed[..., :1])], -1), -1, keepdims=True)
         edges = jnp.concatenate([low, thresholds, high], -1)
         return jnp.take_along_axis(edges, first, -1), jnp.take_along_axis(edges, first + 1, -1)
 
-    return jax.lax.fori_loop(0, _PASSES, step, (low, high))[1]
+    return jax.lax.fori_loop(0, passes, step, (low, high))[1]
 
 
-def _kth_largest(scores: jax.Array, k: jax.Array) -> jax.Array:
+def _kth_largest(scores: jax.Array, k: jax.Array, ways: int) -> jax.Array:
     """Each row's k-th largest score [..., 1]: the smallest t with fewer than k scores above t."""
     fewer = lambda t: (_ordered(scores)[..., None, :] > t[..., None]).sum(-1) < k
     keys = _ordered(scores)
-    return _float_of(_search(fewer, keys.min(-1, keepdims=True) - 1, keys.max(-1, keepdims=True)))
+    return _float_of(_search(fewer, keys.min(-1, keepdims=True) - 1, keys.max(-1, keepdims=True), ways))
 
 
-def _nucleus_floor(probs: jax.Array, top_p: jax.Array) -> jax.Array:
+def _nucleus_floor(probs: jax.Array, top_p: jax.Array, ways: int) -> jax.Array:
     """The smallest kept probability [..., 1]: the smallest p whose strictly larger mass is below top_p."""
     above = lambda t: jnp.where(_ordered(probs)[..., None, :] > t[..., None], probs[..., None, :], 0.0)
     below = lambda t: above(t).sum(-1) < top_p
     top = _ordered(probs).max(-1, keepdims=True)
-    return _float_of(_search(below, jnp.full_like(top, -1), top))
+    return _float_of(_search(below, jnp.full_like(top, -1), top, ways))
 
 
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:

@@ -115,6 +115,13 @@ class Backend:
             return "dense"
         return "scan" if quantized else "grouped"
 
+    def cut_off_ways(self) -> int:
+        """Thresholds + 1 that the sampling cut-off search tests per read of the values
+        (``jaxdd.decoding.sampling.filtered_probs``): 16 on GPUs, which fuse the comparisons into that read; 2 (a
+        bisection) on CPU and TPU, whose compilers write the comparisons out (benchmarks/README.md, "What the
+        compiled rounds move")."""
+        return 16 if self.platform == "gpu" else 2
+
     def int4_matvec(self, group: int, sharded: bool = False) -> Callable[..., jax.Array] | None:
         """The gathered INT4 expert matvec kernel for scale groups of ``group`` inputs: on CPU the C++ one
         (``jaxdd.runtime.cpu_kernels``) where it builds; on GPU the Pallas Triton one

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,6 +16,8 @@ from hypothesis import strategies as st
 import jaxdd
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.sampling import CANDIDATES, Sampling, SamplingArrays, filtered_probs, sample, seed_keys, split_keys
+from jaxdd.planning.aot import find_machine
+from jaxdd.runtime.backend import Backend
 from jaxdd.testing.reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model
 
 # A vocabulary small enough to enumerate every 3-token continuation (8^3 = 512), and logits scaled up so the
@@ -74,18 +77,43 @@ def sorted_filter(logits: np.ndarray, temperature: float, top_p: float, top_k: i
     top_p=st.sampled_from([1.0, 0.95, 0.6]),
     top_k=st.sampled_from([0, 3, CANDIDATES + 6, 250]),
     ties=st.booleans(),
+    ways=st.sampled_from([2, 4, 16]),
 )
-def test_cut_offs_keep_what_sorting_keeps(seed, vocab, scale, top_p, top_k, ties):
+def test_cut_offs_keep_what_sorting_keeps(seed, vocab, scale, top_p, top_k, ties, ways):
     """The top-k and top-p cut-offs, found among the candidates or by a search beyond them (flat distributions,
-    large top_k), keep exactly the tokens that sorting keeps, ties included."""
+    large top_k; a bisection or a 4- or 16-way search), keep exactly the tokens that sorting keeps, ties included."""
     logits = np.random.default_rng(seed).standard_normal((2, 3, vocab)).astype(np.float32) * scale
     if ties:
         logits = np.round(logits * 2) / 2
     expected = sorted_filter(logits, 0.7, top_p, top_k)
-    ours = np.asarray(filtered_probs(jnp.asarray(logits), SamplingArrays.of([Sampling(0.7, top_p, top_k)] * 2)))
+    ours = np.asarray(filtered_probs(jnp.asarray(logits), SamplingArrays.of([Sampling(0.7, top_p, top_k)] * 2), ways))
     normal = (expected == 0) | (expected >= np.finfo(np.float32).tiny)  # XLA flushes subnormal probabilities to 0
     np.testing.assert_array_equal((ours > 0)[normal], (expected > 0)[normal])
     np.testing.assert_allclose(ours, expected, atol=1e-6)
+
+
+def _filter_bytes(machine: str, ways: int) -> int:
+    """What ``filtered_probs`` of a DDTree verify's 17 positions moves, compiled for ``machine``: a device's share
+    of K2's vocabulary under TP8 (20480 of 163840), every cut-off searched (the compiler counts the larger branch)."""
+    where = find_machine(machine, 1)
+    device = jax.sharding.SingleDeviceSharding(where.devices[0])
+    shapes = [((1, 17, 20480), jnp.float32), ((1,), jnp.float32), ((1,), jnp.float32), ((1,), jnp.int32)]
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=device) for shape, dtype in shapes]
+    f = lambda logits, t, p, k: filtered_probs(logits, SamplingArrays(t, p, k), ways)
+    compiled = jax.jit(f).lower(*args).compile(compiler_options=where.compiler_options or None)
+    return jaxdd.compiled_traffic(compiled)["bytes"]
+
+
+@pytest.mark.parametrize(("machine", "platform"), [("h200", "gpu"), ("cpu", "cpu")])
+def test_cut_off_search_reads_the_values_least_with_its_backends_ways(machine, platform):
+    """Each backend's ``cut_off_ways`` is the cheapest there: XLA:GPU fuses 15 comparisons into one read of the
+    values (16 ways: 37x the logits' bytes, a bisection 83x), XLA:CPU writes them out (a bisection is cheapest)."""
+    logits = 17 * 20480 * 4
+    chosen = Backend(platform).cut_off_ways()
+    moved = {ways: _filter_bytes(machine, ways) for ways in {2, 16, chosen}}
+    assert moved[chosen] == min(moved.values())
+    if platform == "gpu":
+        assert moved[chosen] <= 45 * logits < moved[2]
 
 
 @pytest.mark.parametrize("vocab", [7, 100, 4096])
