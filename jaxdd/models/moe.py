@@ -3,7 +3,8 @@
 Dispatches (``Backend.moe_dispatch`` picks one per platform and token count; ``MoE.dispatch`` can force one):
 ``gathered`` gives each (token, slot) pair its own expert's weights, gathered from the stored pieces (and dequantized
 after the gather; INT4 on CPU and GPU: in registers by ``jaxdd.runtime.cpu_kernels`` and
-``pallas_kernels.int4_experts``), so only the chosen experts are read;
+``pallas_kernels.int4_experts``, on TPU: in VMEM by ``pallas_kernels.int4_experts_tpu``), so only the chosen experts
+are read;
 ``grouped`` sorts the (token, slot) pairs by expert and runs grouped matmuls (``ragged_dot``), the scalable form for
 dense weights; ``dense`` runs every expert on every token and weights the outputs by the combine weights (zero for
 unchosen experts); ``scan`` does the same one expert at a time; ``skipping`` too, but skips the experts no token chose;
@@ -89,7 +90,8 @@ class MoE(nnx.Module, Placeable):
     inside the jitted forward. Dequantizing a whole expert stack at once would need its dense copy in memory
     (and XLA may hoist those copies for all layers to the start of the step), so beyond small problems
     quantized experts go through ``scan``: one expert dequantized at a time, right before its matmuls. On CPU,
-    INT4 experts of few pairs go through a C++ kernel that dequantizes in registers (``jaxdd.runtime.cpu_kernels``).
+    INT4 experts of few pairs go through a C++ kernel that dequantizes in registers (``jaxdd.runtime.cpu_kernels``),
+    on TPU through a Mosaic kernel that fetches the chosen experts' blocks and dequantizes them in VMEM.
     """
 
     def __init__(self, config: KimiConfig, dtype: jnp.dtype, experts: ExpertFormat, rngs: nnx.Rngs):
@@ -137,7 +139,7 @@ class MoE(nnx.Module, Placeable):
         if self.dispatch != "auto":
             return self.dispatch
         c, quantized = self.config, not isinstance(self.gate, DenseExperts)
-        kernel = _int4_kernel((self.gate, self.up, self.down), backend) is not None
+        kernel = _int4_kernel((self.gate, self.up, self.down), backend, self._unplaced(backend)) is not None
         d, f, top_k = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
         return backend.moe_dispatch(tokens, top_k, local_experts, d, f, quantized, kernel)
 
@@ -150,7 +152,7 @@ class MoE(nnx.Module, Placeable):
         projections = (self.gate, self.up, self.down)
         dispatch = self.dispatch_for(experts.shape[0], pieces[0][0].shape[0], backend)
         if dispatch == "gathered":
-            through = _pair_experts(projections, pieces, backend)
+            through = _pair_experts(projections, pieces, backend, self._unplaced(backend))
             if local is not None:
                 return _gathered_local_pairs(x, weights, experts, *local, through)
             return _gathered_experts(x, weights, experts, through)
@@ -162,6 +164,10 @@ class MoE(nnx.Module, Placeable):
             return _tiled_experts(x, weights, experts, projections, pieces)
         dense = [p.dequantize(*stored) for p, stored in zip(projections, pieces, strict=True)]
         return (_all_experts if dispatch == "dense" else _grouped_experts)(x, weights, experts, *dense)
+
+    def _unplaced(self, backend: Backend) -> bool:
+        """Whether the experts lie on several devices outside ``shard_map`` (no kernel that is not partitioned)."""
+        return self.placement is None and backend.devices > 1
 
     def _sharded_routed(self, x: jax.Array, weights: jax.Array, experts: jax.Array, backend: Backend) -> jax.Array:
         """The routed experts under ``shard_map`` (see ``jaxdd.runtime.sharding``): each device holds a slice of every
@@ -211,13 +217,16 @@ def _grouped_experts(x, weights, experts, gate, up, down) -> jax.Array:
     return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights)
 
 
-def _pair_experts(projections, pieces, backend: Backend) -> Callable[[jax.Array, jax.Array], jax.Array]:
+def _pair_experts(
+    projections, pieces, backend: Backend, sharded: bool = False
+) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """(rows [P, D], chosen [P]) -> [P, D]: each row through its own expert. INT4 experts go through the backend's
-    matvec kernel where it has one (CPU and GPU: unpacked in registers as the words are read); otherwise the chosen
-    experts' pieces are gathered and then dequantized."""
-    kernel = _int4_kernel(projections, backend)
+    matvec kernel where it has one (CPU and GPU: unpacked in registers as the words are read; TPU: the chosen
+    experts' blocks fetched and dequantized in VMEM); otherwise the chosen experts' pieces are gathered and then
+    dequantized. ``sharded``: the pieces lie on several devices outside ``shard_map``."""
+    kernel = _int4_kernel(projections, backend, sharded)
     if kernel is None:
-        shifts = backend.platform != "cpu"  # so XLA:TPU (and XLA:GPU, groups the kernel lacks) fuse the gather
+        shifts = backend.platform != "cpu"  # so XLA:GPU and XLA:TPU fuse the gather, for groups their kernels lack
         return functools.partial(_gathered_pairs, projections=projections, pieces=pieces, shifts=shifts)
     gate, up, down = pieces  # (packed, scale) each
 
@@ -228,12 +237,12 @@ def _pair_experts(projections, pieces, backend: Backend) -> Callable[[jax.Array,
     return through
 
 
-def _int4_kernel(projections, backend: Backend) -> Callable[..., jax.Array] | None:
-    """The backend's INT4 matvec kernel if it has one and all three projections are INT4 in one group size it
-    takes."""
+def _int4_kernel(projections, backend: Backend, sharded: bool = False) -> Callable[..., jax.Array] | None:
+    """The backend's INT4 matvec kernel if it has one (for pieces ``sharded`` outside ``shard_map`` or not) and all
+    three projections are INT4 in one group size it takes."""
     groups = {p.group if isinstance(p, Int4Experts) else None for p in projections}
     if len(groups) == 1 and None not in groups:
-        return backend.int4_matvec(groups.pop())
+        return backend.int4_matvec(groups.pop(), sharded)
     return None
 
 

@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as pltriton
 from jaxdd.runtime import cpu_kernels
 from jaxdd.runtime.cpu_memory import keep_allocations
 from jaxdd.types import ATTENTIONS, Attention, Dispatch, Platform
-from pallas_kernels import int4_experts
+from pallas_kernels import int4_experts, int4_experts_tpu
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_tpu import tree_attention_tpu
 
@@ -100,9 +100,10 @@ class Backend:
         experts with few (token, slot) pairs (a decode step, a short verify) are gathered: decode is bound by the bytes
         it reads, and only the chosen experts are read. Past half as many pairs as experts, every expert dequantized
         once (``scan``) costs less than one dequantization per pair. ``kernel``: the experts go through the INT4 matvec
-        kernel (``int4_matvec``), which dequantizes in registers, so gathering pays up to ``KERNEL_GATHERED_PAIRS``
-        pairs per expert on CPU (compute-bound there); on GPU up to one (it reads an expert per pair, ``scan`` every
-        expert once). The thresholds' measurements: benchmarks/README.md, "MoE dispatch thresholds"."""
+        kernel (``int4_matvec``), which dequantizes as it reads, so gathering pays up to ``KERNEL_GATHERED_PAIRS``
+        pairs per expert on CPU (compute-bound there); elsewhere up to one (on GPU it reads an expert per pair, on TPU
+        it dequantizes one per pair; ``scan`` every expert once). The thresholds' measurements: benchmarks/README.md,
+        "MoE dispatch thresholds"."""
         pairs = tokens * top_k
         per_expert = self.KERNEL_GATHERED_PAIRS if self.platform == "cpu" else 1
         if quantized and (2 * pairs <= experts or (kernel and pairs <= per_expert * experts)):
@@ -121,16 +122,20 @@ class Backend:
         compiled rounds move")."""
         return 16 if self.platform == "gpu" else 2
 
-    def int4_matvec(self, group: int) -> Callable[..., jax.Array] | None:
+    def int4_matvec(self, group: int, sharded: bool = False) -> Callable[..., jax.Array] | None:
         """The gathered INT4 expert matvec kernel for scale groups of ``group`` inputs: on CPU the C++ one
         (``jaxdd.runtime.cpu_kernels``) where it builds; on GPU the Pallas Triton one
-        (``pallas_kernels.int4_experts``: XLA:GPU writes the gathered experts out and reads them again); else None
-        (XLA's dequantize-then-dot, which XLA:TPU fuses)."""
+        (``pallas_kernels.int4_experts``: XLA:GPU writes the gathered experts out and reads them again); on TPU the
+        Mosaic one (``pallas_kernels.int4_experts_tpu``: XLA:TPU relays the gathered experts out in fp32), unless the
+        experts are ``sharded`` over devices outside ``shard_map`` (a Mosaic call is not partitioned); else None
+        (XLA's dequantize-then-dot)."""
         if self.platform == "cpu" and self.cpu_kernels and group % cpu_kernels.GROUP_MULTIPLE == 0:
             return cpu_kernels.gathered_int4_matvec if cpu_kernels.available() else None
         if self.platform == "gpu" and int4_experts.supports(group):
             params = pltriton.CompilerParams(num_warps=4)
             return functools.partial(int4_experts.gathered_int4_matvec_gpu, compiler_params=params)
+        if self.platform == "tpu" and not sharded and group % int4_experts_tpu.PER_WORD == 0:
+            return int4_experts_tpu.gathered_int4_matvec_tpu
         return None
 
     def decode_kernels(self, tokens: int) -> ModuleType | None:
