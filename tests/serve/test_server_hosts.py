@@ -1,0 +1,98 @@
+"""python -m jaxdd.serve as a job of two processes x 4 simulated CPU devices (gloo on loopback), as on two hosts:
+process 0 serves HTTP and decides, process 1 follows; concurrent requests through the ``openai`` client decode
+to their runs alone; SIGTERM to process 0 ends both with exit 0; a follower whose process 0 vanished exits 1 in
+bounded time. And ``--method ar`` through the server equals ``python -m jaxdd.generate``."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from jaxdd.serve.decisions import LOST
+from jaxdd.testing.server import complete, running_job, running_server
+
+ROWS, MAX_LEN, MAX_PROMPT = 2, 64, 16
+SHAPE = ["--max-batch", str(ROWS), "--max-len", str(MAX_LEN), "--max-prompt", str(MAX_PROMPT)]
+SILENCE = 10  # --coordinator-timeout: seconds a follower waits for word from process 0
+REQUESTS = [  # more than there are rows: some wait, and are admitted between rounds of the others
+    {"prompt": [1, 2, 3, 4, 5, 6, 7], "max_tokens": 20, "temperature": 0.0},
+    {"prompt": [9, 400, 17, 3000], "max_tokens": 16, "temperature": 0.7, "top_p": 0.9, "seed": 11, "stream": True},
+    {"prompt": list(range(100, 116)), "max_tokens": 24, "temperature": 0.0, "stream": True},
+    {"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0.7, "seed": 2**32 - 1},
+]
+
+
+def client_for(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
+
+
+def expected(run, request: dict, method: str) -> list[int]:
+    settings = [request.get(k, d) for k, d in (("temperature", 0.0), ("seed", 0), ("top_p", 1.0))]
+    return run(request["prompt"], request["max_tokens"], *settings, method=method)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve_hosts")
+    args = [*SHAPE, "--devices", "8", "--moe", "ep", "--coordinator-timeout", str(SILENCE)]
+    with running_job(args, folder) as running:
+        yield running
+
+
+def test_two_processes_serve_what_one_decodes(job, reference):
+    server, _ = job
+    run, _ = reference
+    client = client_for(server.url)
+    with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:
+        results = list(pool.map(lambda r: complete(client, r), REQUESTS))
+    for request, (ids, _, finish, usage) in zip(REQUESTS, results, strict=True):
+        assert ids == expected(run, request, "dflash"), request
+        assert finish == ("length" if len(ids) == request["max_tokens"] else "stop")
+        assert usage["completion_tokens"] == len(ids)
+
+
+def test_sigterm_to_process_0_ends_both_with_0(job):
+    """Last in this file: it ends the job."""
+    server, (follower,) = job
+    server.process.send_signal(signal.SIGTERM)
+    assert server.exit_code(60) == 0, server.log.read_text()
+    assert follower.wait(60) == 0
+
+
+def test_a_follower_whose_process_0_vanished_exits(tmp_path):
+    """Process 0 killed outright (no stop broadcast): the follower says so in a line and exits non-zero, within
+    the silence it allows (a broken collective may end it sooner)."""
+    with running_job([*SHAPE, "--method", "ar", "--coordinator-timeout", str(SILENCE)], tmp_path) as (server, rest):
+        (follower,) = rest
+        server.process.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        code = follower.wait(SILENCE + 60)
+        log = (tmp_path / "process1.log").read_text()
+        assert code != 0 and time.monotonic() - killed < SILENCE + 60, log
+        if code == LOST:
+            assert f"jaxdd: process 0 sent nothing for {SILENCE} s: exiting" in log
+
+
+def test_ar_through_the_server_equals_generate(tmp_path, reference):
+    """--method ar: concurrent requests equal their runs alone, and a seeded sampled one what
+    python -m jaxdd.generate --no-chat --method ar gives."""
+    run, _ = reference
+    with running_server([*SHAPE, "--method", "ar"], tmp_path / "server.log") as server:
+        client = client_for(server.url)
+        with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:
+            results = list(pool.map(lambda r: complete(client, r), REQUESTS))
+        for request, (ids, *_) in zip(REQUESTS, results, strict=True):
+            assert ids == expected(run, request, "ar"), request
+        prompt = "def fibonacci(n):"
+        argv = [sys.executable, "-m", "jaxdd.generate", prompt, "--no-chat", "--json", "--max-new-tokens", "24"]
+        argv += ["--method", "ar", "--temperature", "0.8", "--seed", "11", "--dtype", "float32"]
+        cli = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300).stdout)
+        ids, text, _, _ = complete(client, {"prompt": prompt, "max_tokens": 24, "temperature": 0.8, "seed": 11})
+        assert ids == cli["output_ids"] and text == cli["text"]
