@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxdd: {error}", file=sys.stderr)
         return 2
     stop_ids = sorted(set(target.config.eos_token_ids) | set(tokenizer.stop_ids if tokenizer else ()))
-    channel = Local() if jax.process_count() == 1 else Broadcast(pool.rows, pool.max_prompt, args.coordinator_timeout)
+    channel = Local()
+    if jax.process_count() > 1:
+        channel = Broadcast(pool.rows, pool.max_prompt, args.coordinator_timeout, leads=jax.process_index() == 0)
     scheduler = Scheduler(pool, Metrics(pool.block), args.max_waiting, channel)
     if not channel.leads:
         return follow(scheduler)

@@ -15,9 +15,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import NoReturn, Protocol
 
-import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -67,12 +66,20 @@ class Local:
 
 
 class Broadcast:
-    """Several processes: process 0 decides and broadcasts; the others receive. A follower that hears nothing
-    from process 0 for ``timeout`` seconds (it vanished, or hangs) says so in one line and exits ``LOST``."""
+    """Several processes: process 0 decides and broadcasts; the others receive. A follower whose broadcast
+    fails (process 0 vanished) or that hears nothing from process 0 for ``timeout`` seconds (it hangs) says so in
+    one line and exits ``LOST``. ``broadcast``: process 0's array on every process (a stand-in in tests)."""
 
-    def __init__(self, rows: int, max_prompt: int, timeout: float):
-        self.rows, self.max_prompt, self.timeout = rows, max_prompt, timeout
-        self.leads = jax.process_index() == 0
+    def __init__(
+        self,
+        rows: int,
+        max_prompt: int,
+        timeout: float,
+        leads: bool,
+        broadcast: Callable[[np.ndarray], np.ndarray] | None = None,
+    ):
+        self.rows, self.max_prompt, self.timeout, self.leads = rows, max_prompt, timeout, leads
+        self._broadcast = broadcast or from_process_0
         self._heard: float | None = None  # when the last decisions arrived (followers, once serving)
         if not self.leads:
             threading.Thread(target=self._watch, name="jaxdd-follower-watchdog", daemon=True).start()
@@ -80,15 +87,18 @@ class Broadcast:
     def share(self, decide: Callable[[], Decisions]) -> Decisions:
         if self.leads:
             decisions = decide()
-            _broadcast(encode_header(decisions, self.rows))
+            self._broadcast(encode_header(decisions, self.rows))
             for request in decisions.admit:
-                _broadcast(encode_admission(request, self.max_prompt))
+                self._broadcast(encode_admission(request, self.max_prompt))
             return decisions
         if self._heard is None:  # the clock starts once serving: the compiles before take what they take
             self._heard = time.monotonic()
-        stop, reset, release, admitted = decode_header(_broadcast(encode_header(Decisions(), self.rows)))
-        blank = np.zeros((admission_size(self.max_prompt),), np.int32)
-        admit = tuple(decode_admission(_broadcast(blank)) for _ in range(admitted))
+        try:
+            stop, reset, release, admitted = decode_header(self._broadcast(encode_header(Decisions(), self.rows)))
+            blank = np.zeros((admission_size(self.max_prompt),), np.int32)
+            admit = tuple(decode_admission(self._broadcast(blank)) for _ in range(admitted))
+        except Exception as error:  # at once: JAX's own client aborts the process with a stack trace soon after
+            _lost(f"lost process 0 ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
         self._heard = None if stop else time.monotonic()  # stopping: the clock is off while the job shuts down
         return Decisions(stop, reset, release, admit)
 
@@ -97,11 +107,15 @@ class Broadcast:
             time.sleep(min(1.0, self.timeout / 4))
             if self._heard is not None and time.monotonic() - self._heard > self.timeout:
                 # os._exit: the scheduler thread may be blocked in a collective that nothing interrupts.
-                print(f"jaxdd: process 0 sent nothing for {self.timeout:g} s: exiting", file=sys.stderr, flush=True)
-                os._exit(LOST)
+                _lost(f"process 0 sent nothing for {self.timeout:g} s")
 
 
-def _broadcast(values: np.ndarray) -> np.ndarray:
+def _lost(why: str) -> NoReturn:
+    print(f"jaxdd: {why}: exiting", file=sys.stderr, flush=True)
+    os._exit(LOST)
+
+
+def from_process_0(values: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.broadcast_one_to_all(values))
 
 

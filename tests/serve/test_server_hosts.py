@@ -10,7 +10,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import openai
 import pytest
@@ -67,17 +66,14 @@ def test_sigterm_to_process_0_ends_both_with_0(job):
 
 
 def test_a_follower_whose_process_0_vanished_exits(tmp_path):
-    """Process 0 killed outright (no stop broadcast): the follower says so in a line and exits non-zero, within
-    the silence it allows (a broken collective may end it sooner)."""
+    """Process 0 killed outright (no stop broadcast): the follower's next broadcast breaks, and it says so in one
+    line and exits LOST, before JAX's own client aborts it."""
     with running_job([*SHAPE, "--method", "ar", "--coordinator-timeout", str(SILENCE)], tmp_path) as (server, rest):
         (follower,) = rest
         server.process.send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        code = follower.wait(SILENCE + 60)
-        log = (tmp_path / "process1.log").read_text()
-        assert code != 0 and time.monotonic() - killed < SILENCE + 60, log
-        if code == LOST:
-            assert f"jaxdd: process 0 sent nothing for {SILENCE} s: exiting" in log
+        code = follower.wait(SILENCE + 30)
+        lines = [line for line in (tmp_path / "process1.log").read_text().splitlines() if line.startswith("jaxdd: ")]
+        assert code == LOST and lines[-1].startswith("jaxdd: lost process 0 ("), lines
 
 
 def test_ar_through_the_server_equals_generate(tmp_path, reference):
