@@ -25,8 +25,6 @@ import time
 import traceback
 from collections.abc import Callable
 
-import jax
-
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.decoding.slots import RowPool, RowUpdate
 from jaxdd.serve.decisions import Broadcast, Decisions, Local, Request
@@ -176,7 +174,7 @@ class Scheduler:
         if decisions.reset:
             self._reset()
         elif self._fault is not None:  # a follower's own fault: its state is no longer process 0's
-            raise RuntimeError(f"process {jax.process_index()} faulted where process 0 did not: {self._fault}")
+            raise RuntimeError(f"this process faulted in a step where process 0 did not: {self._fault}")
         for row in decisions.release:
             self.pool.release(row)
             del self._rows[row]
