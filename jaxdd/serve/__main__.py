@@ -9,8 +9,9 @@ continuous batching of speculative rounds.
 It compiles every shape it will run first (each prompt bucket up to --max-prompt, the insert, the round);
 GET /health answers 200 from then on. GET /metrics has Prometheus metrics under ``jaxdd:``. Across several
 processes (hosts) process 0 alone serves HTTP and decides every step (admit, cancel, timeout, drain), broadcast
-to the others before each round; they exit 0 when it does, and exit 1 after --coordinator-timeout seconds
-without word from it.
+to the others before each round; they exit 0 when it does. One that loses process 0 exits at once (1, in one
+line, or JAX's own abort when its client notices first), and one that hears nothing from it for
+--coordinator-timeout seconds exits 1.
 """
 
 from __future__ import annotations
