@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 def follow(scheduler: Scheduler) -> int:
     """A follower: no HTTP; carry out process 0's decisions until it stops (0), or this process's engine fails."""
     print_note(f"process {jax.process_index()}: following process 0's decisions")
+    lifecycle.defer_to_process_0()
     scheduler.start()
     scheduler.join()
     return 0 if scheduler.failure is None else 1

@@ -1,7 +1,7 @@
 """python -m jaxdd.serve as a job of two processes x 4 simulated CPU devices (gloo on loopback), as on two hosts:
 process 0 serves HTTP and decides, process 1 follows; concurrent requests through the ``openai`` client decode
-to their runs alone; SIGTERM to process 0 ends both with exit 0; a follower whose process 0 vanished exits 1 in
-bounded time. And ``--method ar`` through such a server equals ``python -m jaxdd.generate``."""
+to their runs alone; SIGTERM ends both with exit 0 when process 0 decides; a follower whose process 0 vanished
+exits at once. And ``--method ar`` through such a job (2 x 2 devices) equals ``python -m jaxdd.generate``."""
 
 from __future__ import annotations
 
@@ -58,8 +58,13 @@ def test_two_processes_serve_what_one_decodes(job, reference):
 
 
 def test_sigterm_to_process_0_ends_both_with_0(job):
-    """After the other tests of ``job``: it ends the job."""
+    """After the other tests of ``job``: it ends the job. The follower's own SIGTERM (a job manager signals every
+    process) waits for process 0's decision."""
     server, (follower,) = job
+    follower.send_signal(signal.SIGTERM)
+    with pytest.raises(subprocess.TimeoutExpired):
+        follower.wait(2)
+    assert complete(client_for(server.url), REQUESTS[0])[0]  # still serving: the follower still follows
     server.process.send_signal(signal.SIGTERM)
     assert server.exit_code(60) == 0, server.log.read_text()
     assert follower.wait(60) == 0
@@ -68,7 +73,7 @@ def test_sigterm_to_process_0_ends_both_with_0(job):
 @pytest.fixture(scope="module")
 def ar_job(tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve_hosts_ar")
-    args = [*SHAPE, "--method", "ar", "--devices", "8", "--moe", "tp", "--coordinator-timeout", str(SILENCE)]
+    args = [*SHAPE, "--method", "ar", "--devices", "4", "--moe", "tp", "--coordinator-timeout", str(SILENCE)]
     with running_job(args, folder) as running:
         yield running, folder
 
