@@ -98,7 +98,7 @@ class Broadcast:
             blank = np.zeros((admission_size(self.max_prompt),), np.int32)
             admit = tuple(decode_admission(self._broadcast(blank)) for _ in range(admitted))
         except Exception as error:  # at once: JAX's own client aborts the process with a stack trace soon after
-            _lost(f"lost process 0 ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
+            _lost(f"lost process 0 ({type(error).__name__}: {(str(error).splitlines() or [''])[0]})")
         self._heard = None if stop else time.monotonic()  # stopping: the clock is off while the job shuts down
         return Decisions(stop, reset, release, admit)
 
@@ -147,7 +147,7 @@ def admission_size(max_prompt: int) -> int:
 def encode_admission(admission: Request, max_prompt: int) -> np.ndarray:
     record = np.zeros((admission_size(max_prompt),), np.int32)
     sampling = admission.sampling
-    record[:5] = len(admission.prompt), admission.max_new_tokens, len(admission.stop_ids), sampling.top_k, 0
+    record[:4] = len(admission.prompt), admission.max_new_tokens, len(admission.stop_ids), sampling.top_k
     record[4:5] = np.array([sampling.seed], np.uint32).view(np.int32)
     record[5:FIELDS] = np.array([sampling.temperature, sampling.top_p], np.float64).view(np.int32)
     record[FIELDS : FIELDS + len(admission.stop_ids)] = admission.stop_ids
