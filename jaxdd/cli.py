@@ -99,8 +99,8 @@ def add_device_flags(parser: argparse.ArgumentParser) -> None:
         type=positive,
         default=60,
         metavar="SECONDS",
-        help="give up when the other processes have not joined within this long, or (serve) when process 0 has "
-        "sent nothing for this long (default: 60)",
+        help="give up when the other processes have not joined within this long, or (serve) when a process has "
+        "waited this long for process 0's next step (default: 60)",
     )
 
 

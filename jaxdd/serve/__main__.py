@@ -10,8 +10,8 @@ It compiles every shape it will run first (each prompt bucket up to --max-prompt
 GET /health answers 200 from then on. GET /metrics has Prometheus metrics under ``jaxdd:``. Across several
 processes (hosts) process 0 alone serves HTTP and decides every step (admit, cancel, timeout, drain), broadcast
 to the others before each round; they exit 0 when it does. One that loses process 0 exits at once (1, in one
-line, or JAX's own abort when its client notices first), and one that hears nothing from it for
---coordinator-timeout seconds exits 1.
+line, or JAX's own abort when its client notices first), and one that waits --coordinator-timeout seconds
+for its next step exits 1.
 """
 
 from __future__ import annotations

@@ -67,8 +67,9 @@ class Local:
 
 class Broadcast:
     """Several processes: process 0 decides and broadcasts; the others receive. A follower whose broadcast
-    fails (process 0 vanished) or that hears nothing from process 0 for ``timeout`` seconds (it hangs) says so in
-    one line and exits ``LOST``. ``broadcast``: process 0's array on every process (a stand-in in tests)."""
+    fails (process 0 vanished) or that waits ``timeout`` seconds for process 0's next decisions (it hangs) says
+    so in one line and exits ``LOST``; the steps themselves (a long prefill) take what they take. ``broadcast``:
+    process 0's array on every process (a stand-in in tests)."""
 
     def __init__(
         self,
@@ -80,7 +81,7 @@ class Broadcast:
     ):
         self.rows, self.max_prompt, self.timeout, self.leads = rows, max_prompt, timeout, leads
         self._broadcast = broadcast or from_process_0
-        self._heard: float | None = None  # when the last decisions arrived (followers, once serving)
+        self._waiting_since: float | None = None  # since when a follower waits for process 0's decisions
         if not self.leads:
             threading.Thread(target=self._watch, name="jaxdd-follower-watchdog", daemon=True).start()
 
@@ -91,21 +92,21 @@ class Broadcast:
             for request in decisions.admit:
                 self._broadcast(encode_admission(request, self.max_prompt))
             return decisions
-        if self._heard is None:  # the clock starts once serving: the compiles before take what they take
-            self._heard = time.monotonic()
+        self._waiting_since = time.monotonic()
         try:
             stop, reset, release, admitted = decode_header(self._broadcast(encode_header(Decisions(), self.rows)))
             blank = np.zeros((admission_size(self.max_prompt),), np.int32)
             admit = tuple(decode_admission(self._broadcast(blank)) for _ in range(admitted))
         except Exception as error:  # at once: JAX's own client aborts the process with a stack trace soon after
             _lost(f"lost process 0 ({type(error).__name__}: {(str(error).splitlines() or [''])[0]})")
-        self._heard = None if stop else time.monotonic()  # stopping: the clock is off while the job shuts down
+        self._waiting_since = None
         return Decisions(stop, reset, release, admit)
 
     def _watch(self) -> None:
         while True:
             time.sleep(min(1.0, self.timeout / 4))
-            if self._heard is not None and time.monotonic() - self._heard > self.timeout:
+            since = self._waiting_since
+            if since is not None and time.monotonic() - since > self.timeout:
                 # os._exit: the scheduler thread may be blocked in a collective that nothing interrupts.
                 _lost(f"process 0 sent nothing for {self.timeout:g} s")
 
