@@ -152,8 +152,9 @@ class Scheduler:
                 job.deliver(Event([], error=self.failure))
 
     def _decide(self) -> Decisions:
-        """The next step's decisions, on this process's clock (it leads); while idle, waits a little for work."""
-        if not self._rows and not self.pool.in_flight:
+        """The next step's decisions, on this process's clock (it leads); while idle, waits a little for work (not
+        after a fault: the reset comes at once, so /health tells a pool that cannot be reset right away)."""
+        if self._fault is None and not self._rows and not self.pool.in_flight:
             with self._wake:
                 if not self._waiting and not self._stopping.is_set():
                     self._wake.wait(IDLE_WAIT)
