@@ -20,7 +20,8 @@ from typing import NoReturn
 import jax
 
 from jaxdd.errors import CheckpointError, ConfigError, InputError
-from jaxdd.types import METHODS
+from jaxdd.runtime.distributed import join
+from jaxdd.types import METHODS, MOE_MODES
 
 USAGE, INTERRUPTED, BROKEN_PIPE = 2, 130, 141  # 130 and 141: the shell's codes for SIGINT and SIGPIPE
 PLATFORMS = {"cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "tpu": "tpu"}
@@ -71,6 +72,53 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", choices=METHODS, help="default: dflash with a drafter, else ar")
     parser.add_argument("--block-size", type=positive, help="DFlash block size (default: the drafter's)")
     parser.add_argument("--budget", type=positive, help="DDTree nodes per round (default: block size - 1)")
+
+
+def add_device_flags(parser: argparse.ArgumentParser) -> None:
+    """The devices to shard over and, on several hosts, the job: what ``generate`` and ``serve`` both take."""
+    parser.add_argument(
+        "--devices",
+        type=positive,
+        help="shard target and drafter over this many devices (default: every GPU or TPU; 1 on CPU, where "
+        "--devices N simulates N; with several processes: the job's, split evenly)",
+    )
+    parser.add_argument(
+        "--moe",
+        choices=MOE_MODES,
+        help="with several devices, split each routed expert's width (tp, the default: less traffic per round, "
+        "python -m jaxdd.plan --traffic) or place whole experts (ep)",
+    )
+    hosts = parser.add_argument_group("several hosts (one process each; not needed where JAX finds the job itself)")
+    hosts.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, the same for every process")
+    hosts.add_argument("--num-processes", type=positive, help="processes in the job")
+    hosts.add_argument(
+        "--process-id", type=int, help="this process: 0 (speaks for the job: prints, serves) .. num-processes - 1"
+    )
+    hosts.add_argument(
+        "--coordinator-timeout",
+        type=positive,
+        default=60,
+        metavar="SECONDS",
+        help="give up when the other processes have not joined within this long, or (serve) when a process has "
+        "waited this long for process 0's next step (default: 60)",
+    )
+
+
+def start_job(args: argparse.Namespace, platform: str) -> int:
+    """Join the job the device flags name (or JAX finds), start the backend, and return the device count to shard
+    over; a Refusal (or an InputError) for flags this job cannot honour."""
+    processes = args.num_processes or 1
+    join(args.coordinator, args.num_processes, args.process_id, max(1, (args.devices or 1) // processes),
+         args.coordinator_timeout)  # fmt: skip
+    if args.devices is not None and processes == 1 and platform == "cpu":
+        simulate_cpu_devices(args.devices)
+    found = start_backend()
+    devices = args.devices or (1 if found[0].platform == "cpu" and processes == 1 else len(found))
+    if devices > len(found):
+        raise Refusal(f"--devices {devices}: {'this host' if processes == 1 else 'the job'} has {len(found)}")
+    if args.moe is not None and devices == 1:
+        raise Refusal("--moe applies to several devices (--devices N)")
+    return devices
 
 
 def model_choice(

@@ -26,8 +26,7 @@ from jaxdd import cli
 from jaxdd.cli import parse_ids, positive
 from jaxdd.decoding.engine import Generation
 from jaxdd.runtime.backend import Backend
-from jaxdd.runtime.distributed import disagreeing_processes, join
-from jaxdd.types import MOE_MODES
+from jaxdd.runtime.distributed import disagreeing_processes
 from jaxdd.weights.tokenizer import TextTokenizer, load_tokenizer
 
 DEMO = Path(__file__).parent / "demo" / "kimi-mini"
@@ -55,29 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: float32 on CPU (XLA:CPU has no bf16 matmul and upcasts: 2-3x slower), bfloat16 elsewhere",
     )
-    parser.add_argument(
-        "--devices",
-        type=positive,
-        help="shard target and drafter over this many local devices (default: every GPU or TPU; 1 on CPU, where "
-        "--devices N simulates N)",
-    )
-    parser.add_argument(
-        "--moe",
-        choices=MOE_MODES,
-        help="with several devices, split each routed expert's width (tp, the default: less traffic per round, "
-        "python -m jaxdd.plan --traffic) or place whole experts (ep)",
-    )
-    hosts = parser.add_argument_group("several hosts (one process each; not needed where JAX finds the job itself)")
-    hosts.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, the same for every process")
-    hosts.add_argument("--num-processes", type=positive, help="processes in the job")
-    hosts.add_argument("--process-id", type=int, help="this process: 0 (prints the output) .. num-processes - 1")
-    hosts.add_argument(
-        "--coordinator-timeout",
-        type=positive,
-        default=60,
-        metavar="SECONDS",
-        help="give up when the other processes have not joined within this long (default: 60)",
-    )
+    cli.add_device_flags(parser)
     parser.add_argument(
         "--verify-checksums",
         action="store_true",
@@ -214,28 +191,14 @@ def run(argv: list[str] | None) -> int:
     if unused:
         print(f"jaxdd: {unused[0]} does not apply to --method {method}", file=sys.stderr)
         return 2
-    processes = args.num_processes or 1
     platform = cli.choose_platform()
     cli.enable_compilation_cache()
     try:
-        share = max(1, (args.devices or 1) // processes)
-        join(args.coordinator, args.num_processes, args.process_id, share, args.coordinator_timeout)
-    except jaxdd.InputError as error:
-        print(f"jaxdd: {error}", file=sys.stderr)
-        return 2
-    if args.devices is not None and processes == 1 and platform == "cpu":
-        cli.simulate_cpu_devices(args.devices)
-    cli.start_backend()
+        devices = cli.start_job(args, platform)
+    except (cli.Refusal, jaxdd.InputError) as error:
+        return cli.fail(error)
     backend = Backend.local()
-    devices = args.devices or (1 if backend.platform == "cpu" and processes == 1 else len(jax.devices()))
-    if devices > len(jax.devices()):
-        where = "this host has" if processes == 1 else "the job has"
-        print(f"jaxdd: --devices {devices}: {where} {len(jax.devices())}", file=sys.stderr)
-        return 2
     quiet = jax.process_index() != 0  # every process runs the program; process 0 speaks for them
-    if args.moe is not None and devices == 1:
-        print("jaxdd: --moe applies to several devices (--devices N)", file=sys.stderr)
-        return 2
     dtype = args.dtype
     if dtype == "auto":
         dtype = "float32" if backend.platform == "cpu" else "bfloat16"

@@ -4,9 +4,14 @@ continuous batching of speculative rounds.
     python -m jaxdd.serve                                     # the bundled kimi-mini pair on 127.0.0.1:8000
     python -m jaxdd.serve --method ddtree --budget 16 --max-batch 16 --max-len 1024
     python -m jaxdd.serve --checkpoint TARGET_DIR --drafter DRAFTER_DIR --port 8080
+    python -m jaxdd.serve --devices 16 --coordinator HOST0:1234 --num-processes 2 --process-id I   # on each host
 
 It compiles every shape it will run first (each prompt bucket up to --max-prompt, the insert, the round);
-GET /health answers 200 from then on. GET /metrics has Prometheus metrics under ``jaxdd:``.
+GET /health answers 200 from then on. GET /metrics has Prometheus metrics under ``jaxdd:``. Across several
+processes (hosts) process 0 alone serves HTTP and decides every step (admit, cancel, timeout, drain), broadcast
+to the others before each round; they exit 0 when it does. One that loses process 0 exits at once (1, in one
+line, or JAX's own abort when its client notices first), and one that waits --coordinator-timeout seconds
+for its next step exits 1.
 """
 
 from __future__ import annotations
@@ -26,9 +31,9 @@ from jaxdd.generate import DEMO, print_note
 from jaxdd.runtime.backend import Backend
 from jaxdd.serve import faults, lifecycle
 from jaxdd.serve.app import Server, create_app
+from jaxdd.serve.decisions import Broadcast, Local
 from jaxdd.serve.metrics import Metrics
 from jaxdd.serve.scheduler import Scheduler
-from jaxdd.types import MOE_MODES
 from jaxdd.weights.tokenizer import load_tokenizer
 
 
@@ -59,8 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chat-template", type=Path, help="a Jinja chat template (default: the checkpoint's)")
     parser.add_argument("--model-name", help="the model id clients name (default: the checkpoint directory's name)")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
-    parser.add_argument("--devices", type=positive, help="shard over this many local devices (as in jaxdd.generate)")
-    parser.add_argument("--moe", choices=MOE_MODES, help="with several devices: tp (default) or ep")
+    cli.add_device_flags(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     return parser
@@ -72,17 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     bundled, checkpoint, drafter_dir, method = cli.model_choice(args, parser, DEMO)
     platform = cli.choose_platform()  # before JAX starts a backend: no libtpu stall, a clear line for a missing GPU
     cli.enable_compilation_cache()
-    if args.devices is not None and platform == "cpu":
-        cli.simulate_cpu_devices(args.devices)
-    cli.start_backend()
+    devices = cli.start_job(args, platform)
     backend = Backend.local()
-    devices = args.devices or (1 if backend.platform == "cpu" else len(jax.devices()))
-    if devices > len(jax.devices()):
-        print(f"jaxdd: --devices {devices}: this host has {len(jax.devices())}", file=sys.stderr)
-        return 2
-    if args.moe is not None and devices == 1:
-        print("jaxdd: --moe applies to several devices (--devices N)", file=sys.stderr)
-        return 2
     dtype = args.dtype if args.dtype != "auto" else "float32" if backend.platform == "cpu" else "bfloat16"
     try:
         tokenizer = load_tokenizer(checkpoint)
@@ -100,7 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxdd: {error}", file=sys.stderr)
         return 2
     stop_ids = sorted(set(target.config.eos_token_ids) | set(tokenizer.stop_ids if tokenizer else ()))
-    scheduler = Scheduler(pool, Metrics(pool.block), args.max_waiting)
+    channel = Local()
+    if jax.process_count() > 1:
+        channel = Broadcast(pool.rows, pool.max_prompt, args.coordinator_timeout, leads=jax.process_index() == 0)
+    scheduler = Scheduler(pool, Metrics(pool.block), args.max_waiting, channel)
+    if not channel.leads:
+        return follow(scheduler)
     name = args.model_name or ("kimi-mini" if bundled else Path(checkpoint).resolve().name)
     server = Server(scheduler, pool, tokenizer, name, stop_ids, chat_template, args.request_timeout)
     scheduler.start()  # compiles in its thread while the HTTP side already answers /health with 503
@@ -113,6 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         scheduler.stop()
     return 0
+
+
+def follow(scheduler: Scheduler) -> int:
+    """A follower: no HTTP; carry out process 0's decisions until it stops (0), or this process's engine fails."""
+    print_note(f"process {jax.process_index()}: following process 0's decisions")
+    lifecycle.defer_to_process_0()
+    scheduler.start()
+    scheduler.join()
+    return 0 if scheduler.failure is None else 1
 
 
 def read_template(path: Path) -> str:

@@ -1,4 +1,5 @@
-"""Shutdown: the first SIGTERM or SIGINT drains, a second one exits at once.
+"""Shutdown: the first SIGTERM or SIGINT drains, a second one exits at once. In a job of several processes only
+process 0 decides when the job stops: a follower's first signal waits for it (process 0's drain ends the job).
 
 Draining stops admitting (the listening socket closes; a request on an open connection gets a 503), lets the
 requests already queued or running finish, and ends whatever still runs after ``--drain-timeout`` seconds with
@@ -43,3 +44,21 @@ def serve(app: FastAPI, scheduler: Scheduler, host: str, port: int, drain_timeou
         app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=drain_timeout + GRACE
     )
     DrainingServer(config, scheduler, drain_timeout).run()
+
+
+def defer_to_process_0() -> None:
+    """A follower's signals: the first SIGTERM or SIGINT is noted and waits for process 0's stop; a second exits
+    at once."""
+    received: list[int] = []
+
+    def handle(sig: int, frame: FrameType | None) -> None:
+        name = signal.Signals(sig).name
+        if received:
+            print(f"jaxdd: {name} again: exiting now, without process 0", file=sys.stderr, flush=True)
+            os._exit(128 + sig)
+        received.append(sig)
+        print(f"jaxdd: note: {name}: process 0 decides when the job stops (again: exit now)", file=sys.stderr,
+              flush=True)  # fmt: skip
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handle)

@@ -6,8 +6,14 @@ request through its ``deliver`` callback, which must be thread-safe (the HTTP si
 ``loop.call_soon_threadsafe``).
 
 An exception in a round or an admission fails the requests the pool held (each gets an error event: a 500) and
-the pool starts afresh; only a pool that cannot is fatal (``failure`` set: /health answers 503). ``drain`` (on
-shutdown) refuses new requests and ends what still runs at its deadline with finish reason "abort".
+the pool starts afresh before the next step; only a pool that cannot is fatal (``failure`` set: /health answers
+503). ``drain`` (on shutdown) refuses new requests and ends what still runs at its deadline with finish reason
+"abort".
+
+Each step begins with its decisions (rows to free, requests to admit, a reset, or stop), taken only by the
+process that leads and shared through ``channel`` (``decisions.Broadcast`` in a job of several processes): every
+process then carries out the same decisions, so all make the same device calls in the same order. A follower's
+scheduler has no HTTP side and an empty queue; its requests deliver nowhere (process 0 answers them).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections.abc import Callable
 
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.decoding.slots import RowPool, RowUpdate
+from jaxdd.serve.decisions import Broadcast, Decisions, Local, Request
 from jaxdd.serve.metrics import Metrics
 
 IDLE_WAIT = 0.05  # seconds the idle loop sleeps between looks at the queue when nothing else wakes it
@@ -69,9 +76,14 @@ class Job:
         return self.timeout is not None and now - self.arrived > self.timeout
 
 
+def _nowhere(_: Event) -> None:
+    """A follower's requests: process 0 answers them."""
+
+
 class Scheduler:
-    def __init__(self, pool: RowPool, metrics: Metrics, max_waiting: int):
+    def __init__(self, pool: RowPool, metrics: Metrics, max_waiting: int, channel: Local | Broadcast | None = None):
         self.pool, self.metrics, self.max_waiting = pool, metrics, max_waiting
+        self.channel = channel or Local()
         self._waiting: collections.deque[Job] = collections.deque()
         self._rows: dict[int, Job] = {}
         self._free = pool.rows  # rows free after the last admission: requests taking them do not count as waiting
@@ -79,7 +91,8 @@ class Scheduler:
         self._stopping = threading.Event()
         self.ready = threading.Event()
         self.failure: str | None = None  # why the engine stopped, if it did
-        self._admitting: Job | None = None
+        self._admitting: list[Job] = []  # decided, not yet in a row
+        self._fault: str | None = None  # a step's fault: the pool is reset at the next step, on every process
         self._drain_deadline: float | None = None  # set on shutdown: admit nothing new, end what runs by then
         self._thread = threading.Thread(target=self._run, name="jaxdd-scheduler", daemon=True)
 
@@ -91,6 +104,10 @@ class Scheduler:
         with self._wake:
             self._wake.notify()
         self._thread.join(timeout)
+
+    def join(self) -> None:
+        """Wait until the decode thread ends: a follower's, once process 0 decided to stop (or it failed)."""
+        self._thread.join()
 
     @property
     def draining(self) -> bool:
@@ -121,53 +138,97 @@ class Scheduler:
             self.metrics.watch_compiles()
             self.pool.warm_up()
             self.ready.set()
-            while not self._stopping.is_set():
-                self._free_rows()
-                self._guarded(self._admit)
-                if self._rows or self.pool.in_flight:
-                    self._guarded(self._round)
-                else:
-                    with self._wake:
-                        if not self._waiting and not self._stopping.is_set():
-                            self._wake.wait(IDLE_WAIT)
+            while not (decisions := self.channel.share(self._decide)).stop:
+                self._carry_out(decisions)
         except Exception as error:  # the engine cannot go on: fail everyone, /health says why
             self.failure = f"engine failed: {type(error).__name__}: {error}"
             traceback.print_exc()
             with self._wake:
-                jobs = [*self._rows.values(), *self._waiting, *filter(None, [self._admitting])]
+                jobs = [*self._rows.values(), *self._waiting, *self._admitting]
                 self._rows.clear()
                 self._waiting.clear()
+                self._admitting = []
             for job in jobs:
                 job.deliver(Event([], error=self.failure))
 
-    def _guarded(self, step: Callable[[], None]) -> None:
-        """Run ``step``; if the engine raises, fail the requests it held (a 500 each) and start the pool afresh
-        (its state may be half-donated). A pool that cannot be made afresh is fatal: the caller fails all."""
+    def _decide(self) -> Decisions:
+        """The next step's decisions, on this process's clock (it leads); while idle, waits a little for work (not
+        after a fault: the reset comes at once, so /health tells a pool that cannot be reset right away)."""
+        if self._fault is None and not self._rows and not self.pool.in_flight:
+            with self._wake:
+                if not self._waiting and not self._stopping.is_set():
+                    self._wake.wait(IDLE_WAIT)
+        if self._stopping.is_set():
+            return Decisions(stop=True)
+        if self._fault is not None:
+            return Decisions(reset=True)
+        release = self._to_release()
+        free = len(self.pool.free_rows()) + len(release)
+        self._admitting = []
+        while len(self._admitting) < free and (job := self._next_waiting()) is not None:
+            self._admitting.append(job)
+        self._free = free - len(self._admitting)
+        return Decisions(release=tuple(release), admit=tuple(self._admitting))
+
+    def _carry_out(self, decisions: Decisions) -> None:
+        """One step as decided: reset or free rows, admit, then a round if any row is busy."""
+        if decisions.reset:
+            self._reset()
+        elif self._fault is not None:  # a follower's own fault: its state is no longer process 0's
+            raise RuntimeError(f"this process faulted in a step where process 0 did not: {self._fault}")
+        for row in decisions.release:
+            self.pool.release(row)
+            del self._rows[row]
+        self._admitting = [self._job(request) for request in decisions.admit]
+        self._free = len(self.pool.free_rows()) - len(self._admitting)
+        self.metrics.running.set(len(self._rows))
+        if self._guarded(self._admit) and (self._rows or self.pool.in_flight):
+            self._guarded(self._round)
+
+    @staticmethod
+    def _job(request: Request) -> Job:
+        if isinstance(request, Job):
+            return request
+        return Job(request.prompt, request.max_new_tokens, request.stop_ids, request.sampling, _nowhere)
+
+    def _guarded(self, step: Callable[[], None]) -> bool:
+        """Run ``step`` (whether it ran through); if the engine raises, fail the requests the pool held (a 500
+        each): the next step starts the pool afresh (its state may be half-donated)."""
         try:
             step()
         except Exception as error:
             traceback.print_exc()
-            message = f"engine fault in a round: {type(error).__name__}: {error}"
-            jobs = [*self._rows.values(), *filter(None, [self._admitting])]
-            self._rows.clear()
-            self._admitting = None
-            for job in jobs:
-                job.deliver(Event([], error=message))
-            self.pool.reset()
-            self._free = len(self.pool.free_rows())
-            self.metrics.running.set(0)
+            self._fault = f"engine fault in a round: {type(error).__name__}: {error}"
+            self._fail_held(self._fault)
+            return False
+        return True
 
-    def _free_rows(self) -> None:
+    def _fail_held(self, message: str) -> None:
+        jobs = [*self._rows.values(), *self._admitting]
+        self._rows.clear()
+        self._admitting = []
+        for job in jobs:
+            job.deliver(Event([], error=message))
+        self.metrics.running.set(0)
+
+    def _reset(self) -> None:
+        """Every row free in a fresh pool; a pool that cannot be made afresh is fatal (it raises)."""
+        self._fail_held(self._fault or "engine fault in a round on process 0")
+        self._fault = None
+        self.pool.reset()
+        self._free = len(self.pool.free_rows())
+
+    def _to_release(self) -> list[int]:
+        """The rows to free: cancelled, timed out, or past the drain deadline (each request told why)."""
         now = time.monotonic()
         aborting = self._drain_deadline is not None and now > self._drain_deadline
-        for row, job in list(self._rows.items()):
+        rows = []
+        for row, job in self._rows.items():
             if job.cancelled or job.expired(now) or aborting:
-                self.pool.release(row)
-                del self._rows[row]
+                rows.append(row)
                 if not job.cancelled:
                     job.deliver(Event([], finish="abort" if aborting else "timeout"))
-        self._free = len(self.pool.free_rows())
-        self.metrics.running.set(len(self._rows))
+        return rows
 
     def _next_waiting(self) -> Job | None:
         now = time.monotonic()
@@ -183,23 +244,20 @@ class Scheduler:
                 if self._drain_deadline is not None and now > self._drain_deadline:
                     job.deliver(Event([], finish="abort"))
                     continue
-                self._admitting = job
                 return job
         return None
 
     def _admit(self) -> None:
-        while self.pool.free_rows():
-            job = self._next_waiting()
-            if job is None:
-                break
+        while self._admitting:
+            job = self._admitting[0]
             row, update = self.pool.admit(job.prompt, job.max_new_tokens, job.stop_ids, job.sampling)
-            self._admitting = None
+            self._admitting.pop(0)
             self.metrics.prompt_tokens.inc(len(job.prompt))
             job.first_token_at = time.monotonic()
             self.metrics.ttft.observe(job.first_token_at - job.arrived)
             if update.finish is None:
                 self._rows[row] = job
-            self._free = len(self.pool.free_rows())
+            self._free = len(self.pool.free_rows()) - len(self._admitting)
             self._hand(job, update)
         self.metrics.running.set(len(self._rows))
 

@@ -1,6 +1,7 @@
 """A ``python -m jaxdd.serve`` subprocess on loopback for the fault tests and the soak benchmark: started on a free
 port, waited on until /health answers 200 (bounded), stopped by its pid; its metrics, and its resident memory,
-threads and open files from /proc (Linux)."""
+threads and open files from /proc (Linux). ``running_job``: the same as a job of several processes (gloo), and
+``complete`` a completion through the ``openai`` client."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
+
+from jaxdd.testing.multiprocess import job_environment
 
 START_SECONDS = 300  # loading and compiling the demo pair on a busy 2-core host
 
@@ -74,18 +78,75 @@ def running_server(args: list[str], log: Path, env: dict | None = None) -> Itera
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = ServerProcess(process, f"http://127.0.0.1:{port}", log)
     try:
-        deadline = time.monotonic() + START_SECONDS
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited ({process.returncode}):\n{log.read_text()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(0.5)
-        else:
-            raise RuntimeError(f"the server was not healthy within {START_SECONDS} s:\n{log.read_text()}")
+        wait_healthy(server, [process], [log])
         yield server
     finally:
+        kill([process])
+
+
+@contextlib.contextmanager
+def running_job(args: list[str], folder: Path, processes: int = 2) -> Iterator[tuple[ServerProcess, list]]:
+    """``python -m jaxdd.serve ARGS`` as a job of ``processes`` processes on loopback (``--coordinator`` on a free
+    port; process 0 serves HTTP on another), their logs in ``folder``: (process 0, the other processes), once
+    /health answers; every process killed by its pid after."""
+    port, coordinator = free_port(), free_port()
+    command = [sys.executable, "-m", "jaxdd.serve", *args, "--coordinator", f"127.0.0.1:{coordinator}"]
+    command += ["--num-processes", str(processes)]
+    logs = [folder / f"process{i}.log" for i in range(processes)]
+    started = []
+    try:
+        for i, log in enumerate(logs):
+            http = ["--host", "127.0.0.1", "--port", str(port)] if i == 0 else []
+            with open(log, "w") as out:
+                argv = [*command, "--process-id", str(i), *http]
+                started.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=job_environment()))
+        server = ServerProcess(started[0], f"http://127.0.0.1:{port}", logs[0])
+        wait_healthy(server, started, logs)
+        yield server, started[1:]
+    finally:
+        kill(started)
+
+
+def wait_healthy(server: ServerProcess, processes: list[subprocess.Popen], logs: list[Path]) -> None:
+    """Return once the server's /health answers 200; raise (with the logs) when a process exits first or
+    ``START_SECONDS`` pass."""
+    deadline = time.monotonic() + START_SECONDS
+    while time.monotonic() < deadline:
+        for process, log in zip(processes, logs, strict=True):
+            if process.poll() is not None:
+                raise RuntimeError(f"{log.name}: exited ({process.returncode}):\n{log.read_text()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+                return
+        time.sleep(0.5)
+    texts = "\n".join(f"{log.name}:\n{log.read_text()}" for log in logs)
+    raise RuntimeError(f"the server was not healthy within {START_SECONDS} s:\n{texts}")
+
+
+def kill(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
         if process.poll() is None:
             process.send_signal(signal.SIGKILL)
             process.wait(30)
+
+
+def complete(client: openai.OpenAI, request: dict) -> tuple[list[int], str, str, dict | None]:
+    """(token ids, text, finish reason, usage) of a completion, streamed (``"stream": True``) or not."""
+    options = {k: v for k, v in request.items() if k != "stream"}
+    extra = {"return_token_ids": True}
+    if not request.get("stream"):
+        response = client.completions.create(model="kimi-mini", extra_body=extra, **options)
+        choice = response.choices[0]
+        return choice.token_ids, choice.text, choice.finish_reason, response.usage.model_dump(exclude_none=True)
+    ids, text, finish, usage = [], "", None, None
+    stream = client.completions.create(
+        model="kimi-mini", stream=True, stream_options={"include_usage": True}, extra_body=extra, **options
+    )
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump(exclude_none=True)
+        for choice in chunk.choices:
+            ids += choice.token_ids
+            text += choice.text
+            finish = choice.finish_reason or finish
+    return ids, text, finish, usage

@@ -20,10 +20,7 @@ import numpy as np
 import openai
 import pytest
 
-import jaxdd
-from jaxdd.decoding.engine import SpeculativeDecoder
-from jaxdd.generate import DEMO
-from jaxdd.weights.tokenizer import load_tokenizer
+from jaxdd.testing.server import complete
 
 ROWS, WAITING, MAX_LEN, MAX_PROMPT = 4, 4, 512, 32
 START_SECONDS = 240  # bounded: loading and compiling the demo pair on a busy 2-core host
@@ -77,21 +74,6 @@ def metric(url: str, name: str) -> float:
     return float(found.group(1))
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """Each request decoded alone by SpeculativeDecoder.generate (its own cache size and batch of one)."""
-    target, drafter = jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32")
-    decoder = SpeculativeDecoder(target, drafter)
-    tokenizer = load_tokenizer(DEMO / "target")
-    stops = sorted(set(target.config.eos_token_ids) | set(tokenizer.stop_ids))
-
-    def run(prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0, top_p: float = 1.0):
-        sampling = jaxdd.Sampling(temperature, top_p, 0, seed)
-        return decoder.generate(prompt, max_new_tokens=max_tokens, stop_token_ids=stops, sampling=sampling).tokens
-
-    return run, tokenizer
-
-
 def requests_for(seed: int, count: int) -> list[dict]:
     rng = np.random.default_rng(seed)
     out = []
@@ -109,28 +91,6 @@ def requests_for(seed: int, count: int) -> list[dict]:
             }
         )
     return out
-
-
-def complete(client: openai.OpenAI, request: dict) -> tuple[list[int], str, str, dict | None]:
-    """(token ids, text, finish reason, usage) of a completion, streamed or not."""
-    options = {k: v for k, v in request.items() if k != "stream"}
-    extra = {"return_token_ids": True}
-    if not request.get("stream"):
-        response = client.completions.create(model="kimi-mini", extra_body=extra, **options)
-        choice = response.choices[0]
-        return choice.token_ids, choice.text, choice.finish_reason, response.usage.model_dump(exclude_none=True)
-    ids, text, finish, usage = [], "", None, None
-    stream = client.completions.create(
-        model="kimi-mini", stream=True, stream_options={"include_usage": True}, extra_body=extra, **options
-    )
-    for chunk in stream:
-        if chunk.usage is not None:
-            usage = chunk.usage.model_dump(exclude_none=True)
-        for choice in chunk.choices:
-            ids += choice.token_ids
-            text += choice.text
-            finish = choice.finish_reason or finish
-    return ids, text, finish, usage
 
 
 def test_concurrent_requests_equal_their_runs_alone(server, reference):
