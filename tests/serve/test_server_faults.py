@@ -247,7 +247,8 @@ def test_soak_nothing_grows_after_warm_up(server):
             body["top_p"] = 7  # a bad request
         if i % 10 == 7:  # a client that leaves at once (unless the queue is full: a 429 comes first)
             try:
-                return post(server, {**body, "max_tokens": MAX_LEN - MAX_PROMPT}, timeout=httpx.Timeout(30, read=0.05))
+                timeout = httpx.Timeout(30, read=0.05)
+                return post(server, {**body, "max_tokens": MAX_LEN - MAX_PROMPT}, timeout=timeout).status_code
             except httpx.ReadTimeout:
                 return 499
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
