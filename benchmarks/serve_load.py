@@ -16,15 +16,12 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import os
 import queue
 import re
-import signal
-import socket
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -35,6 +32,7 @@ import jaxdd
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.generate import DEMO
 from jaxdd.testing.benchmark import write_result
+from jaxdd.testing.server import running_server
 from jaxdd.weights.tokenizer import load_tokenizer
 
 RESULTS = Path(__file__).parent / "results" / "serve_load.json"
@@ -62,43 +60,17 @@ def make_requests(count: int, temperature: float, seed: int) -> list[dict]:
     return requests
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def metric(url: str, name: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=30).text
     return float(re.search(rf"^jaxdd:{name} (\S+)$", text, re.MULTILINE).group(1))
 
 
 @contextlib.contextmanager
-def server(max_batch: int, method: str):
-    port = free_port()
-    command = [sys.executable, "-m", "jaxdd.serve", "--port", str(port), "--max-batch", str(max_batch)]
-    command += ["--max-len", str(MAX_LEN), "--max-prompt", str(MAX_PROMPT), "--max-waiting", "256"]
-    command += ["--method", method]
-    process = subprocess.Popen(command, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise SystemExit("jaxdd: the server exited during start-up")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.5)
-        else:
-            raise SystemExit("jaxdd: the server did not start in 600 s")
-        yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+def server(max_batch: int, method: str, log: Path) -> Iterator[str]:
+    """``python -m jaxdd.serve`` on the bundled pair, its output in ``log``: its base url once healthy."""
+    args = ["--max-batch", str(max_batch), "--max-len", str(MAX_LEN), "--max-prompt", str(MAX_PROMPT)]
+    with running_server([*args, "--max-waiting", "256", "--method", method], log) as process:
+        yield process.url
 
 
 def one_request(client: openai.OpenAI, request: dict) -> dict:
@@ -209,10 +181,13 @@ def main() -> None:
     target, drafter = jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32")
     decoder = SpeculativeDecoder(target, None if args.method == "ar" else drafter)
     rows = []
-    with server(args.max_batch, args.method) as url:
+    with (
+        tempfile.TemporaryDirectory() as folder,
+        server(args.max_batch, args.method, Path(folder) / "serve.log") as url,
+    ):
         for temperature, clients, requests in plans:
             trials = [paired_trial(url, decoder, args.method, requests, clients) for _ in range(args.repeats)]
-            median = sorted(trials, key=lambda t: t["speedup"])[len(trials) // 2]
+            median = sorted(trials, key=lambda t: t["speedup"])[(len(trials) - 1) // 2]  # the lower of two middles
             row = {"temperature": temperature, "clients": clients, **median, "trials": trials}
             print({k: v for k, v in row.items() if k != "trials"}, flush=True)
             rows.append(row)

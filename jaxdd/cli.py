@@ -55,6 +55,16 @@ def positive(text: str) -> int:
     return value
 
 
+def read_text(path: Path, flag: str) -> str:
+    """The text of the file ``flag`` names; an unreadable or non-UTF-8 file is an ``InputError`` naming both."""
+    try:
+        return path.read_text()
+    except OSError as error:
+        raise InputError(f"{flag} {path}: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{flag} {path}: not UTF-8 text") from None
+
+
 def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     """A command's parser: its docstring's first paragraph as the description, the rest as the epilog."""
     return argparse.ArgumentParser(

@@ -104,7 +104,7 @@ def read_prompt(args, tokenizer: TextTokenizer | None, bundled: bool, parser) ->
     if args.prompt_ids is not None:
         return args.prompt_ids, None
     if args.prompt_file is not None:
-        text = read_stdin() if str(args.prompt_file) == "-" else read_text(args.prompt_file)
+        text = read_stdin() if str(args.prompt_file) == "-" else cli.read_text(args.prompt_file, "--prompt-file")
     elif args.prompt is not None:
         text = args.prompt
     elif bundled:
@@ -121,15 +121,6 @@ def read_prompt(args, tokenizer: TextTokenizer | None, bundled: bool, parser) ->
     if chat:
         return tokenizer.chat_prompt(text, system=args.system), text
     return tokenizer.encode(text), text
-
-
-def read_text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError as error:
-        raise jaxdd.InputError(f"--prompt-file {path}: {error.strerror}") from None
-    except UnicodeDecodeError:
-        raise jaxdd.InputError(f"--prompt-file {path}: not UTF-8 text") from None
 
 
 def read_stdin() -> str:

@@ -86,8 +86,8 @@ def gathered_int4_matvec_gpu(
 ) -> jax.Array:
     """rows [P, K] through experts ``chosen`` [P] of packed [E, N, K/8] int32 with scale [E, N, K/group] bf16:
     [P, N] in rows' dtype (``jaxdd.runtime.cpu_kernels.gathered_int4_matvec``'s contract). Grid: pairs x blocks
-    of N; K looped inside. Ids must be in [0, E) (Triton does not check the loads). ``interpret``: on CPU, through
-    Pallas' interpreter; ``compiler_params``: Triton's."""
+    of N; K looped inside. Ids are clamped to [0, E) as XLA's gather clamps (Triton does not check its loads).
+    ``interpret``: on CPU, through Pallas' interpreter; ``compiler_params``: Triton's."""
     pairs, k = rows.shape
     experts, n_out, words = packed.shape
     groups = scale.shape[2]
@@ -120,4 +120,4 @@ def gathered_int4_matvec_gpu(
         # jaxdd.compiled_traffic reads the declared bytes.
         metadata={"bytes_accessed": str(cost.bytes_accessed)},
         name="gathered_int4_matvec",
-    )(chosen.astype(jnp.int32), by_nibble, *pieces)
+    )(jnp.clip(chosen, 0, experts - 1).astype(jnp.int32), by_nibble, *pieces)

@@ -158,22 +158,27 @@ class MLAttention(nnx.Module, Placeable):
         """The absorbed form with the attention itself in the Pallas tree-attention kernel."""
         c = self.config
         q_latent = jnp.einsum("bthd,hrd->bthr", q_nope, self.k_up[...])
-        attend = functools.partial(backend.tree_attention(), scale=c.softmax_scale)
+        kernel = functools.partial(backend.tree_attention(), scale=c.softmax_scale)
+
+        def attend(q_latent, q_pe, cache_latent, cache_rope, length, latent, k_pe, visible):
+            # The committed rows only (slots < length): the kernel reads the cache as it was, and the new rows,
+            # made to depend on its output (XLA:GPU for the RTX PRO 6000 had scheduled their write first, into a
+            # copy of the cache), are written after it in place.
+            out = kernel(q_latent, q_pe, cache_latent, cache_rope, length, latent, k_pe, visible)
+            return out, *_write_after(out, (latent, k_pe))
+
         if self.placement is not None and self.placement[0].size > 1:
             # A Pallas kernel is opaque to XLA's partitioner: run it per device on that device's heads (all of
-            # them where the mesh does not split the heads; Mosaic refuses to be partitioned at all).
+            # them where the mesh does not split the heads; Mosaic refuses to be partitioned at all). The rows
+            # depend on each device's own output, so ordering them needs no collective.
             split = partition_spec((c.num_attention_heads,), ("heads",), *self.placement)[0]
             whole = jax.sharding.PartitionSpec()
             heads = jax.sharding.PartitionSpec(None, None, AXIS) if split else whole
             specs = (heads, heads, *(whole,) * 6)
             mesh = self.placement[0]
-            attend = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
-        # The committed rows only (slots < length): the kernel reads the cache as it was, and the new rows are
-        # written after it (ordered by ``_write_after``: XLA:GPU for the RTX PRO 6000 had scheduled the write first,
-        # into a copy of the cache) in place.
-        out_latent = attend(q_latent, q_pe, *cache_rows, length, latent, k_pe, visible)
+            attend = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=(heads, whole, whole), check_vma=False)
+        out_latent, latent, k_pe = attend(q_latent, q_pe, *cache_rows, length, latent, k_pe, visible)
         out = jnp.einsum("bthr,hdr->bthd", out_latent.astype(q_pe.dtype), self.v_up[...])
-        latent, k_pe = _write_after(out_latent, (latent, k_pe))
         keys_latent = write_rows(cache_rows[0], latent, length)  # [B, S, r]
         keys_rope = write_rows(cache_rows[1], k_pe, length)  # [B, S, dr]
         return out, (keys_latent, keys_rope)

@@ -70,17 +70,27 @@ class Router(nnx.Module):
         return weights * c.routed_scaling_factor, experts
 
     def _logits(self, x: jax.Array, backend: Backend | None) -> jax.Array:
-        """fp32 x [N, D] @ the gate, with fp32 products and sums. A bf16 gate off CPU is multiplied as stored: x
-        as three bf16 parts (exact: their 3 x 8 significant bits hold fp32's 24) through one bf16 matmul, whose
-        products are exact in fp32 (for a matmul of mixed types XLA:GPU wrote the gate out in fp32 first)."""
+        """fp32 x [N, D] @ the gate, with fp32 products and sums. A bf16 gate off CPU is multiplied as stored (for
+        a matmul of mixed types XLA:GPU wrote the gate out in fp32 first): x as three bf16 parts through one bf16
+        matmul, whose products are exact in fp32. The parts sum to x exactly for 2**-103 <= |x| (each holds 8 of
+        fp32's 24 significant bits; below, the last part may be subnormal, which XLA flushes); the sums run in
+        another order than one fp32 matmul's."""
         weight = self.weight[...]
         if weight.dtype == jnp.float32 or backend is None or backend.platform == "cpu":
             return linear(x, weight, backend)
-        high = x.astype(jnp.bfloat16)
-        middle = (x - high.astype(jnp.float32)).astype(jnp.bfloat16)
-        low = (x - high.astype(jnp.float32) - middle.astype(jnp.float32)).astype(jnp.bfloat16)
-        parts = jnp.einsum("pnd,de->pne", jnp.stack([high, middle, low]), weight, preferred_element_type=jnp.float32)
+        high = _bf16_head(x)
+        middle = _bf16_head(x - high)
+        low = x - high - middle
+        parts = jnp.stack([high, middle, low]).astype(jnp.bfloat16)
+        parts = jnp.einsum("pnd,de->pne", parts, weight, preferred_element_type=jnp.float32)
         return parts[0] + parts[1] + parts[2]
+
+
+def _bf16_head(x: jax.Array) -> jax.Array:
+    """fp32 x cut to its leading 8 significant bits (a bf16 value, still fp32), by masking its bits: converting to
+    bf16 and back is a round trip that XLA:GPU removes, which would make ``x - head`` zero."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 class MoE(nnx.Module, Placeable):

@@ -118,8 +118,8 @@ class Backend:
     def cut_off_ways(self) -> int:
         """Thresholds + 1 that the sampling cut-off search tests per read of the values
         (``jaxdd.decoding.sampling.filtered_probs``): 16 on GPUs, which fuse the comparisons into that read; 2 (a
-        bisection) on CPU and TPU, whose compilers write the comparisons out (benchmarks/README.md, "What the
-        compiled rounds move")."""
+        bisection) on CPU, whose compiler writes them out, and on TPU, whose compiler does at the whole vocabulary
+        (the same at TP8's share) (benchmarks/README.md, "What the compiled rounds move")."""
         return 16 if self.platform == "gpu" else 2
 
     def int4_matvec(self, group: int, sharded: bool = False) -> Callable[..., jax.Array] | None:

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(checkpoint)
         chat_template = tokenizer.chat_template if tokenizer is not None else None
         if args.chat_template is not None:
-            chat_template = read_template(args.chat_template)
+            chat_template = cli.read_text(args.chat_template, "--chat-template")
             if tokenizer is None:
                 raise jaxdd.InputError("--chat-template: the checkpoint has no tokenizer to encode its text")
         drafter_path = drafter_dir if method != "ar" else None
@@ -122,15 +122,6 @@ def follow(scheduler: Scheduler) -> int:
     scheduler.start()
     scheduler.join()
     return 0 if scheduler.failure is None else 1
-
-
-def read_template(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError as error:
-        raise jaxdd.InputError(f"--chat-template {path}: {error.strerror}") from None
-    except UnicodeDecodeError:
-        raise jaxdd.InputError(f"--chat-template {path}: not UTF-8 text") from None
 
 
 if __name__ == "__main__":

@@ -365,8 +365,8 @@ def load_checkpoint(
 
 
 def cast_model(model: nnx.Module, dtype: jnp.dtype) -> nnx.Module:
-    """A copy of a target or drafter computing in ``dtype``; parameters whose dtype is fixed by design (the fp32
-    router, quantized expert pieces) keep it."""
+    """A copy of a target or drafter computing in ``dtype``; parameters whose dtype is fixed by design (the router,
+    as its checkpoint stores it; quantized expert pieces) keep it."""
     if isinstance(model, KimiTarget):
         graphdef, abstract = abstract_target(model.config, dtype, model.experts)
     else:

@@ -82,6 +82,16 @@ def test_kernel_products_equal_xla_gathered_form(pairs, n_out, k, group, chosen,
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=tolerance, atol=tolerance)
 
 
+def test_kernel_clamps_ids_as_xla_gathers_do():
+    """Ids past either end read the first or last expert (as XLA's gather clamps), not memory past the arrays."""
+    rng = np.random.default_rng(5)
+    packed, scale = random_experts(rng, 4, 16, 64, 32)
+    rows = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    out = gathered_int4_matvec_gpu(rows, packed, scale, np.int32([-5, 4, 9]), interpret=True)
+    clamped = gathered_int4_matvec_gpu(rows, packed, scale, np.int32([0, 3, 3]), interpret=True)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(clamped))
+
+
 def _compiled_account(machine: str, pairs: int, n_out: int, k: int, dtype=jnp.bfloat16) -> dict:
     where = find_machine(machine, 1)
     device = jax.sharding.SingleDeviceSharding(where.devices[0])

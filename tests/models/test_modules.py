@@ -14,7 +14,14 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 import jaxdd
 from jaxdd.models.cache import write_rows
 from jaxdd.models.layers import apply_rope, rms_norm, rope_cos_sin
-from jaxdd.models.moe import _gathered_experts, _gathered_local_pairs, _pair_experts, _skipping_experts, _tiled_experts
+from jaxdd.models.moe import (
+    _bf16_head,
+    _gathered_experts,
+    _gathered_local_pairs,
+    _pair_experts,
+    _skipping_experts,
+    _tiled_experts,
+)
 from jaxdd.models.quant import DenseExperts
 from jaxdd.models.target import target_rope
 from jaxdd.runtime.backend import Backend
@@ -137,11 +144,24 @@ def test_router(pair):
     )
 
 
-@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+def test_bf16_parts_sum_to_x():
+    """The router's three bf16 parts of fp32 x sum to x exactly, from 2**-103 to fp32's largest, both signs."""
+    rng = np.random.default_rng(7)
+    signs = rng.choice([-1.0, 1.0], 100000)
+    x = (signs * rng.uniform(1, 2, 100000) * 2.0 ** rng.integers(-103, 128, 100000)).astype(np.float32)
+    x = np.concatenate([x, np.float32([np.finfo(np.float32).max, -np.finfo(np.float32).max, 2.0**-103])])
+    high = _bf16_head(jnp.asarray(x))
+    middle = _bf16_head(jnp.asarray(x) - high)
+    low = jnp.asarray(x) - high - middle
+    parts = [np.asarray(p.astype(jnp.bfloat16), np.float64) for p in (high, middle, low)]
+    np.testing.assert_array_equal(parts[0] + parts[1] + parts[2], x.astype(np.float64))
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
 def test_bf16_router_matches_hf(pair, platform):
     """A router gate stored in bf16 (as K2.x checkpoints store it; HF upcasts it to fp32) picks HF's experts with
-    HF's weights on every backend, including the GPU / TPU path that multiplies it as stored, x in three bf16
-    parts."""
+    HF's weights, multiplied as fp32 (cpu) or as stored with x in three bf16 parts (the GPU / TPU path, run here on
+    XLA:CPU; that XLA:GPU keeps the parts: test_compiled_traffic.py)."""
     model, target = pair
     i = moe_layer(target)
     gate, router = model.model.layers[i].mlp.gate, target.layers[i].mlp.router

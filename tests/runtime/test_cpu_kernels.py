@@ -30,6 +30,7 @@ from jaxdd.models.target import KimiTarget
 from jaxdd.runtime import cpu_kernels
 from jaxdd.runtime.backend import Backend
 from jaxdd.testing.reference import TINY_K2
+from pallas_kernels import int4_experts
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler builds the kernels here")
 
@@ -142,7 +143,7 @@ def test_the_kernel_is_used_only_where_it_applies():
     cpu = Backend("cpu")
     assert _int4_kernel(int4_projections(rng, 2, 64, 32, 32), cpu) is cpu_kernels.gathered_int4_matvec
     gpu = _int4_kernel(int4_projections(rng, 2, 64, 32, 32), Backend("gpu"))
-    assert gpu is not cpu_kernels.gathered_int4_matvec
+    assert gpu is not None and gpu.func is int4_experts.gathered_int4_matvec_gpu
     for backend, group in ((cpu, 16), (Backend("cpu", cpu_kernels=False), 32)):
         assert _int4_kernel(int4_projections(rng, 2, 64, 32, group), backend) is None
     assert cpu.moe_dispatch(16, 8, 128, 1024, 512, quantized=True, kernel=True) == "gathered"

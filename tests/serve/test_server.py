@@ -5,12 +5,8 @@ token ids, cancellation, the queue limit, bad requests, health, metrics, no comp
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,17 +16,10 @@ import numpy as np
 import openai
 import pytest
 
-from jaxdd.testing.server import complete
+from jaxdd.testing.server import complete, running_server
 
 ROWS, WAITING, MAX_LEN, MAX_PROMPT = 4, 4, 512, 32
-START_SECONDS = 240  # bounded: loading and compiling the demo pair on a busy 2-core host
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -38,33 +27,11 @@ def server(tmp_path_factory):
     """(base url, openai client, the server's compiles right after warm-up), the server stopped by pid after."""
     template = tmp_path_factory.mktemp("serve") / "chat.jinja"
     template.write_text(TEMPLATE)
-    port = free_port()
-    command = [sys.executable, "-m", "jaxdd.serve", "--port", str(port), "--max-batch", str(ROWS)]
-    command += ["--max-waiting", str(WAITING), "--max-len", str(MAX_LEN), "--max-prompt", str(MAX_PROMPT)]
-    command += ["--chat-template", str(template)]
-    log = tmp_path_factory.mktemp("serve_log") / "server.log"
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_SECONDS
-        while time.monotonic() < deadline:
-            assert process.poll() is None, log.read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"the server did not become healthy in {START_SECONDS} s:\n{log.read_text()}")
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60, max_retries=0)
-        yield url, client, metric(url, "compiles_total")
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+    args = ["--max-batch", str(ROWS), "--max-waiting", str(WAITING), "--max-len", str(MAX_LEN)]
+    args += ["--max-prompt", str(MAX_PROMPT), "--chat-template", str(template)]
+    with running_server(args, tmp_path_factory.mktemp("serve_log") / "server.log") as process:
+        client = openai.OpenAI(base_url=f"{process.url}/v1", api_key="none", timeout=60, max_retries=0)
+        yield process.url, client, process.metric("compiles_total")
 
 
 def metric(url: str, name: str) -> float:
