@@ -6,6 +6,7 @@ are shared through a persistent cache among the xdist workers and the CLI subpro
 directory per run, removed at its end).
 """
 
+import gc
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jaxdd.runtime.startup  # noqa: I001  (first: JAX without the CUDA plugin's start-up lines)
 import jaxdd
+import jax
 import jax.numpy as jnp
 import pytest
 from jaxdd.decoding.engine import SpeculativeDecoder
@@ -32,6 +34,25 @@ def pytest_unconfigure(config):
     cache = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
     if cache.name == f"jaxdd-compiles-{os.getpid()}":  # this process made it: the controller, after its workers
         shutil.rmtree(cache, ignore_errors=True)
+
+
+def near_map_limit() -> bool:
+    """Whether this process holds over half the memory maps Linux allows it (False elsewhere)."""
+    limit = Path("/proc/sys/vm/max_map_count")
+    if not limit.exists():
+        return False
+    with open("/proc/self/maps") as maps:
+        return sum(1 for _ in maps) > int(limit.read_text()) // 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def drop_compiled_programs_near_map_limit():
+    """After a module, a worker past half the kernel's memory maps per process drops its compiled programs: XLA:CPU
+    maps hundreds of regions per executable, and a worker that reached the limit (65530) segfaulted mid-compile."""
+    yield
+    if near_map_limit():
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session", params=[0, 1], ids=["seed0", "seed1"])
