@@ -18,6 +18,7 @@ import numpy as np
 import openai
 import pytest
 
+from jaxdd.serve.app import DISCONNECT_POLL
 from jaxdd.serve.errors import MAX_BODY_BYTES
 from jaxdd.testing.server import running_server
 
@@ -206,6 +207,7 @@ def test_a_queued_client_that_leaves_is_skipped(server):
         assert server.wait_until(lambda: server.metric("num_requests_running") == ROWS, 10)
         with pytest.raises(httpx.ReadTimeout):
             post(server, LONG, timeout=httpx.Timeout(30, read=0.5))
+        time.sleep(4 * DISCONNECT_POLL)  # the server notices a waiting client's leaving at its next look
     assert server.wait_until(lambda: rows_free(server), 10)
     assert post(server, {"prompt": [1, 2], "max_tokens": 2}).status_code == 200
     assert server.metric("prompt_tokens_total") - prompt_tokens == ROWS * 3 + 2  # the queued prompt never ran
