@@ -7,12 +7,14 @@ greedily (their distributions are one-hot), and the cheaper greedy round, run wh
 that hold every busy row (requests take the lowest free row), so a lightly loaded pool pays for the rows it uses.
 
 A request is prefilled on its own (batch 1, at the prompt bucket ``SpeculativeDecoder.start`` would pick) and
-copied into a free row by a jitted insert, the row index traced and the state donated, so admitting never
+copied into a free row in the same jitted call, the row index traced and the state donated, so admitting never
 compiles. Rows never mix: each row's tokens depend only on its own request and its random stream only on its own
 seed and its own round count, so a request decodes to what it gives alone.
 
-Rounds can be dispatched ahead (``dispatch`` twice, then ``collect`` the older one) so the host's bookkeeping
-overlaps the device's round; a report is only handed to the requests that held its rows when it was dispatched.
+Nothing waits on the device between rounds: ``admit`` returns once the prefill is dispatched, and its first token
+comes back with the report of the next round dispatched (``collect`` hands both at once), so an admission does not
+drain rounds dispatched ahead (``dispatch`` twice, then ``collect`` the older one, so the host's bookkeeping
+overlaps the device's round). A report is only handed to the requests that held its rows when it was dispatched.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,10 +46,12 @@ from jaxdd.types import Method, verified_tokens
 
 @dataclasses.dataclass(frozen=True)
 class RowUpdate:
-    """What one round (or the prefill) gave a row: its new tokens and, once it ends, why ("stop" or "length")."""
+    """What a row got since the last collect: its new tokens (``first``: the first of them is the prefill's, the
+    request's first token; the rest are one round's) and, once it ends, why ("stop" or "length")."""
 
     tokens: list[int]
     finish: str | None = None
+    first: bool = False
 
 
 @dataclasses.dataclass
@@ -55,10 +60,35 @@ class _Row:
     produced: int = 0
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def insert_row(state: DecodeState, row: jax.Array, new: DecodeState) -> DecodeState:
-    """``state`` with row ``row`` replaced by the one-row state ``new`` (in place: the state is donated)."""
-    return jax.tree.map(lambda rows, one: jax.lax.dynamic_update_slice_in_dim(rows, one, row, axis=0), state, new)
+class _Report(NamedTuple):
+    """A device report and, for each row it was run for, (row, its line in the report, the request holding it)."""
+
+    report: jax.Array
+    holders: list[tuple[int, int, _Row]]
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "slots", "mesh", "width"), donate_argnames=("state",))
+def prefill_row(
+    spec: RoundSpec,
+    models: ModelPair,
+    state: DecodeState,
+    row: jax.Array,
+    tokens: jax.Array,
+    prompt_len: jax.Array,
+    requests: Requests,
+    seeds: jax.Array,
+    slots: int,
+    mesh: jax.sharding.Mesh | None,
+    width: int,
+) -> tuple[DecodeState, jax.Array]:
+    """``prefill`` one request and put it in row ``row`` of ``state`` (in place: the state is donated): (state,
+    a report row as a round's, ``[first token, 0 x (width - 1), 1 produced, stopped]``)."""
+    new = prefill(spec, models, tokens, prompt_len, requests, seeds, slots, mesh)
+    state = jax.tree.map(lambda rows, one: jax.lax.dynamic_update_slice_in_dim(rows, one, row, axis=0), state, new)
+    stopped = (new.bonus[:, None] == requests.stop_ids).any(-1)
+    padding = jnp.zeros((1, width - 1), jnp.int32)
+    report = jnp.concatenate([new.bonus[:, None], padding, jnp.ones((1, 1), jnp.int32), stopped[:, None]], axis=1)
+    return state, report.astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "rows"), donate_argnames=("state",))
@@ -117,7 +147,10 @@ class RowPool:
         self.requests = self._device_requests()
         self.state = self._empty_state()
         self.active: dict[int, _Row] = {}
-        self._in_flight: collections.deque[tuple[jax.Array, dict[int, _Row]]] = collections.deque()
+        # Reports not yet read: the prefills since the last dispatch, and per round dispatched those before it
+        # and its own.
+        self._prefilled: list[_Report] = []
+        self._in_flight: collections.deque[list[_Report]] = collections.deque()
 
     @property
     def width(self) -> int:
@@ -143,10 +176,9 @@ class RowPool:
         if not isinstance(sampling, Sampling):
             raise InputError("sampling: expected a jaxdd.Sampling")
 
-    def admit(
-        self, prompt: list[int], max_new_tokens: int, stop_ids: list[int], sampling: Sampling
-    ) -> tuple[int, RowUpdate]:
-        """Prefill a request alone and put it in a free row: (its row, its first token)."""
+    def admit(self, prompt: list[int], max_new_tokens: int, stop_ids: list[int], sampling: Sampling) -> int:
+        """Prefill a request alone into a free row, without waiting for it: its row. Its first token comes with
+        the next round's tokens (``collect``)."""
         self.check(prompt, max_new_tokens, stop_ids, sampling)
         free = self.free_rows()
         if not free:
@@ -161,17 +193,14 @@ class RowPool:
         one = Requests(max_length, stops, SamplingArrays.of([sampling]))
         seeds = np.array([sampling.seed], np.uint32)
         prompt_len = np.array([len(prompt)], np.int32)
-        new = prefill(self.spec, self.models, tokens, prompt_len, one, seeds, self.slots, self.decoder.mesh)
-        self.state = insert_row(self.state, np.int32(row), new)
+        mesh, width = self.decoder.mesh, self.width
+        args = (self.spec, self.models, self.state, np.int32(row), tokens, prompt_len, one, seeds, self.slots, mesh)
+        self.state, report = prefill_row(*args, width)
         self._max_length[row], self._stop_ids[row], self._settings[row] = max_length[0], stops[0], sampling
         self.requests = self._device_requests()
-        first, done = int(new.bonus[0]), bool(new.done[0])
-        self.active[row] = _Row(max_new_tokens, produced=1)
-        finish = None
-        if done:
-            finish = "stop" if first in stop_ids else "length"
-            del self.active[row]
-        return row, RowUpdate([first], finish)
+        self.active[row] = entry = _Row(max_new_tokens)
+        self._prefilled.append(_Report(report, [(row, 0, entry)]))
+        return row
 
     def release(self, row: int) -> None:
         """Free a row (a cancelled request): its device row keeps running until a new request overwrites it,
@@ -182,6 +211,7 @@ class RowPool:
         """Every row free in a fresh state, nothing in flight: after a fault, the old state may have been donated
         to a call that never returned."""
         self.active.clear()
+        self._prefilled.clear()
         self._in_flight.clear()
         self.state = self._empty_state()
         self.requests = self._device_requests()
@@ -203,23 +233,29 @@ class RowPool:
             self.state, report = decode_round(spec, self.models, self.state, self.requests)
         else:
             self.state, report = front_round(spec, self.models, self.state, self.requests, tier)
-        self._in_flight.append((report, dict(self.active)))
+        self._in_flight.append([*self._prefilled, _Report(report, [(row, row, e) for row, e in self.active.items()])])
+        self._prefilled = []
 
     def collect(self) -> dict[int, RowUpdate]:
-        """The oldest dispatched round's new tokens for each row still held by the request it ran for; finished
-        rows leave the pool."""
-        report, holders = self._in_flight.popleft()
-        report = np.asarray(report)
-        updates = {}
-        for row, entry in holders.items():
-            if self.active.get(row) is not entry:  # released, or already finished by an earlier report
-                continue
-            produced, stopped = int(report[row, self.width]), bool(report[row, self.width + 1])
-            entry.produced += produced
-            finish = "stop" if stopped else "length" if entry.produced >= entry.max_new_tokens else None
-            updates[row] = RowUpdate([int(t) for t in report[row, :produced]], finish)
-            if finish is not None:
-                del self.active[row]
+        """The oldest dispatched round's new tokens (after the first token of each row prefilled before it) for
+        each row still held by the request it ran for; finished rows leave the pool."""
+        updates: dict[int, RowUpdate] = {}
+        for report, holders in self._in_flight.popleft():
+            report = np.asarray(report)
+            for row, index, entry in holders:
+                if self.active.get(row) is not entry:  # released, or already finished by an earlier report
+                    continue
+                line = report[index]
+                produced, stopped = int(line[self.width]), bool(line[self.width + 1])
+                first = entry.produced == 0
+                entry.produced += produced
+                finish = "stop" if stopped else "length" if entry.produced >= entry.max_new_tokens else None
+                tokens = [int(t) for t in line[:produced]]
+                if row in updates:
+                    tokens, first = updates[row].tokens + tokens, updates[row].first
+                updates[row] = RowUpdate(tokens, finish, first)
+                if finish is not None:
+                    del self.active[row]
         return updates
 
     def step(self) -> dict[int, RowUpdate]:
@@ -242,13 +278,14 @@ class RowPool:
         return jax.device_put(state, state_shardings(state, mesh)) if mesh is not None else state
 
     def warm_up(self) -> None:
-        """Compile every executable the pool will run: each prompt bucket's prefill, the insert and each tier's
-        sampled and greedy rounds (twice each, so a second call finds what the first left: shardings and layouts
-        settle after one)."""
+        """Compile every executable the pool will run: each prompt bucket's prefill and each tier's sampled and
+        greedy rounds (twice each, so a second call finds what the first left: shardings and layouts settle after
+        one)."""
         for _ in range(2):
             for padded in self.buckets:
                 self.admit([1] * min(padded, self.max_prompt), 1, [], GREEDY)
-            row, _ = self.admit([1], min(self.width + 1, self.max_len - 1), [], GREEDY)
+                self.step()  # the first token ends it
+            row = self.admit([1], min(self.width + 1, self.max_len - 1), [], GREEDY)
             for spec in (self.spec, self.greedy_spec):
                 for tier in self.tiers:
                     self._run_round(spec, tier)

@@ -248,17 +248,14 @@ class Scheduler:
         return None
 
     def _admit(self) -> None:
+        """Dispatch each decided request's prefill into a free row (its first token comes with the next round's
+        report)."""
         while self._admitting:
             job = self._admitting[0]
-            row, update = self.pool.admit(job.prompt, job.max_new_tokens, job.stop_ids, job.sampling)
-            self._admitting.pop(0)
+            row = self.pool.admit(job.prompt, job.max_new_tokens, job.stop_ids, job.sampling)
+            self._rows[row] = self._admitting.pop(0)
             self.metrics.prompt_tokens.inc(len(job.prompt))
-            job.first_token_at = time.monotonic()
-            self.metrics.ttft.observe(job.first_token_at - job.arrived)
-            if update.finish is None:
-                self._rows[row] = job
             self._free = len(self.pool.free_rows()) - len(self._admitting)
-            self._hand(job, update)
         self.metrics.running.set(len(self._rows))
 
     def _round(self) -> None:
@@ -272,12 +269,13 @@ class Scheduler:
             job = self._rows.get(row)
             if job is None:
                 continue
-            if self.pool.method != "ar" and update.tokens:
+            drafted = len(update.tokens) - update.first  # the round's tokens: the accepted drafts and a bonus
+            if self.pool.method != "ar" and drafted:
                 self.metrics.drafts.inc()
                 self.metrics.draft_tokens.inc(self.pool.budget or self.pool.block - 1)
-                self.metrics.accepted_tokens.inc(len(update.tokens) - 1)
-            if update.tokens:
-                self.metrics.acceptance.observe(len(update.tokens))
+                self.metrics.accepted_tokens.inc(drafted - 1)
+            if drafted:
+                self.metrics.acceptance.observe(drafted)
             if update.finish is not None:
                 del self._rows[row]
             self._hand(job, update)
@@ -285,9 +283,13 @@ class Scheduler:
         self.metrics.running.set(len(self._rows))
 
     def _hand(self, job: Job, update: RowUpdate) -> None:
+        now = time.monotonic()
+        if update.first:
+            job.first_token_at = now
+            self.metrics.ttft.observe(now - job.arrived)
         job.produced += len(update.tokens)
         self.metrics.generation_tokens.inc(len(update.tokens))
         if update.finish is not None and job.produced > 1:
-            self.metrics.tpot.observe((time.monotonic() - job.first_token_at) / (job.produced - 1))
+            self.metrics.tpot.observe((now - job.first_token_at) / (job.produced - 1))
         if not job.cancelled:
             job.deliver(Event(update.tokens, finish=update.finish))

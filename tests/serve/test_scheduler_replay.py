@@ -18,8 +18,8 @@ ROWS, MAX_PROMPT = 2, 8
 
 
 class FakePool:
-    """A RowPool's bookkeeping: each round gives every busy row one token, a row ends at its length; every call
-    that a device would see is logged. ``faulty``: the dispatches (counted from 1) that raise."""
+    """A RowPool's bookkeeping: each round gives every busy row one token (the first with its prefill's), a row ends
+    at its length; every call that a device would see is logged. ``faulty``: the dispatches (counted from 1) that raise."""
 
     method, block, budget = "dflash", 4, None
 
@@ -35,14 +35,11 @@ class FakePool:
     def free_rows(self) -> list[int]:
         return [row for row in range(self.rows) if row not in self.active]
 
-    def admit(self, prompt, max_new_tokens, stop_ids, sampling) -> tuple[int, RowUpdate]:
+    def admit(self, prompt, max_new_tokens, stop_ids, sampling) -> int:
         row = self.free_rows()[0]
         self.log.append(("admit", row, tuple(prompt), max_new_tokens, tuple(stop_ids), sampling))
-        self.active[row] = [max_new_tokens, 1]
-        if max_new_tokens == 1:
-            del self.active[row]
-            return row, RowUpdate([prompt[0]], "length")
-        return row, RowUpdate([prompt[0]])
+        self.active[row] = [max_new_tokens, 0]
+        return row
 
     def release(self, row: int) -> None:
         self.log.append(("release", row))
@@ -66,7 +63,7 @@ class FakePool:
             if self.active.get(row) is not entry:
                 continue
             entry[1] += 1
-            updates[row] = RowUpdate([row], "length" if entry[1] >= entry[0] else None)
+            updates[row] = RowUpdate([row], "length" if entry[1] >= entry[0] else None, first=entry[1] == 1)
             if entry[1] >= entry[0]:
                 del self.active[row]
         return updates
