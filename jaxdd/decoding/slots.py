@@ -139,12 +139,13 @@ class RowPool:
         self.tiers = sorted({4**i for i in range(rows.bit_length()) if 4**i < rows} | {rows})
         self.slots = cache_slots(max(self.buckets[-1], max_len + max(block, verified_tokens(method, block, budget))))
         self.default_stop_ids = check_stop_ids(None, config)
-        # Host copies of the per-row settings; the device copy is replaced whole on each admission (a few hundred
-        # bytes), free rows keep their last request's settings: a done row changes nothing whatever they say.
+        # Host copies of the per-row settings; the device copy is replaced whole at the first round after
+        # admissions (a few hundred bytes), free rows keep their last request's settings: a done row changes
+        # nothing whatever they say.
         self._max_length = np.full((rows,), 2, np.int32)
         self._stop_ids = np.full((rows, MAX_STOP_TOKENS), -1, np.int32)
         self._settings = [GREEDY] * rows
-        self.requests = self._device_requests()
+        self.requests: Requests | None = None  # the device copy, made when a round needs it
         self.state = self._empty_state()
         self.active: dict[int, _Row] = {}
         # Reports not yet read: the prefills since the last dispatch, and per round dispatched those before it
@@ -197,7 +198,7 @@ class RowPool:
         args = (self.spec, self.models, self.state, np.int32(row), tokens, prompt_len, one, seeds, self.slots, mesh)
         self.state, report = prefill_row(*args, width)
         self._max_length[row], self._stop_ids[row], self._settings[row] = max_length[0], stops[0], sampling
-        self.requests = self._device_requests()
+        self.requests = None
         self.active[row] = entry = _Row(max_new_tokens)
         self._prefilled.append(_Report(report, [(row, 0, entry)]))
         return row
@@ -214,7 +215,7 @@ class RowPool:
         self._prefilled.clear()
         self._in_flight.clear()
         self.state = self._empty_state()
-        self.requests = self._device_requests()
+        self.requests = None
 
     @property
     def in_flight(self) -> int:
@@ -229,6 +230,8 @@ class RowPool:
         self._run_round(self.spec if sampled else self.greedy_spec, tier)
 
     def _run_round(self, spec: RoundSpec, tier: int) -> None:
+        if self.requests is None:
+            self.requests = self._device_requests()
         if tier == self.rows:
             self.state, report = decode_round(spec, self.models, self.state, self.requests)
         else:

@@ -19,7 +19,8 @@ ROWS, MAX_PROMPT = 2, 8
 
 class FakePool:
     """A RowPool's bookkeeping: each round gives every busy row one token (the first with its prefill's), a row ends
-    at its length; every call that a device would see is logged. ``faulty``: the dispatches (counted from 1) that raise."""
+    at its length; every call that a device would see is logged. ``faulty``: the dispatches (counted from 1) that
+    raise."""
 
     method, block, budget = "dflash", 4, None
 
