@@ -6,7 +6,7 @@ continuous batching of speculative rounds.
     python -m jaxdd.serve --checkpoint TARGET_DIR --drafter DRAFTER_DIR --port 8080
     python -m jaxdd.serve --devices 16 --coordinator HOST0:1234 --num-processes 2 --process-id I   # on each host
 
-It compiles every shape it will run first (each prompt bucket up to --max-prompt, the insert, the round);
+It compiles every shape it will run first (each prompt bucket's prefill up to --max-prompt, each tier's rounds);
 GET /health answers 200 from then on. GET /metrics has Prometheus metrics under ``jaxdd:``. Across several
 processes (hosts) process 0 alone serves HTTP and decides every step (admit, cancel, timeout, drain), broadcast
 to the others before each round; they exit 0 when it does. One that loses process 0 exits at once (1, in one
