@@ -171,6 +171,7 @@ def _search(holds, low: jax.Array, high: jax.Array, ways: int) -> jax.Array:
 
 def _kth_largest(scores: jax.Array, k: jax.Array, ways: int) -> jax.Array:
     """Each row's k-th largest score [..., 1]: the smallest t with fewer than k scores above t."""
+    # Keyed again inside each pass, so a pass reads only the scores (a key array would be written and read too).
     fewer = lambda t: (_ordered(scores)[..., None, :] > t[..., None]).sum(-1) < k
     keys = _ordered(scores)
     return _float_of(_search(fewer, keys.min(-1, keepdims=True) - 1, keys.max(-1, keepdims=True), ways))

@@ -228,13 +228,13 @@ def _grouped_experts(x, weights, experts, gate, up, down) -> jax.Array:
 
 
 def _pair_experts(
-    projections, pieces, backend: Backend, sharded: bool = False
+    projections, pieces, backend: Backend, unplaced: bool = False
 ) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """(rows [P, D], chosen [P]) -> [P, D]: each row through its own expert. INT4 experts go through the backend's
     matvec kernel where it has one (CPU and GPU: unpacked in registers as the words are read; TPU: the chosen
     experts' blocks fetched and dequantized in VMEM); otherwise the chosen experts' pieces are gathered and then
-    dequantized. ``sharded``: the pieces lie on several devices outside ``shard_map``."""
-    kernel = _int4_kernel(projections, backend, sharded)
+    dequantized. ``unplaced``: the pieces lie on several devices outside ``shard_map``."""
+    kernel = _int4_kernel(projections, backend, unplaced)
     if kernel is None:
         shifts = backend.platform != "cpu"  # so XLA:GPU and XLA:TPU fuse the gather, for groups their kernels lack
         return functools.partial(_gathered_pairs, projections=projections, pieces=pieces, shifts=shifts)
@@ -247,12 +247,12 @@ def _pair_experts(
     return through
 
 
-def _int4_kernel(projections, backend: Backend, sharded: bool = False) -> Callable[..., jax.Array] | None:
-    """The backend's INT4 matvec kernel if it has one (for pieces ``sharded`` outside ``shard_map`` or not) and all
-    three projections are INT4 in one group size it takes."""
+def _int4_kernel(projections, backend: Backend, unplaced: bool = False) -> Callable[..., jax.Array] | None:
+    """The backend's INT4 matvec kernel if it has one (for pieces ``unplaced`` or not: see ``Backend.int4_matvec``)
+    and all three projections are INT4 in one group size it takes."""
     groups = {p.group if isinstance(p, Int4Experts) else None for p in projections}
     if len(groups) == 1 and None not in groups:
-        return backend.int4_matvec(groups.pop(), sharded)
+        return backend.int4_matvec(groups.pop(), unplaced)
     return None
 
 

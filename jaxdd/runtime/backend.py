@@ -122,19 +122,19 @@ class Backend:
         (the same at TP8's share) (benchmarks/README.md, "What the compiled rounds move")."""
         return 16 if self.platform == "gpu" else 2
 
-    def int4_matvec(self, group: int, sharded: bool = False) -> Callable[..., jax.Array] | None:
+    def int4_matvec(self, group: int, unplaced: bool = False) -> Callable[..., jax.Array] | None:
         """The gathered INT4 expert matvec kernel for scale groups of ``group`` inputs: on CPU the C++ one
         (``jaxdd.runtime.cpu_kernels``) where it builds; on GPU the Pallas Triton one
         (``pallas_kernels.int4_experts``: XLA:GPU writes the gathered experts out and reads them again); on TPU the
         Mosaic one (``pallas_kernels.int4_experts_tpu``: XLA:TPU relays the gathered experts out in fp32), unless the
-        experts are ``sharded`` over devices outside ``shard_map`` (a Mosaic call is not partitioned); else None
-        (XLA's dequantize-then-dot)."""
+        call is ``unplaced``: on several devices outside ``shard_map``, where JAX refuses to partition a Mosaic call
+        (XLA:GPU runs a Triton call there on every device); else None (XLA's dequantize-then-dot)."""
         if self.platform == "cpu" and self.cpu_kernels and group % cpu_kernels.GROUP_MULTIPLE == 0:
             return cpu_kernels.gathered_int4_matvec if cpu_kernels.available() else None
         if self.platform == "gpu" and int4_experts.supports(group):
             params = pltriton.CompilerParams(num_warps=4)
             return functools.partial(int4_experts.gathered_int4_matvec_gpu, compiler_params=params)
-        if self.platform == "tpu" and not sharded and group % int4_experts_tpu.PER_WORD == 0:
+        if self.platform == "tpu" and not unplaced and group % int4_experts_tpu.PER_WORD == 0:
             return int4_experts_tpu.gathered_int4_matvec_tpu
         return None
 

@@ -14,7 +14,7 @@ import pytest
 import jaxdd
 from jaxdd.models.moe import _int4_kernel
 from jaxdd.models.quant import Int4Experts, dequantize_int4_groups
-from jaxdd.planning.aot import find_machine
+from jaxdd.planning.aot import GPU_COMPILER_OPTIONS, find_machine
 from jaxdd.runtime.backend import Backend
 from pallas_kernels.int4_experts import declared_bytes, gathered_int4_matvec_gpu, supports, tiles
 
@@ -131,6 +131,21 @@ def test_gpu_backend_takes_the_kernel_for_the_groups_it_tiles():
     assert gpu.moe_dispatch(48, 8, 384, HIDDEN, FFN, quantized=True, kernel=True) == "gathered"
     assert gpu.moe_dispatch(49, 8, 384, HIDDEN, FFN, quantized=True, kernel=True) == "scan"
     assert Backend("cpu").moe_dispatch(49, 8, 384, HIDDEN, FFN, quantized=True, kernel=True) == "gathered"
+
+
+@pytest.mark.parametrize("experts", ["replicated", "split"])
+def test_the_kernel_compiles_on_several_gpus_outside_shard_map(experts):
+    """Unlike a Mosaic call, a Triton call over 8 GPUs outside shard_map compiles (XLA runs it on every device,
+    gathering split experts first), so the GPU backend keeps it for MoE layers left unplaced."""
+    gpu = Backend("gpu")
+    assert gpu.int4_matvec(32, unplaced=True) is not None
+    mesh = jax.sharding.Mesh(np.array(find_machine("rtx-pro-6000", 8).devices), ("x",))
+    split = jax.sharding.PartitionSpec("x" if experts == "split" else None)
+    on = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+    whole = jax.sharding.PartitionSpec()
+    args = [on((16, 64), jnp.bfloat16, whole), on((8, 32, 8), jnp.int32, split), on((8, 32, 2), jnp.bfloat16, split)]
+    compiled = jax.jit(gpu.int4_matvec(32)).lower(*args, on((16,), jnp.int32, whole)).compile(GPU_COMPILER_OPTIONS)
+    assert ("all-gather" in compiled.as_text()) == (experts == "split")
 
 
 @pytest.mark.gpu

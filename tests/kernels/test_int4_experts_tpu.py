@@ -95,7 +95,7 @@ def test_gathered_dispatch_through_the_kernel_equals_xla(monkeypatch):
     experts = jnp.asarray(rng.integers(0, 6, (7, 3)))
     weights = jnp.asarray(rng.random((7, 3)), jnp.float32)
     interpreted = functools.partial(gathered_int4_matvec_tpu, interpret=INTERPRET)
-    monkeypatch.setattr(Backend, "int4_matvec", lambda self, group, sharded=False: interpreted)
+    monkeypatch.setattr(Backend, "int4_matvec", lambda self, group, unplaced=False: interpreted)
     through = _pair_experts(projections, pieces, Backend("tpu"))
     ours = _gathered_experts(x, weights, experts, through)
     xla = _gathered_experts(x, weights, experts, lambda r, c: _gathered_pairs(r, c, projections, pieces))
@@ -104,11 +104,17 @@ def test_gathered_dispatch_through_the_kernel_equals_xla(monkeypatch):
 
 def test_the_kernel_is_used_on_tpu_where_experts_are_placed():
     """On TPU the MoE takes the Mosaic kernel for INT4 experts, except where the experts lie on several devices
-    outside shard_map (a Mosaic call is not partitioned: XLA's form)."""
+    outside shard_map: JAX refuses to partition a Mosaic call there, even on replicated operands."""
     make = lambda shape: nnx.eval_shape(lambda: Int4Experts(shape, jnp.bfloat16, (None,) * 3, 32))
     projections = [make((4, 64, 32)), make((4, 64, 32)), make((4, 32, 64))]
     assert _int4_kernel(projections, Backend("tpu")) is gathered_int4_matvec_tpu
-    assert _int4_kernel(projections, Backend("tpu"), sharded=True) is None
+    assert _int4_kernel(projections, Backend("tpu"), unplaced=True) is None
+    mesh = jax.sharding.Mesh(np.array(find_machine("v5p:2x2x2").devices), ("x",))
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=whole)
+    args = [spec((8, 64), jnp.bfloat16), spec((4, 32, 8), jnp.int32), spec((4, 32, 2), jnp.bfloat16)]
+    with pytest.raises(NotImplementedError, match="Mosaic kernels cannot be automatically partitioned"):
+        jax.jit(gathered_int4_matvec_tpu).lower(*args, spec((8,), jnp.int32)).compile()
 
 
 def _v5p():
