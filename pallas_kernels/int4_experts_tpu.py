@@ -24,9 +24,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.block_traffic import Blocking, grid_bytes
+from pallas_kernels.int4_experts import PER_WORD
 
 LANES = 128
-PER_WORD = 8  # int4 values per int32 word
 BLOCK_BYTES = 1 << 20  # one block of words per step: double-buffered and unpacked, well inside the scoped VMEM
 
 
