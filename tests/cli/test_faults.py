@@ -126,8 +126,9 @@ def test_ctrl_c_after_the_first_tokens():
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = process.stdout.read(3)  # the first tokens' text is out
     process.send_signal(signal.SIGINT)
-    _, err = process.communicate(timeout=30)
-    assert len(first) == 3 and process.returncode == cli.INTERRUPTED
+    rest, err = process.communicate(timeout=30)
+    # On a failure, what came after the signal says whether it landed during the run (exit 0 seen twice under load).
+    assert len(first) == 3 and process.returncode == cli.INTERRUPTED, (process.returncode, len(rest), err[-2000:])
     assert err.splitlines()[-1] == "jaxdd: interrupted" and "Traceback" not in err
 
 
