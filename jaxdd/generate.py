@@ -27,7 +27,7 @@ from jaxdd.cli import parse_ids, positive
 from jaxdd.decoding.engine import Generation
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.distributed import disagreeing_processes
-from jaxdd.weights.tokenizer import TextTokenizer, load_tokenizer
+from jaxdd.weights.tokenizer import IncrementalDecoder, TextTokenizer, load_tokenizer
 
 DEMO = Path(__file__).parent / "demo" / "kimi-mini"
 DEFAULT_PROMPT = 'def read_config(path):\n    """Read a JSON config file and return it as a dict."""\n'
@@ -70,31 +70,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class TextStream:
-    """Prints the text of accepted tokens as they come. Decodes the whole output each time (a BPE token can end
-    mid-character or change how its neighbour reads) and holds back a trailing partial UTF-8 character."""
+    """Prints the text of accepted tokens as they come (``IncrementalDecoder``; without a tokenizer, the ids)."""
 
     def __init__(self, tokenizer: TextTokenizer | None, stop_ids: set[int], status: str):
-        self.tokenizer, self.stop_ids, self.out = tokenizer, stop_ids, sys.stdout
-        self.ids: list[int] = []
-        self.printed = ""
+        self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+        self.stop_ids, self.out = stop_ids, sys.stdout
+        self.printed_ids = False
         # Said on stderr when the first tokens take over a second (compiling), so never before a quick error.
         self.status = threading.Timer(1.0, lambda: print(status, file=sys.stderr, flush=True))
         self.status.daemon = True
 
-    def __call__(self, tokens: list[int]) -> None:
+    def __call__(self, tokens: list[int], final: bool = False) -> None:
         self.status.cancel()
-        self.ids += [t for t in tokens if t not in self.stop_ids]
-        if self.tokenizer is None:
-            text = ",".join(map(str, self.ids))
+        kept = [t for t in tokens if t not in self.stop_ids]
+        if self.decoder is not None:
+            text = self.decoder.push(kept, final)
         else:
-            text = self.tokenizer.decode(self.ids).removesuffix("\ufffd")
-        if text.startswith(self.printed) and len(text) > len(self.printed):
-            self.out.write(text[len(self.printed) :])
+            text = ("," if self.printed_ids and kept else "") + ",".join(map(str, kept))
+            self.printed_ids = self.printed_ids or bool(kept)
+        if text:
+            self.out.write(text)
             self.out.flush()
-            self.printed = text
 
     def close(self) -> None:
-        self.status.cancel()
+        self(tokens=[], final=True)
         self.out.write("\n")
         self.out.flush()
 

@@ -170,7 +170,7 @@ class RowPool:
             raise InputError(f"max_tokens: must be an integer >= 1, got {max_new_tokens!r}")
         if len(prompt) + max_new_tokens > self.max_len:
             raise InputError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({max_new_tokens}) exceeds the server's --max-len "
+                f"max_tokens: {max_new_tokens} after a prompt of {len(prompt)} tokens exceeds the server's --max-len "
                 f"{self.max_len}"
             )
         check_stop_ids(stop_ids, self.decoder.config)

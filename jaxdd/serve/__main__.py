@@ -81,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     dtype = args.dtype if args.dtype != "auto" else "float32" if backend.platform == "cpu" else "bfloat16"
     try:
         tokenizer = load_tokenizer(checkpoint)
-        chat_template = tokenizer.chat_template if tokenizer is not None else None
         if args.chat_template is not None:
-            chat_template = cli.read_text(args.chat_template, "--chat-template")
             if tokenizer is None:
                 raise jaxdd.InputError("--chat-template: the checkpoint has no tokenizer to encode its text")
+            tokenizer.chat_template = cli.read_text(args.chat_template, "--chat-template")  # its turns end too
+        chat_template = tokenizer.chat_template if tokenizer is not None else None
         drafter_path = drafter_dir if method != "ar" else None
         target, drafter = jaxdd.load_pair(checkpoint, drafter_path, dtype, devices, args.moe or "tp")
         options = {"block_size": args.block_size, "budget": args.budget, "max_prompt": args.max_prompt}

@@ -15,11 +15,10 @@ from collections.abc import AsyncIterator
 from typing import Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jaxdd.decoding.requests import MAX_STOP_TOKENS
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.decoding.slots import RowPool
 from jaxdd.errors import InputError
@@ -48,35 +47,21 @@ class APIError(Exception):
         self.status, self.body = status, protocol.error_body(message, kind, param, code)
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body, status_code=error.status)
-
-
 def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="jaxdd", docs_url=None, redoc_url=None)
 
     @app.exception_handler(APIError)
     async def api_error(_, error: APIError):
-        return error_response(error)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_, error: RequestValidationError):
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-        return error_response(APIError(400, f"{where or 'body'}: {first.get('msg')}", param=where or None))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_, error: StarletteHTTPException):
-        return error_response(APIError(error.status_code, str(error.detail), code=error.status_code))
+        return JSONResponse(error.body, status_code=error.status)
 
     @app.get("/health")
     async def health():
         if server.scheduler.failure is not None:
-            return error_response(APIError(503, server.scheduler.failure, "server_error"))
+            return errors.error_json(503, server.scheduler.failure, "server_error")
         if not server.scheduler.ready.is_set():
-            return error_response(APIError(503, "compiling", "server_error", code="not_ready"))
+            return errors.error_json(503, "compiling", "server_error", code="not_ready")
         if server.scheduler.draining:
-            return error_response(APIError(503, "shutting down", "server_error", code="draining"))
+            return errors.error_json(503, "shutting down", "server_error", code="draining")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -133,14 +118,17 @@ def make_job(server: Server, body: protocol.SamplingFields, prompt: list[int], m
         if max_tokens < 1:
             raise APIError(400, f"prompt: {len(prompt)} tokens leaves no room in --max-len {server.pool.max_len}")
     stop_ids = sorted(set(server.stop_ids) | set(body.stop_ids()))
+    if len(stop_ids) > MAX_STOP_TOKENS:
+        own, added = len(set(server.stop_ids)), len(set(body.stop_ids()) - set(server.stop_ids))
+        message = f"at most {MAX_STOP_TOKENS - own} beside this model's {own} own, got {added}"
+        raise APIError(400, f"stop token ids: {message}", param="stop_token_ids")
     seed = secrets.randbelow(2**32) if body.seed is None else body.seed
     sampling = Sampling(body.temperature, body.top_p, max(body.top_k, 0), seed)
     try:
         server.pool.check(prompt, max_tokens, stop_ids, sampling)
     except InputError as error:
-        field = str(error).split(":")[0].split()[0]
-        param = {"token_ids": "prompt", "prompt": "prompt", "max_tokens": "max_tokens"}.get(field, field)
-        raise APIError(400, str(error), param=param) from None
+        field = str(error).split(":")[0]  # jaxdd's messages start with the field at fault
+        raise APIError(400, str(error), param={"token_ids": "prompt"}.get(field, field)) from None
     timeouts = [t for t in (body.timeout, server.request_timeout) if t is not None]
     return Job(prompt, max_tokens, stop_ids, sampling, deliver, timeout=min(timeouts) if timeouts else None)
 
@@ -154,7 +142,7 @@ async def generate(server: Server, kind: Literal["completion", "chat"], body, pr
         raise APIError(429, str(error), "requests", code="rate_limit_exceeded") from None
     except NotReady as error:
         raise APIError(503, str(error), "server_error", code="not_ready") from None
-    output = Output(server.tokenizer, set(server.stop_ids), body.stop_strings())
+    output = Output(server.tokenizer, set(job.stop_ids), body.stop_strings())
     request_id = protocol.new_id("chatcmpl" if kind == "chat" else "cmpl")
     if body.stream:
         chunks = stream(server, kind, body, job, events, output, request_id)

@@ -33,7 +33,7 @@ class Metrics:
         )
         self.tpot = Histogram(
             name("time_per_output_token_seconds"),
-            "Per request: (last token - first token) / (tokens - 1)",
+            "Per request: (last token - first token) / the tokens delivered after the first token's",
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )

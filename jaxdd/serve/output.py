@@ -1,46 +1,46 @@
 """A request's output as it grows: the token ids, the text released so far, and stop strings.
 
-The whole output is decoded each time (a BPE token can end mid-character or change how its neighbour reads); text
-that ends in a partial UTF-8 character or could be the start of a stop string is held back until it cannot.
-Stop ids end the row on the device; they are kept in ``token_ids`` (as ``jaxdd.generate`` returns them) but never
+Text comes from an ``IncrementalDecoder`` (a partial UTF-8 character waits for the token that completes it); text
+that could be the start of a stop string is held back until it cannot. With stop strings the tokens are decoded one
+at a time, so the output ends at the token that completed the first stop string to complete, as vLLM's does. Stop
+ids end the row on the device; they are kept in ``token_ids`` (as ``jaxdd.generate`` returns them) but never
 spelled in the text.
 """
 
 from __future__ import annotations
 
-from jaxdd.weights.tokenizer import TextTokenizer
+from jaxdd.weights.tokenizer import IncrementalDecoder, TextTokenizer
 
 
 class Output:
     def __init__(self, tokenizer: TextTokenizer | None, stop_ids: set[int], stop_strings: list[str]):
-        self.tokenizer, self.stop_ids, self.stop_strings = tokenizer, stop_ids, stop_strings
+        self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+        self.stop_ids, self.stop_strings = stop_ids, stop_strings
         self.token_ids: list[int] = []
-        self.sent = ""  # text released to the client
+        self.held = ""  # decoded, not released: it could be the start of a stop string
         self.stopped = False  # a stop string was found: the request ends here
-
-    def _text(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode([t for t in ids if t not in self.stop_ids])
 
     def add(self, tokens: list[int], final: bool) -> str:
         """Take a round's tokens; return the text to release now (all of it when ``final``)."""
         if self.stopped:
             return ""
-        self.token_ids += tokens
-        text = self._text(self.token_ids)
-        found = [(text.find(s), s) for s in self.stop_strings if s in text]
-        if found:
-            at, stop = min(found)
-            # Keep the tokens up to the one that completed the stop string.
-            while len(self.token_ids) > 1 and stop in self._text(self.token_ids[:-1]):
-                self.token_ids.pop()
-            self.stopped, text = True, text[:at]
-        elif not final:
-            text = text.removesuffix("\ufffd")
-            held = max((n for s in self.stop_strings for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
-            text = text[: len(text) - held]
-        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+        if self.decoder is None:
+            self.token_ids += tokens
             return ""
-        delta, self.sent = text[len(self.sent) :], text
-        return delta
+        pieces = ([[t] for t in tokens] if self.stop_strings else []) or [tokens]
+        for n, piece in enumerate(pieces):
+            self.token_ids += piece
+            last = final and n == len(pieces) - 1
+            self.held += self.decoder.push([t for t in piece if t not in self.stop_ids], last)
+            ends = [(self.held.find(s) + len(s), -len(s)) for s in self.stop_strings if s in self.held]
+            if ends:  # the stop string that completed first (the longest of those ending together)
+                end, minus_length = min(ends)
+                self.stopped = True
+                return self.held[: end + minus_length]
+        keep = 0 if final else max(map(self._started, self.stop_strings), default=0)
+        released, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
+        return released
+
+    def _started(self, stop: str) -> int:
+        """How many of ``held``'s last characters begin ``stop``."""
+        return next((n for n in range(min(len(stop) - 1, len(self.held)), 0, -1) if self.held.endswith(stop[:n])), 0)

@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, Strict
 from jaxdd.decoding.requests import MAX_STOP_TOKENS
 
 TokenId = Annotated[int, Strict(), Field(ge=0, lt=2**31)]  # strict: true / 1.0 / "1" are not token ids
+# A stop string is a few words; holding back text that could begin one costs its length squared per event.
+StopString = Annotated[str, Field(max_length=256)]
 
 
 class StreamOptions(BaseModel):
@@ -30,7 +32,7 @@ class SamplingFields(BaseModel):
     top_k: int = Field(0, ge=-1, lt=2**31)  # 0 or -1 (vLLM's spelling): no limit
     seed: int | None = Field(None, ge=0, lt=2**32)
     n: Literal[1] = 1
-    stop: str | list[str | TokenId] | None = Field(None, max_length=MAX_STOP_TOKENS)
+    stop: StopString | Annotated[list[StopString | TokenId], Field(max_length=MAX_STOP_TOKENS)] | None = None
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKENS)
     stream: bool = False
     stream_options: StreamOptions | None = None

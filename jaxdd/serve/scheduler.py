@@ -61,6 +61,7 @@ class Job:
     timeout: float | None = None
     arrived: float = dataclasses.field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    first_tokens: int = 0  # the tokens delivered with the first (its update holds a round's too)
     produced: int = 0
     _cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -121,9 +122,9 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         """Queue a request, or raise ``NotReady`` / ``QueueFull`` at once."""
-        if not self.ready.is_set() or self.failure is not None:
-            raise NotReady(self.failure or "the server is still compiling")
         with self._wake:
+            if not self.ready.is_set() or self.failure is not None:
+                raise NotReady(self.failure or "the server is still compiling")
             if self._drain_deadline is not None:
                 raise NotReady("the server is shutting down")
             waiting = len(self._waiting) - self._free
@@ -141,9 +142,9 @@ class Scheduler:
             while not (decisions := self.channel.share(self._decide)).stop:
                 self._carry_out(decisions)
         except Exception as error:  # the engine cannot go on: fail everyone, /health says why
-            self.failure = f"engine failed: {type(error).__name__}: {error}"
             traceback.print_exc()
-            with self._wake:
+            with self._wake:  # with the queue emptied under the same lock, no request is queued after it
+                self.failure = f"engine failed: {type(error).__name__}: {error}"
                 jobs = [*self._rows.values(), *self._waiting, *self._admitting]
                 self._rows.clear()
                 self._waiting.clear()
@@ -162,13 +163,26 @@ class Scheduler:
             return Decisions(stop=True)
         if self._fault is not None:
             return Decisions(reset=True)
-        release = self._to_release()
-        free = len(self.pool.free_rows()) + len(release)
-        self._admitting = []
-        while len(self._admitting) < free and (job := self._next_waiting()) is not None:
-            self._admitting.append(job)
-        self._free = free - len(self._admitting)
+        now = time.monotonic()
+        release = [row for row, job in self._rows.items() if self._ends(job, now)]
+        with self._wake:  # one step under the lock: a request submitted meanwhile sees the rows these take
+            self._waiting = collections.deque(job for job in self._waiting if not self._ends(job, now))
+            free = len(self.pool.free_rows()) + len(release)
+            self._admitting = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+            self._free = free - len(self._admitting)
+            self.metrics.waiting.set(len(self._waiting))
         return Decisions(release=tuple(release), admit=tuple(self._admitting))
+
+    def _ends(self, job: Job, now: float) -> bool:
+        """Whether a running or waiting request ends before this step: cancelled, or timed out or past the drain
+        deadline (it is told which)."""
+        if job.cancelled:
+            return True
+        aborting = self._drain_deadline is not None and now > self._drain_deadline
+        if aborting or job.expired(now):
+            job.deliver(Event([], finish="abort" if aborting else "timeout"))
+            return True
+        return False
 
     def _carry_out(self, decisions: Decisions) -> None:
         """One step as decided: reset or free rows, admit, then a round if any row is busy."""
@@ -180,7 +194,7 @@ class Scheduler:
             self.pool.release(row)
             del self._rows[row]
         self._admitting = [self._job(request) for request in decisions.admit]
-        self._free = len(self.pool.free_rows()) - len(self._admitting)
+        self._count_free()
         self.metrics.running.set(len(self._rows))
         if self._guarded(self._admit) and (self._rows or self.pool.in_flight):
             self._guarded(self._round)
@@ -216,36 +230,11 @@ class Scheduler:
         self._fail_held(self._fault or "engine fault in a round on process 0")
         self._fault = None
         self.pool.reset()
-        self._free = len(self.pool.free_rows())
+        self._count_free()
 
-    def _to_release(self) -> list[int]:
-        """The rows to free: cancelled, timed out, or past the drain deadline (each request told why)."""
-        now = time.monotonic()
-        aborting = self._drain_deadline is not None and now > self._drain_deadline
-        rows = []
-        for row, job in self._rows.items():
-            if job.cancelled or job.expired(now) or aborting:
-                rows.append(row)
-                if not job.cancelled:
-                    job.deliver(Event([], finish="abort" if aborting else "timeout"))
-        return rows
-
-    def _next_waiting(self) -> Job | None:
-        now = time.monotonic()
+    def _count_free(self) -> None:
         with self._wake:
-            while self._waiting:
-                job = self._waiting.popleft()
-                self.metrics.waiting.set(len(self._waiting))
-                if job.cancelled:
-                    continue
-                if job.expired(now):
-                    job.deliver(Event([], finish="timeout"))
-                    continue
-                if self._drain_deadline is not None and now > self._drain_deadline:
-                    job.deliver(Event([], finish="abort"))
-                    continue
-                return job
-        return None
+            self._free = len(self.pool.free_rows()) - len(self._admitting)
 
     def _admit(self) -> None:
         """Dispatch each decided request's prefill into a free row (its first token comes with the next round's
@@ -255,7 +244,6 @@ class Scheduler:
             row = self.pool.admit(job.prompt, job.max_new_tokens, job.stop_ids, job.sampling)
             self._rows[row] = self._admitting.pop(0)
             self.metrics.prompt_tokens.inc(len(job.prompt))
-            self._free = len(self.pool.free_rows()) - len(self._admitting)
         self.metrics.running.set(len(self._rows))
 
     def _round(self) -> None:
@@ -279,17 +267,17 @@ class Scheduler:
             if update.finish is not None:
                 del self._rows[row]
             self._hand(job, update)
-        self._free = len(self.pool.free_rows())
+        self._count_free()
         self.metrics.running.set(len(self._rows))
 
     def _hand(self, job: Job, update: RowUpdate) -> None:
         now = time.monotonic()
         if update.first:
-            job.first_token_at = now
+            job.first_token_at, job.first_tokens = now, len(update.tokens)
             self.metrics.ttft.observe(now - job.arrived)
         job.produced += len(update.tokens)
         self.metrics.generation_tokens.inc(len(update.tokens))
-        if update.finish is not None and job.produced > 1:
-            self.metrics.tpot.observe((now - job.first_token_at) / (job.produced - 1))
+        if update.finish is not None and job.produced > job.first_tokens:
+            self.metrics.tpot.observe((now - job.first_token_at) / (job.produced - job.first_tokens))
         if not job.cancelled:
             job.deliver(Event(update.tokens, finish=update.finish))

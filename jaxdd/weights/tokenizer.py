@@ -88,6 +88,29 @@ class TextTokenizer(abc.ABC):
         return self.encode(text, special=True)
 
 
+class IncrementalDecoder:
+    """A growing sequence's text, released piece by piece (vLLM's incremental detokenization): each call decodes
+    the tokens since the last piece together with that piece's tokens (a token's spelling can depend on its
+    neighbour) and releases what they add to that piece's text. A piece ending in U+FFFD (a BPE token can end
+    mid-character) waits for the next tokens unless ``final``. Each call decodes a few tokens, not the whole
+    output, and released text is never revised."""
+
+    def __init__(self, tokenizer: TextTokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.context = self.released = 0  # ids[context:released]: the last piece's tokens; ids[released:]: pending
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        """Take ``ids``; return the text they release."""
+        self.ids += ids
+        before = self.tokenizer.decode(self.ids[self.context : self.released])
+        text = self.tokenizer.decode(self.ids[self.context :])
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
+            return ""
+        self.context, self.released = self.released, len(self.ids)
+        return text[len(before) :]
+
+
 class HFTokenizer(TextTokenizer):
     """A ``tokenizer.json`` read by the ``tokenizers`` library."""
 

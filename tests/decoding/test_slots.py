@@ -1,5 +1,6 @@
 """RowPool: requests admitted into a running decode state at any round decode to what they give alone (DDTree,
-greedy and seeded sampled, another cache size and batch than alone), and nothing compiles after warm-up."""
+greedy and seeded sampled, another cache size and batch than alone), with rounds in flight and rows released
+and reused between them, and nothing compiles after warm-up."""
 
 from __future__ import annotations
 
@@ -45,6 +46,44 @@ def test_interleaved_ddtree_rows_equal_their_runs_alone(decoder):
         alone = decoder.generate(prompt, method="ddtree", budget=12, max_new_tokens=length, stop_token_ids=[0],
                                  sampling=sampling)  # fmt: skip
         assert outputs[i] == alone.tokens, i
+
+
+def test_admissions_and_releases_while_rounds_are_in_flight(decoder):
+    """Driven as the server drives it (two rounds in flight, admissions between them, live rows released and
+    taken by the next request at once): a request that runs to its end gets what it gets alone, and a released
+    one got a prefix of it; a released row's reports in flight never reach its next request."""
+    rng = np.random.default_rng(7)
+    pool = RowPool(decoder, method="dflash", rows=2, max_len=80, max_prompt=16)
+    pool.warm_up()
+    samplings = [jaxdd.Sampling(), jaxdd.Sampling(0.7, 0.9, 0, 11), jaxdd.Sampling(1.0, 1.0, 0, 12)]
+    requests = [
+        (rng.integers(1, 4096, size=int(rng.integers(3, 16))).tolist(), int(rng.integers(8, 40)), sampling)
+        for sampling in samplings * 3
+    ]
+    outputs, row_of, pending, released, finished = {}, {}, list(range(len(requests))), set(), set()
+    for _ in range(2000):  # bounded: every request ends within its max_tokens rounds
+        if not pending and not pool.active and not pool.in_flight:
+            break
+        if pending and pool.free_rows() and rng.random() < 0.5:
+            i = pending.pop(0)
+            row_of[pool.admit(*requests[i][:2], [0], requests[i][2])] = i
+            outputs[i] = []
+        if pool.active and rng.random() < 0.08:
+            row = int(rng.choice(list(pool.active)))
+            pool.release(row)
+            released.add(row_of.pop(row))
+        if pool.active:
+            pool.dispatch()
+        if pool.in_flight >= 2 or (pool.in_flight and not pool.active):
+            for row, update in pool.collect().items():
+                outputs[row_of[row]] += update.tokens
+                if update.finish is not None:
+                    finished.add(row_of.pop(row))
+    assert not pending and not pool.active and released and finished
+    assert released | finished == set(range(len(requests))) and not released & finished
+    for i, (prompt, length, sampling) in enumerate(requests):
+        alone = decoder.generate(prompt, max_new_tokens=length, stop_token_ids=[0], sampling=sampling).tokens
+        assert outputs[i] == alone if i in finished else alone[: len(outputs[i])] == outputs[i], i
 
 
 def test_requests_past_the_pool_are_refused(decoder):

@@ -66,8 +66,9 @@ BAD_BODIES = [  # (body, status, param, words the message holds)
     ({"prompt": [1, 2], "max_tokens": "many"}, 400, "max_tokens", "integer"),
     ({"prompt": [1, 2], "max_tokens": -5}, 400, "max_tokens", "greater than"),
     ({"prompt": [1, 2], "max_tokens": 2.5}, 400, "max_tokens", "fractional"),
-    ({"prompt": [1, 2], "max_tokens": 10**30}, 400, "prompt", "--max-len"),
-    ({"prompt": [1, 2], "max_tokens": MAX_LEN - 1}, 400, "prompt", "--max-len"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "greater than"),
+    ({"prompt": [1, 2], "max_tokens": 10**30}, 400, "max_tokens", "--max-len"),
+    ({"prompt": [1, 2], "max_tokens": MAX_LEN - 1}, 400, "max_tokens", "--max-len"),
     ({"prompt": [1] * (MAX_PROMPT + 1), "max_tokens": 2}, 400, "prompt", "at most"),
     ({"prompt": [1, 2], "temperature": 2.5}, 400, "temperature", "less than"),
     ({"prompt": [1, 2], "temperature": -0.1}, 400, "temperature", "greater than"),
@@ -89,6 +90,9 @@ BAD_BODIES = [  # (body, status, param, words the message holds)
     ({"max_tokens": 3}, 400, "prompt", "required"),
     ({"prompt": [1, 2], "model": "gpt-9"}, 404, "model", "does not exist"),
     ({"prompt": [1, 2], "stop": [str(i) for i in range(17)]}, 400, "stop", "at most"),
+    ({"prompt": [1, 2], "stop": "x" * 257}, 400, "stop", "at most 256 characters"),
+    ({"prompt": [1, 2], "stop": ["x", "x" * 257]}, 400, "stop", "at most 256 characters"),
+    ({"prompt": [1, 2], "stop_token_ids": list(range(1, 17))}, 400, "stop_token_ids", "at most 15 beside"),
     ({"prompt": [1, 2], "stop_token_ids": [10**6]}, 400, "stop_token_ids", "vocabulary"),
     ({"prompt": [1, 2], "stream_options": "yes"}, 400, "stream_options", "dictionary"),
 ]
@@ -164,6 +168,7 @@ def test_overload_refused_at_once_and_every_admitted_request_completes(server):
     served = [r for r in results if r[0] == 200]
     assert refused and len(refused) + len(served) == count and len(served) >= ROWS + WAITING
     assert all(r[2]["error"]["code"] == "rate_limit_exceeded" for r in refused)
+    assert f"--max-waiting {WAITING}" in refused[0][2]["error"]["message"]
     assert all(r[2]["choices"][0]["finish_reason"] == "length" for r in served)
     assert all(r[2]["usage"]["completion_tokens"] == 64 for r in served)
     assert max(r[1] for r in refused) < max(r[1] for r in served)  # refused without waiting for a row
@@ -196,7 +201,9 @@ def test_a_client_read_timeout_frees_its_row(server):
     assert server.metric("generation_tokens_total") - before < LONG["max_tokens"]
 
 
-def test_a_queued_client_that_leaves_is_skipped(server):
+def test_queued_requests_that_leave_or_time_out_end_while_every_row_is_busy(server):
+    """With both rows busy, a queued client that leaves stops counting as waiting, and a queued request past its
+    timeout ends ("timeout"), at the next step: neither waits for a row to free."""
     prompt_tokens = server.metric("prompt_tokens_total")
     with httpx.Client(base_url=server.url, timeout=60) as client, contextlib.ExitStack() as streams:
         lines = []  # kept: a dropped line iterator closes its stream
@@ -207,7 +214,11 @@ def test_a_queued_client_that_leaves_is_skipped(server):
         assert server.wait_until(lambda: server.metric("num_requests_running") == ROWS, 10)
         with pytest.raises(httpx.ReadTimeout):
             post(server, LONG, timeout=httpx.Timeout(30, read=0.5))
-        time.sleep(4 * DISCONNECT_POLL)  # the server notices a waiting client's leaving at its next look
+        # The server notices a waiting client's leaving at its next look.
+        assert server.wait_until(lambda: server.metric("num_requests_waiting") == 0, 4 * DISCONNECT_POLL + 2)
+        timed = post(server, {**LONG, "timeout": 0.2}, timeout=10).json()
+        assert timed["choices"][0]["finish_reason"] == "timeout" and timed["usage"]["completion_tokens"] == 0
+        assert server.metric("num_requests_running") == ROWS  # the rows were busy throughout
     assert server.wait_until(lambda: rows_free(server), 10)
     assert post(server, {"prompt": [1, 2], "max_tokens": 2}).status_code == 200
     assert server.metric("prompt_tokens_total") - prompt_tokens == ROWS * 3 + 2  # the queued prompt never ran

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -13,8 +14,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from jaxdd.errors import CheckpointError
+from jaxdd.generate import DEMO
+from jaxdd.testing.byte_tokenizer import PerByteFallback
 from jaxdd.testing.kimi_tokenizer import KIMI_STYLE_TEMPLATE, SPECIAL, write_kimi_tokenizer
-from jaxdd.weights.tokenizer import KIMI_PATTERN, KimiTokenizer, load_tokenizer
+from jaxdd.weights.tokenizer import KIMI_PATTERN, IncrementalDecoder, KimiTokenizer, TextTokenizer, load_tokenizer
 
 TEXT = "def add(a, b):\n    return a + b\n\n# 加法 adds numbers; it's 123456 times faster\n" * 4
 
@@ -101,3 +104,36 @@ def test_bad_tokenizer_files_are_named(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{")
     with pytest.raises(CheckpointError, match="tokenizer_config.json: not valid JSON"):
         load_tokenizer(tmp_path)
+
+
+DEMO_TOKENIZER = load_tokenizer(DEMO / "target")
+
+
+def streamed(tokenizer: TextTokenizer, ids: list[int], cuts: list[int]) -> list[str]:
+    """The pieces an ``IncrementalDecoder`` releases for ``ids`` given in chunks cut at ``cuts``, then closed."""
+    decoder = IncrementalDecoder(tokenizer)
+    edges = [0, *sorted(c % (len(ids) + 1) for c in cuts), len(ids)]
+    pieces = [decoder.push(ids[a:b]) for a, b in itertools.pairwise(edges)]
+    return [*pieces, decoder.push([], final=True)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+@pytest.mark.parametrize("which", ["demo", "kimi", "per-byte"])
+def test_incremental_decoding_releases_the_whole_text_in_order(kimi, which, data):
+    """Random ids (any byte sequences, special tokens included) in random chunks: the released pieces add up to
+    the whole decode, and no piece but the last ends mid-character."""
+    tokenizer = {"demo": DEMO_TOKENIZER, "kimi": kimi[0], "per-byte": PerByteFallback()}[which]
+    vocab = 256 if which == "per-byte" else max(tokenizer.special.values()) + 1
+    ids = data.draw(st.lists(st.integers(0, vocab - 1), max_size=30))
+    pieces = streamed(tokenizer, ids, data.draw(st.lists(st.integers(0, 30), max_size=8)))
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert not any(piece.endswith("\ufffd") for piece in pieces[:-1])
+
+
+def test_a_character_cut_over_tokens_waits_for_its_last_byte():
+    """Three byte tokens of 中, decoded per byte as two U+FFFD before the third: nothing is released until it
+    comes, and the text goes on after it (holding back a single U+FFFD released one of those and then nothing)."""
+    tokenizer = PerByteFallback()
+    ids = tokenizer.encode("a中b")
+    assert streamed(tokenizer, ids, [1, 2, 3, 4]) == ["a", "", "", "中", "b", ""]
