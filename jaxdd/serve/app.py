@@ -121,7 +121,7 @@ def make_job(server: Server, body: protocol.SamplingFields, prompt: list[int], m
     if len(stop_ids) > MAX_STOP_TOKENS:
         own, added = len(set(server.stop_ids)), len(set(body.stop_ids()) - set(server.stop_ids))
         message = f"at most {MAX_STOP_TOKENS - own} beside this model's {own} own, got {added}"
-        raise APIError(400, f"stop token ids: {message}", param="stop_token_ids")
+        raise APIError(400, f"stop_token_ids: {message}", param="stop_token_ids")
     seed = secrets.randbelow(2**32) if body.seed is None else body.seed
     sampling = Sampling(body.temperature, body.top_p, max(body.top_k, 0), seed)
     try:
