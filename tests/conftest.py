@@ -27,7 +27,10 @@ import jax.numpy as jnp
 import pytest
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.weights.hf_reader import load_hf_drafter
+from jaxdd.testing import profiles
 from jaxdd.testing.reference import TINY_K2, TINY_K25, drafter_config, hf_drafter, hf_model
+
+profiles.load()
 
 
 def pytest_unconfigure(config):

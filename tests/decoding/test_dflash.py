@@ -28,13 +28,14 @@ from jaxdd.decoding.sampling import argmax
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.runtime.compile_time import compile_clock
 from jaxdd.testing.oracle import OracleDrafter, patched_reference_drafter
+from jaxdd.testing.profiles import examples
 from jaxdd.testing.reference import drafter_config, hf_greedy
 
 PROMPTS = [[5, 17, 3, 250, 9, 1, 77], [200, 4, 4, 91, 36, 12, 8, 150, 61, 7, 33]]
 MAX_NEW = 24
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(hnp.arrays(np.float32, hnp.array_shapes(min_dims=1, max_dims=3, max_side=40), elements=st.integers(-3, 3)))
 def test_argmax_is_the_first_maximum(logits):
     """Greedy decoding's argmax picks the lowest index among tied maxima, like numpy's (few distinct values force

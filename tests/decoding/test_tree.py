@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from jaxdd.decoding.tree import accept_path, build_tree, build_tree_host
+from jaxdd.testing.profiles import examples
 
 SCORE_TOL = 1e-4
 
@@ -63,7 +64,9 @@ def compare_with_oracle(tree: dict, host) -> None:
     np.testing.assert_array_equal(tree["depths"][1 : n + 1], host.depths)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(
+    max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
+)
 @given(shape=st.sampled_from(SHAPES), seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([0.5, 3.0, 10.0]))
 def test_matches_heap_oracle(shape, seed, scale):
     depth, vocab, budget = shape
@@ -76,7 +79,7 @@ def test_matches_heap_oracle(shape, seed, scale):
     compare_with_oracle(tree, build_tree_host(logits, budget))
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(shape=st.sampled_from(TIE_SHAPES), seed=st.integers(0, 2**31 - 1))
 def test_exact_ties_break_by_rank_tuple(shape, seed):
     """Logits in equal pairs, and flat rows: many exact ties, which both sides break by the rank tuple.

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxdd.runtime.backend import Backend
+from jaxdd.testing.profiles import examples
 from jaxdd.testing.reference import random_tree_parents, tree_depths_and_mask
 from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
 from pallas_kernels.tree_attention_tpu import tpu_tiles, tree_attention_tpu
@@ -45,7 +46,7 @@ def check(shape, dtype, seed, interpret):
     np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=TOLERANCE[dtype], rtol=0)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(shape=st.sampled_from(SHAPES), dtype=st.sampled_from(["float32", "bfloat16"]), seed=st.integers(0, 10**6))
 def test_kernel_interpreted_matches_reference(shape, dtype, seed):
     check(shape, dtype, seed, interpret=True)

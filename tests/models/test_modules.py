@@ -25,6 +25,7 @@ from jaxdd.models.moe import (
 from jaxdd.models.quant import DenseExperts
 from jaxdd.models.target import target_rope
 from jaxdd.runtime.backend import Backend
+from jaxdd.testing.profiles import examples
 from jaxdd.testing.reference import FLAVOURS, additive_mask, hf_model, rel_err
 
 TOL = 1e-5
@@ -229,7 +230,8 @@ ROUTINGS = given(
 )
 
 
-@settings(max_examples=6, deadline=None)  # each example's shapes compile anew (the tiled layout's take longest)
+# each example's shapes compile anew (the tiled layout's take longest)
+@settings(max_examples=examples(6), deadline=None)
 @ROUTINGS
 def test_tiled_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
     """The tiled layout is exact whatever the routing: unused experts, one expert taking nearly every pair (its
@@ -237,7 +239,7 @@ def test_tiled_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
     check_dispatch(_tiled_experts, tokens, top_k, n_experts, favourite, seed)
 
 
-@settings(max_examples=10, deadline=None)  # each example's shapes compile anew
+@settings(max_examples=examples(10), deadline=None)  # each example's shapes compile anew
 @ROUTINGS
 def test_skipping_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
     """Skipping the unchosen experts is exact whatever the routing: every expert chosen, a few, only one, an expert
@@ -245,7 +247,7 @@ def test_skipping_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed
     check_dispatch(_skipping_experts, tokens, top_k, n_experts, favourite, seed)
 
 
-@settings(max_examples=10, deadline=None)  # each example's shapes compile anew
+@settings(max_examples=examples(10), deadline=None)  # each example's shapes compile anew
 @ROUTINGS
 def test_gathered_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
     """Gathering each pair's expert is exact whatever the routing, an expert chosen by many tokens or twice by one
@@ -253,7 +255,7 @@ def test_gathered_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed
     check_dispatch(gathered, tokens, top_k, n_experts, favourite, seed)
 
 
-@settings(max_examples=10, deadline=None)  # each example's shapes compile anew
+@settings(max_examples=examples(10), deadline=None)  # each example's shapes compile anew
 @given(tokens=st.integers(1, 12), share=st.floats(0, 1), capacity=st.integers(1, 8), seed=st.integers(0, 2**16))
 def test_gathered_local_pairs_under_ep(tokens, share, capacity, seed):
     """Under EP a device gathers only the pairs routed to its own experts, compacted into ``capacity`` slots:
@@ -324,7 +326,7 @@ def test_decoder_layer(pair, which):
     assert rel_err(out, expected.numpy()) < TOL
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     batch=st.integers(1, 12),
     rows=st.integers(1, 5),

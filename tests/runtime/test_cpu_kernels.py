@@ -29,6 +29,7 @@ from jaxdd.models.quant import Int4Experts, dequantize_int4_groups
 from jaxdd.models.target import KimiTarget
 from jaxdd.runtime import cpu_kernels
 from jaxdd.runtime.backend import Backend
+from jaxdd.testing.profiles import examples
 from jaxdd.testing.reference import TINY_K2
 from pallas_kernels import int4_experts
 
@@ -84,7 +85,7 @@ def test_kernel_dequantizes_every_scale_exactly(group, in_features, form):
     np.testing.assert_array_equal(np.asarray(out), expected)
 
 
-@settings(max_examples=8, deadline=None)  # each example's shapes compile anew
+@settings(max_examples=examples(8), deadline=None)  # each example's shapes compile anew
 @given(
     pairs=st.integers(1, 40),
     n_out=st.integers(1, 70),
@@ -167,7 +168,7 @@ def test_build_is_cached_and_a_failing_compiler_falls_back(tmp_path, monkeypatch
     assert not any((tmp_path / "failing").rglob("*.so"))
 
 
-@settings(max_examples=8, deadline=None)  # each example's shapes compile anew
+@settings(max_examples=examples(8), deadline=None)  # each example's shapes compile anew
 @given(
     rows=st.integers(1, 3),
     k=st.integers(1, 700),
@@ -206,7 +207,7 @@ def test_linear_uses_the_dense_kernel_only_where_it_applies():
     assert Backend.of_devices(jax.devices()[:1]).devices == 1
 
 
-@settings(max_examples=8, deadline=None)  # each example's shapes compile anew
+@settings(max_examples=examples(8), deadline=None)  # each example's shapes compile anew
 @given(
     groups=st.integers(1, 9),
     rows=st.integers(1, 19),

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from jaxdd.serve.output import Output
 from jaxdd.testing.byte_tokenizer import PerByteFallback
+from jaxdd.testing.profiles import examples
 
 TOKENIZER = PerByteFallback()
 STOP_ID = 0  # NUL: a stop id, never spelled
@@ -41,7 +42,7 @@ STOPS = st.lists(st.text("abc d", min_size=1, max_size=4), max_size=3)
 CUTS = st.lists(st.integers(0, 40), max_size=10)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(ASCII, STOPS, CUTS)
 def test_stops_as_if_decoded_token_by_token(ids, stops, cuts):
     """However the tokens arrive, the text and ids are those of the token-by-token decode (stop ids unspelled)."""
@@ -51,7 +52,7 @@ def test_stops_as_if_decoded_token_by_token(ids, stops, cuts):
     assert output.stopped == (len(expected_ids) < len(ids) or any(s in TOKENIZER.decode(ids) for s in stops))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.integers(0, 255), max_size=40), STOPS, CUTS)
 def test_text_is_never_revised(ids, stops, cuts):
     """Any bytes, cut characters included: the released text is a prefix of the whole decode; when a stop

@@ -17,6 +17,7 @@ from jaxdd.errors import CheckpointError
 from jaxdd.generate import DEMO
 from jaxdd.testing.byte_tokenizer import PerByteFallback
 from jaxdd.testing.kimi_tokenizer import KIMI_STYLE_TEMPLATE, SPECIAL, write_kimi_tokenizer
+from jaxdd.testing.profiles import examples
 from jaxdd.weights.tokenizer import KIMI_PATTERN, IncrementalDecoder, KimiTokenizer, TextTokenizer, load_tokenizer
 
 TEXT = "def add(a, b):\n    return a + b\n\n# 加法 adds numbers; it's 123456 times faster\n" * 4
@@ -43,7 +44,7 @@ def test_kimi_tiktoken_special_tokens(kimi):
     assert len(tokenizer.encode("return a + b")) < len(b"return a + b")  # the ranks' merges apply
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.text(alphabet=st.characters(codec="utf-8"), max_size=40) | st.sampled_from(TEXT.splitlines()))
 def test_kimi_encoding_follows_the_pattern_and_round_trips(kimi, text):
     """Each piece of Kimi's pre-tokenizer regex (run by the ``regex`` module, which spells ``&&`` class
@@ -117,7 +118,7 @@ def streamed(tokenizer: TextTokenizer, ids: list[int], cuts: list[int]) -> list[
     return [*pieces, decoder.push([], final=True)]
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(st.data())
 @pytest.mark.parametrize("which", ["demo", "kimi", "per-byte"])
 def test_incremental_decoding_releases_the_whole_text_in_order(kimi, which, data):
