@@ -1,10 +1,10 @@
 """The gathered INT4 expert matvec as a Pallas GPU (Triton) kernel: each (token, slot) pair's row through its own
 expert, the expert's packed words and scales read once per pair and dequantized in registers.
 
-XLA:GPU, given the gather-then-dequantize form (``jaxdd.models.moe._gathered_pairs``), writes the gathered experts
-out and reads them again at the pair counts of a speculative round on sm_120 (and at 61 layers on sm_90): twice the
-bytes of the experts. Here every program loads its pair's expert id and reads only that expert's rows, so the
-bytes are the experts' once, plus the rows (benchmarks/README.md, "What the compiled rounds move").
+XLA:GPU, given the gather-then-dequantize form (``jaxdd.models.moe._gathered_pairs``), may write the
+gathered experts out and read them again at a speculative round's pair counts. Here every program
+loads its pair's expert id and reads only that expert's rows, so the bytes are the experts' once,
+plus the rows (benchmarks/README.md, "What the compiled rounds move").
 
 Same contract and values as ``jaxdd.runtime.cpu_kernels.gathered_int4_matvec``: every weight dequantized as
 ``jaxdd.models.quant.dequantize_int4_groups`` does (bf16(q x scale), q = nibble - 8, low nibble first) and the
@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.tuned_block_sizes import block_sizes
+
 PER_WORD = 8  # INT4 values per int32 word
-BLOCK_N = 64  # output rows per program (at most; a power of two dividing N)
-BLOCK_WORDS = 32  # words of K per loop step and output row (at most; whole groups): a 64 x 32 tile in registers
 
 
 def supports(group: int) -> bool:
@@ -39,9 +39,12 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def tiles(n_out: int, groups: int, group: int) -> tuple[int, int]:
-    """(output rows per program, scale groups per loop step) for an [N, groups x group] expert."""
+    """(output rows per program, scale groups per loop step) for an [N, groups x group] expert: at
+    most the tuned sizes, powers of two dividing N and whole groups."""
+    tuned = block_sizes("int4_experts")
     per_group = group // PER_WORD
-    return _pow2_divisor(n_out, BLOCK_N), _pow2_divisor(groups, max(BLOCK_WORDS // per_group, 1))
+    block_groups = _pow2_divisor(groups, max(tuned["block_words"] // per_group, 1))
+    return _pow2_divisor(n_out, tuned["block_n"]), block_groups
 
 
 def declared_bytes(pairs: int, n_out: int, k: int, groups: int, itemsize: int, block_n: int) -> int:

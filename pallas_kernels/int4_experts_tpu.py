@@ -25,9 +25,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.block_traffic import Blocking, grid_bytes
 from pallas_kernels.int4_experts import PER_WORD
+from pallas_kernels.tuned_block_sizes import block_sizes
 
 LANES = 128
-BLOCK_BYTES = 1 << 20  # one block of words per step: double-buffered and unpacked, well inside the scoped VMEM
 
 
 def _tiled(rows: int, cols: int, dtype: np.dtype) -> int:
@@ -46,11 +46,12 @@ def stored_transposed(shape: tuple[int, ...], dtype: Any) -> bool:
 
 
 def block_n(n: int, words: int) -> int:
-    """Output features per step: all of them if their words fit ``BLOCK_BYTES``, else the largest multiple of 128
-    dividing ``n`` that fits (the smallest if none does)."""
-    if n * words * 4 <= BLOCK_BYTES or n % LANES:
+    """Output features per step: all of them if their words fit the tuned ``block_bytes``, else the
+    largest multiple of 128 dividing ``n`` that fits (the smallest if none does)."""
+    most = block_sizes("int4_experts_tpu")["block_bytes"]
+    if n * words * 4 <= most or n % LANES:
         return n
-    fitting = [b for b in range(LANES, n + 1, LANES) if n % b == 0 and b * words * 4 <= BLOCK_BYTES]
+    fitting = [b for b in range(LANES, n + 1, LANES) if n % b == 0 and b * words * 4 <= most]
     return max(fitting, default=LANES)
 
 
@@ -142,7 +143,7 @@ def gathered_int4_matvec_tpu(
         ids,
         x,
         *(
-            # In HBM: left free, XLA:TPU prefetched every expert's scales into VMEM for the call, to be read once.
+            # In HBM: left free, XLA:TPU prefetches every expert's scales into VMEM for the call.
             pltpu.with_memory_space_constraint(piece.swapaxes(1, 2) if swap else piece, pltpu.HBM)
             for piece, swap in zip((packed, scale), swapped, strict=True)
         ),

@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.tuned_block_sizes import block_sizes, dtype_class, gpu_device
+
 NEG = -1e30  # finite: a fully masked block must not produce (-inf) - (-inf)
-GPU_PROGRAMS = 128  # about one program per multiprocessor of an H100/H200 (132) keeps the chip busy
-SMALL_SHARED_MEMORY = 128 * 1024  # sm_86/89/120 (RTX PRO 6000: 99 KB per block) hold half an H200's tiles
 
 
 def tree_attention_reference(
@@ -132,24 +132,22 @@ def tree_attention(
     compiler_params: Any = None,
     shared_memory: int | None = None,
 ):
-    """The Pallas kernel; same arguments and result as ``tree_attention_reference``; ``interpret`` and
-    ``compiler_params`` as the backend chooses (``Backend.kernel_options``). ``block_q`` query rows
-    (token x head) per program, keys in blocks of ``block_k``; None picks them as measured on an H200
-    (benchmarks/results/gpu_kernel.json): keys in blocks of 64 (bf16) or 32 (fp32: 64 asks for 236 KB of
-    shared memory, over the 227 KB limit), and 32 query rows per program unless that leaves fewer programs than
-    the GPU has multiprocessors (then 16: 257 tokens x 8 heads over 32k slots ran 1.8x faster). Under
-    ``SMALL_SHARED_MEMORY`` bytes per block (``shared_memory``, the GPU's opt-in limit) keys in blocks of 32
-    (bf16) or 16 (fp32) and 16 query rows: Kimi's tiles at the H200's sizes ask an RTX PRO 6000 for 166 KB
-    of its 99 KB (a deviceless sm_120 compile's RESOURCE_EXHAUSTED)."""
+    """The Pallas kernel; same arguments and result as ``tree_attention_reference``; ``interpret``
+    and ``compiler_params`` as the backend chooses (``Backend.kernel_options``). ``block_q`` query
+    rows (token x head) per program, keys in blocks of ``block_k``; None takes them from the tuning
+    table (``pallas_kernels.tuned_block_sizes``) for the GPU of ``shared_memory`` bytes per block
+    (its opt-in limit) and the cache's dtype."""
     b, t, h, r = q_latent.shape
     dr = q_rope.shape[-1]
     slots = cache_latent.shape[1]
     rows = t * h
-    small = shared_memory is not None and shared_memory < SMALL_SHARED_MEMORY
+    device = gpu_device(shared_memory)
+    tuned = block_sizes("tree_attention", device, dtype_class(cache_latent.dtype))
     if block_k is None:
-        block_k = (64 if jnp.dtype(cache_latent.dtype).itemsize <= 2 else 32) // (2 if small else 1)
+        block_k = tuned["block_k"]
     if block_q is None:
-        block_q = 32 if b * rows >= 32 * GPU_PROGRAMS and not small else 16
+        enough = b * rows >= tuned["block_q"] * tuned["programs"]
+        block_q = tuned["block_q"] if enough else tuned["few_programs_block_q"]
     block_k = min(block_k, slots)
     if slots % block_k:
         raise ValueError(f"cache slots {slots} must be a multiple of block_k {block_k}")

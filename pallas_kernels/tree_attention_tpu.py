@@ -1,13 +1,13 @@
 """The tree-verify attention kernel's TPU (Mosaic) form: the GPU form's algorithm (``tree_attention.py``) with the
 committed cache streamed through a grid axis instead of read through pointers.
 
-Mosaic stages every block in VMEM (a scoped 16-32 MiB per kernel by default), so the GPU form's whole-cache block
-fails at 16k slots (v5e, v5p). Here the grid is (batch, query-row blocks, key blocks): the key axis is sequential
-("arbitrary") and Pallas double-buffers its cache blocks from HBM, so the cache is bounded by HBM, not VMEM. The
-running softmax state lives in VMEM scratch across key steps; past ``length`` no block is computed, and the index
-map repeats the last live block so that none is fetched either. The tree tail (ancestor-masked) runs in the last key
-step. Blocks are TPU-shaped: keys in multiples of 128 lanes, the mask's key axis padded to 128, query rows in
-multiples of 32.
+Mosaic stages every block in VMEM (a scoped 16-32 MiB per kernel by default), so the GPU form's
+whole-cache block does not fit long caches. Here the grid is (batch, query-row blocks, key blocks):
+the key axis is sequential ("arbitrary") and Pallas double-buffers its cache blocks from HBM, so the
+cache is bounded by HBM, not VMEM. The running softmax state lives in VMEM scratch across key steps;
+past ``length`` no block is computed, and the index map repeats the last live block so that none is
+fetched either. The tree tail (ancestor-masked) runs in the last key step. Blocks are TPU-shaped:
+keys in multiples of 128 lanes, the mask's key axis padded to 128, query rows in multiples of 32.
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.tree_attention import NEG, online_softmax_step, pad_to, query_rows, row_mask
+from pallas_kernels.tuned_block_sizes import block_sizes
 
 LANES = 128
 ROW_ALIGN = 32  # sublane tiles: 8 rows of fp32, 16 of bf16; 32 suits both
-BLOCK_Q = 512  # query rows per program: each re-reads the cache, so as many as VMEM comfortably holds
-BLOCK_K = 512  # cache rows per key step (a multiple of 128)
 
 
 class TpuTiles(NamedTuple):
@@ -40,8 +39,10 @@ class TpuTiles(NamedTuple):
 def tpu_tiles(tokens: int, heads: int, slots: int) -> TpuTiles:
     """The tiles ``tree_attention_tpu`` uses for these shapes: nothing depends on the cache but its block."""
     rows = tokens * heads
-    block_q = min(BLOCK_Q, pl.cdiv(rows, ROW_ALIGN) * ROW_ALIGN)
-    block_k = next((k for k in (BLOCK_K, 256, LANES) if slots % k == 0 and k <= slots), slots)
+    tuned = block_sizes("tree_attention_tpu")  # block_k a multiple of 128
+    block_q = min(tuned["block_q"], pl.cdiv(rows, ROW_ALIGN) * ROW_ALIGN)
+    steps = (tuned["block_k"], 256, LANES)
+    block_k = next((k for k in steps if slots % k == 0 and k <= slots), slots)
     return TpuTiles(block_q, block_k, pl.cdiv(tokens, LANES) * LANES, pl.cdiv(rows, block_q))
 
 

@@ -39,8 +39,8 @@ PROMPT_BUCKETS_PER_OCTAVE = 8
 PROMPT_MIN_STEP = 16  # prompt sizes are multiples of this (short prompts: fewer shapes to compile)
 CACHE_BUCKETS_PER_OCTAVE = 4
 CACHE_ALIGN = 64  # cache sizes past this are multiples of it: the tree-attention kernel reads blocks of up to 64
-# A DDTree round past this many nodes per drafted position gets a note: deeper candidates are rarely accepted (the
-# demo pair's tau grows 3.77 -> 4.35 from budget 16 to 64 at block 8, benchmarks/README.md), each costs verify work.
+# A DDTree round past this many nodes per drafted position gets a note: deeper candidates are rarely
+# accepted (tau per budget: benchmarks/README.md, "HumanEval"), each costs verify work.
 NODES_PER_POSITION_NOTE = 16
 
 

@@ -328,8 +328,8 @@ def prefill(
     the drafter context: the decode state for rounds of ``spec``, with caches of ``slots`` slots (placed on
     ``mesh`` if given). A row is done at once if that token is a stop token or its length allows no more.
 
-    The empty state is made here rather than passed in: made by ~20 eager dispatches, it cost a fifth of a
-    HumanEval prefill in host time."""
+    The empty state is made here rather than passed in: made outside, its many eager dispatches cost
+    host time on every prefill."""
     target, drafter = models.merge()
     b, t = tokens.shape
     drafter_config = None if drafter is None else drafter.config

@@ -69,7 +69,7 @@ def argmax(logits: jax.Array) -> jax.Array:
     """The first index of the maximum over the vocabulary (as ``jnp.argmax``), int32.
 
     Two plain reductions (the max, then the lowest index holding it) instead of ``jnp.argmax``'s variadic
-    (value, index) reduction, which XLA:CPU does not vectorize (4x slower for 8 x 4096 logits).
+    (value, index) reduction, which XLA:CPU does not vectorize.
     """
     vocab = logits.shape[-1]
     best = logits.max(axis=-1, keepdims=True)
@@ -94,11 +94,11 @@ CANDIDATES = 64  # the top-k / top-p cut-offs are looked for among each row's th
 def filtered_probs(logits: jax.Array, settings: SamplingArrays, ways: int = 2) -> jax.Array:
     """fp32 probabilities [B, ..., V] to sample from, for logits [B, ..., V] and per-row settings.
 
-    The top-k and top-p cut-offs come from the ``CANDIDATES`` most likely tokens, as the sorted formulation finds them
-    (ties included), without sorting the vocabulary: a sort per row made a sampled DFlash round many times a greedy one
-    on XLA:CPU (benchmarks/README.md, "What temperature costs"). A cut-off beyond the candidates is found by a search
-    over the values' bits that tests ``ways - 1`` thresholds per read of the values (2: a bisection;
-    ``Backend.cut_off_ways``), only when some row needs it."""
+    The top-k and top-p cut-offs come from the ``CANDIDATES`` most likely tokens, as the sorted
+    formulation finds them (ties included), without sorting the vocabulary: a sort per row dominates
+    a sampled round on XLA:CPU (benchmarks/README.md, "What temperature costs"). A cut-off beyond
+    the candidates is found by a search over the values' bits that tests ``ways - 1`` thresholds per
+    read of the values (2: a bisection; ``Backend.cut_off_ways``), only when some row needs it."""
     vocab = logits.shape[-1]
     expand = (slice(None),) + (None,) * (logits.ndim - 1)
     temperature, top_p, top_k = settings.temperature[expand], settings.top_p[expand], settings.top_k[expand]
@@ -188,9 +188,10 @@ def _nucleus_floor(probs: jax.Array, top_p: jax.Array, ways: int) -> jax.Array:
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
     """One token per distribution: probs [B, ..., V] with keys [B] -> int32 [B, ...].
 
-    By inverse CDF with one uniform per distribution, in two levels (which block of ~sqrt(V) tokens, then which
-    token in it), so no cumulative sum or random number spans the vocabulary: Gumbel-max sampling drew a random
-    number per token and took a variadic argmax over the whole vocabulary."""
+    By inverse CDF with one uniform per distribution, in two levels (which block of ~sqrt(V) tokens,
+    then which token in it), so no cumulative sum or random number spans the vocabulary (as
+    Gumbel-max sampling's random number per token and variadic argmax over the whole vocabulary
+    would)."""
     vocab = probs.shape[-1]
     block = 1 << max(vocab - 1, 1).bit_length() // 2  # a power of two near sqrt(vocab)
     blocks = -(-vocab // block)

@@ -88,9 +88,9 @@ class MLAttention(nnx.Module, Placeable):
         self.q_b_proj = param(rngs, (c.q_lora_rank, h, dn + dr), dtype, ("q_lora", "heads", None))
         self.kv_a_proj = param(rngs, (c.hidden_size, c.kv_lora_rank + dr), dtype, ("embed", None))
         self.kv_a_norm = RMSNorm(c.kv_lora_rank, c.latent_norm_eps, dtype, axis=None)
-        # kv_b_proj split per head into its key half (nope channels) and value half, heads first and each head's
-        # matrix laid out as absorbed attention multiplies it: stored [latent, heads, d], XLA relaid both out on
-        # every call (8 weight copies per forward of the demo target).
+        # kv_b_proj split per head into its key half (nope channels) and value half, heads first and
+        # each head's matrix laid out as absorbed attention multiplies it: stored [latent, heads,
+        # d], XLA relays both out on every call.
         self.k_up = param(rngs, (h, c.kv_lora_rank, dn), dtype, ("heads", None, None))
         self.v_up = param(rngs, (h, dv, c.kv_lora_rank), dtype, ("heads", None, None))
         self.o_proj = param(rngs, (h, dv, c.hidden_size), dtype, ("heads", None, "embed"))
@@ -133,7 +133,7 @@ class MLAttention(nnx.Module, Placeable):
 
     def _absorbed(self, q_nope, q_pe, latent, k_pe, cache_rows, length, visible, mask, backend):
         """The committed cache and the new rows as two sets of keys joined for one softmax, the new rows written
-        afterwards: written first, a one-token step made XLA:CPU copy each layer's whole cache."""
+        afterwards: written first, a one-token step makes XLA:CPU copy each layer's whole cache."""
         kernels = backend.decode_kernels(q_nope.shape[0] * q_nope.shape[1])
         q_latent = _per_head(q_nope, self.k_up[...], kernels)
         cache_latent, cache_rope = cache_rows
@@ -161,9 +161,9 @@ class MLAttention(nnx.Module, Placeable):
         kernel = functools.partial(backend.tree_attention(), scale=c.softmax_scale)
 
         def attend(q_latent, q_pe, cache_latent, cache_rope, length, latent, k_pe, visible):
-            # The committed rows only (slots < length): the kernel reads the cache as it was, and the new rows,
-            # made to depend on its output (XLA:GPU for the RTX PRO 6000 had scheduled their write first, into a
-            # copy of the cache), are written after it in place.
+            # The committed rows only (slots < length): the kernel reads the cache as it was, and
+            # the new rows, made to depend on its output (else XLA:GPU may schedule their write
+            # first, into a copy of the cache), are written after it in place.
             out = kernel(q_latent, q_pe, cache_latent, cache_rope, length, latent, k_pe, visible)
             return out, *_write_after(out, (latent, k_pe))
 
@@ -190,8 +190,8 @@ class MLAttention(nnx.Module, Placeable):
         keys_rope = write_rows(cache_rows[1], k_pe, length)  # [B, S, dr]
         k_nope = jnp.einsum("bsr,hrd->bshd", keys_latent, self.k_up[...])
         values = jnp.einsum("bsr,hdr->bshd", keys_latent, self.v_up[...])
-        # One score matmul over the [nope | rope] channels, as HF concatenates them: two matmuls and their
-        # sum take XLA:CPU about twice as long.
+        # One score matmul over the [nope | rope] channels, as HF concatenates them: on XLA:CPU two
+        # matmuls and their sum cost more.
         k_pe_heads = jnp.broadcast_to(keys_rope[:, :, None], (*k_nope.shape[:3], c.qk_rope_head_dim))
         keys = jnp.concatenate([k_nope, k_pe_heads], axis=-1)
         scores = jnp.einsum("bthd,bshd->bhts", jnp.concatenate([q_nope, q_pe], axis=-1), keys)

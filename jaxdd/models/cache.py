@@ -5,10 +5,10 @@ MLA caches one compressed row per token and layer, shared by all heads: the norm
 of 64 x (192 + 128) for a per-head cache. Shapes never change, so one compiled step serves every round;
 ``length`` says how many leading slots of each sequence are committed (visible to later tokens).
 
-Every layer's rows are a buffer of their own (a tuple, not one stacked array): a jitted round with the state
-donated then writes each layer's new rows in place. With one ``[layers, ...]`` array, writing layer i's rows
-(``cache.at[i].set(...)``) while attention reads them made XLA copy the whole stack once per layer (seen in the
-compiled HLO; small at the demo's 256 slots, where the round got ~3% faster, but it grows with the context).
+Every layer's rows are a buffer of their own (a tuple, not one stacked array): a jitted round with
+the state donated then writes each layer's new rows in place. With one ``[layers, ...]`` array,
+writing layer i's rows (``cache.at[i].set(...)``) while attention reads them makes XLA copy the
+whole stack once per layer, a cost that grows with the context.
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ SLOT_AXIS = 2  # of the drafter cache's [batch, kv_heads, slots, head_dim] buffe
 
 @struct.dataclass
 class DraftCache:
-    # One buffer per layer, updated in place under donation (see ``jaxdd.models.cache``). Heads before slots, as the
-    # attention matmuls read them (see ``DraftAttention``): stored [batch, slots, kv_heads, head_dim], XLA:CPU
-    # transposed every layer's whole cache in every round.
+    # One buffer per layer, updated in place under donation (see ``jaxdd.models.cache``). Heads
+    # before slots, as the attention matmuls read them (see ``DraftAttention``): stored [batch,
+    # slots, kv_heads, head_dim], XLA:CPU transposes every layer's whole cache in every round.
     keys: tuple[jax.Array, ...]  # per layer [batch, kv_heads, slots, head_dim] (normed and rotated)
     values: tuple[jax.Array, ...]  # per layer [batch, kv_heads, slots, head_dim]
     length: jax.Array  # [batch] int32: context tokens cached
@@ -62,7 +62,7 @@ class DraftAttention(nnx.Module):
     def keys_values(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """[B,T,D] -> normed, rotated keys and values [B,kv_heads,T,head_dim] (the cache's layout)."""
         # Projected as the weights are stored, then the few new rows transposed: projecting straight into the
-        # cache's layout made XLA:CPU relay out both weights on every call.
+        # cache's layout makes XLA:CPU relay out both weights on every call.
         k = self.k_norm(jnp.einsum("btd,dkh->btkh", *unmerged(x, self.k_proj[...])))
         v = jnp.einsum("btd,dkh->btkh", *unmerged(x, self.v_proj[...]))
         k = apply_rope(k, cos[:, :, None], sin[:, :, None], interleaved=False)
@@ -88,8 +88,8 @@ class DraftAttention(nnx.Module):
         scores = jnp.einsum("btkgh,bksh->bkgts", q, keys).astype(jnp.float32) * c.head_dim**-0.5
         scores = jnp.where(mask[:, None, None, None], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        # Values first, as the target's absorbed attention does: of the operand orders and layouts tried, only
-        # this one has XLA:CPU read both caches as stored (no per-layer copies in the compiled round).
+        # Values first, as the target's absorbed attention does: this order has XLA:CPU read both
+        # caches as stored (no per-layer copies in the compiled round).
         out = jnp.einsum("bksh,bkgts->btkgh", values, probs).reshape(b, t, c.num_attention_heads, c.head_dim)
         return project_heads(out, self.o_proj[...]), (keys, values)
 

@@ -38,8 +38,8 @@ def linear(x: jax.Array, weight: jax.Array, backend: Backend | None = None) -> j
 
 def unmerged(x: jax.Array, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``x`` and ``weight`` through one optimization barrier (no copy): XLA then cannot tell that two matmuls share
-    ``x``, and XLA:GPU's dot merger no longer fuses them into one, which concatenated the weights inside every call
-    (a copy of each weight, per round)."""
+    ``x``, and XLA:GPU's dot merger does not fuse them into one, which would concatenate the weights
+    inside every call (a copy of each weight, per round)."""
     return jax.lax.optimization_barrier((x, weight))
 
 

@@ -70,11 +70,12 @@ class Router(nnx.Module):
         return weights * c.routed_scaling_factor, experts
 
     def _logits(self, x: jax.Array, backend: Backend | None) -> jax.Array:
-        """fp32 x [N, D] @ the gate, with fp32 products and sums. A bf16 gate off CPU is multiplied as stored (for
-        a matmul of mixed types XLA:GPU wrote the gate out in fp32 first): x as three bf16 parts through one bf16
-        matmul, whose products are exact in fp32. The parts sum to x exactly for 2**-103 <= |x| (each holds 8 of
-        fp32's 24 significant bits; below, the last part may be subnormal, which XLA flushes); the sums run in
-        another order than one fp32 matmul's."""
+        """fp32 x [N, D] @ the gate, with fp32 products and sums. A bf16 gate off CPU is multiplied
+        as stored (for a matmul of mixed types XLA:GPU writes the gate out in fp32 first): x as
+        three bf16 parts through one bf16 matmul, whose products are exact in fp32. The parts sum to
+        x exactly for 2**-103 <= |x| (each holds 8 of fp32's 24 significant bits; below, the last
+        part may be subnormal, which XLA flushes); the sums run in another order than one fp32
+        matmul's."""
         weight = self.weight[...]
         if weight.dtype == jnp.float32 or backend is None or backend.platform == "cpu":
             return linear(x, weight, backend)
@@ -327,8 +328,9 @@ def _skipping_experts(x, weights, experts, projections, pieces) -> jax.Array:
     """``dense`` one expert at a time over the experts some token chose, in id order; each step dequantizes its
     expert; fp32 [N, D].
 
-    kimi-mini's 8-token verify uses ~4 of its 8 experts, so this does about half of ``dense``'s work. A loop
-    rather than a cond per expert: one compiled body (unrolled conds added seconds to every round's compile)."""
+    A short verify chooses only some of the experts, so this skips the rest of ``dense``'s work. A
+    loop rather than a cond per expert: one compiled body (unrolled conds lengthen every round's
+    compile)."""
     n_experts = pieces[0][0].shape[0]
     combine = _combine_weights(experts, weights, n_experts)
     chosen = (combine != 0).any(0)
@@ -386,7 +388,7 @@ def _all_experts(x, weights, experts, gate, up, down) -> jax.Array:
     combine = _combine_weights(experts, weights, gate.shape[0])
     # Each expert gets its own copy of the rows, zeroed where it is not chosen: a true batch dimension, so the
     # matmuls read [E, D, F] as stored. With x shared by all experts XLA folds the experts into one wide matmul
-    # and relays out every gate and up weight on every call (XLA:CPU: 1.1-2x slower up to 33 tokens).
+    # and relays out every gate and up weight on every call.
     rows = jnp.where((combine.T != 0)[:, :, None], x[None], 0)  # [E, N, D]
     hidden = jax.nn.silu(jnp.einsum("end,edf->enf", rows, gate)) * jnp.einsum("end,edf->enf", rows, up)
     out = jnp.einsum("enf,efd->end", hidden, down)

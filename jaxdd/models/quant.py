@@ -37,11 +37,11 @@ def dequantize_fp8_blocks(
 def unpack_int4(packed: jax.Array, in_features: int, shifts: bool = False) -> jax.Array:
     """packed [..., out, ceil(in/8)] int32 -> signed int4 values [..., out, in] as int8.
 
-    A bitcast to XLA's uint4 (low nibble first, as compressed-tensors packs) rather than shifts and masks: XLA
-    unpacks its own 4-bit type in vectorized code (XLA:CPU: a dequantization 1.4x faster). ``shifts``: the same
-    values by shifts and masks, elementwise on the words, which XLA:GPU fuses with a gather of the words into the
-    matmul that reads them (the bitcast's change of element type ends a fusion: the gathered experts were written
-    out and read again)."""
+    A bitcast to XLA's uint4 (low nibble first, as compressed-tensors packs) rather than shifts and
+    masks: XLA unpacks its own 4-bit type in vectorized code. ``shifts``: the same values by shifts
+    and masks, elementwise on the words, which XLA:GPU fuses with a gather of the words into the
+    matmul that reads them (the bitcast's change of element type ends a fusion: the gathered experts
+    would be written out and read again)."""
     if shifts:
         nibbles = (packed[..., None] >> (4 * jnp.arange(8, dtype=jnp.int32))) & 15
     else:

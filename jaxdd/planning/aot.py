@@ -26,7 +26,7 @@ from jaxdd.types import Platform
 # that lets one process at a time use it (compiling needs no chip: several may).
 TPU_ENVIRONMENT = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 # A deviceless compile cannot time kernels: XLA:GPU's autotuner would pick among Triton GEMM tilings by running
-# them. With Triton GEMMs off, matmuls go to cuBLAS (what XLA falls back to anyway), as in the trials.
+# them. With Triton GEMMs off, matmuls go to cuBLAS (what XLA falls back to anyway).
 GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 INSTALL_HINT = "pip install 'jaxdd[aot]'"
 

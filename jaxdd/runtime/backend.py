@@ -27,6 +27,7 @@ from jaxdd.types import ATTENTIONS, Attention, Dispatch, Platform
 from pallas_kernels import int4_experts, int4_experts_tpu
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_tpu import tree_attention_tpu
+from pallas_kernels.tuned_block_sizes import block_sizes
 
 _PLATFORMS: dict[str, Platform] = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 # Shared memory one thread block may opt into, by compute capability (CUDA C++ Programming Guide, "Technical
@@ -48,7 +49,7 @@ class Backend:
     TILED_MIN_TOKENS = 24
     DENSE_MAX_FLOPS = 2**28  # elsewhere: all-experts compute below this many multiply-adds
     KERNEL_GATHERED_PAIRS = 4  # CPU: pairs per expert up to which the INT4 kernel's gathered dispatch is the fastest
-    DENSE_KERNEL_ROWS = 2  # tokens up to which the dense matvec kernel beats XLA:CPU's matmul (equal at 4)
+    DENSE_KERNEL_ROWS = 2  # tokens up to which the dense matvec kernel beats XLA:CPU's matmul
 
     @classmethod
     def of_devices(cls, devices: Iterable[Any]) -> Backend:
@@ -84,9 +85,10 @@ class Backend:
             keep_allocations()
 
     def attention(self, requested: Literal["auto"] | Attention) -> Attention:
-        """``auto``: the Pallas tree-attention kernel on GPUs, where it was measured faster in bf16
-        (benchmarks/results/gpu_kernel.json), and on TPUs, where XLA's absorbed attention would hold every
-        head's scores over the whole cache (64 heads x 257 tokens x 128k slots: 8.6 GB); XLA's on CPU."""
+        """``auto``: the Pallas tree-attention kernel on GPUs, where it is faster in bf16
+        (benchmarks/README.md, "On a GPU"), and on TPUs, where XLA's absorbed attention would hold
+        every head's scores over the whole cache (64 heads x 257 tokens x 128k slots: 8.6 GB); XLA's
+        on CPU."""
         if requested != "auto" and requested not in ATTENTIONS:
             raise ValueError(f"attention: expected 'auto', 'naive', 'absorbed' or 'pallas', got {requested!r}")
         if requested != "auto":
@@ -132,7 +134,7 @@ class Backend:
         if self.platform == "cpu" and self.cpu_kernels and group % cpu_kernels.GROUP_MULTIPLE == 0:
             return cpu_kernels.gathered_int4_matvec if cpu_kernels.available() else None
         if self.platform == "gpu" and int4_experts.supports(group):
-            params = pltriton.CompilerParams(num_warps=4)
+            params = pltriton.CompilerParams(num_warps=block_sizes("triton")["num_warps"])
             return functools.partial(int4_experts.gathered_int4_matvec_gpu, compiler_params=params)
         if self.platform == "tpu" and not unplaced and group % int4_experts_tpu.PER_WORD == 0:
             return int4_experts_tpu.gathered_int4_matvec_tpu
@@ -175,7 +177,7 @@ class Backend:
         if self.platform == "cpu":
             return {"interpret": True, "compiler_params": None, "shared_memory": None}
         if self.platform == "gpu":
-            params = pltriton.CompilerParams(num_warps=4)
+            params = pltriton.CompilerParams(num_warps=block_sizes("triton")["num_warps"])
             return {"interpret": False, "compiler_params": params, "shared_memory": self.shared_memory}
         raise ValueError("the TPU form of the kernel takes no GPU options (Backend.tree_attention)")
 

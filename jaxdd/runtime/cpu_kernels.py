@@ -1,12 +1,13 @@
 """Decode's matvecs as XLA:CPU custom calls (``cpu_kernels.cc``, XLA's FFI): the gathered INT4 expert matvec, the
 few-row dense matvec and the row dot (decode attention's products with weights and cache rows stored [rows, K]).
 
-XLA:CPU gathers the chosen experts' INT4 words, unpacks them to a dense copy and then multiplies; the kernel unpacks in
-registers as it reads (an order of magnitude faster: benchmarks/README.md, "Decode against its floor"). XLA:CPU runs a
-one-row matmul on one thread, which reads about half the memory bandwidth of two cores; the dense kernel and the row dot
-split the weight's rows across XLA's threads. Pallas has no CPU backend, so it is C++, compiled on first use with this
-machine's C++ compiler for this machine's vector units (``-march=native``) and cached by source, compiler, flags, CPU
-and jax version. Where no compiler works, ``available()`` is False and the model keeps XLA's forms.
+XLA:CPU gathers the chosen experts' INT4 words, unpacks them to a dense copy and then multiplies;
+the kernel unpacks in registers as it reads (benchmarks/README.md, "Decode against its floor").
+XLA:CPU runs a one-row matmul on one thread, which cannot draw the memory bandwidth of all cores;
+the dense kernel and the row dot split the weight's rows across XLA's threads. Pallas has no CPU
+backend, so it is C++, compiled on first use with this machine's C++ compiler for this machine's
+vector units (``-march=native``) and cached by source, compiler, flags, CPU and jax version. Where
+no compiler works, ``available()`` is False and the model keeps XLA's forms.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """XLA:CPU allocates each execution's temporaries with malloc, and glibc serves blocks past its mmap threshold
 with fresh mappings that it unmaps at free: every decode step would page-fault its temporaries in again (the
-kernel zeroing each page), which made an INT4 MoE layer several times slower (benchmarks/README.md).
+kernel zeroing each page), which would dominate an INT4 MoE layer's time (benchmarks/README.md).
 ``keep_allocations`` raises glibc's thresholds once per process so
 freed blocks are reused instead."""
 

@@ -1,8 +1,8 @@
 """Jit helper: pass NNX modules to jitted functions as a flat list of arrays.
 
-Flattening an NNX State to build jit's cache key costs several times what a plain list does, and about as much as a
-small model's decode step (benchmarks/README.md). So modules are split once, the static structure
-(graphdef + treedef) goes in as a hashable static argument and the arrays as a list, merged inside the jit.
+Flattening an NNX State to build jit's cache key costs host time on the order of a small model's
+decode step (benchmarks/README.md). So modules are split once, the static structure (graphdef +
+treedef) goes in as a hashable static argument and the arrays as a list, merged inside the jit.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from flax import nnx
 class ModuleSpec:
     """The static half of a split module: hashable, so it can be a static jit argument.
 
-    jit hashes its static arguments on every call, and an NNX GraphDef's hash walks the whole module graph, twice
-    per DFlash round (found with jax.profiler). So the hash is computed once,
+    jit hashes its static arguments on every call, and an NNX GraphDef's hash walks the whole module
+    graph. So the hash is computed once,
     and a spec compares equal to itself without a walk.
     """
 

@@ -35,8 +35,8 @@ def timed(fn, repeats: int):
 
 
 def machine_info() -> dict:
-    """Where a benchmark ran. Speedups on a CPU depend on the processor: the same code and models gave DFlash
-    (block 4) 1.00x AR on HumanEval on an Intel 2-core host and 0.67x on an AMD one, so results name it."""
+    """Where a benchmark ran. Speedups on a CPU depend on the processor (benchmarks/README.md,
+    "HumanEval"), so results name it."""
     on_cpu = jax.default_backend() == "cpu"
     return {
         "platform": platform.platform(),

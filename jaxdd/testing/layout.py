@@ -15,6 +15,13 @@ LIBRARY = ("jaxdd", "pallas_kernels", "convert")
 MEASUREMENT = re.compile(
     r"\d[\d.,]*\s*(?:ms|us|µs|ns|s|seconds?|minutes?|min|hours?|[GMK]i?B/s|tokens/s|tok/s|(?:G )?values/s)(?![\w/])"
 )
+# A measured ratio: a number then x, times or %, then faster, slower, longer or shorter (or words
+# for one).
+SPEEDUP = re.compile(
+    r"\d[\d.]*(?:\s*-\s*\d[\d.]*)?\s*(?:x|times|%)\s+(?:faster|slower|longer|shorter)\b"
+    r"|\b(?:twice|half) as (?:long|fast|slow)\b|\ban order of magnitude (?:faster|slower)\b",
+    re.IGNORECASE,
+)
 
 
 def sources(packages: tuple[str, ...] = LIBRARY, suffixes: tuple[str, ...] = (".py",)) -> list[Path]:
@@ -52,7 +59,8 @@ def prose(path: Path) -> list[str]:
 
 
 def measurements(path: Path) -> list[str]:
-    return [m.group(0) for text in prose(path) for m in MEASUREMENT.finditer(text)]
+    patterns = (MEASUREMENT, SPEEDUP)
+    return [m.group(0) for text in prose(path) for p in patterns for m in p.finditer(text)]
 
 
 def long_functions(path: Path, limit: int) -> list[tuple[str, int]]:
