@@ -7,17 +7,41 @@ JAX registers the plugin. That would break every command's one-line error. So im
 and ``convert`` do it first) imports JAX, and has JAX discover its plugins, with native stderr held: those lines
 are dropped, everything else printed is passed on. (Without ``JAX_PLATFORMS=cpu`` such a host also hears JAX
 itself report the CUDA plugin's failed start and libtpu's probe for a TPU: real messages, left alone.)
+
+In a command (``python -m jaxdd.generate``, ``serve``, ``plan``, ``crosscheck``, ``convert``) Ctrl-C or SIGTERM
+while the imports run ends the process with one line (``end_now``) instead of a traceback; ``cli.run`` hands
+SIGINT back to Python before the command's ``main``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
+from types import FrameType
 
 HARMLESS = ("cudart_stub.cc", "All log messages before absl::InitializeLog() is called are written to STDERR")
+COMMANDS = ("jaxdd.generate", "jaxdd.serve", "jaxdd.plan", "jaxdd.crosscheck", "convert")  # they call cli.run
+STOPPED = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
+_ENDING = threading.Lock()
+
+
+def end_now(sig: int, frame: FrameType | None = None) -> None:
+    """Say ``jaxdd: interrupted`` (or ``terminated``) and exit 128 + ``sig`` at once: unwinding while XLA's
+    threads run (compiling, say) can abort the process. Safe from a signal handler and from any thread."""
+    with _ENDING:  # a second caller waits here while the first exits: one line
+        os.write(2, f"jaxdd: {STOPPED.get(sig, signal.Signals(sig).name)}\n".encode())
+        os._exit(128 + sig)
+
+
+def running_command() -> bool:
+    """Whether this process is one of ``COMMANDS`` (``python -m NAME``)."""
+    argv = getattr(sys, "orig_argv", [])
+    return any(argv[i] == "-m" and argv[i + 1] in COMMANDS for i in range(len(argv) - 1))
 
 
 @contextlib.contextmanager
@@ -55,4 +79,7 @@ def import_jax() -> None:
         xla_bridge.discover_pjrt_plugins = quietly
 
 
+if running_command() and threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGINT, end_now)
+    signal.signal(signal.SIGTERM, end_now)
 import_jax()
