@@ -38,7 +38,7 @@ DEVICE_FILES = {"gpu": ("/dev/nvidiactl", "/dev/kfd"), "tpu": ("/dev/accel0", "/
 CPU_DEVICE_PAIR_BYTES = 70 * 2**10
 CACHE_ENVIRONMENT = "JAXDD_COMPILATION_CACHE"  # a directory, or 0 / off: no persistent compilation cache
 CLEAR_ERRORS = (CheckpointError, ConfigError, InputError)
-FLAG_CHECK_SECONDS = 30  # a trial parse of XLA_FLAGS that takes longer is abandoned (the run itself will tell)
+FLAG_CHECK_SECONDS = 30  # a trial parse of XLA_FLAGS taking longer is abandoned (the run will tell)
 
 
 def parse_ids(text: str) -> list[int]:
@@ -183,14 +183,14 @@ def run(main: Callable[[], int]) -> NoReturn:
     """Run a command's ``main`` as the process: its exit code, or the one line for the faults around it."""
     if sys.stdout is None:
         sys.exit(fail("standard output is closed (redirect it to /dev/null to discard the output)"))
-    # From here Ctrl-C is a KeyboardInterrupt again (a command may clean up on it), SIGTERM the default.
+    # From here Ctrl-C is a KeyboardInterrupt again (a command may clean up on it).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         code = main()
         sys.stdout.flush()
     except KeyboardInterrupt:
-        # end_now: unwinding would run interpreter shutdown under XLA's running threads (a segfault).
+        # end_now: unwinding would run interpreter shutdown under XLA's threads (a segfault).
         end_now(signal.SIGINT)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush into the pipe
@@ -241,15 +241,15 @@ def choose_platform(cpu_only: bool = False) -> str:
 
 
 def check_xla_flags() -> None:
-    """A Refusal naming the flags of ``XLA_FLAGS`` that XLA does not know. XLA parses the variable when the first
-    backend starts and aborts on an unknown flag (a fatal log line, or a C++ trace); a forked child makes that
-    parse first. Once a backend runs, the flags were parsed already."""
+    """A Refusal naming the flags of ``XLA_FLAGS`` that XLA does not know. XLA parses the variable
+    when the first backend starts and aborts on an unknown flag (a fatal log line, or a C++ trace):
+    a forked child makes that parse first. Once a backend runs, the flags were parsed already."""
     flags = os.environ.get("XLA_FLAGS", "").strip()
     if not flags or xla_bridge.backends_are_initialized():
         return
     reader, writer = os.pipe()
     child = os.fork()
-    if child == 0:  # only this thread lives on in the child: it parses, says what XLA says, and exits
+    if child == 0:  # only this thread lives on in the child: it parses, and exits
         os.dup2(writer, 2)
         try:
             xla_client.make_cpu_client()
@@ -257,7 +257,10 @@ def check_xla_flags() -> None:
             os._exit(0)
     os.close(writer)
     said = b""
-    while select.select([reader], [], [], FLAG_CHECK_SECONDS)[0] and (chunk := os.read(reader, 4096)):
+    while select.select([reader], [], [], FLAG_CHECK_SECONDS)[0]:
+        chunk = os.read(reader, 4096)
+        if not chunk:
+            break
         said += chunk
     os.close(reader)
     os.kill(child, signal.SIGKILL)  # a no-op unless it hung

@@ -71,7 +71,8 @@ def find_machine(name: str, devices: int | None = None) -> Machine:
                 platform="cuda", target_config=gpu.target_config(), topology=f"1x1x{count}"
             )
         except (NotImplementedError, RuntimeError) as error:
-            raise InputError(f"--hardware {name}: {_first_line(error)}{_hint('jax_plugins.xla_cuda12')}") from None
+            hint = _hint("jax_plugins.xla_cuda12")
+            raise InputError(f"--hardware {name}: {_first_line(error)}{hint}") from None
         return _fit(name, "gpu", topology.devices, count, lambda _: gpu.memory, gpu.source, GPU_COMPILER_OPTIONS)
     chip = TPUS.get(name.split(":")[0])
     if chip is None or ":" not in name:

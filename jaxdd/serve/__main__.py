@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    start_up = lifecycle.StartUp()  # first: a signal ends the process at once until the scheduler is ready
+    start_up = lifecycle.StartUp()  # first: until the scheduler is ready a signal ends the process
     parser = build_parser()
     args = parser.parse_args(argv)
     bundled, checkpoint, drafter_dir, method = cli.model_choice(args, parser, DEMO)
@@ -124,12 +124,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check_paths(args: argparse.Namespace, checkpoint: Path, drafter: Path | None) -> str | None:
-    """What the flags name, checked before anything loads: the checkpoints are directories; the chat template's
-    text (None without ``--chat-template``)."""
+    """What the flags name, checked before anything loads: the checkpoints are directories; the
+    chat template's text (None without ``--chat-template``)."""
     checkpoint_directory(checkpoint)
     if drafter is not None:
         checkpoint_directory(drafter)
-    return cli.read_text(args.chat_template, "--chat-template") if args.chat_template is not None else None
+    if args.chat_template is None:
+        return None
+    return cli.read_text(args.chat_template, "--chat-template")
 
 
 def follow(scheduler: Scheduler) -> int:

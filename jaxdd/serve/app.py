@@ -2,8 +2,8 @@
 
 Every request is checked before it is queued (a 400 names the field); past ``--max-waiting`` it gets a 429. A
 stream whose client goes away cancels its request (the generator is closed), and so does a non-streaming request
-whose client disconnects (polled while it waits), so its row is free for the next round. Each refusal and each
-end (``take``, or the client leaving: "abort") is counted in the metrics.
+whose client disconnects (polled while it waits), so its row is free for the next round.
+Each refusal and each end (``take``, or the client leaving: "abort") is counted in the metrics.
 """
 
 from __future__ import annotations
@@ -43,9 +43,18 @@ class Server:
 
 
 class APIError(Exception):
-    """An error answer; ``refused``: why the request was refused (``metrics.REFUSALS``), None for a 500."""
+    """An error answer; ``refused``: why the request was refused (``metrics.REFUSALS``), None for
+    a 500."""
 
-    def __init__(self, status: int, message: str, kind="invalid_request_error", param=None, code=None, refused=None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param=None,
+        code=None,
+        refused: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.body = status, protocol.error_body(message, kind, param, code)
         self.refused = refused or ("invalid" if status < 500 else None)
@@ -122,7 +131,8 @@ def make_job(server: Server, body: protocol.SamplingFields, prompt: list[int], m
     if max_tokens is None:
         max_tokens = server.pool.max_len - len(prompt)
         if max_tokens < 1:
-            message = f"prompt: {len(prompt)} tokens leaves no room in --max-len {server.pool.max_len}"
+            limit = server.pool.max_len
+            message = f"prompt: {len(prompt)} tokens leaves no room in --max-len {limit}"
             raise APIError(400, message, refused="too_long")
     stop_ids = sorted(set(server.stop_ids) | set(body.stop_ids()))
     if len(stop_ids) > MAX_STOP_TOKENS:
@@ -135,9 +145,11 @@ def make_job(server: Server, body: protocol.SamplingFields, prompt: list[int], m
         server.pool.check(prompt, max_tokens, stop_ids, sampling)
     except InputError as error:
         field = str(error).split(":")[0]  # jaxdd's messages start with the field at fault
-        too_long = len(prompt) > server.pool.max_prompt or len(prompt) + max_tokens > server.pool.max_len
+        pool = server.pool
+        too_long = len(prompt) > pool.max_prompt or len(prompt) + max_tokens > pool.max_len
         param = {"token_ids": "prompt"}.get(field, field)
-        raise APIError(400, str(error), param=param, refused="too_long" if too_long else "invalid") from None
+        refused = "too_long" if too_long else "invalid"
+        raise APIError(400, str(error), param=param, refused=refused) from None
     timeouts = [t for t in (body.timeout, server.request_timeout) if t is not None]
     return Job(prompt, max_tokens, stop_ids, sampling, deliver, timeout=min(timeouts) if timeouts else None)
 
@@ -148,7 +160,8 @@ async def generate(server: Server, kind: Literal["completion", "chat"], body, pr
     try:
         server.scheduler.submit(job)
     except QueueFull as error:
-        raise APIError(429, str(error), "requests", code="rate_limit_exceeded", refused="queue_full") from None
+        code = "rate_limit_exceeded"
+        raise APIError(429, str(error), "requests", code=code, refused="queue_full") from None
     except NotReady as error:
         refused = "draining" if server.scheduler.draining else "not_ready"
         raise APIError(503, str(error), "server_error", code="not_ready", refused=refused) from None

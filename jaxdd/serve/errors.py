@@ -3,8 +3,8 @@
 ``install(app)`` adds an ASGI guard (413 past ``MAX_BODY_BYTES``, counted as the body arrives, chunked bodies
 included; 415 for a body that is not JSON by its content type) and exception handlers that name what is wrong:
 malformed JSON, an empty body, a union field's right branch (a token-id list's bad element, not "should be a
-string"), and a 500 body for a failure no handler expected. Each refusal is counted through ``refuse`` (its
-reason: ``metrics.REFUSALS``).
+string"), and a 500 body for a failure no handler expected.
+Each refusal is counted through ``refuse`` (its reason: ``metrics.REFUSALS``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def error_json(status: int, message: str, kind: str = "invalid_request_error", p
 class BodyGuard:
     """ASGI middleware: refuse oversized and non-JSON bodies of POST requests before the route reads them."""
 
-    def __init__(self, app: ASGIApp, refuse: Callable[[str], None], max_bytes: int = MAX_BODY_BYTES):
+    def __init__(self, app: ASGIApp, refuse: Callable[[str], None], max_bytes=MAX_BODY_BYTES):
         self.app, self.refuse, self.max_bytes = app, refuse, max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -96,8 +96,8 @@ def describe(errors: list[dict]) -> tuple[str, str | None]:
 
 
 def install(app: FastAPI, refuse: Callable[[str], None]) -> None:
-    """Add the body guard and the handlers (these replace earlier ones for the same exception types); each
-    refusal calls ``refuse`` with its reason."""
+    """Add the body guard and the handlers (these replace earlier ones for the same exception
+    types); each refusal calls ``refuse`` with its reason."""
     app.add_middleware(BodyGuard, refuse=refuse)
 
     @app.exception_handler(RequestValidationError)
@@ -108,7 +108,7 @@ def install(app: FastAPI, refuse: Callable[[str], None]) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, error: StarletteHTTPException):
-        if error.status_code in (400, 413):  # a body that could not be read, or was too large as it came
+        if error.status_code in (400, 413):  # a body unreadable, or too large as it came
             refuse("invalid" if error.status_code == 400 else "too_long")
         if error.status_code == 400:  # FastAPI could not read the body at all (not UTF-8, nested too deep)
             return error_json(400, "the body could not be read as JSON (not UTF-8, or nested too deep)")

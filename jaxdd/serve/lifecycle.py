@@ -1,8 +1,8 @@
-"""Start-up and shutdown. Until the scheduler is ready (loading, joining a job, compiling) SIGTERM or SIGINT
-ends the process at once: one line, exit 143 / 130 (``StartUp``). The listening socket is bound before anything
-loads (``listen``). Once serving, the first SIGTERM or SIGINT drains, a second one exits at once. In a job of
-several processes only process 0 decides when the job stops: a follower's first signal waits for it (process
-0's drain ends the job).
+"""Start-up and shutdown. Until the scheduler is ready (loading, joining a job, compiling),
+SIGTERM or SIGINT ends the process at once: one line, exit 143 / 130 (``StartUp``). The listening
+socket is bound before anything loads (``listen``). Once serving, the first SIGTERM or SIGINT
+drains, a second one exits at once. In a job of several processes only process 0 decides when the
+job stops: a follower's first signal waits for it (process 0's drain ends the job).
 
 Draining stops admitting (the listening socket closes; a request on an open connection gets a 503), lets the
 requests already queued or running finish, and ends whatever still runs after ``--drain-timeout`` seconds with
@@ -32,10 +32,11 @@ GRACE = 5.0  # seconds past the drain timeout for ended streams to send their la
 
 
 class StartUp:
-    """From its creation until ``ready()``, SIGTERM or SIGINT ends the process at once (``end_now``: no unwinding
-    under XLA's compiling threads, which aborts). Python runs a handler only between the main thread's bytecodes,
-    and that thread waits in C++ while weights load or a job assembles: a thread reads each signal's number from
-    Python's wakeup fd and ends the process itself."""
+    """From its creation until ``ready()``, SIGTERM or SIGINT ends the process at once
+    (``end_now``: no unwinding under XLA's compiling threads, which aborts). Python runs a handler
+    only between the main thread's bytecodes, and that thread waits in C++ while weights load or a
+    job assembles: a thread reads each signal's number from Python's wakeup fd and ends the process
+    itself."""
 
     def __init__(self) -> None:
         self.ready: Callable[[], bool] = lambda: False  # the scheduler's, once there is one
@@ -44,7 +45,8 @@ class StartUp:
         reader, self._writer = socket.socketpair()
         self._writer.setblocking(False)
         signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
-        threading.Thread(target=self._watch, args=(reader,), name="jaxdd-start-up", daemon=True).start()
+        watch = threading.Thread(target=self._watch, args=(reader,), daemon=True)
+        watch.start()
 
     def _watch(self, reader: socket.socket) -> None:
         while numbers := reader.recv(64):
@@ -54,14 +56,15 @@ class StartUp:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """The listening socket on ``host``:``port``; an InputError naming the host when it does not resolve, or the
-    address when it cannot be bound (in use, not this host's)."""
+    """The listening socket on ``host``:``port``; an InputError naming the host when it does not
+    resolve, or the address when it cannot be bound (in use, not this host's)."""
     try:
-        family, kind, protocol, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, protocol, _, address = found[0]
     except socket.gaierror as error:
         raise InputError(f"--host {host}: {error.strerror}") from None
     listener = socket.socket(family, kind, protocol)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # what uvicorn sets on its own sockets
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds its own
     try:
         listener.bind(address)
         listener.listen(2048)
@@ -72,10 +75,10 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, drain_timeout: float, announcement: str):
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, drain_timeout: float, say):
         super().__init__(config)
         self.scheduler, self.drain_timeout = scheduler, drain_timeout
-        self.announcement: str | None = announcement  # said once /health answers 200
+        self.announcement: str | None = say  # printed once /health answers 200
 
     async def on_tick(self, counter: int) -> bool:
         if self.announcement is not None and self.scheduler.ready.is_set():
@@ -95,11 +98,18 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(app: FastAPI, scheduler: Scheduler, listener: socket.socket, drain_timeout: float, announcement: str):
-    """Serve on ``listener`` until a signal, then drain (returns once every connection is closed); say
-    ``announcement`` once the scheduler is ready."""
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=drain_timeout + GRACE)
-    DrainingServer(config, scheduler, drain_timeout, announcement).run(sockets=[listener])
+def serve(
+    app: FastAPI,
+    scheduler: Scheduler,
+    listener: socket.socket,
+    drain_timeout: float,
+    say: str,
+) -> None:
+    """Serve on ``listener`` until a signal, then drain (returns once every connection is closed);
+    print ``say`` once the scheduler is ready."""
+    grace = drain_timeout + GRACE
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace)
+    DrainingServer(config, scheduler, drain_timeout, say).run(sockets=[listener])
 
 
 def defer_to_process_0() -> None:
