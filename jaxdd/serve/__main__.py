@@ -6,12 +6,20 @@ continuous batching of speculative rounds.
     python -m jaxdd.serve --checkpoint TARGET_DIR --drafter DRAFTER_DIR --port 8080
     python -m jaxdd.serve --devices 16 --coordinator HOST0:1234 --num-processes 2 --process-id I   # on each host
 
-It compiles every shape it will run first (each prompt bucket's prefill up to --max-prompt, each tier's rounds);
-GET /health answers 200 from then on. GET /metrics has Prometheus metrics under ``jaxdd:``. Across several
-processes (hosts) process 0 alone serves HTTP and decides every step (admit, cancel, timeout, drain), broadcast
-to the others before each round; they exit 0 when it does. One that loses process 0 exits at once (1, in one
-line, or JAX's own abort when its client notices first), and one that waits --coordinator-timeout seconds
-for its next step exits 1.
+Start-up: the flags are checked and the port is bound before anything loads (a port in use is one
+line, exit 2); then it compiles every shape it will run (each prompt bucket's prefill up to
+--max-prompt, each tier's rounds), and once GET /health answers 200 it prints "serving ... on ...".
+Until then SIGTERM or Ctrl-C ends it at once (one line, exit 143 / 130); afterwards they drain.
+
+GET /metrics has Prometheus metrics under ``jaxdd:``, vLLM's names: tokens, rounds, latencies, and
+jaxdd:request_success_total{finished_reason=stop|length|abort|timeout|error} (abort: the client left
+or the drain deadline came) and jaxdd:request_refused_total{reason=invalid|too_long|queue_full|
+draining|not_ready} (a 400 / 404 / 413 / 415, a 429, a 503).
+
+Across several processes (hosts) process 0 alone serves HTTP and decides every step (admit, cancel,
+timeout, drain), broadcast to the others before each round; they exit 0 when it does. One that
+loses process 0 exits at once (1, in one line, or JAX's own abort when its client notices first),
+and one that waits --coordinator-timeout seconds for its next step exits 1.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The refusals a running server rarely shows a client for long, made in-process on the HTTP side alone (the
-scheduler's thread never starts, so nothing compiles): a request while compiling is refused as not_ready, one
-while draining as draining, each a 503 counted under its reason in /metrics."""
+"""The refusals a running server shows a client only briefly, made in-process on the HTTP side
+alone (the scheduler's thread never starts, so nothing compiles): a request while compiling is
+refused as not_ready, one while draining as draining, each a 503 counted under its reason."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from jaxdd.serve.scheduler import Scheduler
 @pytest.fixture(scope="module")
 def pool():
     target, drafter = jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32")
-    return RowPool(SpeculativeDecoder(target, drafter), method="dflash", rows=1, max_len=64, max_prompt=8)
+    decoder = SpeculativeDecoder(target, drafter)
+    return RowPool(decoder, method="dflash", rows=1, max_len=64, max_prompt=8)
 
 
 def refusals(client: TestClient) -> dict[str, float]:
