@@ -162,18 +162,31 @@ def compiling(server) -> bool:
 
 @pytest.mark.parametrize(
     ("sig", "phase"),
-    [(signal.SIGTERM, "import"), (signal.SIGTERM, "compile"), (signal.SIGINT, "compile")],
+    [
+        (signal.SIGTERM, "import"),
+        (signal.SIGTERM, "join"),
+        (signal.SIGTERM, "compile"),
+        (signal.SIGINT, "compile"),
+    ],
 )
 def test_server_signal_during_start_up(tmp_path, sig, phase):
-    """SIGTERM or Ctrl-C while the server imports JAX, or while it compiles (/health answers 503;
-    a cold cache keeps it compiling, and a request is refused as not_ready): one line, exit 143 /
-    130 within seconds, no abort; the port is free again at once."""
-    said = {signal.SIGTERM: "jaxdd: terminated\n", signal.SIGINT: "jaxdd: interrupted\n"}[sig]
+    """SIGTERM or Ctrl-C while the server imports JAX, while it waits in C++ for a job's other
+    process (which Python's handlers cannot interrupt), or while it compiles (/health answers 503;
+    a cold cache keeps it compiling, and a request is refused as not_ready): its one line, exit 143
+    / 130 within seconds, no abort; the port is free again at once."""
+    said = {signal.SIGTERM: "jaxdd: terminated", signal.SIGINT: "jaxdd: interrupted"}[sig]
     cold = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
     log = tmp_path / "server.log"
-    with started_server(["--max-batch", "2", "--max-len", "256"], log, cold) as server:
+    args = ["--max-batch", "2", "--max-len", "256"]
+    if phase == "join":
+        job = ["--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
+        args += [*job, "--process-id", "0", "--coordinator-timeout", "300"]
+    with started_server(args, log, cold) as server:
         if phase == "import":
             assert server.wait_until(lambda: jax_loaded(server.process), 120, 0.01)
+        elif phase == "join":
+            waiting = lambda: "waiting for 2" in log.read_text()
+            assert server.wait_until(waiting, 120), log.read_text()
         else:
             assert server.wait_until(lambda: compiling(server), START_SECONDS, 0.2), log.read_text()
             body = {"prompt": [1, 2], "max_tokens": 2}
@@ -182,7 +195,8 @@ def test_server_signal_during_start_up(tmp_path, sig, phase):
             assert server.metric('request_refused_total{reason="not_ready"}') == 1
         server.process.send_signal(sig)
         assert server.exit_code(30) == 128 + sig, log.read_text()
-        assert log.read_text() == said
+        lines = log.read_text().splitlines()
+        assert lines[-1] == said and len(lines) == (2 if phase == "join" else 1), lines
     with socket.socket() as again:
         again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds its own
         again.bind(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
