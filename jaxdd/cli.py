@@ -2,6 +2,7 @@
 ``jaxdd: ...`` line and exit code 2 for what the user can fix, exit 130 on Ctrl-C, silence when the output pipe
 closes, and the checks of the platform and device count made before JAX starts a backend (afterwards a wrong
 one is an assertion, a C++ abort, a stall in libtpu's probe for a TPU, or a host filled with simulated devices).
+An unknown flag in ``XLA_FLAGS`` is found the same way, before XLA aborts on it.
 """
 
 from __future__ import annotations
