@@ -2,6 +2,7 @@
 ``jaxdd: ...`` line and exit code 2 for what the user can fix, exit 130 on Ctrl-C, silence when the output pipe
 closes, and the checks of the platform and device count made before JAX starts a backend (afterwards a wrong
 one is an assertion, a C++ abort, a stall in libtpu's probe for a TPU, or a host filled with simulated devices).
+An unknown flag in ``XLA_FLAGS`` is found the same way, before XLA aborts on it.
 """
 
 from __future__ import annotations
@@ -12,15 +13,20 @@ import logging
 import math
 import os
 import re
+import select
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
 import jax
+from jax._src import xla_bridge
+from jax._src.lib import xla_client
 
 from jaxdd.errors import CheckpointError, ConfigError, InputError
 from jaxdd.runtime.distributed import join
+from jaxdd.runtime.startup import end_now
 from jaxdd.types import METHODS, MOE_MODES
 
 USAGE, INTERRUPTED, BROKEN_PIPE = 2, 130, 141  # 130 and 141: the shell's codes for SIGINT and SIGPIPE
@@ -33,6 +39,7 @@ DEVICE_FILES = {"gpu": ("/dev/nvidiactl", "/dev/kfd"), "tpu": ("/dev/accel0", "/
 CPU_DEVICE_PAIR_BYTES = 70 * 2**10
 CACHE_ENVIRONMENT = "JAXDD_COMPILATION_CACHE"  # a directory, or 0 / off: no persistent compilation cache
 CLEAR_ERRORS = (CheckpointError, ConfigError, InputError)
+FLAG_CHECK_SECONDS = 30  # a trial parse of XLA_FLAGS taking longer is abandoned (the run will tell)
 
 
 def parse_ids(text: str) -> list[int]:
@@ -65,9 +72,26 @@ def read_text(path: Path, flag: str) -> str:
         raise InputError(f"{flag} {path}: not UTF-8 text") from None
 
 
+def port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 1..65535, got {value}")
+    return value
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments in one ``jaxdd: ...`` line, exit 2 (argparse's own adds the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE, f"jaxdd: {message} (--help for usage)\n")
+
+
 def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     """A command's parser: its docstring's first paragraph as the description, the rest as the epilog."""
-    return argparse.ArgumentParser(
+    return OneLineParser(
         prog=prog,
         description=doc.split("\n\n")[0].replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -160,13 +184,15 @@ def run(main: Callable[[], int]) -> NoReturn:
     """Run a command's ``main`` as the process: its exit code, or the one line for the faults around it."""
     if sys.stdout is None:
         sys.exit(fail("standard output is closed (redirect it to /dev/null to discard the output)"))
+    # From here Ctrl-C is a KeyboardInterrupt again (a command may clean up on it).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         code = main()
         sys.stdout.flush()
     except KeyboardInterrupt:
-        # os._exit: unwinding would run interpreter shutdown under XLA's running threads (a segfault).
-        fail("interrupted")
-        os._exit(INTERRUPTED)
+        # end_now: unwinding would run interpreter shutdown under XLA's threads (a segfault).
+        end_now(signal.SIGINT)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush into the pipe
         os._exit(BROKEN_PIPE)
@@ -201,6 +227,7 @@ def choose_platform(cpu_only: bool = False) -> str:
             f"JAX_PLATFORMS={asked}: this host has no {kind} ({' or '.join(DEVICE_FILES[PLATFORMS[missing[0]]])} "
             "missing); unset it to run on the CPU"
         )
+    check_xla_flags()
     chosen = "cpu" if cpu_only or (not names and not any(_present(p) for p in DEVICE_FILES)) else asked
     if chosen:
         jax.config.update("jax_platforms", chosen)
@@ -212,6 +239,36 @@ def choose_platform(cpu_only: bool = False) -> str:
             int(os.environ["JAX_NUM_CPU_DEVICES"]), f"JAX_NUM_CPU_DEVICES={os.environ['JAX_NUM_CPU_DEVICES']}"
         )
     return chosen
+
+
+def check_xla_flags() -> None:
+    """A Refusal naming the flags of ``XLA_FLAGS`` that XLA does not know. XLA parses the variable
+    when the first backend starts and aborts on an unknown flag (a fatal log line, or a C++ trace):
+    a forked child makes that parse first. Once a backend runs, the flags were parsed already."""
+    flags = os.environ.get("XLA_FLAGS", "").strip()
+    if not flags or xla_bridge.backends_are_initialized():
+        return
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # only this thread lives on in the child: it parses, and exits
+        os.dup2(writer, 2)
+        try:
+            xla_client.make_cpu_client()
+        finally:
+            os._exit(0)
+    os.close(writer)
+    said = b""
+    while select.select([reader], [], [], FLAG_CHECK_SECONDS)[0]:
+        chunk = os.read(reader, 4096)
+        if not chunk:
+            break
+        said += chunk
+    os.close(reader)
+    os.kill(child, signal.SIGKILL)  # a no-op unless it hung
+    os.waitpid(child, 0)
+    unknown = re.search(r"Unknown (flags?) in XLA_FLAGS: (.*)", said.decode(errors="replace"))
+    if unknown:
+        raise Refusal(f"XLA_FLAGS: unknown {unknown.group(1)} {unknown.group(2).strip()}")
 
 
 def start_backend() -> list:

@@ -1,7 +1,8 @@
 """``python -m jaxdd.plan``: will a full-size target + drafter fit a target's devices, and how are the bytes spread?
 
-    python -m jaxdd.plan --config CONFIG.json --drafter-config DRAFTER.json --target rtx-pro-6000 --devices 8 \\
-        --moe tp|ep --budget 64 --max-len 8192 --batch 1 [--method ddtree] [--sampled] [--layers N] [--json]
+    python -m jaxdd.plan --config CONFIG.json --drafter-config DRAFTER.json \\
+        --hardware rtx-pro-6000 --devices 8 --moe tp|ep --budget 64 --max-len 8192 --batch 1 \\
+        [--method ddtree] [--sampled] [--layers N] [--json]
 
 Builds both models abstractly (shapes and shardings only, nothing allocated), lowers the round ``jaxdd.generate`` would
 run on the target (its attention form and MoE dispatch, chosen from the target's platform) and compiles it ahead of time

@@ -71,17 +71,18 @@ def find_machine(name: str, devices: int | None = None) -> Machine:
                 platform="cuda", target_config=gpu.target_config(), topology=f"1x1x{count}"
             )
         except (NotImplementedError, RuntimeError) as error:
-            raise InputError(f"--target {name}: {_first_line(error)}{_hint('jax_plugins.xla_cuda12')}") from None
+            hint = _hint("jax_plugins.xla_cuda12")
+            raise InputError(f"--hardware {name}: {_first_line(error)}{hint}") from None
         return _fit(name, "gpu", topology.devices, count, lambda _: gpu.memory, gpu.source, GPU_COMPILER_OPTIONS)
     chip = TPUS.get(name.split(":")[0])
     if chip is None or ":" not in name:
-        raise InputError(f"--target: expected one of {', '.join(names())}, got {name!r}")
+        raise InputError(f"--hardware: expected one of {', '.join(names())}, got {name!r}")
     for key, value in TPU_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
     try:
         topology = topologies.get_topology_desc(topology_name=name, platform="tpu")
     except RuntimeError as error:  # no libtpu, or a topology it does not know
-        raise InputError(f"--target {name}: {_first_line(error)}{_hint('libtpu')}") from None
+        raise InputError(f"--hardware {name}: {_first_line(error)}{_hint('libtpu')}") from None
     return _fit(name, "tpu", topology.devices, devices, lambda _: chip.memory, chip.source, {})
 
 

@@ -184,8 +184,8 @@ def _compile(decoder, round_batch, state, where: Machine, form: str) -> dict[str
             return {"fits_compiler": False, "temp_bytes": 0, **needed, "compile_seconds": _since(start)}, None
         if form == "pallas" and _from_pallas(error):
             raise InputError(
-                f"--target {where.name}: the Pallas tree-attention kernel does not compile for it "
-                f"({type(error).__name__}: {str(error).strip().splitlines()[0][:200]}); "
+                f"--hardware {where.name}: the Pallas tree-attention kernel does not compile "
+                f"for it ({type(error).__name__}: {str(error).strip().splitlines()[0][:200]}); "
                 "--attention absorbed compiles XLA's attention instead"
             ) from None
         raise

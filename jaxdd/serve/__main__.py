@@ -6,12 +6,20 @@ continuous batching of speculative rounds.
     python -m jaxdd.serve --checkpoint TARGET_DIR --drafter DRAFTER_DIR --port 8080
     python -m jaxdd.serve --devices 16 --coordinator HOST0:1234 --num-processes 2 --process-id I   # on each host
 
-It compiles every shape it will run first (each prompt bucket's prefill up to --max-prompt, each tier's rounds);
-GET /health answers 200 from then on. GET /metrics has Prometheus metrics under ``jaxdd:``. Across several
-processes (hosts) process 0 alone serves HTTP and decides every step (admit, cancel, timeout, drain), broadcast
-to the others before each round; they exit 0 when it does. One that loses process 0 exits at once (1, in one
-line, or JAX's own abort when its client notices first), and one that waits --coordinator-timeout seconds
-for its next step exits 1.
+Start-up: the flags are checked and the port is bound before anything loads (a port in use is one
+line, exit 2); then it compiles every shape it will run (each prompt bucket's prefill up to
+--max-prompt, each tier's rounds), and once GET /health answers 200 it prints "serving ... on ...".
+Until then SIGTERM or Ctrl-C ends it at once (one line, exit 143 / 130); afterwards they drain.
+
+GET /metrics has Prometheus metrics under ``jaxdd:``, vLLM's names: tokens, rounds, latencies, and
+jaxdd:request_success_total{finished_reason=stop|length|abort|timeout|error} (abort: the client left
+or the drain deadline came) and jaxdd:request_refused_total{reason=invalid|too_long|queue_full|
+draining|not_ready} (a 400 / 404 / 413 / 415, a 429, a 503).
+
+Across several processes (hosts) process 0 alone serves HTTP and decides every step (admit, cancel,
+timeout, drain), broadcast to the others before each round; they exit 0 when it does. One that
+loses process 0 exits at once (1, in one line, or JAX's own abort when its client notices first),
+and one that waits --coordinator-timeout seconds for its next step exits 1.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from jaxdd import cli
 from jaxdd.cli import positive
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.slots import RowPool
+from jaxdd.errors import checkpoint_directory
 from jaxdd.generate import DEMO, print_note
 from jaxdd.runtime.backend import Backend
 from jaxdd.serve import faults, lifecycle
@@ -66,27 +75,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     cli.add_device_flags(parser)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=cli.port, default=8000)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    start_up = lifecycle.StartUp()  # first: until the scheduler is ready a signal ends the process
     parser = build_parser()
     args = parser.parse_args(argv)
     bundled, checkpoint, drafter_dir, method = cli.model_choice(args, parser, DEMO)
+    drafter_path = drafter_dir if method != "ar" else None
+    template = check_paths(args, checkpoint, drafter_path)
     platform = cli.choose_platform()  # before JAX starts a backend: no libtpu stall, a clear line for a missing GPU
+    # Bound before anything loads: a port in use is said in seconds, not after minutes of loading.
+    listener = lifecycle.listen(args.host, args.port) if args.process_id in (None, 0) else None
     cli.enable_compilation_cache()
     devices = cli.start_job(args, platform)
     backend = Backend.local()
     dtype = args.dtype if args.dtype != "auto" else "float32" if backend.platform == "cpu" else "bfloat16"
     try:
         tokenizer = load_tokenizer(checkpoint)
-        if args.chat_template is not None:
+        if template is not None:
             if tokenizer is None:
                 raise jaxdd.InputError("--chat-template: the checkpoint has no tokenizer to encode its text")
-            tokenizer.chat_template = cli.read_text(args.chat_template, "--chat-template")  # its turns end too
+            tokenizer.chat_template = template  # its turns end too
         chat_template = tokenizer.chat_template if tokenizer is not None else None
-        drafter_path = drafter_dir if method != "ar" else None
         target, drafter = jaxdd.load_pair(checkpoint, drafter_path, dtype, devices, args.moe or "tp")
         options = {"block_size": args.block_size, "budget": args.budget, "max_prompt": args.max_prompt}
         pool = RowPool(SpeculativeDecoder(target, drafter), method=method, rows=args.max_batch, max_len=args.max_len,
@@ -99,20 +112,34 @@ def main(argv: list[str] | None = None) -> int:
     if jax.process_count() > 1:
         channel = Broadcast(pool.rows, pool.max_prompt, args.coordinator_timeout, leads=jax.process_index() == 0)
     scheduler = Scheduler(pool, Metrics(pool.block), args.max_waiting, channel)
+    start_up.ready = scheduler.ready.is_set
     if not channel.leads:
+        if listener is not None:  # JAX found the job itself, and this process is not process 0
+            listener.close()
         return follow(scheduler)
     name = args.model_name or ("kimi-mini" if bundled else Path(checkpoint).resolve().name)
     server = Server(scheduler, pool, tokenizer, name, stop_ids, chat_template, args.request_timeout)
     scheduler.start()  # compiles in its thread while the HTTP side already answers /health with 503
     shape = f"{method}, {args.max_batch} rows, {pool.slots} cache slots, prompt buckets {pool.buckets}"
-    print_note(f"serving {name} ({shape}) on http://{args.host}:{args.port}/v1")
     try:
         app = create_app(server)
         faults.install_from_env(app, pool)
-        lifecycle.serve(app, scheduler, args.host, args.port, args.drain_timeout)
+        serving = f"serving {name} ({shape}) on http://{args.host}:{args.port}/v1"
+        lifecycle.serve(app, scheduler, listener, args.drain_timeout, serving)
     finally:
         scheduler.stop()
     return 0
+
+
+def check_paths(args: argparse.Namespace, checkpoint: Path, drafter: Path | None) -> str | None:
+    """What the flags name, checked before anything loads: the checkpoints are directories; the
+    chat template's text (None without ``--chat-template``)."""
+    checkpoint_directory(checkpoint)
+    if drafter is not None:
+        checkpoint_directory(drafter)
+    if args.chat_template is None:
+        return None
+    return cli.read_text(args.chat_template, "--chat-template")
 
 
 def follow(scheduler: Scheduler) -> int:

@@ -3,6 +3,7 @@
 Every request is checked before it is queued (a 400 names the field); past ``--max-waiting`` it gets a 429. A
 stream whose client goes away cancels its request (the generator is closed), and so does a non-streaming request
 whose client disconnects (polled while it waits), so its row is free for the next round.
+Each refusal and each end (``take``, or the client leaving: "abort") is counted in the metrics.
 """
 
 from __future__ import annotations
@@ -42,9 +43,21 @@ class Server:
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
+    """An error answer; ``refused``: why the request was refused (``metrics.REFUSALS``), None for
+    a 500."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param=None,
+        code=None,
+        refused: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.body = status, protocol.error_body(message, kind, param, code)
+        self.refused = refused or ("invalid" if status < 500 else None)
 
 
 def create_app(server: Server) -> FastAPI:
@@ -52,6 +65,8 @@ def create_app(server: Server) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(_, error: APIError):
+        if error.refused is not None:
+            server.scheduler.metrics.refused.labels(error.refused).inc()
         return JSONResponse(error.body, status_code=error.status)
 
     @app.get("/health")
@@ -93,7 +108,7 @@ def create_app(server: Server) -> FastAPI:
         prompt = encode(server, text, special=True)
         return await generate(server, "chat", body, prompt, body.max_completion_tokens or body.max_tokens, request)
 
-    errors.install(app)
+    errors.install(app, lambda reason: server.scheduler.metrics.refused.labels(reason).inc())
     return app
 
 
@@ -116,7 +131,9 @@ def make_job(server: Server, body: protocol.SamplingFields, prompt: list[int], m
     if max_tokens is None:
         max_tokens = server.pool.max_len - len(prompt)
         if max_tokens < 1:
-            raise APIError(400, f"prompt: {len(prompt)} tokens leaves no room in --max-len {server.pool.max_len}")
+            limit = server.pool.max_len
+            message = f"prompt: {len(prompt)} tokens leaves no room in --max-len {limit}"
+            raise APIError(400, message, refused="too_long")
     stop_ids = sorted(set(server.stop_ids) | set(body.stop_ids()))
     if len(stop_ids) > MAX_STOP_TOKENS:
         own, added = len(set(server.stop_ids)), len(set(body.stop_ids()) - set(server.stop_ids))
@@ -128,7 +145,11 @@ def make_job(server: Server, body: protocol.SamplingFields, prompt: list[int], m
         server.pool.check(prompt, max_tokens, stop_ids, sampling)
     except InputError as error:
         field = str(error).split(":")[0]  # jaxdd's messages start with the field at fault
-        raise APIError(400, str(error), param={"token_ids": "prompt"}.get(field, field)) from None
+        pool = server.pool
+        too_long = len(prompt) > pool.max_prompt or len(prompt) + max_tokens > pool.max_len
+        param = {"token_ids": "prompt"}.get(field, field)
+        refused = "too_long" if too_long else "invalid"
+        raise APIError(400, str(error), param=param, refused=refused) from None
     timeouts = [t for t in (body.timeout, server.request_timeout) if t is not None]
     return Job(prompt, max_tokens, stop_ids, sampling, deliver, timeout=min(timeouts) if timeouts else None)
 
@@ -139,9 +160,11 @@ async def generate(server: Server, kind: Literal["completion", "chat"], body, pr
     try:
         server.scheduler.submit(job)
     except QueueFull as error:
-        raise APIError(429, str(error), "requests", code="rate_limit_exceeded") from None
+        code = "rate_limit_exceeded"
+        raise APIError(429, str(error), "requests", code=code, refused="queue_full") from None
     except NotReady as error:
-        raise APIError(503, str(error), "server_error", code="not_ready") from None
+        refused = "draining" if server.scheduler.draining else "not_ready"
+        raise APIError(503, str(error), "server_error", code="not_ready", refused=refused) from None
     output = Output(server.tokenizer, set(job.stop_ids), body.stop_strings())
     request_id = protocol.new_id("chatcmpl" if kind == "chat" else "cmpl")
     if body.stream:
@@ -153,8 +176,9 @@ async def generate(server: Server, kind: Literal["completion", "chat"], body, pr
         while finish is None:
             event = await events.get()
             if event is None:  # the client went away
+                server.scheduler.metrics.finished.labels("abort").inc()
                 return Response(status_code=499)
-            delta, finish = take(event, output, job)
+            delta, finish = take(server, event, output, job)
             text += delta
     finally:
         job.cancel()
@@ -167,15 +191,20 @@ async def generate(server: Server, kind: Literal["completion", "chat"], body, pr
     return protocol.body(kind, request_id, server.model, [choice], usage=usage)
 
 
-def take(event: Event, output: Output, job: Job) -> tuple[str, str | None]:
+def take(server: Server, event: Event, output: Output, job: Job) -> tuple[str, str | None]:
     """(the text to release, the finish reason: the engine's, or "stop" for a stop string); an engine error
-    raises."""
+    raises. The request's end is counted here."""
+    finished = server.scheduler.metrics.finished
     if event.error is not None:
+        finished.labels("error").inc()
         raise APIError(500, event.error, "server_error")
     delta = output.add(event.tokens, final=event.finish is not None)
     if output.stopped:
         job.cancel()  # the row is freed before the next round
+        finished.labels("stop").inc()
         return delta, "stop"
+    if event.finish is not None:
+        finished.labels(event.finish).inc()
     return delta, event.finish
 
 
@@ -190,14 +219,16 @@ async def stream(server: Server, kind, body, job: Job, events, output: Output, r
     """The SSE chunks of a streamed request; closing the generator (the client left) cancels the request."""
     usage_field = {"usage": None} if body.include_usage else {}
     first = True
+    finish = None
+    failed = False
     try:
-        finish = None
         while finish is None:
             event = await events.get()
             before = len(output.token_ids)
             try:
-                delta, finish = take(event, output, job)
+                delta, finish = take(server, event, output, job)
             except APIError as error:
+                failed = True
                 yield sse(error.body)
                 break
             ids = output.token_ids[before:] if body.return_token_ids else None
@@ -213,6 +244,8 @@ async def stream(server: Server, kind, body, job: Job, events, output: Output, r
         yield "data: [DONE]\n\n"
     finally:
         job.cancel()
+        if finish is None and not failed:  # the client left first
+            server.scheduler.metrics.finished.labels("abort").inc()
 
 
 def sse(payload: dict) -> str:

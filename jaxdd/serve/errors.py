@@ -4,11 +4,13 @@
 included; 415 for a body that is not JSON by its content type) and exception handlers that name what is wrong:
 malformed JSON, an empty body, a union field's right branch (a token-id list's bad element, not "should be a
 string"), and a 500 body for a failure no handler expected.
+Each refusal is counted through ``refuse`` (its reason: ``metrics.REFUSALS``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,8 +31,8 @@ def error_json(status: int, message: str, kind: str = "invalid_request_error", p
 class BodyGuard:
     """ASGI middleware: refuse oversized and non-JSON bodies of POST requests before the route reads them."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, refuse: Callable[[str], None], max_bytes=MAX_BODY_BYTES):
+        self.app, self.refuse, self.max_bytes = app, refuse, max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -39,6 +41,7 @@ class BodyGuard:
         kind = headers.get(b"content-type", b"application/json").split(b";")[0].strip().decode("latin-1").lower()
         if kind != "application/json" and not kind.endswith("+json"):
             message = f"Content-Type must be application/json, got {kind or 'none'!r}"
+            self.refuse("invalid")
             return await error_json(415, message, code="unsupported_media_type")(scope, receive, send)
         length = headers.get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.max_bytes:
@@ -56,6 +59,7 @@ class BodyGuard:
         await self.app(scope, counted, send)
 
     def too_large(self, size: int) -> JSONResponse:
+        self.refuse("too_long")
         return error_json(413, self.too_large_message(size), code="request_too_large")
 
     def too_large_message(self, size: int) -> str:
@@ -91,17 +95,21 @@ def describe(errors: list[dict]) -> tuple[str, str | None]:
     return f"{where}: {best.get('msg')}", top
 
 
-def install(app: FastAPI) -> None:
-    """Add the body guard and the handlers (these replace earlier ones for the same exception types)."""
-    app.add_middleware(BodyGuard)
+def install(app: FastAPI, refuse: Callable[[str], None]) -> None:
+    """Add the body guard and the handlers (these replace earlier ones for the same exception
+    types); each refusal calls ``refuse`` with its reason."""
+    app.add_middleware(BodyGuard, refuse=refuse)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, error: RequestValidationError):
+        refuse("invalid")
         message, param = describe(list(error.errors()))
         return error_json(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, error: StarletteHTTPException):
+        if error.status_code in (400, 413):  # a body unreadable, or too large as it came
+            refuse("invalid" if error.status_code == 400 else "too_long")
         if error.status_code == 400:  # FastAPI could not read the body at all (not UTF-8, nested too deep)
             return error_json(400, "the body could not be read as JSON (not UTF-8, or nested too deep)")
         code = "request_too_large" if error.status_code == 413 else error.status_code

@@ -8,6 +8,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from jaxdd.runtime.compile_time import BACKEND_COMPILE
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
+# How a queued request ends: abort is a client that left or the drain deadline; error, the engine.
+FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
+# Why a request is answered before it is queued: a 400 / 404 / 415 (invalid), a prompt or output
+# past the server's lengths or a body past its size (too_long), a 429 (queue_full), a 503 while
+# shutting down (draining) or while compiling or after the engine failed (not_ready).
+REFUSALS = ("invalid", "too_long", "queue_full", "draining", "not_ready")
 
 
 class Metrics:
@@ -27,6 +33,22 @@ class Metrics:
         self.accepted_tokens = Counter(
             name("spec_decode_num_accepted_tokens"), "Draft tokens accepted", registry=registry
         )
+        self.finished = Counter(
+            name("request_success"),
+            "Requests ended",
+            ["finished_reason"],
+            registry=registry,
+        )
+        self.refused = Counter(
+            name("request_refused"),
+            "Requests refused",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in FINISH_REASONS:  # each label shows from the start, at 0
+            self.finished.labels(reason)
+        for reason in REFUSALS:
+            self.refused.labels(reason)
         self.compiles = Counter(name("compiles"), "XLA compilations (warm-up included)", registry=registry)
         self.ttft = Histogram(
             name("time_to_first_token_seconds"), "Arrival to first token", buckets=LATENCY_BUCKETS, registry=registry

@@ -1,7 +1,8 @@
-"""A ``python -m jaxdd.serve`` subprocess on loopback for the fault tests and the soak benchmark: started on a free
-port, waited on until /health answers 200 (bounded), stopped by its pid; its metrics, and its resident memory,
-threads and open files from /proc (Linux). ``running_job``: the same as a job of several processes (gloo), and
-``complete`` a completion through the ``openai`` client."""
+"""A ``python -m jaxdd.serve`` subprocess on loopback for the fault tests and the soak benchmark:
+started on a free port, waited on until /health answers 200 (bounded) or not, stopped by its pid;
+its metrics, and its resident memory, threads and open files from /proc (Linux). ``running_job``:
+the same as a job of several processes (gloo), and ``complete`` a completion through the ``openai``
+client."""
 
 from __future__ import annotations
 
@@ -70,18 +71,25 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def running_server(args: list[str], log: Path, env: dict | None = None) -> Iterator[ServerProcess]:
-    """Start ``python -m jaxdd.serve ARGS`` on a free loopback port and wait for /health; kill it by pid after."""
+def started_server(args: list[str], log: Path, env: dict | None = None) -> Iterator[ServerProcess]:
+    """Start ``python -m jaxdd.serve ARGS`` on a free loopback port, its stdout and stderr in
+    ``log`` (not waited on); kill it by pid after."""
     port = free_port()
     command = [sys.executable, "-m", "jaxdd.serve", "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    server = ServerProcess(process, f"http://127.0.0.1:{port}", log)
     try:
-        wait_healthy(server, [process], [log])
-        yield server
+        yield ServerProcess(process, f"http://127.0.0.1:{port}", log)
     finally:
         kill([process])
+
+
+@contextlib.contextmanager
+def running_server(args: list[str], log: Path, env: dict | None = None) -> Iterator[ServerProcess]:
+    """``started_server``, once its /health answers 200."""
+    with started_server(args, log, env) as server:
+        wait_healthy(server, [server.process], [log])
+        yield server
 
 
 @contextlib.contextmanager

@@ -4,15 +4,19 @@ for real in a subprocess where it can be, and answers with one ``jaxdd: ...`` li
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
+import httpx
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,12 +27,14 @@ from jaxdd import cli
 from jaxdd.crosscheck.compare import PromptReport, Report, first_hidden_excess
 from jaxdd.generate import DEMO
 from jaxdd.planning.fit import PlanOptions
+from jaxdd.testing.server import START_SECONDS, free_port, started_server
 from jaxdd.weights.hf_reader import HFCheckpoint
 
 GENERATE = [sys.executable, "-m", "jaxdd.generate"]
 PLAN = [sys.executable, "-m", "jaxdd.plan", "--config", "tests/fixtures/kimi_k25_config.json"]
 PLAN += ["--drafter-config", "tests/fixtures/kimi_k26_dflash_config.json", "--layers", "2", "--traffic"]
 QUICK = ["--prompt-ids", "1,2,3", "--max-new-tokens", "2"]
+SERVE = [sys.executable, "-m", "jaxdd.serve", "--host", "127.0.0.1"]
 
 
 def environment(changes: dict[str, str | None]) -> dict[str, str]:
@@ -97,11 +103,111 @@ def test_more_devices_than_the_host_can_simulate():
 
 def test_server_start_up_faults(tmp_path):
     """The server's start-up answers as the other CLIs do, before it loads or compiles anything."""
-    serve = [sys.executable, "-m", "jaxdd.serve", "--port", "1"]
+    serve = [*SERVE, "--port", str(free_port())]
     if not cli._present(cli.PLATFORMS["cuda"]):
         assert "this host has no GPU" in one_line(run(serve, {"JAX_PLATFORMS": "cuda"}))
-    assert "--devices 100000: this host has 1 CPU device" in one_line(run([*serve, "--devices", "100000"]))
-    assert one_line(run([*serve, "--checkpoint", str(tmp_path / "absent")])).endswith("not a directory\n")
+    devices = run([*serve, "--devices", "100000"])
+    assert "--devices 100000: this host has 1 CPU device" in one_line(devices)
+    absent = run([*serve, "--checkpoint", str(tmp_path / "absent")])
+    assert one_line(absent).endswith("not a directory\n")
+    wrapped = "jaxdd: argument --port: must be in 1..65535, got 70000 (--help for usage)\n"
+    assert one_line(run([*SERVE, "--port", "70000"])) == wrapped
+    unknown = one_line(run([*serve, "--host", "no-such-host.invalid"]))
+    assert unknown.startswith("jaxdd: --host no-such-host.invalid: ")
+    template = tmp_path / "absent.jinja"
+    missing = one_line(run([*serve, "--chat-template", str(template)]))
+    assert missing == f"jaxdd: --chat-template {template}: No such file or directory\n"
+
+
+def test_server_port_in_use_is_said_before_loading(tmp_path):
+    """With the port taken, the address is named, not the checkpoint (an empty directory, which
+    loading would refuse)."""
+    (tmp_path / "empty").mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        empty = ["--checkpoint", str(tmp_path / "empty"), "--drafter", str(tmp_path / "empty")]
+        process = run([*SERVE, "--port", str(port), *empty])
+    assert one_line(process) == f"jaxdd: 127.0.0.1:{port}: Address already in use\n"
+
+
+def jax_loaded(process: subprocess.Popen) -> bool:
+    """Whether ``process`` has loaded jaxlib's extension (its ``import jax`` is under way), or
+    ended."""
+    with contextlib.suppress(OSError):
+        return "jaxlib" in Path(f"/proc/{process.pid}/maps").read_text()
+    return process.poll() is not None
+
+
+def test_ctrl_c_while_jax_imports():
+    argv = [*GENERATE, *QUICK]
+    process = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    deadline = time.monotonic() + 120
+    while not jax_loaded(process) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == cli.INTERRUPTED, (process.returncode, err)
+    assert err == "jaxdd: interrupted\n"
+
+
+def compiling(server) -> bool:
+    """Whether the server answers /health with 503, "compiling"."""
+    with contextlib.suppress(httpx.HTTPError):
+        health = httpx.get(f"{server.url}/health", timeout=5)
+        return health.status_code == 503 and health.json()["error"]["message"] == "compiling"
+    return False
+
+
+@pytest.mark.parametrize(
+    ("sig", "phase"),
+    [
+        (signal.SIGTERM, "import"),
+        (signal.SIGTERM, "join"),
+        (signal.SIGTERM, "compile"),
+        (signal.SIGINT, "compile"),
+    ],
+)
+def test_server_signal_during_start_up(tmp_path, sig, phase):
+    """SIGTERM or Ctrl-C while the server imports JAX, while it waits in C++ for a job's other
+    process (which Python's handlers cannot interrupt), or while it compiles (/health answers 503;
+    a cold cache keeps it compiling, and a request is refused as not_ready): its one line, exit 143
+    / 130 within seconds, no abort; the port is free again at once."""
+    said = {signal.SIGTERM: "jaxdd: terminated", signal.SIGINT: "jaxdd: interrupted"}[sig]
+    cold = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
+    log = tmp_path / "server.log"
+    args = ["--max-batch", "2", "--max-len", "256"]
+    if phase == "join":
+        job = ["--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
+        args += [*job, "--process-id", "0", "--coordinator-timeout", "300"]
+    with started_server(args, log, cold) as server:
+        if phase == "import":
+            assert server.wait_until(lambda: jax_loaded(server.process), 120, 0.01)
+        elif phase == "join":
+            waiting = lambda: "waiting for 2" in log.read_text()
+            assert server.wait_until(waiting, 120), log.read_text()
+        else:
+            assert server.wait_until(lambda: compiling(server), START_SECONDS, 0.2), log.read_text()
+            body = {"prompt": [1, 2], "max_tokens": 2}
+            refused = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+            assert refused.status_code == 503
+            assert server.metric('request_refused_total{reason="not_ready"}') == 1
+        server.process.send_signal(sig)
+        assert server.exit_code(30) == 128 + sig, log.read_text()
+        lines = log.read_text().splitlines()
+        assert lines[-1] == said and len(lines) == (2 if phase == "join" else 1), lines
+    with socket.socket() as again:
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds its own
+        again.bind(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
+
+
+def test_plan_names_hardware_and_unknown_xla_flags_are_one_line():
+    hardware = one_line(run([*PLAN, "--hardware", "quantum-9000"]))
+    assert hardware.startswith("jaxdd: --hardware: expected one of cpu")
+    flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_no_such_flag=1"}
+    for argv in (PLAN, [*GENERATE, *QUICK], [*SERVE, "--port", str(free_port())]):
+        assert one_line(run(argv, flags)) == "jaxdd: XLA_FLAGS: unknown flag --xla_no_such_flag=1\n"
 
 
 def test_broken_pipe_is_quiet_libtpu_never_speaks_and_compiles_are_cached(tmp_path):

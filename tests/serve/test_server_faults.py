@@ -20,7 +20,8 @@ import pytest
 
 from jaxdd.serve.app import DISCONNECT_POLL
 from jaxdd.serve.errors import MAX_BODY_BYTES
-from jaxdd.testing.server import running_server
+from jaxdd.serve.metrics import FINISH_REASONS, REFUSALS
+from jaxdd.testing.server import START_SECONDS, running_server, started_server
 
 ROWS, WAITING, MAX_LEN, MAX_PROMPT = 2, 2, 1024, 16
 SHAPE = ["--max-batch", str(ROWS), "--max-waiting", str(WAITING), "--max-len", str(MAX_LEN)]
@@ -152,7 +153,26 @@ def test_chat_bad_requests_and_the_openai_client(server):
     assert client.completions.create(model="kimi-mini", prompt=[1, 2], max_tokens=3).usage.completion_tokens == 3
 
 
+def counted(server, metric: str, label: str, values: tuple[str, ...]) -> dict[str, float]:
+    return {value: server.metric(f'{metric}{{{label}="{value}"}}') for value in values}
+
+
+def ends(server) -> dict[str, float]:
+    """jaxdd:request_success_total by finish reason."""
+    return counted(server, "request_success_total", "finished_reason", FINISH_REASONS)
+
+
+def refusals(server) -> dict[str, float]:
+    """jaxdd:request_refused_total by reason."""
+    return counted(server, "request_refused_total", "reason", REFUSALS)
+
+
+def change(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {key: after[key] - before[key] for key in before if after[key] != before[key]}
+
+
 def test_overload_refused_at_once_and_every_admitted_request_completes(server):
+    ended, refused_before = ends(server), refusals(server)
     count = 4 * (ROWS + WAITING)
     start = threading.Barrier(count)
 
@@ -173,6 +193,8 @@ def test_overload_refused_at_once_and_every_admitted_request_completes(server):
     assert all(r[2]["usage"]["completion_tokens"] == 64 for r in served)
     assert max(r[1] for r in refused) < max(r[1] for r in served)  # refused without waiting for a row
     assert server.wait_until(lambda: server.metric("num_requests_running") == 0, 30)
+    assert change(refused_before, refusals(server)) == {"queue_full": len(refused)}
+    assert change(ended, ends(server)) == {"length": len(served)}
 
 
 def rows_free(server) -> bool:
@@ -240,6 +262,52 @@ def test_engine_fault_fails_its_round_and_serving_goes_on(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=60, max_retries=0)
     after = client.completions.create(model="kimi-mini", prompt=[1, 2, 3], max_tokens=12, temperature=0)
     assert after.choices[0].finish_reason == "length" and after.usage.completion_tokens == 12
+
+
+def test_metrics_count_each_refusal_and_each_end(server):
+    """Each refused request counted under its reason, each request that ran under how it ended (what
+    its client was told; abort: the client left)."""
+    assert server.wait_until(lambda: rows_free(server), 30)  # what earlier tests ran is counted
+    refused_before = refusals(server)
+    assert post(server, {"prompt": [1, 2], "top_p": 7}).status_code == 400
+    assert post(server, {"prompt": [1, 2], "model": "gpt-9"}).status_code == 404
+    assert raw(server, b"{not json").status_code == 400
+    assert raw(server, b"prompt=1", {"content-type": "text/plain"}).status_code == 415
+    assert post(server, {"prompt": [1] * (MAX_PROMPT + 1), "max_tokens": 2}).status_code == 400
+    assert post(server, {"prompt": [1, 2], "max_tokens": MAX_LEN - 1}).status_code == 400
+    big = json.dumps({"prompt": "a" * MAX_BODY_BYTES}).encode()
+    assert raw(server, big).status_code == 413
+    assert change(refused_before, refusals(server)) == {"invalid": 4, "too_long": 3}
+    ended = ends(server)
+    greedy = {"prompt": [4, 5, 6], "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    whole = post(server, greedy).json()["choices"][0]
+    first = whole["token_ids"][:1]
+    stopped = post(server, {**greedy, "stop_token_ids": first}).json()["choices"][0]
+    timed = post(server, {**LONG, "timeout": 0.2}).json()["choices"][0]
+    reasons = [choice["finish_reason"] for choice in (whole, stopped, timed)]
+    assert reasons == ["length", "stop", "timeout"]
+    with pytest.raises(httpx.ReadTimeout):  # the client leaves
+        post(server, LONG, timeout=httpx.Timeout(30, read=0.5))
+    url, streamed = f"{server.url}/v1/completions", {**LONG, "stream": True}
+    with httpx.stream("POST", url, json=streamed, timeout=60) as left:
+        next(left.iter_lines())
+    assert server.wait_until(lambda: change(ended, ends(server)).get("abort") == 2, 10)
+    with httpx.stream("POST", url, json=streamed, timeout=60) as failed:
+        lines = failed.iter_lines()
+        next(lines)
+        assert post(server, {"rounds": 1}, "/debug/fault").status_code == 200
+        assert "engine fault" in "".join(lines)
+    expected = {"length": 1, "stop": 1, "timeout": 1, "abort": 2, "error": 1}
+    assert server.wait_until(lambda: change(ended, ends(server)) == expected, 10)
+    assert server.wait_until(lambda: rows_free(server), 10)
+
+
+def test_serving_is_said_once_health_answers(tmp_path):
+    with started_server(SHAPE, tmp_path / "server.log") as server:
+        said = lambda: "jaxdd: note: serving" in server.log.read_text()
+        assert server.wait_until(lambda: said() or server.process.poll() is not None, START_SECONDS)
+        health = httpx.get(f"{server.url}/health", timeout=10)
+        assert said() and health.status_code == 200, server.log.read_text()
 
 
 def soak_request(rng: np.random.Generator, i: int) -> dict:
