@@ -14,6 +14,7 @@ from typing import Protocol
 import jax
 import numpy as np
 
+from jaxdd.decoding.report import RoundReport, RoundTrace
 from jaxdd.decoding.requests import (
     MAX_STOP_TOKENS,
     check_lengths,
@@ -196,7 +197,7 @@ class SpeculativeDecoder:
 
     def _decode(self, plan: RoundBatch, state: DecodeState, done: np.ndarray, results: list[Generation], emit):
         """Run rounds until every request is done, appending each round's tokens to ``results``."""
-        n, width = plan.count, 1 if plan.spec.method == "ar" else plan.spec.block  # tokens per report row
+        n, width = plan.count, plan.spec.width
         pending = None if done[:n].all() else self.step(plan, state)
         while pending is not None:
             state, report = pending
@@ -206,16 +207,16 @@ class SpeculativeDecoder:
             # finished rows change nothing).
             may_end = any(not done[i] and len(results[i].tokens) + width >= plan.max_new_tokens[i] for i in range(n))
             pending = None if may_end else self.step(plan, state)
-            for i, (row, result) in enumerate(zip(np.asarray(report), results, strict=False)):
-                produced = int(row[width])
-                if produced:
-                    new = [int(x) for x in row[:produced]]
+            report = RoundReport.decode(report, width, plan.spec.trace if plan.spec.method != "ar" else 0)
+            for i, result in enumerate(results):
+                new = report.emitted(i)
+                if new:
                     result.tokens.extend(new)
-                    result.acceptance_lengths.append(produced)
+                    result.acceptance_lengths.append(len(new))
                     emit(i, new)
-                    if plan.spec.trace and plan.spec.method != "ar":
-                        _record_trace(result, row[width + 2 :], plan.spec)
-                done[i] = done[i] or bool(row[width + 1]) or len(result.tokens) >= plan.max_new_tokens[i]
+                    if report.trace is not None:
+                        _record_trace(result, report.trace[i])
+                done[i] = done[i] or bool(report.stopped[i]) or len(result.tokens) >= plan.max_new_tokens[i]
             if done[:n].all():
                 jax.block_until_ready(pending)  # a round dispatched ahead finishes in this call's time
                 pending = None
@@ -292,7 +293,7 @@ class SpeculativeDecoder:
         requests = jax.device_put(Requests(max_length, stop_ids, SamplingArrays.of(settings)))
         spec = self.round_spec(method, block, budget, max_children, sampled, trace_topk, check_tree_logits(tree_logits))
         plan = RoundBatch(spec, n, lengths, requests)
-        state = prefill(spec, self._models_for(spec), tokens, prompt_len, requests, seeds, slots, self.mesh)
+        state, _ = prefill(spec, self._models_for(spec), tokens, prompt_len, requests, seeds, slots, self.mesh)
         self._check_round_size(plan, state)
         return plan, state
 
@@ -339,10 +340,7 @@ def gigabytes(n: int) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def _record_trace(result: Generation, trace: np.ndarray, spec: RoundSpec) -> None:
-    drafted = (spec.block - 1) * spec.trace
-    result.draft_topk.append(trace[:drafted].reshape(spec.block - 1, spec.trace))
-    if spec.method == "ddtree":
-        tokens, parents = np.split(trace[drafted:], 2)
-        valid = tokens >= 0
-        result.trees.append((tokens[valid], parents[valid]))
+def _record_trace(result: Generation, trace: RoundTrace) -> None:
+    result.draft_topk.append(trace.draft_topk)
+    if trace.tree is not None:
+        result.trees.append(trace.tree)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdd.decoding.engine import SpeculativeDecoder, cache_slots, prompt_bucket
+from jaxdd.decoding.report import RoundReport
 from jaxdd.decoding.requests import MAX_STOP_TOKENS, check_round_options, check_stop_ids, check_tokens
 from jaxdd.decoding.rounds import (
     DecodeState,
@@ -67,7 +68,7 @@ class _Report(NamedTuple):
     holders: list[tuple[int, int, _Row]]
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "slots", "mesh", "width"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("spec", "slots", "mesh"), donate_argnames=("state",))
 def prefill_row(
     spec: RoundSpec,
     models: ModelPair,
@@ -79,16 +80,12 @@ def prefill_row(
     seeds: jax.Array,
     slots: int,
     mesh: jax.sharding.Mesh | None,
-    width: int,
 ) -> tuple[DecodeState, jax.Array]:
     """``prefill`` one request and put it in row ``row`` of ``state`` (in place: the state is donated): (state,
-    a report row as a round's, ``[first token, 0 x (width - 1), 1 produced, stopped]``)."""
-    new = prefill(spec, models, tokens, prompt_len, requests, seeds, slots, mesh)
+    the prefill's report)."""
+    new, report = prefill(spec, models, tokens, prompt_len, requests, seeds, slots, mesh)
     state = jax.tree.map(lambda rows, one: jax.lax.dynamic_update_slice_in_dim(rows, one, row, axis=0), state, new)
-    stopped = (new.bonus[:, None] == requests.stop_ids).any(-1)
-    padding = jnp.zeros((1, width - 1), jnp.int32)
-    report = jnp.concatenate([new.bonus[:, None], padding, jnp.ones((1, 1), jnp.int32), stopped[:, None]], axis=1)
-    return state, report.astype(jnp.int32)
+    return state, report
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "rows"), donate_argnames=("state",))
@@ -156,7 +153,7 @@ class RowPool:
     @property
     def width(self) -> int:
         """Tokens per report row: 1 for AR, else the block."""
-        return 1 if self.method == "ar" else self.block
+        return self.spec.width
 
     def free_rows(self) -> list[int]:
         return [row for row in range(self.rows) if row not in self.active]
@@ -194,9 +191,9 @@ class RowPool:
         one = Requests(max_length, stops, SamplingArrays.of([sampling]))
         seeds = np.array([sampling.seed], np.uint32)
         prompt_len = np.array([len(prompt)], np.int32)
-        mesh, width = self.decoder.mesh, self.width
+        mesh = self.decoder.mesh
         args = (self.spec, self.models, self.state, np.int32(row), tokens, prompt_len, one, seeds, self.slots, mesh)
-        self.state, report = prefill_row(*args, width)
+        self.state, report = prefill_row(*args)
         self._max_length[row], self._stop_ids[row], self._settings[row] = max_length[0], stops[0], sampling
         self.requests = None
         self.active[row] = entry = _Row(max_new_tokens)
@@ -244,16 +241,15 @@ class RowPool:
         each row still held by the request it ran for; finished rows leave the pool."""
         updates: dict[int, RowUpdate] = {}
         for report, holders in self._in_flight.popleft():
-            report = np.asarray(report)
+            report = RoundReport.decode(report, self.width)
             for row, index, entry in holders:
                 if self.active.get(row) is not entry:  # released, or already finished by an earlier report
                     continue
-                line = report[index]
-                produced, stopped = int(line[self.width]), bool(line[self.width + 1])
+                tokens = report.emitted(index)
                 first = entry.produced == 0
-                entry.produced += produced
+                entry.produced += len(tokens)
+                stopped = bool(report.stopped[index])
                 finish = "stop" if stopped else "length" if entry.produced >= entry.max_new_tokens else None
-                tokens = [int(t) for t in line[:produced]]
                 if row in updates:
                     tokens, first = updates[row].tokens + tokens, updates[row].first
                 updates[row] = RowUpdate(tokens, finish, first)
