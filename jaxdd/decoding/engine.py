@@ -126,7 +126,7 @@ class SpeculativeDecoder:
         backend: Backend | None = None,
     ):
         if attention not in ATTENTION_CHOICES:
-            raise InputError(f"attention: expected 'auto', 'absorbed' or 'pallas', got {attention!r}")
+            raise InputError.at("attention", f"expected 'auto', 'absorbed' or 'pallas', got {attention!r}")
         self.target = target
         self.config = target.model.config
         self.drafter = drafter
@@ -149,7 +149,7 @@ class SpeculativeDecoder:
         """Decode up to ``max_new_tokens`` after one prompt; see ``generate_batch`` for the options."""
         prompt = check_tokens(prompt_ids, self.config.vocab_size)
         if prompt.shape[0] != 1:
-            raise InputError(f"prompt_ids: one prompt at a time, got batch {prompt.shape[0]}; use generate_batch")
+            raise InputError.at("prompt_ids", f"one prompt at a time, got batch {prompt.shape[0]}; use generate_batch")
         return self.generate_batch([prompt[0].tolist()], sampling=sampling, **options)[0]
 
     def generate_batch(
@@ -261,7 +261,7 @@ class SpeculativeDecoder:
     ) -> tuple[RoundBatch, DecodeState]:
         """Check the requests, fix the static shapes and run the prefill: (plan, state after the prefill)."""
         if not prompts:
-            raise InputError("prompts: the batch is empty")
+            raise InputError.at("prompts", "the batch is empty")
         checked = [check_tokens([list(p)], self.config.vocab_size)[0] for p in prompts]
         n = len(checked)
         settings = per_request("sampling and max_new_tokens", sampling, n)

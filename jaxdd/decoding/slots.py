@@ -116,12 +116,12 @@ class RowPool:
     ):
         config = decoder.config
         if rows < 1:
-            raise InputError(f"rows: must be >= 1, got {rows}")
+            raise InputError.at("rows", f"must be >= 1, got {rows}")
         if not 2 <= max_len <= config.max_position_embeddings:
-            raise InputError(f"max_len: must be in [2, {config.max_position_embeddings}], got {max_len}")
+            raise InputError.at("max_len", f"must be in [2, {config.max_position_embeddings}], got {max_len}")
         max_prompt = max_len - 1 if max_prompt is None else max_prompt
         if not 1 <= max_prompt < max_len:
-            raise InputError(f"max_prompt: must be in [1, max_len), got {max_prompt}")
+            raise InputError.at("max_prompt", f"must be in [1, max_len), got {max_prompt}")
         drafter_block = None if decoder.drafter is None else decoder.drafter.config.block_size
         has_drafter = decoder.drafter is not None
         block, budget = check_round_options(method, has_drafter, drafter_block, block_size, budget, None)
@@ -162,17 +162,18 @@ class RowPool:
         """Raise ``InputError`` naming what in a request this pool cannot run (nothing is changed)."""
         check_tokens([prompt], self.decoder.config.vocab_size)
         if len(prompt) > self.max_prompt:
-            raise InputError(f"prompt: {len(prompt)} tokens, this server admits at most {self.max_prompt}")
+            raise InputError.at("prompt", f"{len(prompt)} tokens, this server admits at most {self.max_prompt}")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InputError(f"max_tokens: must be an integer >= 1, got {max_new_tokens!r}")
+            raise InputError.at("max_tokens", f"must be an integer >= 1, got {max_new_tokens!r}")
         if len(prompt) + max_new_tokens > self.max_len:
-            raise InputError(
-                f"max_tokens: {max_new_tokens} after a prompt of {len(prompt)} tokens exceeds the server's --max-len "
-                f"{self.max_len}"
+            raise InputError.at(
+                "max_tokens",
+                f"{max_new_tokens} after a prompt of {len(prompt)} tokens exceeds the server's "
+                f"--max-len {self.max_len}",
             )
         check_stop_ids(stop_ids, self.decoder.config)
         if not isinstance(sampling, Sampling):
-            raise InputError("sampling: expected a jaxdd.Sampling")
+            raise InputError.at("sampling", "expected a jaxdd.Sampling")
 
     def admit(self, prompt: list[int], max_new_tokens: int, stop_ids: list[int], sampling: Sampling) -> int:
         """Prefill a request alone into a free row, without waiting for it: its row. Its first token comes with

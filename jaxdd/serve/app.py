@@ -28,6 +28,7 @@ from jaxdd.serve.scheduler import Event, Job, NotReady, QueueFull, Scheduler
 from jaxdd.weights.tokenizer import TextTokenizer, render_chat_template
 
 DISCONNECT_POLL = 0.25  # seconds between a non-streaming request's looks at its connection
+API_PARAMS = {"token_ids": "prompt"}  # the request field behind a jaxdd field that the API names otherwise
 
 
 @dataclasses.dataclass
@@ -127,8 +128,7 @@ def make_job(server: Server, body: protocol.SamplingFields, prompt: list[int], m
     try:
         server.pool.check(prompt, max_tokens, stop_ids, sampling)
     except InputError as error:
-        field = str(error).split(":")[0]  # jaxdd's messages start with the field at fault
-        raise APIError(400, str(error), param={"token_ids": "prompt"}.get(field, field)) from None
+        raise APIError(400, str(error), param=API_PARAMS.get(error.field, error.field)) from None
     timeouts = [t for t in (body.timeout, server.request_timeout) if t is not None]
     return Job(prompt, max_tokens, stop_ids, sampling, deliver, timeout=min(timeouts) if timeouts else None)
 
