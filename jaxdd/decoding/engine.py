@@ -1,6 +1,7 @@
-"""The host side of decoding: requests in, tokens out. ``SpeculativeDecoder`` checks a batch of requests, pads
-them to static shapes (batch, prompt and cache buckets, so shapes repeat and compile once), runs the prefill and
-then one jitted round of ``jaxdd.decoding.rounds`` after another, streaming each round's accepted tokens.
+"""The host side of decoding: requests in, tokens out. ``SpeculativeDecoder`` checks a batch of requests, sizes a
+pool of rows for it (``jaxdd.decoding.rows``, the server's pool: batch, prompt and cache buckets, so shapes repeat
+and compile once), admits them all in one prefill and steps the pool's rounds until every request is done,
+streaming each round's accepted tokens.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from jaxdd.decoding.report import RoundReport, RoundTrace
+from jaxdd.decoding.buckets import bucket, cache_slots, prompt_bucket
+from jaxdd.decoding.report import RoundTrace
 from jaxdd.decoding.requests import (
-    MAX_STOP_TOKENS,
     check_lengths,
     check_round_options,
     check_stop_ids,
@@ -24,8 +25,9 @@ from jaxdd.decoding.requests import (
     check_tree_logits,
     per_request,
 )
-from jaxdd.decoding.rounds import DecodeState, ModelPair, Requests, RoundSpec, decode_round, prefill
-from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays
+from jaxdd.decoding.rounds import DecodeState, ModelPair, Requests, RoundSpec, decode_round
+from jaxdd.decoding.rows import RowPool, RowRequest, RowShape
+from jaxdd.decoding.sampling import GREEDY, Sampling
 from jaxdd.errors import InputError, LargeRoundWarning
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget
@@ -35,11 +37,6 @@ from jaxdd.runtime.jit_state import split_module
 from jaxdd.runtime.sharding import mesh_of
 from jaxdd.types import ATTENTION_CHOICES, AttentionChoice, Method, TreeLogits, verified_tokens
 
-MIN_BUCKET = 16
-PROMPT_BUCKETS_PER_OCTAVE = 8
-PROMPT_MIN_STEP = 16  # prompt sizes are multiples of this (short prompts: fewer shapes to compile)
-CACHE_BUCKETS_PER_OCTAVE = 4
-CACHE_ALIGN = 64  # cache sizes past this are multiples of it: the tree-attention kernel reads blocks of up to 64
 # A DDTree round past this many nodes per drafted position gets a note: deeper candidates are rarely accepted (the
 # demo pair's tau grows 3.77 -> 4.35 from budget 16 to 64 at block 8, benchmarks/README.md), each costs verify work.
 NODES_PER_POSITION_NOTE = 16
@@ -84,30 +81,6 @@ class RoundBatch:
     count: int  # real rows; the batch is padded to a power of two
     max_new_tokens: list[int]
     requests: Requests  # on the device once, not copied there again by every round
-
-
-def bucket(n: int, minimum: int = MIN_BUCKET, per_octave: int = 1, min_step: int = 1) -> int:
-    """The static size used for n, at least ``minimum``: the next power of two, or the next of ``per_octave``
-    evenly spaced sizes per octave (4: ..., 64, 80, 96, 112, 128, 160, ...), less padding for more shapes;
-    sizes are multiples of ``min_step``."""
-    power = max(minimum, 1 << (max(n, 1) - 1).bit_length())
-    step = max(min_step, power // (2 * per_octave))
-    return max(minimum, -(-n // step) * step)
-
-
-def prompt_bucket(length: int) -> int:
-    """The padded length a prompt of ``length`` tokens is prefilled at (eighth octaves, multiples of 16)."""
-    return bucket(length, per_octave=PROMPT_BUCKETS_PER_OCTAVE, min_step=PROMPT_MIN_STEP)
-
-
-def cache_slots(needed: int) -> int:
-    """The cache size for ``needed`` slots: up to ``CACHE_ALIGN``, the next power of two; beyond, the next of four
-    sizes per octave rounded up to a multiple of ``CACHE_ALIGN``. Either way whole blocks for the Pallas
-    tree-attention kernel, which reads the cache in blocks of a power of two up to that many slots. Powers of two
-    throughout would double a 8257-slot Kimi cache to 16384 slots, and attention reads every slot."""
-    if needed <= CACHE_ALIGN:
-        return bucket(needed)
-    return -(-bucket(needed, per_octave=CACHE_BUCKETS_PER_OCTAVE) // CACHE_ALIGN) * CACHE_ALIGN
 
 
 class SpeculativeDecoder:
@@ -176,16 +149,16 @@ class SpeculativeDecoder:
         emit = on_tokens or (lambda request, tokens: None)
         with compile_clock() as clock:
             t0 = time.perf_counter()
-            plan, state = self.start(prompts, trace_topk=trace_topk, **options)
-            first, done = np.asarray(state.bonus), np.array(state.done)
+            pool, _ = self._admitted(prompts, trace_topk=trace_topk, **options)
+            first = pool.collect()
             prefill_seconds = time.perf_counter() - t0
-            results = [Generation([int(first[i])], [], prefill_seconds, 0.0) for i in range(plan.count)]
+            results = [Generation(first[i].tokens, [], prefill_seconds, 0.0) for i in range(len(first))]
             for i, result in enumerate(results):
                 emit(i, result.tokens[:])
             t0 = time.perf_counter()
-            self._decode(plan, state, done, results, emit)
+            self._decode(pool, results, emit)
             decode_seconds = time.perf_counter() - t0
-        spec = plan.spec
+        spec = pool.spec
         round_shape = {} if spec.method == "ar" else {"block": spec.block}
         if spec.method == "ddtree":
             round_shape["budget"] = spec.budget
@@ -195,42 +168,38 @@ class SpeculativeDecoder:
             result.round_shape = dict(round_shape)
         return results
 
-    def _decode(self, plan: RoundBatch, state: DecodeState, done: np.ndarray, results: list[Generation], emit):
-        """Run rounds until every request is done, appending each round's tokens to ``results``."""
-        n, width = plan.count, plan.spec.width
-        pending = None if done[:n].all() else self.step(plan, state)
-        while pending is not None:
-            state, report = pending
+    @staticmethod
+    def _decode(pool: RowPool, results: list[Generation], emit) -> None:
+        """Run rounds until every row of ``pool`` is done, appending each round's tokens to ``results``."""
+        if pool.active:
+            pool.dispatch()
+        while pool.in_flight:
             # Dispatch the next round before reading this one's report, so the host's work (the wait for the
             # report, the bookkeeping, the next dispatch) overlaps the device's. Not when a request may reach its
             # length this round: a round after the last would be wasted work (after a stop token it still is:
             # finished rows change nothing).
-            may_end = any(not done[i] and len(results[i].tokens) + width >= plan.max_new_tokens[i] for i in range(n))
-            pending = None if may_end else self.step(plan, state)
-            report = RoundReport.decode(report, width, plan.spec.trace if plan.spec.method != "ar" else 0)
-            for i, result in enumerate(results):
-                new = report.emitted(i)
-                if new:
-                    result.tokens.extend(new)
-                    result.acceptance_lengths.append(len(new))
-                    emit(i, new)
-                    if report.trace is not None:
-                        _record_trace(result, report.trace[i])
-                done[i] = done[i] or bool(report.stopped[i]) or len(result.tokens) >= plan.max_new_tokens[i]
-            if done[:n].all():
-                jax.block_until_ready(pending)  # a round dispatched ahead finishes in this call's time
-                pending = None
-            elif pending is None:
-                pending = self.step(plan, state)
+            if not pool.may_finish():
+                pool.dispatch()
+            for i, update in pool.collect().items():
+                if update.tokens:
+                    results[i].tokens.extend(update.tokens)
+                    results[i].acceptance_lengths.append(len(update.tokens))
+                    emit(i, update.tokens)
+                if update.trace is not None:
+                    _record_trace(results[i], update.trace)
+            if not pool.active:
+                pool.discard()  # a round dispatched ahead finishes in this call's time
+            elif not pool.in_flight:
+                pool.dispatch()
 
     def step(self, plan: RoundBatch, state: DecodeState) -> tuple[DecodeState, jax.Array]:
         """One jitted round for the whole batch: (new state, the round's report [rows, ...])."""
-        return decode_round(plan.spec, self._models_for(plan.spec), state, plan.requests)
+        return decode_round(plan.spec, self.models_for(plan.spec), state, plan.requests)
 
     def lower_round(self, plan: RoundBatch, state: DecodeState) -> jax.stages.Lowered:
         """The round ``step`` runs for ``plan``, lowered for ``state`` (arrays or ShapeDtypeStructs): for
         compiling ahead of time (``jaxdd.plan``), reading the HLO, or profiling its stages."""
-        return decode_round.lower(plan.spec, self._models_for(plan.spec), state, plan.requests)
+        return decode_round.lower(plan.spec, self.models_for(plan.spec), state, plan.requests)
 
     def round_spec(
         self,
@@ -245,7 +214,21 @@ class SpeculativeDecoder:
         """The static description of a round on this decoder's backend and attention."""
         return RoundSpec(method, self.backend, block, budget, max_children, self.attention, sampled, trace, tree_logits)
 
-    def start(
+    def start(self, prompts: list[list[int]], **options) -> tuple[RoundBatch, DecodeState]:
+        """Check the requests, fix the static shapes and run the prefill: (plan, state after the prefill)."""
+        pool, plan = self._admitted(prompts, **options)
+        return plan, pool.state
+
+    def _admitted(self, prompts: list[list[int]], **options) -> tuple[RowPool, RoundBatch]:
+        """A pool of rows for the batch (checked, its round sized), every request admitted."""
+        requests, shape = self._batch_shape(prompts, **options)
+        pool = RowPool.of_shape(self, shape)
+        pool.admit_all(requests)
+        plan = RoundBatch(shape.spec, len(requests), [r.max_new_tokens for r in requests], pool.requests)
+        self._check_round_size(plan, pool.state)
+        return pool, plan
+
+    def _batch_shape(
         self,
         prompts: list[list[int]],
         *,
@@ -258,8 +241,9 @@ class SpeculativeDecoder:
         max_children: int | None = None,
         trace_topk: int = 0,
         tree_logits: str = "scaled",
-    ) -> tuple[RoundBatch, DecodeState]:
-        """Check the requests, fix the static shapes and run the prefill: (plan, state after the prefill)."""
+    ) -> tuple[list[RowRequest], RowShape]:
+        """The batch's requests, checked, and the shape of rows that runs them: one round, rows padded to a power
+        of two, prompts and the cache to their buckets."""
         if not prompts:
             raise InputError.at("prompts", "the batch is empty")
         checked = [check_tokens([list(p)], self.config.vocab_size)[0] for p in prompts]
@@ -273,29 +257,23 @@ class SpeculativeDecoder:
         )
         max_lengths = check_lengths(checked, lengths, self.config)
         verify_width = verified_tokens(method, block, budget)
-
-        rows = bucket(n, minimum=1)
+        requests = [RowRequest(p.tolist(), m, stops, s) for p, m, s in zip(checked, lengths, settings, strict=True)]
         # Prompts in eighth octaves, multiples of 16, the cache in quarter octaves: a prefill's cost grows with
         # its padded length and a round's with its slots, and each new shape compiles.
-        padded = prompt_bucket(max(len(p) for p in checked))
-        slots = cache_slots(max(padded, max(max_lengths) + max(block, verify_width)))
-        tokens = np.zeros((rows, padded), np.int32)
-        prompt_len = np.ones((rows,), np.int32)
-        max_length = np.full((rows,), 2, np.int32)  # padding rows: a one-token request, done after the prefill
-        for i, prompt in enumerate(checked):
-            tokens[i, : len(prompt)], prompt_len[i], max_length[i] = prompt, len(prompt), max_lengths[i]
-        stop_ids = np.full((rows, MAX_STOP_TOKENS), -1, np.int32)
-        stop_ids[:, : len(stops)] = stops
-        settings = settings + [GREEDY] * (rows - n)
-        seeds = np.array([s.seed for s in settings], np.uint32)
+        longest = max(len(p) for p in checked)
+        slots = cache_slots(max(prompt_bucket(longest), max(max_lengths) + max(block, verify_width)))
         sampled = any(not s.greedy for s in settings)
-        # On the device in one transfer: the prefill and every round read them.
-        requests = jax.device_put(Requests(max_length, stop_ids, SamplingArrays.of(settings)))
-        spec = self.round_spec(method, block, budget, max_children, sampled, trace_topk, check_tree_logits(tree_logits))
-        plan = RoundBatch(spec, n, lengths, requests)
-        state, _ = prefill(spec, self._models_for(spec), tokens, prompt_len, requests, seeds, slots, self.mesh)
-        self._check_round_size(plan, state)
-        return plan, state
+        spec = self.round_spec(
+            method,
+            block=block,
+            budget=budget,
+            max_children=max_children,
+            sampled=sampled,
+            trace=trace_topk,
+            tree_logits=check_tree_logits(tree_logits),
+        )
+        rows = bucket(n, minimum=1)
+        return requests, RowShape(spec, spec, rows, max(max_lengths), longest, slots, (rows,))
 
     def _check_round_size(self, plan: RoundBatch, state: DecodeState) -> None:
         """Compile the round (``step`` then reuses it) and refuse it, naming the option that sizes it, when its
@@ -332,7 +310,8 @@ class SpeculativeDecoder:
             return
         warnings.warn(f"{what} {note}; it needs {gigabytes(needed)} of working memory per device", LargeRoundWarning, 3)
 
-    def _models_for(self, spec: RoundSpec) -> ModelPair:
+    def models_for(self, spec: RoundSpec) -> ModelPair:
+        """The weights a round of ``spec`` reads: the target's alone for AR."""
         return self._target_only if spec.method == "ar" else self._models
 
 

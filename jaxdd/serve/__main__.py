@@ -26,7 +26,7 @@ import jaxdd
 from jaxdd import cli
 from jaxdd.cli import positive
 from jaxdd.decoding.engine import SpeculativeDecoder
-from jaxdd.decoding.slots import RowPool
+from jaxdd.decoding.rows import RowPool
 from jaxdd.generate import DEMO, print_note
 from jaxdd.runtime.backend import Backend
 from jaxdd.serve import faults, lifecycle

@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxdd.decoding.requests import MAX_STOP_TOKENS
+from jaxdd.decoding.rows import RowPool
 from jaxdd.decoding.sampling import Sampling
-from jaxdd.decoding.slots import RowPool
 from jaxdd.errors import InputError
 from jaxdd.serve import errors, protocol
 from jaxdd.serve.output import Output

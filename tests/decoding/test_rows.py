@@ -9,7 +9,7 @@ import pytest
 
 import jaxdd
 from jaxdd.decoding.engine import SpeculativeDecoder
-from jaxdd.decoding.slots import RowPool
+from jaxdd.decoding.rows import RowPool
 from jaxdd.errors import InputError
 from jaxdd.generate import DEMO
 from jaxdd.runtime.compile_time import compile_clock
