@@ -212,7 +212,17 @@ class SpeculativeDecoder:
         tree_logits: TreeLogits = "scaled",
     ) -> RoundSpec:
         """The static description of a round on this decoder's backend and attention."""
-        return RoundSpec(method, self.backend, block, budget, max_children, self.attention, sampled, trace, tree_logits)
+        return RoundSpec(
+            method=method,
+            backend=self.backend,
+            block=block,
+            budget=budget,
+            max_children=max_children,
+            attention=self.attention,
+            sampled=sampled,
+            trace=trace,
+            tree_logits=tree_logits,
+        )
 
     def start(self, prompts: list[list[int]], **options) -> tuple[RoundBatch, DecodeState]:
         """Check the requests, fix the static shapes and run the prefill: (plan, state after the prefill)."""

@@ -42,7 +42,7 @@ from jaxdd.runtime.sharding import cache_sharding
 from jaxdd.types import Attention, Method, TreeLogits
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RoundSpec:
     """Everything static about a round: one compiled executable per spec (and array shapes)."""
 

@@ -20,8 +20,8 @@ from safetensors.numpy import load_file, save_file
 
 import jaxdd
 from jaxdd import cli
+from jaxdd.cli import DEMO
 from jaxdd.crosscheck.compare import PromptReport, Report, first_hidden_excess
-from jaxdd.generate import DEMO
 from jaxdd.planning.fit import PlanOptions
 from jaxdd.weights.hf_reader import HFCheckpoint
 
