@@ -74,6 +74,35 @@ class Generation:
 
 
 @dataclasses.dataclass(frozen=True)
+class GenerateOptions:
+    """How ``generate_batch`` decodes a batch (see there); the checks that need no model run once, when made."""
+
+    sampling: Sampling | list[Sampling] = GREEDY  # one for all prompts, or one each
+    method: Method = "dflash"
+    max_new_tokens: int | list[int] = 64  # one for all prompts, or one each
+    stop_token_ids: list[int] | None = None  # default: the target's EOS ids
+    block_size: int | None = None  # default: the drafter's
+    budget: int | None = None  # DDTree nodes per round, default block_size - 1
+    max_children: int | None = None
+    trace_topk: int = 0
+    tree_logits: TreeLogits = "scaled"
+
+    def __post_init__(self):
+        check_tree_logits(self.tree_logits)
+        if not isinstance(self.trace_topk, int) or self.trace_topk < 0:
+            raise InputError.at("trace_topk", f"must be an integer >= 0, got {self.trace_topk!r}")
+
+    @classmethod
+    def of(cls, options: GenerateOptions | None, fields: dict) -> GenerateOptions:
+        """``options``, or the options made of keyword ``fields`` (not both)."""
+        if options is None:
+            return cls(**fields)
+        if fields:
+            raise InputError.at("options", f"give a GenerateOptions or keywords, not both (got {sorted(fields)})")
+        return options
+
+
+@dataclasses.dataclass(frozen=True)
 class RoundBatch:
     """A batch's fixed settings: the round every step runs and the per-row arrays it reads."""
 
@@ -129,9 +158,9 @@ class SpeculativeDecoder:
         self,
         prompts: list[list[int]],
         *,
-        trace_topk: int = 0,
         on_tokens: Callable[[int, list[int]], None] | None = None,
-        **options,
+        options: GenerateOptions | None = None,
+        **fields,
     ) -> list[Generation]:
         """Decode a batch of requests together, each with its own length, sampling settings and seed.
 
@@ -144,12 +173,13 @@ class SpeculativeDecoder:
         tree from the draft logits at the request's temperature, "scaled", or from the raw logits, "raw";
         lossless either way). ``trace_topk`` > 0 records each round's
         draft top-k (and DDTree trees) in the results. ``on_tokens(request, new_tokens)`` is called as tokens are
-        accepted (the first one after the prefill, then each round's), e.g. to stream text.
+        accepted (the first one after the prefill, then each round's), e.g. to stream text. The options may come
+        as one ``GenerateOptions`` (``options``) or as its fields by keyword.
         """
         emit = on_tokens or (lambda request, tokens: None)
         with compile_clock() as clock:
             t0 = time.perf_counter()
-            pool, _ = self._admitted(prompts, trace_topk=trace_topk, **options)
+            pool, _ = self._admitted(prompts, GenerateOptions.of(options, fields))
             first = pool.collect()
             prefill_seconds = time.perf_counter() - t0
             results = [Generation(first[i].tokens, [], prefill_seconds, 0.0) for i in range(len(first))]
@@ -224,46 +254,36 @@ class SpeculativeDecoder:
             tree_logits=tree_logits,
         )
 
-    def start(self, prompts: list[list[int]], **options) -> tuple[RoundBatch, DecodeState]:
+    def start(
+        self, prompts: list[list[int]], options: GenerateOptions | None = None, **fields
+    ) -> tuple[RoundBatch, DecodeState]:
         """Check the requests, fix the static shapes and run the prefill: (plan, state after the prefill)."""
-        pool, plan = self._admitted(prompts, **options)
+        pool, plan = self._admitted(prompts, GenerateOptions.of(options, fields))
         return plan, pool.state
 
-    def _admitted(self, prompts: list[list[int]], **options) -> tuple[RowPool, RoundBatch]:
+    def _admitted(self, prompts: list[list[int]], options: GenerateOptions) -> tuple[RowPool, RoundBatch]:
         """A pool of rows for the batch (checked, its round sized), every request admitted."""
-        requests, shape = self._batch_shape(prompts, **options)
+        requests, shape = self._batch_shape(prompts, options)
         pool = RowPool.of_shape(self, shape)
         pool.admit_all(requests)
         plan = RoundBatch(shape.spec, len(requests), [r.max_new_tokens for r in requests], pool.requests)
         self._check_round_size(plan, pool.state)
         return pool, plan
 
-    def _batch_shape(
-        self,
-        prompts: list[list[int]],
-        *,
-        sampling: Sampling | list[Sampling] = GREEDY,
-        method: Method = "dflash",
-        max_new_tokens: int | list[int] = 64,
-        stop_token_ids: list[int] | None = None,
-        block_size: int | None = None,
-        budget: int | None = None,
-        max_children: int | None = None,
-        trace_topk: int = 0,
-        tree_logits: str = "scaled",
-    ) -> tuple[list[RowRequest], RowShape]:
+    def _batch_shape(self, prompts: list[list[int]], options: GenerateOptions) -> tuple[list[RowRequest], RowShape]:
         """The batch's requests, checked, and the shape of rows that runs them: one round, rows padded to a power
         of two, prompts and the cache to their buckets."""
         if not prompts:
             raise InputError.at("prompts", "the batch is empty")
         checked = [check_tokens([list(p)], self.config.vocab_size)[0] for p in prompts]
         n = len(checked)
-        settings = per_request("sampling and max_new_tokens", sampling, n)
-        lengths = per_request("sampling and max_new_tokens", max_new_tokens, n)
-        stops = check_stop_ids(stop_token_ids, self.config)
+        settings = per_request("sampling and max_new_tokens", options.sampling, n)
+        lengths = per_request("sampling and max_new_tokens", options.max_new_tokens, n)
+        stops = check_stop_ids(options.stop_token_ids, self.config)
+        method, max_children = options.method, options.max_children
         drafter_block = None if self.drafter is None else self.drafter.config.block_size
         block, budget = check_round_options(
-            method, self.drafter is not None, drafter_block, block_size, budget, max_children
+            method, self.drafter is not None, drafter_block, options.block_size, options.budget, max_children
         )
         max_lengths = check_lengths(checked, lengths, self.config)
         verify_width = verified_tokens(method, block, budget)
@@ -279,8 +299,8 @@ class SpeculativeDecoder:
             budget=budget,
             max_children=max_children,
             sampled=sampled,
-            trace=trace_topk,
-            tree_logits=check_tree_logits(tree_logits),
+            trace=options.trace_topk,
+            tree_logits=options.tree_logits,
         )
         rows = bucket(n, minimum=1)
         return requests, RowShape(spec, spec, rows, max(max_lengths), longest, slots, (rows,))
