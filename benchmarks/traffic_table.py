@@ -20,7 +20,7 @@ import numpy as np
 from humaneval import humaneval_prompts
 
 import jaxdd
-from jaxdd.generate import DEMO
+from jaxdd.cli import DEMO
 from jaxdd.models.moe import Router
 from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.planning.hardware import GPUS

@@ -145,7 +145,7 @@ class Target:
 
     def new_cache(self, batch: int = 1, max_len: int = 256) -> LatentCache:
         if batch < 1 or max_len < 1:
-            raise InputError(f"new_cache: batch and max_len must be >= 1, got batch={batch}, max_len={max_len}")
+            raise InputError.at("new_cache", f"batch and max_len must be >= 1, got batch={batch}, max_len={max_len}")
         return LatentCache.zeros(self.config, batch, max_len, self.dtype)
 
     def forward(
@@ -183,7 +183,7 @@ class Target:
         visible = check_visible(visible, b, t)
         bad_taps = [i for i in taps if not 0 <= i < self.config.num_hidden_layers]
         if bad_taps:
-            raise InputError(f"taps: layer(s) {bad_taps} outside [0, {self.config.num_hidden_layers})")
+            raise InputError.at("taps", f"layer(s) {bad_taps} outside [0, {self.config.num_hidden_layers})")
         if attention is None:
             attention = "naive" if t > 1 and not length.any() else "absorbed"
         options = (tuple(taps), attention, self.backend, commit)

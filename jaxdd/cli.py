@@ -26,11 +26,11 @@ from jax._src.lib import xla_client
 
 from jaxdd.errors import CheckpointError, ConfigError, InputError
 from jaxdd.runtime.distributed import join
+from jaxdd.runtime.host import PLATFORMS, available_memory
 from jaxdd.runtime.startup import end_now
 from jaxdd.types import METHODS, MOE_MODES
 
 USAGE, INTERRUPTED, BROKEN_PIPE = 2, 130, 141  # 130 and 141: the shell's codes for SIGINT and SIGPIPE
-PLATFORMS = {"cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "tpu": "tpu"}
 # The device files an accelerator's driver creates: without them JAX can only fail (or, for a TPU, probe the
 # cloud metadata server first).
 DEVICE_FILES = {"gpu": ("/dev/nvidiactl", "/dev/kfd"), "tpu": ("/dev/accel0", "/dev/vfio/0")}
@@ -40,6 +40,24 @@ CPU_DEVICE_PAIR_BYTES = 70 * 2**10
 CACHE_ENVIRONMENT = "JAXDD_COMPILATION_CACHE"  # a directory, or 0 / off: no persistent compilation cache
 CLEAR_ERRORS = (CheckpointError, ConfigError, InputError)
 FLAG_CHECK_SECONDS = 30  # a trial parse of XLA_FLAGS taking longer is abandoned (the run will tell)
+DEMO = Path(__file__).parent / "demo" / "kimi-mini"  # the bundled pair, the commands' default model
+
+
+def print_note(message, *_) -> None:
+    """A ``jaxdd: note:`` line on stderr (also the ``warnings.showwarning`` of the commands)."""
+    print(f"jaxdd: note: {message}", file=sys.stderr, flush=True)
+
+
+def compute_dtype(requested: str, platform: str) -> str:
+    """``--dtype``: ``auto`` is float32 on CPU (exact and not slower there), bfloat16 on accelerators."""
+    if requested != "auto":
+        return requested
+    return "float32" if platform == "cpu" else "bfloat16"
+
+
+def model_stop_ids(config, tokenizer) -> list[int]:
+    """The ids a generation always stops at: the config's EOS ids and the tokenizer's (end of turn)."""
+    return sorted(set(config.eos_token_ids) | set(tokenizer.stop_ids if tokenizer else ()))
 
 
 def parse_ids(text: str) -> list[int]:
@@ -313,15 +331,6 @@ class _Held(logging.Handler):
 
 def _lines(value: object) -> list[str]:
     return [line.strip() for line in str(value).strip().splitlines() if line.strip()]
-
-
-def available_memory() -> int | None:
-    """Bytes of memory this host can still give (``MemAvailable``), None where unknown."""
-    try:
-        meminfo = Path("/proc/meminfo").read_text()
-        return next(int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
 
 
 def simulated_device_limit(available: int | None) -> int:

@@ -139,17 +139,17 @@ def _parse(raw: Mapping[str, Any]) -> KimiConfig:
     if model_type in WRAPPER_MODEL_TYPES:
         text = raw.get("text_config")
         if not isinstance(text, Mapping):
-            raise ConfigError(f"text_config: missing or not an object (required for model_type {model_type!r})")
+            raise ConfigError.at("text_config", f"missing or not an object (required for model_type {model_type!r})")
         inner = text.get("model_type", "deepseek_v3")
         if inner not in TEXT_MODEL_TYPES:
-            raise ConfigError(f"text_config.model_type: unsupported {inner!r}, expected one of {TEXT_MODEL_TYPES}")
+            raise ConfigError.at("text_config.model_type", f"unsupported {inner!r}, expected one of {TEXT_MODEL_TYPES}")
         # Token ids may sit on the wrapper only.
         fields = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in raw} | dict(text)
         return _parse_text(fields, model_type, prefix="text_config.")
     if model_type in TEXT_MODEL_TYPES:
         return _parse_text(raw, model_type, prefix="")
     known = TEXT_MODEL_TYPES + WRAPPER_MODEL_TYPES
-    raise ConfigError(f"model_type: unsupported {model_type!r}, expected one of {known}")
+    raise ConfigError.at("model_type", f"unsupported {model_type!r}, expected one of {known}")
 
 
 class _Reader:

@@ -1,19 +1,35 @@
 """The errors jaxdd raises for bad input; each message names the field, tensor or limit at fault."""
 
+from __future__ import annotations
+
 import json
 from pathlib import Path
 from typing import Any
 
 
-class ConfigError(ValueError):
+class FieldError(ValueError):
+    """Bad input; ``field`` names the field, flag or tensor at fault when there is one (the server reports it as
+    the error's ``param``), so no caller reads it back out of the message."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+    @classmethod
+    def at(cls, field: str, detail: str) -> FieldError:
+        """The error "``field``: ``detail``", naming ``field``."""
+        return cls(f"{field}: {detail}", field)
+
+
+class ConfigError(FieldError):
     """A config.json field is missing, of the wrong type, unsupported or inconsistent."""
 
 
-class CheckpointError(ValueError):
+class CheckpointError(FieldError):
     """A checkpoint directory is missing files or tensors, or holds tensors that do not fit the config."""
 
 
-class InputError(ValueError):
+class InputError(FieldError):
     """Token ids, positions, masks, cache sizes or generation settings that the model cannot take."""
 
 

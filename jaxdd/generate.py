@@ -23,13 +23,12 @@ import jax
 
 import jaxdd
 from jaxdd import cli
-from jaxdd.cli import parse_ids, positive
+from jaxdd.cli import DEMO, parse_ids, positive, print_note
 from jaxdd.decoding.engine import Generation
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.distributed import disagreeing_processes
 from jaxdd.weights.tokenizer import IncrementalDecoder, TextTokenizer, load_tokenizer
 
-DEMO = Path(__file__).parent / "demo" / "kimi-mini"
 DEFAULT_PROMPT = 'def read_config(path):\n    """Read a JSON config file and return it as a dict."""\n'
 
 
@@ -162,10 +161,6 @@ def summary_line(report: dict) -> str:
     )
 
 
-def print_note(message, *_) -> None:
-    print(f"jaxdd: note: {message}", file=sys.stderr, flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("always", jaxdd.LargeRoundWarning)
@@ -189,9 +184,7 @@ def run(argv: list[str] | None) -> int:
         return cli.fail(error)
     backend = Backend.local()
     quiet = jax.process_index() != 0  # every process runs the program; process 0 speaks for them
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = "float32" if backend.platform == "cpu" else "bfloat16"
+    dtype = cli.compute_dtype(args.dtype, backend.platform)
     stream = None
     try:
         tokenizer = load_tokenizer(checkpoint)
@@ -203,7 +196,7 @@ def run(argv: list[str] | None) -> int:
         )
         stop_ids = args.stop_ids
         if stop_ids is None:
-            stop_ids = sorted(set(target.config.eos_token_ids) | set(tokenizer.stop_ids if tokenizer else ()))
+            stop_ids = cli.model_stop_ids(target.config, tokenizer)
         status = f"[{method}] compiling the prefill and the round (once per shape)..."
         stream = None if args.json or quiet else TextStream(tokenizer, set(stop_ids), status)
         if stream is not None:

@@ -1,6 +1,7 @@
-"""The host side of decoding: requests in, tokens out. ``SpeculativeDecoder`` checks a batch of requests, pads
-them to static shapes (batch, prompt and cache buckets, so shapes repeat and compile once), runs the prefill and
-then one jitted round of ``jaxdd.decoding.rounds`` after another, streaming each round's accepted tokens.
+"""The host side of decoding: requests in, tokens out. ``SpeculativeDecoder`` checks a batch of requests, sizes a
+pool of rows for it (``jaxdd.decoding.rows``, the server's pool: batch, prompt and cache buckets, so shapes repeat
+and compile once), admits them all in one prefill and steps the pool's rounds until every request is done,
+streaming each round's accepted tokens.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Protocol
 import jax
 import numpy as np
 
+from jaxdd.decoding.buckets import bucket, cache_slots, prompt_bucket
+from jaxdd.decoding.report import RoundTrace
 from jaxdd.decoding.requests import (
-    MAX_STOP_TOKENS,
     check_lengths,
     check_round_options,
     check_stop_ids,
@@ -23,8 +25,9 @@ from jaxdd.decoding.requests import (
     check_tree_logits,
     per_request,
 )
-from jaxdd.decoding.rounds import DecodeState, ModelPair, Requests, RoundSpec, decode_round, prefill
-from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays
+from jaxdd.decoding.rounds import DecodeState, ModelPair, Requests, RoundSpec, decode_round
+from jaxdd.decoding.rows import RowPool, RowRequest, RowShape
+from jaxdd.decoding.sampling import GREEDY, Sampling
 from jaxdd.errors import InputError, LargeRoundWarning
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget
@@ -34,11 +37,6 @@ from jaxdd.runtime.jit_state import split_module
 from jaxdd.runtime.sharding import mesh_of
 from jaxdd.types import ATTENTION_CHOICES, AttentionChoice, Method, TreeLogits, verified_tokens
 
-MIN_BUCKET = 16
-PROMPT_BUCKETS_PER_OCTAVE = 8
-PROMPT_MIN_STEP = 16  # prompt sizes are multiples of this (short prompts: fewer shapes to compile)
-CACHE_BUCKETS_PER_OCTAVE = 4
-CACHE_ALIGN = 64  # cache sizes past this are multiples of it: the tree-attention kernel reads blocks of up to 64
 # A DDTree round past this many nodes per drafted position gets a note: deeper candidates are rarely
 # accepted (tau per budget: benchmarks/README.md, "HumanEval"), each costs verify work.
 NODES_PER_POSITION_NOTE = 16
@@ -76,6 +74,35 @@ class Generation:
 
 
 @dataclasses.dataclass(frozen=True)
+class GenerateOptions:
+    """How ``generate_batch`` decodes a batch (see there); the checks that need no model run once, when made."""
+
+    sampling: Sampling | list[Sampling] = GREEDY  # one for all prompts, or one each
+    method: Method = "dflash"
+    max_new_tokens: int | list[int] = 64  # one for all prompts, or one each
+    stop_token_ids: list[int] | None = None  # default: the target's EOS ids
+    block_size: int | None = None  # default: the drafter's
+    budget: int | None = None  # DDTree nodes per round, default block_size - 1
+    max_children: int | None = None
+    trace_topk: int = 0
+    tree_logits: TreeLogits = "scaled"
+
+    def __post_init__(self):
+        check_tree_logits(self.tree_logits)
+        if not isinstance(self.trace_topk, int) or self.trace_topk < 0:
+            raise InputError.at("trace_topk", f"must be an integer >= 0, got {self.trace_topk!r}")
+
+    @classmethod
+    def of(cls, options: GenerateOptions | None, fields: dict) -> GenerateOptions:
+        """``options``, or the options made of keyword ``fields`` (not both)."""
+        if options is None:
+            return cls(**fields)
+        if fields:
+            raise InputError.at("options", f"give a GenerateOptions or keywords, not both (got {sorted(fields)})")
+        return options
+
+
+@dataclasses.dataclass(frozen=True)
 class RoundBatch:
     """A batch's fixed settings: the round every step runs and the per-row arrays it reads."""
 
@@ -83,30 +110,6 @@ class RoundBatch:
     count: int  # real rows; the batch is padded to a power of two
     max_new_tokens: list[int]
     requests: Requests  # on the device once, not copied there again by every round
-
-
-def bucket(n: int, minimum: int = MIN_BUCKET, per_octave: int = 1, min_step: int = 1) -> int:
-    """The static size used for n, at least ``minimum``: the next power of two, or the next of ``per_octave``
-    evenly spaced sizes per octave (4: ..., 64, 80, 96, 112, 128, 160, ...), less padding for more shapes;
-    sizes are multiples of ``min_step``."""
-    power = max(minimum, 1 << (max(n, 1) - 1).bit_length())
-    step = max(min_step, power // (2 * per_octave))
-    return max(minimum, -(-n // step) * step)
-
-
-def prompt_bucket(length: int) -> int:
-    """The padded length a prompt of ``length`` tokens is prefilled at (eighth octaves, multiples of 16)."""
-    return bucket(length, per_octave=PROMPT_BUCKETS_PER_OCTAVE, min_step=PROMPT_MIN_STEP)
-
-
-def cache_slots(needed: int) -> int:
-    """The cache size for ``needed`` slots: up to ``CACHE_ALIGN``, the next power of two; beyond, the next of four
-    sizes per octave rounded up to a multiple of ``CACHE_ALIGN``. Either way whole blocks for the Pallas
-    tree-attention kernel, which reads the cache in blocks of a power of two up to that many slots. Powers of two
-    throughout would double a 8257-slot Kimi cache to 16384 slots, and attention reads every slot."""
-    if needed <= CACHE_ALIGN:
-        return bucket(needed)
-    return -(-bucket(needed, per_octave=CACHE_BUCKETS_PER_OCTAVE) // CACHE_ALIGN) * CACHE_ALIGN
 
 
 class SpeculativeDecoder:
@@ -125,7 +128,7 @@ class SpeculativeDecoder:
         backend: Backend | None = None,
     ):
         if attention not in ATTENTION_CHOICES:
-            raise InputError(f"attention: expected 'auto', 'absorbed' or 'pallas', got {attention!r}")
+            raise InputError.at("attention", f"expected 'auto', 'absorbed' or 'pallas', got {attention!r}")
         self.target = target
         self.config = target.model.config
         self.drafter = drafter
@@ -148,16 +151,16 @@ class SpeculativeDecoder:
         """Decode up to ``max_new_tokens`` after one prompt; see ``generate_batch`` for the options."""
         prompt = check_tokens(prompt_ids, self.config.vocab_size)
         if prompt.shape[0] != 1:
-            raise InputError(f"prompt_ids: one prompt at a time, got batch {prompt.shape[0]}; use generate_batch")
+            raise InputError.at("prompt_ids", f"one prompt at a time, got batch {prompt.shape[0]}; use generate_batch")
         return self.generate_batch([prompt[0].tolist()], sampling=sampling, **options)[0]
 
     def generate_batch(
         self,
         prompts: list[list[int]],
         *,
-        trace_topk: int = 0,
         on_tokens: Callable[[int, list[int]], None] | None = None,
-        **options,
+        options: GenerateOptions | None = None,
+        **fields,
     ) -> list[Generation]:
         """Decode a batch of requests together, each with its own length, sampling settings and seed.
 
@@ -170,21 +173,22 @@ class SpeculativeDecoder:
         tree from the draft logits at the request's temperature, "scaled", or from the raw logits, "raw";
         lossless either way). ``trace_topk`` > 0 records each round's
         draft top-k (and DDTree trees) in the results. ``on_tokens(request, new_tokens)`` is called as tokens are
-        accepted (the first one after the prefill, then each round's), e.g. to stream text.
+        accepted (the first one after the prefill, then each round's), e.g. to stream text. The options may come
+        as one ``GenerateOptions`` (``options``) or as its fields by keyword.
         """
         emit = on_tokens or (lambda request, tokens: None)
         with compile_clock() as clock:
             t0 = time.perf_counter()
-            plan, state = self.start(prompts, trace_topk=trace_topk, **options)
-            first, done = np.asarray(state.bonus), np.array(state.done)
+            pool, _ = self._admitted(prompts, GenerateOptions.of(options, fields))
+            first = pool.collect()
             prefill_seconds = time.perf_counter() - t0
-            results = [Generation([int(first[i])], [], prefill_seconds, 0.0) for i in range(plan.count)]
+            results = [Generation(first[i].tokens, [], prefill_seconds, 0.0) for i in range(len(first))]
             for i, result in enumerate(results):
                 emit(i, result.tokens[:])
             t0 = time.perf_counter()
-            self._decode(plan, state, done, results, emit)
+            self._decode(pool, results, emit)
             decode_seconds = time.perf_counter() - t0
-        spec = plan.spec
+        spec = pool.spec
         round_shape = {} if spec.method == "ar" else {"block": spec.block}
         if spec.method == "ddtree":
             round_shape["budget"] = spec.budget
@@ -194,42 +198,38 @@ class SpeculativeDecoder:
             result.round_shape = dict(round_shape)
         return results
 
-    def _decode(self, plan: RoundBatch, state: DecodeState, done: np.ndarray, results: list[Generation], emit):
-        """Run rounds until every request is done, appending each round's tokens to ``results``."""
-        n, width = plan.count, 1 if plan.spec.method == "ar" else plan.spec.block  # tokens per report row
-        pending = None if done[:n].all() else self.step(plan, state)
-        while pending is not None:
-            state, report = pending
+    @staticmethod
+    def _decode(pool: RowPool, results: list[Generation], emit) -> None:
+        """Run rounds until every row of ``pool`` is done, appending each round's tokens to ``results``."""
+        if pool.active:
+            pool.dispatch()
+        while pool.in_flight:
             # Dispatch the next round before reading this one's report, so the host's work (the wait for the
             # report, the bookkeeping, the next dispatch) overlaps the device's. Not when a request may reach its
             # length this round: a round after the last would be wasted work (after a stop token it still is:
             # finished rows change nothing).
-            may_end = any(not done[i] and len(results[i].tokens) + width >= plan.max_new_tokens[i] for i in range(n))
-            pending = None if may_end else self.step(plan, state)
-            for i, (row, result) in enumerate(zip(np.asarray(report), results, strict=False)):
-                produced = int(row[width])
-                if produced:
-                    new = [int(x) for x in row[:produced]]
-                    result.tokens.extend(new)
-                    result.acceptance_lengths.append(produced)
-                    emit(i, new)
-                    if plan.spec.trace and plan.spec.method != "ar":
-                        _record_trace(result, row[width + 2 :], plan.spec)
-                done[i] = done[i] or bool(row[width + 1]) or len(result.tokens) >= plan.max_new_tokens[i]
-            if done[:n].all():
-                jax.block_until_ready(pending)  # a round dispatched ahead finishes in this call's time
-                pending = None
-            elif pending is None:
-                pending = self.step(plan, state)
+            if not pool.may_finish():
+                pool.dispatch()
+            for i, update in pool.collect().items():
+                if update.tokens:
+                    results[i].tokens.extend(update.tokens)
+                    results[i].acceptance_lengths.append(len(update.tokens))
+                    emit(i, update.tokens)
+                if update.trace is not None:
+                    _record_trace(results[i], update.trace)
+            if not pool.active:
+                pool.discard()  # a round dispatched ahead finishes in this call's time
+            elif not pool.in_flight:
+                pool.dispatch()
 
     def step(self, plan: RoundBatch, state: DecodeState) -> tuple[DecodeState, jax.Array]:
         """One jitted round for the whole batch: (new state, the round's report [rows, ...])."""
-        return decode_round(plan.spec, self._models_for(plan.spec), state, plan.requests)
+        return decode_round(plan.spec, self.models_for(plan.spec), state, plan.requests)
 
     def lower_round(self, plan: RoundBatch, state: DecodeState) -> jax.stages.Lowered:
         """The round ``step`` runs for ``plan``, lowered for ``state`` (arrays or ShapeDtypeStructs): for
         compiling ahead of time (``jaxdd.plan``), reading the HLO, or profiling its stages."""
-        return decode_round.lower(plan.spec, self._models_for(plan.spec), state, plan.requests)
+        return decode_round.lower(plan.spec, self.models_for(plan.spec), state, plan.requests)
 
     def round_spec(
         self,
@@ -242,59 +242,68 @@ class SpeculativeDecoder:
         tree_logits: TreeLogits = "scaled",
     ) -> RoundSpec:
         """The static description of a round on this decoder's backend and attention."""
-        return RoundSpec(method, self.backend, block, budget, max_children, self.attention, sampled, trace, tree_logits)
+        return RoundSpec(
+            method=method,
+            backend=self.backend,
+            block=block,
+            budget=budget,
+            max_children=max_children,
+            attention=self.attention,
+            sampled=sampled,
+            trace=trace,
+            tree_logits=tree_logits,
+        )
 
     def start(
-        self,
-        prompts: list[list[int]],
-        *,
-        sampling: Sampling | list[Sampling] = GREEDY,
-        method: Method = "dflash",
-        max_new_tokens: int | list[int] = 64,
-        stop_token_ids: list[int] | None = None,
-        block_size: int | None = None,
-        budget: int | None = None,
-        max_children: int | None = None,
-        trace_topk: int = 0,
-        tree_logits: str = "scaled",
+        self, prompts: list[list[int]], options: GenerateOptions | None = None, **fields
     ) -> tuple[RoundBatch, DecodeState]:
         """Check the requests, fix the static shapes and run the prefill: (plan, state after the prefill)."""
+        pool, plan = self._admitted(prompts, GenerateOptions.of(options, fields))
+        return plan, pool.state
+
+    def _admitted(self, prompts: list[list[int]], options: GenerateOptions) -> tuple[RowPool, RoundBatch]:
+        """A pool of rows for the batch (checked, its round sized), every request admitted."""
+        requests, shape = self._batch_shape(prompts, options)
+        pool = RowPool.of_shape(self, shape)
+        pool.admit_all(requests)
+        plan = RoundBatch(shape.spec, len(requests), [r.max_new_tokens for r in requests], pool.requests)
+        self._check_round_size(plan, pool.state)
+        return pool, plan
+
+    def _batch_shape(self, prompts: list[list[int]], options: GenerateOptions) -> tuple[list[RowRequest], RowShape]:
+        """The batch's requests, checked, and the shape of rows that runs them: one round, rows padded to a power
+        of two, prompts and the cache to their buckets."""
         if not prompts:
-            raise InputError("prompts: the batch is empty")
+            raise InputError.at("prompts", "the batch is empty")
         checked = [check_tokens([list(p)], self.config.vocab_size)[0] for p in prompts]
         n = len(checked)
-        settings = per_request("sampling and max_new_tokens", sampling, n)
-        lengths = per_request("sampling and max_new_tokens", max_new_tokens, n)
-        stops = check_stop_ids(stop_token_ids, self.config)
+        settings = per_request("sampling and max_new_tokens", options.sampling, n)
+        lengths = per_request("sampling and max_new_tokens", options.max_new_tokens, n)
+        stops = check_stop_ids(options.stop_token_ids, self.config)
+        method, max_children = options.method, options.max_children
         drafter_block = None if self.drafter is None else self.drafter.config.block_size
         block, budget = check_round_options(
-            method, self.drafter is not None, drafter_block, block_size, budget, max_children
+            method, self.drafter is not None, drafter_block, options.block_size, options.budget, max_children
         )
         max_lengths = check_lengths(checked, lengths, self.config)
         verify_width = verified_tokens(method, block, budget)
-
-        rows = bucket(n, minimum=1)
+        requests = [RowRequest(p.tolist(), m, stops, s) for p, m, s in zip(checked, lengths, settings, strict=True)]
         # Prompts in eighth octaves, multiples of 16, the cache in quarter octaves: a prefill's cost grows with
         # its padded length and a round's with its slots, and each new shape compiles.
-        padded = prompt_bucket(max(len(p) for p in checked))
-        slots = cache_slots(max(padded, max(max_lengths) + max(block, verify_width)))
-        tokens = np.zeros((rows, padded), np.int32)
-        prompt_len = np.ones((rows,), np.int32)
-        max_length = np.full((rows,), 2, np.int32)  # padding rows: a one-token request, done after the prefill
-        for i, prompt in enumerate(checked):
-            tokens[i, : len(prompt)], prompt_len[i], max_length[i] = prompt, len(prompt), max_lengths[i]
-        stop_ids = np.full((rows, MAX_STOP_TOKENS), -1, np.int32)
-        stop_ids[:, : len(stops)] = stops
-        settings = settings + [GREEDY] * (rows - n)
-        seeds = np.array([s.seed for s in settings], np.uint32)
+        longest = max(len(p) for p in checked)
+        slots = cache_slots(max(prompt_bucket(longest), max(max_lengths) + max(block, verify_width)))
         sampled = any(not s.greedy for s in settings)
-        # On the device in one transfer: the prefill and every round read them.
-        requests = jax.device_put(Requests(max_length, stop_ids, SamplingArrays.of(settings)))
-        spec = self.round_spec(method, block, budget, max_children, sampled, trace_topk, check_tree_logits(tree_logits))
-        plan = RoundBatch(spec, n, lengths, requests)
-        state = prefill(spec, self._models_for(spec), tokens, prompt_len, requests, seeds, slots, self.mesh)
-        self._check_round_size(plan, state)
-        return plan, state
+        spec = self.round_spec(
+            method,
+            block=block,
+            budget=budget,
+            max_children=max_children,
+            sampled=sampled,
+            trace=options.trace_topk,
+            tree_logits=options.tree_logits,
+        )
+        rows = bucket(n, minimum=1)
+        return requests, RowShape(spec, spec, rows, max(max_lengths), longest, slots, (rows,))
 
     def _check_round_size(self, plan: RoundBatch, state: DecodeState) -> None:
         """Compile the round (``step`` then reuses it) and refuse it, naming the option that sizes it, when its
@@ -331,7 +340,8 @@ class SpeculativeDecoder:
             return
         warnings.warn(f"{what} {note}; it needs {gigabytes(needed)} of working memory per device", LargeRoundWarning, 3)
 
-    def _models_for(self, spec: RoundSpec) -> ModelPair:
+    def models_for(self, spec: RoundSpec) -> ModelPair:
+        """The weights a round of ``spec`` reads: the target's alone for AR."""
         return self._target_only if spec.method == "ar" else self._models
 
 
@@ -339,10 +349,7 @@ def gigabytes(n: int) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def _record_trace(result: Generation, trace: np.ndarray, spec: RoundSpec) -> None:
-    drafted = (spec.block - 1) * spec.trace
-    result.draft_topk.append(trace[:drafted].reshape(spec.block - 1, spec.trace))
-    if spec.method == "ddtree":
-        tokens, parents = np.split(trace[drafted:], 2)
-        valid = tokens >= 0
-        result.trees.append((tokens[valid], parents[valid]))
+def _record_trace(result: Generation, trace: RoundTrace) -> None:
+    result.draft_topk.append(trace.draft_topk)
+    if trace.tree is not None:
+        result.trees.append(trace.tree)

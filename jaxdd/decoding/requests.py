@@ -18,13 +18,13 @@ def check_tokens(token_ids, vocab_size: int, batch: int | None = None) -> np.nda
     if tokens.ndim == 1:
         tokens = tokens[None]
     if tokens.ndim != 2 or tokens.shape[1] == 0 or not np.issubdtype(tokens.dtype, np.integer):
-        raise InputError(f"token_ids: expected a non-empty [batch, T] integer array, got shape {tokens.shape}")
+        raise InputError.at("token_ids", f"expected a non-empty [batch, T] integer array, got shape {tokens.shape}")
     if batch is not None and tokens.shape[0] != batch:
-        raise InputError(f"token_ids: batch {tokens.shape[0]} does not match the cache batch {batch}")
+        raise InputError.at("token_ids", f"batch {tokens.shape[0]} does not match the cache batch {batch}")
     bad = np.argwhere((tokens < 0) | (tokens >= vocab_size))
     if bad.size:
         at = tuple(int(i) for i in bad[0])
-        raise InputError(f"token_ids: id {tokens[at]} at {at} outside the vocabulary [0, {vocab_size})")
+        raise InputError.at("token_ids", f"id {tokens[at]} at {at} outside the vocabulary [0, {vocab_size})")
     return tokens.astype(np.int32)
 
 
@@ -32,13 +32,14 @@ def check_positions(positions, shape: tuple[int, int], slots: int, max_positions
     """Positions as int32 of ``shape``, each inside the cache and the model's position range."""
     positions = np.asarray(positions)
     if positions.shape != shape or not np.issubdtype(positions.dtype, np.integer):
-        raise InputError(f"positions: expected integers of shape {shape}, got {positions.dtype} {positions.shape}")
+        raise InputError.at("positions", f"expected integers of shape {shape}, got {positions.dtype} {positions.shape}")
     bad = np.argwhere((positions < 0) | (positions >= min(slots, max_positions)))
     if bad.size:
         at = tuple(int(i) for i in bad[0])
-        raise InputError(
-            f"positions: {positions[at]} at {at} is beyond the cache ({slots} slots) or the model's "
-            f"max_position_embeddings ({max_positions})"
+        raise InputError.at(
+            "positions",
+            f"{positions[at]} at {at} is beyond the cache ({slots} slots) or the model's "
+            f"max_position_embeddings ({max_positions})",
         )
     return positions.astype(np.int32)
 
@@ -50,9 +51,9 @@ def check_visible(visible, batch: int, tokens: int) -> np.ndarray:
     visible = np.asarray(visible)
     if visible.shape != (batch, tokens, tokens) or visible.dtype != bool:
         expected = (batch, tokens, tokens)
-        raise InputError(f"visible: expected a bool mask of shape {expected}, got {visible.dtype} {visible.shape}")
+        raise InputError.at("visible", f"expected a bool mask of shape {expected}, got {visible.dtype} {visible.shape}")
     if not visible[:, np.arange(tokens), np.arange(tokens)].all():
-        raise InputError("visible: every new token must see itself (the diagonal must be True)")
+        raise InputError.at("visible", "every new token must see itself (the diagonal must be True)")
     return visible
 
 
@@ -60,7 +61,7 @@ def per_request(name: str, value, count: int) -> list:
     """One value for all ``count`` requests, or a list with one each."""
     values = list(value) if isinstance(value, list | tuple) else [value] * count
     if len(values) != count:
-        raise InputError(f"{name}: give one per prompt ({count}), or one for all")
+        raise InputError.at(name, f"give one per prompt ({count}), or one for all")
     return values
 
 
@@ -75,40 +76,41 @@ def check_round_options(
     """(block, budget) for a method: block 1 for AR, the drafter's block by default, and a DDTree budget of
     block - 1 nodes by default."""
     if method not in METHODS:
-        raise InputError(f"method: expected 'ar', 'dflash' or 'ddtree', got {method!r}")
+        raise InputError.at("method", f"expected 'ar', 'dflash' or 'ddtree', got {method!r}")
     if method == "ar":
         return 1, None
     if not has_drafter:
-        raise InputError(f"method {method!r} needs a drafter")
+        raise InputError(f"method {method!r} needs a drafter", field="method")
     block = drafter_block if block_size is None else block_size
     if block < 2:
-        raise InputError(f"block_size: must be >= 2, got {block}")
+        raise InputError.at("block_size", f"must be >= 2, got {block}")
     if method == "dflash":
         return block, None
     budget = block - 1 if budget is None else budget
     if budget < 1:
-        raise InputError(f"budget: must be >= 1, got {budget}")
+        raise InputError.at("budget", f"must be >= 1, got {budget}")
     if max_children is not None and max_children < 1:
-        raise InputError(f"max_children: must be >= 1, got {max_children}")
+        raise InputError.at("max_children", f"must be >= 1, got {max_children}")
     return block, budget
 
 
 def check_tree_logits(tree_logits: str) -> TreeLogits:
     if tree_logits not in TREE_LOGITS:
-        raise InputError(f"tree_logits: expected one of {', '.join(TREE_LOGITS)}, got {tree_logits!r}")
+        raise InputError.at("tree_logits", f"expected one of {', '.join(TREE_LOGITS)}, got {tree_logits!r}")
     return tree_logits
 
 
 def check_lengths(prompts: list[np.ndarray], max_new_tokens: list[int], config: KimiConfig) -> list[int]:
     """max_length = prompt + max_new_tokens per request, within the model's positions."""
     if any(not isinstance(m, int) or m < 1 for m in max_new_tokens):
-        raise InputError(f"max_new_tokens: must be >= 1 (an integer, or one per prompt), got {max_new_tokens}")
+        raise InputError.at("max_new_tokens", f"must be >= 1 (an integer, or one per prompt), got {max_new_tokens}")
     max_lengths = [len(p) + m for p, m in zip(prompts, max_new_tokens, strict=True)]
     if max(max_lengths) > config.max_position_embeddings:
         i = int(np.argmax(max_lengths))
         raise InputError(
             f"request {i}: prompt ({len(prompts[i])}) + max_new_tokens ({max_new_tokens[i]}) exceeds the model's "
-            f"max_position_embeddings ({config.max_position_embeddings})"
+            f"max_position_embeddings ({config.max_position_embeddings})",
+            field="max_new_tokens",
         )
     return max_lengths
 
@@ -117,8 +119,8 @@ def check_stop_ids(stop_token_ids: list[int] | None, config: KimiConfig) -> list
     """The stop ids (default: the model's EOS ids), at most ``MAX_STOP_TOKENS``; negative ids never stop."""
     stops = list(config.eos_token_ids if stop_token_ids is None else stop_token_ids)
     if len(stops) > MAX_STOP_TOKENS:
-        raise InputError(f"stop_token_ids: at most {MAX_STOP_TOKENS}, got {len(stops)}")
+        raise InputError.at("stop_token_ids", f"at most {MAX_STOP_TOKENS}, got {len(stops)}")
     outside = [s for s in stops if s >= config.vocab_size]
     if outside:  # such an id could never stop anything (a negative one, e.g. -1, says so on purpose)
-        raise InputError(f"stop_token_ids: {outside[0]} outside the vocabulary [0, {config.vocab_size})")
+        raise InputError.at("stop_token_ids", f"{outside[0]} outside the vocabulary [0, {config.vocab_size})")
     return stops

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxdd.config import DrafterConfig, KimiConfig
+from jaxdd.decoding.report import RoundReport
 from jaxdd.decoding.sampling import SamplingArrays, argmax, filtered_probs, sample, seed_keys, split_keys
 from jaxdd.decoding.tree import accept_path, build_tree
 from jaxdd.models.cache import LatentCache, compact_rows
@@ -41,7 +42,7 @@ from jaxdd.runtime.sharding import cache_sharding
 from jaxdd.types import Attention, Method, TreeLogits
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RoundSpec:
     """Everything static about a round: one compiled executable per spec (and array shapes)."""
 
@@ -54,6 +55,11 @@ class RoundSpec:
     sampled: bool = False  # compile the sampling path (greedy rows still decode greedily)
     trace: int = 0  # > 0: also report the drafter's top-``trace`` tokens per position (and DDTree's tree)
     tree_logits: TreeLogits = "scaled"  # sampled DDTree: the tree from the draft logits at the temperature, or raw
+
+    @property
+    def width(self) -> int:
+        """Tokens a round emits per row (its report's ``tokens``): 1 for AR, else the block."""
+        return 1 if self.method == "ar" else self.block
 
 
 @struct.dataclass
@@ -136,9 +142,8 @@ def state_shardings(state: DecodeState, mesh: jax.sharding.Mesh) -> DecodeState:
 def decode_round(
     spec: RoundSpec, models: ModelPair, state: DecodeState, requests: Requests
 ) -> tuple[DecodeState, jax.Array]:
-    """One round of ``spec.method`` for the whole batch: (new state, the round's report). A report row is the
-    emitted tokens (1 for AR, else ``block``), then produced and stopped, then with ``trace`` the drafter's top-k
-    per draft position and for DDTree the tree's tokens and parents (-1 where unused)."""
+    """One round of ``spec.method`` for the whole batch: (new state, the round's report, ``RoundReport.encode``:
+    with ``trace`` the drafter's top-k per draft position and for DDTree the tree's tokens and parents)."""
     target, drafter = models.merge()
     if spec.method == "ar":
         return _ar_step(spec, target, state, requests)
@@ -179,8 +184,8 @@ def _dflash_round(spec: RoundSpec, target: KimiTarget, drafter: DFlashDrafter, s
         else:
             emitted, accepted = accept_greedy(drafts, argmax(target_logits), block_len)
     with jax.named_scope("commit"):
-        trace = (jax.lax.top_k(logits, spec.trace)[1],) if spec.trace else ()
-        return _commit(state, emitted, accepted, cache, features, draft_cache, rng, requests, *trace)
+        trace = {"draft_topk": jax.lax.top_k(logits, spec.trace)[1]} if spec.trace else {}
+        return _commit(state, emitted, accepted, cache, features, draft_cache, rng, requests, **trace)
 
 
 def _ddtree_round(spec: RoundSpec, target: KimiTarget, drafter: DFlashDrafter, state: DecodeState, requests):
@@ -210,12 +215,12 @@ def _ddtree_round(spec: RoundSpec, target: KimiTarget, drafter: DFlashDrafter, s
     with jax.named_scope("commit"):
         cache = compact_rows(out.cache, start, path)
         context = jnp.take_along_axis(out.taps, path[:, :, None], axis=1)  # features in path order
-        trace = ()
+        trace = {}
         if spec.trace:
             unused = ~tree.valid
             tree_tokens, tree_parents = jnp.where(unused, -1, tree.tokens), jnp.where(unused, -1, tree.parents)
-            trace = (jax.lax.top_k(logits, spec.trace)[1], tree_tokens, tree_parents)
-        return _commit(state, emitted, accepted, cache, context, draft_cache, rng, requests, *trace)
+            trace = {"draft_topk": jax.lax.top_k(logits, spec.trace)[1], "tree": (tree_tokens, tree_parents)}
+        return _commit(state, emitted, accepted, cache, context, draft_cache, rng, requests, **trace)
 
 
 def _forward_options(spec: RoundSpec) -> dict:
@@ -293,7 +298,18 @@ def limit_round(emitted, accepted, max_length, start, stop_ids, done):
     return produced, stopped, done | stopped | (start + produced + 1 >= max_length)
 
 
-def _commit(state: DecodeState, emitted, accepted, cache, context, draft_cache, rng, requests: Requests, *trace):
+def _commit(
+    state: DecodeState,
+    emitted,
+    accepted,
+    cache,
+    context,
+    draft_cache,
+    rng,
+    requests: Requests,
+    draft_topk: jax.Array | None = None,
+    tree: tuple[jax.Array, jax.Array] | None = None,
+):
     """Keep ``produced`` tokens per row (rows already done keep everything as it was) and report."""
     start = state.target_cache.length
     produced, stopped, done = limit_round(emitted, accepted, requests.max_length, start, requests.stop_ids, state.done)
@@ -307,10 +323,7 @@ def _commit(state: DecodeState, emitted, accepted, cache, context, draft_cache, 
         context=context,
         context_count=None if context is None else produced,
     )
-    # One int32 array [B, block + 2 + ...]: a single device-to-host read per round.
-    flat = [x.reshape(x.shape[0], -1).astype(jnp.int32) for x in trace]
-    report = jnp.concatenate([emitted, produced[:, None], stopped[:, None].astype(jnp.int32), *flat], axis=1)
-    return new_state, report
+    return new_state, RoundReport.encode(emitted, produced, stopped, draft_topk, tree)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "slots", "mesh"))
@@ -323,10 +336,11 @@ def prefill(
     seeds: jax.Array,
     slots: int,
     mesh: jax.sharding.Mesh | None,
-) -> DecodeState:
+) -> tuple[DecodeState, jax.Array]:
     """Run the (padded) prompts, commit ``prompt_len`` tokens per row, choose each row's first token, and cache
-    the drafter context: the decode state for rounds of ``spec``, with caches of ``slots`` slots (placed on
-    ``mesh`` if given). A row is done at once if that token is a stop token or its length allows no more.
+    the drafter context: (the decode state for rounds of ``spec``, with caches of ``slots`` slots placed on
+    ``mesh`` if given; a report as a round's, the first token produced). A row is done at once if that token
+    is a stop token or its length allows no more.
 
     The empty state is made here rather than passed in: made outside, its many eager dispatches cost
     host time on every prefill."""
@@ -354,4 +368,6 @@ def prefill(
         state = state.replace(draft_cache=drafter.inject(state.draft_cache, out.taps, positions, prompt_len))
     if mesh is not None:
         state = jax.lax.with_sharding_constraint(state, state_shardings(state, mesh))
-    return state
+    stopped = (first[:, None] == requests.stop_ids).any(-1)
+    emitted = jnp.zeros((b, spec.width), jnp.int32).at[:, 0].set(first)
+    return state, RoundReport.encode(emitted, jnp.ones((b,), jnp.int32), stopped)

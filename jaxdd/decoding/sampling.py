@@ -29,13 +29,13 @@ class Sampling:
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and np.isfinite(self.temperature)) or self.temperature < 0:
-            raise InputError(f"temperature: must be a finite number >= 0, got {self.temperature!r}")
+            raise InputError.at("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise InputError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+            raise InputError.at("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, (int, np.integer)) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise InputError(f"top_k: must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
+            raise InputError.at("top_k", f"must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
         if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:
-            raise InputError(f"seed: must be an integer in [0, 2**32), got {self.seed!r}")
+            raise InputError.at("seed", f"must be an integer in [0, 2**32), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -25,7 +25,8 @@ from flax import nnx
 
 from jaxdd.api import Target
 from jaxdd.config import DrafterConfig, KimiConfig
-from jaxdd.decoding.engine import RoundBatch, SpeculativeDecoder, cache_slots
+from jaxdd.decoding.buckets import cache_slots
+from jaxdd.decoding.engine import RoundBatch, SpeculativeDecoder
 from jaxdd.decoding.requests import MAX_STOP_TOKENS
 from jaxdd.decoding.rounds import DecodeState, Requests, state_shardings
 from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays

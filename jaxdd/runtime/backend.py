@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
 
@@ -23,13 +21,13 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxdd.runtime import cpu_kernels
 from jaxdd.runtime.cpu_memory import keep_allocations
+from jaxdd.runtime.host import PLATFORMS, available_memory
 from jaxdd.types import ATTENTIONS, Attention, Dispatch, Platform
 from pallas_kernels import int4_experts, int4_experts_tpu
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_tpu import tree_attention_tpu
 from pallas_kernels.tuned_block_sizes import block_sizes
 
-_PLATFORMS: dict[str, Platform] = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 # Shared memory one thread block may opt into, by compute capability (CUDA C++ Programming Guide, "Technical
 # Specifications per Compute Capability"): the Pallas kernel's tiles must fit it.
 SHARED_MEMORY_PER_BLOCK = {"8.0": 163, "8.6": 99, "8.7": 163, "8.9": 99, "9.0": 227, "10.0": 227, "12.0": 99}
@@ -54,8 +52,8 @@ class Backend:
     @classmethod
     def of_devices(cls, devices: Iterable[Any]) -> Backend:
         """The policy for these devices (real ones, or a deviceless topology's)."""
-        platforms = {_PLATFORMS.get(d.platform.lower(), d.platform.lower()) for d in devices}
-        if len(platforms) != 1 or not platforms <= set(_PLATFORMS.values()):
+        platforms = {PLATFORMS.get(d.platform.lower(), d.platform.lower()) for d in devices}
+        if len(platforms) != 1 or not platforms <= set(PLATFORMS.values()):
             raise ValueError(f"devices: expected one platform of cpu, gpu or tpu, got {sorted(platforms)}")
         platform = platforms.pop()
         capabilities = {getattr(d, "compute_capability", None) for d in devices} if platform == "gpu" else set()
@@ -162,12 +160,8 @@ class Backend:
         stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
         if stats and "bytes_limit" in stats:
             return min(d.memory_stats()["bytes_limit"] - d.memory_stats().get("bytes_in_use", 0) for d in devices)
-        try:
-            meminfo = Path("/proc/meminfo").read_text()
-        except OSError:
-            return None
-        available = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.MULTILINE)
-        return int(available.group(1)) * 1024 // len(devices) if available else None
+        available = available_memory()
+        return None if available is None else available // len(devices)
 
     def kernel_options(self) -> dict[str, Any]:
         """Keyword arguments for the kernel's GPU form (``pallas_kernels.tree_attention``): interpreted on CPU; on

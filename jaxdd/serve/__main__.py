@@ -32,11 +32,10 @@ import jax
 
 import jaxdd
 from jaxdd import cli
-from jaxdd.cli import positive
+from jaxdd.cli import DEMO, positive, print_note
 from jaxdd.decoding.engine import SpeculativeDecoder
-from jaxdd.decoding.slots import RowPool
+from jaxdd.decoding.rows import RowPool
 from jaxdd.errors import checkpoint_directory
-from jaxdd.generate import DEMO, print_note
 from jaxdd.runtime.backend import Backend
 from jaxdd.serve import faults, lifecycle
 from jaxdd.serve.app import Server, create_app
@@ -92,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     cli.enable_compilation_cache()
     devices = cli.start_job(args, platform)
     backend = Backend.local()
-    dtype = args.dtype if args.dtype != "auto" else "float32" if backend.platform == "cpu" else "bfloat16"
+    dtype = cli.compute_dtype(args.dtype, backend.platform)
     try:
         tokenizer = load_tokenizer(checkpoint)
         if template is not None:
@@ -107,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     except (jaxdd.CheckpointError, jaxdd.ConfigError, jaxdd.InputError) as error:
         print(f"jaxdd: {error}", file=sys.stderr)
         return 2
-    stop_ids = sorted(set(target.config.eos_token_ids) | set(tokenizer.stop_ids if tokenizer else ()))
+    stop_ids = cli.model_stop_ids(target.config, tokenizer)
     channel = Local()
     if jax.process_count() > 1:
         channel = Broadcast(pool.rows, pool.max_prompt, args.coordinator_timeout, leads=jax.process_index() == 0)

@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxdd.decoding.requests import MAX_STOP_TOKENS
+from jaxdd.decoding.rows import RowPool
 from jaxdd.decoding.sampling import Sampling
-from jaxdd.decoding.slots import RowPool
 from jaxdd.errors import InputError
 from jaxdd.serve import errors, protocol
 from jaxdd.serve.output import Output
@@ -29,6 +29,7 @@ from jaxdd.serve.scheduler import Event, Job, NotReady, QueueFull, Scheduler
 from jaxdd.weights.tokenizer import TextTokenizer, render_chat_template
 
 DISCONNECT_POLL = 0.25  # seconds between a non-streaming request's looks at its connection
+API_PARAMS = {"token_ids": "prompt"}  # the request field behind a jaxdd field that the API names otherwise
 
 
 @dataclasses.dataclass
@@ -144,11 +145,10 @@ def make_job(server: Server, body: protocol.SamplingFields, prompt: list[int], m
     try:
         server.pool.check(prompt, max_tokens, stop_ids, sampling)
     except InputError as error:
-        field = str(error).split(":")[0]  # jaxdd's messages start with the field at fault
         pool = server.pool
         too_long = len(prompt) > pool.max_prompt or len(prompt) + max_tokens > pool.max_len
-        param = {"token_ids": "prompt"}.get(field, field)
         refused = "too_long" if too_long else "invalid"
+        param = API_PARAMS.get(error.field, error.field)
         raise APIError(400, str(error), param=param, refused=refused) from None
     timeouts = [t for t in (body.timeout, server.request_timeout) if t is not None]
     return Job(prompt, max_tokens, stop_ids, sampling, deliver, timeout=min(timeouts) if timeouts else None)

@@ -12,7 +12,7 @@ import jax
 from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
-from jaxdd.decoding.slots import RowPool
+from jaxdd.decoding.rows import RowPool
 
 ENV = "JAXDD_SERVE_FAULTS"
 

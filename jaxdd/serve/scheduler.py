@@ -25,8 +25,8 @@ import time
 import traceback
 from collections.abc import Callable
 
+from jaxdd.decoding.rows import RowPool, RowUpdate
 from jaxdd.decoding.sampling import Sampling
-from jaxdd.decoding.slots import RowPool, RowUpdate
 from jaxdd.serve.decisions import Broadcast, Decisions, Local, Request
 from jaxdd.serve.metrics import Metrics
 

@@ -294,7 +294,7 @@ def _int4_group(quantization: dict[str, Any]) -> int:
     for group in (quantization.get("config_groups") or {}).values():
         weights = group.get("weights") or {}
         if weights.get("num_bits") != 4 or weights.get("strategy") != "group" or not weights.get("symmetric"):
-            raise CheckpointError(f"quantization_config: only symmetric 4-bit groups are supported, got {weights}")
+            raise CheckpointError.at("quantization_config", f"only symmetric 4-bit groups are supported, got {weights}")
         return int(weights["group_size"])
     return 32
 
@@ -302,7 +302,7 @@ def _int4_group(quantization: dict[str, Any]) -> int:
 def _fp8_block(quantization: dict[str, Any]) -> int:
     block = quantization.get("weight_block_size", [128, 128])
     if len(block) != 2 or block[0] != block[1]:
-        raise CheckpointError(f"quantization_config.weight_block_size: expected square blocks, got {block}")
+        raise CheckpointError.at("quantization_config.weight_block_size", f"expected square blocks, got {block}")
     return int(block[0])
 
 

@@ -109,8 +109,8 @@ def test_bad_reference_file(tmp_path, capsys):
 
 
 def test_text_prompts_use_the_target_tokenizer(tmp_path):
+    from jaxdd.cli import DEMO
     from jaxdd.crosscheck.dump import read_prompts
-    from jaxdd.generate import DEMO
     from jaxdd.weights.tokenizer import load_tokenizer
 
     prompts = tmp_path / "prompts.json"

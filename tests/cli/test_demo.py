@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import jaxdd
+from jaxdd.cli import DEMO
 from jaxdd.crosscheck.torch_reference import dflash_reference, load_reference_models
 from jaxdd.decoding.engine import SpeculativeDecoder
-from jaxdd.generate import DEFAULT_PROMPT, DEMO
+from jaxdd.generate import DEFAULT_PROMPT
 from jaxdd.testing.reference import hf_greedy
 from jaxdd.weights.tokenizer import load_tokenizer
 

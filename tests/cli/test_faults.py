@@ -24,8 +24,8 @@ from safetensors.numpy import load_file, save_file
 
 import jaxdd
 from jaxdd import cli
+from jaxdd.cli import DEMO
 from jaxdd.crosscheck.compare import PromptReport, Report, first_hidden_excess
-from jaxdd.generate import DEMO
 from jaxdd.planning.fit import PlanOptions
 from jaxdd.testing.server import START_SECONDS, free_port, started_server
 from jaxdd.weights.hf_reader import HFCheckpoint

@@ -16,14 +16,8 @@ from hypothesis.extra import numpy as hnp
 import jaxdd
 from jaxdd.config import DrafterConfig
 from jaxdd.crosscheck.torch_reference import dflash_reference
-from jaxdd.decoding.engine import (
-    CACHE_ALIGN,
-    PROMPT_BUCKETS_PER_OCTAVE,
-    PROMPT_MIN_STEP,
-    SpeculativeDecoder,
-    bucket,
-    cache_slots,
-)
+from jaxdd.decoding.buckets import CACHE_ALIGN, PROMPT_BUCKETS_PER_OCTAVE, PROMPT_MIN_STEP, bucket, cache_slots
+from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.sampling import argmax
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.runtime.compile_time import compile_clock

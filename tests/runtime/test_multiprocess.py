@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import jaxdd
-from jaxdd.generate import DEMO
+from jaxdd.cli import DEMO
 from jaxdd.testing.multiprocess import METHODS, PROMPT, free_port, run_processes, start_job
 
 

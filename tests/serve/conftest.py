@@ -3,8 +3,8 @@
 import pytest
 
 import jaxdd
+from jaxdd.cli import DEMO
 from jaxdd.decoding.engine import SpeculativeDecoder
-from jaxdd.generate import DEMO
 from jaxdd.weights.tokenizer import load_tokenizer
 
 

@@ -10,9 +10,9 @@ import pytest
 from starlette.testclient import TestClient
 
 import jaxdd
+from jaxdd.cli import DEMO
 from jaxdd.decoding.engine import SpeculativeDecoder
-from jaxdd.decoding.slots import RowPool
-from jaxdd.generate import DEMO
+from jaxdd.decoding.rows import RowPool
 from jaxdd.serve.app import Server, create_app
 from jaxdd.serve.metrics import REFUSALS, Metrics
 from jaxdd.serve.scheduler import Scheduler

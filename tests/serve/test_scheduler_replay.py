@@ -8,8 +8,8 @@ import collections
 import threading
 import time
 
+from jaxdd.decoding.rows import RowUpdate
 from jaxdd.decoding.sampling import Sampling
-from jaxdd.decoding.slots import RowUpdate
 from jaxdd.serve.decisions import Broadcast
 from jaxdd.serve.metrics import Metrics
 from jaxdd.serve.scheduler import Event, Job, Scheduler

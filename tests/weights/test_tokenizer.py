@@ -13,8 +13,8 @@ from tiktoken._educational import bpe_train
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from jaxdd.cli import DEMO
 from jaxdd.errors import CheckpointError
-from jaxdd.generate import DEMO
 from jaxdd.testing.byte_tokenizer import PerByteFallback
 from jaxdd.testing.kimi_tokenizer import KIMI_STYLE_TEMPLATE, SPECIAL, write_kimi_tokenizer
 from jaxdd.testing.profiles import examples

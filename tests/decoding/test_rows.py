@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import jaxdd
+from jaxdd.cli import DEMO
 from jaxdd.decoding.engine import SpeculativeDecoder
-from jaxdd.decoding.slots import RowPool
+from jaxdd.decoding.rows import RowPool
 from jaxdd.errors import InputError
-from jaxdd.generate import DEMO
 from jaxdd.runtime.compile_time import compile_clock
 
 
