@@ -20,7 +20,8 @@ Blocking = tuple[tuple[int | None, ...], Callable[..., tuple], np.dtype]
 
 def block_fetches(grid: Sequence[int], index_map: Callable[..., tuple], scalars: Sequence[int] = ()) -> int:
     """How many times a block moves over the grid: once per run of grid steps with the same block index."""
-    moves, previous = 0, None
+    moves = 0
+    previous = None
     for step in itertools.product(*(range(n) for n in grid)):
         index = tuple(int(i) for i in index_map(*step, *scalars))
         moves += index != previous

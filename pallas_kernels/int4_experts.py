@@ -59,7 +59,8 @@ def declared_bytes(pairs: int, n_out: int, k: int, groups: int, itemsize: int, b
 def _kernel(chosen_ref, rows_ref, packed_ref, scale_ref, out_ref, *, block_n: int, block_groups: int):
     expert = chosen_ref[0]
     first = pl.program_id(1) * block_n
-    groups, per_group = packed_ref.shape[2], packed_ref.shape[3]
+    groups = packed_ref.shape[2]
+    per_group = packed_ref.shape[3]
     outputs = pl.ds(first, block_n)
 
     def step(g, acc):

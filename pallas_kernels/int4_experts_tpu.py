@@ -61,7 +61,8 @@ def _kernel(ids_ref, x_ref, packed_ref, scale_ref, o_ref, *, packed_swapped: boo
     words = words if packed_swapped else words.T
     scale = scale_ref[...]  # [groups, bn] or [bn, groups]
     scale = scale if scale_swapped else scale.astype(jnp.float32).T.astype(scale.dtype)
-    n_words, n_groups = words.shape[0], scale.shape[0]
+    n_words = words.shape[0]
+    n_groups = scale.shape[0]
     # Each word's scale: a 0/1 [words, groups] matrix times the scales, exact on the MXU (one nonzero term each).
     word_group = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (n_words, n_groups), 0), group // PER_WORD)
     spread = (word_group == jax.lax.broadcasted_iota(jnp.int32, (n_words, n_groups), 1)).astype(scale.dtype)
@@ -78,7 +79,8 @@ def _kernel(ids_ref, x_ref, packed_ref, scale_ref, o_ref, *, packed_swapped: boo
 
 def _blockings(packed_shape, scale_shape, swapped: tuple[bool, bool], x_dtype, scale_dtype, bn: int):
     """The kernel's operands' blockings (x, packed, scale, out), index maps over (output block j, pair p, ids)."""
-    words, groups = packed_shape[-1], scale_shape[-1]
+    words = packed_shape[-1]
+    groups = scale_shape[-1]
 
     def piece(width: int, is_swapped: bool) -> tuple[tuple[int | None, ...], Any]:
         if is_swapped:  # handed over [E, width, N]

@@ -156,7 +156,8 @@ def tree_attention(
     padded_rows = pl.cdiv(rows, block_q) * block_q
 
     mask = row_mask(tail_mask, h, padded_rows, tail, jnp.int8)
-    tail_latent, tail_rope = pad_to(tail_latent, 1, tail), pad_to(tail_rope, 1, tail)
+    tail_latent = pad_to(tail_latent, 1, tail)
+    tail_rope = pad_to(tail_rope, 1, tail)
 
     def full(shape):
         return pl.BlockSpec((None, *shape), lambda i, j: (i, *(0,) * len(shape)))

@@ -62,7 +62,9 @@ def _kernel(
     def step(latent, rope, visible):
         carry = (acc_ref[...], m_ref[...], sum_ref[...])
         acc, m, total = online_softmax_step(carry, q_lat_ref[...], q_rope_ref[...], latent, rope, visible, scale)
-        acc_ref[...], m_ref[...], sum_ref[...] = acc, m, total
+        acc_ref[...] = acc
+        m_ref[...] = m
+        sum_ref[...] = total
 
     @pl.when(k * block_k < length)
     def _prefix():
@@ -97,9 +99,12 @@ def tree_attention_tpu(
     ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (default: the chip's); a compile over it fails with the
     VMEM the kernel needs (``benchmarks/kernel_compiles.py`` reads it from there)."""
     b, t, h, r = q_latent.shape
-    dr, slots = q_rope.shape[-1], cache_latent.shape[1]
+    dr = q_rope.shape[-1]
+    slots = cache_latent.shape[1]
     tiles = tpu_tiles(t, h, slots)
-    bq, bk, rows = tiles.block_q, tiles.block_k, t * h
+    bq = tiles.block_q
+    bk = tiles.block_k
+    rows = t * h
     padded_rows = tiles.row_blocks * bq
 
     mask = row_mask(tail_mask, h, padded_rows, tiles.tail, jnp.int32)  # int32: TPU tiles of 8 rows

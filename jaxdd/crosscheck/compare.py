@@ -181,41 +181,17 @@ def _inconsistency(meta, traces: list[PromptTrace]) -> str | None:
 
 
 def _compare_prompt(index: int, ref: PromptTrace, meta, target, decoder, tolerance: float) -> PromptReport:
-    method = meta["method"]
-    ours = decoder.generate(
-        ref.prompt.tolist(),
-        method=method,
-        max_new_tokens=meta["max_new_tokens"],
-        stop_token_ids=meta["stop_ids"],
-        block_size=None if method == "ar" else meta["block_size"],
-        budget=meta["budget"],
-        trace_topk=0 if method == "ar" else meta["topk"],
-    )
-    n = min(len(ours.tokens), len(ref.tokens))
-    differ = np.flatnonzero(np.asarray(ours.tokens[:n]) != ref.tokens[:n])
-    first = int(differ[0]) if differ.size else (n if len(ours.tokens) != len(ref.tokens) else None)
+    ours = _regenerate(ref, meta, decoder)
+    first = _first_token_difference(ours.tokens, ref.tokens)
     # Rounds whose inputs still agree: up to and including the round that produced the first divergence.
     ends = np.cumsum(ref.acceptance)
     last_round = len(ref.acceptance) - 1 if first is None else int(np.searchsorted(ends, max(first, 1) - 1, "right"))
-
     acceptance = np.asarray(ours.acceptance_lengths)
     rounds = min(len(acceptance), len(ref.acceptance), last_round + 1)
     same_inputs = rounds if first is None else min(rounds, last_round)  # a diverging round may accept otherwise
-    acc_diff = np.flatnonzero(acceptance[:same_inputs] != ref.acceptance[:same_inputs])
-    acceptance_equal = not acc_diff.size and (first is not None or len(acceptance) == len(ref.acceptance))
-    first_acceptance = int(acc_diff[0]) if acc_diff.size else None if acceptance_equal else same_inputs
-
+    acceptance_equal, first_acceptance = _acceptance_check(acceptance, ref.acceptance, same_inputs, first)
     draft_rounds = min(len(ours.draft_topk), len(ref.draft_topk), rounds)
-    top1, topk, first_draft = 0, [], None
-    for r in range(draft_rounds):
-        rows = int((ref.draft_topk[r][:, 0] >= 0).sum())  # the reference's block may be shorter
-        a, b = ours.draft_topk[r][:rows], ref.draft_topk[r][:rows]
-        same_top1 = bool((a[:, 0] == b[:, 0]).all())
-        top1 += same_top1
-        topk.append(np.mean([len(set(x) & set(y)) / len(y) for x, y in zip(a, b, strict=True)]) if rows else 1.0)
-        if not same_top1 and first_draft is None:
-            first_draft = r
-
+    top1, topk_agreement, first_draft = _draft_agreement(ours.draft_topk, ref.draft_topk, draft_rounds)
     tree_rounds = min(len(ours.trees), len(ref.tree_tokens), rounds)
     first_tree = next(
         (r for r in range(tree_rounds) if _paths(*ours.trees[r]) != _paths(ref.tree_tokens[r], ref.tree_parents[r])),
@@ -223,10 +199,7 @@ def _compare_prompt(index: int, ref: PromptTrace, meta, target, decoder, toleran
     )
 
     logits, hidden = _teacher_forced(target, ref)
-    ours_at_ids = np.take_along_axis(logits[ref.logit_positions], ref.logit_ids, axis=1)
-    diff = np.abs(ours_at_ids - ref.logit_values)
-    scale = np.maximum(np.abs(ref.logit_values).max(axis=1), 1e-30)
-    rel = diff.max(axis=1) / scale
+    diff, rel = _logit_errors(logits, ref)
     excess = np.flatnonzero(~(rel <= tolerance))  # NaN compares false: it is an excess too
     first_logit = None
     if excess.size:
@@ -247,7 +220,7 @@ def _compare_prompt(index: int, ref: PromptTrace, meta, target, decoder, toleran
         first_acceptance_difference=first_acceptance,
         draft_rounds=draft_rounds,
         draft_top1_agree=top1,
-        draft_topk_agreement=float(np.mean(topk)) if topk else 1.0,
+        draft_topk_agreement=topk_agreement,
         first_draft_difference=first_draft,
         tree_rounds=tree_rounds,
         first_tree_difference=first_tree,
@@ -257,6 +230,65 @@ def _compare_prompt(index: int, ref: PromptTrace, meta, target, decoder, toleran
         first_logit_excess=first_logit,
         first_hidden_excess=first_hidden,
     )
+
+
+def _regenerate(ref: PromptTrace, meta, decoder):
+    """jaxdd's own generation from the reference's prompt, with the reference's settings."""
+    method = meta["method"]
+    return decoder.generate(
+        ref.prompt.tolist(),
+        method=method,
+        max_new_tokens=meta["max_new_tokens"],
+        stop_token_ids=meta["stop_ids"],
+        block_size=None if method == "ar" else meta["block_size"],
+        budget=meta["budget"],
+        trace_topk=0 if method == "ar" else meta["topk"],
+    )
+
+
+def _first_token_difference(ours: list[int], reference: np.ndarray) -> int | None:
+    """The index of the first differing token; the shorter length when one is a prefix of the other."""
+    n = min(len(ours), len(reference))
+    differ = np.flatnonzero(np.asarray(ours[:n]) != reference[:n])
+    return int(differ[0]) if differ.size else (n if len(ours) != len(reference) else None)
+
+
+def _acceptance_check(
+    acceptance: np.ndarray, reference: np.ndarray, same_inputs: int, first: int | None
+) -> tuple[bool, int | None]:
+    """Whether the acceptance lengths agree over the ``same_inputs`` rounds (and in count when no token
+    differs), and the first round where they do not."""
+    acc_diff = np.flatnonzero(acceptance[:same_inputs] != reference[:same_inputs])
+    acceptance_equal = not acc_diff.size and (first is not None or len(acceptance) == len(reference))
+    first_acceptance = int(acc_diff[0]) if acc_diff.size else None if acceptance_equal else same_inputs
+    return acceptance_equal, first_acceptance
+
+
+def _draft_agreement(ours: list[np.ndarray], reference: np.ndarray, rounds: int) -> tuple[int, float, int | None]:
+    """Over the first ``rounds`` rounds: how many agree on every top-1 draft token, the mean top-k overlap, and the
+    first round whose top-1 drafts differ."""
+    top1 = 0
+    topk = []
+    first_draft = None
+    for r in range(rounds):
+        rows = int((reference[r][:, 0] >= 0).sum())  # the reference's block may be shorter
+        a = ours[r][:rows]
+        b = reference[r][:rows]
+        same_top1 = bool((a[:, 0] == b[:, 0]).all())
+        top1 += same_top1
+        topk.append(np.mean([len(set(x) & set(y)) / len(y) for x, y in zip(a, b, strict=True)]) if rows else 1.0)
+        if not same_top1 and first_draft is None:
+            first_draft = r
+    return top1, float(np.mean(topk)) if topk else 1.0, first_draft
+
+
+def _logit_errors(logits: np.ndarray, ref: PromptTrace) -> tuple[np.ndarray, np.ndarray]:
+    """Absolute differences from the reference's top logits [positions, k], and each position's largest one
+    relative to the reference's largest magnitude there."""
+    ours_at_ids = np.take_along_axis(logits[ref.logit_positions], ref.logit_ids, axis=1)
+    diff = np.abs(ours_at_ids - ref.logit_values)
+    scale = np.maximum(np.abs(ref.logit_values).max(axis=1), 1e-30)
+    return diff, diff.max(axis=1) / scale
 
 
 def first_hidden_excess(hidden: np.ndarray, ref: PromptTrace, tolerance: float) -> dict[str, Any] | None:
@@ -277,10 +309,12 @@ def first_hidden_excess(hidden: np.ndarray, ref: PromptTrace, tolerance: float) 
 def _divergence(
     ref: PromptTrace, ours: list[int], index: int, round_: int, tolerance: float, noise: float
 ) -> dict[str, Any]:
-    margin, scale = float("inf"), 1.0  # one side stopping earlier is never a near-tie
+    margin = float("inf")  # one side stopping earlier is never a near-tie
+    scale = 1.0
     if index < min(len(ref.tokens), len(ours)):
         values = ref.logit_values[index]
-        margin, scale = float(values[0] - values[1]), float(np.abs(values).max())
+        margin = float(values[0] - values[1])
+        scale = float(np.abs(values).max())
     return {
         "index": index,
         "round": -1 if index == 0 else round_,  # token 0 comes from the prefill
@@ -307,7 +341,8 @@ def _teacher_forced(target, ref: PromptTrace) -> tuple[np.ndarray, np.ndarray | 
 
 def _paths(tokens: np.ndarray, parents: np.ndarray) -> set[tuple[int, ...]]:
     """A tree as the set of root-to-node token paths (independent of node order and parent conventions)."""
-    tokens, parents = np.asarray(tokens), np.asarray(parents)
+    tokens = np.asarray(tokens)
+    parents = np.asarray(parents)
     valid = int((tokens >= 0).sum())
     paths: list[tuple[int, ...]] = [(int(tokens[0]),)]
     for i in range(1, valid):

@@ -53,49 +53,13 @@ def dump(
     if method != "ar" and drafter_dir is None:
         raise InputError(f"method {method!r} needs a drafter")
     config = KimiConfig.from_json_file(Path(target_dir) / "config.json")
-    for i, prompt in enumerate(prompts):  # the references would fail on these with an IndexError
-        try:
-            check_tokens(prompt, config.vocab_size)
-        except InputError as error:
-            raise InputError(f"prompt {i}: {error}") from None
+    _check_prompts(prompts, config.vocab_size)
     target, drafter = ref.load_reference_models(target_dir, drafter_dir if method != "ar" else None)
     block = (block_size or drafter.block_size) if drafter is not None else 1
     budget = (budget or block - 1) if method == "ddtree" else None
     stops = list(config.eos_token_ids if stop_ids is None else stop_ids)
-
-    traces = []
-    for prompt in prompts:
-        record = ref.new_record()
-        if method == "ar":
-            tokens, acceptance = ref.ar_reference(target, prompt, max_new_tokens, stops)
-        elif method == "dflash":
-            tokens, acceptance = ref.dflash_reference(drafter, target, prompt, max_new_tokens, block, stops, record)
-        else:
-            tokens, acceptance = ref.ddtree_reference(
-                drafter, target, prompt, max_new_tokens, block, budget, stops, record
-            )
-        logit_positions, hidden_positions = selected_positions(len(prompt), len(tokens))
-        sequence = prompt + tokens[:-1]
-        ids, values, lse, hidden = ref.teacher_forced(target, sequence, logit_positions, hidden_positions, topk)
-        # Stable descending order: among equal logits the lower token id first, as jax.lax.top_k orders them.
-        draft_topk = [np.argsort(-logits, axis=-1, kind="stable")[:, :topk] for logits in record["draft_logits"]]
-        trees = record["trees"]
-        traces.append(
-            PromptTrace(
-                prompt=np.array(prompt, np.int32),
-                tokens=np.array(tokens, np.int32),
-                acceptance=np.array(acceptance, np.int32),
-                draft_topk=pad_rows(draft_topk, (block - 1, topk)),
-                tree_tokens=pad_rows([t for t, _ in trees], (budget + 1,) if budget else (0,)),
-                tree_parents=pad_rows([p for _, p in trees], (budget + 1,) if budget else (0,)),
-                logit_positions=logit_positions.astype(np.int32),
-                logit_ids=ids.astype(np.int32),
-                logit_values=values,
-                logsumexp=lse,
-                hidden_positions=hidden_positions.astype(np.int32),
-                hidden=hidden,
-            )
-        )
+    shape = (method, max_new_tokens, block, budget, stops, topk)
+    traces = [_trace_prompt(ref, target, drafter, prompt, *shape) for prompt in prompts]
     meta = {
         "method": method,
         "target": str(Path(target_dir).absolute()),
@@ -113,3 +77,54 @@ def dump(
         },
     }
     return save_traces(out, meta, traces)
+
+
+def _check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
+    """Token ids outside the vocabulary, named by prompt (the references would fail on them with an IndexError)."""
+    for i, prompt in enumerate(prompts):
+        try:
+            check_tokens(prompt, vocab_size)
+        except InputError as error:
+            raise InputError(f"prompt {i}: {error}") from None
+
+
+def _trace_prompt(
+    ref,
+    target,
+    drafter,
+    prompt: list[int],
+    method: str,
+    max_new_tokens: int,
+    block: int,
+    budget: int | None,
+    stops: list[int],
+    topk: int,
+) -> PromptTrace:
+    """One prompt's reference generation, its drafts and trees, and teacher-forced logits and hidden states."""
+    record = ref.new_record()
+    if method == "ar":
+        tokens, acceptance = ref.ar_reference(target, prompt, max_new_tokens, stops)
+    elif method == "dflash":
+        tokens, acceptance = ref.dflash_reference(drafter, target, prompt, max_new_tokens, block, stops, record)
+    else:
+        tokens, acceptance = ref.ddtree_reference(drafter, target, prompt, max_new_tokens, block, budget, stops, record)
+    logit_positions, hidden_positions = selected_positions(len(prompt), len(tokens))
+    sequence = prompt + tokens[:-1]
+    ids, values, lse, hidden = ref.teacher_forced(target, sequence, logit_positions, hidden_positions, topk)
+    # Stable descending order: among equal logits the lower token id first, as jax.lax.top_k orders them.
+    draft_topk = [np.argsort(-logits, axis=-1, kind="stable")[:, :topk] for logits in record["draft_logits"]]
+    trees = record["trees"]
+    return PromptTrace(
+        prompt=np.array(prompt, np.int32),
+        tokens=np.array(tokens, np.int32),
+        acceptance=np.array(acceptance, np.int32),
+        draft_topk=pad_rows(draft_topk, (block - 1, topk)),
+        tree_tokens=pad_rows([t for t, _ in trees], (budget + 1,) if budget else (0,)),
+        tree_parents=pad_rows([p for _, p in trees], (budget + 1,) if budget else (0,)),
+        logit_positions=logit_positions.astype(np.int32),
+        logit_ids=ids.astype(np.int32),
+        logit_values=values,
+        logsumexp=lse,
+        hidden_positions=hidden_positions.astype(np.int32),
+        hidden=hidden,
+    )

@@ -52,7 +52,9 @@ def _compact(cache, start: int, path: list[int]) -> None:
 @torch.inference_mode()
 def ar_reference(target, prompt, max_new_tokens: int, stop_token_ids) -> tuple[list[int], list[int]]:
     """Greedy decoding with HF's KV cache: (new tokens, one per round), stopping after a stop token."""
-    cache, ids, stops = _make_cache(target.config), list(prompt), set(stop_token_ids or [])
+    cache = _make_cache(target.config)
+    ids = list(prompt)
+    stops = set(stop_token_ids or [])
     new = ids
     for _ in range(max_new_tokens):
         logits = target(torch.tensor([new]), past_key_values=cache, use_cache=True).logits
@@ -128,14 +130,16 @@ def ddtree_reference(
     input_ids = torch.tensor([list(prompt)])
     output_ids = torch.full((1, max_length + 1), drafter.mask_token_id, dtype=torch.long)
     position_ids = torch.arange(output_ids.shape[1])[None]
-    target_cache, draft_cache = _make_cache(target.config), _make_cache(drafter.config)
+    target_cache = _make_cache(target.config)
+    draft_cache = _make_cache(drafter.config)
 
     out = target(input_ids, past_key_values=target_cache, use_cache=True, output_hidden_states=True)
     output_ids[:, :num_input] = input_ids
     output_ids[:, num_input] = out.logits[0, -1].argmax()
     target_hidden = extract_context_feature(out.hidden_states, drafter.target_layer_ids)
     stops = set(stop_token_ids or [])
-    start, lengths = num_input, []
+    start = num_input
+    lengths = []
     stopped = int(output_ids[0, start]) in stops
     while start + 1 < max_length and not stopped:
         verify_size = min(block_size, max_length - start)
@@ -183,7 +187,8 @@ def ddtree_reference(
         produced = min(len(path), max_length - start - 1)
         for i, token in enumerate(emitted[:produced]):
             if token in stops:
-                produced, stopped = i + 1, True
+                produced = i + 1
+                stopped = True
                 break
         output_ids[0, start + 1 : start + 1 + produced] = torch.tensor(emitted[:produced])
         _compact(target_cache, start, path[:produced])

@@ -76,7 +76,8 @@ def _build_one(lp: jax.Array, top_tokens: jax.Array, depth_limit: jax.Array, bud
         cand_valid = prev_valid[:, None] & (d < depth_limit)
         cand_score = jnp.where(cand_valid, prev_score[:, None] + lp[d][None, :], -jnp.inf).reshape(-1)
         chosen = jnp.sort(jax.lax.top_k(cand_score, width)[1])
-        parent_slot, rank = chosen // k, chosen % k
+        parent_slot = chosen // k
+        rank = chosen % k
         ranks = prev_ranks[parent_slot].at[:, d].set(rank)
         score = prev_score[parent_slot] + lp[d][rank]
         levels.append((score, prev_valid[parent_slot] & (d < depth_limit), ranks, parent_slot))
@@ -110,7 +111,8 @@ def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
     each step adds the rows of the 2^s-th ancestor, doubling the levels covered, so log2(max_depth) steps."""
     n = parents.shape[-1]
     visible = jax.nn.one_hot(jnp.arange(n), n, dtype=bool) | jax.nn.one_hot(parents, n, dtype=bool)
-    jump, reach = parents, 1
+    jump = parents
+    reach = 1
     while reach < max_depth:
         visible |= jnp.take_along_axis(visible, jump[..., None], axis=-2)  # rows of the 2^s-th ancestor
         jump = jnp.take_along_axis(jump, jump, axis=-1)
@@ -158,7 +160,10 @@ def build_tree_host(logits: np.ndarray, budget: int, max_children: int | None = 
     lse = (np.log(np.exp(shifted).sum(-1, dtype=np.float32)) + logits.max(-1)).astype(np.float32)
     lp = (top - lse[:, None]).astype(np.float32).astype(np.float64)
 
-    tokens, depths, parents, scores = [], [], [-1], []
+    tokens = []
+    depths = []
+    parents = [-1]
+    scores = []
     heap = [(-lp[0, 0], (0,), 0, 1, 0, lp[0, 0])]
     while heap and len(tokens) < budget:
         _, ranks, parent, depth, rank, logw = heapq.heappop(heap)

@@ -32,7 +32,8 @@ class DraftCache:
 
     @classmethod
     def zeros(cls, config: DrafterConfig, batch: int, slots: int, dtype: jnp.dtype) -> DraftCache:
-        shape, layers = (batch, config.num_key_value_heads, slots, config.head_dim), range(config.num_hidden_layers)
+        shape = (batch, config.num_key_value_heads, slots, config.head_dim)
+        layers = range(config.num_hidden_layers)
         return cls(
             keys=tuple(jnp.zeros(shape, dtype) for _ in layers),
             values=tuple(jnp.zeros(shape, dtype) for _ in layers),
@@ -81,7 +82,8 @@ class DraftAttention(nnx.Module):
         q = self.q_norm(jnp.einsum("btd,dnh->btnh", *unmerged(x, self.q_proj[...])))
         q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleaved=False)
         k, v = self.keys_values(x, cos, sin)
-        keys, values = write_rows(cached[0], k, length, SLOT_AXIS), write_rows(cached[1], v, length, SLOT_AXIS)
+        keys = write_rows(cached[0], k, length, SLOT_AXIS)
+        values = write_rows(cached[1], v, length, SLOT_AXIS)
         b, t = x.shape[:2]
         groups = c.num_attention_heads // c.num_key_value_heads
         q = q.reshape(b, t, c.num_key_value_heads, groups, c.head_dim)
@@ -126,7 +128,8 @@ class DFlashDrafter(nnx.Module):
         """Cache the K/V of context tokens: features [B,C,K*D] (target taps) at positions [B,C]; commit count [B]."""
         context = self.hidden_norm(features.astype(self.dtype) @ self.fc[...])
         cos, sin = self._cos_sin(positions)
-        keys, values = [], []
+        keys = []
+        values = []
         for layer, cached_keys, cached_values in zip(self.layers, cache.keys, cache.values, strict=True):
             k, v = layer.attn.keys_values(context, cos, sin)
             keys.append(write_rows(cached_keys, k, cache.length, SLOT_AXIS))
@@ -143,7 +146,9 @@ class DFlashDrafter(nnx.Module):
         """
         visible = jnp.arange(cache.slots)[None, :] < (cache.length + block_len)[:, None]  # context, then block
         cos_sin = self._cos_sin(positions)
-        x, keys, values = embeds.astype(self.dtype), [], []
+        x = embeds.astype(self.dtype)
+        keys = []
+        values = []
         for layer, cached in zip(self.layers, zip(cache.keys, cache.values, strict=True), strict=True):
             x, (layer_keys, layer_values) = layer(x, cos_sin, cached, cache.length, visible)
             keys.append(layer_keys)

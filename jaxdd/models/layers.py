@@ -79,7 +79,8 @@ class MLP(nnx.Module):
         self.down = param(rngs, (hidden, dim), dtype, ("mlp", "embed"))
 
     def __call__(self, x: jax.Array, backend: Backend | None = None) -> jax.Array:
-        gate, up = unmerged(x, self.gate[...]), unmerged(x, self.up[...])
+        gate = unmerged(x, self.gate[...])
+        up = unmerged(x, self.up[...])
         h = jax.nn.silu(linear(*gate, backend)) * linear(*up, backend)
         return linear(h, self.down[...], backend)
 
@@ -137,8 +138,10 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) 
     (x_i, x_{i+dim/2}) as in ``rotate_half`` (Qwen3-style drafters).
     """
     if interleaved:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
+        x1 = x[..., 0::2]
+        x2 = x[..., 1::2]
     else:
         half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
+        x1 = x[..., :half]
+        x2 = x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

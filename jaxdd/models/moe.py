@@ -58,7 +58,8 @@ class Router(nnx.Module):
         scores = jax.nn.sigmoid(self._logits(x.astype(jnp.float32), backend))
         choice = scores + self.bias[...]
         if c.n_group > 1:
-            n, per_group = x.shape[0], c.n_routed_experts // c.n_group
+            n = x.shape[0]
+            per_group = c.n_routed_experts // c.n_group
             grouped = choice.reshape(n, c.n_group, per_group)
             group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
             keep = jax.nn.one_hot(jax.lax.top_k(group_scores, c.topk_group)[1], c.n_group).sum(-2) > 0
@@ -107,7 +108,9 @@ class MoE(nnx.Module, Placeable):
 
     def __init__(self, config: KimiConfig, dtype: jnp.dtype, experts: ExpertFormat, rngs: nnx.Rngs):
         c = config
-        e, d, f = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
+        e = c.n_routed_experts
+        d = c.hidden_size
+        f = c.moe_intermediate_size
         self.config = c
         self.dispatch: Literal["auto"] | Dispatch = "auto"  # "auto": as the backend chooses
         self.placement = None  # (mesh, "tp" | "ep") once placed by ``jaxdd.runtime.sharding.shard_module``
@@ -149,9 +152,12 @@ class MoE(nnx.Module, Placeable):
         """The dispatch this layer runs ``tokens`` tokens with, over the ``local_experts`` a device holds."""
         if self.dispatch != "auto":
             return self.dispatch
-        c, quantized = self.config, not isinstance(self.gate, DenseExperts)
+        c = self.config
+        quantized = not isinstance(self.gate, DenseExperts)
         kernel = _int4_kernel((self.gate, self.up, self.down), backend, self._unplaced(backend)) is not None
-        d, f, top_k = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
+        d = c.hidden_size
+        f = c.moe_intermediate_size
+        top_k = c.num_experts_per_tok
         return backend.moe_dispatch(tokens, top_k, local_experts, d, f, quantized, kernel)
 
     def _routed(
@@ -199,7 +205,8 @@ class MoE(nnx.Module, Placeable):
             ids = experts - first
             mine = (ids >= 0) & (ids < local_experts)
             # Routes to other devices' experts get weight 0 (and any local id, so shapes stay static).
-            ids, weights = jnp.where(mine, ids, 0), jnp.where(mine, weights, 0.0)
+            ids = jnp.where(mine, ids, 0)
+            weights = jnp.where(mine, weights, 0.0)
             local_pieces = [gate_pieces, up_pieces, down_pieces]
             pairs = (mine, capacity) if split_experts and capacity < experts.size else None
             return jax.lax.psum(self._routed(x, weights, ids, local_pieces, backend, pairs), AXIS)
@@ -351,7 +358,8 @@ def _tiled_experts(x, weights, experts, projections, pieces) -> jax.Array:
     k/E of ``dense``'s work plus at most one padded tile per expert; each step dequantizes only its expert; fp32
     [N, D]."""
     n, k = experts.shape
-    pairs, n_experts = n * k, pieces[0][0].shape[0]
+    pairs = n * k
+    n_experts = pieces[0][0].shape[0]
     # About one tile per expert when the pairs spread evenly; 8..32 rows keep the matmuls efficient on CPU.
     tile = int(np.clip(1 << (max(pairs // n_experts, 1).bit_length() - 1), 8, 32))
     flat = experts.reshape(-1)

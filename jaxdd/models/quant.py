@@ -125,7 +125,9 @@ class DenseExperts(ExpertWeights):
     PIECES = ("weight",)
 
     def __init__(self, rngs: nnx.Rngs, shape: tuple[int, int, int], dtype: jnp.dtype, axes: tuple[str, str, str]):
-        self.shape, self.axes, self.units = shape, axes, (1, 1, 1)
+        self.shape = shape
+        self.axes = axes
+        self.units = (1, 1, 1)
         self.weight = param(rngs, shape, dtype, axes)
 
     def dequantize(self, weight: jax.Array) -> jax.Array:
@@ -142,8 +144,11 @@ class Int4Experts(ExpertWeights):
         e, n_in, n_out = shape
         if n_in % group:
             raise ValueError(f"INT4 experts: input size {n_in} is not a multiple of the group size {group}")
-        self.dtype, self.group = dtype, group
-        self.shape, self.axes, self.units = (e, n_out, n_in), (axes[0], axes[2], axes[1]), (1, 1, group)
+        self.dtype = dtype
+        self.group = group
+        self.shape = (e, n_out, n_in)
+        self.axes = (axes[0], axes[2], axes[1])
+        self.units = (1, 1, group)
         self.packed = nnx.Param(jnp.zeros((e, n_out, -(-n_in // INT4_PER_WORD)), jnp.int32), logical_axes=self.axes)
         self.scale = nnx.Param(jnp.ones((e, n_out, n_in // group), jnp.bfloat16), logical_axes=self.axes)
 
@@ -160,8 +165,11 @@ class Fp8Experts(ExpertWeights):
 
     def __init__(self, shape: tuple[int, int, int], dtype: jnp.dtype, axes: tuple[str, str, str], block: int):
         e, n_in, n_out = shape
-        self.dtype, self.block = dtype, block
-        self.shape, self.axes, self.units = (e, n_out, n_in), (axes[0], axes[2], axes[1]), (1, block, block)
+        self.dtype = dtype
+        self.block = block
+        self.shape = (e, n_out, n_in)
+        self.axes = (axes[0], axes[2], axes[1])
+        self.units = (1, block, block)
         self.weight = nnx.Param(jnp.zeros(self.shape, jnp.float8_e4m3fn), logical_axes=self.axes)
         blocks = (e, -(-n_out // block), -(-n_in // block))
         self.scale_inv = nnx.Param(jnp.ones(blocks, jnp.float32), logical_axes=self.axes)

@@ -98,7 +98,9 @@ class KimiTarget(nnx.Module, Placeable):
         cos_sin = rope_cos_sin(positions, inv_freq, amplitude, self.dtype)
 
         x = self.embed_tokens(tokens)
-        latent_cache, rope_cache, tapped = list(cache.latent), list(cache.rope), []
+        latent_cache = list(cache.latent)
+        rope_cache = list(cache.rope)
+        tapped = []
         for i, layer in enumerate(self.layers):
             rows = (latent_cache[i], rope_cache[i])
             x, (latent_cache[i], rope_cache[i]) = layer(

@@ -77,71 +77,78 @@ def plan(config_path: str | Path, drafter_config_path: str | Path, options: Plan
     hardware and count its bytes per device, with the traffic account of AR / DFlash / DDTree rounds at
     ``max_len`` tokens of context (``jaxdd.planning.traffic``)."""
     o = options
-    method, moe, budget, max_len, batch, layers, sampled = (
-        o.method,
-        o.moe,
-        o.budget,
-        o.max_len,
-        o.batch,
-        o.layers,
-        o.sampled,
-    )
     raw = read_json(config_path, ConfigError, "config file")
-    config = KimiConfig.from_hf(raw)
-    drafter_config = DrafterConfig.from_json_file(drafter_config_path)
-    if layers is not None:  # full width, fewer layers; the drafter taps the layers that remain
-        config = dataclasses.replace(
-            config, num_hidden_layers=layers, first_k_dense_replace=min(config.first_k_dense_replace, layers - 1)
-        )
-        taps = tuple(min(t, layers - 1) for t in drafter_config.target_layer_ids)
-        drafter_config = dataclasses.replace(drafter_config, target_layer_ids=taps)
+    config, drafter_config = _model_configs(raw, drafter_config_path, o.layers)
     experts = declared_expert_format(raw)
     where = find_machine(o.hardware, o.devices)
     mesh = make_mesh(len(where.devices), where.devices)
     form = where.backend.attention(o.attention)
-    decoder, per_device, stored = _abstract_decoder(config, drafter_config, experts, mesh, moe, jnp.bfloat16, form)
-    block = 1 if method == "ar" else drafter_config.block_size
-    tokens = verified_tokens(method, block, budget)
-    slots = cache_slots(max_len + tokens)
+    decoder, per_device, stored = _abstract_decoder(config, drafter_config, experts, mesh, o.moe, jnp.bfloat16, form)
+    block = 1 if o.method == "ar" else drafter_config.block_size
+    tokens = verified_tokens(o.method, block, o.budget)
+    slots = cache_slots(o.max_len + tokens)
     model_bytes = ModelBytes.of(decoder.target.model, decoder.drafter, _shard_bytes)
+    devices = len(where.devices)
     shape = {
         "config": str(config_path),
         "layers": config.num_hidden_layers,
         "routed_experts": experts.kind,
         "hardware": _describe(where),
-        "devices": len(where.devices),
-        "moe": moe,
-        "method": method,
-        "sampled": sampled,
-        "budget": budget,
-        "max_len": max_len,
+        "devices": devices,
+        "moe": o.moe,
+        "method": o.method,
+        "sampled": o.sampled,
+        "budget": o.budget,
+        "max_len": o.max_len,
         "cache_slots": slots,
-        "batch": batch,
+        "batch": o.batch,
         "attention": form,
-        "dispatch": _dispatch(decoder.target.model, tokens * batch, len(where.devices), moe, where),
-        "traffic": traffic_table(config, model_bytes, len(where.devices), moe, max_len, drafter_config.block_size),
+        "dispatch": _dispatch(decoder.target.model, tokens * o.batch, devices, o.moe, where),
+        "traffic": traffic_table(config, model_bytes, devices, o.moe, o.max_len, drafter_config.block_size),
     }
     if not o.compile_round:
         return shape
-    round_shape = (method, block, budget, batch, slots, sampled)
+    round_shape = (o.method, block, o.budget, o.batch, slots, o.sampled)
     round_batch, state = _abstract_requests(decoder, mesh, config, drafter_config, *round_shape)
     per_device["target_cache"] = sum(_shard_bytes(x) for x in jax.tree.leaves(state.target_cache))
     per_device["drafter_cache"] = sum(_shard_bytes(x) for x in jax.tree.leaves(state.draft_cache))
     compiled, account = _compile(decoder, round_batch, state, where, form)
     per_device["temporaries"] = compiled["temp_bytes"]
     if account is not None:
-        draft = 0 if method == "ar" else block
-        floor = round_traffic(method, tokens, config, model_bytes, max_len, len(where.devices), moe, draft)
-        floor_bytes = floor["read_total"] + 2 * floor["allreduce_bytes"]  # reads, and all-reduces sent + received
-        shape["compiled_traffic"] = account | {
-            "floor_bytes": round(floor_bytes),
-            "floor": {
-                k: round(floor[k]) for k in ("weights", "experts", "kv", "drafter", "allreduce_bytes", "allreduces")
-            },
-            "ratio": round(account["bytes"] / floor_bytes, 3),
-        }
+        draft = 0 if o.method == "ar" else block
+        floor = round_traffic(o.method, tokens, config, model_bytes, o.max_len, devices, o.moe, draft)
+        shape["compiled_traffic"] = _against_floor(account, floor)
+    return shape | _verdict(per_device, compiled, where, stored)
+
+
+def _model_configs(raw: dict, drafter_config_path: str | Path, layers: int | None) -> tuple[KimiConfig, DrafterConfig]:
+    """The target's config from its parsed JSON and the drafter's; with ``layers``, both cut to that many target
+    layers at full width (the drafter taps the layers that remain)."""
+    config = KimiConfig.from_hf(raw)
+    drafter_config = DrafterConfig.from_json_file(drafter_config_path)
+    if layers is not None:
+        config = dataclasses.replace(
+            config, num_hidden_layers=layers, first_k_dense_replace=min(config.first_k_dense_replace, layers - 1)
+        )
+        taps = tuple(min(t, layers - 1) for t in drafter_config.target_layer_ids)
+        drafter_config = dataclasses.replace(drafter_config, target_layer_ids=taps)
+    return config, drafter_config
+
+
+def _against_floor(account: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
+    """What the compiled round moves, next to the traffic floor of the same round."""
+    floor_bytes = floor["read_total"] + 2 * floor["allreduce_bytes"]  # reads, and all-reduces sent + received
+    return account | {
+        "floor_bytes": round(floor_bytes),
+        "floor": {k: round(floor[k]) for k in ("weights", "experts", "kv", "drafter", "allreduce_bytes", "allreduces")},
+        "ratio": round(account["bytes"] / floor_bytes, 3),
+    }
+
+
+def _verdict(per_device: dict[str, int], compiled: dict[str, Any], where: Machine, stored: int) -> dict[str, Any]:
+    """The per-device byte total and whether it fits the machine's memory."""
     total = compiled.get("used_bytes", sum(per_device.values()))  # the compiler's figure where it ran out
-    return shape | {
+    return {
         "per_device_bytes": per_device | {"total": total},
         "compiled": compiled,
         "fits": bool(compiled["fits_compiler"] and total <= where.memory),

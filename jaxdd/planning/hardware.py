@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-KB, GB = 1024, 1e9
+KB = 1024
+GB = 1e9
 
 
 @dataclasses.dataclass(frozen=True)

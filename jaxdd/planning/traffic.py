@@ -102,7 +102,8 @@ def round_traffic(
 ) -> dict[str, float]:
     """Bytes one device reads, and sends in all-reduces, in a round verifying ``tokens`` tokens at ``context``
     tokens of KV; ``draft_tokens``: the drafter's block (0 for AR)."""
-    e, k = config.n_routed_experts, config.num_experts_per_tok
+    e = config.n_routed_experts
+    k = config.num_experts_per_tok
     per_expert = model.expert_per_layer / (e if moe == "tp" else e / devices)  # one expert's bytes here
     if moe == "ep" and devices > 1:
         local = slowest_device_experts(tokens, k, e, devices)

@@ -71,6 +71,7 @@ def disagreeing_processes(tokens: list[int], length: int) -> list[int]:
     if jax.process_count() == 1:
         return []
     row = np.full((length + 1,), -1, np.int32)
-    row[0], row[1 : len(tokens) + 1] = len(tokens), tokens
+    row[0] = len(tokens)
+    row[1 : len(tokens) + 1] = tokens
     every = np.asarray(multihost_utils.process_allgather(row))
     return [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]

@@ -69,7 +69,8 @@ def partition_spec(
     split it into multiples of its unit (quantization groups and blocks must not straddle devices)."""
     size = mesh.shape[AXIS]
     units = units or (1,) * len(shape)
-    spec, used = [], False
+    spec = []
+    used = False
     for dim, name, unit in zip(shape, axes, units, strict=True):
         mapped = RULES[mode].get(name) if name is not None else None
         if mapped is not None and dim % (size * unit) == 0 and not used:

@@ -26,7 +26,8 @@ def median_ms(fn, repeats: int = 30) -> float:
 
 def timed(fn, repeats: int):
     """(result of the last call, median seconds over ``repeats`` calls)."""
-    times, result = [], None
+    times = []
+    result = None
     for _ in range(repeats):
         start = time.perf_counter()
         result = fn()

@@ -101,7 +101,8 @@ def deepseek_weight_dequant(weight: torch.Tensor, scale_inv: torch.Tensor, block
 def fp8_quantize(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-block absmax scaling to the e4m3 range (448), edge blocks zero-padded: (fp8 weight, fp32 scale_inv)."""
     rows, cols = weight.shape
-    br, bc = math.ceil(rows / block), math.ceil(cols / block)
+    br = math.ceil(rows / block)
+    bc = math.ceil(cols / block)
     padded = torch.zeros(br * block, bc * block)
     padded[:rows, :cols] = weight
     tiles = padded.reshape(br, block, bc, block)
@@ -120,14 +121,17 @@ def int4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 def write_k2_instruct_fp8(plain_dir: Path, directory: Path) -> dict[str, torch.Tensor]:
     config, tensors = read_plain(plain_dir)
-    stored, reference = {}, {}
+    stored = {}
+    reference = {}
     for name, weight in tensors.items():
         if is_linear(name):
             quantized, scale_inv = fp8_quantize(weight)
-            stored[name], stored[name + "_scale_inv"] = quantized, scale_inv
+            stored[name] = quantized
+            stored[name + "_scale_inv"] = scale_inv
             reference[name] = deepseek_weight_dequant(quantized, scale_inv).float()
         elif name.endswith("e_score_correction_bias"):
-            stored[name] = reference[name] = weight.float()
+            stored[name] = weight.float()
+            reference[name] = stored[name]
         else:
             stored[name] = weight.to(torch.bfloat16)
             reference[name] = stored[name].float()
@@ -137,17 +141,20 @@ def write_k2_instruct_fp8(plain_dir: Path, directory: Path) -> dict[str, torch.T
 
 def write_k25_int4(plain_dir: Path, directory: Path) -> dict[str, torch.Tensor]:
     config, tensors = read_plain(plain_dir)
-    stored, reference = {}, {}
+    stored = {}
+    reference = {}
     for name, weight in tensors.items():
         if is_routed_expert(name):
             packed, scale, values = int4_quantize(weight)
             base = "language_model." + name.removesuffix(".weight")
-            stored[base + ".weight_packed"], stored[base + ".weight_scale"] = packed, scale
+            stored[base + ".weight_packed"] = packed
+            stored[base + ".weight_scale"] = scale
             stored[base + ".weight_shape"] = torch.tensor(list(weight.shape), dtype=torch.int32)
             reference[name] = dequantize(values, scale, None, args=INT4_ARGS, dtype=torch.bfloat16).float()
         else:
             kept = weight.float() if name.endswith("e_score_correction_bias") else weight.to(torch.bfloat16)
-            stored["language_model." + name], reference[name] = kept, kept.float()
+            stored["language_model." + name] = kept
+            reference[name] = kept.float()
     # Parts of the K2.5 wrapper that a text-only conversion skips.
     generator = torch.Generator().manual_seed(0)
     stored["vision_tower.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 2, generator=generator).bfloat16()

@@ -51,7 +51,9 @@ def patched_reference_drafter(drafter, greedy: np.ndarray, right: np.ndarray, se
     """A copy of a dflash DFlashDraftModel whose logits get the same lift as ``OracleDrafter`` (its own forward
     still runs, so its cache stays right)."""
     drafter = copy.deepcopy(drafter)
-    forward, compute_logits, seen = drafter.forward, drafter.compute_logits, {}
+    forward = drafter.forward
+    compute_logits = drafter.compute_logits
+    seen = {}
     lift = -1e-3 if second else 10.0
 
     def recording_forward(*args, position_ids, **kwargs):

@@ -113,7 +113,8 @@ def tree_depths_and_mask(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def rel_err(actual, expected) -> float:
     """max |actual - expected| / max |expected|."""
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
     return float(np.abs(actual - expected).max() / np.abs(expected).max())
 
 

@@ -26,7 +26,8 @@ def op_stages(hlo_text: str) -> dict[str, str]:
     """Each HLO instruction's stage: the first stage name in its op_name scope path. Instructions that XLA made
     without metadata (e.g. the CPU backend's rewritten dots) take the stage of their first operand that has one;
     the rest are "other"."""
-    stages, operands = {}, {}
+    stages = {}
+    operands = {}
     for name, rest in _INSTRUCTION.findall(hlo_text):
         op_name = _OP_NAME.search(rest)
         if op_name:

@@ -41,7 +41,8 @@ def write_synthetic_target(
         path = mapping.paths[0]
         shard = f"layer-{path[1]:04d}" if path[0] == "layers" else path[0]
         shards.setdefault(shard, {}).update(zip(mapping.names, mapping.shapes, strict=True))
-    weight_map, largest = {}, 0
+    weight_map = {}
+    largest = 0
     for shard, tensors in shards.items():
         file = f"model-{shard}.safetensors"
         arrays = {n: (0.02 * rng.standard_normal(s, np.float32)).astype(dtype) for n, s in tensors.items()}

@@ -206,10 +206,12 @@ def train(
     validation_features = target_features(target, jnp.asarray(validation), config.target_layer_ids)
     history = {"step": [], "train_loss": [], "validation_loss": [], "accuracy": [], "seconds": []}
     history["data"] = f"greedy continuations of {length - prompt} tokens after {sequences} corpus windows"
-    start, losses = started, []  # the time limit covers generating the data too
+    start = started  # the time limit covers generating the data too
+    losses = []
     for step in range(1, steps + 1):
         rows = rng.integers(0, sequences, batch)
-        tokens, features = jnp.asarray(train_tokens[rows]), jnp.asarray(train_features[rows])
+        tokens = jnp.asarray(train_tokens[rows])
+        features = jnp.asarray(train_features[rows])
         chosen = jnp.asarray(random_anchors(rng, batch, anchors, length, config.block_size, prompt))
         losses.append(float(drafter_step(drafter, optimizer, target, tokens, features, chosen)))
         elapsed = time.perf_counter() - start

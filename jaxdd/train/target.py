@@ -70,7 +70,8 @@ KIMI_MINI = {
 
 def causal_loss(model: KimiTarget, tokens: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy over tokens [B, T + 1]."""
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    inputs = tokens[:, :-1]
+    labels = tokens[:, 1:]
     b, t = inputs.shape
     cache = LatentCache.zeros(model.config, b, t, model.dtype)
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
@@ -122,7 +123,8 @@ def train(
     optimizer = make_optimizer(model, steps)
     rng = np.random.default_rng(seed)
     history = {"step": [], "train_loss": [], "validation_loss": [], "seconds": [], "tokens": []}
-    start, losses = time.perf_counter(), []
+    start = time.perf_counter()
+    losses = []
     for step in range(1, steps + 1):
         losses.append(float(train_step(model, optimizer, windows(train_tokens, batch, length + 1, rng))))
         elapsed = time.perf_counter() - start

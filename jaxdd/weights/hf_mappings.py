@@ -60,14 +60,16 @@ def _linear(path: tuple, name: str, shape: tuple[int, ...]) -> Mapping:
 def _heads_in(path: tuple, name: str, shape: tuple[int, ...], heads: int) -> Mapping:
     """[heads * d, in] <-> [in, heads, d]."""
     d = shape[0] // heads
-    fwd, bwd = lambda w: w.T.reshape(w.shape[1], -1, d), lambda w: w.reshape(len(w), -1).T
+    fwd = lambda w: w.T.reshape(w.shape[1], -1, d)
+    bwd = lambda w: w.reshape(len(w), -1).T
     return _single(path, name, shape, fwd, bwd, (Axis(1), Axis(0, d), None))
 
 
 def _heads_out(path: tuple, name: str, shape: tuple[int, ...], heads: int) -> Mapping:
     """[out, heads * d] <-> [heads, d, out]."""
     d = shape[1] // heads
-    fwd, bwd = lambda w: w.T.reshape(-1, d, w.shape[0]), lambda w: w.reshape(-1, w.shape[2]).T
+    fwd = lambda w: w.T.reshape(-1, d, w.shape[0])
+    bwd = lambda w: w.reshape(-1, w.shape[2]).T
     return _single(path, name, shape, fwd, bwd, (Axis(1, d), None, Axis(0)))
 
 
@@ -87,12 +89,17 @@ def _stacked(path: tuple, names: list[str], shape: tuple[int, ...], transpose: b
 def target_mappings(config: KimiConfig, experts: ExpertFormat = DENSE) -> Iterator[Mapping]:
     """How every jaxdd target parameter relates to the HF checkpoint's tensors, layer by layer."""
     c = config
-    d, h, dn, dr = c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
+    d = c.hidden_size
+    h = c.num_attention_heads
+    dn = c.qk_nope_head_dim
+    dr = c.qk_rope_head_dim
     per_head = dn + c.v_head_dim  # kv_b_proj rows per head
     yield _unchanged(("embed",), "model.embed_tokens.weight", (c.vocab_size, d))
     for i in range(c.num_hidden_layers):
-        hf, jx = f"model.layers.{i}.", ("layers", i)
-        a, attn = hf + "self_attn.", (*jx, "attn")
+        hf = f"model.layers.{i}."
+        jx = ("layers", i)
+        a = hf + "self_attn."
+        attn = (*jx, "attn")
         yield _unchanged((*jx, "attn_norm", "weight"), hf + "input_layernorm.weight", (d,))
         yield _unchanged((*jx, "mlp_norm", "weight"), hf + "post_attention_layernorm.weight", (d,))
         yield _linear((*attn, "q_a_proj"), a + "q_a_proj.weight", (c.q_lora_rank, d))
@@ -112,7 +119,8 @@ def target_mappings(config: KimiConfig, experts: ExpertFormat = DENSE) -> Iterat
             ((Axis(0, per_head), Axis(1), None), (Axis(0, per_head), None, Axis(1))),
         )
         yield _heads_out((*attn, "o_proj"), a + "o_proj.weight", (d, h * c.v_head_dim), h)
-        m, mlp = hf + "mlp.", (*jx, "mlp")
+        m = hf + "mlp."
+        mlp = (*jx, "mlp")
         if not c.is_moe_layer(i):
             yield from _mlp(mlp, m, d, c.intermediate_size)
             continue
@@ -138,7 +146,8 @@ def _experts(path: tuple, base: list[str], n_out: int, n_in: int, fmt: ExpertFor
     if fmt.kind == "dense":
         yield _stacked((*path, "weight"), [b + "weight" for b in base], (n_out, n_in), transpose=True)
     elif fmt.kind == "int4":
-        packed, scale = (n_out, -(-n_in // 8)), (n_out, n_in // fmt.group)
+        packed = (n_out, -(-n_in // 8))
+        scale = (n_out, n_in // fmt.group)
         yield _stacked((*path, "packed"), [b + "weight_packed" for b in base], packed, transpose=False, raw=True)
         yield _stacked((*path, "scale"), [b + "weight_scale" for b in base], scale, transpose=False, raw=True)
     else:
@@ -150,13 +159,18 @@ def _experts(path: tuple, base: list[str], n_out: int, n_in: int, fmt: ExpertFor
 def drafter_mappings(config: DrafterConfig) -> Iterator[Mapping]:
     """How every drafter parameter relates to a z-lab ``DFlashDraftModel`` checkpoint."""
     c = config
-    d, n, k, h = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    d = c.hidden_size
+    n = c.num_attention_heads
+    k = c.num_key_value_heads
+    h = c.head_dim
     yield _linear(("fc",), "fc.weight", (d, len(c.target_layer_ids) * d))
     yield _unchanged(("hidden_norm", "weight"), "hidden_norm.weight", (d,))
     yield _unchanged(("norm", "weight"), "norm.weight", (d,))
     for i in range(c.num_hidden_layers):
-        hf, jx = f"layers.{i}.", ("layers", i)
-        a, attn = hf + "self_attn.", (*jx, "attn")
+        hf = f"layers.{i}."
+        jx = ("layers", i)
+        a = hf + "self_attn."
+        attn = (*jx, "attn")
         yield _unchanged((*jx, "attn_norm", "weight"), hf + "input_layernorm.weight", (d,))
         yield _unchanged((*jx, "mlp_norm", "weight"), hf + "post_attention_layernorm.weight", (d,))
         yield _heads_in((*attn, "q_proj"), a + "q_proj.weight", (n * h, d), n)

@@ -98,7 +98,8 @@ class IncrementalDecoder:
     def __init__(self, tokenizer: TextTokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.context = self.released = 0  # ids[context:released]: the last piece's tokens; ids[released:]: pending
+        self.context = 0  # ids[context:released]: the last piece's tokens; ids[released:]: pending
+        self.released = 0
 
     def push(self, ids: list[int], final: bool = False) -> str:
         """Take ``ids``; return the text they release."""
@@ -107,7 +108,8 @@ class IncrementalDecoder:
         text = self.tokenizer.decode(self.ids[self.context :])
         if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
             return ""
-        self.context, self.released = self.released, len(self.ids)
+        self.context = self.released
+        self.released = len(self.ids)
         return text[len(before) :]
 
 
