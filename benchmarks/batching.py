@@ -1,10 +1,11 @@
-"""Tokens/s against batch size (1, 2, 4, 8) for AR / DFlash / DDTree, and acceptance at T=0 vs T=1; CPU, one run.
+"""Tokens/s against batch size (1, 2, 4, 8) for AR / DFlash
+/ DDTree, and acceptance at T=0 vs T=1; CPU, one run.
 
     python benchmarks/batching.py [--max-new-tokens 32] [--repeats 3]
 
-A tiny random Kimi-flavoured target with its random DFlash drafter (block 8), so acceptance is what random
-weights give, not a trained pair's. Every request in a batch has its own prompt and seed. Writes
-benchmarks/results/batching.json.
+A tiny random Kimi-flavoured target with its random DFlash drafter (block 8), so
+acceptance is what random weights give, not a trained pair's. Every request in a
+batch has its own prompt and seed. Writes benchmarks/results/batching.json.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
-        target, drafter = save_random_pair(Path(directory), TINY_K2, drafter_config(block_size=8), seed=0)
+        target, drafter = save_random_pair(
+            Path(directory), TINY_K2, drafter_config(block_size=8), seed=0
+        )
         decoder = SpeculativeDecoder(
             jaxdd.load_target(target, dtype="float32"), jaxdd.load_drafter(drafter, dtype="float32")
         )
@@ -62,7 +65,9 @@ def main() -> None:
                     "method": method,
                     "batch": batch,
                     "tokens_per_s": round(tokens / seconds, 1),
-                    "mean_acceptance": round(float(np.mean([r.mean_acceptance for r in results])), 3),
+                    "mean_acceptance": round(
+                        float(np.mean([r.mean_acceptance for r in results])), 3
+                    ),
                 }
                 print(json.dumps(row))
                 rows.append(row)

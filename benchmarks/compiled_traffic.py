@@ -1,13 +1,16 @@
-"""What the real targets' compiled rounds move: Kimi K2.6 + its DFlash drafter (full width), each round compiled
-deviceless for H200, RTX PRO 6000 and TPU v5p (``jaxdd.plan``), its HLO traffic account (``jaxdd.compiled_traffic``)
-against the floor (``jaxdd.planning.traffic``), and the tokens/s each predicts with the demo pair's tau.
+"""What the real targets' compiled rounds move: Kimi K2.6 + its DFlash drafter (full
+width), each round compiled deviceless for H200, RTX PRO 6000 and TPU v5p
+(``jaxdd.plan``), its HLO traffic account (``jaxdd.compiled_traffic``) against the floor
+(``jaxdd.planning.traffic``), and the tokens/s each predicts with the demo pair's tau.
 
-    JAX_PLATFORMS=cpu python benchmarks/compiled_traffic.py [--layers 3] [--hardware h200 ...] [--method ar ...]
+    JAX_PLATFORMS=cpu python benchmarks/compiled_traffic.py [--layers 3] [--hardware h200 ...]
+        [--method ar ...]
 
-TP8 over 8 devices, 8k tokens of context, batch 1; AR, DFlash (block 8) and DDTree (budget 16) rounds, greedy, and
-the sampled DDTree round. Each round compiles in its own process, one at a time (a full-width compile takes a minute
-and several GB). Merges its rows into benchmarks/results/compiled_traffic_<layers>l.json by (hardware, round), so
-the rows of rounds not compiled this run stay, and prints the table.
+TP8 over 8 devices, 8k tokens of context, batch 1; AR, DFlash (block 8) and DDTree
+(budget 16) rounds, greedy, and the sampled DDTree round. Each round compiles in its
+own process, one at a time (a full-width compile takes a minute and several GB).
+Merges its rows into benchmarks/results/compiled_traffic_<layers>l.json by (hardware,
+round), so the rows of rounds not compiled this run stay, and prints the table.
 """
 
 from __future__ import annotations
@@ -31,21 +34,55 @@ BUDGET = 16
 
 
 def compile_round(hardware: str, method: str, sampled: bool, layers: int | None) -> dict:
-    """``jaxdd.plan --json`` for one round, in a fresh process (its memory goes back when it ends)."""
-    command = [sys.executable, "-m", "jaxdd.plan", "--config", str(FIXTURES / "kimi_k25_config.json")]
-    command += ["--drafter-config", str(FIXTURES / "kimi_k26_dflash_config.json"), "--hardware", hardware]
-    command += ["--devices", "8", "--moe", "tp", "--method", method, "--budget", str(BUDGET), "--max-len", "8192"]
-    command += ["--json"] + (["--sampled"] if sampled else []) + ([f"--layers={layers}"] if layers else [])
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost"}
+    """``jaxdd.plan --json`` for one round, in a fresh
+    process (its memory goes back when it ends)."""
+    command = [
+        sys.executable,
+        "-m",
+        "jaxdd.plan",
+        "--config",
+        str(FIXTURES / "kimi_k25_config.json"),
+    ]
+    command += [
+        "--drafter-config",
+        str(FIXTURES / "kimi_k26_dflash_config.json"),
+        "--hardware",
+        hardware,
+    ]
+    command += [
+        "--devices",
+        "8",
+        "--moe",
+        "tp",
+        "--method",
+        method,
+        "--budget",
+        str(BUDGET),
+        "--max-len",
+        "8192",
+    ]
+    command += (
+        ["--json"] + (["--sampled"] if sampled else []) + ([f"--layers={layers}"] if layers else [])
+    )
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "TPU_SKIP_MDS_QUERY": "1",
+        "TPU_WORKER_HOSTNAMES": "localhost",
+    }
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
-        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+        return {
+            "error": done.stderr.strip().splitlines()[-1]
+            if done.stderr.strip()
+            else f"exit {done.returncode}"
+        }
     return json.loads(done.stdout)
 
 
 def row(result: dict, hardware: str, method: str, sampled: bool) -> dict:
-    """One table row: floor and compiled bytes, their ratio, and tokens/s at each (memory bytes / bandwidth plus
-    the floor's link time, with the demo pair's tau)."""
+    """One table row: floor and compiled bytes, their ratio, and tokens/s at each
+    (memory bytes / bandwidth plus the floor's link time, with the demo pair's tau)."""
     chip = GPUS.get(hardware) or TPUS[hardware.split(":")[0]]
     account = result["compiled_traffic"]
     floor = account["floor"]
@@ -74,8 +111,8 @@ def round_key(entry: dict) -> tuple[str, str]:
 
 
 def merged(previous: list[dict], new: list[dict], attempted: set[tuple[str, str]]) -> list[dict]:
-    """``previous`` entries but those of a (hardware, round) ``attempted`` this run, and ``new``'s, in the order of
-    ``HARDWARE`` and ``ROUNDS`` (others last)."""
+    """``previous`` entries but those of a (hardware, round) ``attempted`` this run,
+    and ``new``'s, in the order of ``HARDWARE`` and ``ROUNDS`` (others last)."""
     names = [f"{m}{' sampled' if s else ''}" for m, s in ROUNDS]
     rank = lambda name, known: known.index(name) if name in known else len(known)
 
@@ -88,7 +125,9 @@ def merged(previous: list[dict], new: list[dict], attempted: set[tuple[str, str]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=3, help="full width, this many layers (0: all 61)")
+    parser.add_argument(
+        "--layers", type=int, default=3, help="full width, this many layers (0: all 61)"
+    )
     parser.add_argument("--hardware", nargs="+", default=list(HARDWARE))
     parser.add_argument("--method", nargs="+", default=["ar", "dflash", "ddtree"])
     args = parser.parse_args()
@@ -99,14 +138,20 @@ def main() -> None:
                 continue
             result = compile_round(hardware, method, sampled, args.layers or None)
             if "error" in result or "compiled_traffic" not in result:
-                failures.append({"hardware": hardware, "round": method, "sampled": sampled, **result})
-                print(f"{hardware} {method}{' sampled' if sampled else ''}: {result.get('error', 'did not fit')}")
+                failures.append(
+                    {"hardware": hardware, "round": method, "sampled": sampled, **result}
+                )
+                print(
+                    f"{hardware} {method}{' sampled' if sampled else ''}: "
+                    f"{result.get('error', 'did not fit')}"
+                )
                 continue
             rows.append(row(result, hardware, method, sampled))
             r = rows[-1]
             print(
                 f"{hardware:<13} {r['round']:<15} floor {r['floor_bytes'] / 1e9:6.3f} GB  compiled "
-                f"{r['compiled_bytes'] / 1e9:6.3f} GB  {r['ratio']:5.2f}x  tokens/s {r['tokens_per_s_floor']:7.0f} "
+                f"{r['compiled_bytes'] / 1e9:6.3f} GB  {r['ratio']:5.2f}x  tokens/s "
+                f"{r['tokens_per_s_floor']:7.0f} "
                 f"at the floor, {r['tokens_per_s_compiled']:7.0f} compiled",
                 flush=True,
             )
@@ -117,15 +162,24 @@ def main() -> None:
         )
         if greedy and sampled:
             print(
-                f"{hardware}: sampled / greedy DDTree bytes {sampled['compiled_bytes'] / greedy['compiled_bytes']:.3f}"
+                f"{hardware}: sampled / greedy DDTree bytes "
+                f"{sampled['compiled_bytes'] / greedy['compiled_bytes']:.3f}"
             )
     layers = args.layers or 61
     path = RESULTS / f"compiled_traffic_{layers}l.json"
     previous = json.loads(path.read_text()) if path.exists() else {}
-    attempted = {round_key(e) for e in rows + failures}  # a round compiled now replaces its old row or failure
+    # a round compiled now replaces its old row or failure
+    attempted = {round_key(e) for e in rows + failures}
     rows = merged(previous.get("rows", []), rows, attempted)
     failures = merged(previous.get("failures", []), failures, attempted)
-    report = {"layers": layers, "devices": 8, "moe": "tp", "max_len": 8192, "budget": BUDGET, "rows": rows}
+    report = {
+        "layers": layers,
+        "devices": 8,
+        "moe": "tp",
+        "max_len": 8192,
+        "budget": BUDGET,
+        "rows": rows,
+    }
     write_result(path, report | {"failures": failures})
 
 

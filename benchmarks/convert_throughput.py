@@ -1,10 +1,12 @@
-"""Conversion throughput and peak host memory against checkpoint size (HF bf16 -> jaxdd bf16), CPU, one run.
+"""Conversion throughput and peak host memory against
+checkpoint size (HF bf16 -> jaxdd bf16), CPU, one run.
 
     python benchmarks/convert_throughput.py [--sizes-gb 0.25 0.5 1 2] [--tmp DIR]
 
-Synthetic Kimi-shaped checkpoints (one shard per layer; layers grow in number, not in size) are generated in a
-temporary directory and deleted afterwards, never committed. Each conversion runs in a fresh process that
-reports its own peak RSS. Writes benchmarks/results/convert_throughput.json and convert_throughput.png.
+Synthetic Kimi-shaped checkpoints (one shard per layer; layers grow in number,
+not in size) are generated in a temporary directory and deleted afterwards, never
+committed. Each conversion runs in a fresh process that reports its own peak RSS.
+Writes benchmarks/results/convert_throughput.json and convert_throughput.png.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ EXPERTS, WIDTH = 64, 512  # ~48 MiB of bf16 experts per layer
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes-gb", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0])
-    parser.add_argument("--tmp", help="where to write the synthetic checkpoints (default: the system temp dir)")
+    parser.add_argument(
+        "--tmp", help="where to write the synthetic checkpoints (default: the system temp dir)"
+    )
     args = parser.parse_args()
     rows = []
     for size in args.sizes_gb:
@@ -33,7 +37,9 @@ def main() -> None:
         try:
             layer_mb = 3 * EXPERTS * WIDTH * (WIDTH // 2) * 2 / 2**20
             layers = max(2, round(size * 1024 / layer_mb))
-            source, largest_mb = write_synthetic_target(root / "hf", layers, EXPERTS, WIDTH, dtype="bfloat16")
+            source, largest_mb = write_synthetic_target(
+                root / "hf", layers, EXPERTS, WIDTH, dtype="bfloat16"
+            )
             source_mb = sum(f.stat().st_size for f in source.glob("*.safetensors")) / 2**20
             measured = measure_conversion(source, root / "jaxdd", "bfloat16")
         finally:
@@ -70,7 +76,9 @@ def plot(rows: list[dict]) -> None:
     memory.set(xlabel="checkpoint (GiB)", ylabel="MiB", title="host memory during conversion")
     memory.legend()
     speed.plot(sizes, [r["throughput_mb_s"] for r in rows], "o-")
-    speed.set(xlabel="checkpoint (GiB)", ylabel="MB/s", title="conversion throughput", ylim=(0, None))
+    speed.set(
+        xlabel="checkpoint (GiB)", ylabel="MB/s", title="conversion throughput", ylim=(0, None)
+    )
     fig.tight_layout()
     fig.savefig(RESULTS / "convert_throughput.png", dpi=100)
 

@@ -1,11 +1,13 @@
-"""AR vs DFlash vs DDTree (budgets 8..256) on a tiny random target with partly-right drafts, CPU, one run.
+"""AR vs DFlash vs DDTree (budgets 8..256) on a tiny
+random target with partly-right drafts, CPU, one run.
 
     python benchmarks/ddtree_rounds.py [--max-new-tokens 64] [--repeats 3]
 
-Drafts come from the real (random) drafter with the target's own greedy token lifted to the top at 85% of
-positions (jaxdd/testing/oracle.py), so rounds accept several tokens. Reports tokens/s, rounds/s and mean acceptance
-per method, and the per-stage split of one round (draft, tree build, verify, accept, commit: the op time of
-each named scope of the real round in a profile). Writes benchmarks/results/ddtree_rounds.json and ddtree_rounds.png.
+Drafts come from the real (random) drafter with the target's own greedy token lifted to the
+top at 85% of positions (jaxdd/testing/oracle.py), so rounds accept several tokens. Reports
+tokens/s, rounds/s and mean acceptance per method, and the per-stage split of one round
+(draft, tree build, verify, accept, commit: the op time of each named scope of the real
+round in a profile). Writes benchmarks/results/ddtree_rounds.json and ddtree_rounds.png.
 """
 
 from __future__ import annotations
@@ -28,11 +30,17 @@ BUDGETS = [8, 16, 32, 64, 128, 256]
 BLOCK = 8
 
 
-def stage_split(decoder: SpeculativeDecoder, prompt: list[int], budget: int, max_length: int) -> dict:
-    """Op ms per stage of the real DDTree round (its named scopes in a profile), from the state after the
-    prefill."""
+def stage_split(
+    decoder: SpeculativeDecoder, prompt: list[int], budget: int, max_length: int
+) -> dict:
+    """Op ms per stage of the real DDTree round (its named
+    scopes in a profile), from the state after the prefill."""
     plan, state = decoder.start(
-        [prompt], method="ddtree", max_new_tokens=max_length - len(prompt), budget=budget, stop_token_ids=[]
+        [prompt],
+        method="ddtree",
+        max_new_tokens=max_length - len(prompt),
+        budget=budget,
+        stop_token_ids=[],
     )
     return round_stages(decoder, plan, state)
 
@@ -54,7 +62,9 @@ def run(decoder, prompts, method, repeats, **kwargs) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -80,14 +90,18 @@ def main() -> None:
         results[f"ddtree_{budget}"] = run(
             decoder, [prompt], "ddtree", args.repeats, max_new_tokens=max_new, budget=budget
         )
-        results[f"ddtree_{budget}"]["stages"] = stage_split(decoder, prompt, budget, len(prompt) + max_new)
+        results[f"ddtree_{budget}"]["stages"] = stage_split(
+            decoder, prompt, budget, len(prompt) + max_new
+        )
     for name, r in results.items():
         r["lossless"] = r.pop("tokens") == [expected]
         stages = r.get("stages")
         share = ""
         if stages:
             overhead = stages["build_ms"] + stages["accept_ms"] + stages["commit_ms"]
-            stages["build_accept_commit_share"] = overhead / sum(v for k, v in stages.items() if k.endswith("_ms"))
+            stages["build_accept_commit_share"] = overhead / sum(
+                v for k, v in stages.items() if k.endswith("_ms")
+            )
             share = f", build+accept+commit {stages['build_accept_commit_share']:.1%} of the round"
         speed = f"{r['tokens_per_s']:.0f} tok/s, acceptance {r['mean_acceptance']:.2f}"
         print(f"{name}: {speed}, lossless={r['lossless']}{share}")
@@ -121,7 +135,12 @@ def plot(results: dict, path: Path) -> None:
     left.plot(budgets, [r["tokens_per_s"] for r in tree], "o-", label="DDTree")
     for name, style in (("dflash", "--"), ("ar", ":")):
         left.axhline(results[name]["tokens_per_s"], linestyle=style, color="gray", label=name)
-    left.set(xscale="log", xlabel="tree budget (nodes)", ylabel="tokens/s", title="throughput (CPU, tiny model)")
+    left.set(
+        xscale="log",
+        xlabel="tree budget (nodes)",
+        ylabel="tokens/s",
+        title="throughput (CPU, tiny model)",
+    )
     left.legend()
     stages = [f"{stage}_ms" for stage in (*STAGES, "other")]
     bottom = np.zeros(len(budgets))
@@ -129,7 +148,9 @@ def plot(results: dict, path: Path) -> None:
         values = np.array([r["stages"][stage] for r in tree])
         right.bar([str(b) for b in budgets], values, bottom=bottom, label=stage.removesuffix("_ms"))
         bottom += values
-    right.set(xlabel="tree budget (nodes)", ylabel="op ms per round", title="one DDTree round, by stage")
+    right.set(
+        xlabel="tree budget (nodes)", ylabel="op ms per round", title="one DDTree round, by stage"
+    )
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

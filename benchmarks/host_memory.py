@@ -1,14 +1,15 @@
-"""Peak host memory per process when 1, 2 or 4 processes (one per "host", 8/P CPU devices each) load one HF
-checkpoint onto the job's 8-device expert-parallel mesh, one run.
+"""Peak host memory per process when 1, 2 or 4 processes (one per "host", 8/P CPU devices
+each) load one HF checkpoint onto the job's 8-device expert-parallel mesh, one run.
 
     python benchmarks/host_memory.py [--layers 6] [--experts 64] [--width 512]
 
-Two ways: ``placed`` (``jaxdd.load_target(..., mesh=, moe="ep")``: each process reads only its devices' parts) and
-``whole`` (every process reads the whole checkpoint, then ``shard_module`` keeps its shards: what the HF loader
-did before). CPU devices keep their arrays in the process's memory, so a process's resident memory is what a
-host's RAM would hold while loading (a GPU host holds its shards in device memory instead, and only the reads in
-RAM). Peak resident memory (VmHWM) above the memory with JAX started, per process; the largest over processes is
-reported. Writes benchmarks/results/host_memory.json.
+Two ways: ``placed`` (``jaxdd.load_target(..., mesh=, moe="ep")``: each process reads only
+its devices' parts) and ``whole`` (every process reads the whole checkpoint, then
+``shard_module`` keeps its shards: what the HF loader did before). CPU devices keep their
+arrays in the process's memory, so a process's resident memory is what a host's RAM would
+hold while loading (a GPU host holds its shards in device memory instead, and only the
+reads in RAM). Peak resident memory (VmHWM) above the memory with JAX started, per process;
+the largest over processes is reported. Writes benchmarks/results/host_memory.json.
 """
 
 from __future__ import annotations
@@ -56,16 +57,28 @@ def worker(checkpoint: Path, way: str, processes: int, process_id: int, port: in
     leaves = jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
     held = sum(s.data.nbytes for leaf in leaves for s in leaf.addressable_shards)
     peak = process_memory_mb("VmHWM")
-    print(json.dumps({"process": process_id, "before_mb": before, "peak_mb": peak, "held_mb": held / 2**20}))
+    print(
+        json.dumps(
+            {"process": process_id, "before_mb": before, "peak_mb": peak, "held_mb": held / 2**20}
+        )
+    )
 
 
 def measure(checkpoint: Path, way: str, processes: int) -> dict:
     port = free_port()
     base = [sys.executable, __file__, "--worker", str(checkpoint), way, str(processes)]
     outputs = run_processes([[*base, str(i), str(port)] for i in range(processes)], timeout=600)
-    rows = [json.loads([line for line in out.splitlines() if line.startswith("{")][-1]) for out in outputs]
+    rows = [
+        json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+        for out in outputs
+    ]
     growth = max(r["peak_mb"] - r["before_mb"] for r in rows)
-    return {"way": way, "processes": processes, "peak_growth_mb_per_process": round(growth, 1), "per_process": rows}
+    return {
+        "way": way,
+        "processes": processes,
+        "peak_growth_mb_per_process": round(growth, 1),
+        "per_process": rows,
+    }
 
 
 def main() -> None:
@@ -84,9 +97,16 @@ def main() -> None:
         size_mb = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors")) / 2**20
         rows = [measure(checkpoint, way, p) for way in ("placed", "whole") for p in (1, 2, 4)]
     for row in rows:
-        print(f"{row['way']:>6}  {row['processes']} processes: peak +{row['peak_growth_mb_per_process']:.0f} MB each")
+        print(
+            f"{row['way']:>6}  {row['processes']} processes: peak "
+            f"+{row['peak_growth_mb_per_process']:.0f} MB each"
+        )
     report = {
-        "checkpoint": {"size_mb": round(size_mb, 1), "largest_layer_mb": round(largest_mb, 1), **vars(args)},
+        "checkpoint": {
+            "size_mb": round(size_mb, 1),
+            "largest_layer_mb": round(largest_mb, 1),
+            **vars(args),
+        },
         "devices": DEVICES,
         "moe": "ep",
         "rows": rows,

@@ -1,12 +1,13 @@
-"""The tree-attention kernel compiled deviceless at Kimi's latent sizes (512 + 64, bf16) for TPU v5e / v5p / v6e
-(its Mosaic form) and H200 / RTX PRO 6000 (its Triton form), one run.
+"""The tree-attention kernel compiled deviceless at Kimi's latent sizes (512 + 64, bf16) for
+TPU v5e / v5p / v6e (its Mosaic form) and H200 / RTX PRO 6000 (its Triton form), one run.
 
     python benchmarks/kernel_compiles.py [--targets v5e:2x2,v5p:2x2x2,...]
 
-Heads per device 8 and 64 (Kimi's 64 over TP8, or whole), trees of 17, 65 and 257 tokens, caches of 4k, 32k
-and 128k slots. Per compile: seconds; on TPU the scoped VMEM the kernel needs (the least limit,
-``vmem_limit_bytes``, Mosaic compiles it under); on GPU the shared memory per block Triton asks for (what the
-compile names when the GPU is described with less). Writes benchmarks/results/kernel_compiles.json.
+Heads per device 8 and 64 (Kimi's 64 over TP8, or whole), trees of 17, 65 and 257
+tokens, caches of 4k, 32k and 128k slots. Per compile: seconds; on TPU the scoped
+VMEM the kernel needs (the least limit, ``vmem_limit_bytes``, Mosaic compiles it
+under); on GPU the shared memory per block Triton asks for (what the compile names
+when the GPU is described with less). Writes benchmarks/results/kernel_compiles.json.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jaxdd.runtime.startup  # noqa: F401, I001  (first: JAX without the CUDA plugin's start-up lines)
+# first: JAX without the CUDA plugin's start-up lines
+import jaxdd.runtime.startup  # noqa: F401, I001
 import jax
 import jax.numpy as jnp
 
@@ -61,10 +63,12 @@ def compiles_within(args, limit: int) -> bool:
 
 @functools.cache
 def vmem_needed(target: str, tokens: int, heads: int) -> int:
-    """The least scoped-VMEM limit Mosaic compiles the kernel under (to 64 KiB), found by bisection; the tiles
-    do not depend on the cache's size, so neither does this (measured at 4k slots)."""
+    """The least scoped-VMEM limit Mosaic compiles the kernel under (to 64 KiB), found by bisection;
+    the tiles do not depend on the cache's size, so neither does this (measured at 4k slots)."""
     where = find_machine(target, 1)
-    args = kernel_args(jax.sharding.SingleDeviceSharding(where.devices[0]), tokens, heads, min(SLOTS))
+    args = kernel_args(
+        jax.sharding.SingleDeviceSharding(where.devices[0]), tokens, heads, min(SLOTS)
+    )
     low, high = 0, 32 * 2**20  # compiles at high (every chip's VMEM is larger)
     while high - low > GRANULE:
         middle = (low + high) // 2 // GRANULE * GRANULE
@@ -74,10 +78,13 @@ def vmem_needed(target: str, tokens: int, heads: int) -> int:
 
 @functools.cache
 def probe_gpu(name: str) -> tuple:
-    """``name``'s GPU described with 1 KB of shared memory per block: every kernel's compile is refused there,
-    naming the shared memory it requests (the kernel keeps the tiles the real GPU gets)."""
+    """``name``'s GPU described with 1 KB of shared memory per block:
+    every kernel's compile is refused there, naming the shared memory
+    it requests (the kernel keeps the tiles the real GPU gets)."""
     gpu = dataclasses.replace(GPUS[name], shared_memory_per_block_optin=PROBE_SHARED_MEMORY)
-    topology = topologies.get_topology_desc(platform="cuda", target_config=gpu.target_config(), topology="1x1x1")
+    topology = topologies.get_topology_desc(
+        platform="cuda", target_config=gpu.target_config(), topology="1x1x1"
+    )
     return tuple(topology.devices)
 
 
@@ -127,7 +134,11 @@ def main() -> None:
                     vmem = vmem or f"{r['shared_memory_bytes'] / 2**10:5.1f} KiB shared memory"
                     shape = f"{heads:>2} heads {tokens:>3} tokens {slots:>6} slots"
                     print(f"{target:>13} {shape}: {r['compile_s']:5.2f} s {vmem}")
-    write_result(args.out, {"dtype": "bfloat16", "latent": 512, "rope": 64, "rows": rows}, jax=jax.__version__)
+    write_result(
+        args.out,
+        {"dtype": "bfloat16", "latent": 512, "rope": 64, "rows": rows},
+        jax=jax.__version__,
+    )
 
 
 if __name__ == "__main__":

@@ -1,20 +1,21 @@
-"""Decode against its memory floor on this CPU: a memory-bound INT4 MoE target (128 routed experts, top 8, far past
-the L3 cache) loaded through ``jaxdd.load_target``.
+"""Decode against its memory floor on this CPU: a memory-bound INT4 MoE target (128
+routed experts, top 8, far past the L3 cache) loaded through ``jaxdd.load_target``.
 
     python benchmarks/moe_bandwidth.py [--repeats 20]
 
-A decode step reads its weights once and only the experts its tokens chose, so its floor is (bytes it must read)
-/ (this machine's read bandwidth: the best of a jitted sum, XLA's matvec and the dense matvec kernel over 1 GiB).
-Bytes: every non-expert weight but the embedding (one row per token), the distinct chosen experts' INT4 words and
-scales, the KV slots attention reads. This host's bandwidth drifts by half between minutes (other tenants), so the
-AR step with the CPU kernels is timed in rounds that alternate with the bandwidth probe: each round's ratio is its
-median step over the floor at that round's bandwidth, and the result is the median round. Also timed: a DFlash
-verify-sized target forward (16 tokens: 128 pairs, ~81 distinct experts per layer under uniform routing), with
-what the backend picks now (``gathered`` through the INT4 kernel and, for one token, the dense weights through the
-dense matvec kernel: ``jaxdd.runtime.cpu_kernels``), with what it picks without the kernels (``gathered`` through XLA's
-dequantization for one token, ``scan`` for 16, XLA's matmuls) and with what it picked first (every expert
-dequantized: ``dense`` for one token, ``scan`` for 16). Writes benchmarks/results/moe_bandwidth.json and
-moe_bandwidth.png.
+A decode step reads its weights once and only the experts its tokens chose, so its floor is (bytes
+it must read) / (this machine's read bandwidth: the best of a jitted sum, XLA's matvec and the dense
+matvec kernel over 1 GiB). Bytes: every non-expert weight but the embedding (one row per token), the
+distinct chosen experts' INT4 words and scales, the KV slots attention reads. This host's bandwidth
+drifts by half between minutes (other tenants), so the AR step with the CPU kernels is timed in
+rounds that alternate with the bandwidth probe: each round's ratio is its median step over the floor
+at that round's bandwidth, and the result is the median round. Also timed: a DFlash verify-sized
+target forward (16 tokens: 128 pairs, ~81 distinct experts per layer under uniform routing), with
+what the backend picks now (``gathered`` through the INT4 kernel and, for one token, the dense
+weights through the dense matvec kernel: ``jaxdd.runtime.cpu_kernels``), with what it picks without
+the kernels (``gathered`` through XLA's dequantization for one token, ``scan`` for 16, XLA's
+matmuls) and with what it picked first (every expert dequantized: ``dense`` for one token, ``scan``
+for 16). Writes benchmarks/results/moe_bandwidth.json and moe_bandwidth.png.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from jaxdd.testing.reference import TINY_K2
 from jaxdd.weights.checkpoint import groups_of, write_checkpoint
 
 RESULTS = Path(__file__).parent / "results"
-SHAPE = TINY_K2 | dict(  # 1 dense + 5 MoE layers; the routed experts are 0.57 GB of INT4, the rest ~0.3 GB fp32
+# 1 dense + 5 MoE layers; the routed experts are 0.57 GB of INT4, the rest ~0.3 GB fp32
+SHAPE = TINY_K2 | dict(
     vocab_size=32768,
     hidden_size=1024,
     intermediate_size=2048,
@@ -69,7 +71,8 @@ VARIANTS = {  # name: (AR dispatch, verify dispatch, the CPU kernels)
 
 
 def write_random_int4_target(directory: Path, seed: int = 0) -> KimiConfig:
-    """A jaxdd checkpoint of ``SHAPE`` with random weights: normal fp32, random INT4 words, scales near 0.002."""
+    """A jaxdd checkpoint of ``SHAPE`` with random weights:
+    normal fp32, random INT4 words, scales near 0.002."""
     config = KimiConfig.from_hf(DeepseekV3Config(**SHAPE).to_dict())
     rng = np.random.default_rng(seed)
 
@@ -87,8 +90,8 @@ def write_random_int4_target(directory: Path, seed: int = 0) -> KimiConfig:
 
 
 def bandwidth_probe() -> Callable[[], float]:
-    """A function giving the GB/s this host reads 1 GiB at now: the best of three jitted sums, XLA matvecs and (where
-    built) dense matvec kernel calls (a peak, as STREAM reports)."""
+    """A function giving the GB/s this host reads 1 GiB at now: the best of three jitted sums,
+    XLA matvecs and (where built) dense matvec kernel calls (a peak, as STREAM reports)."""
     data = jnp.ones((2**13, 2**15), jnp.float32)
     vector = jnp.ones((1, 2**13), jnp.float32)
     total, matvec = jax.jit(jnp.sum), jax.jit(jnp.matmul)
@@ -100,15 +103,18 @@ def bandwidth_probe() -> Callable[[], float]:
         probe().block_until_ready()
 
     def read_gb_s() -> float:
-        best = min(timed(lambda p=p: p().block_until_ready(), 1)[1] for p in probes for _ in range(3))
+        best = min(
+            timed(lambda p=p: p().block_until_ready(), 1)[1] for p in probes for _ in range(3)
+        )
         return data.nbytes / best / 1e9
 
     return read_gb_s
 
 
 def bytes_per_step(model: KimiTarget, tokens: int, slots: int) -> dict[str, float]:
-    """What one target forward of ``tokens`` tokens must read: non-expert weights (of the embedding one row per
-    token), the expected distinct experts per MoE layer under uniform routing, the KV slots attention reads."""
+    """What one target forward of ``tokens`` tokens must read: non-expert
+    weights (of the embedding one row per token), the expected distinct experts
+    per MoE layer under uniform routing, the KV slots attention reads."""
     c = model.config
     total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     embed = model.embed[...].nbytes
@@ -124,8 +130,8 @@ def bytes_per_step(model: KimiTarget, tokens: int, slots: int) -> dict[str, floa
 
 
 def with_dispatch(model: KimiTarget, dispatch: str, kernel: bool = True) -> jaxdd.Target:
-    """The model with every MoE layer forced to ``dispatch`` ("auto": the backend's choice), on CPU with or
-    without the CPU kernels."""
+    """The model with every MoE layer forced to ``dispatch`` ("auto":
+    the backend's choice), on CPU with or without the CPU kernels."""
     for layer in model.layers:
         if hasattr(layer.mlp, "dispatch"):
             layer.mlp.dispatch = dispatch
@@ -148,7 +154,8 @@ def ar_stepper(target: jaxdd.Target) -> tuple[Callable[[], object], int]:
 
 
 def verify_ms(target: jaxdd.Target, repeats: int, slots: int) -> float:
-    """Median ms of a target forward of ``VERIFY_TOKENS`` tokens after the prompt, left uncommitted."""
+    """Median ms of a target forward of ``VERIFY_TOKENS``
+    tokens after the prompt, left uncommitted."""
     holder = {"cache": target.forward(np.array([PROMPT]), cache=target.new_cache(1, slots)).cache}
     ids = np.array([PROMPT[:VERIFY_TOKENS]])
 
@@ -161,8 +168,9 @@ def verify_ms(target: jaxdd.Target, repeats: int, slots: int) -> float:
 
 
 def measure(model: KimiTarget, repeats: int, rounds: int, probe: Callable[[], float]) -> dict:
-    """Median ms of the AR step and of the verify forward with the dispatch picked now, without the kernels, and
-    first; for the AR step with the kernels, ``rounds`` of (``probe()`` GB/s, median ms of ``repeats`` steps)."""
+    """Median ms of the AR step and of the verify forward with the dispatch
+    picked now, without the kernels, and first; for the AR step with the kernels,
+    ``rounds`` of (``probe()`` GB/s, median ms of ``repeats`` steps)."""
     out = {"ar": {}, "verify": {}}
     for name, (ar_dispatch, verify_dispatch, kernel) in VARIANTS.items():
         jax.clear_caches()
@@ -172,13 +180,16 @@ def measure(model: KimiTarget, repeats: int, rounds: int, probe: Callable[[], fl
             out["ar"][name] = float(np.median([ms for _, ms in out["rounds"]]))
         else:
             out["ar"][name] = median_ms(step, repeats)
-        out["verify"][name] = verify_ms(with_dispatch(model, verify_dispatch, kernel), repeats, out["slots"])
+        out["verify"][name] = verify_ms(
+            with_dispatch(model, verify_dispatch, kernel), repeats, out["slots"]
+        )
     with_dispatch(model, "auto")
     return out
 
 
 def plot(report: dict, path: Path) -> None:
-    """Left: the steps against their floors (log); right: each AR round's ratio against the bandwidth it met."""
+    """Left: the steps against their floors (log); right:
+    each AR round's ratio against the bandwidth it met."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,7 +198,12 @@ def plot(report: dict, path: Path) -> None:
     fig, (axis, rounds) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
     labels = ["AR step", f"verify {VERIFY_TOKENS} tokens"]
     x = np.arange(2)
-    labels_of = {"floor": "floor", "now": "CPU kernels", "xla": "XLA only", "before": "every expert"}
+    labels_of = {
+        "floor": "floor",
+        "now": "CPU kernels",
+        "xla": "XLA only",
+        "before": "every expert",
+    }
     for offset, (name, label) in zip((-0.3, -0.1, 0.1, 0.3), labels_of.items(), strict=True):
         values = [report[k][f"{name}_ms"] for k in ("ar", "verify")]
         bars = axis.bar(x + offset, values, 0.19, label=label)
@@ -198,9 +214,15 @@ def plot(report: dict, path: Path) -> None:
     axis.set_title(f"INT4 MoE, 128 experts top 8, read bandwidth {report['read_gb_s']:.1f} GB/s")
     axis.legend()
     measured = report["ar"]["rounds"]
-    rounds.scatter([r["read_gb_s"] for r in measured], [r["over_floor"] for r in measured], label="AR rounds")
+    rounds.scatter(
+        [r["read_gb_s"] for r in measured], [r["over_floor"] for r in measured], label="AR rounds"
+    )
     rounds.axhline(2, color="gray", linestyle="--", label="2x the floor")
-    rounds.axhline(report["ar"]["now_over_floor"], color="C1", label=f"median {report['ar']['now_over_floor']:.2f}x")
+    rounds.axhline(
+        report["ar"]["now_over_floor"],
+        color="C1",
+        label=f"median {report['ar']['now_over_floor']:.2f}x",
+    )
     rounds.set_xlabel("read bandwidth that round (GB/s)")
     rounds.set_ylabel("AR step / floor")
     rounds.set_title("each round against its own floor")
@@ -212,7 +234,9 @@ def plot(report: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=9, help="AR rounds alternating with the bandwidth probe")
+    parser.add_argument(
+        "--rounds", type=int, default=9, help="AR rounds alternating with the bandwidth probe"
+    )
     args = parser.parse_args()
     probe = bandwidth_probe()
     with tempfile.TemporaryDirectory() as root:
@@ -234,12 +258,16 @@ def main() -> None:
         }
         if label == "ar":  # each round against the floor at its own bandwidth
             rounds = [
-                {"read_gb_s": gb_s, "ms": ms, "over_floor": ms / (gb / gb_s * 1e3)} for gb_s, ms in times["rounds"]
+                {"read_gb_s": gb_s, "ms": ms, "over_floor": ms / (gb / gb_s * 1e3)}
+                for gb_s, ms in times["rounds"]
             ]
             report[label]["rounds"] = rounds
             report[label]["now_over_floor"] = float(np.median([r["over_floor"] for r in rounds]))
         timings = ", ".join(f"{name} {times[label][name]:.2f} ms" for name in VARIANTS)
-        print(f"{label}: floor {floor_ms:.2f} ms, {timings}, now {report[label]['now_over_floor']:.2f}x the floor")
+        print(
+            f"{label}: floor {floor_ms:.2f} ms, {timings}, now "
+            f"{report[label]['now_over_floor']:.2f}x the floor"
+        )
     write_result(RESULTS / "moe_bandwidth.json", report)
     plot(report, RESULTS / "moe_bandwidth.png")
 

@@ -1,4 +1,5 @@
-"""Max relative error of each jaxdd module against HF transformers DeepseekV3 (fp32, CPU), per config flavour.
+"""Max relative error of each jaxdd module against HF
+transformers DeepseekV3 (fp32, CPU), per config flavour.
 
     python benchmarks/numerics.py
 
@@ -50,19 +51,26 @@ def measure(flavour: str, seed: int) -> dict:
         errors["rms_norm"] = rel_err(jx.final_norm(jnp.asarray(x)), model.model.norm(tx).numpy())
         hf_mask = additive_mask(causal)
         for form in ("naive", "absorbed"):
-            ours = jx.layers[1].attn(jnp.asarray(x), cos_sin, empty, length, mask, mask, form, Backend.local())[0]
+            ours = jx.layers[1].attn(
+                jnp.asarray(x), cos_sin, empty, length, mask, mask, form, Backend.local()
+            )[0]
             errors[f"attention_{form}"] = rel_err(
                 ours, model.model.layers[1].self_attn(tx, (cos, sin), hf_mask)[0].numpy()
             )
         flat = x.reshape(-1, c.hidden_size)
         _, weights, _ = model.model.layers[moe].mlp.gate(torch.from_numpy(flat))
         ours_w, _ = jx.layers[moe].mlp.router(jnp.asarray(flat))
-        errors["router_weights_sorted"] = rel_err(np.sort(np.asarray(ours_w), -1), np.sort(weights.numpy(), -1))
+        errors["router_weights_sorted"] = rel_err(
+            np.sort(np.asarray(ours_w), -1), np.sort(weights.numpy(), -1)
+        )
         errors["moe"] = rel_err(
-            jx.layers[moe].mlp(jnp.asarray(x), Backend.local()), model.model.layers[moe].mlp(tx).numpy()
+            jx.layers[moe].mlp(jnp.asarray(x), Backend.local()),
+            model.model.layers[moe].mlp(tx).numpy(),
         )
         for name, i in (("dense_layer", 0), ("moe_layer", moe)):
-            ours = jx.layers[i](jnp.asarray(x), cos_sin, empty, length, mask, mask, "absorbed", Backend.local())[0]
+            ours = jx.layers[i](
+                jnp.asarray(x), cos_sin, empty, length, mask, mask, "absorbed", Backend.local()
+            )[0]
             hf = model.model.layers[i](tx, attention_mask=hf_mask, position_embeddings=(cos, sin))
             errors[name] = rel_err(ours, hf.numpy())
         ids = rng.integers(0, c.vocab_size, (b, t))
@@ -73,7 +81,9 @@ def measure(flavour: str, seed: int) -> dict:
 
 
 def main() -> None:
-    report = {f"{flavour}_seed{seed}": measure(flavour, seed) for flavour in FLAVOURS for seed in (0, 1)}
+    report = {
+        f"{flavour}_seed{seed}": measure(flavour, seed) for flavour in FLAVOURS for seed in (0, 1)
+    }
     worst = {k: max(r[k] for r in report.values()) for k in next(iter(report.values()))}
     for name, value in worst.items():
         print(f"{name:24s} {value:.2e}")

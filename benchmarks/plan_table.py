@@ -1,13 +1,14 @@
-"""Will Kimi K2.6 + K2.6 DFlash fit, per target, from the targets' own compilers (deviceless, ``jaxdd.plan``):
-the DDTree round (greedy) for budgets 16 and 64 at 8k and 32k tokens of context, TP and EP, on 8 x H200,
-8 x RTX PRO 6000, 8 x B200, a TPU v5p slice of 8 chips and a TPU v6e slice of 32 chips (16 GB of weights per
+"""Will Kimi K2.6 + K2.6 DFlash fit, per target, from the targets' own compilers
+(deviceless, ``jaxdd.plan``): the DDTree round (greedy) for budgets 16 and 64 at
+8k and 32k tokens of context, TP and EP, on 8 x H200, 8 x RTX PRO 6000, 8 x B200,
+a TPU v5p slice of 8 chips and a TPU v6e slice of 32 chips (16 GB of weights per
 chip and the replicated latent cache need more than 16 chips of 32 GB).
 
     python benchmarks/plan_table.py [--targets h200 v5p:2x2x2 ...]
 
-Each row compiles the full 61-layer program (1-2.5 minutes on this CPU host); rows already in the result are
-kept, so an interrupted run resumes (and runs for different targets can share the file). Writes
-benchmarks/results/plan_kimi_k26.json and prints the README's table.
+Each row compiles the full 61-layer program (1-2.5 minutes on this CPU host); rows already
+in the result are kept, so an interrupted run resumes (and runs for different targets can
+share the file). Writes benchmarks/results/plan_kimi_k26.json and prints the README's table.
 """
 
 from __future__ import annotations
@@ -39,19 +40,26 @@ def saved_rows() -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    """The README's table: GB per device (weights + caches + compiler temporaries) and the verdict."""
+    """The README's table: GB per device (weights +
+    caches + compiler temporaries) and the verdict."""
     lines = [
-        "| target | MoE | budget | context | weights GB | caches GB | temporaries GB | total GB | of | fits |",
+        "| target | MoE | budget | context | weights GB | caches GB | temporaries GB | "
+        "total GB | of | fits |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in sorted(rows, key=lambda r: (TARGETS.index(r["hardware"]["name"]), r["moe"], r["budget"], r["max_len"])):
+    for row in sorted(
+        rows,
+        key=lambda r: (TARGETS.index(r["hardware"]["name"]), r["moe"], r["budget"], r["max_len"]),
+    ):
         d = row["per_device_bytes"]
         weights = (d["target_weights"] + d["drafter_weights"]) / GB
         caches = (d["target_cache"] + d["drafter_cache"]) / GB
         lines.append(
             f"| {row['devices']} x {row['target']['name']} | {row['moe']} | {row['budget']} | "
-            f"{row['max_len'] // 1024}k | {weights:.1f} | {caches:.2f} | {d['temporaries'] / GB:.2f} | "
-            f"{d['total'] / GB:.1f} | {row['target']['memory_bytes'] / GB:.0f} | {'yes' if row['fits'] else 'no'} |"
+            f"{row['max_len'] // 1024}k | {weights:.1f} | {caches:.2f} | "
+            f"{d['temporaries'] / GB:.2f} | "
+            f"{d['total'] / GB:.1f} | {row['target']['memory_bytes'] / GB:.0f} | "
+            f"{'yes' if row['fits'] else 'no'} |"
         )
     return "\n".join(lines)
 
@@ -71,8 +79,12 @@ def main() -> None:
             PlanOptions(target, moe=moe, budget=budget, max_len=context),
         )
         row.pop("traffic")  # benchmarks/traffic_table.py's subject
-        print(f"{target} {moe} budget {budget} {context // 1024}k: {row['per_device_bytes']['total'] / GB:.1f} GB")
-        rows = [r for r in saved_rows() if key(r) != key(row)] + [row]  # another run may have added rows meanwhile
+        print(
+            f"{target} {moe} budget {budget} {context // 1024}k: "
+            f"{row['per_device_bytes']['total'] / GB:.1f} GB"
+        )
+        # another run may have added rows meanwhile
+        rows = [r for r in saved_rows() if key(r) != key(row)] + [row]
         write_result(RESULT, {"rows": rows, "table": table(rows)})
     print(table(rows))
 

@@ -1,18 +1,20 @@
-"""What a speculative round costs in AR steps, for the demo pair and for bigger kimi-mini shapes, on this machine.
+"""What a speculative round costs in AR steps, for the demo
+pair and for bigger kimi-mini shapes, on this machine.
 
     python benchmarks/round_cost.py [--prompts 12] [--max-new-tokens 64]
 
-A round that emits tau tokens on average beats AR only if it costs less than tau AR steps, so the break-even tau
-of a method is (time per round) / (time per AR step): it depends on the hardware and the model shapes, not on how
-well the drafter guesses. Rounds are timed as users run them (``SpeculativeDecoder.generate``, batch 1, fp32, no
-stop tokens, HumanEval prompts, methods interleaved per prompt so that a slow spell of a shared machine hits all
-alike, compiled runs excluded).
+A round that emits tau tokens on average beats AR only if it costs less than tau AR
+steps, so the break-even tau of a method is (time per round) / (time per AR step):
+it depends on the hardware and the model shapes, not on how well the drafter
+guesses. Rounds are timed as users run them (``SpeculativeDecoder.generate``, batch
+1, fp32, no stop tokens, HumanEval prompts, methods interleaved per prompt so that
+a slow spell of a shared machine hits all alike, compiled runs excluded).
 
-Shapes: the bundled kimi-mini pair (trained: its measured tau is reported too, so the speedup is tau over
-break-even), and random-initialized kimi-mini variants within the issue's 5-20M parameters, deeper or wider, each
-with the drafter ``jaxdd.train.drafter`` would train for it (two layers, or a thin one-layer one): their tau means
-nothing (random drafts), their break-even tau is what a trained drafter would have to beat.
-Writes benchmarks/results/round_cost.json and round_cost.png.
+Shapes: the bundled kimi-mini pair (trained: its measured tau is reported too, so the speedup is tau
+over break-even), and random-initialized kimi-mini variants within the issue's 5-20M parameters,
+deeper or wider, each with the drafter ``jaxdd.train.drafter`` would train for it (two layers, or a
+thin one-layer one): their tau means nothing (random drafts), their break-even tau is what a trained
+drafter would have to beat. Writes benchmarks/results/round_cost.json and round_cost.png.
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ def random_pair(target_changes: dict, drafter_changes: dict) -> tuple[Target, DF
 
 
 def measure(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], max_new: int) -> dict:
-    """Per method: ms per round (AR: per step) and tau over all prompts, methods interleaved per prompt."""
+    """Per method: ms per round (AR: per step) and tau
+    over all prompts, methods interleaved per prompt."""
     decoder = SpeculativeDecoder(target, drafter)
     methods = {"ar": {"method": "ar"}, **METHODS}
     runners = {
@@ -120,11 +123,26 @@ def plot(report: dict, path: Path) -> None:
         label = f"{name} (target {shape['target_params_m']:.1f}M)"
         axis.bar(x + (i - (len(shapes) - 1) / 2) * width, costs, width, label=label)
     demo = shapes["demo pair (trained)"]["methods"]
-    axis.plot(x, [demo[label]["tau"] for label in labels], "k*", markersize=12, label="tau of the trained demo pair")
-    axis.plot(x, [METHODS[label]["block_size"] for label in labels], "k_", markersize=30, label="block size (most tau)")
+    axis.plot(
+        x,
+        [demo[label]["tau"] for label in labels],
+        "k*",
+        markersize=12,
+        label="tau of the trained demo pair",
+    )
+    axis.plot(
+        x,
+        [METHODS[label]["block_size"] for label in labels],
+        "k_",
+        markersize=30,
+        label="block size (most tau)",
+    )
     axis.set_xticks(x, labels, fontsize=8)
     axis.set_ylabel("break-even tau = round time / AR step time")
-    axis.set_title(f"Speculative rounds in AR steps, {report['machine']['device']} (a method wins where tau > bar)")
+    axis.set_title(
+        f"Speculative rounds in AR steps, {report['machine']['device']} (a method wins "
+        f"where tau > bar)"
+    )
     axis.grid(axis="y", alpha=0.3)
     axis.legend(fontsize=7)
     fig.tight_layout()
@@ -132,7 +150,9 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=RESULTS / "round_cost.json")
@@ -145,17 +165,28 @@ def main() -> None:
         shapes[name] = {
             "target_params_m": parameters(target.model) / 1e6,
             "drafter_params_m": parameters(drafter) / 1e6,
-            "config_changes": None if changes is None else {"target": changes[0], "drafter": changes[1]},
+            "config_changes": None
+            if changes is None
+            else {"target": changes[0], "drafter": changes[1]},
             "methods": methods,
         }
         print(
             f"{name}: AR step {methods['ar']['ms_per_round']:.2f} ms; "
-            + ", ".join(f"{label} {m['break_even_tau']:.2f}" for label, m in methods.items() if label != "ar"),
+            + ", ".join(
+                f"{label} {m['break_even_tau']:.2f}"
+                for label, m in methods.items()
+                if label != "ar"
+            ),
             flush=True,
         )
     report = {
         "benchmark": "round_cost",
-        "setup": {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "dtype": "float32", "batch": 1},
+        "setup": {
+            "prompts": len(prompts),
+            "max_new_tokens": args.max_new_tokens,
+            "dtype": "float32",
+            "batch": 1,
+        },
         "shapes": shapes,
     }
     write_result(args.out, report)

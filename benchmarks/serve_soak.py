@@ -1,18 +1,20 @@
-"""Soak the server on loopback: a mixed load with bad requests, vanished clients and overload, then whether
-anything crashed, hung or grew.
+"""Soak the server on loopback: a mixed load with bad requests, vanished
+clients and overload, then whether anything crashed, hung or grew.
 
-    python benchmarks/serve_soak.py [--requests 2000] [--seconds 900] [--clients 10] [--max-tokens 64]
+    python benchmarks/serve_soak.py [--requests 2000] [--seconds 900] [--clients 10]
+                                    [--max-tokens 64]
 
-Starts ``python -m jaxdd.serve`` on the bundled pair (4 rows, 4 waiting: 10 clients overload it) and sends
-``--requests`` completions from ``--clients`` threads, stopping early after ``--seconds``. Each request is, by
-its own seed: bad (``--bad``, one of many malformed or out-of-range bodies: a 4xx with an error body is
-"rejected"), a client that vanishes (``--disconnect``: a stream closed after its first chunk, or a read timeout),
-or a normal one (streamed or not, greedy or sampled, token ids or text). Served means a 200 with a finish reason
-(and ``[DONE]`` for a stream); refused is a 429; failed is anything else (a 5xx, a wrong status, a stream without
-its end); a hang is a request still unanswered after ``--hang-seconds``; a crash is the server process exiting.
-Every few seconds it samples the server's RSS, threads, open files and ``compiles_total``; growth is measured from
-the end of the warm-up (the first ``--warm-up`` requests) to the end, with the server idle both times. Writes
-benchmarks/results/serve_soak.json and serve_soak.png (``--name`` for another stem).
+Starts ``python -m jaxdd.serve`` on the bundled pair (4 rows, 4 waiting: 10 clients overload it) and
+sends ``--requests`` completions from ``--clients`` threads, stopping early after ``--seconds``.
+Each request is, by its own seed: bad (``--bad``, one of many malformed or out-of-range bodies: a
+4xx with an error body is "rejected"), a client that vanishes (``--disconnect``: a stream closed
+after its first chunk, or a read timeout), or a normal one (streamed or not, greedy or sampled,
+token ids or text). Served means a 200 with a finish reason (and ``[DONE]`` for a stream); refused
+is a 429; failed is anything else (a 5xx, a wrong status, a stream without its end); a hang is a
+request still unanswered after ``--hang-seconds``; a crash is the server process exiting. Every few
+seconds it samples the server's RSS, threads, open files and ``compiles_total``; growth is measured
+from the end of the warm-up (the first ``--warm-up`` requests) to the end, with the server idle both
+times. Writes benchmarks/results/serve_soak.json and serve_soak.png (``--name`` for another stem).
 """
 
 from __future__ import annotations
@@ -37,7 +39,20 @@ from jaxdd.testing.server import running_server
 
 RESULTS = Path(__file__).parent / "results"
 ROWS, WAITING, MAX_LEN, MAX_PROMPT = 4, 4, 256, 32
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards"]
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wizards",
+]
 BAD = [  # bodies a careless or hostile client sends
     {"prompt": [1, 2], "max_tokens": -1},
     {"prompt": [1, 2], "max_tokens": "lots"},
@@ -62,15 +77,25 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--seconds", type=float, default=900.0, help="stop sending after this long")
-    parser.add_argument("--clients", type=int, default=10, help="more than rows + waiting (8): overload")
-    parser.add_argument("--max-tokens", type=int, default=64, help="normal requests ask for 1..this many tokens")
+    parser.add_argument(
+        "--clients", type=int, default=10, help="more than rows + waiting (8): overload"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=64, help="normal requests ask for 1..this many tokens"
+    )
     parser.add_argument("--bad", type=float, default=0.1, help="share of bad requests")
-    parser.add_argument("--disconnect", type=float, default=0.1, help="share of clients that vanish")
+    parser.add_argument(
+        "--disconnect", type=float, default=0.1, help="share of clients that vanish"
+    )
     parser.add_argument("--warm-up", type=int, default=200, help="requests before the baseline")
-    parser.add_argument("--hang-seconds", type=float, default=120.0, help="a request unanswered this long hangs")
+    parser.add_argument(
+        "--hang-seconds", type=float, default=120.0, help="a request unanswered this long hangs"
+    )
     parser.add_argument("--sample-every", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=41)
-    parser.add_argument("--name", default="serve_soak", help="results file stem under benchmarks/results/")
+    parser.add_argument(
+        "--name", default="serve_soak", help="results file stem under benchmarks/results/"
+    )
     return parser.parse_args()
 
 
@@ -116,7 +141,8 @@ class Load:
         sampled = rng.random() < 0.5
         return {"prompt": prompt, "max_tokens": int(rng.integers(1, self.args.max_tokens + 1)),
                 "temperature": 0.8 if sampled else 0.0, "top_p": 0.9 if sampled else 1.0,
-                "seed": int(rng.integers(0, 2**31)), "stream": bool(rng.random() < 0.5)}  # fmt: skip
+                "seed": int(rng.integers(0, 2**31)),
+                "stream": bool(rng.random() < 0.5)}  # fmt: skip
 
     def normal(self, client: httpx.Client, body: dict) -> tuple[str, str]:
         with client.stream("POST", "/v1/completions", json=body) as response:
@@ -126,10 +152,19 @@ class Load:
                 return "failed", f"{response.status_code}: {response.read()[:200]!r}"
             if not body["stream"]:
                 finish = json.loads(response.read())["choices"][0]["finish_reason"]
-                return ("served", "") if finish in {"stop", "length"} else ("failed", f"finish {finish}")
+                return (
+                    ("served", "")
+                    if finish in {"stop", "length"}
+                    else ("failed", f"finish {finish}")
+                )
             lines = [line for line in response.iter_lines() if line.startswith("data: ")]
         chunks = [json.loads(line[6:]) for line in lines[:-1]]
-        finish = [c["finish_reason"] for chunk in chunks for c in chunk.get("choices", []) if c["finish_reason"]]
+        finish = [
+            c["finish_reason"]
+            for chunk in chunks
+            for c in chunk.get("choices", [])
+            if c["finish_reason"]
+        ]
         if lines and lines[-1] == "data: [DONE]" and finish in (["stop"], ["length"]):
             return "served", ""
         return "failed", f"stream ended {lines[-2:]!r}"
@@ -140,16 +175,28 @@ class Load:
             response = client.post("/v1/completions", json=BAD[pick])
         else:
             headers = {"content-type": "application/json"}
-            response = client.post("/v1/completions", content=RAW_BAD[pick - len(BAD)], headers=headers)
-        error = response.json().get("error", {}) if response.headers.get("content-type") == "application/json" else {}
-        if 400 <= response.status_code < 500 and response.status_code != 429 and error.get("message"):
+            response = client.post(
+                "/v1/completions", content=RAW_BAD[pick - len(BAD)], headers=headers
+            )
+        error = (
+            response.json().get("error", {})
+            if response.headers.get("content-type") == "application/json"
+            else {}
+        )
+        if (
+            400 <= response.status_code < 500
+            and response.status_code != 429
+            and error.get("message")
+        ):
             return "rejected", ""
         return "failed", f"bad request {pick} got {response.status_code}: {response.text[:200]}"
 
     def vanish(self, client: httpx.Client, rng: np.random.Generator) -> tuple[str, str]:
         body = {**self.body(rng), "max_tokens": MAX_LEN - MAX_PROMPT, "temperature": 1.0}
         if rng.random() < 0.5:  # a stream closed after its first chunk
-            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            with client.stream(
+                "POST", "/v1/completions", json={**body, "stream": True}
+            ) as response:
                 if response.status_code == 429:
                     return "refused", ""
                 lines = response.iter_lines()
@@ -163,7 +210,9 @@ class Load:
         return ("refused", "") if response.status_code == 429 else ("disconnected", "")
 
 
-def sampler(server, load: Load, every: float, stop: threading.Event, samples: list, crashed: list) -> None:
+def sampler(
+    server, load: Load, every: float, stop: threading.Event, samples: list, crashed: list
+) -> None:
     start = time.monotonic()
     while not stop.wait(every):
         if server.process.poll() is not None:
@@ -179,7 +228,12 @@ def sampler(server, load: Load, every: float, stop: threading.Event, samples: li
 def idle_snapshot(server) -> dict:
     """Usage and compiles once no request runs or waits (bounded wait)."""
     server.wait_until(
-        lambda: server.metric("num_requests_running") == 0 and server.metric("num_requests_waiting") == 0, 60, 0.2
+        lambda: (
+            server.metric("num_requests_running") == 0
+            and server.metric("num_requests_waiting") == 0
+        ),
+        60,
+        0.2,
     )
     return {**server.usage(), "compiles": server.metric("compiles_total")}
 
@@ -228,9 +282,14 @@ def main() -> None:
     args = parse_args()
     shape = ["--max-batch", str(ROWS), "--max-waiting", str(WAITING), "--max-len", str(MAX_LEN)]
     shape += ["--max-prompt", str(MAX_PROMPT)]
-    with tempfile.TemporaryDirectory() as folder, running_server(shape, Path(folder) / "server.log") as server:
+    with (
+        tempfile.TemporaryDirectory() as folder,
+        running_server(shape, Path(folder) / "server.log") as server,
+    ):
         load, samples, crashed, stop = Load(args, server.url), [], [], threading.Event()
-        watch = threading.Thread(target=sampler, args=(server, load, args.sample_every, stop, samples, crashed))
+        watch = threading.Thread(
+            target=sampler, args=(server, load, args.sample_every, stop, samples, crashed)
+        )
         watch.start()
         started = time.monotonic()
         deadline = started + args.seconds
@@ -246,11 +305,18 @@ def main() -> None:
             stop.set()
             watch.join(30)
         elapsed = time.monotonic() - started
-        command = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in vars(args).items())
+        command = " ".join(
+            f"--{key.replace('_', '-')} {value}" for key, value in vars(args).items()
+        )
         after = [s for s in samples if s["done"] >= warm_done]
         report = {
             "command": f"python benchmarks/serve_soak.py {command}",
-            "server": {"rows": ROWS, "max_waiting": WAITING, "max_len": MAX_LEN, "max_prompt": MAX_PROMPT},
+            "server": {
+                "rows": ROWS,
+                "max_waiting": WAITING,
+                "max_len": MAX_LEN,
+                "max_prompt": MAX_PROMPT,
+            },
             "requests": load.done,
             "seconds": round(elapsed, 1),
             "outcomes": dict(load.outcomes),
@@ -267,7 +333,9 @@ def main() -> None:
             "problems": load.problems,
             "samples": samples,
         }
-    print(json.dumps({k: v for k, v in report.items() if k not in {"samples", "problems"}}, indent=2))
+    print(
+        json.dumps({k: v for k, v in report.items() if k not in {"samples", "problems"}}, indent=2)
+    )
     for problem in load.problems[:10]:
         print("problem:", problem)
     write_result(RESULTS / f"{args.name}.json", report)

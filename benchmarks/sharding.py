@@ -1,10 +1,12 @@
-"""AR / DFlash / DDTree on 8 simulated CPU devices (tensor- and expert-parallel) against one device, one run.
+"""AR / DFlash / DDTree on 8 simulated CPU devices
+(tensor- and expert-parallel) against one device, one run.
 
     python benchmarks/sharding.py [--max-new-tokens 32] [--repeats 3]
 
-A tiny random Kimi-shaped target (8 heads, 16 experts) and drafter. Simulated devices share the host's cores, so
-the 8-device numbers measure the partitioned program's overhead (collectives, shard_map), not a speedup.
-Also reports the bytes each device holds. Writes benchmarks/results/sharding.json.
+A tiny random Kimi-shaped target (8 heads, 16 experts) and drafter. Simulated
+devices share the host's cores, so the 8-device numbers measure the
+partitioned program's overhead (collectives, shard_map), not a speedup. Also
+reports the bytes each device holds. Writes benchmarks/results/sharding.json.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
 
 import argparse
 import json
@@ -70,7 +74,11 @@ def main() -> None:
 
                 def run(decoder=decoder, method=method, kwargs=kwargs):
                     return decoder.generate(
-                        prompt, method=method, max_new_tokens=args.max_new_tokens, stop_token_ids=[], **kwargs
+                        prompt,
+                        method=method,
+                        max_new_tokens=args.max_new_tokens,
+                        stop_token_ids=[],
+                        **kwargs,
                     )
 
                 run()  # compile

@@ -1,7 +1,8 @@
-"""What simulated CPU devices cost the host: peak memory of ``python -m jaxdd.generate --devices N`` on the bundled
-pair (2 greedy DFlash tokens), the basis of ``jaxdd.cli.CPU_DEVICE_PAIR_BYTES``.
+"""What simulated CPU devices cost the host: peak memory of ``python -m jaxdd.generate --devices
+N`` on the bundled pair (2 greedy DFlash tokens), the basis of ``jaxdd.cli.CPU_DEVICE_PAIR_BYTES``.
 
-    python benchmarks/simulated_devices.py [--devices 8 64 128 256]   # -> benchmarks/results/simulated_devices.json
+    python benchmarks/simulated_devices.py
+        [--devices 8 64 128 256]  # -> benchmarks/results/simulated_devices.json
 """
 
 from __future__ import annotations
@@ -21,12 +22,23 @@ RESULT = Path(__file__).parent / "results" / "simulated_devices.json"
 
 
 def peak(devices: int) -> dict:
-    """One run in a fresh process (the largest child's peak RSS is what getrusage reports after it)."""
-    argv = [sys.executable, "-m", "jaxdd.generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "2"]
+    """One run in a fresh process (the largest child's
+    peak RSS is what getrusage reports after it)."""
+    argv = [
+        sys.executable,
+        "-m",
+        "jaxdd.generate",
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "2",
+    ]
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAXDD_COMPILATION_CACHE="off")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     start = time.perf_counter()
-    subprocess.run([*argv, "--devices", str(devices)], env=env, check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [*argv, "--devices", str(devices)], env=env, check=True, capture_output=True, timeout=600
+    )
     seconds = time.perf_counter() - start
     return {
         "devices": devices,
@@ -37,9 +49,12 @@ def peak(devices: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--devices", type=int, nargs="+", default=[8, 64, 128, 256], help="counts, ascending")
+    parser.add_argument(
+        "--devices", type=int, nargs="+", default=[8, 64, 128, 256], help="counts, ascending"
+    )
     args = parser.parse_args()
-    runs = [peak(n) for n in sorted(args.devices)]  # ascending: each child's peak is above the ones before
+    # ascending: each child's peak is above the ones before
+    runs = [peak(n) for n in sorted(args.devices)]
     pairs = [
         (b["peak_rss_bytes"] - a["peak_rss_bytes"]) / (b["devices"] ** 2 - a["devices"] ** 2)
         for a, b in itertools.pairwise(runs)

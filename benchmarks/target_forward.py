@@ -1,9 +1,11 @@
-"""One-token decode and a 64-token verify forward: jaxdd (jitted) vs HF transformers (eager), CPU, one run.
+"""One-token decode and a 64-token verify forward: jaxdd
+(jitted) vs HF transformers (eager), CPU, one run.
 
     python benchmarks/target_forward.py [--prefix 256] [--repeats 30]
 
-Writes benchmarks/results/target_forward.json. Both sides run the same tiny Kimi-flavoured weights in fp32
-over a cache that already holds ``--prefix`` tokens; times are medians over ``--repeats`` calls.
+Writes benchmarks/results/target_forward.json. Both sides run the same
+tiny Kimi-flavoured weights in fp32 over a cache that already holds
+``--prefix`` tokens; times are medians over ``--repeats`` calls.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def bench_hf(model, prefix: np.ndarray, new: np.ndarray, repeats: int) -> float:
     def step():
         with torch.no_grad():
             model(tokens, past_key_values=cache, use_cache=True)
-        cache.crop(-new.shape[1])  # drop the new rows again (transformers 5 crops by a negative count)
+        # drop the new rows again (transformers 5 crops by a negative count)
+        cache.crop(-new.shape[1])
 
     return median_seconds(step, repeats)
 
@@ -54,7 +57,8 @@ def bench_jaxdd(target, prefix: np.ndarray, new: np.ndarray, repeats: int) -> tu
     """(seconds through the checked host API, seconds of the bare jitted step)."""
     slots = prefix.shape[1] + new.shape[1]
     base = target.forward(prefix, target.new_cache(1, slots)).cache
-    snapshot = jax.tree.map(np.asarray, base)  # the step donates its cache: start each call from a fresh copy
+    # the step donates its cache: start each call from a fresh copy
+    snapshot = jax.tree.map(np.asarray, base)
 
     t = new.shape[1]
     tokens = jax.numpy.asarray(new, jax.numpy.int32)
@@ -68,7 +72,15 @@ def bench_jaxdd(target, prefix: np.ndarray, new: np.ndarray, repeats: int) -> tu
 
     def raw_step():
         out = _forward(
-            target._spec, target._weights, tokens, positions, raw_caches.pop(), visible, (), "absorbed", False
+            target._spec,
+            target._weights,
+            tokens,
+            positions,
+            raw_caches.pop(),
+            visible,
+            (),
+            "absorbed",
+            False,
         )
         jax.block_until_ready(out.logits)
 
@@ -77,7 +89,9 @@ def bench_jaxdd(target, prefix: np.ndarray, new: np.ndarray, repeats: int) -> tu
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--prefix", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()

@@ -1,7 +1,9 @@
-"""HF checkpoint directory -> jaxdd checkpoint, streamed one group (a layer, the embedding, the head) at a time.
+"""HF checkpoint directory -> jaxdd checkpoint, streamed
+one group (a layer, the embedding, the head) at a time.
 
-Everything is validated from the shard headers before anything is written; the output appears atomically
-(``jaxdd.weights.checkpoint.write_checkpoint``), so an interrupted or failed run leaves nothing jaxdd would load.
+Everything is validated from the shard headers before anything is written; the
+output appears atomically (``jaxdd.weights.checkpoint.write_checkpoint``), so
+an interrupted or failed run leaves nothing jaxdd would load.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ class Summary:
     experts: str | None = None  # targets: how the routed experts are stored
 
     def __str__(self) -> str:
-        stored = ", ".join(f"{dtype} {n / 1e6:.1f} MB" for dtype, n in sorted(self.bytes_by_dtype.items()))
+        stored = ", ".join(
+            f"{dtype} {n / 1e6:.1f} MB" for dtype, n in sorted(self.bytes_by_dtype.items())
+        )
         rate = self.bytes_read / 1e6 / max(self.seconds, 1e-9)
         experts = f"routed experts {self.experts}; " if self.experts else ""
         return (
@@ -64,14 +68,16 @@ def convert(
 ) -> Summary:
     """Convert an HF target (plain, FP8 blocks, INT4 pack-quantized) or DFlash drafter checkpoint.
 
-    dtype: for the floating weights (the router stays fp32); quantized routed experts stay as stored unless
-    ``dequantize_experts``.
+    dtype: for the floating weights (the router stays fp32); quantized
+    routed experts stay as stored unless ``dequantize_experts``.
     """
     start = time.perf_counter()
     dtype = jnp.dtype(dtype)
     source = HFCheckpoint(source_dir)
     if Path(output_dir).exists():
-        raise FileExistsError(f"{Path(output_dir).absolute()} already exists; choose a new directory")
+        raise FileExistsError(
+            f"{Path(output_dir).absolute()} already exists; choose a new directory"
+        )
     experts: ExpertFormat | None = None
     if is_drafter_config(source.raw_config):
         kind: Kind = "drafter"
@@ -92,11 +98,15 @@ def convert(
 
     summary = Summary(kind, experts=experts.kind if experts else None)
     total = sum(source.nbytes(m) for m in mappings)
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"converting {kind}", disable=not progress) as bar:
+    with tqdm(
+        total=total, unit="B", unit_scale=True, desc=f"converting {kind}", disable=not progress
+    ) as bar:
         groups = _groups(source, mappings, nnx.to_pure_dict(abstract), summary, bar)
         stored = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract))
         extra = tokenizer_files(source_dir)
-        write_checkpoint(output_dir, kind, stored_config, dtype, groups, experts, extra, expected_bytes=stored)
+        write_checkpoint(
+            output_dir, kind, stored_config, dtype, groups, experts, extra, expected_bytes=stored
+        )
     summary.seconds = time.perf_counter() - start
     return summary
 
@@ -109,7 +119,8 @@ def _group_of(mapping: Mapping) -> tuple:
 def _groups(
     source: HFCheckpoint, mappings: list[Mapping], abstract: dict, summary: Summary, bar: tqdm
 ) -> Iterator[tuple[str, Any]]:
-    """Build each group's arrays only when the writer asks for it (the tables list parameters group by group)."""
+    """Build each group's arrays only when the writer asks
+    for it (the tables list parameters group by group)."""
     for prefix, group_mappings in itertools.groupby(mappings, _group_of):
         tree = {"value": jax.tree.map(lambda leaf: leaf, get_path(abstract, prefix))}
         for mapping in group_mappings:
@@ -120,7 +131,9 @@ def _groups(
             bar.update(source.nbytes(mapping))
             summary.bytes_read += source.nbytes(mapping)
             summary.tensors_read += len(mapping.names)
-            bar.set_postfix(group=".".join(map(str, prefix)), tensors=summary.tensors_read, refresh=False)
+            bar.set_postfix(
+                group=".".join(map(str, prefix)), tensors=summary.tensors_read, refresh=False
+            )
         leftover = [leaf for leaf in jax.tree.leaves(tree) if not isinstance(leaf, np.ndarray)]
         assert not leftover, f"the table leaves {len(leftover)} parameters of {prefix} unset"
         yield ".".join(map(str, prefix)), tree["value"]

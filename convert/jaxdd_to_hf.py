@@ -1,8 +1,9 @@
 """jaxdd checkpoint -> HF layout (config.json + safetensors shards + index), one group at a time.
 
-The output loads with transformers' ``DeepseekV3ForCausalLM.from_pretrained`` (targets) and z-lab
-``DFlashDraftModel.from_pretrained`` (drafters), so weights made or changed in JAX can be checked against the
-PyTorch references. Quantized routed experts are written dequantized, exactly as jaxdd computes with them.
+The output loads with transformers' ``DeepseekV3ForCausalLM.from_pretrained``
+(targets) and z-lab ``DFlashDraftModel.from_pretrained`` (drafters), so weights
+made or changed in JAX can be checked against the PyTorch references. Quantized
+routed experts are written dequantized, exactly as jaxdd computes with them.
 """
 
 from __future__ import annotations
@@ -41,11 +42,16 @@ from jaxdd.weights.tokenizer import tokenizer_files
 FP32_TENSORS = ("e_score_correction_bias",)  # fp32 in the real checkpoints whatever the model dtype
 
 
-def export(source_dir: str | Path, output_dir: str | Path, dtype: str | None = None, progress: bool = True) -> Path:
-    """Write the HF layout of a jaxdd target or drafter checkpoint; ``dtype`` defaults to the stored one."""
+def export(
+    source_dir: str | Path, output_dir: str | Path, dtype: str | None = None, progress: bool = True
+) -> Path:
+    """Write the HF layout of a jaxdd target or drafter
+    checkpoint; ``dtype`` defaults to the stored one."""
     source_dir = checkpoint_directory(source_dir)
     if not is_jaxdd_checkpoint(source_dir):
-        raise CheckpointError(f"{source_dir}: not a jaxdd checkpoint (no {MARKER}); hf-to-jaxdd converts HF ones")
+        raise CheckpointError(
+            f"{source_dir}: not a jaxdd checkpoint (no {MARKER}); hf-to-jaxdd converts HF ones"
+        )
     kind = read_json(source_dir / MARKER).get("kind")
     meta = read_meta(source_dir, kind)
     check_files(source_dir, kind)
@@ -62,8 +68,13 @@ def export(source_dir: str | Path, output_dir: str | Path, dtype: str | None = N
     weight_map: dict[str, str] = {}
     total_size = 0
     start = time.perf_counter()
-    with atomic_directory(output_dir) as staging, contextlib.closing(restore_groups(source_dir, abstract)) as restored:
-        for i, (group, tree) in enumerate(tqdm(restored, total=len(groups), desc="exporting", disable=not progress)):
+    with (
+        atomic_directory(output_dir) as staging,
+        contextlib.closing(restore_groups(source_dir, abstract)) as restored,
+    ):
+        for i, (group, tree) in enumerate(
+            tqdm(restored, total=len(groups), desc="exporting", disable=not progress)
+        ):
             prefix = group_path(group)
             tree = _dense_experts(tree, experts, dtype)
             shard = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
@@ -79,12 +90,16 @@ def export(source_dir: str | Path, output_dir: str | Path, dtype: str | None = N
         for file in tokenizer_files(source_dir):
             shutil.copyfile(file, staging / file.name)
     if progress:
-        print(f"exported {len(weight_map)} tensors, {total_size / 1e6:.1f} MB in {time.perf_counter() - start:.1f} s")
+        print(
+            f"exported {len(weight_map)} tensors, {total_size / 1e6:.1f} MB in "
+            f"{time.perf_counter() - start:.1f} s"
+        )
     return Path(output_dir).absolute()
 
 
 def _dense_experts(tree, experts: ExpertFormat, dtype: jnp.dtype):
-    """Replace quantized expert pieces by their dense [E, in, out] weights (what the model computes with)."""
+    """Replace quantized expert pieces by their dense [E,
+    in, out] weights (what the model computes with)."""
     if experts.kind == "dense" or not isinstance(tree, dict) or "router" not in tree.get("mlp", {}):
         return tree  # nothing quantized, or not an MoE layer
     pieces = ("packed", "scale") if experts.kind == "int4" else ("weight", "scale_inv")
@@ -95,7 +110,9 @@ def _dense_experts(tree, experts: ExpertFormat, dtype: jnp.dtype):
 
 
 def _hf_tensors(mapping: Mapping, tree, prefix: tuple, dtype: jnp.dtype) -> dict[str, np.ndarray]:
-    arrays = [jax.device_get(get_path({"v": tree}, ("v", *path[len(prefix) :]))) for path in mapping.paths]
+    arrays = [
+        jax.device_get(get_path({"v": tree}, ("v", *path[len(prefix) :]))) for path in mapping.paths
+    ]
     out = {}
     for name, array in zip(mapping.names, mapping.backward(*arrays), strict=True):
         target = np.float32 if name.endswith(FP32_TENSORS) else dtype

@@ -3,19 +3,22 @@
 The stable Python API:
 
     import jaxdd
-    target = jaxdd.load_target("checkpoint_dir", dtype="float32")   # HF directory or jaxdd checkpoint
-    logits = target.logits([[1, 2, 3]])                              # [batch, T, vocab] fp32 numpy
-    cache = target.new_cache(batch=1, max_len=128)                   # static-shape MLA latent cache
-    out = target.forward([[1, 2, 3]], cache)                         # logits, tapped hidden states, cache
-    jaxdd.save_target(target.model, "new_checkpoint_dir")            # orbax checkpoint, written atomically
+    target = jaxdd.load_target("checkpoint_dir",
+        dtype="float32")  # HF directory or jaxdd checkpoint
+    logits = target.logits([[1, 2, 3]])  # [batch, T, vocab] fp32 numpy
+    cache = target.new_cache(batch=1, max_len=128)  # static-shape MLA latent cache
+    out = target.forward([[1, 2, 3]], cache)  # logits, tapped hidden states, cache
+    jaxdd.save_target(target.model, "new_checkpoint_dir")  # orbax checkpoint, written atomically
 
-    drafter = jaxdd.load_drafter("drafter_dir", dtype="float32")     # z-lab DFlash or jaxdd checkpoint
-    result = target.generate([1, 2, 3], drafter=drafter, max_new_tokens=32)   # greedy DFlash
-    result.tokens, result.acceptance_lengths                         # new tokens; tokens per round
-    sampled = target.generate([1, 2, 3], drafter=drafter, sampling=jaxdd.Sampling(temperature=0.7, seed=1))
+    drafter = jaxdd.load_drafter("drafter_dir", dtype="float32")  # z-lab DFlash or jaxdd checkpoint
+    result = target.generate([1, 2, 3], drafter=drafter, max_new_tokens=32)  # greedy DFlash
+    result.tokens, result.acceptance_lengths  # new tokens; tokens per round
+    sampled = target.generate([1, 2, 3], drafter=drafter, sampling=jaxdd.Sampling(temperature=0.7,
+        seed=1))
 """
 
-import jaxdd.runtime.startup  # noqa: F401  (first: imports JAX without the CUDA plugin's start-up lines)
+# first: imports JAX without the CUDA plugin's start-up lines
+import jaxdd.runtime.startup  # noqa: F401
 from jaxdd.api import ForwardResult, Target, load_drafter, load_pair, load_target
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.engine import Generation, SpeculativeDecoder

@@ -1,8 +1,8 @@
 """The host-side API: load a target, run jitted forwards over a latent cache (inputs checked by
 ``jaxdd.decoding.requests``), generate.
 
-The jitted step takes the model as a flat list of arrays (``jaxdd.runtime.jit_state``) and donates the cache so XLA
-writes the new rows in place.
+The jitted step takes the model as a flat list of arrays (``jaxdd.runtime.jit_state``)
+and donates the cache so XLA writes the new rows in place.
 """
 
 from __future__ import annotations
@@ -29,7 +29,12 @@ from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.jit_state import split_module
 from jaxdd.runtime.sharding import Placement, abstract_shardings, make_mesh, place
 from jaxdd.types import Attention, Method, MoeMode
-from jaxdd.weights.checkpoint import abstract_model, cast_model, is_jaxdd_checkpoint, load_checkpoint
+from jaxdd.weights.checkpoint import (
+    abstract_model,
+    cast_model,
+    is_jaxdd_checkpoint,
+    load_checkpoint,
+)
 from jaxdd.weights.hf_reader import load_hf_drafter, load_hf_target
 
 
@@ -46,10 +51,11 @@ def load_target(
     mesh: Mesh | None = None,
     moe: MoeMode = "tp",
 ) -> Target:
-    """Load a target from a jaxdd checkpoint or an HF checkpoint directory (config.json + safetensors, plain or
-    with FP8 / INT4 routed experts, which stay quantized). ``verify``: check a jaxdd checkpoint's checksums
-    first (reads every byte once). ``mesh``: load straight into its shardings (``moe``: how the routed experts
-    are split), each process reading only its devices' parts."""
+    """Load a target from a jaxdd checkpoint or an HF checkpoint directory
+    (config.json + safetensors, plain or with FP8 / INT4 routed experts, which
+    stay quantized). ``verify``: check a jaxdd checkpoint's checksums first (reads
+    every byte once). ``mesh``: load straight into its shardings (``moe``: how the
+    routed experts are split), each process reading only its devices' parts."""
     path = _checkpoint(path, verify)
     placement = None if mesh is None else (mesh, moe)
     if is_jaxdd_checkpoint(path):
@@ -64,8 +70,8 @@ def load_drafter(
     mesh: Mesh | None = None,
     moe: MoeMode = "tp",
 ) -> DFlashDrafter:
-    """Load a DFlash drafter from a jaxdd checkpoint or a z-lab checkpoint directory (config.json with
-    dflash_config + safetensors); ``verify``, ``mesh`` and ``moe`` as in ``load_target``."""
+    """Load a DFlash drafter from a jaxdd checkpoint or a z-lab checkpoint directory (config.json
+    with dflash_config + safetensors); ``verify``, ``mesh`` and ``moe`` as in ``load_target``."""
     path = _checkpoint(path, verify)
     placement = None if mesh is None else (mesh, moe)
     if is_jaxdd_checkpoint(path):
@@ -81,9 +87,15 @@ def load_pair(
     moe: MoeMode = "tp",
     verify: bool = False,
 ) -> tuple[Target, DFlashDrafter | None]:
-    """A target and its drafter (None without ``drafter_path``) on the first ``devices`` of this job's devices:
-    as loaded on one, straight into their shardings on several (``moe`` and ``verify`` as in ``load_target``)."""
-    placed = {"dtype": dtype, "verify": verify, "mesh": make_mesh(devices) if devices > 1 else None, "moe": moe}
+    """A target and its drafter (None without ``drafter_path``) on the first
+    ``devices`` of this job's devices: as loaded on one, straight into their
+    shardings on several (``moe`` and ``verify`` as in ``load_target``)."""
+    placed = {
+        "dtype": dtype,
+        "verify": verify,
+        "mesh": make_mesh(devices) if devices > 1 else None,
+        "moe": moe,
+    }
     target = load_target(target_path, **placed)
     return target, None if drafter_path is None else load_drafter(drafter_path, **placed)
 
@@ -100,14 +112,20 @@ def _restore(path: Path, kind: str, dtype: jnp.dtype, verify: bool, placement: P
 def _checkpoint(path: str | Path, verify: bool) -> Path:
     path = checkpoint_directory(path)
     if verify and not is_jaxdd_checkpoint(path):
-        raise CheckpointError(f"{path}: an HF checkpoint, which records no checksums (jaxdd checkpoints do)")
+        raise CheckpointError(
+            f"{path}: an HF checkpoint, which records no checksums (jaxdd checkpoints do)"
+        )
     return path
 
 
 @functools.partial(
-    jax.jit, static_argnames=("spec", "taps", "attention", "backend", "commit"), donate_argnames=("cache",)
+    jax.jit,
+    static_argnames=("spec", "taps", "attention", "backend", "commit"),
+    donate_argnames=("cache",),
 )
-def _forward(spec, weights, tokens, positions, cache, visible, taps, attention, backend, commit) -> ForwardResult:
+def _forward(
+    spec, weights, tokens, positions, cache, visible, taps, attention, backend, commit
+) -> ForwardResult:
     model = spec.merge(weights)
     out = model(tokens, positions, cache, visible, taps=taps, attention=attention, backend=backend)
     cache = out.cache
@@ -128,7 +146,8 @@ class Target:
 
     def __init__(self, model: KimiTarget):
         self.model = model
-        self.backend = Backend.of_module(model)  # the platform's choices, from where the weights live
+        # the platform's choices, from where the weights live
+        self.backend = Backend.of_module(model)
         self.backend.prepare_host()
         self._spec, self._weights = split_module(model)
 
@@ -145,7 +164,9 @@ class Target:
 
     def new_cache(self, batch: int = 1, max_len: int = 256) -> LatentCache:
         if batch < 1 or max_len < 1:
-            raise InputError.at("new_cache", f"batch and max_len must be >= 1, got batch={batch}, max_len={max_len}")
+            raise InputError.at(
+                "new_cache", f"batch and max_len must be >= 1, got batch={batch}, max_len={max_len}"
+            )
         return LatentCache.zeros(self.config, batch, max_len, self.dtype)
 
     def forward(
@@ -161,11 +182,11 @@ class Target:
     ) -> ForwardResult:
         """Run new tokens [B, T] against ``cache`` (which is consumed: use the returned one).
 
-        positions: [B, T], default ``length + arange(T)``; visible: [B, T, T] bool, default causal (a tree
-        forward passes its ancestor-or-self mask and positions ``start + depth``). taps: layers whose output
-        to return, concatenated. attention: "naive", "absorbed" or "pallas" MLA; default naive for a prefill
-        into an empty cache, absorbed otherwise. commit: advance the cache length by T (False leaves the rows
-        uncommitted).
+        positions: [B, T], default ``length + arange(T)``; visible: [B, T, T] bool, default
+        causal (a tree forward passes its ancestor-or-self mask and positions ``start +
+        depth``). taps: layers whose output to return, concatenated. attention: "naive",
+        "absorbed" or "pallas" MLA; default naive for a prefill into an empty cache, absorbed
+        otherwise. commit: advance the cache length by T (False leaves the rows uncommitted).
         """
         tokens = check_tokens(token_ids, self.config.vocab_size, cache.batch)
         b, t = tokens.shape
@@ -174,16 +195,21 @@ class Target:
         if overflow.size:
             r = overflow[0]
             raise InputError(
-                f"cache overflow: row {r} holds {length[r]} tokens, {t} more need {length[r] + t} slots, "
+                f"cache overflow: row {r} holds {length[r]} tokens, {t} more need "
+                f"{length[r] + t} slots, "
                 f"but the cache has {cache.slots}; create it with a larger max_len"
             )
         if positions is None:
             positions = length[:, None] + np.arange(t)[None, :]
-        positions = check_positions(positions, (b, t), cache.slots, self.config.max_position_embeddings)
+        positions = check_positions(
+            positions, (b, t), cache.slots, self.config.max_position_embeddings
+        )
         visible = check_visible(visible, b, t)
         bad_taps = [i for i in taps if not 0 <= i < self.config.num_hidden_layers]
         if bad_taps:
-            raise InputError.at("taps", f"layer(s) {bad_taps} outside [0, {self.config.num_hidden_layers})")
+            raise InputError.at(
+                "taps", f"layer(s) {bad_taps} outside [0, {self.config.num_hidden_layers})"
+            )
         if attention is None:
             attention = "naive" if t > 1 and not length.any() else "absorbed"
         options = (tuple(taps), attention, self.backend, commit)
@@ -203,11 +229,13 @@ class Target:
         sampling: Sampling = GREEDY,
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> Generation:
-        """Generation: ``dflash`` when a drafter is given, else ``ar``; ``ddtree`` with a node ``budget``
-        (see ``SpeculativeDecoder.generate_batch``). Greedy unless ``sampling`` says otherwise.
+        """Generation: ``dflash`` when a drafter is given, else ``ar``; ``ddtree``
+        with a node ``budget`` (see ``SpeculativeDecoder.generate_batch``). Greedy
+        unless ``sampling`` says otherwise.
 
-        Returns the new tokens, the tokens produced per round and timings. Stops at ``stop_token_ids``
-        (default: the config's EOS ids; ``[]`` for none) or after ``max_new_tokens``. ``on_tokens(new_tokens)``
+        Returns the new tokens, the tokens produced per round and timings.
+        Stops at ``stop_token_ids`` (default: the config's EOS ids; ``[]``
+        for none) or after ``max_new_tokens``. ``on_tokens(new_tokens)``
         is called as tokens are accepted (to stream them).
         """
         stream = None if on_tokens is None else (lambda request, tokens: on_tokens(tokens))

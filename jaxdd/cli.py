@@ -1,8 +1,9 @@
-"""What the command lines (``jaxdd.generate``, ``jaxdd.plan``, ``jaxdd.crosscheck``, ``convert``) share: one
-``jaxdd: ...`` line and exit code 2 for what the user can fix, exit 130 on Ctrl-C, silence when the output pipe
-closes, and the checks of the platform and device count made before JAX starts a backend (afterwards a wrong
-one is an assertion, a C++ abort, a stall in libtpu's probe for a TPU, or a host filled with simulated devices).
-An unknown flag in ``XLA_FLAGS`` is found the same way, before XLA aborts on it.
+"""What the command lines (``jaxdd.generate``, ``jaxdd.plan``, ``jaxdd.crosscheck``,
+``convert``) share: one ``jaxdd: ...`` line and exit code 2 for what the user can fix,
+exit 130 on Ctrl-C, silence when the output pipe closes, and the checks of the platform
+and device count made before JAX starts a backend (afterwards a wrong one is an assertion,
+a C++ abort, a stall in libtpu's probe for a TPU, or a host filled with simulated
+devices). An unknown flag in ``XLA_FLAGS`` is found the same way, before XLA aborts on it.
 """
 
 from __future__ import annotations
@@ -30,14 +31,17 @@ from jaxdd.runtime.host import PLATFORMS, available_memory
 from jaxdd.runtime.startup import end_now
 from jaxdd.types import METHODS, MOE_MODES
 
-USAGE, INTERRUPTED, BROKEN_PIPE = 2, 130, 141  # 130 and 141: the shell's codes for SIGINT and SIGPIPE
-# The device files an accelerator's driver creates: without them JAX can only fail (or, for a TPU, probe the
-# cloud metadata server first).
+# 130 and 141: the shell's codes for SIGINT and SIGPIPE
+USAGE, INTERRUPTED, BROKEN_PIPE = 2, 130, 141
+# The device files an accelerator's driver creates: without them JAX
+# can only fail (or, for a TPU, probe the cloud metadata server first).
 DEVICE_FILES = {"gpu": ("/dev/nvidiactl", "/dev/kfd"), "tpu": ("/dev/accel0", "/dev/vfio/0")}
-# Simulated CPU devices cost the host memory growing with their count squared (every device pair's collective
-# buffers and partitioned programs): bytes per pair, measured on the bundled pair (benchmarks/README.md, "Faults").
+# Simulated CPU devices cost the host memory growing with their count squared
+# (every device pair's collective buffers and partitioned programs): bytes
+# per pair, measured on the bundled pair (benchmarks/README.md, "Faults").
 CPU_DEVICE_PAIR_BYTES = 70 * 2**10
-CACHE_ENVIRONMENT = "JAXDD_COMPILATION_CACHE"  # a directory, or 0 / off: no persistent compilation cache
+# a directory, or 0 / off: no persistent compilation cache
+CACHE_ENVIRONMENT = "JAXDD_COMPILATION_CACHE"
 CLEAR_ERRORS = (CheckpointError, ConfigError, InputError)
 FLAG_CHECK_SECONDS = 30  # a trial parse of XLA_FLAGS taking longer is abandoned (the run will tell)
 DEMO = Path(__file__).parent / "demo" / "kimi-mini"  # the bundled pair, the commands' default model
@@ -49,14 +53,16 @@ def print_note(message, *_) -> None:
 
 
 def compute_dtype(requested: str, platform: str) -> str:
-    """``--dtype``: ``auto`` is float32 on CPU (exact and not slower there), bfloat16 on accelerators."""
+    """``--dtype``: ``auto`` is float32 on CPU (exact
+    and not slower there), bfloat16 on accelerators."""
     if requested != "auto":
         return requested
     return "float32" if platform == "cpu" else "bfloat16"
 
 
 def model_stop_ids(config, tokenizer) -> list[int]:
-    """The ids a generation always stops at: the config's EOS ids and the tokenizer's (end of turn)."""
+    """The ids a generation always stops at: the config's
+    EOS ids and the tokenizer's (end of turn)."""
     return sorted(set(config.eos_token_ids) | set(tokenizer.stop_ids if tokenizer else ()))
 
 
@@ -64,7 +70,9 @@ def parse_ids(text: str) -> list[int]:
     try:
         ids = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
     if not ids:
         raise argparse.ArgumentTypeError("the prompt is empty")
     return ids
@@ -81,7 +89,8 @@ def positive(text: str) -> int:
 
 
 def read_text(path: Path, flag: str) -> str:
-    """The text of the file ``flag`` names; an unreadable or non-UTF-8 file is an ``InputError`` naming both."""
+    """The text of the file ``flag`` names; an unreadable
+    or non-UTF-8 file is an ``InputError`` naming both."""
     try:
         return path.read_text()
     except OSError as error:
@@ -108,7 +117,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
-    """A command's parser: its docstring's first paragraph as the description, the rest as the epilog."""
+    """A command's parser: its docstring's first paragraph
+    as the description, the rest as the epilog."""
     return OneLineParser(
         prog=prog,
         description=doc.split("\n\n")[0].replace("``", ""),
@@ -119,55 +129,79 @@ def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     """The pair and the round: what ``generate`` and ``serve`` both take."""
-    parser.add_argument("--checkpoint", type=Path, help="target: HF or jaxdd checkpoint (default: bundled kimi-mini)")
-    parser.add_argument("--drafter", type=Path, help="DFlash drafter checkpoint (default with kimi-mini: its drafter)")
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="target: HF or jaxdd checkpoint (default: bundled kimi-mini)",
+    )
+    parser.add_argument(
+        "--drafter",
+        type=Path,
+        help="DFlash drafter checkpoint (default with kimi-mini: its drafter)",
+    )
     parser.add_argument("--method", choices=METHODS, help="default: dflash with a drafter, else ar")
-    parser.add_argument("--block-size", type=positive, help="DFlash block size (default: the drafter's)")
-    parser.add_argument("--budget", type=positive, help="DDTree nodes per round (default: block size - 1)")
+    parser.add_argument(
+        "--block-size", type=positive, help="DFlash block size (default: the drafter's)"
+    )
+    parser.add_argument(
+        "--budget", type=positive, help="DDTree nodes per round (default: block size - 1)"
+    )
 
 
 def add_device_flags(parser: argparse.ArgumentParser) -> None:
-    """The devices to shard over and, on several hosts, the job: what ``generate`` and ``serve`` both take."""
+    """The devices to shard over and, on several hosts,
+    the job: what ``generate`` and ``serve`` both take."""
     parser.add_argument(
         "--devices",
         type=positive,
-        help="shard target and drafter over this many devices (default: every GPU or TPU; 1 on CPU, where "
+        help="shard target and drafter over this many devices (default: every GPU or TPU; 1 on "
+        "CPU, where "
         "--devices N simulates N; with several processes: the job's, split evenly)",
     )
     parser.add_argument(
         "--moe",
         choices=MOE_MODES,
-        help="with several devices, split each routed expert's width (tp, the default: less traffic per round, "
+        help="with several devices, split each routed expert's width (tp, the default: less "
+        "traffic per round, "
         "python -m jaxdd.plan --traffic) or place whole experts (ep)",
     )
-    hosts = parser.add_argument_group("several hosts (one process each; not needed where JAX finds the job itself)")
-    hosts.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, the same for every process")
+    hosts = parser.add_argument_group(
+        "several hosts (one process each; not needed where JAX finds the job itself)"
+    )
+    hosts.add_argument(
+        "--coordinator", metavar="HOST:PORT", help="process 0's address, the same for every process"
+    )
     hosts.add_argument("--num-processes", type=positive, help="processes in the job")
     hosts.add_argument(
-        "--process-id", type=int, help="this process: 0 (speaks for the job: prints, serves) .. num-processes - 1"
+        "--process-id",
+        type=int,
+        help="this process: 0 (speaks for the job: prints, serves) .. num-processes - 1",
     )
     hosts.add_argument(
         "--coordinator-timeout",
         type=positive,
         default=60,
         metavar="SECONDS",
-        help="give up when the other processes have not joined within this long, or (serve) when a process has "
+        help="give up when the other processes have not joined within this long, or (serve) "
+        "when a process has "
         "waited this long for process 0's next step (default: 60)",
     )
 
 
 def start_job(args: argparse.Namespace, platform: str) -> int:
-    """Join the job the device flags name (or JAX finds), start the backend, and return the device count to shard
-    over; a Refusal (or an InputError) for flags this job cannot honour."""
+    """Join the job the device flags name (or JAX finds), start the backend, and return the
+    device count to shard over; a Refusal (or an InputError) for flags this job cannot honour."""
     processes = args.num_processes or 1
-    join(args.coordinator, args.num_processes, args.process_id, max(1, (args.devices or 1) // processes),
-         args.coordinator_timeout)  # fmt: skip
+    join(args.coordinator, args.num_processes, args.process_id,
+         max(1, (args.devices or 1) // processes), args.coordinator_timeout)  # fmt: skip
     if args.devices is not None and processes == 1 and platform == "cpu":
         simulate_cpu_devices(args.devices)
     found = start_backend()
     devices = args.devices or (1 if found[0].platform == "cpu" and processes == 1 else len(found))
     if devices > len(found):
-        raise Refusal(f"--devices {devices}: {'this host' if processes == 1 else 'the job'} has {len(found)}")
+        raise Refusal(
+            f"--devices {devices}: {'this host' if processes == 1 else 'the job'} has {len(found)}"
+        )
     if args.moe is not None and devices == 1:
         raise Refusal("--moe applies to several devices (--devices N)")
     return devices
@@ -176,8 +210,8 @@ def start_job(args: argparse.Namespace, platform: str) -> int:
 def model_choice(
     args: argparse.Namespace, parser: argparse.ArgumentParser, demo: Path
 ) -> tuple[bool, Path, Path | None, str]:
-    """(bundled, target directory, drafter directory or None, method) from the model flags; the bundled pair in
-    ``demo`` when no checkpoint is named."""
+    """(bundled, target directory, drafter directory or None, method) from the
+    model flags; the bundled pair in ``demo`` when no checkpoint is named."""
     bundled = args.checkpoint is None
     checkpoint = demo / "target" if bundled else args.checkpoint
     drafter_dir = args.drafter or (demo / "drafter" if bundled else None)
@@ -199,7 +233,8 @@ def fail(message: object) -> int:
 
 
 def run(main: Callable[[], int]) -> NoReturn:
-    """Run a command's ``main`` as the process: its exit code, or the one line for the faults around it."""
+    """Run a command's ``main`` as the process: its exit
+    code, or the one line for the faults around it."""
     if sys.stdout is None:
         sys.exit(fail("standard output is closed (redirect it to /dev/null to discard the output)"))
     # From here Ctrl-C is a KeyboardInterrupt again (a command may clean up on it).
@@ -212,7 +247,8 @@ def run(main: Callable[[], int]) -> NoReturn:
         # end_now: unwinding would run interpreter shutdown under XLA's threads (a segfault).
         end_now(signal.SIGINT)
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush into the pipe
+        # nothing left to flush into the pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         os._exit(BROKEN_PIPE)
     except (Refusal, *CLEAR_ERRORS) as error:
         code = fail(error)
@@ -229,32 +265,42 @@ def _present(platform: str) -> str | None:
 
 
 def choose_platform(cpu_only: bool = False) -> str:
-    """Check ``JAX_PLATFORMS`` against this host and settle the platform before a backend starts: a value JAX
-    has no backend for, or an accelerator asked for where none is, is a Refusal. Unset: the CPU unless a GPU or
-    TPU is here, so a host with libtpu or the CUDA plugin installed but no accelerator never starts them.
-    ``cpu_only``: the command runs on the host whatever is here (``jaxdd.plan`` compiles deviceless)."""
+    """Check ``JAX_PLATFORMS`` against this host and settle the platform before a backend
+    starts: a value JAX has no backend for, or an accelerator asked for where none is, is
+    a Refusal. Unset: the CPU unless a GPU or TPU is here, so a host with libtpu or the
+    CUDA plugin installed but no accelerator never starts them. ``cpu_only``: the command
+    runs on the host whatever is here (``jaxdd.plan`` compiles deviceless)."""
     asked = os.environ.get("JAX_PLATFORMS", "").strip().lower()
     names = [n.strip() for n in asked.split(",") if n.strip()]
     unknown = [n for n in names if n not in PLATFORMS]
     if unknown:
-        raise Refusal(f"JAX_PLATFORMS={asked}: {unknown[0]!r} is not a platform (expected cpu, cuda, rocm or tpu)")
+        raise Refusal(
+            f"JAX_PLATFORMS={asked}: {unknown[0]!r} is not a platform (expected cpu, cuda, "
+            f"rocm or tpu)"
+        )
     missing = [n for n in names if PLATFORMS[n] != "cpu" and _present(PLATFORMS[n]) is None]
     if missing and not cpu_only:
         kind = PLATFORMS[missing[0]].upper()
         raise Refusal(
-            f"JAX_PLATFORMS={asked}: this host has no {kind} ({' or '.join(DEVICE_FILES[PLATFORMS[missing[0]]])} "
+            f"JAX_PLATFORMS={asked}: this host has no {kind} "
+            f"({' or '.join(DEVICE_FILES[PLATFORMS[missing[0]]])} "
             "missing); unset it to run on the CPU"
         )
     check_xla_flags()
-    chosen = "cpu" if cpu_only or (not names and not any(_present(p) for p in DEVICE_FILES)) else asked
+    chosen = (
+        "cpu" if cpu_only or (not names and not any(_present(p) for p in DEVICE_FILES)) else asked
+    )
     if chosen:
         jax.config.update("jax_platforms", chosen)
-    forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    forced = re.search(
+        r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", "")
+    )
     if forced:
         _check_simulated(int(forced.group(1)), f"XLA_FLAGS={forced.group(0)}")
     if os.environ.get("JAX_NUM_CPU_DEVICES", "").strip().isdigit():
         _check_simulated(
-            int(os.environ["JAX_NUM_CPU_DEVICES"]), f"JAX_NUM_CPU_DEVICES={os.environ['JAX_NUM_CPU_DEVICES']}"
+            int(os.environ["JAX_NUM_CPU_DEVICES"]),
+            f"JAX_NUM_CPU_DEVICES={os.environ['JAX_NUM_CPU_DEVICES']}",
         )
     return chosen
 
@@ -290,24 +336,32 @@ def check_xla_flags() -> None:
 
 
 def start_backend() -> list:
-    """JAX's devices, starting its backend; a Refusal naming the platform when its runtime fails to start (a
-    driver without its CUDA libraries, a TPU held by another process). JAX logs a plugin's failure as a
-    traceback: held, and said in one line (a note when JAX started another platform instead)."""
+    """JAX's devices, starting its backend; a Refusal naming the platform when
+    its runtime fails to start (a driver without its CUDA libraries, a TPU held
+    by another process). JAX logs a plugin's failure as a traceback: held, and
+    said in one line (a note when JAX started another platform instead)."""
     logger = logging.getLogger("jax._src.xla_bridge")
     held = _Held(logging.WARNING)
     logger.addHandler(held)
     propagate, logger.propagate = logger.propagate, False
     try:
         devices = jax.devices()
-    except (RuntimeError, AssertionError) as error:  # JAX asserts when no platform it was asked for started
-        platforms = f"JAX_PLATFORMS={jax.config.jax_platforms}" if jax.config.jax_platforms else "JAX"
+    # JAX asserts when no platform it was asked for started
+    except (RuntimeError, AssertionError) as error:
+        platforms = (
+            f"JAX_PLATFORMS={jax.config.jax_platforms}" if jax.config.jax_platforms else "JAX"
+        )
         reasons = [*held.reasons(), *_lines(error)]
-        raise Refusal(f"{platforms}: no backend started ({reasons[0] if reasons else 'no reason given'})") from None
+        raise Refusal(
+            f"{platforms}: no backend started ({reasons[0] if reasons else 'no reason given'})"
+        ) from None
     finally:
         logger.removeHandler(held)
         logger.propagate = propagate
     for reason in held.reasons():
-        print(f"jaxdd: note: {reason}; running on {devices[0].platform}", file=sys.stderr, flush=True)
+        print(
+            f"jaxdd: note: {reason}; running on {devices[0].platform}", file=sys.stderr, flush=True
+        )
     return devices
 
 
@@ -320,7 +374,8 @@ class _Held(logging.Handler):
         self.records.append(record)
 
     def reasons(self) -> list[str]:
-        """Each record's message in one line, with its exception's (the cause of a plugin's failure)."""
+        """Each record's message in one line, with its
+        exception's (the cause of a plugin's failure)."""
         out = []
         for record in self.records:
             message = _lines(record.getMessage())
@@ -334,15 +389,17 @@ def _lines(value: object) -> list[str]:
 
 
 def simulated_device_limit(available: int | None) -> int:
-    """The most CPU devices to simulate: those whose cost stays within half of ``available`` bytes (the other
-    half for the model and its compiles); 64 where the host's memory is unknown."""
+    """The most CPU devices to simulate: those whose cost stays within half of ``available`` bytes
+    (the other half for the model and its compiles); 64 where the host's memory is unknown."""
     return 64 if available is None else max(1, math.isqrt(available // 2 // CPU_DEVICE_PAIR_BYTES))
 
 
 def simulate_cpu_devices(count: int) -> None:
-    """Give the CPU backend ``count`` devices, or a Refusal when the host's memory cannot hold that many."""
+    """Give the CPU backend ``count`` devices, or a Refusal
+    when the host's memory cannot hold that many."""
     _check_simulated(count, f"--devices {count}")
-    # Once JAX's backend runs (main called in-process), the devices it has are what --devices is checked against.
+    # Once JAX's backend runs (main called in-process), the
+    # devices it has are what --devices is checked against.
     with contextlib.suppress(RuntimeError):
         jax.config.update("jax_num_cpu_devices", count)
 
@@ -354,16 +411,17 @@ def _check_simulated(count: int, asked: str) -> None:
         need = count**2 * CPU_DEVICE_PAIR_BYTES / 1e9
         have = "" if available is None else f" of the {available / 1e9:.1f} GB available"
         raise Refusal(
-            f"{asked}: this host has 1 CPU device; simulating {count} would take about {need:.0f} GB "
+            f"{asked}: this host has 1 CPU device; simulating {count} would take about "
+            f"{need:.0f} GB "
             f"(at most {limit} fit in half{have})"
         )
 
 
 def enable_compilation_cache() -> Path | None:
-    """JAX's persistent compilation cache in the user's cache directory, so a second run skips the compiles:
-    ``$JAXDD_COMPILATION_CACHE``, else ``$JAX_COMPILATION_CACHE_DIR`` where set (JAX reads it itself), else
-    ``$XDG_CACHE_HOME/jaxdd`` or ``~/.cache/jaxdd``. None: turned off (``JAXDD_COMPILATION_CACHE=0``) or not
-    writable."""
+    """JAX's persistent compilation cache in the user's cache directory, so a second run
+    skips the compiles: ``$JAXDD_COMPILATION_CACHE``, else ``$JAX_COMPILATION_CACHE_DIR``
+    where set (JAX reads it itself), else ``$XDG_CACHE_HOME/jaxdd`` or ``~/.cache/jaxdd``.
+    None: turned off (``JAXDD_COMPILATION_CACHE=0``) or not writable."""
     setting = os.environ.get(CACHE_ENVIRONMENT, "")
     if setting.lower() in ("0", "off", "false", "no"):
         return None

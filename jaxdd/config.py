@@ -1,9 +1,10 @@
 """Model configuration: a frozen dataclass read from an HF ``config.json``.
 
-Kimi K2-Instruct / K2-Thinking (``kimi_k2``) and DeepSeek-V3 (``deepseek_v3``) keep the text-model fields at the
-top level; Kimi K2.5 / K2.6 (``kimi_k25``) wrap them in ``text_config`` next to a vision config we ignore.
-Every numeric value comes from the file: Kimi releases differ in YaRN factor, beta_fast and rms_norm_eps, so
-nothing is hard-coded here. A missing or inconsistent field raises ``ConfigError`` naming the field.
+Kimi K2-Instruct / K2-Thinking (``kimi_k2``) and DeepSeek-V3 (``deepseek_v3``) keep the
+text-model fields at the top level; Kimi K2.5 / K2.6 (``kimi_k25``) wrap them in
+``text_config`` next to a vision config we ignore. Every numeric value comes from the
+file: Kimi releases differ in YaRN factor, beta_fast and rms_norm_eps, so nothing is
+hard-coded here. A missing or inconsistent field raises ``ConfigError`` naming the field.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ class KimiConfig:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
 
-    # The q_a / kv_a norms are built as RMSNorm(rank) with the default eps in HF, Moonshot and DeepSeek's own
-    # code, not with config.rms_norm_eps (vLLM/SGLang differ; K2.5's 1e-5 makes the difference visible).
+    # The q_a / kv_a norms are built as RMSNorm(rank) with the default eps
+    # in HF, Moonshot and DeepSeek's own code, not with config.rms_norm_eps
+    # (vLLM/SGLang differ; K2.5's 1e-5 makes the difference visible).
     latent_norm_eps: float = 1e-6
 
     @property
@@ -76,7 +78,8 @@ class KimiConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """q_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 (HF DeepseekV3Attention)."""
+        """q_head_dim^-0.5, times YaRN's mscale(factor,
+        mscale_all_dim)^2 (HF DeepseekV3Attention)."""
         scale = self.qk_head_dim**-0.5
         if self.yarn is not None and self.yarn.mscale_all_dim:
             m = yarn_mscale(self.yarn.factor, self.yarn.mscale_all_dim)
@@ -88,7 +91,8 @@ class KimiConfig:
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> KimiConfig:
-        """Build from a parsed HF config.json dict (top-level text config or a ``kimi_k25`` wrapper)."""
+        """Build from a parsed HF config.json dict (top-level
+        text config or a ``kimi_k25`` wrapper)."""
         return _parse(config)
 
     @classmethod
@@ -96,7 +100,8 @@ class KimiConfig:
         return in_file(path, cls.from_hf, _read_json(path))
 
     def to_hf(self) -> dict[str, Any]:
-        """The equivalent HF ``deepseek_v3`` config dict (what transformers' DeepseekV3Config accepts)."""
+        """The equivalent HF ``deepseek_v3`` config dict
+        (what transformers' DeepseekV3Config accepts)."""
         d: dict[str, Any] = {
             "architectures": ["DeepseekV3ForCausalLM"],
             "model_type": "deepseek_v3",
@@ -106,7 +111,9 @@ class KimiConfig:
             "hidden_act": "silu",
             "tie_word_embeddings": False,
             "attention_bias": False,
-            "eos_token_id": self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids),
+            "eos_token_id": self.eos_token_ids[0]
+            if len(self.eos_token_ids) == 1
+            else list(self.eos_token_ids),
         }
         for f in dataclasses.fields(self):
             if f.name not in ("model_type", "yarn", "eos_token_ids", "latent_norm_eps"):
@@ -139,12 +146,19 @@ def _parse(raw: Mapping[str, Any]) -> KimiConfig:
     if model_type in WRAPPER_MODEL_TYPES:
         text = raw.get("text_config")
         if not isinstance(text, Mapping):
-            raise ConfigError.at("text_config", f"missing or not an object (required for model_type {model_type!r})")
+            raise ConfigError.at(
+                "text_config", f"missing or not an object (required for model_type {model_type!r})"
+            )
         inner = text.get("model_type", "deepseek_v3")
         if inner not in TEXT_MODEL_TYPES:
-            raise ConfigError.at("text_config.model_type", f"unsupported {inner!r}, expected one of {TEXT_MODEL_TYPES}")
+            raise ConfigError.at(
+                "text_config.model_type",
+                f"unsupported {inner!r}, expected one of {TEXT_MODEL_TYPES}",
+            )
         # Token ids may sit on the wrapper only.
-        fields = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in raw} | dict(text)
+        fields = {
+            k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in raw
+        } | dict(text)
         return _parse_text(fields, model_type, prefix="text_config.")
     if model_type in TEXT_MODEL_TYPES:
         return _parse_text(raw, model_type, prefix="")
@@ -199,7 +213,10 @@ def _parse_text(data: Mapping[str, Any], model_type: str, prefix: str) -> KimiCo
     r.equal("tie_word_embeddings", False, default=False)
     r.equal("attention_bias", False, default=False)
     if data.get("q_lora_rank") is None:
-        raise r._fail("q_lora_rank", "missing (the q_proj-without-LoRA variant of DeepSeek-V2-Lite is not supported)")
+        raise r._fail(
+            "q_lora_rank",
+            "missing (the q_proj-without-LoRA variant of DeepSeek-V2-Lite is not supported)",
+        )
 
     rope_theta, yarn = _parse_rope(data, r)
     eos = r.get("eos_token_id", object)
@@ -229,7 +246,8 @@ def _parse_text(data: Mapping[str, Any], model_type: str, prefix: str) -> KimiCo
         moe_layer_freq=r.get("moe_layer_freq", int, 1),
         rms_norm_eps=r.get("rms_norm_eps", float),
         rope_theta=rope_theta,
-        # transformers >= 4.57 names the checkpoint's interleaved rope channels; Moonshot's code always interleaves.
+        # transformers >= 4.57 names the checkpoint's interleaved
+        # rope channels; Moonshot's code always interleaves.
         rope_interleave=r.get("rope_interleave", bool, True),
         yarn=yarn,
         max_position_embeddings=r.positive("max_position_embeddings"),
@@ -241,12 +259,15 @@ def _parse_text(data: Mapping[str, Any], model_type: str, prefix: str) -> KimiCo
     return cfg
 
 
-def _parse_rope(data: Mapping[str, Any], r: _Reader, hf_defaults: bool = False) -> tuple[float, YarnConfig | None]:
-    """Read theta and YaRN from either the classic ``rope_theta`` + ``rope_scaling`` or v5 ``rope_parameters``.
+def _parse_rope(
+    data: Mapping[str, Any], r: _Reader, hf_defaults: bool = False
+) -> tuple[float, YarnConfig | None]:
+    """Read theta and YaRN from either the classic
+    ``rope_theta`` + ``rope_scaling`` or v5 ``rope_parameters``.
 
-    Targets must spell out every YaRN field. Drafters (Qwen3 configs) get transformers' defaults for absent
-    ones when ``hf_defaults``: beta_fast 32, beta_slow 1, no mscale pair (amplitude 0.1 ln(factor) + 1),
-    original length = max_position_embeddings.
+    Targets must spell out every YaRN field. Drafters (Qwen3 configs) get transformers'
+    defaults for absent ones when ``hf_defaults``: beta_fast 32, beta_slow 1, no mscale
+    pair (amplitude 0.1 ln(factor) + 1), original length = max_position_embeddings.
     """
     if isinstance(data.get("rope_parameters"), Mapping):
         params, where = data["rope_parameters"], "rope_parameters"
@@ -284,21 +305,31 @@ def _check_consistency(cfg: KimiConfig, r: _Reader) -> None:
         raise r._fail(key, msg)
 
     if cfg.qk_rope_head_dim % 2:
-        fail("qk_rope_head_dim", f"must be even (rope rotates channel pairs), got {cfg.qk_rope_head_dim}")
+        fail(
+            "qk_rope_head_dim",
+            f"must be even (rope rotates channel pairs), got {cfg.qk_rope_head_dim}",
+        )
     if cfg.n_routed_experts % cfg.n_group:
         fail("n_group", f"{cfg.n_group} does not divide n_routed_experts={cfg.n_routed_experts}")
     group_size = cfg.n_routed_experts // cfg.n_group
     if cfg.n_group > 1 and group_size < 2:
-        fail("n_group", f"each group needs >= 2 experts (group score = sum of its top-2), got {group_size}")
+        fail(
+            "n_group",
+            f"each group needs >= 2 experts (group score = sum of its top-2), got {group_size}",
+        )
     if cfg.topk_group > cfg.n_group:
         fail("topk_group", f"{cfg.topk_group} exceeds n_group={cfg.n_group}")
     if cfg.num_experts_per_tok > cfg.topk_group * group_size:
         fail(
             "num_experts_per_tok",
-            f"{cfg.num_experts_per_tok} exceeds the {cfg.topk_group * group_size} experts of topk_group groups",
+            f"{cfg.num_experts_per_tok} exceeds the {cfg.topk_group * group_size} experts "
+            f"of topk_group groups",
         )
     if not 0 <= cfg.first_k_dense_replace <= cfg.num_hidden_layers:
-        fail("first_k_dense_replace", f"must lie in [0, num_hidden_layers], got {cfg.first_k_dense_replace}")
+        fail(
+            "first_k_dense_replace",
+            f"must lie in [0, num_hidden_layers], got {cfg.first_k_dense_replace}",
+        )
     if cfg.moe_layer_freq < 1:
         fail("moe_layer_freq", f"must be >= 1, got {cfg.moe_layer_freq}")
     if cfg.rms_norm_eps <= 0:
@@ -311,24 +342,27 @@ def _check_consistency(cfg: KimiConfig, r: _Reader) -> None:
         if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < cfg.vocab_size:
             fail("eos_token_id", f"{token!r} is not a token id in [0, {cfg.vocab_size})")
     if cfg.yarn is not None:
-        # transformers replaces the YaRN factor by max_position_embeddings / original_max_position_embeddings
-        # while the attention mscale keeps the file's factor; a file where they disagree has no single meaning.
+        # transformers replaces the YaRN factor by max_position_embeddings /
+        # original_max_position_embeddings while the attention mscale keeps
+        # the file's factor; a file where they disagree has no single meaning.
         implied = cfg.max_position_embeddings / cfg.yarn.original_max_position_embeddings
         if not math.isclose(implied, cfg.yarn.factor):
             fail(
                 "max_position_embeddings",
                 f"{cfg.max_position_embeddings} / original_max_position_embeddings "
-                f"{cfg.yarn.original_max_position_embeddings} = {implied:g} disagrees with the YaRN factor "
+                f"{cfg.yarn.original_max_position_embeddings} = {implied:g} disagrees with "
+                f"the YaRN factor "
                 f"{cfg.yarn.factor:g}",
             )
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # DFlash drafter
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """z-lab dflash ``build_target_layer_ids``: spread the taps over layers 1 .. L-3 (Python's round)."""
+    """z-lab dflash ``build_target_layer_ids``: spread
+    the taps over layers 1 .. L-3 (Python's round)."""
     if num_draft_layers == 1:
         return (num_target_layers // 2,)
     start, end = 1, num_target_layers - 3
@@ -338,7 +372,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
-    """A DFlash drafter (z-lab ``DFlashDraftModel``): Qwen3-style layers fed with tapped target features."""
+    """A DFlash drafter (z-lab ``DFlashDraftModel``):
+    Qwen3-style layers fed with tapped target features."""
 
     hidden_size: int
     intermediate_size: int
@@ -355,7 +390,8 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
-    vocab_size: int | None = None  # z-lab configs state it; the drafter uses the target's embedding and lm_head
+    # z-lab configs state it; the drafter uses the target's embedding and lm_head
+    vocab_size: int | None = None
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> DrafterConfig:
@@ -371,7 +407,10 @@ class DrafterConfig:
         layers = r.positive("num_hidden_layers")
         layer_types = config.get("layer_types") or ["full_attention"] * layers
         if any(kind != "full_attention" for kind in layer_types) or config.get("is_causal"):
-            raise r._fail("layer_types", f"only non-causal full-attention drafters are supported, got {layer_types}")
+            raise r._fail(
+                "layer_types",
+                f"only non-causal full-attention drafters are supported, got {layer_types}",
+            )
         heads = r.positive("num_attention_heads")
         hidden = r.positive("hidden_size")
         rope_theta, yarn = _parse_rope(config, r, hf_defaults=True)
@@ -380,7 +419,10 @@ class DrafterConfig:
         else:
             taps = default_target_layer_ids(r.positive("num_target_layers"), layers)
         if not taps or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in taps):
-            raise r._fail("dflash_config.target_layer_ids", f"expected non-negative layer indices, got {list(taps)}")
+            raise r._fail(
+                "dflash_config.target_layer_ids",
+                f"expected non-negative layer indices, got {list(taps)}",
+            )
         if "mask_token_id" not in merged:
             raise r._fail("dflash_config.mask_token_id", "missing")
         softcap = m.get("final_logit_softcapping", float, None)
@@ -403,9 +445,14 @@ class DrafterConfig:
             vocab_size=r.get("vocab_size", int, None),
         )
         if cfg.num_attention_heads % cfg.num_key_value_heads:
-            raise r._fail("num_key_value_heads", f"{cfg.num_key_value_heads} does not divide {heads} heads")
+            raise r._fail(
+                "num_key_value_heads", f"{cfg.num_key_value_heads} does not divide {heads} heads"
+            )
         if cfg.block_size < 2:
-            raise r._fail("block_size", f"must be >= 2 (the bonus token plus at least one draft), got {cfg.block_size}")
+            raise r._fail(
+                "block_size",
+                f"must be >= 2 (the bonus token plus at least one draft), got {cfg.block_size}",
+            )
         return cfg
 
     @classmethod
@@ -416,20 +463,24 @@ class DrafterConfig:
         """Raise ConfigError unless this drafter can draft for ``target``."""
         if self.hidden_size != target.hidden_size:
             raise ConfigError(
-                f"drafter hidden_size {self.hidden_size} != target hidden_size {target.hidden_size} "
+                f"drafter hidden_size {self.hidden_size} != target hidden_size "
+                f"{target.hidden_size} "
                 "(the drafter reads the target's embeddings and feeds its lm_head)"
             )
         if self.vocab_size is not None and self.vocab_size != target.vocab_size:
             raise ConfigError(
-                f"drafter vocab_size {self.vocab_size} != target vocab_size {target.vocab_size} (a drafter for "
+                f"drafter vocab_size {self.vocab_size} != target vocab_size "
+                f"{target.vocab_size} (a drafter for "
                 "another target: it drafts with this target's embeddings and lm_head)"
             )
         bad = [i for i in self.target_layer_ids if i >= target.num_hidden_layers]
         if bad:
             raise ConfigError(
-                f"drafter target_layer_ids {list(bad)} outside the target's {target.num_hidden_layers} layers"
+                f"drafter target_layer_ids {list(bad)} outside the target's "
+                f"{target.num_hidden_layers} layers"
             )
         if not 0 <= self.mask_token_id < target.vocab_size:
             raise ConfigError(
-                f"drafter mask_token_id {self.mask_token_id} outside the vocabulary [0, {target.vocab_size})"
+                f"drafter mask_token_id {self.mask_token_id} outside the vocabulary [0, "
+                f"{target.vocab_size})"
             )

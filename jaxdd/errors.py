@@ -8,8 +8,8 @@ from typing import Any
 
 
 class FieldError(ValueError):
-    """Bad input; ``field`` names the field, flag or tensor at fault when there is one (the server reports it as
-    the error's ``param``), so no caller reads it back out of the message."""
+    """Bad input; ``field`` names the field, flag or tensor at fault when there is one (the server
+    reports it as the error's ``param``), so no caller reads it back out of the message."""
 
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
@@ -26,20 +26,25 @@ class ConfigError(FieldError):
 
 
 class CheckpointError(FieldError):
-    """A checkpoint directory is missing files or tensors, or holds tensors that do not fit the config."""
+    """A checkpoint directory is missing files or tensors,
+    or holds tensors that do not fit the config."""
 
 
 class InputError(FieldError):
-    """Token ids, positions, masks, cache sizes or generation settings that the model cannot take."""
+    """Token ids, positions, masks, cache sizes or
+    generation settings that the model cannot take."""
 
 
 class LargeRoundWarning(UserWarning):
-    """A round that verifies far more tokens than it can accept (slow; the CLI prints it as a note)."""
+    """A round that verifies far more tokens than it
+    can accept (slow; the CLI prints it as a note)."""
 
 
-def read_json(path: str | Path, error: type[ValueError] = CheckpointError, what: str = "file") -> Any:
-    """The JSON in ``path``, or ``error`` naming the file when it is missing ("no such ``what``"), not text or
-    not JSON, or unreadable (the OS's reason)."""
+def read_json(
+    path: str | Path, error: type[ValueError] = CheckpointError, what: str = "file"
+) -> Any:
+    """The JSON in ``path``, or ``error`` naming the file when it is missing ("no
+    such ``what``"), not text or not JSON, or unreadable (the OS's reason)."""
     path = Path(path)
     try:
         return json.loads(path.read_text())
@@ -54,7 +59,8 @@ def read_json(path: str | Path, error: type[ValueError] = CheckpointError, what:
 
 
 def checkpoint_directory(path: str | Path) -> Path:
-    """``path`` as a Path, or a CheckpointError when it is not a directory (the loaders' first check)."""
+    """``path`` as a Path, or a CheckpointError when it
+    is not a directory (the loaders' first check)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")

@@ -1,13 +1,16 @@
-"""``python -m jaxdd.generate``: generate text, plain (``ar``) or speculative (``dflash``, ``ddtree``), streamed.
+"""``python -m jaxdd.generate``: generate text, plain
+(``ar``) or speculative (``dflash``, ``ddtree``), streamed.
 
-    python -m jaxdd.generate                                   # the bundled kimi-mini pair, a default prompt
+    python -m jaxdd.generate  # the bundled kimi-mini pair, a default prompt
     python -m jaxdd.generate "def fibonacci(n):" --method ddtree --budget 16
-    python -m jaxdd.generate --prompt-file prompt.txt          # or --prompt-file - for stdin
-    python -m jaxdd.generate --checkpoint TARGET_DIR [--drafter DRAFTER_DIR] --prompt-ids 1,2,3 --json
+    python -m jaxdd.generate --prompt-file prompt.txt  # or --prompt-file - for stdin
+    python -m jaxdd.generate --checkpoint TARGET_DIR [--drafter DRAFTER_DIR] --prompt-ids 1,2,3
+                             --json
 
-The text streams to stdout as tokens are accepted; a summary (tokens/s, mean acceptance length, target forwards,
-compile time) goes to stderr. ``--json`` prints one JSON object instead. Checkpoints with a chat template
-(instruct models, e.g. Kimi's tokenizer_config.json) get the prompt wrapped as a user turn unless ``--no-chat``.
+The text streams to stdout as tokens are accepted; a summary (tokens/s, mean acceptance
+length, target forwards, compile time) goes to stderr. ``--json`` prints one JSON
+object instead. Checkpoints with a chat template (instruct models, e.g. Kimi's
+tokenizer_config.json) get the prompt wrapped as a user turn unless ``--no-chat``.
 """
 
 from __future__ import annotations
@@ -29,53 +32,74 @@ from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.distributed import disagreeing_processes
 from jaxdd.weights.tokenizer import IncrementalDecoder, TextTokenizer, load_tokenizer
 
-DEFAULT_PROMPT = 'def read_config(path):\n    """Read a JSON config file and return it as a dict."""\n'
+DEFAULT_PROMPT = (
+    'def read_config(path):\n    """Read a JSON config file and return it as a dict."""\n'
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.command_parser("python -m jaxdd.generate", __doc__)
     prompt = parser.add_mutually_exclusive_group()
-    prompt.add_argument("prompt", nargs="?", help="prompt text (default with the bundled model: a Python stub)")
-    prompt.add_argument("--prompt-file", type=Path, help="read the prompt text from a file ('-': stdin)")
+    prompt.add_argument(
+        "prompt", nargs="?", help="prompt text (default with the bundled model: a Python stub)"
+    )
+    prompt.add_argument(
+        "--prompt-file", type=Path, help="read the prompt text from a file ('-': stdin)"
+    )
     prompt.add_argument("--prompt-ids", type=parse_ids, help="prompt token ids, e.g. 1,2,3")
     cli.add_model_flags(parser)
-    parser.add_argument("--max-new-tokens", type=positive, default=64, help="generate at most this many tokens")
-    parser.add_argument("--stop-ids", type=parse_ids, help="stop token ids (default: EOS and end of turn)")
+    parser.add_argument(
+        "--max-new-tokens", type=positive, default=64, help="generate at most this many tokens"
+    )
+    parser.add_argument(
+        "--stop-ids", type=parse_ids, help="stop token ids (default: EOS and end of turn)"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability mass")
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability mass"
+    )
     parser.add_argument("--top-k", type=int, default=0, help="0 = no limit")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
-    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, help="use the chat template (default: if any)")
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        help="use the chat template (default: if any)",
+    )
     parser.add_argument("--system", help="system message for the chat template")
     parser.add_argument(
         "--dtype",
         choices=["auto", "bfloat16", "float32"],
         default="auto",
-        help="auto: float32 on CPU (XLA:CPU has no bf16 matmul and upcasts: 2-3x slower), bfloat16 elsewhere",
+        help="auto: float32 on CPU (XLA:CPU has no bf16 matmul and upcasts: 2-3x slower), "
+        "bfloat16 elsewhere",
     )
     cli.add_device_flags(parser)
     parser.add_argument(
         "--verify-checksums",
         action="store_true",
-        help="check jaxdd checkpoints against the checksums recorded at conversion first (reads every byte once)",
+        help="check jaxdd checkpoints against the checksums recorded at conversion first (reads "
+        "every byte once)",
     )
     parser.add_argument(
         "--json",
         action="store_true",
-        help="print one JSON object: ids, text, acceptance, timings (prefill_seconds and decode_seconds include "
+        help="print one JSON object: ids, text, acceptance, timings (prefill_seconds and "
+        "decode_seconds include "
         "compile_seconds; tokens_per_second leaves it out)",
     )
     return parser
 
 
 class TextStream:
-    """Prints the text of accepted tokens as they come (``IncrementalDecoder``; without a tokenizer, the ids)."""
+    """Prints the text of accepted tokens as they come
+    (``IncrementalDecoder``; without a tokenizer, the ids)."""
 
     def __init__(self, tokenizer: TextTokenizer | None, stop_ids: set[int], status: str):
         self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self.stop_ids, self.out = stop_ids, sys.stdout
         self.printed_ids = False
-        # Said on stderr when the first tokens take over a second (compiling), so never before a quick error.
+        # Said on stderr when the first tokens take over a
+        # second (compiling), so never before a quick error.
         self.status = threading.Timer(1.0, lambda: print(status, file=sys.stderr, flush=True))
         self.status.daemon = True
 
@@ -97,12 +121,18 @@ class TextStream:
         self.out.flush()
 
 
-def read_prompt(args, tokenizer: TextTokenizer | None, bundled: bool, parser) -> tuple[list[int], str | None]:
+def read_prompt(
+    args, tokenizer: TextTokenizer | None, bundled: bool, parser
+) -> tuple[list[int], str | None]:
     """(prompt ids, prompt text or None)."""
     if args.prompt_ids is not None:
         return args.prompt_ids, None
     if args.prompt_file is not None:
-        text = read_stdin() if str(args.prompt_file) == "-" else cli.read_text(args.prompt_file, "--prompt-file")
+        text = (
+            read_stdin()
+            if str(args.prompt_file) == "-"
+            else cli.read_text(args.prompt_file, "--prompt-file")
+        )
     elif args.prompt is not None:
         text = args.prompt
     elif bundled:
@@ -113,7 +143,8 @@ def read_prompt(args, tokenizer: TextTokenizer | None, bundled: bool, parser) ->
         raise jaxdd.InputError("the prompt is empty")
     if tokenizer is None:
         raise jaxdd.CheckpointError(
-            f"{args.checkpoint}: no tokenizer (tokenizer.json or tiktoken.model); pass --prompt-ids instead"
+            f"{args.checkpoint}: no tokenizer (tokenizer.json or tiktoken.model); pass "
+            f"--prompt-ids instead"
         )
     chat = tokenizer.chat_template is not None if args.chat is None else args.chat
     if chat:
@@ -132,7 +163,10 @@ def read_stdin() -> str:
 
 def method_flags(args, method: str) -> list[tuple[str, object, bool]]:
     """(flag, value, whether the method uses it) for the flags that only some methods read."""
-    return [("--block-size", args.block_size, method != "ar"), ("--budget", args.budget, method == "ddtree")]
+    return [
+        ("--block-size", args.block_size, method != "ar"),
+        ("--budget", args.budget, method == "ddtree"),
+    ]
 
 
 def summary(method: str, result: Generation) -> dict:
@@ -156,7 +190,8 @@ def summary_line(report: dict) -> str:
     speed = f"{report['tokens_per_second']:.1f}" if report["tokens_per_second"] else "-"
     return (
         f"[{report['method']}{options}] {report['new_tokens']} tokens, {speed} tokens/s, "
-        f"mean acceptance {report['mean_acceptance']:.2f}, {report['target_forwards']} target forwards, "
+        f"mean acceptance {report['mean_acceptance']:.2f}, {report['target_forwards']} "
+        f"target forwards, "
         f"compile {report['compile_seconds']:.1f} s"
     )
 
@@ -172,7 +207,9 @@ def run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     bundled, checkpoint, drafter_dir, method = cli.model_choice(args, parser, DEMO)
-    unused = [flag for flag, value, used in method_flags(args, method) if value is not None and not used]
+    unused = [
+        flag for flag, value, used in method_flags(args, method) if value is not None and not used
+    ]
     if unused:
         print(f"jaxdd: {unused[0]} does not apply to --method {method}", file=sys.stderr)
         return 2

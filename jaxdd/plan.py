@@ -1,16 +1,19 @@
-"""``python -m jaxdd.plan``: will a full-size target + drafter fit a target's devices, and how are the bytes spread?
+"""``python -m jaxdd.plan``: will a full-size target +
+drafter fit a target's devices, and how are the bytes spread?
 
     python -m jaxdd.plan --config CONFIG.json --drafter-config DRAFTER.json \\
         --hardware rtx-pro-6000 --devices 8 --moe tp|ep --budget 64 --max-len 8192 --batch 1 \\
         [--method ddtree] [--sampled] [--layers N] [--json]
 
-Builds both models abstractly (shapes and shardings only, nothing allocated), lowers the round ``jaxdd.generate`` would
-run on the target (its attention form and MoE dispatch, chosen from the target's platform) and compiles it ahead of time
-with the target's own compiler: ``cpu`` (this host's simulated devices), a GPU by name (``h200``, ``rtx-pro-6000``,
-``b200``: ``jaxdd.planning.hardware``) or a TPU slice by JAX's topology name (``v5p:2x2x2``), deviceless
-(``jaxdd.planning.aot``). Reports per device: weights as stored (INT4 or FP8 routed experts included), caches (the
-target's MLA latent rows and the drafter's K/V), the compiler's temporaries, the total, and whether it fits the device's
-memory. ``--layers`` keeps the full width but fewer layers (for quick checks).
+Builds both models abstractly (shapes and shardings only, nothing allocated), lowers the
+round ``jaxdd.generate`` would run on the target (its attention form and MoE dispatch,
+chosen from the target's platform) and compiles it ahead of time with the target's own
+compiler: ``cpu`` (this host's simulated devices), a GPU by name (``h200``,
+``rtx-pro-6000``, ``b200``: ``jaxdd.planning.hardware``) or a TPU slice by JAX's topology
+name (``v5p:2x2x2``), deviceless (``jaxdd.planning.aot``). Reports per device: weights as
+stored (INT4 or FP8 routed experts included), caches (the target's MLA latent rows and
+the drafter's K/V), the compiler's temporaries, the total, and whether it fits the
+device's memory. ``--layers`` keeps the full width but fewer layers (for quick checks).
 """
 
 from __future__ import annotations
@@ -27,37 +30,56 @@ from jaxdd.types import ATTENTION_CHOICES, METHODS, MOE_MODES
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxdd.plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="target HF config.json (kimi_k25 / kimi_k2 / deepseek_v3)")
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxdd.plan", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--config", required=True, help="target HF config.json (kimi_k25 / kimi_k2 / deepseek_v3)"
+    )
     parser.add_argument("--drafter-config", required=True, help="DFlash drafter config.json")
-    parser.add_argument("--hardware", "--target", default="cpu", help=f"what to compile for: {', '.join(names())}")
-    parser.add_argument("--devices", type=int, help="devices (default: 8 GPUs or CPUs, a TPU topology's chips)")
+    parser.add_argument(
+        "--hardware", "--target", default="cpu", help=f"what to compile for: {', '.join(names())}"
+    )
+    parser.add_argument(
+        "--devices", type=int, help="devices (default: 8 GPUs or CPUs, a TPU topology's chips)"
+    )
     parser.add_argument(
         "--moe",
         choices=MOE_MODES,
         default="tp",
-        help="split each routed expert's width (tp, the default, as in python -m jaxdd.generate) or place whole "
+        help="split each routed expert's width (tp, the default, as in python -m "
+        "jaxdd.generate) or place whole "
         "experts (ep)",
     )
     parser.add_argument("--method", choices=METHODS, default="ddtree", help="the round compiled")
     parser.add_argument("--sampled", action="store_true", help="a sampled round (default: greedy)")
     parser.add_argument(
-        "--attention", choices=ATTENTION_CHOICES, default="auto", help="verify attention (auto: the hardware's own)"
+        "--attention",
+        choices=ATTENTION_CHOICES,
+        default="auto",
+        help="verify attention (auto: the hardware's own)",
     )
     parser.add_argument("--budget", type=int, default=64, help="DDTree nodes per round")
     parser.add_argument("--max-len", type=int, default=8192, help="prompt + generated tokens")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     parser.add_argument("--layers", type=int, help="keep the full width but only this many layers")
-    parser.add_argument("--traffic", action="store_true", help="only the traffic account: no compile")
+    parser.add_argument(
+        "--traffic", action="store_true", help="only the traffic account: no compile"
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
-    # Planning runs on the host: deviceless compiles for GPUs and TPUs, simulated devices for the CPU.
+    # Planning runs on the host: deviceless compiles
+    # for GPUs and TPUs, simulated devices for the CPU.
     cli.choose_platform(cpu_only=True)
     try:
         if args.hardware == "cpu":
             cli.simulate_cpu_devices(max(args.devices or 8, 1))
         options = PlanOptions(
-            **{f.name: getattr(args, f.name) for f in dataclasses.fields(PlanOptions) if f.name != "compile_round"},
+            **{
+                f.name: getattr(args, f.name)
+                for f in dataclasses.fields(PlanOptions)
+                if f.name != "compile_round"
+            },
             compile_round=not args.traffic,
         )
         result = plan(args.config, args.drafter_config, options)

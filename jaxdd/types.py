@@ -1,15 +1,19 @@
-"""The project's small vocabularies, each a ``Literal`` with its choices derived once (CLIs and checks use these)."""
+"""The project's small vocabularies, each a ``Literal`` with
+its choices derived once (CLIs and checks use these)."""
 
 from __future__ import annotations
 
 from typing import Literal, get_args
 
 Method = Literal["ar", "dflash", "ddtree"]  # plain decoding, linear DFlash, DDTree
-Attention = Literal["naive", "absorbed", "pallas"]  # how MLA attends (``jaxdd.models.target.MLAttention``)
-AttentionChoice = Literal["auto", "absorbed", "pallas"]  # what a decoder may be asked for (auto: the platform's)
+# how MLA attends (``jaxdd.models.target.MLAttention``)
+Attention = Literal["naive", "absorbed", "pallas"]
+# what a decoder may be asked for (auto: the platform's)
+AttentionChoice = Literal["auto", "absorbed", "pallas"]
 MoeMode = Literal["tp", "ep"]  # routed experts split by FFN width, or as whole experts
 Platform = Literal["cpu", "gpu", "tpu"]
-Dispatch = Literal["dense", "gathered", "grouped", "scan", "skipping", "tiled"]  # ``jaxdd.models.moe``
+# ``jaxdd.models.moe``
+Dispatch = Literal["dense", "gathered", "grouped", "scan", "skipping", "tiled"]
 TreeLogits = Literal["scaled", "raw"]  # what a sampled DDTree round builds its tree from
 
 METHODS: tuple[Method, ...] = get_args(Method)
@@ -21,7 +25,8 @@ TREE_LOGITS: tuple[TreeLogits, ...] = get_args(TreeLogits)
 
 
 def verified_tokens(method: Method, block: int, budget: int | None) -> int:
-    """Tokens one round verifies per request: AR its one token, DFlash its block, DDTree its tree and root."""
+    """Tokens one round verifies per request: AR its one
+    token, DFlash its block, DDTree its tree and root."""
     if method == "ddtree":
         return budget + 1
     return 1 if method == "ar" else block

@@ -1,16 +1,18 @@
-"""The gathered INT4 expert matvec as a Pallas GPU (Triton) kernel: each (token, slot) pair's row through its own
-expert, the expert's packed words and scales read once per pair and dequantized in registers.
+"""The gathered INT4 expert matvec as a Pallas GPU (Triton) kernel: each
+(token, slot) pair's row through its own expert, the expert's packed
+words and scales read once per pair and dequantized in registers.
 
 XLA:GPU, given the gather-then-dequantize form (``jaxdd.models.moe._gathered_pairs``), may write the
 gathered experts out and read them again at a speculative round's pair counts. Here every program
 loads its pair's expert id and reads only that expert's rows, so the bytes are the experts' once,
 plus the rows (benchmarks/README.md, "What the compiled rounds move").
 
-Same contract and values as ``jaxdd.runtime.cpu_kernels.gathered_int4_matvec``: every weight dequantized as
-``jaxdd.models.quant.dequantize_int4_groups`` does (bf16(q x scale), q = nibble - 8, low nibble first) and the
-products summed in fp32. The words are viewed [E, N, groups, words per group] (a free reshape), so a tile's scales
-broadcast over its words; the rows are laid out by nibble ([P, 8, groups, words per group]: row value 8w + i at
-[i, w]), so nibble i of every word meets its row value without an in-register interleave.
+Same contract and values as ``jaxdd.runtime.cpu_kernels.gathered_int4_matvec``: every
+weight dequantized as ``jaxdd.models.quant.dequantize_int4_groups`` does (bf16(q x scale),
+q = nibble - 8, low nibble first) and the products summed in fp32. The words are viewed [E,
+N, groups, words per group] (a free reshape), so a tile's scales broadcast over its words;
+the rows are laid out by nibble ([P, 8, groups, words per group]: row value 8w + i at [i,
+w]), so nibble i of every word meets its row value without an in-register interleave.
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ PER_WORD = 8  # INT4 values per int32 word
 
 
 def supports(group: int) -> bool:
-    """Whether scale groups of ``group`` inputs fit the kernel's tiles: whole words, a power of two of them."""
+    """Whether scale groups of ``group`` inputs fit the
+    kernel's tiles: whole words, a power of two of them."""
     words = group // PER_WORD
     return group % PER_WORD == 0 and words > 0 and words & (words - 1) == 0
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
-    """The largest power of two that divides ``n``, at most ``cap`` (Triton's tiles are powers of two)."""
+    """The largest power of two that divides ``n``, at
+    most ``cap`` (Triton's tiles are powers of two)."""
     return min(n & -n, cap)
 
 
@@ -48,15 +52,18 @@ def tiles(n_out: int, groups: int, group: int) -> tuple[int, int]:
 
 
 def declared_bytes(pairs: int, n_out: int, k: int, groups: int, itemsize: int, block_n: int) -> int:
-    """What the kernel reads and writes: per program its pair's id and row (the row once per block of outputs)
-    and its block of outputs (rows' dtype, ``itemsize`` bytes); per pair its expert's words and bf16 scales, once."""
+    """What the kernel reads and writes: per program its pair's id and row
+    (the row once per block of outputs) and its block of outputs (rows' dtype,
+    ``itemsize`` bytes); per pair its expert's words and bf16 scales, once."""
     programs = pairs * (n_out // block_n)
     per_program = 4 + (k + block_n) * itemsize
     per_pair = n_out * (k // 2 + groups * 2)
     return programs * per_program + pairs * per_pair
 
 
-def _kernel(chosen_ref, rows_ref, packed_ref, scale_ref, out_ref, *, block_n: int, block_groups: int):
+def _kernel(
+    chosen_ref, rows_ref, packed_ref, scale_ref, out_ref, *, block_n: int, block_groups: int
+):
     expert = chosen_ref[0]
     first = pl.program_id(1) * block_n
     groups = packed_ref.shape[2]
@@ -69,7 +76,8 @@ def _kernel(chosen_ref, rows_ref, packed_ref, scale_ref, out_ref, *, block_n: in
         scale = scale_ref[expert, outputs, at].astype(jnp.float32)[:, :, None]
         for i in range(PER_WORD):
             q = ((words >> (4 * i)) & 15) - 8
-            # The fp32 product is exact (|q| <= 8); rounded once to bf16, as dequantize_int4_groups does.
+            # The fp32 product is exact (|q| <= 8); rounded
+            # once to bf16, as dequantize_int4_groups does.
             weight = (q.astype(jnp.float32) * scale).astype(jnp.bfloat16).astype(jnp.float32)
             acc += weight * rows_ref[i, at, :].astype(jnp.float32)[None]
         return acc
@@ -88,18 +96,23 @@ def gathered_int4_matvec_gpu(
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> jax.Array:
-    """rows [P, K] through experts ``chosen`` [P] of packed [E, N, K/8] int32 with scale [E, N, K/group] bf16:
-    [P, N] in rows' dtype (``jaxdd.runtime.cpu_kernels.gathered_int4_matvec``'s contract). Grid: pairs x blocks
-    of N; K looped inside. Ids are clamped to [0, E) as XLA's gather clamps (Triton does not check its loads).
-    ``interpret``: on CPU, through Pallas' interpreter; ``compiler_params``: Triton's."""
+    """rows [P, K] through experts ``chosen`` [P] of packed [E, N, K/8] int32 with scale [E, N,
+    K/group] bf16: [P, N] in rows' dtype (``jaxdd.runtime.cpu_kernels.gathered_int4_matvec``'s
+    contract). Grid: pairs x blocks of N; K looped inside. Ids are clamped to [0, E) as XLA's
+    gather clamps (Triton does not check its loads). ``interpret``: on CPU, through Pallas'
+    interpreter; ``compiler_params``: Triton's."""
     pairs, k = rows.shape
     experts, n_out, words = packed.shape
     groups = scale.shape[2]
     per_group = words // groups
     if words * PER_WORD != k or per_group * groups != words:
-        raise ValueError(f"INT4 matvec: rows [{pairs}, {k}] do not match packed {packed.shape} / scale {scale.shape}")
+        raise ValueError(
+            f"INT4 matvec: rows [{pairs}, {k}] do not match packed {packed.shape} / scale "
+            f"{scale.shape}"
+        )
     block_n, block_groups = tiles(n_out, groups, per_group * PER_WORD)
-    # Row value 8w + i at [i, w]: nibble i of word w meets it (a transpose of [P, K], small beside the experts).
+    # Row value 8w + i at [i, w]: nibble i of word w meets
+    # it (a transpose of [P, K], small beside the experts).
     by_nibble = rows.reshape(pairs, groups, per_group, PER_WORD).transpose(0, 3, 1, 2)
     pieces = (packed.reshape(experts, n_out, groups, per_group), scale)
     cost = pl.CostEstimate(
@@ -120,8 +133,8 @@ def gathered_int4_matvec_gpu(
         interpret=interpret,
         compiler_params=compiler_params,
         cost_estimate=cost,
-        # Triton's lowering drops the cost estimate but keeps the metadata in the call's backend config, where
-        # jaxdd.compiled_traffic reads the declared bytes.
+        # Triton's lowering drops the cost estimate but keeps the metadata in the
+        # call's backend config, where jaxdd.compiled_traffic reads the declared bytes.
         metadata={"bytes_accessed": str(cost.bytes_accessed)},
         name="gathered_int4_matvec",
     )(jnp.clip(chosen, 0, experts - 1).astype(jnp.int32), by_nibble, *pieces)

@@ -1,17 +1,19 @@
 """Absorbed-MLA tree-verify attention as a Pallas kernel, with its pure-jnp reference.
 
-In absorbed MLA every head attends over the same per-token rows: a latent (kv_lora_rank, 512 for Kimi) that is
-both key and value, and a rotated rope key (64). A tree-verify step has T new tokens (the root and the tree
-nodes) that see every committed prefix row (slots < length) and, among themselves, only their ancestors. So the
-kernel flattens (token, head) into query rows, runs an online softmax over the prefix in blocks (no mask but
-the length), then over the tree tail with the ancestor mask, and writes the latent-space output; the caller
-applies the value up-projection. The latent and rope operands stay apart (two dots), never concatenated.
+In absorbed MLA every head attends over the same per-token rows: a latent (kv_lora_rank, 512
+for Kimi) that is both key and value, and a rotated rope key (64). A tree-verify step has T
+new tokens (the root and the tree nodes) that see every committed prefix row (slots < length)
+and, among themselves, only their ancestors. So the kernel flattens (token, head) into query
+rows, runs an online softmax over the prefix in blocks (no mask but the length), then over the
+tree tail with the ancestor mask, and writes the latent-space output; the caller applies the
+value up-projection. The latent and rope operands stay apart (two dots), never concatenated.
 
-The caller passes the backend's choices (``jaxdd.runtime.backend.Backend.kernel_options``): ``interpret=True`` on CPU;
-Triton compiler parameters on GPU (block sizes are powers of two, as Triton needs). TPUs get the form in
-``tree_attention_tpu.py`` (the same online-softmax step, the cache streamed through VMEM). Pallas' Triton backend
-is deprecated since jax 0.11; a Mosaic GPU form waits for a GPU to be checked on: a deviceless compile here
-stops before Mosaic GPU compiles its kernel (benchmarks/README.md, "The kernel's forms").
+The caller passes the backend's choices (``jaxdd.runtime.backend.Backend.kernel_options``):
+``interpret=True`` on CPU; Triton compiler parameters on GPU (block sizes are powers of two,
+as Triton needs). TPUs get the form in ``tree_attention_tpu.py`` (the same online-softmax
+step, the cache streamed through VMEM). Pallas' Triton backend is deprecated since jax 0.11;
+a Mosaic GPU form waits for a GPU to be checked on: a deviceless compile here stops before
+Mosaic GPU compiles its kernel (benchmarks/README.md, "The kernel's forms").
 """
 
 from __future__ import annotations
@@ -31,26 +33,31 @@ NEG = -1e30  # finite: a fully masked block must not produce (-inf) - (-inf)
 def tree_attention_reference(
     q_latent, q_rope, cache_latent, cache_rope, length, tail_latent, tail_rope, tail_mask, scale
 ):
-    """Plain jnp: q_latent [B,T,H,r], q_rope [B,T,H,dr]; cache [B,S,r|dr]; length [B]; tail [B,T,r|dr];
-    tail_mask [B,T,T] bool. Returns the attention output in latent space [B,T,H,r] (fp32)."""
+    """Plain jnp: q_latent [B,T,H,r], q_rope [B,T,H,dr]; cache
+    [B,S,r|dr]; length [B]; tail [B,T,r|dr]; tail_mask [B,T,T] bool.
+    Returns the attention output in latent space [B,T,H,r] (fp32)."""
     f32 = jnp.float32
     keys_latent = jnp.concatenate([cache_latent, tail_latent], axis=1).astype(f32)
     keys_rope = jnp.concatenate([cache_rope, tail_rope], axis=1).astype(f32)
     scores = jnp.einsum("bthr,bsr->bhts", q_latent.astype(f32), keys_latent)
     scores += jnp.einsum("bthd,bsd->bhts", q_rope.astype(f32), keys_rope)
     prefix = jnp.arange(cache_latent.shape[1])[None, None, :] < length[:, None, None]
-    mask = jnp.concatenate([jnp.broadcast_to(prefix, tail_mask.shape[:2] + prefix.shape[-1:]), tail_mask], -1)
+    mask = jnp.concatenate(
+        [jnp.broadcast_to(prefix, tail_mask.shape[:2] + prefix.shape[-1:]), tail_mask], -1
+    )
     probs = jax.nn.softmax(jnp.where(mask[:, None], scores * scale, -jnp.inf), axis=-1)
     return jnp.einsum("bhts,bsr->bthr", probs, keys_latent)
 
 
 def online_softmax_step(carry, q_lat, q_rope, latent, rope, visible, scale: float):
-    """One block of keys into the running softmax (shared by the GPU and TPU forms): carry = (acc [rows, r] fp32,
-    max [rows, 1], sum [rows, 1]); ``visible`` [rows or 1, keys] masks scores; returns the new carry.
+    """One block of keys into the running softmax (shared by the GPU and
+    TPU forms): carry = (acc [rows, r] fp32, max [rows, 1], sum [rows, 1]);
+    ``visible`` [rows or 1, keys] masks scores; returns the new carry.
 
-    Operands enter the dots in their own dtype with fp32 accumulation (bf16 x bf16 products are exact in fp32,
-    and the tensor cores / MXU take bf16); the softmax runs in fp32 and the probabilities meet the values in the
-    values' dtype, as in flash attention. fp32 inputs stay fp32 throughout (Triton's IEEE dot)."""
+    Operands enter the dots in their own dtype with fp32 accumulation (bf16 x bf16
+    products are exact in fp32, and the tensor cores / MXU take bf16); the softmax
+    runs in fp32 and the probabilities meet the values in the values' dtype, as in
+    flash attention. fp32 inputs stay fp32 throughout (Triton's IEEE dot)."""
     acc, m, total = carry
     scores = jnp.dot(q_lat, latent.T, preferred_element_type=jnp.float32)
     scores += jnp.dot(q_rope, rope.T, preferred_element_type=jnp.float32)
@@ -58,12 +65,26 @@ def online_softmax_step(carry, q_lat, q_rope, latent, rope, visible, scale: floa
     m_new = jnp.maximum(m, scores.max(-1, keepdims=True))
     correction = jnp.exp(m - m_new)
     p = jnp.where(visible, jnp.exp(scores - m_new), 0.0)
-    acc = correction * acc + jnp.dot(p.astype(latent.dtype), latent, preferred_element_type=jnp.float32)
+    acc = correction * acc + jnp.dot(
+        p.astype(latent.dtype), latent, preferred_element_type=jnp.float32
+    )
     return acc, m_new, correction * total + p.sum(-1, keepdims=True)
 
 
 def _kernel(
-    length_ref, q_lat_ref, q_rope_ref, c_ref, cr_ref, t_ref, tr_ref, mask_ref, o_ref, *, scale, block_k, tail_k
+    length_ref,
+    q_lat_ref,
+    q_rope_ref,
+    c_ref,
+    cr_ref,
+    t_ref,
+    tr_ref,
+    mask_ref,
+    o_ref,
+    *,
+    scale,
+    block_k,
+    tail_k,
 ):
     q_lat = q_lat_ref[...]  # [bq, r]
     q_rope = q_rope_ref[...]  # [bq, dr]
@@ -82,9 +103,12 @@ def _kernel(
         jnp.zeros((rows, 1), jnp.float32),
     )
 
-    def tail_block(j, carry):  # the tree tokens, in blocks too: a whole 256-token tail would not fit on chip
+    # the tree tokens, in blocks too: a whole 256-token tail would not fit on chip
+    def tail_block(j, carry):
         block = pl.ds(j * tail_k, tail_k)
-        return update(carry, latent=t_ref[block, :], rope=tr_ref[block, :], visible=mask_ref[:, block] != 0)
+        return update(
+            carry, latent=t_ref[block, :], rope=tr_ref[block, :], visible=mask_ref[:, block] != 0
+        )
 
     carry = jax.lax.fori_loop(0, pl.cdiv(length, block_k), prefix_block, init)
     acc, _, total = jax.lax.fori_loop(0, t_ref.shape[0] // tail_k, tail_block, carry)
@@ -98,13 +122,15 @@ def pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
 
 
 def query_rows(x: jax.Array, padded_rows: int) -> jax.Array:
-    """[B, T, H, d] -> [B, padded_rows, d]: one query row per (token, head), token-major, zero-padded."""
+    """[B, T, H, d] -> [B, padded_rows, d]: one query
+    row per (token, head), token-major, zero-padded."""
     b, t, h, d = x.shape
     return pad_to(x.reshape(b, t * h, d), 1, padded_rows)
 
 
 def row_mask(tail_mask: jax.Array, heads: int, padded_rows: int, tail: int, dtype) -> jax.Array:
-    """[B, T, T] bool -> [B, padded_rows, tail]: row t*H + h sees what token t sees; padding sees nothing."""
+    """[B, T, T] bool -> [B, padded_rows, tail]: row
+    t*H + h sees what token t sees; padding sees nothing."""
     mask = jnp.repeat(tail_mask, heads, axis=1).astype(dtype)
     return pad_to(pad_to(mask, 1, padded_rows), 2, tail)
 
@@ -114,7 +140,15 @@ def _pow2(n: int) -> int:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "block_q", "block_k", "interpret", "compiler_params", "shared_memory")
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "block_q",
+        "block_k",
+        "interpret",
+        "compiler_params",
+        "shared_memory",
+    ),
 )
 def tree_attention(
     q_latent,

@@ -1,5 +1,6 @@
-"""The tree-verify attention kernel's TPU (Mosaic) form: the GPU form's algorithm (``tree_attention.py``) with the
-committed cache streamed through a grid axis instead of read through pointers.
+"""The tree-verify attention kernel's TPU (Mosaic) form: the GPU
+form's algorithm (``tree_attention.py``) with the committed cache
+streamed through a grid axis instead of read through pointers.
 
 Mosaic stages every block in VMEM (a scoped 16-32 MiB per kernel by default), so the GPU form's
 whole-cache block does not fit long caches. Here the grid is (batch, query-row blocks, key blocks):
@@ -37,7 +38,8 @@ class TpuTiles(NamedTuple):
 
 
 def tpu_tiles(tokens: int, heads: int, slots: int) -> TpuTiles:
-    """The tiles ``tree_attention_tpu`` uses for these shapes: nothing depends on the cache but its block."""
+    """The tiles ``tree_attention_tpu`` uses for these
+    shapes: nothing depends on the cache but its block."""
     rows = tokens * heads
     tuned = block_sizes("tree_attention_tpu")  # block_k a multiple of 128
     block_q = min(tuned["block_q"], pl.cdiv(rows, ROW_ALIGN) * ROW_ALIGN)
@@ -47,7 +49,20 @@ def tpu_tiles(tokens: int, heads: int, slots: int) -> TpuTiles:
 
 
 def _kernel(
-    length_ref, q_lat_ref, q_rope_ref, c_ref, cr_ref, t_ref, tr_ref, mask_ref, o_ref, acc_ref, m_ref, sum_ref, *, scale
+    length_ref,
+    q_lat_ref,
+    q_rope_ref,
+    c_ref,
+    cr_ref,
+    t_ref,
+    tr_ref,
+    mask_ref,
+    o_ref,
+    acc_ref,
+    m_ref,
+    sum_ref,
+    *,
+    scale,
 ):
     block_k = c_ref.shape[0]
     k = pl.program_id(2)
@@ -61,7 +76,9 @@ def _kernel(
 
     def step(latent, rope, visible):
         carry = (acc_ref[...], m_ref[...], sum_ref[...])
-        acc, m, total = online_softmax_step(carry, q_lat_ref[...], q_rope_ref[...], latent, rope, visible, scale)
+        acc, m, total = online_softmax_step(
+            carry, q_lat_ref[...], q_rope_ref[...], latent, rope, visible, scale
+        )
         acc_ref[...] = acc
         m_ref[...] = m
         sum_ref[...] = total
@@ -94,10 +111,10 @@ def tree_attention_tpu(
     interpret: Any = False,
     vmem_limit_bytes: int | None = None,
 ):
-    """Same arguments and result as ``tree_attention_reference``; ``interpret``: False to compile with Mosaic, or
-    ``pltpu.InterpretParams()`` for Pallas' TPU interpreter (TPU semantics on any host).
-    ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (default: the chip's); a compile over it fails with the
-    VMEM the kernel needs (``benchmarks/kernel_compiles.py`` reads it from there)."""
+    """Same arguments and result as ``tree_attention_reference``; ``interpret``: False to compile
+    with Mosaic, or ``pltpu.InterpretParams()`` for Pallas' TPU interpreter (TPU semantics on any
+    host). ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (default: the chip's); a compile over it
+    fails with the VMEM the kernel needs (``benchmarks/kernel_compiles.py`` reads it from there)."""
     b, t, h, r = q_latent.shape
     dr = q_rope.shape[-1]
     slots = cache_latent.shape[1]
@@ -109,14 +126,17 @@ def tree_attention_tpu(
 
     mask = row_mask(tail_mask, h, padded_rows, tiles.tail, jnp.int32)  # int32: TPU tiles of 8 rows
 
-    def live_block(i, k, length_ref):  # past the committed rows, the last live block again: no new fetch
+    # past the committed rows, the last live block again: no new fetch
+    def live_block(i, k, length_ref):
         return jnp.minimum(k, jnp.maximum(pl.cdiv(length_ref[i], bk) - 1, 0))
 
     def by_rows(width):
         return pl.BlockSpec((None, bq, width), lambda i, j, k, length_ref: (i, j, 0))
 
     def cache(width):
-        return pl.BlockSpec((None, bk, width), lambda i, j, k, length_ref: (i, live_block(i, k, length_ref), 0))
+        return pl.BlockSpec(
+            (None, bk, width), lambda i, j, k, length_ref: (i, live_block(i, k, length_ref), 0)
+        )
 
     def whole(rows_, width):
         return pl.BlockSpec((None, rows_, width), lambda i, j, k, length_ref: (i, 0, 0))

@@ -1,9 +1,10 @@
-"""Test setup: CPU only, 8 simulated devices (set before JAX initialises its backends), and compiles made cheap.
+"""Test setup: CPU only, 8 simulated devices (set before
+JAX initialises its backends), and compiles made cheap.
 
-The suite is bound by XLA compiles of tiny models, not by running them: LLVM's optimisation passes are skipped
-(about a third of the suite's time; the programs are the same, their machine code slower), and compiled programs
-are shared through a persistent cache among the xdist workers and the CLI subprocesses of one run (a
-directory per run, removed at its end).
+The suite is bound by XLA compiles of tiny models, not by running them: LLVM's optimisation
+passes are skipped (about a third of the suite's time; the programs are the same, their
+machine code slower), and compiled programs are shared through a persistent cache among the
+xdist workers and the CLI subprocesses of one run (a directory per run, removed at its end).
 """
 
 import gc
@@ -14,9 +15,14 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
-# Set by the controller before its workers start: they inherit it, and so do the subprocesses tests start.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"jaxdd-compiles-{os.getpid()}"))
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+)
+# Set by the controller before its workers start: they
+# inherit it, and so do the subprocesses tests start.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"jaxdd-compiles-{os.getpid()}")
+)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 
@@ -35,7 +41,8 @@ profiles.load()
 
 def pytest_unconfigure(config):
     cache = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
-    if cache.name == f"jaxdd-compiles-{os.getpid()}":  # this process made it: the controller, after its workers
+    # this process made it: the controller, after its workers
+    if cache.name == f"jaxdd-compiles-{os.getpid()}":
         shutil.rmtree(cache, ignore_errors=True)
 
 
@@ -50,8 +57,9 @@ def near_map_limit() -> bool:
 
 @pytest.fixture(scope="module", autouse=True)
 def drop_compiled_programs_near_map_limit():
-    """After a module, a worker past half the kernel's memory maps per process drops its compiled programs: XLA:CPU
-    maps hundreds of regions per executable, and a worker that reached the limit (65530) segfaulted mid-compile."""
+    """After a module, a worker past half the kernel's memory maps per process
+    drops its compiled programs: XLA:CPU maps hundreds of regions per executable,
+    and a worker that reached the limit (65530) segfaulted mid-compile."""
     yield
     if near_map_limit():
         jax.clear_caches()
@@ -75,12 +83,15 @@ def models(request, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_plan_configs(tmp_path_factory) -> tuple[Path, Path]:
-    """Config files of a tiny Kimi K2.6-style pair for ``jaxdd.plan``: K2.6's own config (nested text_config,
-    INT4 routed experts as compressed-tensors) at TINY_K2's sizes, and a DFlash drafter of block 8."""
+    """Config files of a tiny Kimi K2.6-style pair for ``jaxdd.plan``: K2.6's
+    own config (nested text_config, INT4 routed experts as compressed-tensors)
+    at TINY_K2's sizes, and a DFlash drafter of block 8."""
     root = tmp_path_factory.mktemp("plan_configs")
     k26 = json.loads(Path("tests/fixtures/kimi_k25_config.json").read_text())
     k26["text_config"] |= TINY_K2 | {"pad_token_id": 255}
     k26 |= {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 255}
     (root / "target.json").write_text(json.dumps(k26))
-    (root / "drafter.json").write_text(json.dumps(drafter_config(block_size=8) | {"num_target_layers": 3}))
+    (root / "drafter.json").write_text(
+        json.dumps(drafter_config(block_size=8) | {"num_target_layers": 3})
+    )
     return root / "target.json", root / "drafter.json"

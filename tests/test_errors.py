@@ -1,5 +1,5 @@
-"""Input errors carry the field at fault beside their message, so a caller (the server's ``param``) never reads
-it back out of the text."""
+"""Input errors carry the field at fault beside their message, so a
+caller (the server's ``param``) never reads it back out of the text."""
 
 from __future__ import annotations
 
@@ -26,13 +26,18 @@ def test_at_names_the_field_and_starts_the_message_with_it():
     [
         (lambda config: check_tokens([[1, -3]], config.vocab_size), "token_ids"),
         (lambda config: check_stop_ids(list(range(17)), config), "stop_token_ids"),
-        (lambda config: check_lengths([np.ones(3)], [config.max_position_embeddings], config), "max_new_tokens"),
+        (
+            lambda config: check_lengths([np.ones(3)], [config.max_position_embeddings], config),
+            "max_new_tokens",
+        ),
         (lambda config: per_request("sampling", [1, 2], 3), "sampling"),
         (lambda config: Sampling(temperature=-1.0), "temperature"),
     ],
 )
 def test_the_checks_name_their_field(check, field):
-    config = KimiConfig.from_json_file(Path(__file__).parent / "fixtures" / "kimi_k2_instruct_config.json")
+    config = KimiConfig.from_json_file(
+        Path(__file__).parent / "fixtures" / "kimi_k2_instruct_config.json"
+    )
     with pytest.raises(InputError) as caught:
         check(config)
     assert caught.value.field == field

@@ -1,5 +1,6 @@
-"""The package keeps its shape: few modules at the root, parts that import downward only, no import cycle, short
-functions and files, and measurements in benchmarks/README.md rather than in comments."""
+"""The package keeps its shape: few modules at the root, parts that
+import downward only, no import cycle, short functions and files,
+and measurements in benchmarks/README.md rather than in comments."""
 
 from __future__ import annotations
 
@@ -15,13 +16,23 @@ LAYERS = [
     ("jaxdd.weights", "jaxdd.decoding"),
     ("jaxdd.api", "jaxdd"),
     ("jaxdd.planning", "jaxdd.testing", "jaxdd.serve"),
-    ("jaxdd.cli", "jaxdd.generate", "jaxdd.plan", "jaxdd.serve.__main__", "jaxdd.crosscheck", "jaxdd.train", "convert"),
+    (
+        "jaxdd.cli",
+        "jaxdd.generate",
+        "jaxdd.plan",
+        "jaxdd.serve.__main__",
+        "jaxdd.crosscheck",
+        "jaxdd.train",
+        "convert",
+    ),
 ]
 
 
 def layer(module: str) -> int:
     """The layer of the longest part that names ``module``."""
-    best = max((p for parts in LAYERS for p in parts if module == p or module.startswith(p + ".")), key=len)
+    best = max(
+        (p for parts in LAYERS for p in parts if module == p or module.startswith(p + ".")), key=len
+    )
     return next(i for i, parts in enumerate(LAYERS) if best in parts)
 
 
@@ -67,6 +78,7 @@ def test_measurements_live_in_the_benchmarks_readme():
 
 
 def test_test_files_have_unique_names():
-    """pytest imports test files by their base name (no packages under tests/): two of one name cannot both run."""
+    """pytest imports test files by their base name (no
+    packages under tests/): two of one name cannot both run."""
     names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
     assert sorted({n for n in names if names.count(n) > 1}) == []

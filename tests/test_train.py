@@ -1,4 +1,5 @@
-"""The training pieces for the demo pair (a few steps only; the real runs are ``python -m jaxdd.train.target``)."""
+"""The training pieces for the demo pair (a few steps only;
+the real runs are ``python -m jaxdd.train.target``)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,11 @@ SMALL = KIMI_MINI | dict(num_hidden_layers=2, vocab_size=512, hidden_size=64, in
 def test_corpus_split_is_fixed_and_disjoint():
     files = stdlib_files()
     train, validation = split(files)
-    assert len(files) > 300 and set(train).isdisjoint(validation) and sorted(train + validation) == files
+    assert (
+        len(files) > 300
+        and set(train).isdisjoint(validation)
+        and sorted(train + validation) == files
+    )
     assert 0.02 < len(validation) / len(files) < 0.08
     assert split(stdlib_files()) == (train, validation)
     assert not any("test" in f.split("/")[:-1] for f in files)
@@ -46,7 +51,8 @@ def test_training_steps_lower_the_loss_and_export_loads_in_transformers(tmp_path
         train_step(model, optimizer, batch)
     after = float(eval_loss(model, batch))
     assert after < before - 1.0  # the batch is being memorised
-    assert float(jnp.abs(model.layers[1].mlp.router.bias[...]).max()) == 0.0  # selection bias is not trained by SGD
+    # selection bias is not trained by SGD
+    assert float(jnp.abs(model.layers[1].mlp.router.bias[...]).max()) == 0.0
 
     hf_dir = export(jaxdd.save_target(model, tmp_path / "ckpt"), tmp_path / "hf", progress=False)
     reference = DeepseekV3ForCausalLM.from_pretrained(hf_dir).eval()
@@ -88,19 +94,30 @@ def test_drafter_training_steps_and_export_loads_in_dflash(tmp_path):
     after, _ = drafter_eval(drafter, target, tokens, features, anchors)
     assert float(after) < float(before) - 1.0
     weights = np.asarray(position_weights(16))
-    assert weights[0] == 1.0 and np.isclose(weights[7], np.exp(-1.0)) and np.all(np.diff(weights) < 0)
+    assert (
+        weights[0] == 1.0 and np.isclose(weights[7], np.exp(-1.0)) and np.all(np.diff(weights) < 0)
+    )
 
-    # The training text: the target's greedy continuation of each prompt, as plain greedy decoding gives it.
+    # The training text: the target's greedy continuation
+    # of each prompt, as plain greedy decoding gives it.
     prompts = rng.integers(2, 512, (2, 5)).astype(np.int32)
     sequences = greedy_continuations(jaxdd.Target(target), prompts, 3)
     assert sequences.shape == (2, 8) and (sequences[:, :5] == prompts).all()
     for prompt, sequence in zip(prompts, sequences, strict=True):
-        greedy = jaxdd.Target(target).generate(prompt.tolist(), max_new_tokens=3, stop_token_ids=[]).tokens
+        greedy = (
+            jaxdd.Target(target)
+            .generate(prompt.tolist(), max_new_tokens=3, stop_token_ids=[])
+            .tokens
+        )
         assert sequence[5:].tolist() == greedy
 
-    path = export(jaxdd.save_drafter(drafter, tmp_path / "ckpt", hf_config), tmp_path / "hf", progress=False)
+    path = export(
+        jaxdd.save_drafter(drafter, tmp_path / "ckpt", hf_config), tmp_path / "hf", progress=False
+    )
     loaded = DFlashDraftModel.from_pretrained(path)
-    assert loaded.block_size == config.block_size and list(loaded.target_layer_ids) == list(config.target_layer_ids)
+    assert loaded.block_size == config.block_size and list(loaded.target_layer_ids) == list(
+        config.target_layer_ids
+    )
 
 
 def test_history_plot(tmp_path):

@@ -1,4 +1,5 @@
-"""``dump``: run the PyTorch references once (fp32, CPU) and store what a jaxdd backend must reproduce."""
+"""``dump``: run the PyTorch references once (fp32,
+CPU) and store what a jaxdd backend must reproduce."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from jaxdd.weights.tokenizer import load_tokenizer
 
 
 def read_prompts(path: str | Path, target_dir: str | Path) -> list[list[int]]:
-    """A JSON list of prompts: token-id lists, or strings (encoded with the target's tokenizer.json)."""
+    """A JSON list of prompts: token-id lists, or strings
+    (encoded with the target's tokenizer.json)."""
     prompts = read_json(path, InputError)
     if not isinstance(prompts, list) or not prompts:
         raise InputError(f"{path}: expected a non-empty JSON list of prompts")
@@ -26,7 +28,9 @@ def read_prompts(path: str | Path, target_dir: str | Path) -> list[list[int]]:
                 raise InputError(f"{path}: prompt {i} is text but {target_dir} has no tokenizer")
             prompt = tokenizer.encode(prompt)
         if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise InputError(f"{path}: prompt {i} must be a non-empty list of token ids or a string")
+            raise InputError(
+                f"{path}: prompt {i} must be a non-empty list of token ids or a string"
+            )
         out.append(list(prompt))
     return out
 
@@ -43,7 +47,8 @@ def dump(
     stop_ids: list[int] | None = None,
     topk: int = 8,
 ) -> Path:
-    """Run ``method`` in PyTorch on every prompt and write the reference traces to ``out`` (.npz)."""
+    """Run ``method`` in PyTorch on every prompt and
+    write the reference traces to ``out`` (.npz)."""
     import dflash
     import torch
     import transformers
@@ -80,7 +85,8 @@ def dump(
 
 
 def _check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
-    """Token ids outside the vocabulary, named by prompt (the references would fail on them with an IndexError)."""
+    """Token ids outside the vocabulary, named by prompt (the
+    references would fail on them with an IndexError)."""
     for i, prompt in enumerate(prompts):
         try:
             check_tokens(prompt, vocab_size)
@@ -100,19 +106,29 @@ def _trace_prompt(
     stops: list[int],
     topk: int,
 ) -> PromptTrace:
-    """One prompt's reference generation, its drafts and trees, and teacher-forced logits and hidden states."""
+    """One prompt's reference generation, its drafts and
+    trees, and teacher-forced logits and hidden states."""
     record = ref.new_record()
     if method == "ar":
         tokens, acceptance = ref.ar_reference(target, prompt, max_new_tokens, stops)
     elif method == "dflash":
-        tokens, acceptance = ref.dflash_reference(drafter, target, prompt, max_new_tokens, block, stops, record)
+        tokens, acceptance = ref.dflash_reference(
+            drafter, target, prompt, max_new_tokens, block, stops, record
+        )
     else:
-        tokens, acceptance = ref.ddtree_reference(drafter, target, prompt, max_new_tokens, block, budget, stops, record)
+        tokens, acceptance = ref.ddtree_reference(
+            drafter, target, prompt, max_new_tokens, block, budget, stops, record
+        )
     logit_positions, hidden_positions = selected_positions(len(prompt), len(tokens))
     sequence = prompt + tokens[:-1]
-    ids, values, lse, hidden = ref.teacher_forced(target, sequence, logit_positions, hidden_positions, topk)
-    # Stable descending order: among equal logits the lower token id first, as jax.lax.top_k orders them.
-    draft_topk = [np.argsort(-logits, axis=-1, kind="stable")[:, :topk] for logits in record["draft_logits"]]
+    ids, values, lse, hidden = ref.teacher_forced(
+        target, sequence, logit_positions, hidden_positions, topk
+    )
+    # Stable descending order: among equal logits the
+    # lower token id first, as jax.lax.top_k orders them.
+    draft_topk = [
+        np.argsort(-logits, axis=-1, kind="stable")[:, :topk] for logits in record["draft_logits"]
+    ]
     trees = record["trees"]
     return PromptTrace(
         prompt=np.array(prompt, np.int32),

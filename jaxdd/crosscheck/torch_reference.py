@@ -1,14 +1,14 @@
-"""The PyTorch references that cross-checks run: HF greedy decoding, z-lab ``dflash_generate``, and a DDTree
-loop on HF transformers models written here (ours, not the paper authors'). Needs the ``reference`` extra
-(torch, transformers, dflash).
+"""The PyTorch references that cross-checks run: HF greedy decoding, z-lab
+``dflash_generate``, and a DDTree loop on HF transformers models written here (ours,
+not the paper authors'). Needs the ``reference`` extra (torch, transformers, dflash).
 
-The DDTree loop follows the paper's ``ddtree_generate`` (liranringel/ddtree): draft exactly as z-lab
-``dflash_generate``, build the tree with the paper's heap (``jaxdd.decoding.tree.build_tree_host``, a plain port),
-verify all nodes in one HF target forward with a 4-D mask (whole prefix + ancestors) at positions
-start + depth, follow the target's argmax down the tree, compact the accepted path's cache rows, and feed the
-path's features to the drafter.
-Limits and stop tokens follow ``dflash_generate``. Greedy only, batch 1; ``dflash_generate`` runs on the models'
-device, the other loops on CPU.
+The DDTree loop follows the paper's ``ddtree_generate`` (liranringel/ddtree): draft
+exactly as z-lab ``dflash_generate``, build the tree with the paper's heap
+(``jaxdd.decoding.tree.build_tree_host``, a plain port), verify all nodes in one HF target
+forward with a 4-D mask (whole prefix + ancestors) at positions start + depth, follow the
+target's argmax down the tree, compact the accepted path's cache rows, and feed the path's
+features to the drafter. Limits and stop tokens follow ``dflash_generate``. Greedy only,
+batch 1; ``dflash_generate`` runs on the models' device, the other loops on CPU.
 
 Each run can ``record`` what happened per round: the drafter's logits and, for DDTree, the tree.
 """
@@ -22,17 +22,27 @@ from pathlib import Path
 import dflash.model
 import numpy as np
 import torch
-from dflash.model import DFlashDraftModel, _crop_to, _make_cache, _raw_input_embeddings, extract_context_feature
+from dflash.model import (
+    DFlashDraftModel,
+    _crop_to,
+    _make_cache,
+    _raw_input_embeddings,
+    extract_context_feature,
+)
 from transformers import DeepseekV3ForCausalLM
 
 from jaxdd.decoding.sampling import GREEDY, Sampling
 from jaxdd.decoding.tree import build_tree_host
 
 
-def load_reference_models(target_dir: str | Path, drafter_dir: str | Path | None = None, device: str = "cpu"):
-    """(HF ``DeepseekV3ForCausalLM``, z-lab ``DFlashDraftModel`` or None) from HF-layout directories, fp32, eval,
-    on ``device``."""
-    target = DeepseekV3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().to(device)
+def load_reference_models(
+    target_dir: str | Path, drafter_dir: str | Path | None = None, device: str = "cpu"
+):
+    """(HF ``DeepseekV3ForCausalLM``, z-lab ``DFlashDraftModel`` or
+    None) from HF-layout directories, fp32, eval, on ``device``."""
+    target = (
+        DeepseekV3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().to(device)
+    )
     drafter = None
     if drafter_dir is not None:
         drafter = DFlashDraftModel.from_pretrained(drafter_dir).float().eval().to(device)
@@ -40,7 +50,8 @@ def load_reference_models(target_dir: str | Path, drafter_dir: str | Path | None
 
 
 def _compact(cache, start: int, path: list[int]) -> None:
-    """Move the rows of the accepted path (tree node i sits at start + i) to start .. start + len(path) - 1."""
+    """Move the rows of the accepted path (tree node i sits
+    at start + i) to start .. start + len(path) - 1."""
     index = torch.tensor([start + i for i in path])
     for layer in cache.layers:
         for name in ("keys", "values"):
@@ -50,8 +61,11 @@ def _compact(cache, start: int, path: list[int]) -> None:
 
 
 @torch.inference_mode()
-def ar_reference(target, prompt, max_new_tokens: int, stop_token_ids) -> tuple[list[int], list[int]]:
-    """Greedy decoding with HF's KV cache: (new tokens, one per round), stopping after a stop token."""
+def ar_reference(
+    target, prompt, max_new_tokens: int, stop_token_ids
+) -> tuple[list[int], list[int]]:
+    """Greedy decoding with HF's KV cache: (new tokens,
+    one per round), stopping after a stop token."""
     cache = _make_cache(target.config)
     ids = list(prompt)
     stops = set(stop_token_ids or [])
@@ -78,11 +92,11 @@ def dflash_reference(
     timings: dict | None = None,
     sampling: Sampling = GREEDY,
 ):
-    """z-lab dflash_generate on the models' device: (new tokens, per-round acceptance lengths); greedy, or sampled
-    with ``sampling``'s settings (torch's generator seeded with its seed).
+    """z-lab dflash_generate on the models' device: (new tokens, per-round acceptance lengths);
+    greedy, or sampled with ``sampling``'s settings (torch's generator seeded with its seed).
 
-    ``timings``, if given, receives the reference's own clock: prefill_seconds (its time to first token) and
-    decode_seconds (the rest)."""
+    ``timings``, if given, receives the reference's own clock: prefill_seconds
+    (its time to first token) and decode_seconds (the rest)."""
     if target.device.type == "cpu":  # the reference times itself with torch.cuda.synchronize
         dflash.model._cuda_time = time.perf_counter
     compute_logits = drafter.compute_logits
@@ -122,7 +136,14 @@ def new_record() -> defaultdict:
 
 @torch.inference_mode()
 def ddtree_reference(
-    drafter, target, prompt, max_new_tokens: int, block_size: int, budget: int, stop_token_ids, record=None
+    drafter,
+    target,
+    prompt,
+    max_new_tokens: int,
+    block_size: int,
+    budget: int,
+    stop_token_ids,
+    record=None,
 ):
     """(new tokens, per-round acceptance lengths) of greedy DDTree decoding."""
     num_input = len(prompt)
@@ -160,7 +181,9 @@ def ddtree_reference(
         parents = tree.parents
         if record is not None:
             record["draft_logits"].append(draft_logits)
-            record["trees"].append((np.array([int(block[0, 0]), *tree.tokens]), np.asarray(parents)))
+            record["trees"].append(
+                (np.array([int(block[0, 0]), *tree.tokens]), np.asarray(parents))
+            )
         visible = np.eye(nodes, dtype=bool)
         for i in range(1, nodes):
             visible[i] |= visible[parents[i]]
@@ -183,7 +206,8 @@ def ddtree_reference(
         path = [0]
         while choice[path[-1]] in children.get(path[-1], {}):
             path.append(children[path[-1]][choice[path[-1]]])
-        emitted = [choice[i] for i in path]  # accepted drafts (= the target's choices) then the bonus
+        # accepted drafts (= the target's choices) then the bonus
+        emitted = [choice[i] for i in path]
         produced = min(len(path), max_length - start - 1)
         for i, token in enumerate(emitted[:produced]):
             if token in stops:
@@ -200,9 +224,12 @@ def ddtree_reference(
 
 
 @torch.inference_mode()
-def teacher_forced(target, sequence: list[int], logit_positions: list[int], hidden_positions: list[int], topk: int):
-    """One HF forward over ``sequence``: top-k logits (ids, values, logsumexp) at ``logit_positions`` and the
-    residual stream after every layer but the last (HF's last hidden state is final-normed) at
+def teacher_forced(
+    target, sequence: list[int], logit_positions: list[int], hidden_positions: list[int], topk: int
+):
+    """One HF forward over ``sequence``: top-k logits (ids, values,
+    logsumexp) at ``logit_positions`` and the residual stream after every
+    layer but the last (HF's last hidden state is final-normed) at
     ``hidden_positions``: hidden [layers - 1, len(hidden_positions), D]."""
     out = target(torch.tensor([sequence]), output_hidden_states=True)
     logits = out.logits[0, logit_positions].float()

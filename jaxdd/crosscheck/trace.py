@@ -1,4 +1,5 @@
-"""What a cross-check records per prompt, and its file format (one compressed ``.npz``: arrays + a JSON header).
+"""What a cross-check records per prompt, and its file
+format (one compressed ``.npz``: arrays + a JSON header).
 
 Both sides fill the same ``PromptTrace``: the PyTorch references when dumping, jaxdd when comparing.
 """
@@ -21,12 +22,15 @@ class PromptTrace:
     prompt: np.ndarray  # [P] token ids
     tokens: np.ndarray  # [N] new tokens
     acceptance: np.ndarray  # [R] tokens per round
-    # Per round: the drafter's top-k tokens per block position, -1 where the round's block was shorter.
+    # Per round: the drafter's top-k tokens per block
+    # position, -1 where the round's block was shorter.
     draft_topk: np.ndarray  # [R, block - 1, k] (empty for ``ar``)
-    # Per round (DDTree): the tree, root first, -1 padded; ``tree_parents`` index into it (root: -1).
+    # Per round (DDTree): the tree, root first, -1
+    # padded; ``tree_parents`` index into it (root: -1).
     tree_tokens: np.ndarray  # [R, budget + 1]
     tree_parents: np.ndarray  # [R, budget + 1]
-    # Teacher-forced target over prompt + tokens: the next-token logits at ``logit_positions`` (top-k).
+    # Teacher-forced target over prompt + tokens: the
+    # next-token logits at ``logit_positions`` (top-k).
     logit_positions: np.ndarray  # [S]
     logit_ids: np.ndarray  # [S, k]
     logit_values: np.ndarray  # [S, k] fp32
@@ -49,7 +53,8 @@ def save_traces(path: str | Path, meta: dict[str, Any], traces: list[PromptTrace
 
 
 def load_traces(path: str | Path) -> tuple[dict[str, Any], list[PromptTrace]]:
-    """The reference in ``path``; a ValueError naming the file when it is not one (truncated, empty, foreign)."""
+    """The reference in ``path``; a ValueError naming the
+    file when it is not one (truncated, empty, foreign)."""
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {key: data[key] for key in data.files}
@@ -67,7 +72,9 @@ def load_traces(path: str | Path) -> tuple[dict[str, Any], list[PromptTrace]]:
     try:
         traces = [PromptTrace(**{f: arrays[f"{i}/{f}"] for f in fields}) for i in range(count)]
     except KeyError as error:
-        raise ValueError(f"{path}: not a complete jaxdd cross-check reference (no {error})") from None
+        raise ValueError(
+            f"{path}: not a complete jaxdd cross-check reference (no {error})"
+        ) from None
     return meta, traces
 
 
@@ -80,8 +87,9 @@ def pad_rows(rows: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
 
 
 def selected_positions(prompt_len: int, new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """(logit positions: every position that predicts a new token; hidden positions: the first two, whose rope
-    angles are zero and nonzero, the last prompt position and the last predicting position)."""
+    """(logit positions: every position that predicts a new token; hidden
+    positions: the first two, whose rope angles are zero and nonzero, the
+    last prompt position and the last predicting position)."""
     logits = np.arange(prompt_len - 1, prompt_len - 1 + new_tokens)
     hidden = sorted({0, min(1, prompt_len - 1), prompt_len - 1, prompt_len + new_tokens - 2})
     return logits, np.array(hidden)

@@ -1,5 +1,5 @@
-"""The static sizes requests are padded to (batch, prompt and cache buckets): shapes repeat, so each compiles once.
-The CLI's batches and the server's rows pad with the same functions."""
+"""The static sizes requests are padded to (batch, prompt and cache buckets): shapes repeat,
+so each compiles once. The CLI's batches and the server's rows pad with the same functions."""
 
 from __future__ import annotations
 
@@ -7,28 +7,31 @@ MIN_BUCKET = 16
 PROMPT_BUCKETS_PER_OCTAVE = 8
 PROMPT_MIN_STEP = 16  # prompt sizes are multiples of this (short prompts: fewer shapes to compile)
 CACHE_BUCKETS_PER_OCTAVE = 4
-CACHE_ALIGN = 64  # cache sizes past this are multiples of it: the tree-attention kernel reads blocks of up to 64
+# cache sizes past this are multiples of it: the tree-attention kernel reads blocks of up to 64
+CACHE_ALIGN = 64
 
 
 def bucket(n: int, minimum: int = MIN_BUCKET, per_octave: int = 1, min_step: int = 1) -> int:
-    """The static size used for n, at least ``minimum``: the next power of two, or the next of ``per_octave``
-    evenly spaced sizes per octave (4: ..., 64, 80, 96, 112, 128, 160, ...), less padding for more shapes;
-    sizes are multiples of ``min_step``."""
+    """The static size used for n, at least ``minimum``: the next power of two, or the
+    next of ``per_octave`` evenly spaced sizes per octave (4: ..., 64, 80, 96, 112, 128,
+    160, ...), less padding for more shapes; sizes are multiples of ``min_step``."""
     power = max(minimum, 1 << (max(n, 1) - 1).bit_length())
     step = max(min_step, power // (2 * per_octave))
     return max(minimum, -(-n // step) * step)
 
 
 def prompt_bucket(length: int) -> int:
-    """The padded length a prompt of ``length`` tokens is prefilled at (eighth octaves, multiples of 16)."""
+    """The padded length a prompt of ``length`` tokens is
+    prefilled at (eighth octaves, multiples of 16)."""
     return bucket(length, per_octave=PROMPT_BUCKETS_PER_OCTAVE, min_step=PROMPT_MIN_STEP)
 
 
 def cache_slots(needed: int) -> int:
-    """The cache size for ``needed`` slots: up to ``CACHE_ALIGN``, the next power of two; beyond, the next of four
-    sizes per octave rounded up to a multiple of ``CACHE_ALIGN``. Either way whole blocks for the Pallas
-    tree-attention kernel, which reads the cache in blocks of a power of two up to that many slots. Powers of two
-    throughout would double a 8257-slot Kimi cache to 16384 slots, and attention reads every slot."""
+    """The cache size for ``needed`` slots: up to ``CACHE_ALIGN``, the next power of two;
+    beyond, the next of four sizes per octave rounded up to a multiple of ``CACHE_ALIGN``.
+    Either way whole blocks for the Pallas tree-attention kernel, which reads the cache in
+    blocks of a power of two up to that many slots. Powers of two throughout would double
+    a 8257-slot Kimi cache to 16384 slots, and attention reads every slot."""
     if needed <= CACHE_ALIGN:
         return bucket(needed)
     return -(-bucket(needed, per_octave=CACHE_BUCKETS_PER_OCTAVE) // CACHE_ALIGN) * CACHE_ALIGN

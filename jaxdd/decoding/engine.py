@@ -1,7 +1,7 @@
-"""The host side of decoding: requests in, tokens out. ``SpeculativeDecoder`` checks a batch of requests, sizes a
-pool of rows for it (``jaxdd.decoding.rows``, the server's pool: batch, prompt and cache buckets, so shapes repeat
-and compile once), admits them all in one prefill and steps the pool's rounds until every request is done,
-streaming each round's accepted tokens.
+"""The host side of decoding: requests in, tokens out. ``SpeculativeDecoder`` checks a batch of
+requests, sizes a pool of rows for it (``jaxdd.decoding.rows``, the server's pool: batch, prompt
+and cache buckets, so shapes repeat and compile once), admits them all in one prefill and steps
+the pool's rounds until every request is done, streaming each round's accepted tokens.
 """
 
 from __future__ import annotations
@@ -50,17 +50,21 @@ class LoadedTarget(Protocol):
 
 @dataclasses.dataclass
 class Generation:
-    """What ``generate`` returns: new tokens (prompt excluded), tokens per round, timings in seconds."""
+    """What ``generate`` returns: new tokens (prompt
+    excluded), tokens per round, timings in seconds."""
 
     tokens: list[int]
     acceptance_lengths: list[int]
     prefill_seconds: float
     decode_seconds: float
-    compile_seconds: float = 0.0  # part of prefill_seconds + decode_seconds spent compiling (first call per shape)
-    # The round's shape with defaults filled in: {"block": B} for DFlash, plus "budget" for DDTree, {} for AR.
+    # part of prefill_seconds + decode_seconds spent compiling (first call per shape)
+    compile_seconds: float = 0.0
+    # The round's shape with defaults filled in: {"block":
+    # B} for DFlash, plus "budget" for DDTree, {} for AR.
     round_shape: dict[str, int] = dataclasses.field(default_factory=dict)
-    # With ``trace_topk`` > 0: per round, the drafter's top-k tokens [block - 1, k], and for DDTree the tree
-    # (tokens, parents) of its valid nodes, root first (for cross-checking against a reference).
+    # With ``trace_topk`` > 0: per round, the drafter's top-k tokens
+    # [block - 1, k], and for DDTree the tree (tokens, parents) of its
+    # valid nodes, root first (for cross-checking against a reference).
     draft_topk: list[np.ndarray] = dataclasses.field(default_factory=list)
     trees: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
 
@@ -75,7 +79,8 @@ class Generation:
 
 @dataclasses.dataclass(frozen=True)
 class GenerateOptions:
-    """How ``generate_batch`` decodes a batch (see there); the checks that need no model run once, when made."""
+    """How ``generate_batch`` decodes a batch (see there);
+    the checks that need no model run once, when made."""
 
     sampling: Sampling | list[Sampling] = GREEDY  # one for all prompts, or one each
     method: Method = "dflash"
@@ -98,7 +103,9 @@ class GenerateOptions:
         if options is None:
             return cls(**fields)
         if fields:
-            raise InputError.at("options", f"give a GenerateOptions or keywords, not both (got {sorted(fields)})")
+            raise InputError.at(
+                "options", f"give a GenerateOptions or keywords, not both (got {sorted(fields)})"
+            )
         return options
 
 
@@ -113,11 +120,12 @@ class RoundBatch:
 
 
 class SpeculativeDecoder:
-    """Generation with a target and, for ``dflash`` / ``ddtree``, a drafter, greedy or sampled per request;
-    compiled once per shape bucket.
+    """Generation with a target and, for ``dflash`` / ``ddtree``, a
+    drafter, greedy or sampled per request; compiled once per shape bucket.
 
-    ``attention`` picks the verify attention: ``absorbed`` (XLA), ``pallas`` (the tree-attention kernel,
-    interpreted on CPU), or ``auto``: as the backend of the target's devices prefers (``jaxdd.runtime.backend``).
+    ``attention`` picks the verify attention: ``absorbed`` (XLA), ``pallas``
+    (the tree-attention kernel, interpreted on CPU), or ``auto``: as the
+    backend of the target's devices prefers (``jaxdd.runtime.backend``).
     """
 
     def __init__(
@@ -128,17 +136,22 @@ class SpeculativeDecoder:
         backend: Backend | None = None,
     ):
         if attention not in ATTENTION_CHOICES:
-            raise InputError.at("attention", f"expected 'auto', 'absorbed' or 'pallas', got {attention!r}")
+            raise InputError.at(
+                "attention", f"expected 'auto', 'absorbed' or 'pallas', got {attention!r}"
+            )
         self.target = target
         self.config = target.model.config
         self.drafter = drafter
         self.backend = backend or Backend.of_module(target.model)
         self.backend.prepare_host()
         self.attention = self.backend.attention(attention)
-        self.mesh = mesh_of(target.model)  # set when the models were placed with jaxdd.runtime.sharding.shard_module
+        # set when the models were placed with jaxdd.runtime.sharding.shard_module
+        self.mesh = mesh_of(target.model)
         self._working_memory: dict[tuple, int] = {}  # compiled rounds' temporaries, by round shape
         target_spec, target_weights = split_module(target.model)
-        self._target_only = ModelPair(target_weights, None, target_spec=target_spec, drafter_spec=None)
+        self._target_only = ModelPair(
+            target_weights, None, target_spec=target_spec, drafter_spec=None
+        )
         self._models = self._target_only
         if drafter is not None:
             drafter.config.check_fits(self.config)
@@ -148,10 +161,14 @@ class SpeculativeDecoder:
             )
 
     def generate(self, prompt_ids, *, sampling: Sampling = GREEDY, **options) -> Generation:
-        """Decode up to ``max_new_tokens`` after one prompt; see ``generate_batch`` for the options."""
+        """Decode up to ``max_new_tokens`` after one
+        prompt; see ``generate_batch`` for the options."""
         prompt = check_tokens(prompt_ids, self.config.vocab_size)
         if prompt.shape[0] != 1:
-            raise InputError.at("prompt_ids", f"one prompt at a time, got batch {prompt.shape[0]}; use generate_batch")
+            raise InputError.at(
+                "prompt_ids",
+                f"one prompt at a time, got batch {prompt.shape[0]}; use generate_batch",
+            )
         return self.generate_batch([prompt[0].tolist()], sampling=sampling, **options)[0]
 
     def generate_batch(
@@ -162,19 +179,21 @@ class SpeculativeDecoder:
         options: GenerateOptions | None = None,
         **fields,
     ) -> list[Generation]:
-        """Decode a batch of requests together, each with its own length, sampling settings and seed.
+        """Decode a batch of requests together, each
+        with its own length, sampling settings and seed.
 
-        Greedy and sampled requests mix freely; a request that stops early stops changing while the others go on.
-        The batch is padded to a power of two (and prompts and the cache to their buckets), so shapes repeat.
-        Options: ``sampling`` (one ``Sampling`` or one per prompt; default greedy), ``method`` ("ar", "dflash",
-        "ddtree"), ``max_new_tokens`` (one or one per prompt), ``stop_token_ids`` (default: the target's EOS ids),
-        ``block_size``, ``budget`` (DDTree nodes per round, default block_size - 1), ``max_children`` (caps the
-        branching; 1 verifies the DFlash chain through the tree path), ``tree_logits`` (sampled DDTree: build the
-        tree from the draft logits at the request's temperature, "scaled", or from the raw logits, "raw";
-        lossless either way). ``trace_topk`` > 0 records each round's
-        draft top-k (and DDTree trees) in the results. ``on_tokens(request, new_tokens)`` is called as tokens are
-        accepted (the first one after the prefill, then each round's), e.g. to stream text. The options may come
-        as one ``GenerateOptions`` (``options``) or as its fields by keyword.
+        Greedy and sampled requests mix freely; a request that stops early stops changing while the
+        others go on. The batch is padded to a power of two (and prompts and the cache to their
+        buckets), so shapes repeat. Options: ``sampling`` (one ``Sampling`` or one per prompt;
+        default greedy), ``method`` ("ar", "dflash", "ddtree"), ``max_new_tokens`` (one or one per
+        prompt), ``stop_token_ids`` (default: the target's EOS ids), ``block_size``, ``budget``
+        (DDTree nodes per round, default block_size - 1), ``max_children`` (caps the branching; 1
+        verifies the DFlash chain through the tree path), ``tree_logits`` (sampled DDTree: build
+        the tree from the draft logits at the request's temperature, "scaled", or from the raw
+        logits, "raw"; lossless either way). ``trace_topk`` > 0 records each round's draft top-k
+        (and DDTree trees) in the results. ``on_tokens(request, new_tokens)`` is called as tokens
+        are accepted (the first one after the prefill, then each round's), e.g. to stream text. The
+        options may come as one ``GenerateOptions`` (``options``) or as its fields by keyword.
         """
         emit = on_tokens or (lambda request, tokens: None)
         with compile_clock() as clock:
@@ -182,7 +201,9 @@ class SpeculativeDecoder:
             pool, _ = self._admitted(prompts, GenerateOptions.of(options, fields))
             first = pool.collect()
             prefill_seconds = time.perf_counter() - t0
-            results = [Generation(first[i].tokens, [], prefill_seconds, 0.0) for i in range(len(first))]
+            results = [
+                Generation(first[i].tokens, [], prefill_seconds, 0.0) for i in range(len(first))
+            ]
             for i, result in enumerate(results):
                 emit(i, result.tokens[:])
             t0 = time.perf_counter()
@@ -200,14 +221,15 @@ class SpeculativeDecoder:
 
     @staticmethod
     def _decode(pool: RowPool, results: list[Generation], emit) -> None:
-        """Run rounds until every row of ``pool`` is done, appending each round's tokens to ``results``."""
+        """Run rounds until every row of ``pool`` is done,
+        appending each round's tokens to ``results``."""
         if pool.active:
             pool.dispatch()
         while pool.in_flight:
-            # Dispatch the next round before reading this one's report, so the host's work (the wait for the
-            # report, the bookkeeping, the next dispatch) overlaps the device's. Not when a request may reach its
-            # length this round: a round after the last would be wasted work (after a stop token it still is:
-            # finished rows change nothing).
+            # Dispatch the next round before reading this one's report, so the host's work (the
+            # wait for the report, the bookkeeping, the next dispatch) overlaps the device's.
+            # Not when a request may reach its length this round: a round after the last would
+            # be wasted work (after a stop token it still is: finished rows change nothing).
             if not pool.may_finish():
                 pool.dispatch()
             for i, update in pool.collect().items():
@@ -227,8 +249,9 @@ class SpeculativeDecoder:
         return decode_round(plan.spec, self.models_for(plan.spec), state, plan.requests)
 
     def lower_round(self, plan: RoundBatch, state: DecodeState) -> jax.stages.Lowered:
-        """The round ``step`` runs for ``plan``, lowered for ``state`` (arrays or ShapeDtypeStructs): for
-        compiling ahead of time (``jaxdd.plan``), reading the HLO, or profiling its stages."""
+        """The round ``step`` runs for ``plan``, lowered for ``state``
+        (arrays or ShapeDtypeStructs): for compiling ahead of time
+        (``jaxdd.plan``), reading the HLO, or profiling its stages."""
         return decode_round.lower(plan.spec, self.models_for(plan.spec), state, plan.requests)
 
     def round_spec(
@@ -257,22 +280,29 @@ class SpeculativeDecoder:
     def start(
         self, prompts: list[list[int]], options: GenerateOptions | None = None, **fields
     ) -> tuple[RoundBatch, DecodeState]:
-        """Check the requests, fix the static shapes and run the prefill: (plan, state after the prefill)."""
+        """Check the requests, fix the static shapes and run
+        the prefill: (plan, state after the prefill)."""
         pool, plan = self._admitted(prompts, GenerateOptions.of(options, fields))
         return plan, pool.state
 
-    def _admitted(self, prompts: list[list[int]], options: GenerateOptions) -> tuple[RowPool, RoundBatch]:
+    def _admitted(
+        self, prompts: list[list[int]], options: GenerateOptions
+    ) -> tuple[RowPool, RoundBatch]:
         """A pool of rows for the batch (checked, its round sized), every request admitted."""
         requests, shape = self._batch_shape(prompts, options)
         pool = RowPool.of_shape(self, shape)
         pool.admit_all(requests)
-        plan = RoundBatch(shape.spec, len(requests), [r.max_new_tokens for r in requests], pool.requests)
+        plan = RoundBatch(
+            shape.spec, len(requests), [r.max_new_tokens for r in requests], pool.requests
+        )
         self._check_round_size(plan, pool.state)
         return pool, plan
 
-    def _batch_shape(self, prompts: list[list[int]], options: GenerateOptions) -> tuple[list[RowRequest], RowShape]:
-        """The batch's requests, checked, and the shape of rows that runs them: one round, rows padded to a power
-        of two, prompts and the cache to their buckets."""
+    def _batch_shape(
+        self, prompts: list[list[int]], options: GenerateOptions
+    ) -> tuple[list[RowRequest], RowShape]:
+        """The batch's requests, checked, and the shape of rows that runs them: one
+        round, rows padded to a power of two, prompts and the cache to their buckets."""
         if not prompts:
             raise InputError.at("prompts", "the batch is empty")
         checked = [check_tokens([list(p)], self.config.vocab_size)[0] for p in prompts]
@@ -283,15 +313,25 @@ class SpeculativeDecoder:
         method, max_children = options.method, options.max_children
         drafter_block = None if self.drafter is None else self.drafter.config.block_size
         block, budget = check_round_options(
-            method, self.drafter is not None, drafter_block, options.block_size, options.budget, max_children
+            method,
+            self.drafter is not None,
+            drafter_block,
+            options.block_size,
+            options.budget,
+            max_children,
         )
         max_lengths = check_lengths(checked, lengths, self.config)
         verify_width = verified_tokens(method, block, budget)
-        requests = [RowRequest(p.tolist(), m, stops, s) for p, m, s in zip(checked, lengths, settings, strict=True)]
-        # Prompts in eighth octaves, multiples of 16, the cache in quarter octaves: a prefill's cost grows with
-        # its padded length and a round's with its slots, and each new shape compiles.
+        requests = [
+            RowRequest(p.tolist(), m, stops, s)
+            for p, m, s in zip(checked, lengths, settings, strict=True)
+        ]
+        # Prompts in eighth octaves, multiples of 16, the cache in quarter octaves: a prefill's cost
+        # grows with its padded length and a round's with its slots, and each new shape compiles.
         longest = max(len(p) for p in checked)
-        slots = cache_slots(max(prompt_bucket(longest), max(max_lengths) + max(block, verify_width)))
+        slots = cache_slots(
+            max(prompt_bucket(longest), max(max_lengths) + max(block, verify_width))
+        )
         sampled = any(not s.greedy for s in settings)
         spec = self.round_spec(
             method,
@@ -306,39 +346,63 @@ class SpeculativeDecoder:
         return requests, RowShape(spec, spec, rows, max(max_lengths), longest, slots, (rows,))
 
     def _check_round_size(self, plan: RoundBatch, state: DecodeState) -> None:
-        """Compile the round (``step`` then reuses it) and refuse it, naming the option that sizes it, when its
-        working memory is more than the devices have free; warn (``LargeRoundWarning``) when it verifies far
-        more tokens than it can accept. Without the check an oversized round dies of an out-of-memory
-        traceback, and a merely huge one runs at a fraction of a token per second without a word."""
+        """Compile the round (``step`` then reuses it) and refuse it, naming the option
+        that sizes it, when its working memory is more than the devices have free; warn
+        (``LargeRoundWarning``) when it verifies far more tokens than it can accept.
+        Without the check an oversized round dies of an out-of-memory traceback, and a
+        merely huge one runs at a fraction of a token per second without a word."""
         spec = plan.spec
         width = verified_tokens(spec.method, spec.block, spec.budget)
-        option = {"ar": "the batch", "dflash": f"block_size {spec.block}", "ddtree": f"budget {spec.budget}"}
-        what = f"the {spec.method} round verifies {width} tokens per request ({option[spec.method]})"
-        # Once per round shape: lowering again, even to a cached executable, costs more than a round.
-        key = (spec, tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves((state, plan.requests))))
+        option = {
+            "ar": "the batch",
+            "dflash": f"block_size {spec.block}",
+            "ddtree": f"budget {spec.budget}",
+        }
+        what = (
+            f"the {spec.method} round verifies {width} tokens per request ({option[spec.method]})"
+        )
+        # Once per round shape: lowering again, even to
+        # a cached executable, costs more than a round.
+        key = (
+            spec,
+            tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves((state, plan.requests))),
+        )
         if key not in self._working_memory:
             try:
                 stats = self.lower_round(plan, state).compile().memory_analysis()
             except jax.errors.JaxRuntimeError as error:  # GPU/TPU compilers refuse what cannot fit
                 if "RESOURCE_EXHAUSTED" not in str(error):
                     raise
-                raise InputError(f"{what} and does not fit the device: {str(error).splitlines()[0]}") from None
+                raise InputError(
+                    f"{what} and does not fit the device: {str(error).splitlines()[0]}"
+                ) from None
             self._working_memory[key] = stats.temp_size_in_bytes if stats is not None else 0
         needed = self._working_memory[key]
-        free = Backend.free_bytes(state.bonus.sharding.addressable_devices)  # this process's devices
+        # this process's devices
+        free = Backend.free_bytes(state.bonus.sharding.addressable_devices)
         if free is not None and needed > free:
             raise InputError(
-                f"{what} and needs {gigabytes(needed)} of working memory per device, {gigabytes(free)} is free; "
+                f"{what} and needs {gigabytes(needed)} of working memory per device, "
+                f"{gigabytes(free)} is free; "
                 f"lower {option[spec.method].split()[0]}"
             )
         trained = None if self.drafter is None else self.drafter.config.block_size
         if spec.method != "ar" and spec.block > trained:
-            note = f"past the drafter's trained block of {trained} (its later positions are untrained)"
+            note = (
+                f"past the drafter's trained block of {trained} (its later positions are untrained)"
+            )
         elif spec.method == "ddtree" and spec.budget > NODES_PER_POSITION_NOTE * (spec.block - 1):
-            note = f"to accept at most {spec.block}: over {NODES_PER_POSITION_NOTE} nodes per drafted position"
+            note = (
+                f"to accept at most {spec.block}: over {NODES_PER_POSITION_NOTE} nodes per "
+                f"drafted position"
+            )
         else:
             return
-        warnings.warn(f"{what} {note}; it needs {gigabytes(needed)} of working memory per device", LargeRoundWarning, 3)
+        warnings.warn(
+            f"{what} {note}; it needs {gigabytes(needed)} of working memory per device",
+            LargeRoundWarning,
+            3,
+        )
 
     def models_for(self, spec: RoundSpec) -> ModelPair:
         """The weights a round of ``spec`` reads: the target's alone for AR."""

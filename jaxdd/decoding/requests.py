@@ -1,5 +1,6 @@
-"""Input checks for the host API and the decoder, in numpy on the host: inside a jit XLA would silently clamp an
-out-of-range id or position, or wrap it. Each failure is an ``InputError`` naming the field and the limit."""
+"""Input checks for the host API and the decoder, in numpy on the host:
+inside a jit XLA would silently clamp an out-of-range id or position, or wrap
+it. Each failure is an ``InputError`` naming the field and the limit."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from jaxdd.config import KimiConfig
 from jaxdd.errors import InputError
 from jaxdd.types import METHODS, TREE_LOGITS, TreeLogits
 
-MAX_STOP_TOKENS = 16  # stop ids are padded to this many so their number never changes a compiled shape
+# stop ids are padded to this many so their number never changes a compiled shape
+MAX_STOP_TOKENS = 16
 
 
 def check_tokens(token_ids, vocab_size: int, batch: int | None = None) -> np.ndarray:
@@ -18,21 +20,32 @@ def check_tokens(token_ids, vocab_size: int, batch: int | None = None) -> np.nda
     if tokens.ndim == 1:
         tokens = tokens[None]
     if tokens.ndim != 2 or tokens.shape[1] == 0 or not np.issubdtype(tokens.dtype, np.integer):
-        raise InputError.at("token_ids", f"expected a non-empty [batch, T] integer array, got shape {tokens.shape}")
+        raise InputError.at(
+            "token_ids", f"expected a non-empty [batch, T] integer array, got shape {tokens.shape}"
+        )
     if batch is not None and tokens.shape[0] != batch:
-        raise InputError.at("token_ids", f"batch {tokens.shape[0]} does not match the cache batch {batch}")
+        raise InputError.at(
+            "token_ids", f"batch {tokens.shape[0]} does not match the cache batch {batch}"
+        )
     bad = np.argwhere((tokens < 0) | (tokens >= vocab_size))
     if bad.size:
         at = tuple(int(i) for i in bad[0])
-        raise InputError.at("token_ids", f"id {tokens[at]} at {at} outside the vocabulary [0, {vocab_size})")
+        raise InputError.at(
+            "token_ids", f"id {tokens[at]} at {at} outside the vocabulary [0, {vocab_size})"
+        )
     return tokens.astype(np.int32)
 
 
-def check_positions(positions, shape: tuple[int, int], slots: int, max_positions: int) -> np.ndarray:
+def check_positions(
+    positions, shape: tuple[int, int], slots: int, max_positions: int
+) -> np.ndarray:
     """Positions as int32 of ``shape``, each inside the cache and the model's position range."""
     positions = np.asarray(positions)
     if positions.shape != shape or not np.issubdtype(positions.dtype, np.integer):
-        raise InputError.at("positions", f"expected integers of shape {shape}, got {positions.dtype} {positions.shape}")
+        raise InputError.at(
+            "positions",
+            f"expected integers of shape {shape}, got {positions.dtype} {positions.shape}",
+        )
     bad = np.argwhere((positions < 0) | (positions >= min(slots, max_positions)))
     if bad.size:
         at = tuple(int(i) for i in bad[0])
@@ -45,15 +58,21 @@ def check_positions(positions, shape: tuple[int, int], slots: int, max_positions
 
 
 def check_visible(visible, batch: int, tokens: int) -> np.ndarray:
-    """The new tokens' visibility mask [batch, T, T] (default causal); every token must see itself."""
+    """The new tokens' visibility mask [batch, T, T]
+    (default causal); every token must see itself."""
     if visible is None:
         return np.broadcast_to(np.tril(np.ones((tokens, tokens), bool)), (batch, tokens, tokens))
     visible = np.asarray(visible)
     if visible.shape != (batch, tokens, tokens) or visible.dtype != bool:
         expected = (batch, tokens, tokens)
-        raise InputError.at("visible", f"expected a bool mask of shape {expected}, got {visible.dtype} {visible.shape}")
+        raise InputError.at(
+            "visible",
+            f"expected a bool mask of shape {expected}, got {visible.dtype} {visible.shape}",
+        )
     if not visible[:, np.arange(tokens), np.arange(tokens)].all():
-        raise InputError.at("visible", "every new token must see itself (the diagonal must be True)")
+        raise InputError.at(
+            "visible", "every new token must see itself (the diagonal must be True)"
+        )
     return visible
 
 
@@ -73,8 +92,8 @@ def check_round_options(
     budget: int | None,
     max_children: int | None,
 ) -> tuple[int, int | None]:
-    """(block, budget) for a method: block 1 for AR, the drafter's block by default, and a DDTree budget of
-    block - 1 nodes by default."""
+    """(block, budget) for a method: block 1 for AR, the drafter's block
+    by default, and a DDTree budget of block - 1 nodes by default."""
     if method not in METHODS:
         raise InputError.at("method", f"expected 'ar', 'dflash' or 'ddtree', got {method!r}")
     if method == "ar":
@@ -96,19 +115,26 @@ def check_round_options(
 
 def check_tree_logits(tree_logits: str) -> TreeLogits:
     if tree_logits not in TREE_LOGITS:
-        raise InputError.at("tree_logits", f"expected one of {', '.join(TREE_LOGITS)}, got {tree_logits!r}")
+        raise InputError.at(
+            "tree_logits", f"expected one of {', '.join(TREE_LOGITS)}, got {tree_logits!r}"
+        )
     return tree_logits
 
 
-def check_lengths(prompts: list[np.ndarray], max_new_tokens: list[int], config: KimiConfig) -> list[int]:
+def check_lengths(
+    prompts: list[np.ndarray], max_new_tokens: list[int], config: KimiConfig
+) -> list[int]:
     """max_length = prompt + max_new_tokens per request, within the model's positions."""
     if any(not isinstance(m, int) or m < 1 for m in max_new_tokens):
-        raise InputError.at("max_new_tokens", f"must be >= 1 (an integer, or one per prompt), got {max_new_tokens}")
+        raise InputError.at(
+            "max_new_tokens", f"must be >= 1 (an integer, or one per prompt), got {max_new_tokens}"
+        )
     max_lengths = [len(p) + m for p, m in zip(prompts, max_new_tokens, strict=True)]
     if max(max_lengths) > config.max_position_embeddings:
         i = int(np.argmax(max_lengths))
         raise InputError(
-            f"request {i}: prompt ({len(prompts[i])}) + max_new_tokens ({max_new_tokens[i]}) exceeds the model's "
+            f"request {i}: prompt ({len(prompts[i])}) + max_new_tokens "
+            f"({max_new_tokens[i]}) exceeds the model's "
             f"max_position_embeddings ({config.max_position_embeddings})",
             field="max_new_tokens",
         )
@@ -116,11 +142,15 @@ def check_lengths(prompts: list[np.ndarray], max_new_tokens: list[int], config: 
 
 
 def check_stop_ids(stop_token_ids: list[int] | None, config: KimiConfig) -> list[int]:
-    """The stop ids (default: the model's EOS ids), at most ``MAX_STOP_TOKENS``; negative ids never stop."""
+    """The stop ids (default: the model's EOS ids), at
+    most ``MAX_STOP_TOKENS``; negative ids never stop."""
     stops = list(config.eos_token_ids if stop_token_ids is None else stop_token_ids)
     if len(stops) > MAX_STOP_TOKENS:
         raise InputError.at("stop_token_ids", f"at most {MAX_STOP_TOKENS}, got {len(stops)}")
     outside = [s for s in stops if s >= config.vocab_size]
-    if outside:  # such an id could never stop anything (a negative one, e.g. -1, says so on purpose)
-        raise InputError.at("stop_token_ids", f"{outside[0]} outside the vocabulary [0, {config.vocab_size})")
+    # such an id could never stop anything (a negative one, e.g. -1, says so on purpose)
+    if outside:
+        raise InputError.at(
+            "stop_token_ids", f"{outside[0]} outside the vocabulary [0, {config.vocab_size})"
+        )
     return stops

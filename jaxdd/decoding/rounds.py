@@ -1,23 +1,25 @@
-"""The device side of decoding: the decode state and one jitted, static-shape round per method, with the state
-donated so every cache is updated in place.
+"""The device side of decoding: the decode state and one jitted, static-shape
+round per method, with the state donated so every cache is updated in place.
 
 A round, for a committed prefix of length ``start`` and the bonus token at position ``start``:
 
-1. draft:  the drafter caches the K/V of the context features committed last round, then denoises
-           ``[bonus, MASK x (B-1)]`` in one forward: draft logits for positions start+1 .. start+B-1;
-2. build:  DFlash takes one token per position (a chain); DDTree builds a best-first tree of ``budget`` nodes
-           (``jaxdd.decoding.tree``);
-3. verify: one target forward over the chain or the tree (each node sees the prefix and its ancestors, at
-           position start + depth), which also returns the tapped hidden layers;
-4. accept: the target's choice per node (argmax, or a sample), walked from the root while it matches a child;
-           the first miss is the next bonus;
-5. commit: the accepted path's latent rows move to contiguous slots (a chain's already are), ``length`` moves,
-           and the path's taps become the next round's drafter context.
+1. draft:  the drafter caches the K/V of the context features committed
+           last round, then denoises ``[bonus, MASK x (B-1)]`` in one
+           forward: draft logits for positions start+1 .. start+B-1;
+2. build:  DFlash takes one token per position (a chain); DDTree builds a
+           best-first tree of ``budget`` nodes (``jaxdd.decoding.tree``);
+3. verify: one target forward over the chain or the tree (each node sees the prefix and its
+           ancestors, at position start + depth), which also returns the tapped hidden layers;
+4. accept: the target's choice per node (argmax, or a sample), walked from the
+           root while it matches a child; the first miss is the next bonus;
+5. commit: the accepted path's latent rows move to contiguous slots (a chain's already are),
+           ``length`` moves, and the path's taps become the next round's drafter context.
 
-AR is the round with no draft. Near ``max_length`` the block shrinks to ``max_length - start`` tokens (the
-drafter hides the rest, acceptance stops there) and a round stops at the first stop token, as z-lab
-``dflash.model.dflash_generate`` does. Each stage is a ``jax.named_scope``, so profiles and the compiled HLO
-attribute time to it. The host reads back one small array per round: the emitted tokens.
+AR is the round with no draft. Near ``max_length`` the block shrinks to ``max_length -
+start`` tokens (the drafter hides the rest, acceptance stops there) and a round stops
+at the first stop token, as z-lab ``dflash.model.dflash_generate`` does. Each stage is
+a ``jax.named_scope``, so profiles and the compiled HLO attribute time to it. The host
+reads back one small array per round: the emitted tokens.
 """
 
 from __future__ import annotations
@@ -31,7 +33,14 @@ from flax import struct
 
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.report import RoundReport
-from jaxdd.decoding.sampling import SamplingArrays, argmax, filtered_probs, sample, seed_keys, split_keys
+from jaxdd.decoding.sampling import (
+    SamplingArrays,
+    argmax,
+    filtered_probs,
+    sample,
+    seed_keys,
+    split_keys,
+)
 from jaxdd.decoding.tree import accept_path, build_tree
 from jaxdd.models.cache import LatentCache, compact_rows
 from jaxdd.models.drafter import DFlashDrafter, DraftCache
@@ -50,11 +59,14 @@ class RoundSpec:
     backend: Backend
     block: int = 1  # tokens per draft block, the bonus included; 1 for AR
     budget: int | None = None  # DDTree: tree nodes per round
-    max_children: int | None = None  # DDTree: cap on the branching (1 verifies the DFlash chain as a tree)
+    # DDTree: cap on the branching (1 verifies the DFlash chain as a tree)
+    max_children: int | None = None
     attention: Attention = "absorbed"  # the verify's MLA form
     sampled: bool = False  # compile the sampling path (greedy rows still decode greedily)
-    trace: int = 0  # > 0: also report the drafter's top-``trace`` tokens per position (and DDTree's tree)
-    tree_logits: TreeLogits = "scaled"  # sampled DDTree: the tree from the draft logits at the temperature, or raw
+    # > 0: also report the drafter's top-``trace`` tokens per position (and DDTree's tree)
+    trace: int = 0
+    # sampled DDTree: the tree from the draft logits at the temperature, or raw
+    tree_logits: TreeLogits = "scaled"
 
     @property
     def width(self) -> int:
@@ -64,7 +76,8 @@ class RoundSpec:
 
 @struct.dataclass
 class ModelPair:
-    """The target (and drafter) as static structure + weight arrays (``jaxdd.runtime.jit_state``), merged in the jit."""
+    """The target (and drafter) as static structure + weight
+    arrays (``jaxdd.runtime.jit_state``), merged in the jit."""
 
     target_weights: list[jax.Array]
     drafter_weights: list[jax.Array] | None
@@ -72,7 +85,9 @@ class ModelPair:
     drafter_spec: ModuleSpec | None = struct.field(pytree_node=False)
 
     def merge(self) -> tuple[KimiTarget, DFlashDrafter | None]:
-        drafter = None if self.drafter_spec is None else self.drafter_spec.merge(self.drafter_weights)
+        drafter = (
+            None if self.drafter_spec is None else self.drafter_spec.merge(self.drafter_weights)
+        )
         return self.target_spec.merge(self.target_weights), drafter
 
 
@@ -88,11 +103,14 @@ class Requests:
 @struct.dataclass
 class DecodeState:
     target_cache: LatentCache
-    bonus: jax.Array  # [B] int32: the newest token, at position target_cache.length, not in the cache yet
-    done: jax.Array  # [B] bool: the request stopped or reached its length; its row no longer changes
+    # [B] int32: the newest token, at position target_cache.length, not in the cache yet
+    bonus: jax.Array
+    # [B] bool: the request stopped or reached its length; its row no longer changes
+    done: jax.Array
     rng: jax.Array  # [B, 2] uint32: each request's random stream (sampled requests)
     draft_cache: DraftCache | None = None
-    context: jax.Array | None = None  # [B, block, taps * D]: features of the tokens committed last round
+    # [B, block, taps * D]: features of the tokens committed last round
+    context: jax.Array | None = None
     context_count: jax.Array | None = None  # [B] int32: how many rows of ``context`` are real
 
     @classmethod
@@ -125,8 +143,8 @@ class DecodeState:
 
 
 def state_shardings(state: DecodeState, mesh: jax.sharding.Mesh) -> DecodeState:
-    """Where a decode state lives on a mesh: the latent rows replicated (every head reads them), the drafter's
-    K/V split by KV heads, the rest replicated."""
+    """Where a decode state lives on a mesh: the latent rows replicated (every
+    head reads them), the drafter's K/V split by KV heads, the rest replicated."""
     shardings = jax.tree.map(lambda x: cache_sharding(x.shape, (None,) * x.ndim, mesh), state)
     if state.draft_cache is None:
         return shardings
@@ -135,19 +153,24 @@ def state_shardings(state: DecodeState, mesh: jax.sharding.Mesh) -> DecodeState:
         [cache_sharding(x.shape, kv_axes, mesh) for x in xs]
         for xs in (state.draft_cache.keys, state.draft_cache.values)
     )
-    return shardings.replace(draft_cache=shardings.draft_cache.replace(keys=tuple(keys), values=tuple(values)))
+    return shardings.replace(
+        draft_cache=shardings.draft_cache.replace(keys=tuple(keys), values=tuple(values))
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
 def decode_round(
     spec: RoundSpec, models: ModelPair, state: DecodeState, requests: Requests
 ) -> tuple[DecodeState, jax.Array]:
-    """One round of ``spec.method`` for the whole batch: (new state, the round's report, ``RoundReport.encode``:
-    with ``trace`` the drafter's top-k per draft position and for DDTree the tree's tokens and parents)."""
+    """One round of ``spec.method`` for the whole batch: (new state, the
+    round's report, ``RoundReport.encode``: with ``trace`` the drafter's top-k
+    per draft position and for DDTree the tree's tokens and parents)."""
     target, drafter = models.merge()
     if spec.method == "ar":
         return _ar_step(spec, target, state, requests)
-    return (_dflash_round if spec.method == "dflash" else _ddtree_round)(spec, target, drafter, state, requests)
+    return (_dflash_round if spec.method == "dflash" else _ddtree_round)(
+        spec, target, drafter, state, requests
+    )
 
 
 def _ar_step(spec: RoundSpec, target: KimiTarget, state: DecodeState, requests: Requests):
@@ -156,12 +179,17 @@ def _ar_step(spec: RoundSpec, target: KimiTarget, state: DecodeState, requests: 
     with jax.named_scope("accept"):
         token, rng = _choose(spec, logits[:, 0], requests.sampling, state.rng)
     with jax.named_scope("commit"):
-        return _commit(state, token[:, None], jnp.zeros_like(token), cache, None, None, rng, requests)
+        return _commit(
+            state, token[:, None], jnp.zeros_like(token), cache, None, None, rng, requests
+        )
 
 
-def _dflash_round(spec: RoundSpec, target: KimiTarget, drafter: DFlashDrafter, state: DecodeState, requests):
-    """With ``spec.sampled``, drafts are sampled and accepted by ``dflash_generate``'s rejection sampling
-    (``accept_sampled``; greedy rows' one-hot distributions make it the greedy rule); otherwise the argmax chain."""
+def _dflash_round(
+    spec: RoundSpec, target: KimiTarget, drafter: DFlashDrafter, state: DecodeState, requests
+):
+    """With ``spec.sampled``, drafts are sampled and accepted by
+    ``dflash_generate``'s rejection sampling (``accept_sampled``; greedy rows'
+    one-hot distributions make it the greedy rule); otherwise the argmax chain."""
     block_len = jnp.clip(requests.max_length - state.target_cache.length, 1, spec.block)
     with jax.named_scope("draft"):
         logits, draft_cache = _draft(drafter, target, state, block_len, spec.block)
@@ -176,23 +204,34 @@ def _dflash_round(spec: RoundSpec, target: KimiTarget, drafter: DFlashDrafter, s
         tokens = jnp.concatenate([state.bonus[:, None], drafts], axis=1)
     with jax.named_scope("verify"):
         taps = drafter.config.target_layer_ids
-        target_logits, features, cache = _verify_chain(spec, target, state.target_cache, tokens, taps)
+        target_logits, features, cache = _verify_chain(
+            spec, target, state.target_cache, tokens, taps
+        )
     with jax.named_scope("accept"):
         if spec.sampled:
-            target_probs = filtered_probs(target_logits, requests.sampling, spec.backend.cut_off_ways())
-            emitted, accepted = accept_sampled(drafts, draft_probs, target_probs, block_len, accept_keys)
+            target_probs = filtered_probs(
+                target_logits, requests.sampling, spec.backend.cut_off_ways()
+            )
+            emitted, accepted = accept_sampled(
+                drafts, draft_probs, target_probs, block_len, accept_keys
+            )
         else:
             emitted, accepted = accept_greedy(drafts, argmax(target_logits), block_len)
     with jax.named_scope("commit"):
         trace = {"draft_topk": jax.lax.top_k(logits, spec.trace)[1]} if spec.trace else {}
-        return _commit(state, emitted, accepted, cache, features, draft_cache, rng, requests, **trace)
+        return _commit(
+            state, emitted, accepted, cache, features, draft_cache, rng, requests, **trace
+        )
 
 
-def _ddtree_round(spec: RoundSpec, target: KimiTarget, drafter: DFlashDrafter, state: DecodeState, requests):
-    """Sampled rows use the target-only rule: one token is sampled from the target's filtered distribution at
-    every node; the walk descends while the sample is a child's token and the first sample that is not becomes
-    the bonus, so every emitted token is a draw from the target (lossless for any tree). The tree is built from
-    the drafter's logits at the request's temperature (``tree_logits="scaled"``) or from the raw logits."""
+def _ddtree_round(
+    spec: RoundSpec, target: KimiTarget, drafter: DFlashDrafter, state: DecodeState, requests
+):
+    """Sampled rows use the target-only rule: one token is sampled from the target's filtered
+    distribution at every node; the walk descends while the sample is a child's token and the
+    first sample that is not becomes the bonus, so every emitted token is a draw from the
+    target (lossless for any tree). The tree is built from the drafter's logits at the
+    request's temperature (``tree_logits="scaled"``) or from the raw logits."""
     start = state.target_cache.length
     block_len = jnp.clip(requests.max_length - start, 1, spec.block)
     with jax.named_scope("draft"):
@@ -206,38 +245,63 @@ def _ddtree_round(spec: RoundSpec, target: KimiTarget, drafter: DFlashDrafter, s
     with jax.named_scope("verify"):
         taps = drafter.config.target_layer_ids
         positions = start[:, None] + tree.depths
-        out = target(tree.tokens, positions, state.target_cache, tree.visible, taps=taps, **_forward_options(spec))
+        out = target(
+            tree.tokens,
+            positions,
+            state.target_cache,
+            tree.visible,
+            taps=taps,
+            **_forward_options(spec),
+        )
         target_logits = target.logits(out.hidden, spec.backend)
     with jax.named_scope("accept"):
         choice, rng = _choose(spec, target_logits, requests.sampling, state.rng)
         path, accepted = accept_path(tree, choice, spec.block - 1)
-        emitted = jnp.take_along_axis(choice, path, axis=1)  # the target's choices along the path: drafts + bonus
+        # the target's choices along the path: drafts + bonus
+        emitted = jnp.take_along_axis(choice, path, axis=1)
     with jax.named_scope("commit"):
         cache = compact_rows(out.cache, start, path)
         context = jnp.take_along_axis(out.taps, path[:, :, None], axis=1)  # features in path order
         trace = {}
         if spec.trace:
             unused = ~tree.valid
-            tree_tokens, tree_parents = jnp.where(unused, -1, tree.tokens), jnp.where(unused, -1, tree.parents)
-            trace = {"draft_topk": jax.lax.top_k(logits, spec.trace)[1], "tree": (tree_tokens, tree_parents)}
-        return _commit(state, emitted, accepted, cache, context, draft_cache, rng, requests, **trace)
+            tree_tokens, tree_parents = (
+                jnp.where(unused, -1, tree.tokens),
+                jnp.where(unused, -1, tree.parents),
+            )
+            trace = {
+                "draft_topk": jax.lax.top_k(logits, spec.trace)[1],
+                "tree": (tree_tokens, tree_parents),
+            }
+        return _commit(
+            state, emitted, accepted, cache, context, draft_cache, rng, requests, **trace
+        )
 
 
 def _forward_options(spec: RoundSpec) -> dict:
     return {"attention": spec.attention, "backend": spec.backend}
 
 
-def _draft(drafter: DFlashDrafter, target: KimiTarget, state: DecodeState, block_len: jax.Array, block: int):
-    """Cache the drafter K/V of the tokens committed last round (the last ``context_count`` positions), then
-    draft: (logits [B, block - 1, V], drafter cache)."""
+def _draft(
+    drafter: DFlashDrafter, target: KimiTarget, state: DecodeState, block_len: jax.Array, block: int
+):
+    """Cache the drafter K/V of the tokens committed last round (the last ``context_count``
+    positions), then draft: (logits [B, block - 1, V], drafter cache)."""
     start = state.target_cache.length
     positions = (start - state.context_count)[:, None] + jnp.arange(block)[None, :]
     draft_cache = drafter.inject(state.draft_cache, state.context, positions, state.context_count)
     return drafter.draft_logits(target, draft_cache, state.bonus, start, block_len, block)
 
 
-def _verify_chain(spec: RoundSpec, target: KimiTarget, cache: LatentCache, tokens: jax.Array, taps: tuple[int, ...]):
-    """Causal target forward over a chain of tokens: (fp32 logits per position, the taps, the cache)."""
+def _verify_chain(
+    spec: RoundSpec,
+    target: KimiTarget,
+    cache: LatentCache,
+    tokens: jax.Array,
+    taps: tuple[int, ...],
+):
+    """Causal target forward over a chain of tokens:
+    (fp32 logits per position, the taps, the cache)."""
     b, t = tokens.shape
     positions = cache.length[:, None] + jnp.arange(t)[None, :]
     visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
@@ -246,8 +310,8 @@ def _verify_chain(spec: RoundSpec, target: KimiTarget, cache: LatentCache, token
 
 
 def _choose(spec: RoundSpec, logits: jax.Array, sampling: SamplingArrays, rng: jax.Array):
-    """The target's token per position (argmax, or a sample from the filtered distribution) and the advanced
-    random streams."""
+    """The target's token per position (argmax, or a sample from
+    the filtered distribution) and the advanced random streams."""
     if not spec.sampled:
         return argmax(logits), rng
     rng, (key,) = split_keys(rng, 1)
@@ -255,18 +319,19 @@ def _choose(spec: RoundSpec, logits: jax.Array, sampling: SamplingArrays, rng: j
 
 
 def accept_greedy(drafts, posterior, block_len):
-    """Chain, greedy: (emitted [B, block], accepted [B]). Accepted drafts equal the target's choices, so the
-    emitted tokens are simply the target's argmax row, the last one being the bonus."""
+    """Chain, greedy: (emitted [B, block], accepted [B]). Accepted
+    drafts equal the target's choices, so the emitted tokens are
+    simply the target's argmax row, the last one being the bonus."""
     steps = jnp.arange(drafts.shape[1])[None, :]
     matches = (drafts == posterior[:, :-1]) & (steps < block_len[:, None] - 1)
     return posterior, jnp.cumprod(matches, axis=1).sum(axis=1)
 
 
 def accept_sampled(drafts, draft_probs, target_probs, block_len, keys):
-    """Chain, sampled, as ``dflash_generate``'s ``_rejection_sample``: draft i survives with probability
-    min(1, p/q); the token after the last survivor comes from the residual max(p - q, 0) (renormalized), or
-    from the target itself when every draft survived. Greedy rows have one-hot p and q, which makes this the
-    greedy rule. Returns (emitted [B, block], accepted [B])."""
+    """Chain, sampled, as ``dflash_generate``'s ``_rejection_sample``: draft i survives with
+    probability min(1, p/q); the token after the last survivor comes from the residual max(p - q, 0)
+    (renormalized), or from the target itself when every draft survived. Greedy rows have one-hot p
+    and q, which makes this the greedy rule. Returns (emitted [B, block], accepted [B])."""
     accept_key, bonus_key = keys
     gamma = block_len - 1
     steps = jnp.arange(drafts.shape[1])[None, :]
@@ -276,19 +341,23 @@ def accept_sampled(drafts, draft_probs, target_probs, block_len, keys):
     survives = (u * q < p) & (steps < gamma[:, None])
     accepted = jnp.cumprod(survives, axis=1).sum(axis=1)
     target_row = jnp.take_along_axis(target_probs, accepted[:, None, None], axis=1)[:, 0]
-    draft_row = jnp.take_along_axis(draft_probs, jnp.minimum(accepted, drafts.shape[1] - 1)[:, None, None], axis=1)
+    draft_row = jnp.take_along_axis(
+        draft_probs, jnp.minimum(accepted, drafts.shape[1] - 1)[:, None, None], axis=1
+    )
     residual = jnp.maximum(target_row - draft_row[:, 0], 0.0)
     total = residual.sum(-1, keepdims=True)
     use_residual = (accepted < gamma)[:, None] & (total > 0)
-    bonus = sample(bonus_key, jnp.where(use_residual, residual / jnp.where(total > 0, total, 1.0), target_row))
+    bonus = sample(
+        bonus_key, jnp.where(use_residual, residual / jnp.where(total > 0, total, 1.0), target_row)
+    )
     full_steps = jnp.arange(drafts.shape[1] + 1)[None, :]
     drafts_padded = jnp.concatenate([drafts, drafts[:, :1]], axis=1)
     return jnp.where(full_steps < accepted[:, None], drafts_padded, bonus[:, None]), accepted
 
 
 def limit_round(emitted, accepted, max_length, start, stop_ids, done):
-    """(produced [B], stopped [B], done [B]): accepted + 1 tokens, cut at the request's max length and after its
-    first stop token; rows already done produce nothing."""
+    """(produced [B], stopped [B], done [B]): accepted + 1 tokens, cut at the request's
+    max length and after its first stop token; rows already done produce nothing."""
     produced = jnp.minimum(accepted + 1, max_length - start - 1)
     is_stop = (emitted[:, :, None] == stop_ids[:, None, :]).any(-1)
     is_stop &= jnp.arange(emitted.shape[1])[None, :] < produced[:, None]
@@ -312,7 +381,9 @@ def _commit(
 ):
     """Keep ``produced`` tokens per row (rows already done keep everything as it was) and report."""
     start = state.target_cache.length
-    produced, stopped, done = limit_round(emitted, accepted, requests.max_length, start, requests.stop_ids, state.done)
+    produced, stopped, done = limit_round(
+        emitted, accepted, requests.max_length, start, requests.stop_ids, state.done
+    )
     last = jnp.take_along_axis(emitted, jnp.maximum(produced - 1, 0)[:, None], axis=1)[:, 0]
     new_state = DecodeState(
         target_cache=cache.replace(length=start + produced),
@@ -337,35 +408,46 @@ def prefill(
     slots: int,
     mesh: jax.sharding.Mesh | None,
 ) -> tuple[DecodeState, jax.Array]:
-    """Run the (padded) prompts, commit ``prompt_len`` tokens per row, choose each row's first token, and cache
-    the drafter context: (the decode state for rounds of ``spec``, with caches of ``slots`` slots placed on
-    ``mesh`` if given; a report as a round's, the first token produced). A row is done at once if that token
-    is a stop token or its length allows no more.
+    """Run the (padded) prompts, commit ``prompt_len`` tokens per row, choose each row's first
+    token, and cache the drafter context: (the decode state for rounds of ``spec``, with caches
+    of ``slots`` slots placed on ``mesh`` if given; a report as a round's, the first token
+    produced). A row is done at once if that token is a stop token or its length allows no more.
 
     The empty state is made here rather than passed in: made outside, its many eager dispatches cost
     host time on every prefill."""
     target, drafter = models.merge()
     b, t = tokens.shape
     drafter_config = None if drafter is None else drafter.config
-    state = DecodeState.empty(target.config, drafter_config, b, slots, spec.block, target.dtype, seed_keys(seeds))
+    state = DecodeState.empty(
+        target.config, drafter_config, b, slots, spec.block, target.dtype, seed_keys(seeds)
+    )
     taps = () if drafter is None else drafter.config.target_layer_ids
     positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
     visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    # The cache is empty: the prompt attends over a cache of its own length, whose rows are then copied into the
-    # first slots, instead of over every slot (a 160-token prompt in a 256-slot cache: ~1/3 less attention).
+    # The cache is empty: the prompt attends over a cache of its own length,
+    # whose rows are then copied into the first slots, instead of over every
+    # slot (a 160-token prompt in a 256-slot cache: ~1/3 less attention).
     cache = state.target_cache
     prompt_cache = LatentCache.zeros(target.config, b, t, cache.latent[0].dtype)
-    out = target(tokens, positions, prompt_cache, visible, taps=taps, attention="naive", backend=spec.backend)
+    out = target(
+        tokens, positions, prompt_cache, visible, taps=taps, attention="naive", backend=spec.backend
+    )
     latent, rope = jax.tree.map(
-        lambda full, rows: full.at[:, :t].set(rows), (cache.latent, cache.rope), (out.cache.latent, out.cache.rope)
+        lambda full, rows: full.at[:, :t].set(rows),
+        (cache.latent, cache.rope),
+        (out.cache.latent, out.cache.rope),
     )
     cache = cache.replace(latent=latent, rope=rope, length=prompt_len)
     last = jnp.take_along_axis(out.hidden, (prompt_len - 1)[:, None, None], axis=1)
-    first, rng = _choose(spec, target.logits(last, spec.backend)[:, 0], requests.sampling, state.rng)
+    first, rng = _choose(
+        spec, target.logits(last, spec.backend)[:, 0], requests.sampling, state.rng
+    )
     done = (first[:, None] == requests.stop_ids).any(-1) | (prompt_len + 1 >= requests.max_length)
     state = state.replace(target_cache=cache, bonus=first, rng=rng, done=done)
     if drafter is not None:
-        state = state.replace(draft_cache=drafter.inject(state.draft_cache, out.taps, positions, prompt_len))
+        state = state.replace(
+            draft_cache=drafter.inject(state.draft_cache, out.taps, positions, prompt_len)
+        )
     if mesh is not None:
         state = jax.lax.with_sharding_constraint(state, state_shardings(state, mesh))
     stopped = (first[:, None] == requests.stop_ids).any(-1)

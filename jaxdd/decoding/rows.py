@@ -1,24 +1,26 @@
-"""The rows of ONE decode state and the host loop over them: admit requests into rows, ``dispatch`` rounds,
-``collect`` their reports. The server's continuous batching and ``SpeculativeDecoder.generate_batch`` (the CLI)
-both run on it: the server admits requests one by one between rounds; a batch is admitted all at once (one
-prefill for every row, ``admit_all``) and stepped until every row is done.
+"""The rows of ONE decode state and the host loop over them: admit requests into
+rows, ``dispatch`` rounds, ``collect`` their reports. The server's continuous
+batching and ``SpeculativeDecoder.generate_batch`` (the CLI) both run on it: the
+server admits requests one by one between rounds; a batch is admitted all at once
+(one prefill for every row, ``admit_all``) and stepped until every row is done.
 
-Every shape is fixed when the pool is made (``RowShape``): ``rows`` rows, one cache size for all (from
-``max_len``), one prefill per prompt bucket up to ``max_prompt``, and two rounds per tier: the sampled round, whose
-greedy rows still decode greedily (their distributions are one-hot), and the cheaper greedy round, run while every
-active row is greedy (the tokens are the same). A tier is the first 1, 4, 16, ... rows or all of them; a round runs
-over the fewest that hold every busy row (requests take the lowest free row), so a lightly loaded pool pays for the
-rows it uses.
+Every shape is fixed when the pool is made (``RowShape``): ``rows`` rows, one cache size for all
+(from ``max_len``), one prefill per prompt bucket up to ``max_prompt``, and two rounds per tier:
+the sampled round, whose greedy rows still decode greedily (their distributions are one-hot), and
+the cheaper greedy round, run while every active row is greedy (the tokens are the same). A tier
+is the first 1, 4, 16, ... rows or all of them; a round runs over the fewest that hold every busy
+row (requests take the lowest free row), so a lightly loaded pool pays for the rows it uses.
 
-A request admitted alone is prefilled on its own (batch 1, at its prompt bucket) and copied into a free row in the
-same jitted call, the row index traced and the state donated, so admitting never compiles. Rows never mix: each
-row's tokens depend only on its own request and its random stream only on its own seed and its own round count, so
-a request decodes to what it gives alone.
+A request admitted alone is prefilled on its own (batch 1, at its prompt bucket) and copied into
+a free row in the same jitted call, the row index traced and the state donated, so admitting
+never compiles. Rows never mix: each row's tokens depend only on its own request and its random
+stream only on its own seed and its own round count, so a request decodes to what it gives alone.
 
-Nothing waits on the device between rounds: ``admit`` returns once the prefill is dispatched, and its first token
-comes back with the report of the next round dispatched (``collect`` hands both at once), so an admission does not
-drain rounds dispatched ahead (``dispatch`` twice, then ``collect`` the older one, so the host's bookkeeping
-overlaps the device's round). A report is only handed to the requests that held its rows when it was dispatched.
+Nothing waits on the device between rounds: ``admit`` returns once the prefill is dispatched,
+and its first token comes back with the report of the next round dispatched (``collect``
+hands both at once), so an admission does not drain rounds dispatched ahead (``dispatch``
+twice, then ``collect`` the older one, so the host's bookkeeping overlaps the device's
+round). A report is only handed to the requests that held its rows when it was dispatched.
 """
 
 from __future__ import annotations
@@ -35,7 +37,12 @@ import numpy as np
 from jaxdd.config import KimiConfig
 from jaxdd.decoding.buckets import cache_slots, prompt_bucket
 from jaxdd.decoding.report import RoundReport, RoundTrace
-from jaxdd.decoding.requests import MAX_STOP_TOKENS, check_round_options, check_stop_ids, check_tokens
+from jaxdd.decoding.requests import (
+    MAX_STOP_TOKENS,
+    check_round_options,
+    check_stop_ids,
+    check_tokens,
+)
 from jaxdd.decoding.rounds import (
     DecodeState,
     ModelPair,
@@ -52,7 +59,8 @@ from jaxdd.types import Method, verified_tokens
 
 
 class Decoder(Protocol):
-    """What the rows need of ``SpeculativeDecoder``: the models, their placement and the round's static form."""
+    """What the rows need of ``SpeculativeDecoder``: the
+    models, their placement and the round's static form."""
 
     config: KimiConfig
     drafter: DFlashDrafter | None
@@ -66,7 +74,8 @@ class Decoder(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class RowRequest:
-    """One request as the rows take it: checked, its stop ids the full set (the model's own included)."""
+    """One request as the rows take it: checked, its
+    stop ids the full set (the model's own included)."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -76,10 +85,12 @@ class RowRequest:
 
 @dataclasses.dataclass(frozen=True)
 class RowShape:
-    """Everything fixed about a pool: its rounds, rows, cache size and what a request may ask for."""
+    """Everything fixed about a pool: its rounds, rows,
+    cache size and what a request may ask for."""
 
     spec: RoundSpec  # the round while any busy row samples
-    greedy_spec: RoundSpec  # the round while every busy row is greedy (``spec`` itself for a one-round pool)
+    # the round while every busy row is greedy (``spec`` itself for a one-round pool)
+    greedy_spec: RoundSpec
     rows: int
     max_len: int  # prompt + new tokens, per request
     max_prompt: int
@@ -89,9 +100,9 @@ class RowShape:
 
 @dataclasses.dataclass(frozen=True)
 class RowUpdate:
-    """What a row got since the last collect: its new tokens (``first``: the first of them is the prefill's, the
-    request's first token; the rest are one round's), once it ends why ("stop" or "length"), and with a trace
-    the round's (``RoundTrace``)."""
+    """What a row got since the last collect: its new tokens (``first``: the first of
+    them is the prefill's, the request's first token; the rest are one round's), once
+    it ends why ("stop" or "length"), and with a trace the round's (``RoundTrace``)."""
 
     tokens: list[int]
     finish: str | None = None
@@ -106,8 +117,8 @@ class _Row:
 
 
 class _Report(NamedTuple):
-    """A device report, its top-k trace width, and for each row it was run for (row, its line in the report, the
-    request holding it)."""
+    """A device report, its top-k trace width, and for each row it was
+    run for (row, its line in the report, the request holding it)."""
 
     report: jax.Array
     trace: int
@@ -127,10 +138,12 @@ def prefill_row(
     slots: int,
     mesh: jax.sharding.Mesh | None,
 ) -> tuple[DecodeState, jax.Array]:
-    """``prefill`` one request and put it in row ``row`` of ``state`` (in place: the state is donated): (state,
-    the prefill's report)."""
+    """``prefill`` one request and put it in row ``row`` of ``state``
+    (in place: the state is donated): (state, the prefill's report)."""
     new, report = prefill(spec, models, tokens, prompt_len, requests, seeds, slots, mesh)
-    state = jax.tree.map(lambda rows, one: jax.lax.dynamic_update_slice_in_dim(rows, one, row, axis=0), state, new)
+    state = jax.tree.map(
+        lambda rows, one: jax.lax.dynamic_update_slice_in_dim(rows, one, row, axis=0), state, new
+    )
     return state, report
 
 
@@ -138,17 +151,20 @@ def prefill_row(
 def front_round(
     spec: RoundSpec, models: ModelPair, state: DecodeState, requests: Requests, rows: int
 ) -> tuple[DecodeState, jax.Array]:
-    """``decode_round`` on the first ``rows`` rows only (the rest unchanged): while few rows are busy, a round
-    costs what their number does, not the pool's."""
+    """``decode_round`` on the first ``rows`` rows only (the rest unchanged): while
+    few rows are busy, a round costs what their number does, not the pool's."""
     front = jax.tree.map(lambda x: x[:rows], (state, requests))
     new, report = decode_round(spec, models, *front)
     update = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, 0, axis=0)
     return jax.tree.map(update, state, new), report
 
 
-def pad_requests(requests: list[RowRequest], rows: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The prefill's host inputs for ``requests`` in the first of ``rows`` rows, prompts padded to ``length``:
-    (tokens, prompt_len, seeds). Padding rows hold one token (their requests' length ends them at once)."""
+def pad_requests(
+    requests: list[RowRequest], rows: int, length: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The prefill's host inputs for ``requests`` in the first of ``rows``
+    rows, prompts padded to ``length``: (tokens, prompt_len, seeds). Padding
+    rows hold one token (their requests' length ends them at once)."""
     tokens = np.zeros((rows, length), np.int32)
     prompt_len = np.ones((rows,), np.int32)
     seeds = np.zeros((rows,), np.uint32)
@@ -160,7 +176,8 @@ def pad_requests(requests: list[RowRequest], rows: int, length: int) -> tuple[np
 
 
 class RowPool:
-    """``rows`` decode rows of one method; ``admit`` a request into a free row, ``step`` one round for all."""
+    """``rows`` decode rows of one method; ``admit`` a
+    request into a free row, ``step`` one round for all."""
 
     def __init__(
         self,
@@ -178,20 +195,26 @@ class RowPool:
         if rows < 1:
             raise InputError.at("rows", f"must be >= 1, got {rows}")
         if not 2 <= max_len <= config.max_position_embeddings:
-            raise InputError.at("max_len", f"must be in [2, {config.max_position_embeddings}], got {max_len}")
+            raise InputError.at(
+                "max_len", f"must be in [2, {config.max_position_embeddings}], got {max_len}"
+            )
         max_prompt = max_len - 1 if max_prompt is None else max_prompt
         if not 1 <= max_prompt < max_len:
             raise InputError.at("max_prompt", f"must be in [1, max_len), got {max_prompt}")
         drafter_block = None if decoder.drafter is None else decoder.drafter.config.block_size
         has_drafter = decoder.drafter is not None
-        block, budget = check_round_options(method, has_drafter, drafter_block, block_size, budget, None)
+        block, budget = check_round_options(
+            method, has_drafter, drafter_block, block_size, budget, None
+        )
         spec = decoder.round_spec(method, block=block, budget=budget, sampled=True)
         greedy_spec = decoder.round_spec(method, block=block, budget=budget, sampled=False)
-        # Rounds over the first 1, 4, 16, ... rows and over all: requests take the lowest free row, so the round
-        # runs over the rows up to the highest busy one.
+        # Rounds over the first 1, 4, 16, ... rows and over all: requests take the
+        # lowest free row, so the round runs over the rows up to the highest busy one.
         tiers = tuple(sorted({4**i for i in range(rows.bit_length()) if 4**i < rows} | {rows}))
         longest = prompt_bucket(max_prompt)
-        slots = cache_slots(max(longest, max_len + max(block, verified_tokens(method, block, budget))))
+        slots = cache_slots(
+            max(longest, max_len + max(block, verified_tokens(method, block, budget)))
+        )
         shape = RowShape(spec, greedy_spec, rows, max_len, max_prompt, slots, tiers)
         self._setup(decoder, shape)
         self.state = self._empty_state()
@@ -206,21 +229,30 @@ class RowPool:
     def _setup(self, decoder: Decoder, shape: RowShape) -> None:
         self.decoder, self.shape = decoder, shape
         self.rows, self.max_len, self.max_prompt = shape.rows, shape.max_len, shape.max_prompt
-        self.spec, self.greedy_spec, self.slots, self.tiers = shape.spec, shape.greedy_spec, shape.slots, shape.tiers
-        self.method, self.block, self.budget = shape.spec.method, shape.spec.block, shape.spec.budget
+        self.spec, self.greedy_spec, self.slots, self.tiers = (
+            shape.spec,
+            shape.greedy_spec,
+            shape.slots,
+            shape.tiers,
+        )
+        self.method, self.block, self.budget = (
+            shape.spec.method,
+            shape.spec.block,
+            shape.spec.budget,
+        )
         self.models = decoder.models_for(self.spec)
         self.buckets = sorted({prompt_bucket(n) for n in range(1, self.max_prompt + 1)})
-        # Host copies of the per-row settings; the device copy is replaced whole at the first round after
-        # admissions (a few hundred bytes), free rows keep their last request's settings: a done row changes
-        # nothing whatever they say.
+        # Host copies of the per-row settings; the device copy is replaced whole at
+        # the first round after admissions (a few hundred bytes), free rows keep their
+        # last request's settings: a done row changes nothing whatever they say.
         self._max_length = np.full((self.rows,), 2, np.int32)
         self._stop_ids = np.full((self.rows, MAX_STOP_TOKENS), -1, np.int32)
         self._settings = [GREEDY] * self.rows
         self.requests: Requests | None = None  # the device copy, made when a round needs it
         self.state: DecodeState | None = None
         self.active: dict[int, _Row] = {}
-        # Reports not yet read: the prefills since the last dispatch, and per round dispatched those before it
-        # and its own.
+        # Reports not yet read: the prefills since the last dispatch,
+        # and per round dispatched those before it and its own.
         self._prefilled: list[_Report] = []
         self._in_flight: collections.deque[list[_Report]] = collections.deque()
 
@@ -232,11 +264,16 @@ class RowPool:
     def free_rows(self) -> list[int]:
         return [row for row in range(self.rows) if row not in self.active]
 
-    def check(self, prompt: list[int], max_new_tokens: int, stop_ids: list[int], sampling: Sampling) -> None:
-        """Raise ``InputError`` naming what in a request this pool cannot run (nothing is changed)."""
+    def check(
+        self, prompt: list[int], max_new_tokens: int, stop_ids: list[int], sampling: Sampling
+    ) -> None:
+        """Raise ``InputError`` naming what in a request
+        this pool cannot run (nothing is changed)."""
         check_tokens([prompt], self.decoder.config.vocab_size)
         if len(prompt) > self.max_prompt:
-            raise InputError.at("prompt", f"{len(prompt)} tokens, this server admits at most {self.max_prompt}")
+            raise InputError.at(
+                "prompt", f"{len(prompt)} tokens, this server admits at most {self.max_prompt}"
+            )
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError.at("max_tokens", f"must be an integer >= 1, got {max_new_tokens!r}")
         if len(prompt) + max_new_tokens > self.max_len:
@@ -249,9 +286,11 @@ class RowPool:
         if not isinstance(sampling, Sampling):
             raise InputError.at("sampling", "expected a jaxdd.Sampling")
 
-    def admit(self, prompt: list[int], max_new_tokens: int, stop_ids: list[int], sampling: Sampling) -> int:
-        """Prefill a request alone into a free row, without waiting for it: its row. Its first token comes with
-        the next round's tokens (``collect``)."""
+    def admit(
+        self, prompt: list[int], max_new_tokens: int, stop_ids: list[int], sampling: Sampling
+    ) -> int:
+        """Prefill a request alone into a free row, without waiting for it: its
+        row. Its first token comes with the next round's tokens (``collect``)."""
         self.check(prompt, max_new_tokens, stop_ids, sampling)
         free = self.free_rows()
         if not free:
@@ -264,26 +303,42 @@ class RowPool:
         self._hold(row, request)
         one = self._host_requests(slice(row, row + 1))
         mesh = self.decoder.mesh
-        args = (self.spec, self.models, self.state, np.int32(row), tokens, prompt_len, one, seeds, self.slots, mesh)
+        args = (
+            self.spec,
+            self.models,
+            self.state,
+            np.int32(row),
+            tokens,
+            prompt_len,
+            one,
+            seeds,
+            self.slots,
+            mesh,
+        )
         self.state, report = prefill_row(*args)
         self._prefilled.append(_Report(report, 0, [(row, 0, self.active[row])]))
         return row
 
     def admit_all(self, requests: list[RowRequest]) -> None:
-        """Prefill ``requests`` (checked) together into rows 0, 1, ... of a pool made by ``of_shape``, in one call
-        at the longest prompt's bucket, the rest of the rows padding; their first tokens come with the next
-        ``collect``."""
+        """Prefill ``requests`` (checked) together into rows 0, 1, ... of a pool
+        made by ``of_shape``, in one call at the longest prompt's bucket, the rest
+        of the rows padding; their first tokens come with the next ``collect``."""
         if self.state is not None or len(requests) > self.rows:
-            raise InputError.at("requests", f"admit_all takes at most {self.rows} requests into a new pool")
+            raise InputError.at(
+                "requests", f"admit_all takes at most {self.rows} requests into a new pool"
+            )
         padded = prompt_bucket(max(len(r.prompt) for r in requests))
         tokens, prompt_len, seeds = pad_requests(requests, self.rows, padded)
         for row, request in enumerate(requests):
             self._hold(row, request)
-        self.requests = jax.device_put(self._host_requests())  # the prefill and every round read them
+        # the prefill and every round read them
+        self.requests = jax.device_put(self._host_requests())
         mesh = self.decoder.mesh
         args = (self.spec, self.models, tokens, prompt_len, self.requests, seeds, self.slots, mesh)
         self.state, report = prefill(*args)
-        self._prefilled.append(_Report(report, 0, [(row, row, e) for row, e in self.active.items()]))
+        self._prefilled.append(
+            _Report(report, 0, [(row, row, e) for row, e in self.active.items()])
+        )
 
     def _hold(self, row: int, request: RowRequest) -> None:
         """Mark ``row`` as ``request``'s (its settings reach the device with the next round)."""
@@ -295,13 +350,14 @@ class RowPool:
         self.active[row] = _Row(request.max_new_tokens)
 
     def release(self, row: int) -> None:
-        """Free a row (a cancelled request): its device row keeps running until a new request overwrites it,
-        which costs nothing extra (the round's shape is fixed) and touches no other row."""
+        """Free a row (a cancelled request): its device row keeps
+        running until a new request overwrites it, which costs nothing
+        extra (the round's shape is fixed) and touches no other row."""
         self.active.pop(row, None)
 
     def reset(self) -> None:
-        """Every row free in a fresh state, nothing in flight: after a fault, the old state may have been donated
-        to a call that never returned."""
+        """Every row free in a fresh state, nothing in flight: after a fault,
+        the old state may have been donated to a call that never returned."""
         self.active.clear()
         self._prefilled.clear()
         self._in_flight.clear()
@@ -314,13 +370,13 @@ class RowPool:
         return len(self._in_flight)
 
     def may_finish(self) -> bool:
-        """Whether a busy row may reach its length in the next round (a round dispatched ahead of it would be
-        wasted work)."""
+        """Whether a busy row may reach its length in the next round
+        (a round dispatched ahead of it would be wasted work)."""
         return any(e.produced + self.width >= e.max_new_tokens for e in self.active.values())
 
     def dispatch(self) -> None:
-        """Start one round for every row without waiting for it: the greedy round while every active row is
-        greedy, else the sampled one."""
+        """Start one round for every row without waiting for it: the greedy
+        round while every active row is greedy, else the sampled one."""
         sampled = any(not self._settings[row].greedy for row in self.active)
         tier = next(t for t in self.tiers if t > max(self.active, default=0))
         self._run_round(self.spec if sampled else self.greedy_spec, tier)
@@ -338,9 +394,9 @@ class RowPool:
         self._prefilled = []
 
     def collect(self) -> dict[int, RowUpdate]:
-        """The oldest dispatched round's new tokens (after the first token of each row prefilled before it), or
-        with no round dispatched the prefills', for each row still held by the request it ran for; finished rows
-        leave the pool."""
+        """The oldest dispatched round's new tokens (after the first token of each
+        row prefilled before it), or with no round dispatched the prefills', for each
+        row still held by the request it ran for; finished rows leave the pool."""
         if self._in_flight:
             reports = self._in_flight.popleft()
         else:
@@ -349,13 +405,20 @@ class RowPool:
         for device_report, trace, holders in reports:
             report = RoundReport.decode(device_report, self.width, trace)
             for row, index, entry in holders:
-                if self.active.get(row) is not entry:  # released, or already finished by an earlier report
+                # released, or already finished by an earlier report
+                if self.active.get(row) is not entry:
                     continue
                 tokens = report.emitted(index)
                 first = entry.produced == 0
                 entry.produced += len(tokens)
                 stopped = bool(report.stopped[index])
-                finish = "stop" if stopped else "length" if entry.produced >= entry.max_new_tokens else None
+                finish = (
+                    "stop"
+                    if stopped
+                    else "length"
+                    if entry.produced >= entry.max_new_tokens
+                    else None
+                )
                 if row in updates:
                     tokens, first = updates[row].tokens + tokens, updates[row].first
                 row_trace = None if report.trace is None or not tokens else report.trace[index]
@@ -365,8 +428,8 @@ class RowPool:
         return updates
 
     def discard(self) -> None:
-        """Wait for the rounds still in flight and drop their reports (every row is done: they changed
-        nothing)."""
+        """Wait for the rounds still in flight and drop their
+        reports (every row is done: they changed nothing)."""
         jax.block_until_ready([[r.report for r in reports] for reports in self._in_flight])
         self._in_flight.clear()
 
@@ -386,15 +449,17 @@ class RowPool:
         drafter = None if self.spec.method == "ar" else self.decoder.drafter.config
         seeds = jnp.zeros((self.rows,), jnp.uint32)
         dtype = self.decoder.target.model.dtype
-        state = DecodeState.empty(config, drafter, self.rows, self.slots, self.spec.block, dtype, seed_keys(seeds))
+        state = DecodeState.empty(
+            config, drafter, self.rows, self.slots, self.spec.block, dtype, seed_keys(seeds)
+        )
         state = state.replace(done=jnp.ones((self.rows,), bool))
         mesh = self.decoder.mesh
         return jax.device_put(state, state_shardings(state, mesh)) if mesh is not None else state
 
     def warm_up(self) -> None:
-        """Compile every executable the pool will run: each prompt bucket's prefill and each tier's sampled and
-        greedy rounds (twice each, so a second call finds what the first left: shardings and layouts settle after
-        one)."""
+        """Compile every executable the pool will run: each prompt bucket's prefill
+        and each tier's sampled and greedy rounds (twice each, so a second call
+        finds what the first left: shardings and layouts settle after one)."""
         for _ in range(2):
             for padded in self.buckets:
                 self.admit([1] * min(padded, self.max_prompt), 1, [], GREEDY)

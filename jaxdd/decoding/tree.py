@@ -1,17 +1,20 @@
-"""DDTree draft trees: the paper's best-first builder (host oracle), its vectorized device twin, and the accept walk.
+"""DDTree draft trees: the paper's best-first builder (host
+oracle), its vectorized device twin, and the accept walk.
 
-A node is a path of per-depth ranks (r1, ..., rd) into the drafter's top-k at each depth; its score is the sum of
-those ranks' log-probabilities (log-softmax over the full vocabulary, fp32). The paper
-(liranringel/ddtree ``build_ddtree_tree``) pops nodes from a heap, best score first, ties broken by the rank tuple,
-until ``budget`` nodes are out. Since a child never scores above its parent nor a sibling above its elder sibling,
-that pop order is simply "descending score, ties by rank tuple" over all nodes, and the best ``budget`` nodes at
-depth d are children of the best ``budget`` at depth d-1. The device build uses exactly that: a beam of width
-``budget`` per depth, then one sort over all beams. Scores are fp32 running sums (parent + log-prob), which keeps
-the order monotone; the oracle reproduces the paper's float64 incremental arithmetic, so the two agree unless two
-competing scores lie within float rounding of each other (see tests/decoding/test_tree.py for the stated tolerance).
+A node is a path of per-depth ranks (r1, ..., rd) into the drafter's top-k at each depth; its
+score is the sum of those ranks' log-probabilities (log-softmax over the full vocabulary,
+fp32). The paper (liranringel/ddtree ``build_ddtree_tree``) pops nodes from a heap, best
+score first, ties broken by the rank tuple, until ``budget`` nodes are out. Since a child
+never scores above its parent nor a sibling above its elder sibling, that pop order is simply
+"descending score, ties by rank tuple" over all nodes, and the best ``budget`` nodes at depth
+d are children of the best ``budget`` at depth d-1. The device build uses exactly that: a
+beam of width ``budget`` per depth, then one sort over all beams. Scores are fp32 running
+sums (parent + log-prob), which keeps the order monotone; the oracle reproduces the paper's
+float64 incremental arithmetic, so the two agree unless two competing scores lie within float
+rounding of each other (see tests/decoding/test_tree.py for the stated tolerance).
 
-Trees are laid out with the root (the bonus token) at index 0 and nodes 1..budget in pop order, so a parent's
-index is always below its children's.
+Trees are laid out with the root (the bonus token) at index 0 and nodes
+1..budget in pop order, so a parent's index is always below its children's.
 """
 
 from __future__ import annotations
@@ -42,11 +45,17 @@ def tree_log_probs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 def build_tree(
-    draft_logits: jax.Array, bonus: jax.Array, depth_limit: jax.Array, budget: int, max_children: int | None = None
+    draft_logits: jax.Array,
+    bonus: jax.Array,
+    depth_limit: jax.Array,
+    budget: int,
+    max_children: int | None = None,
 ) -> DraftTree:
-    """Trees for a batch: draft_logits [B, L, V] of the L draft positions, bonus [B], depth_limit [B] (<= L).
+    """Trees for a batch: draft_logits [B, L, V] of the L
+    draft positions, bonus [B], depth_limit [B] (<= L).
 
-    ``max_children`` caps the top-k per depth (1 gives the DFlash chain); by default k = min(budget, V).
+    ``max_children`` caps the top-k per depth (1 gives
+    the DFlash chain); by default k = min(budget, V).
     """
     vocab = draft_logits.shape[-1]
     k = min(budget, vocab, max_children or budget)
@@ -58,7 +67,8 @@ def build_tree(
 
 
 def _build_one(lp: jax.Array, top_tokens: jax.Array, depth_limit: jax.Array, budget: int):
-    """One tree from top-k log-probs lp [L, k]: (tokens [budget], parents/depths/valid [budget + 1])."""
+    """One tree from top-k log-probs lp [L, k]: (tokens
+    [budget], parents/depths/valid [budget + 1])."""
     depth_count, k = lp.shape
     width = budget  # beam width per depth: the best ``budget`` nodes of each depth
     slots = jnp.arange(width)
@@ -70,11 +80,14 @@ def _build_one(lp: jax.Array, top_tokens: jax.Array, depth_limit: jax.Array, bud
     levels = [(score, valid, ranks, parent_slot)]
     for d in range(1, depth_count):
         prev_score, prev_valid, prev_ranks, _ = levels[-1]
-        # Every (parent slot, rank) pair; beam slots are kept in rank-tuple order, so the flat index slot * k + rank
-        # is the lexicographic order, which is how top_k breaks ties (lower index first). One top_k per depth
-        # instead of sorting candidates: a GPU runs it as one kernel, a sort as several.
+        # Every (parent slot, rank) pair; beam slots are kept in rank-tuple order,
+        # so the flat index slot * k + rank is the lexicographic order, which is
+        # how top_k breaks ties (lower index first). One top_k per depth instead
+        # of sorting candidates: a GPU runs it as one kernel, a sort as several.
         cand_valid = prev_valid[:, None] & (d < depth_limit)
-        cand_score = jnp.where(cand_valid, prev_score[:, None] + lp[d][None, :], -jnp.inf).reshape(-1)
+        cand_score = jnp.where(cand_valid, prev_score[:, None] + lp[d][None, :], -jnp.inf).reshape(
+            -1
+        )
         chosen = jnp.sort(jax.lax.top_k(cand_score, width)[1])
         parent_slot = chosen // k
         rank = chosen % k
@@ -84,10 +97,13 @@ def _build_one(lp: jax.Array, top_tokens: jax.Array, depth_limit: jax.Array, bud
 
     score, valid, ranks, parent_slot = (jnp.concatenate(x) for x in zip(*levels, strict=True))
     depth = jnp.repeat(jnp.arange(depth_count), width)
-    # Pop order: valid first, descending score, then the rank tuple (shorter prefix first: padding is -1).
+    # Pop order: valid first, descending score, then the
+    # rank tuple (shorter prefix first: padding is -1).
     keys = [ranks[:, d] for d in reversed(range(depth_count))] + [_order_key(score, valid)]
     order = jnp.lexsort(keys)[:budget]
-    node_index = jnp.zeros((depth_count * width,), jnp.int32).at[order].set(jnp.arange(1, budget + 1))
+    node_index = (
+        jnp.zeros((depth_count * width,), jnp.int32).at[order].set(jnp.arange(1, budget + 1))
+    )
     level_parent = jnp.where(depth > 0, (depth - 1) * width + parent_slot, 0)
     parents = jnp.where(depth[order] > 0, node_index[level_parent[order]], 0)
     node_valid = valid[order]
@@ -107,36 +123,42 @@ def _order_key(score: jax.Array, valid: jax.Array) -> jax.Array:
 
 
 def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
-    """[B, N, N] ancestor-or-self mask from parents [B, N] (root's parent = itself), by pointer jumping:
-    each step adds the rows of the 2^s-th ancestor, doubling the levels covered, so log2(max_depth) steps."""
+    """[B, N, N] ancestor-or-self mask from parents [B, N] (root's parent
+    = itself), by pointer jumping: each step adds the rows of the 2^s-th
+    ancestor, doubling the levels covered, so log2(max_depth) steps."""
     n = parents.shape[-1]
     visible = jax.nn.one_hot(jnp.arange(n), n, dtype=bool) | jax.nn.one_hot(parents, n, dtype=bool)
     jump = parents
     reach = 1
     while reach < max_depth:
-        visible |= jnp.take_along_axis(visible, jump[..., None], axis=-2)  # rows of the 2^s-th ancestor
+        # rows of the 2^s-th ancestor
+        visible |= jnp.take_along_axis(visible, jump[..., None], axis=-2)
         jump = jnp.take_along_axis(jump, jump, axis=-1)
         reach *= 2
     return visible
 
 
-def accept_path(tree: DraftTree, posterior: jax.Array, max_depth: int) -> tuple[jax.Array, jax.Array]:
-    """Greedy walk: from the root, descend into the child whose token is the target's choice at the parent.
+def accept_path(
+    tree: DraftTree, posterior: jax.Array, max_depth: int
+) -> tuple[jax.Array, jax.Array]:
+    """Greedy walk: from the root, descend into the child
+    whose token is the target's choice at the parent.
 
     posterior [B, N]: the target's token at each node. Returns the accepted path's node indices
-    [B, max_depth + 1] (entries past its end point at the root) and the number of accepted drafts [B].
-    Sibling tokens are distinct, so at most one node per depth lies on the path.
+    [B, max_depth + 1] (entries past its end point at the root) and the number of accepted
+    drafts [B]. Sibling tokens are distinct, so at most one node per depth lies on the path.
     """
     matches = (tree.tokens == jnp.take_along_axis(posterior, tree.parents, axis=-1)) & tree.valid
     matches = matches.at[:, 0].set(True)
-    on_path = ~(tree.visible & ~matches[:, None, :]).any(-1)  # every ancestor matched its parent's choice
+    # every ancestor matched its parent's choice
+    on_path = ~(tree.visible & ~matches[:, None, :]).any(-1)
     accepted = jnp.where(on_path, tree.depths, 0).max(-1)
     depth_slots = jnp.arange(max_depth + 1)[None, :, None]
     at_depth = on_path[:, None, :] & (tree.depths[:, None, :] == depth_slots)  # [B, depth, node]
     return jnp.argmax(at_depth, axis=-1).astype(jnp.int32), accepted
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Host oracle: the paper's heap, with its float64 incremental arithmetic
 
 
@@ -148,13 +170,15 @@ class HostTree(NamedTuple):
 
 
 def build_tree_host(logits: np.ndarray, budget: int, max_children: int | None = None) -> HostTree:
-    """liranringel/ddtree ``build_ddtree_tree`` on logits [L, V] (numpy), for tests and cross-checks."""
+    """liranringel/ddtree ``build_ddtree_tree`` on logits
+    [L, V] (numpy), for tests and cross-checks."""
     logits = np.asarray(logits, np.float32)
     depth_limit, vocab = logits.shape
     if budget <= 0 or depth_limit == 0:
         return HostTree(np.zeros(0, np.int64), np.zeros(0, np.int64), np.array([-1]), np.zeros(0))
     k = min(budget, vocab, max_children or budget)
-    order = np.argsort(-logits, axis=-1, kind="stable")[:, :k]  # ties: lower token id first, as lax.top_k
+    # ties: lower token id first, as lax.top_k
+    order = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
     top = np.take_along_axis(logits, order, axis=-1)
     shifted = logits - logits.max(-1, keepdims=True)
     lse = (np.log(np.exp(shifted).sum(-1, dtype=np.float32)) + logits.max(-1)).astype(np.float32)
@@ -174,7 +198,9 @@ def build_tree_host(logits: np.ndarray, budget: int, max_children: int | None = 
         index = len(tokens)
         if rank + 1 < k:
             sibling = logw - lp[depth - 1, rank] + lp[depth - 1, rank + 1]
-            heapq.heappush(heap, (-sibling, (*ranks[:-1], rank + 1), parent, depth, rank + 1, sibling))
+            heapq.heappush(
+                heap, (-sibling, (*ranks[:-1], rank + 1), parent, depth, rank + 1, sibling)
+            )
         if depth < depth_limit:
             child = logw + lp[depth, 0]
             heapq.heappush(heap, (-child, (*ranks, 0), index, depth + 1, 0, child))

@@ -1,5 +1,6 @@
-"""Multi-head latent attention (MLA) over the static latent cache, in three forms: naive (HF's), absorbed
-(DeepSeek's decode form) and the Pallas tree-attention kernel; each form is one method of ``MLAttention``."""
+"""Multi-head latent attention (MLA) over the static latent cache, in three
+forms: naive (HF's), absorbed (DeepSeek's decode form) and the Pallas
+tree-attention kernel; each form is one method of ``MLAttention``."""
 
 from __future__ import annotations
 
@@ -19,31 +20,35 @@ from jaxdd.types import Attention
 
 
 def attention_mask(length: jax.Array, visible: jax.Array, slots: int) -> jax.Array:
-    """[B, T, slots]: committed slots (< length) for everyone; new token j's slot (length + j) where visible."""
+    """[B, T, slots]: committed slots (< length) for everyone;
+    new token j's slot (length + j) where visible."""
     slot = jnp.arange(slots)[None, None, :]
     start = length[:, None, None]
     new_index = jnp.clip(slot - start, 0, visible.shape[-1] - 1)
     is_new = (slot >= start) & (slot < start + visible.shape[-1])
-    new_visible = jnp.take_along_axis(visible, jnp.broadcast_to(new_index, (*visible.shape[:2], slots)), axis=-1)
+    new_visible = jnp.take_along_axis(
+        visible, jnp.broadcast_to(new_index, (*visible.shape[:2], slots)), axis=-1
+    )
     return (slot < start) | (is_new & new_visible)
 
 
 def _write_after(value: jax.Array, rows: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    """``rows`` unchanged, made to depend on ``value``: their write into the cache is then scheduled after the
-    reads of the cache that produced ``value``, so it can update the (donated) buffer in place. XLA has no other
-    way to order them (``optimization_barrier`` is dropped on CPU). ``nan_to_num`` keeps the sum exact: 0 * x is
-    0 for any finite x."""
+    """``rows`` unchanged, made to depend on ``value``: their write into the cache is then
+    scheduled after the reads of the cache that produced ``value``, so it can update the
+    (donated) buffer in place. XLA has no other way to order them (``optimization_barrier``
+    is dropped on CPU). ``nan_to_num`` keeps the sum exact: 0 * x is 0 for any finite x."""
     zero = 0 * jnp.nan_to_num(value.reshape(-1)[0])
     return tuple(r + zero.astype(r.dtype) for r in rows)
 
 
-# Absorbed attention's products with weights and cache rows. Decoding on one CPU device they go through
-# ``jaxdd.runtime.cpu_kernels`` (``kernels``; XLA:CPU runs each on one thread at a fraction of the read bandwidth),
-# elsewhere through the einsum they compute.
+# Absorbed attention's products with weights and cache rows. Decoding on one CPU device
+# they go through ``jaxdd.runtime.cpu_kernels`` (``kernels``; XLA:CPU runs each on one
+# thread at a fraction of the read bandwidth), elsewhere through the einsum they compute.
 
 
 def _per_head(x: jax.Array, weight: jax.Array, kernels: ModuleType | None) -> jax.Array:
-    """x [B, T, H, K] . weight [H, N, K] -> [B, T, H, N], head by head (the absorbed key and value projections)."""
+    """x [B, T, H, K] . weight [H, N, K] -> [B, T, H, N],
+    head by head (the absorbed key and value projections)."""
     if kernels is None:
         return jnp.einsum("bthk,hnk->bthn", x, weight)
     b, t, h, k = x.shape
@@ -60,8 +65,8 @@ def _cache_scores(q: jax.Array, rows: jax.Array, kernels: ModuleType | None) -> 
 
 
 def _cache_values(rows: jax.Array, probs: jax.Array, kernels: ModuleType | None) -> jax.Array:
-    """rows [B, S, K] weighted by probs [B, H, T, S] -> [B, T, H, K]. Cache first: XLA:CPU then keeps the cache as
-    stored in this batched matmul (no relayout)."""
+    """rows [B, S, K] weighted by probs [B, H, T, S] -> [B, T, H, K]. Cache first:
+    XLA:CPU then keeps the cache as stored in this batched matmul (no relayout)."""
     if kernels is None:
         return jnp.einsum("bsk,bhts->bthk", rows, probs)
     b, h, t, s = probs.shape
@@ -70,13 +75,14 @@ def _cache_values(rows: jax.Array, probs: jax.Array, kernels: ModuleType | None)
 
 
 class MLAttention(nnx.Module, Placeable):
-    """Multi-head latent attention. K/V live in the cache as one normed latent row plus one rope key per token.
+    """Multi-head latent attention. K/V live in the cache
+    as one normed latent row plus one rope key per token.
 
-    ``naive`` expands the latents into per-head keys and values (HF's formulation); ``absorbed`` folds the
-    key up-projection into the query and the value up-projection after the attention (DeepSeek's decode form),
-    so attention runs over the 512 + 64 wide rows directly. They are equal up to float reassociation.
-    ``pallas`` is the absorbed form with the attention itself in the Pallas tree-attention kernel
-    (``pallas_kernels.tree_attention``; interpreted on CPU).
+    ``naive`` expands the latents into per-head keys and values (HF's formulation); ``absorbed``
+    folds the key up-projection into the query and the value up-projection after the attention
+    (DeepSeek's decode form), so attention runs over the 512 + 64 wide rows directly. They are
+    equal up to float reassociation. ``pallas`` is the absorbed form with the attention itself
+    in the Pallas tree-attention kernel (``pallas_kernels.tree_attention``; interpreted on CPU).
     """
 
     def __init__(self, config: KimiConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
@@ -107,12 +113,14 @@ class MLAttention(nnx.Module, Placeable):
         attention: Attention,
         backend: Backend,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """x [B,T,D]; cache_rows (latent [B,S,r], rope [B,S,dr]); the new tokens see the committed slots
-        (< length) and each other where visible [B,T,T]; mask [B,T,S] is the same over the cache slots.
+        """x [B,T,D]; cache_rows (latent [B,S,r], rope [B,S,dr]); the new
+        tokens see the committed slots (< length) and each other where
+        visible [B,T,T]; mask [B,T,S] is the same over the cache slots.
 
-        This step's rows go to slots ``length .. length + T - 1``: ``naive`` and ``pallas`` write them first and
-        attend over the cache alone (no concatenated copy of it per layer); ``absorbed`` attends to the cache and
-        the new rows separately and writes them last. Returns the output [B,T,D] and the updated rows.
+        This step's rows go to slots ``length .. length + T - 1``: ``naive`` and
+        ``pallas`` write them first and attend over the cache alone (no concatenated copy
+        of it per layer); ``absorbed`` attends to the cache and the new rows separately
+        and writes them last. Returns the output [B,T,D] and the updated rows.
         """
         c = self.config
         cos, sin = cos_sin
@@ -122,27 +130,37 @@ class MLAttention(nnx.Module, Placeable):
         q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None], c.rope_interleave)
 
         kv = linear(*unmerged(x, self.kv_a_proj[...]), backend)
-        latent = self.kv_a_norm(kv[..., : c.kv_lora_rank])  # the norm covers the latent only, not the rope key
+        # the norm covers the latent only, not the rope key
+        latent = self.kv_a_norm(kv[..., : c.kv_lora_rank])
         k_pe = apply_rope(kv[..., c.kv_lora_rank :], cos, sin, c.rope_interleave)
 
         forms = {"absorbed": self._absorbed, "pallas": self._pallas, "naive": self._naive}
         if attention not in forms:
-            raise ValueError(f"attention: expected 'naive', 'absorbed' or 'pallas', got {attention!r}")
-        out, rows = forms[attention](q_nope, q_pe, latent, k_pe, cache_rows, length, visible, mask, backend)
+            raise ValueError(
+                f"attention: expected 'naive', 'absorbed' or 'pallas', got {attention!r}"
+            )
+        out, rows = forms[attention](
+            q_nope, q_pe, latent, k_pe, cache_rows, length, visible, mask, backend
+        )
         return project_heads(out, self.o_proj[...], backend), rows
 
     def _absorbed(self, q_nope, q_pe, latent, k_pe, cache_rows, length, visible, mask, backend):
-        """The committed cache and the new rows as two sets of keys joined for one softmax, the new rows written
-        afterwards: written first, a one-token step makes XLA:CPU copy each layer's whole cache."""
+        """The committed cache and the new rows as two sets of keys joined
+        for one softmax, the new rows written afterwards: written first, a
+        one-token step makes XLA:CPU copy each layer's whole cache."""
         kernels = backend.decode_kernels(q_nope.shape[0] * q_nope.shape[1])
         q_latent = _per_head(q_nope, self.k_up[...], kernels)
         cache_latent, cache_rope = cache_rows
         slots = cache_latent.shape[1]
-        committed = jnp.broadcast_to(jnp.arange(slots) < length[:, None, None], (*visible.shape[:2], slots))
+        committed = jnp.broadcast_to(
+            jnp.arange(slots) < length[:, None, None], (*visible.shape[:2], slots)
+        )
         scores = jnp.concatenate(
             [
-                _cache_scores(q_latent, cache_latent, kernels) + _cache_scores(q_pe, cache_rope, kernels),
-                jnp.einsum("bthr,bur->bhtu", q_latent, latent) + jnp.einsum("bthd,bud->bhtu", q_pe, k_pe),
+                _cache_scores(q_latent, cache_latent, kernels)
+                + _cache_scores(q_pe, cache_rope, kernels),
+                jnp.einsum("bthr,bur->bhtu", q_latent, latent)
+                + jnp.einsum("bthd,bud->bhtu", q_pe, k_pe),
             ],
             axis=-1,
         )
@@ -151,7 +169,10 @@ class MLAttention(nnx.Module, Placeable):
         out_latent += jnp.einsum("bur,bhtu->bthr", latent, probs[..., slots:])
         out = _per_head(out_latent, self.v_up[...], kernels)
         rows = _write_after(out_latent, (latent, k_pe))
-        new_rows = write_rows(cache_latent, rows[0], length), write_rows(cache_rope, rows[1], length)
+        new_rows = (
+            write_rows(cache_latent, rows[0], length),
+            write_rows(cache_rope, rows[1], length),
+        )
         return out, new_rows
 
     def _pallas(self, q_nope, q_pe, latent, k_pe, cache_rows, length, visible, mask, backend):
@@ -168,23 +189,29 @@ class MLAttention(nnx.Module, Placeable):
             return out, *_write_after(out, (latent, k_pe))
 
         if self.placement is not None and self.placement[0].size > 1:
-            # A Pallas kernel is opaque to XLA's partitioner: run it per device on that device's heads (all of
-            # them where the mesh does not split the heads; Mosaic refuses to be partitioned at all). The rows
-            # depend on each device's own output, so ordering them needs no collective.
+            # A Pallas kernel is opaque to XLA's partitioner: run it per device on
+            # that device's heads (all of them where the mesh does not split the
+            # heads; Mosaic refuses to be partitioned at all). The rows depend on
+            # each device's own output, so ordering them needs no collective.
             split = partition_spec((c.num_attention_heads,), ("heads",), *self.placement)[0]
             whole = jax.sharding.PartitionSpec()
             heads = jax.sharding.PartitionSpec(None, None, AXIS) if split else whole
             specs = (heads, heads, *(whole,) * 6)
             mesh = self.placement[0]
-            attend = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=(heads, whole, whole), check_vma=False)
-        out_latent, latent, k_pe = attend(q_latent, q_pe, *cache_rows, length, latent, k_pe, visible)
+            attend = jax.shard_map(
+                attend, mesh=mesh, in_specs=specs, out_specs=(heads, whole, whole), check_vma=False
+            )
+        out_latent, latent, k_pe = attend(
+            q_latent, q_pe, *cache_rows, length, latent, k_pe, visible
+        )
         out = jnp.einsum("bthr,hdr->bthd", out_latent.astype(q_pe.dtype), self.v_up[...])
         keys_latent = write_rows(cache_rows[0], latent, length)  # [B, S, r]
         keys_rope = write_rows(cache_rows[1], k_pe, length)  # [B, S, dr]
         return out, (keys_latent, keys_rope)
 
     def _naive(self, q_nope, q_pe, latent, k_pe, cache_rows, length, visible, mask, backend):
-        """HF's formulation: the latents expanded into per-head keys and values, the rows written first."""
+        """HF's formulation: the latents expanded into
+        per-head keys and values, the rows written first."""
         c = self.config
         keys_latent = write_rows(cache_rows[0], latent, length)  # [B, S, r]
         keys_rope = write_rows(cache_rows[1], k_pe, length)  # [B, S, dr]
@@ -192,14 +219,17 @@ class MLAttention(nnx.Module, Placeable):
         values = jnp.einsum("bsr,hdr->bshd", keys_latent, self.v_up[...])
         # One score matmul over the [nope | rope] channels, as HF concatenates them: on XLA:CPU two
         # matmuls and their sum cost more.
-        k_pe_heads = jnp.broadcast_to(keys_rope[:, :, None], (*k_nope.shape[:3], c.qk_rope_head_dim))
+        k_pe_heads = jnp.broadcast_to(
+            keys_rope[:, :, None], (*k_nope.shape[:3], c.qk_rope_head_dim)
+        )
         keys = jnp.concatenate([k_nope, k_pe_heads], axis=-1)
         scores = jnp.einsum("bthd,bshd->bhts", jnp.concatenate([q_nope, q_pe], axis=-1), keys)
         out = jnp.einsum("bhts,bshd->bthd", self._softmax(scores, mask), values)
         return out, (keys_latent, keys_rope)
 
     def _softmax(self, scores: jax.Array, mask: jax.Array) -> jax.Array:
-        # HF: scale in the activation dtype, softmax in fp32, probabilities back in the activation dtype.
+        # HF: scale in the activation dtype, softmax in
+        # fp32, probabilities back in the activation dtype.
         scores = (scores * self.config.softmax_scale).astype(jnp.float32)
         scores = jnp.where(mask[:, None], scores, -jnp.inf)
         return jax.nn.softmax(scores, axis=-1).astype(self.k_up.dtype)

@@ -1,9 +1,10 @@
 """The target's static-shape MLA latent cache.
 
-MLA caches one compressed row per token and layer, shared by all heads: the normed latent ``c_kv``
-(kv_lora_rank values) and the rotated rope key ``k_pe`` (qk_rope_head_dim values), 576 values for Kimi instead
-of 64 x (192 + 128) for a per-head cache. Shapes never change, so one compiled step serves every round;
-``length`` says how many leading slots of each sequence are committed (visible to later tokens).
+MLA caches one compressed row per token and layer, shared by all heads: the normed
+latent ``c_kv`` (kv_lora_rank values) and the rotated rope key ``k_pe``
+(qk_rope_head_dim values), 576 values for Kimi instead of 64 x (192 + 128) for a
+per-head cache. Shapes never change, so one compiled step serves every round; ``length``
+says how many leading slots of each sequence are committed (visible to later tokens).
 
 Every layer's rows are a buffer of their own (a tuple, not one stacked array): a jitted round with
 the state donated then writes each layer's new rows in place. With one ``[layers, ...]`` array,
@@ -21,7 +22,8 @@ from flax import struct
 
 from jaxdd.config import KimiConfig
 
-MAX_UNROLLED_BATCH = 8  # ``write_rows``: one in-place update per sequence up to this batch, a scatter beyond
+# ``write_rows``: one in-place update per sequence up to this batch, a scatter beyond
+MAX_UNROLLED_BATCH = 8
 
 
 @struct.dataclass
@@ -49,22 +51,25 @@ class LatentCache:
 
 
 def compact_rows(cache: LatentCache, start: jax.Array, rows: jax.Array) -> LatentCache:
-    """Move each sequence's rows at slots start + rows[:, j] to start + j (all layers): the accepted tree path
-    becomes contiguous. rows [B, P] must be increasing along j where it matters (a path's node indices are)."""
+    """Move each sequence's rows at slots start + rows[:, j] to start + j
+    (all layers): the accepted tree path becomes contiguous. rows [B, P] must
+    be increasing along j where it matters (a path's node indices are)."""
 
     def move(buffer: jax.Array) -> jax.Array:  # [B, S, d]
-        return write_rows(buffer, jnp.take_along_axis(buffer, (start[:, None] + rows)[:, :, None], axis=1), start)
+        return write_rows(
+            buffer, jnp.take_along_axis(buffer, (start[:, None] + rows)[:, :, None], axis=1), start
+        )
 
     return cache.replace(latent=tuple(map(move, cache.latent)), rope=tuple(map(move, cache.rope)))
 
 
 def write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array, axis: int = 1) -> jax.Array:
-    """Write rows [batch, ..., T, ...] into buffer [batch, ..., slots, ...] at slots start[b] .. start[b] + T - 1
-    of ``axis`` (the slot axis of both).
+    """Write rows [batch, ..., T, ...] into buffer [batch, ..., slots, ...] at
+    slots start[b] .. start[b] + T - 1 of ``axis`` (the slot axis of both).
 
-    Like every dynamic update in XLA this clamps out-of-range starts; callers check bounds on the host.
-    Small batches write each sequence with its own in-place update: vmapped, the update becomes a scatter,
-    which XLA:CPU runs as a select over the whole buffer.
+    Like every dynamic update in XLA this clamps out-of-range starts; callers check bounds
+    on the host. Small batches write each sequence with its own in-place update: vmapped,
+    the update becomes a scatter, which XLA:CPU runs as a select over the whole buffer.
     """
     rows = rows.astype(buffer.dtype)
     if buffer.shape[0] > MAX_UNROLLED_BATCH:

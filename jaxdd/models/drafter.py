@@ -1,11 +1,11 @@
 """The DFlash drafter (z-lab ``DFlashDraftModel``) in Flax NNX.
 
-A stack of Qwen3-style layers without embedding or head: the block ``[bonus, MASK x (B-1)]`` is embedded with
-the target's embedding and its outputs go through the target's lm_head. The target's tapped hidden states of
-committed tokens enter as extra keys and values ("KV injection"): ``hidden_norm(fc(features))`` is projected by
-each layer's k/v projections (no input_layernorm on it) and cached once, at the tokens' absolute positions.
-Block queries attend to all cached context and to the whole block (non-causal); the block's own K/V is never
-committed to the cache.
+A stack of Qwen3-style layers without embedding or head: the block ``[bonus, MASK x (B-1)]`` is
+embedded with the target's embedding and its outputs go through the target's lm_head. The target's
+tapped hidden states of committed tokens enter as extra keys and values ("KV injection"):
+``hidden_norm(fc(features))`` is projected by each layer's k/v projections (no input_layernorm on
+it) and cached once, at the tokens' absolute positions. Block queries attend to all cached context
+and to the whole block (non-causal); the block's own K/V is never committed to the cache.
 """
 
 from __future__ import annotations
@@ -16,7 +16,16 @@ from flax import nnx, struct
 
 from jaxdd.config import DrafterConfig
 from jaxdd.models.cache import write_rows
-from jaxdd.models.layers import MLP, RMSNorm, apply_rope, param, project_heads, rope_cos_sin, rope_frequencies, unmerged
+from jaxdd.models.layers import (
+    MLP,
+    RMSNorm,
+    apply_rope,
+    param,
+    project_heads,
+    rope_cos_sin,
+    rope_frequencies,
+    unmerged,
+)
 
 SLOT_AXIS = 2  # of the drafter cache's [batch, kv_heads, slots, head_dim] buffers
 
@@ -49,33 +58,56 @@ class DraftAttention(nnx.Module):
     def __init__(self, config: DrafterConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         c = config
         self.config = c
-        self.q_proj = param(rngs, (c.hidden_size, c.num_attention_heads, c.head_dim), dtype, ("embed", "heads", None))
+        self.q_proj = param(
+            rngs,
+            (c.hidden_size, c.num_attention_heads, c.head_dim),
+            dtype,
+            ("embed", "heads", None),
+        )
         self.k_proj = param(
-            rngs, (c.hidden_size, c.num_key_value_heads, c.head_dim), dtype, ("embed", "kv_heads", None)
+            rngs,
+            (c.hidden_size, c.num_key_value_heads, c.head_dim),
+            dtype,
+            ("embed", "kv_heads", None),
         )
         self.v_proj = param(
-            rngs, (c.hidden_size, c.num_key_value_heads, c.head_dim), dtype, ("embed", "kv_heads", None)
+            rngs,
+            (c.hidden_size, c.num_key_value_heads, c.head_dim),
+            dtype,
+            ("embed", "kv_heads", None),
         )
-        self.o_proj = param(rngs, (c.num_attention_heads, c.head_dim, c.hidden_size), dtype, ("heads", None, "embed"))
+        self.o_proj = param(
+            rngs,
+            (c.num_attention_heads, c.head_dim, c.hidden_size),
+            dtype,
+            ("heads", None, "embed"),
+        )
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, axis=None)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, axis=None)
 
-    def keys_values(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """[B,T,D] -> normed, rotated keys and values [B,kv_heads,T,head_dim] (the cache's layout)."""
-        # Projected as the weights are stored, then the few new rows transposed: projecting straight into the
-        # cache's layout makes XLA:CPU relay out both weights on every call.
+    def keys_values(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """[B,T,D] -> normed, rotated keys and values
+        [B,kv_heads,T,head_dim] (the cache's layout)."""
+        # Projected as the weights are stored, then the few new rows transposed: projecting
+        # straight into the cache's layout makes XLA:CPU relay out both weights on every call.
         k = self.k_norm(jnp.einsum("btd,dkh->btkh", *unmerged(x, self.k_proj[...])))
         v = jnp.einsum("btd,dkh->btkh", *unmerged(x, self.v_proj[...]))
         k = apply_rope(k, cos[:, :, None], sin[:, :, None], interleaved=False)
         return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
-    def __call__(self, x, cos_sin, cached: tuple[jax.Array, jax.Array], length: jax.Array, mask: jax.Array):
-        """x [B,T,D]; cached keys/values [B,kv,S,hd] holding ``length`` [B] context rows; mask [B,S]: the slots
-        the block sees. Returns the output [B,T,D] and the keys/values with the block's rows in them.
+    def __call__(
+        self, x, cos_sin, cached: tuple[jax.Array, jax.Array], length: jax.Array, mask: jax.Array
+    ):
+        """x [B,T,D]; cached keys/values [B,kv,S,hd] holding ``length`` [B]
+        context rows; mask [B,S]: the slots the block sees. Returns the
+        output [B,T,D] and the keys/values with the block's rows in them.
 
-        The block's K/V are written at slots length .. length + T - 1, so attention runs over the cache alone
-        (no concatenated copy of it per layer). They are never committed: ``length`` does not move, the slots
-        stay hidden from later blocks beyond their own, and the next context injection overwrites them.
+        The block's K/V are written at slots length .. length + T - 1, so attention
+        runs over the cache alone (no concatenated copy of it per layer). They are
+        never committed: ``length`` does not move, the slots stay hidden from later
+        blocks beyond their own, and the next context injection overwrites them.
         """
         c = self.config
         cos, sin = cos_sin
@@ -92,7 +124,9 @@ class DraftAttention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         # Values first, as the target's absorbed attention does: this order has XLA:CPU read both
         # caches as stored (no per-layer copies in the compiled round).
-        out = jnp.einsum("bksh,bkgts->btkgh", values, probs).reshape(b, t, c.num_attention_heads, c.head_dim)
+        out = jnp.einsum("bksh,bkgts->btkgh", values, probs).reshape(
+            b, t, c.num_attention_heads, c.head_dim
+        )
         return project_heads(out, self.o_proj[...]), (keys, values)
 
 
@@ -114,7 +148,9 @@ class DFlashDrafter(nnx.Module):
         c = config
         self.config = c
         self.dtype = dtype
-        self.fc = param(rngs, (len(c.target_layer_ids) * c.hidden_size, c.hidden_size), dtype, (None, "embed"))
+        self.fc = param(
+            rngs, (len(c.target_layer_ids) * c.hidden_size, c.hidden_size), dtype, (None, "embed")
+        )
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.layers = nnx.List([DraftLayer(c, dtype, rngs) for _ in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
@@ -124,13 +160,18 @@ class DFlashDrafter(nnx.Module):
         inv_freq, amplitude = rope_frequencies(c.head_dim, c.rope_theta, c.yarn)
         return rope_cos_sin(positions, inv_freq, amplitude, self.dtype)
 
-    def inject(self, cache: DraftCache, features: jax.Array, positions: jax.Array, count: jax.Array) -> DraftCache:
-        """Cache the K/V of context tokens: features [B,C,K*D] (target taps) at positions [B,C]; commit count [B]."""
+    def inject(
+        self, cache: DraftCache, features: jax.Array, positions: jax.Array, count: jax.Array
+    ) -> DraftCache:
+        """Cache the K/V of context tokens: features [B,C,K*D]
+        (target taps) at positions [B,C]; commit count [B]."""
         context = self.hidden_norm(features.astype(self.dtype) @ self.fc[...])
         cos, sin = self._cos_sin(positions)
         keys = []
         values = []
-        for layer, cached_keys, cached_values in zip(self.layers, cache.keys, cache.values, strict=True):
+        for layer, cached_keys, cached_values in zip(
+            self.layers, cache.keys, cache.values, strict=True
+        ):
             k, v = layer.attn.keys_values(context, cos, sin)
             keys.append(write_rows(cached_keys, k, cache.length, SLOT_AXIS))
             values.append(write_rows(cached_values, v, cache.length, SLOT_AXIS))
@@ -139,26 +180,31 @@ class DFlashDrafter(nnx.Module):
     def __call__(
         self, embeds: jax.Array, positions: jax.Array, cache: DraftCache, block_len: jax.Array
     ) -> tuple[jax.Array, DraftCache]:
-        """Final-normed hidden states [B,T,D] for the block embeddings [B,T,D] at positions [B,T], and the cache
-        with the block's K/V in the uncommitted slots after the context (see ``DraftAttention``).
+        """Final-normed hidden states [B,T,D] for the block embeddings
+        [B,T,D] at positions [B,T], and the cache with the block's K/V in
+        the uncommitted slots after the context (see ``DraftAttention``).
 
-        Block keys at index >= block_len [B] are hidden (the reference drafts a shorter block near max length).
+        Block keys at index >= block_len [B] are hidden (the
+        reference drafts a shorter block near max length).
         """
-        visible = jnp.arange(cache.slots)[None, :] < (cache.length + block_len)[:, None]  # context, then block
+        # context, then block
+        visible = jnp.arange(cache.slots)[None, :] < (cache.length + block_len)[:, None]
         cos_sin = self._cos_sin(positions)
         x = embeds.astype(self.dtype)
         keys = []
         values = []
-        for layer, cached in zip(self.layers, zip(cache.keys, cache.values, strict=True), strict=True):
+        for layer, cached in zip(
+            self.layers, zip(cache.keys, cache.values, strict=True), strict=True
+        ):
             x, (layer_keys, layer_values) = layer(x, cos_sin, cached, cache.length, visible)
             keys.append(layer_keys)
             values.append(layer_values)
         return self.norm(x), cache.replace(keys=tuple(keys), values=tuple(values))
 
     def draft_logits(self, target, cache: DraftCache, bonus, start, block_len, block: int):
-        """Draft logits [B, block-1, V] for positions start+1 ..: one forward over ``[bonus, MASK x (block-1)]``,
-        and the cache as that forward left it (keep it: its extra rows are uncommitted, and reusing the buffer
-        lets a donated round write in place).
+        """Draft logits [B, block-1, V] for positions start+1 ..: one forward over ``[bonus,
+        MASK x (block-1)]``, and the cache as that forward left it (keep it: its extra rows
+        are uncommitted, and reusing the buffer lets a donated round write in place).
 
         The block is embedded with the target's embedding and read out through its lm_head.
         """

@@ -1,6 +1,8 @@
-"""Building blocks shared by the target and the drafter: parameters, RMSNorm, rotary embeddings, SwiGLU MLP.
+"""Building blocks shared by the target and the drafter:
+parameters, RMSNorm, rotary embeddings, SwiGLU MLP.
 
-Cast orders follow HF transformers / Moonshot's ``modeling_deepseek.py`` so bf16 runs round like the reference.
+Cast orders follow HF transformers / Moonshot's
+``modeling_deepseek.py`` so bf16 runs round like the reference.
 """
 
 from __future__ import annotations
@@ -19,15 +21,19 @@ from jaxdd.runtime.backend import Backend
 INIT_STD = 0.02  # HF initializer_range for DeepSeek-V3 / Kimi
 
 
-def param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, axes: tuple[str | None, ...]) -> nnx.Param:
-    """A normal(0, 0.02) parameter tagged with logical axis names (mapped to the mesh by the sharding rules)."""
+def param(
+    rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, axes: tuple[str | None, ...]
+) -> nnx.Param:
+    """A normal(0, 0.02) parameter tagged with logical axis
+    names (mapped to the mesh by the sharding rules)."""
     assert len(axes) == len(shape), (shape, axes)
     return nnx.Param(INIT_STD * jax.random.normal(rngs.params(), shape, dtype), logical_axes=axes)
 
 
 def linear(x: jax.Array, weight: jax.Array, backend: Backend | None = None) -> jax.Array:
-    """x [..., in] @ weight [in, ...] -> [..., ...]: the weight's leading axis is contracted, its others kept.
-    Decoding on one CPU device, the few rows go through the dense matvec kernel (``Backend.dense_matvec``)."""
+    """x [..., in] @ weight [in, ...] -> [..., ...]: the weight's leading
+    axis is contracted, its others kept. Decoding on one CPU device, the few
+    rows go through the dense matvec kernel (``Backend.dense_matvec``)."""
     rows = math.prod(x.shape[:-1])
     kernel = backend.dense_matvec(rows) if backend is not None else None
     if kernel is None:
@@ -37,17 +43,20 @@ def linear(x: jax.Array, weight: jax.Array, backend: Backend | None = None) -> j
 
 
 def unmerged(x: jax.Array, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``x`` and ``weight`` through one optimization barrier (no copy): XLA then cannot tell that two matmuls share
-    ``x``, and XLA:GPU's dot merger does not fuse them into one, which would concatenate the weights
-    inside every call (a copy of each weight, per round)."""
+    """``x`` and ``weight`` through one optimization barrier (no copy): XLA then cannot tell
+    that two matmuls share ``x``, and XLA:GPU's dot merger does not fuse them into one, which
+    would concatenate the weights inside every call (a copy of each weight, per round)."""
     return jax.lax.optimization_barrier((x, weight))
 
 
 def project_heads(heads: jax.Array, weight: jax.Array, backend: Backend | None = None) -> jax.Array:
-    """Attention output projection: heads [B, T, H, Dh] @ weight [H, Dh, D] -> [B, T, D], as one matmul over the
-    flattened H * Dh. Written as an einsum over (H, Dh), XLA:CPU relaid the whole weight on every call to match
-    the attention output's layout; flattening copies the small activation instead."""
-    return linear(heads.reshape(*heads.shape[:-2], -1), weight.reshape(-1, weight.shape[-1]), backend)
+    """Attention output projection: heads [B, T, H, Dh] @ weight [H, Dh, D] ->
+    [B, T, D], as one matmul over the flattened H * Dh. Written as an einsum over
+    (H, Dh), XLA:CPU relaid the whole weight on every call to match the attention
+    output's layout; flattening copies the small activation instead."""
+    return linear(
+        heads.reshape(*heads.shape[:-2], -1), weight.reshape(-1, weight.shape[-1]), backend
+    )
 
 
 def ones_param(size: int, dtype: jnp.dtype, axis: str | None) -> nnx.Param:
@@ -85,12 +94,14 @@ class MLP(nnx.Module):
         return linear(h, self.down[...], backend)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Rotary embeddings
 
 
 @functools.cache
-def rope_frequencies(dim: int, theta: float, yarn: YarnConfig | None = None) -> tuple[np.ndarray, float]:
+def rope_frequencies(
+    dim: int, theta: float, yarn: YarnConfig | None = None
+) -> tuple[np.ndarray, float]:
     """Inverse frequencies [dim/2] (fp32) and the cos/sin amplitude, as transformers computes them.
 
     Plain RoPE without ``yarn``; otherwise YaRN with HF's ``truncate=True`` correction range.
@@ -116,7 +127,9 @@ def rope_frequencies(dim: int, theta: float, yarn: YarnConfig | None = None) -> 
     inv_freq = inv_freq_inter * (1 - extrapolation) + inv_freq_extra * extrapolation
     # transformers: the ratio of the two mscales when both are given, else mscale(factor) alone.
     if yarn.mscale and yarn.mscale_all_dim:
-        amplitude = yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim)
+        amplitude = yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(
+            yarn.factor, yarn.mscale_all_dim
+        )
     else:
         amplitude = yarn_mscale(yarn.factor, 1.0)
     return inv_freq.astype(np.float32), float(amplitude)
@@ -125,17 +138,19 @@ def rope_frequencies(dim: int, theta: float, yarn: YarnConfig | None = None) -> 
 def rope_cos_sin(
     positions: jax.Array, inv_freq: np.ndarray, amplitude: float, dtype: jnp.dtype
 ) -> tuple[jax.Array, jax.Array]:
-    """cos/sin [..., dim/2] for integer positions [...]; computed in fp32, cast to the activation dtype."""
+    """cos/sin [..., dim/2] for integer positions [...];
+    computed in fp32, cast to the activation dtype."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     return (jnp.cos(angles) * amplitude).astype(dtype), (jnp.sin(angles) * amplitude).astype(dtype)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) -> jax.Array:
-    """Rotate the channel pairs of x [..., T, heads?, dim] by cos/sin [..., T, dim/2] (broadcast over heads).
+    """Rotate the channel pairs of x [..., T, heads?, dim]
+    by cos/sin [..., T, dim/2] (broadcast over heads).
 
-    ``interleaved`` (DeepSeek/Kimi checkpoints): pairs are (x0, x1), (x2, x3), ...; the output is laid out
-    [rotated evens | rotated odds] exactly as HF ``apply_rotary_pos_emb_interleave``. Otherwise pairs are
-    (x_i, x_{i+dim/2}) as in ``rotate_half`` (Qwen3-style drafters).
+    ``interleaved`` (DeepSeek/Kimi checkpoints): pairs are (x0, x1), (x2, x3), ...; the output is
+    laid out [rotated evens | rotated odds] exactly as HF ``apply_rotary_pos_emb_interleave``.
+    Otherwise pairs are (x_i, x_{i+dim/2}) as in ``rotate_half`` (Qwen3-style drafters).
     """
     if interleaved:
         x1 = x[..., 0::2]

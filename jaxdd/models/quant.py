@@ -1,11 +1,13 @@
-"""Dequantization of the two quantized Kimi checkpoint formats, in jnp (usable inside jit, e.g. in the MoE matmul).
+"""Dequantization of the two quantized Kimi checkpoint
+formats, in jnp (usable inside jit, e.g. in the MoE matmul).
 
-- Kimi K2-Instruct / DeepSeek-V3: FP8 e4m3 weights with one fp32 ``weight_scale_inv`` per 128 x 128 block
-  (multiplied, despite the name; partial edge blocks, e.g. the 576 rows of kv_a_proj_with_mqa).
-- Kimi K2-Thinking / K2.5 / K2.6 routed experts: compressed-tensors ``pack-quantized`` INT4, symmetric, group 32:
-  eight 4-bit values per int32 along the input dimension, element i at bits 4i..4i+3 (low nibble first), stored
-  offset by 8; ``weight_scale`` bf16 per group. The product is formed in fp32 and rounded once, which equals
-  compressed-tensors' bf16 product because |q| <= 8.
+- Kimi K2-Instruct / DeepSeek-V3: FP8 e4m3 weights with one fp32
+  ``weight_scale_inv`` per 128 x 128 block (multiplied, despite the
+  name; partial edge blocks, e.g. the 576 rows of kv_a_proj_with_mqa).
+- Kimi K2-Thinking / K2.5 / K2.6 routed experts: compressed-tensors ``pack-quantized`` INT4,
+  symmetric, group 32: eight 4-bit values per int32 along the input dimension, element i at bits
+  4i..4i+3 (low nibble first), stored offset by 8; ``weight_scale`` bf16 per group. The product is
+  formed in fp32 and rounded once, which equals compressed-tensors' bf16 product because |q| <= 8.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ INT4_PER_WORD = 8
 def dequantize_fp8_blocks(
     weight: jax.Array, scale_inv: jax.Array, dtype: jnp.dtype = jnp.bfloat16, block: int = FP8_BLOCK
 ) -> jax.Array:
-    """weight [..., out, in] float8_e4m3fn, scale_inv [..., ceil(out/block), ceil(in/block)] -> [..., out, in]."""
+    """weight [..., out, in] float8_e4m3fn, scale_inv [...,
+    ceil(out/block), ceil(in/block)] -> [..., out, in]."""
     out_features, in_features = weight.shape[-2:]
     scale = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), block, axis=-2), block, axis=-1)
     scale = scale[..., :out_features, :in_features]  # crop the partial edge blocks
@@ -58,25 +61,26 @@ def dequantize_int4_groups(
     group: int = INT4_GROUP,
     shifts: bool = False,
 ) -> jax.Array:
-    """packed [..., out, in/8] int32 with scale [..., out, in/group] -> [..., out, in] in ``dtype`` (``shifts``:
-    unpacked by shifts, ``unpack_int4``)."""
+    """packed [..., out, in/8] int32 with scale [..., out, in/group] -> [...,
+    out, in] in ``dtype`` (``shifts``: unpacked by shifts, ``unpack_int4``)."""
     values = unpack_int4(packed, in_features, shifts).astype(jnp.float32)
     grouped = values.reshape(*values.shape[:-1], -1, group) * scale.astype(jnp.float32)[..., None]
     return grouped.reshape(values.shape).astype(dtype)
 
 
-# --- Routed-expert weight storage ----------------------------------------------------------------------------
-# Routed experts hold nearly all of a Kimi model's bytes, so a converted checkpoint keeps them in the source
-# checkpoint's quantized form (HF orientation [E, out, in], exactly as stored) and the MoE dequantizes them
-# inside its jitted matmul. Everything else is dequantized at conversion time.
+# --- Routed-expert weight storage -----------------------------------------------------------------
+# Routed experts hold nearly all of a Kimi model's bytes, so a converted checkpoint keeps them in
+# the source checkpoint's quantized form (HF orientation [E, out, in], exactly as stored) and the
+# MoE dequantizes them inside its jitted matmul. Everything else is dequantized at conversion time.
 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertFormat:
-    """How an MoE layer's routing weights are stored. The experts: ``dense`` (the model dtype), ``int4``
-    (compressed-tensors pack-quantized, symmetric, ``group`` inputs per bf16 scale) or ``fp8`` (e4m3 with fp32
-    ``block`` x ``block`` scales). ``router``: the router's gate weight, held as the checkpoint stores it (its scores
-    are computed in fp32 either way, as HF does after upcasting it)."""
+    """How an MoE layer's routing weights are stored. The experts: ``dense`` (the
+    model dtype), ``int4`` (compressed-tensors pack-quantized, symmetric, ``group``
+    inputs per bf16 scale) or ``fp8`` (e4m3 with fp32 ``block`` x ``block``
+    scales). ``router``: the router's gate weight, held as the checkpoint stores it
+    (its scores are computed in fp32 either way, as HF does after upcasting it)."""
 
     kind: Literal["dense", "int4", "fp8"] = "dense"
     group: int = INT4_GROUP
@@ -97,11 +101,12 @@ DENSE = ExpertFormat()
 class ExpertWeights(nnx.Module):
     """One projection's stacked routed-expert weights, in whatever form they are stored.
 
-    ``PIECES`` are the stored arrays. They share one layout: ``axes`` names the logical axes of ``shape`` (the
-    dense shape in stored orientation), and a dimension may only be split across devices in multiples of its
-    ``units`` (a quantization group or block), so every piece splits at the same boundaries. Calling the module
-    gives the dense [E, in, out] weight in the model dtype; ``dequantize`` does the same for pieces given
-    explicitly (a device's shard of them, inside ``shard_map``).
+    ``PIECES`` are the stored arrays. They share one layout: ``axes`` names the
+    logical axes of ``shape`` (the dense shape in stored orientation), and a dimension
+    may only be split across devices in multiples of its ``units`` (a quantization
+    group or block), so every piece splits at the same boundaries. Calling the module
+    gives the dense [E, in, out] weight in the model dtype; ``dequantize`` does the
+    same for pieces given explicitly (a device's shard of them, inside ``shard_map``).
     """
 
     PIECES: tuple[str, ...] = ()
@@ -124,7 +129,13 @@ class DenseExperts(ExpertWeights):
 
     PIECES = ("weight",)
 
-    def __init__(self, rngs: nnx.Rngs, shape: tuple[int, int, int], dtype: jnp.dtype, axes: tuple[str, str, str]):
+    def __init__(
+        self,
+        rngs: nnx.Rngs,
+        shape: tuple[int, int, int],
+        dtype: jnp.dtype,
+        axes: tuple[str, str, str],
+    ):
         self.shape = shape
         self.axes = axes
         self.units = (1, 1, 1)
@@ -135,35 +146,47 @@ class DenseExperts(ExpertWeights):
 
 
 class Int4Experts(ExpertWeights):
-    """packed [E, out, ceil(in/8)] int32 and scale [E, out, in/group] bf16, dequantized like compressed-tensors
-    (product in the scale's dtype) and then cast to the model dtype."""
+    """packed [E, out, ceil(in/8)] int32 and scale [E, out, in/group] bf16, dequantized like
+    compressed-tensors (product in the scale's dtype) and then cast to the model dtype."""
 
     PIECES = ("packed", "scale")
 
-    def __init__(self, shape: tuple[int, int, int], dtype: jnp.dtype, axes: tuple[str, str, str], group: int):
+    def __init__(
+        self, shape: tuple[int, int, int], dtype: jnp.dtype, axes: tuple[str, str, str], group: int
+    ):
         e, n_in, n_out = shape
         if n_in % group:
-            raise ValueError(f"INT4 experts: input size {n_in} is not a multiple of the group size {group}")
+            raise ValueError(
+                f"INT4 experts: input size {n_in} is not a multiple of the group size {group}"
+            )
         self.dtype = dtype
         self.group = group
         self.shape = (e, n_out, n_in)
         self.axes = (axes[0], axes[2], axes[1])
         self.units = (1, 1, group)
-        self.packed = nnx.Param(jnp.zeros((e, n_out, -(-n_in // INT4_PER_WORD)), jnp.int32), logical_axes=self.axes)
-        self.scale = nnx.Param(jnp.ones((e, n_out, n_in // group), jnp.bfloat16), logical_axes=self.axes)
+        self.packed = nnx.Param(
+            jnp.zeros((e, n_out, -(-n_in // INT4_PER_WORD)), jnp.int32), logical_axes=self.axes
+        )
+        self.scale = nnx.Param(
+            jnp.ones((e, n_out, n_in // group), jnp.bfloat16), logical_axes=self.axes
+        )
 
     def dequantize(self, packed: jax.Array, scale: jax.Array, shifts: bool = False) -> jax.Array:
         """``shifts``: unpacked by shifts and masks (``unpack_int4``), the same values."""
-        return dense_experts(ExpertFormat("int4", group=self.group), packed, scale, self.dtype, shifts)
+        return dense_experts(
+            ExpertFormat("int4", group=self.group), packed, scale, self.dtype, shifts
+        )
 
 
 class Fp8Experts(ExpertWeights):
-    """e4m3 weight [E, out, in] and fp32 scale_inv [E, ceil(out/block), ceil(in/block)], dequantized like
-    DeepSeek's fp8_cast_bf16 (fp32 product stored as bf16) and then cast to the model dtype."""
+    """e4m3 weight [E, out, in] and fp32 scale_inv [E, ceil(out/block), ceil(in/block)], dequantized
+    like DeepSeek's fp8_cast_bf16 (fp32 product stored as bf16) and then cast to the model dtype."""
 
     PIECES = ("weight", "scale_inv")
 
-    def __init__(self, shape: tuple[int, int, int], dtype: jnp.dtype, axes: tuple[str, str, str], block: int):
+    def __init__(
+        self, shape: tuple[int, int, int], dtype: jnp.dtype, axes: tuple[str, str, str], block: int
+    ):
         e, n_in, n_out = shape
         self.dtype = dtype
         self.block = block
@@ -181,17 +204,24 @@ class Fp8Experts(ExpertWeights):
 def dense_experts(
     fmt: ExpertFormat, weight: jax.Array, scale: jax.Array, dtype: jnp.dtype, shifts: bool = False
 ) -> jax.Array:
-    """Stored quantized experts [E, out, ...] (INT4 packed + scale, or FP8 + scale_inv) -> [E, in, out] in ``dtype``,
-    rounded through bf16 like the formats' reference dequantizations (``shifts``: INT4 unpacked by shifts)."""
+    """Stored quantized experts [E, out, ...] (INT4 packed + scale, or FP8 +
+    scale_inv) -> [E, in, out] in ``dtype``, rounded through bf16 like the
+    formats' reference dequantizations (``shifts``: INT4 unpacked by shifts)."""
     if fmt.kind == "int4":
-        dense = dequantize_int4_groups(weight, scale, scale.shape[-1] * fmt.group, scale.dtype, fmt.group, shifts)
+        dense = dequantize_int4_groups(
+            weight, scale, scale.shape[-1] * fmt.group, scale.dtype, fmt.group, shifts
+        )
     else:
         dense = dequantize_fp8_blocks(weight, scale, jnp.bfloat16, fmt.block)
     return dense.astype(dtype).swapaxes(-1, -2)
 
 
 def expert_weights(
-    fmt: ExpertFormat, rngs: nnx.Rngs, shape: tuple[int, int, int], dtype: jnp.dtype, axes: tuple[str, str, str]
+    fmt: ExpertFormat,
+    rngs: nnx.Rngs,
+    shape: tuple[int, int, int],
+    dtype: jnp.dtype,
+    axes: tuple[str, str, str],
 ) -> ExpertWeights:
     """One projection's stacked expert weights; calling it gives [E, in, out] in ``dtype``."""
     if fmt.kind == "dense":

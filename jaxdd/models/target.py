@@ -1,11 +1,13 @@
-"""The Kimi K2.x / DeepSeek-V3 target model in Flax NNX: MLA attention over a latent cache and noaux_tc MoE.
+"""The Kimi K2.x / DeepSeek-V3 target model in Flax NNX:
+MLA attention over a latent cache and noaux_tc MoE.
 
-One forward serves every use: prefill, one-token decode, a causal block (linear verify) and a draft tree.
-The new tokens see the committed prefix of the cache (slots below ``cache.length``) plus whichever new tokens
-``visible`` allows; their latent rows are written at slots ``length .. length + T - 1``; committing (moving
-``length``, or compacting an accepted tree path) is the caller's job.
+One forward serves every use: prefill, one-token decode, a causal block (linear verify) and a draft
+tree. The new tokens see the committed prefix of the cache (slots below ``cache.length``) plus
+whichever new tokens ``visible`` allows; their latent rows are written at slots ``length .. length +
+T - 1``; committing (moving ``length``, or compacting an accepted tree path) is the caller's job.
 
-Weights use the JAX layout ``x @ W`` ([in, out]); ``jaxdd.weights.hf_mappings`` maps the HF names and transposes.
+Weights use the JAX layout ``x @ W`` ([in, out]);
+``jaxdd.weights.hf_mappings`` maps the HF names and transposes.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from jaxdd.types import Attention
 
 class TargetOutput(NamedTuple):
     hidden: jax.Array  # [B, T, D] after the final norm (feed to ``KimiTarget.logits``)
-    taps: jax.Array | None  # [B, T, len(taps) * D]: residual stream after each tapped layer, concatenated
+    # [B, T, len(taps) * D]: residual stream after each tapped layer, concatenated
+    taps: jax.Array | None
     cache: LatentCache  # new rows written, ``length`` unchanged
 
 
@@ -47,7 +50,14 @@ def target_rope(config: KimiConfig) -> tuple[np.ndarray, float]:
 
 
 class TargetLayer(nnx.Module):
-    def __init__(self, config: KimiConfig, layer: int, dtype: jnp.dtype, experts: ExpertFormat, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: KimiConfig,
+        layer: int,
+        dtype: jnp.dtype,
+        experts: ExpertFormat,
+        rngs: nnx.Rngs,
+    ):
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.attn = MLAttention(config, dtype, rngs)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -56,8 +66,12 @@ class TargetLayer(nnx.Module):
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype, rngs)
 
-    def __call__(self, x, cos_sin, cache_rows, length, visible, mask, attention: Attention, backend: Backend):
-        attn, cache_rows = self.attn(self.attn_norm(x), cos_sin, cache_rows, length, visible, mask, attention, backend)
+    def __call__(
+        self, x, cos_sin, cache_rows, length, visible, mask, attention: Attention, backend: Backend
+    ):
+        attn, cache_rows = self.attn(
+            self.attn_norm(x), cos_sin, cache_rows, length, visible, mask, attention, backend
+        )
         x = x + attn
         mlp_in = self.mlp_norm(x)
         return x + self.mlp(mlp_in, backend), cache_rows
@@ -65,17 +79,27 @@ class TargetLayer(nnx.Module):
 
 class KimiTarget(nnx.Module, Placeable):
     def __init__(
-        self, config: KimiConfig, dtype: jnp.dtype = jnp.bfloat16, *, experts: ExpertFormat = DENSE, rngs: nnx.Rngs
+        self,
+        config: KimiConfig,
+        dtype: jnp.dtype = jnp.bfloat16,
+        *,
+        experts: ExpertFormat = DENSE,
+        rngs: nnx.Rngs,
     ):
         self.config = config
         self.dtype = dtype
         self.experts = experts  # how routed-expert weights are stored
-        self.placement = None  # (mesh, "tp" | "ep") once placed by ``jaxdd.runtime.sharding.shard_module``
+        # (mesh, "tp" | "ep") once placed by ``jaxdd.runtime.sharding.shard_module``
+        self.placement = None
         self.embed = param(rngs, (config.vocab_size, config.hidden_size), dtype, ("vocab", "embed"))
-        layers = [TargetLayer(config, i, dtype, experts, rngs) for i in range(config.num_hidden_layers)]
+        layers = [
+            TargetLayer(config, i, dtype, experts, rngs) for i in range(config.num_hidden_layers)
+        ]
         self.layers = nnx.List(layers)
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = param(rngs, (config.hidden_size, config.vocab_size), dtype, ("embed", "vocab"))
+        self.lm_head = param(
+            rngs, (config.hidden_size, config.vocab_size), dtype, ("embed", "vocab")
+        )
 
     def __call__(
         self,
@@ -88,10 +112,12 @@ class KimiTarget(nnx.Module, Placeable):
         attention: Attention = "absorbed",
         backend: Backend,
     ) -> TargetOutput:
-        """tokens, positions [B, T] int32; visible [B, T, T] bool: may new token i attend to new token j.
+        """tokens, positions [B, T] int32; visible [B, T,
+        T] bool: may new token i attend to new token j.
 
-        Causal ``visible`` gives prefill / decode / linear verify; an ancestor-or-self mask gives tree verify
-        (with positions = start + depth). ``backend``: the platform's choices (``Backend.of_module``).
+        Causal ``visible`` gives prefill / decode / linear verify; an
+        ancestor-or-self mask gives tree verify (with positions = start +
+        depth). ``backend``: the platform's choices (``Backend.of_module``).
         """
         mask = attention_mask(cache.length, visible, cache.slots)
         inv_freq, amplitude = target_rope(self.config)
@@ -114,10 +140,14 @@ class KimiTarget(nnx.Module, Placeable):
         return TargetOutput(self.final_norm(x), tap_out, new_cache)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        """Embedding rows for token ids. Vocab-parallel on a mesh: each device looks up the ids in its slice of
-        the table, zeros the rest, and the slices are summed (a plain gather would all-gather the table)."""
+        """Embedding rows for token ids. Vocab-parallel on a mesh: each device
+        looks up the ids in its slice of the table, zeros the rest, and the
+        slices are summed (a plain gather would all-gather the table)."""
         table = self.embed[...]
-        if self.placement is None or partition_spec(table.shape, ("vocab", "embed"), *self.placement)[0] != AXIS:
+        if (
+            self.placement is None
+            or partition_spec(table.shape, ("vocab", "embed"), *self.placement)[0] != AXIS
+        ):
             return table[tokens]
         mesh, _ = self.placement
         rows = self.config.vocab_size // mesh.shape[AXIS]
@@ -128,7 +158,9 @@ class KimiTarget(nnx.Module, Placeable):
             return jax.lax.psum(jnp.where(mine[..., None], table[jnp.where(mine, ids, 0)], 0), AXIS)
 
         specs = (jax.sharding.PartitionSpec(AXIS), jax.sharding.PartitionSpec())
-        return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=jax.sharding.PartitionSpec())(table, tokens)
+        return jax.shard_map(
+            local, mesh=mesh, in_specs=specs, out_specs=jax.sharding.PartitionSpec()
+        )(table, tokens)
 
     def logits(self, hidden: jax.Array, backend: Backend | None = None) -> jax.Array:
         """fp32 logits for final hidden states (the untied lm_head)."""
@@ -138,5 +170,8 @@ class KimiTarget(nnx.Module, Placeable):
 def abstract_target(
     config: KimiConfig, dtype: jnp.dtype, experts: ExpertFormat = DENSE
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    """The model's structure and its parameter shapes/dtypes, without allocating (for loading and restoring)."""
-    return nnx.split(nnx.eval_shape(lambda: KimiTarget(config, dtype, experts=experts, rngs=nnx.Rngs(0))))
+    """The model's structure and its parameter shapes/dtypes,
+    without allocating (for loading and restoring)."""
+    return nnx.split(
+        nnx.eval_shape(lambda: KimiTarget(config, dtype, experts=experts, rngs=nnx.Rngs(0)))
+    )

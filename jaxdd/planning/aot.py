@@ -1,10 +1,11 @@
-"""Compiling for devices this host does not have (deviceless AOT): a GPU from its description, a TPU slice by
-JAX's topology name, or this host's CPU devices.
+"""Compiling for devices this host does not have (deviceless AOT): a GPU from
+its description, a TPU slice by JAX's topology name, or this host's CPU devices.
 
-JAX builds compile-only devices from the CUDA PJRT plugin (``jax-cuda12-plugin``, given XLA's
-GpuTargetConfigProto from ``jaxdd.planning.hardware``) or from libtpu (given a topology name such as ``v5p:2x2x2``); a
-program lowered with shardings over them compiles with that backend's own compiler, so its memory analysis is
-the target's, not XLA:CPU's (which keeps fp32 copies no GPU makes). ``pip install 'jaxdd[aot]'`` installs both.
+JAX builds compile-only devices from the CUDA PJRT plugin (``jax-cuda12-plugin``, given
+XLA's GpuTargetConfigProto from ``jaxdd.planning.hardware``) or from libtpu (given a
+topology name such as ``v5p:2x2x2``); a program lowered with shardings over them compiles
+with that backend's own compiler, so its memory analysis is the target's, not XLA:CPU's
+(which keeps fp32 copies no GPU makes). ``pip install 'jaxdd[aot]'`` installs both.
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ from jaxdd.planning.hardware import GPUS, TPUS
 from jaxdd.runtime.backend import Backend
 from jaxdd.types import Platform
 
-# libtpu asks the cloud metadata server which slice it is on unless told it is on none, and takes a lock file
-# that lets one process at a time use it (compiling needs no chip: several may).
-TPU_ENVIRONMENT = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-# A deviceless compile cannot time kernels: XLA:GPU's autotuner would pick among Triton GEMM tilings by running
-# them. With Triton GEMMs off, matmuls go to cuBLAS (what XLA falls back to anyway).
+# libtpu asks the cloud metadata server which slice it is on unless told it is on none, and takes
+# a lock file that lets one process at a time use it (compiling needs no chip: several may).
+TPU_ENVIRONMENT = {
+    "TPU_SKIP_MDS_QUERY": "1",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+}
+# A deviceless compile cannot time kernels: XLA:GPU's autotuner would pick among Triton GEMM tilings
+# by running them. With Triton GEMMs off, matmuls go to cuBLAS (what XLA falls back to anyway).
 GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 INSTALL_HINT = "pip install 'jaxdd[aot]'"
 
@@ -57,10 +62,12 @@ def names() -> list[str]:
 
 
 def find_machine(name: str, devices: int | None = None) -> Machine:
-    """The target ``name`` with its first ``devices`` devices (default: 8 GPUs, the TPU topology's chips, all of
-    this process's CPU devices)."""
+    """The target ``name`` with its first ``devices`` devices (default: 8
+    GPUs, the TPU topology's chips, all of this process's CPU devices)."""
     if name == "cpu":
-        return _fit(name, "cpu", jax.devices("cpu"), devices, _host_memory_per_device, "this host's CPU", {})
+        return _fit(
+            name, "cpu", jax.devices("cpu"), devices, _host_memory_per_device, "this host's CPU", {}
+        )
     if name in GPUS:
         gpu = GPUS[name]
         count = 8 if devices is None else devices
@@ -73,7 +80,15 @@ def find_machine(name: str, devices: int | None = None) -> Machine:
         except (NotImplementedError, RuntimeError) as error:
             hint = _hint("jax_plugins.xla_cuda12")
             raise InputError(f"--hardware {name}: {_first_line(error)}{hint}") from None
-        return _fit(name, "gpu", topology.devices, count, lambda _: gpu.memory, gpu.source, GPU_COMPILER_OPTIONS)
+        return _fit(
+            name,
+            "gpu",
+            topology.devices,
+            count,
+            lambda _: gpu.memory,
+            gpu.source,
+            GPU_COMPILER_OPTIONS,
+        )
     chip = TPUS.get(name.split(":")[0])
     if chip is None or ":" not in name:
         raise InputError(f"--hardware: expected one of {', '.join(names())}, got {name!r}")
@@ -101,7 +116,11 @@ def _host_memory_per_device(devices) -> float:
 
 def _hint(module: str) -> str:
     """How to get the compiler, when it is what is missing."""
-    return "" if importlib.util.find_spec(module) is not None else f" ({INSTALL_HINT} installs {module})"
+    return (
+        ""
+        if importlib.util.find_spec(module) is not None
+        else f" ({INSTALL_HINT} installs {module})"
+    )
 
 
 def _first_line(error: BaseException) -> str:

@@ -1,20 +1,24 @@
-"""What a compiled program moves: the bytes per device that its optimized HLO reads from and writes to device
-memory, by stage of the round, by weight and by instruction (``jaxdd.compiled_traffic``).
+"""What a compiled program moves: the bytes per device that its optimized HLO reads from and writes
+to device memory, by stage of the round, by weight and by instruction (``jaxdd.compiled_traffic``).
 
-XLA's own cost analysis cannot say: a deviceless GPU compile returns none, and XLA:TPU's counts a gather of 8 of 384
-experts as the whole table and a loop as one trip. This walks the HLO instead, with the rules decode needs:
+XLA's own cost analysis cannot say: a deviceless GPU compile returns none,
+and XLA:TPU's counts a gather of 8 of 384 experts as the whole table and a
+loop as one trip. This walks the HLO instead, with the rules decode needs:
 
 - an instruction reads its operands and writes its output, once per run of its computation;
-- a gather, slice or dynamic slice reads what it outputs, inside a fusion too (a fusion reads of each operand what
-  its fused computation touches); a dynamic-update-slice or scatter updates in place: it reads and writes the update
+- a gather, slice or dynamic slice reads what it outputs, inside a fusion too (a
+  fusion reads of each operand what its fused computation touches); a
+  dynamic-update-slice or scatter updates in place: it reads and writes the update
   (a buffer that is not donated shows up as the copy XLA inserts before it);
-- a while loop runs its body its trip count (``known_trip_count`` in its backend config, else the induction variable
-  its condition compares with a constant); a conditional counts its larger branch, and the account says which;
-- a collective moves what it sends plus what it receives (ring algorithms over its replica group of n devices: an
-  all-reduce of N bytes sends and receives 2 (n - 1) / n N each way), counted in ``bytes`` and in ``collective_bytes``;
-- a custom call (a Pallas kernel, a CPU FFI kernel, a cuBLAS GEMM) counts the bytes it declares (a Pallas TPU
-  kernel's ``pl.CostEstimate``, a Triton kernel's ``bytes_accessed`` metadata) or, by default, its operands and
-  output once (not a cuBLAS workspace); ``custom_calls`` says which;
+- a while loop runs its body its trip count (``known_trip_count`` in its backend
+  config, else the induction variable its condition compares with a constant); a
+  conditional counts its larger branch, and the account says which;
+- a collective moves what it sends plus what it receives (ring algorithms over
+  its replica group of n devices: an all-reduce of N bytes sends and receives
+  2 (n - 1) / n N each way), counted in ``bytes`` and in ``collective_bytes``;
+- a custom call (a Pallas kernel, a CPU FFI kernel, a cuBLAS GEMM) counts the bytes it declares
+  (a Pallas TPU kernel's ``pl.CostEstimate``, a Triton kernel's ``bytes_accessed`` metadata) or,
+  by default, its operands and output once (not a cuBLAS workspace); ``custom_calls`` says which;
 - arrays outside device memory (TPU layouts in VMEM, ``S(1)``) move nothing.
 """
 
@@ -27,29 +31,51 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-from jaxdd.planning.hlo_text import Computation, Instruction, array_shapes, parse_module, shape_bytes
+from jaxdd.planning.hlo_text import (
+    Computation,
+    Instruction,
+    array_shapes,
+    parse_module,
+    shape_bytes,
+)
 
 STAGES = ("draft", "build", "verify", "accept", "commit", "prefill")
 TOP_OPS = 20
 _FREE = {
-    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id",
-    "opt-barrier", "add-dependency", "domain", "copy-done", "send-done", "recv-done", "async-done", "async-update",
-    "all-reduce-done", "all-gather-done", "collective-permute-done", "get-dimension-size",
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+    "replica-id", "opt-barrier", "add-dependency", "domain", "copy-done", "send-done", "recv-done",
+    "async-done", "async-update", "all-reduce-done", "all-gather-done", "collective-permute-done",
+    "get-dimension-size",
 }  # fmt: skip
-_MOVES = {"copy", "concatenate", "transpose", "reshape", "bitcast", "slice", "pad", "parameter", "tuple", "constant"}
-COPY_MIN_BYTES = 1024  # XLA copies the donated state's scalars (lengths, the bonus token) around the round
+_MOVES = {
+    "copy",
+    "concatenate",
+    "transpose",
+    "reshape",
+    "bitcast",
+    "slice",
+    "pad",
+    "parameter",
+    "tuple",
+    "constant",
+}
+# XLA copies the donated state's scalars (lengths, the bonus token) around the round
+COPY_MIN_BYTES = 1024
 _SLICING = {"dynamic-slice", "gather", "slice"}  # read what they output
 _UPDATING = {"dynamic-update-slice", "scatter"}  # in place: read and write their update
 _VIEWS = {"bitcast", "reshape"}  # inside a fusion: the same bytes, another shape
 _ELEMENTWISE = {
-    "convert", "negate", "abs", "exponential", "log", "tanh", "logistic", "sqrt", "rsqrt", "add", "subtract",
-    "multiply", "divide", "maximum", "minimum", "select", "compare", "and", "or", "not", "xor", "copy", "clamp",
-    "floor", "ceil", "round-nearest-even", "sign", "power", "exponential-minus-one", "log-plus-one", "is-finite",
+    "convert", "negate", "abs", "exponential", "log", "tanh", "logistic", "sqrt", "rsqrt", "add",
+    "subtract", "multiply", "divide", "maximum", "minimum", "select", "compare", "and", "or", "not",
+    "xor", "copy", "clamp", "floor", "ceil", "round-nearest-even", "sign", "power",
+    "exponential-minus-one", "log-plus-one", "is-finite",
 }  # fmt: skip
 _COLLECTIVES = {
-    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "collective-broadcast",
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+    "collective-broadcast",
 }  # fmt: skip
-# A quote as printed in a backend config: ", \" (TPU's JSON) or \22 (an MLIR string: a Triton call's metadata).
+# A quote as printed in a backend config: ", \" (TPU's
+# JSON) or \22 (an MLIR string: a Triton call's metadata).
 _QUOTE = r'(?:\\22|\\?")?'
 _DECLARED = re.compile(rf"bytes_accessed{_QUOTE}\s*:\s*{_QUOTE}([0-9]+)")
 _TRIP = re.compile(r'known_trip_count\\?"?\s*:\s*\{\\?"?n\\?"?\s*:\s*\\?"?([0-9]+)')
@@ -57,13 +83,15 @@ _TRIP = re.compile(r'known_trip_count\\?"?\s*:\s*\{\\?"?n\\?"?\s*:\s*\\?"?([0-9]
 
 @dataclasses.dataclass
 class _Account:
-    ops: dict[tuple[str, str], list] = dataclasses.field(default_factory=dict)  # (computation, name) -> record
+    # (computation, name) -> record
+    ops: dict[tuple[str, str], list] = dataclasses.field(default_factory=dict)
     weights: dict[int, float] = dataclasses.field(default_factory=lambda: defaultdict(float))
     custom_calls: dict[str, dict] = dataclasses.field(default_factory=dict)
     loops: list[dict] = dataclasses.field(default_factory=list)
     conditionals: list[dict] = dataclasses.field(default_factory=list)
     collective_bytes: float = 0.0
-    parameter_bytes: dict[int, int] = dataclasses.field(default_factory=dict)  # the entry's, by number
+    # the entry's, by number
+    parameter_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
     weight_copies: list[dict] = dataclasses.field(default_factory=list)
 
     @property
@@ -71,7 +99,9 @@ class _Account:
         return sum(record[2] for record in self.ops.values())
 
     def add(self, where: str, ins: Instruction, moved: float, stage: str) -> None:
-        record = self.ops.setdefault((where, ins.name), [ins.name, ins.opcode, 0.0, stage, ins.op_name])
+        record = self.ops.setdefault(
+            (where, ins.name), [ins.name, ins.opcode, 0.0, stage, ins.op_name]
+        )
         record[2] += moved
 
     def merge(self, other: _Account) -> None:
@@ -90,16 +120,19 @@ class _Account:
 
 
 def compiled_traffic(compiled: Any, names: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The traffic account of ``compiled`` (a ``jax.stages.Compiled`` or its HLO text): ``bytes`` per device,
-    ``by_stage`` (the round's named scopes), ``by_weight`` (bytes read of each entry parameter, named by ``names``
-    from the parameter's argument path, e.g. ``models.target_weights[12]``, else by that path), ``top_ops``, what
-    the counting assumed: ``custom_calls`` (declared or defaulted), ``loops``, ``conditionals``, and
-    ``weight_copies``: instructions that copy a whole parameter (a weight concatenated or relaid inside the round)."""
+    """The traffic account of ``compiled`` (a ``jax.stages.Compiled`` or its HLO text): ``bytes``
+    per device, ``by_stage`` (the round's named scopes), ``by_weight`` (bytes read of each entry
+    parameter, named by ``names`` from the parameter's argument path, e.g.
+    ``models.target_weights[12]``, else by that path), ``top_ops``, what the counting assumed:
+    ``custom_calls`` (declared or defaulted), ``loops``, ``conditionals``, and ``weight_copies``:
+    instructions that copy a whole parameter (a weight concatenated or relaid inside the round)."""
     text = compiled if isinstance(compiled, str) else compiled.as_text()
     computations, entry = parse_module(text)
     account = _Account()
     main = computations[entry]
-    account.parameter_bytes = {k: shape_bytes(main.instructions[n].shape) for k, n in main.parameters.items()}
+    account.parameter_bytes = {
+        k: shape_bytes(main.instructions[n].shape) for k, n in main.parameters.items()
+    }
     _walk(account, computations, main, 1.0, {k: k for k in main.parameters}, "other")
     by_stage = dict.fromkeys((*STAGES, "other"), 0)
     for _, _, moved, stage, _ in account.ops.values():
@@ -112,14 +145,22 @@ def compiled_traffic(compiled: Any, names: Mapping[str, str] | None = None) -> d
             by_weight[names.get(path, path)] = round(moved)
     ranked = sorted(account.ops.values(), key=lambda r: -r[2])[:TOP_OPS]
     path = lambda k: main.instructions[main.parameters[k]].op_name or f"parameter {k}"
-    copies = [c | {"parameter": names.get(path(c["parameter"]), path(c["parameter"]))} for c in account.weight_copies]
+    copies = [
+        c | {"parameter": names.get(path(c["parameter"]), path(c["parameter"]))}
+        for c in account.weight_copies
+    ]
     return {
         "bytes": round(account.total),
         "by_stage": by_stage,
         "by_weight": by_weight,
-        "top_ops": [{"name": n, "op": op, "bytes": round(b), "stage": s, "scope": sc} for n, op, b, s, sc in ranked],
+        "top_ops": [
+            {"name": n, "op": op, "bytes": round(b), "stage": s, "scope": sc}
+            for n, op, b, s, sc in ranked
+        ],
         "collective_bytes": round(account.collective_bytes),
-        "custom_calls": {t: c | {"bytes": round(c["bytes"])} for t, c in sorted(account.custom_calls.items())},
+        "custom_calls": {
+            t: c | {"bytes": round(c["bytes"])} for t, c in sorted(account.custom_calls.items())
+        },
         "loops": account.loops,
         "conditionals": account.conditionals,
         "weight_copies": copies,
@@ -127,8 +168,8 @@ def compiled_traffic(compiled: Any, names: Mapping[str, str] | None = None) -> d
 
 
 def _stage(ins: Instruction, comps: dict[str, Computation], default: str) -> str:
-    """The first stage named in the op's scope path; for a fusion without metadata (XLA:CPU makes some), the first
-    named by the instructions it fuses."""
+    """The first stage named in the op's scope path; for a fusion without metadata
+    (XLA:CPU makes some), the first named by the instructions it fuses."""
     found = next((part for part in ins.op_name.split("/") if part in STAGES), None)
     if found is None and ins.opcode == "fusion" and not ins.op_name:
         fused = comps[ins.called("calls")[0]].instructions.values()
@@ -136,9 +177,12 @@ def _stage(ins: Instruction, comps: dict[str, Computation], default: str) -> str
     return found or default
 
 
-def _walk(account: _Account, comps: dict[str, Computation], comp: Computation, scale: float, params, stage) -> None:
-    """Count ``comp`` run ``scale`` times; ``params``: each parameter's origin (an entry parameter's number, a
-    tuple of origins, or None), so reads of weights are attributed through loops and calls."""
+def _walk(
+    account: _Account, comps: dict[str, Computation], comp: Computation, scale: float, params, stage
+) -> None:
+    """Count ``comp`` run ``scale`` times; ``params``: each parameter's
+    origin (an entry parameter's number, a tuple of origins, or None),
+    so reads of weights are attributed through loops and calls."""
     origins: dict[str, Any] = {}
     for ins in comp.instructions.values():
         origins[ins.name] = _origin(ins, origins, params)
@@ -160,16 +204,20 @@ def _walk(account: _Account, comps: dict[str, Computation], comp: Computation, s
             account.add(comp.name, ins, (sum(m for _, m in reads) + writes) * scale, here)
 
 
-def _check_copy(account: _Account, comps, ins: Instruction, parameter: int, moved: float, writes: float) -> None:
-    """Note an instruction that only moves data (a copy, concatenation, transpose, or a fusion of such) and reads
-    all of an entry parameter past a few scalars, writing as many bytes: a weight (or cache) copied inside the
-    program."""
+def _check_copy(
+    account: _Account, comps, ins: Instruction, parameter: int, moved: float, writes: float
+) -> None:
+    """Note an instruction that only moves data (a copy, concatenation, transpose,
+    or a fusion of such) and reads all of an entry parameter past a few scalars,
+    writing as many bytes: a weight (or cache) copied inside the program."""
     size = account.parameter_bytes.get(parameter, 0)
     if size < COPY_MIN_BYTES or moved < size or writes < size:
         return
     fused = comps[ins.called("calls")[0]].instructions.values() if ins.opcode == "fusion" else [ins]
     if all(i.opcode in _MOVES for i in fused):
-        account.weight_copies.append({"name": ins.name, "op": ins.opcode, "parameter": parameter, "bytes": size})
+        account.weight_copies.append(
+            {"name": ins.name, "op": ins.opcode, "parameter": parameter, "bytes": size}
+        )
 
 
 def _origin(ins: Instruction, origins: dict[str, Any], params: Mapping[int, Any]) -> Any:
@@ -186,14 +234,18 @@ def _origin(ins: Instruction, origins: dict[str, Any], params: Mapping[int, Any]
     return None
 
 
-def _moved(account: _Account, comps, comp: Computation, ins: Instruction) -> tuple[list[tuple[str, float]], float]:
+def _moved(
+    account: _Account, comps, comp: Computation, ins: Instruction
+) -> tuple[list[tuple[str, float]], float]:
     """(operand, bytes read) pairs and bytes written by one instruction."""
     size = lambda name: shape_bytes(comp.instructions[name].shape)
     everything = [(o, size(o)) for o in ins.operands]
     op = ins.opcode.removesuffix("-start")
     if ins.opcode == "fusion":
         fused = comps[ins.called("calls")[0]]
-        reads = [(o, min(size(o), _param_reads(comps, fused, k))) for k, o in enumerate(ins.operands)]
+        reads = [
+            (o, min(size(o), _param_reads(comps, fused, k))) for k, o in enumerate(ins.operands)
+        ]
         return reads, _fusion_writes(comps, fused, ins.shape)
     if op in _COLLECTIVES:
         # What crosses the link, wherever the buffers live (a TPU's may be in VMEM).
@@ -209,40 +261,49 @@ def _moved(account: _Account, comps, comp: Computation, ins: Instruction) -> tup
         return [(ins.operands[0], out), *everything[1:]], out
     if ins.opcode in _UPDATING:
         update = size(_update(ins))
-        return [(o, m) for o, m in everything[1:] if o != _update(ins)] + [(_update(ins), update)], update
+        return [(o, m) for o, m in everything[1:] if o != _update(ins)] + [
+            (_update(ins), update)
+        ], update
     if ins.opcode == "copy-start":
         return everything, shape_bytes(ins.shape, 0)
     return everything, shape_bytes(ins.shape)
 
 
 def _update(ins: Instruction) -> str:
-    """The update operand of a dynamic-update-slice (operand, update, indices...) or scatter (operand, indices,
-    updates)."""
+    """The update operand of a dynamic-update-slice (operand,
+    update, indices...) or scatter (operand, indices, updates)."""
     return ins.operands[1] if ins.opcode == "dynamic-update-slice" else ins.operands[-1]
 
 
 def _param_reads(comps: dict[str, Computation], fused: Computation, number: int) -> float:
-    """Bytes a fused computation reads of its parameter ``number``: what its slices and gathers take of it (through
-    the elementwise ops and views between, which a fusion evaluates only where its output needs them), what nested
-    fusions read of it, nothing where it is a buffer updated in place, all of it otherwise."""
+    """Bytes a fused computation reads of its parameter ``number``: what its slices
+    and gathers take of it (through the elementwise ops and views between, which a
+    fusion evaluates only where its output needs them), what nested fusions read of
+    it, nothing where it is a buffer updated in place, all of it otherwise."""
     name = fused.parameters[number]
     return min(1.0, _touched(comps, fused, name)) * shape_bytes(fused.instructions[name].shape)
 
 
 def _touched(comps: dict[str, Computation], fused: Computation, name: str) -> float:
-    """The fraction of the value ``name`` that its users inside ``fused`` touch (summed over users)."""
-    total = 1.0 if name == fused.root else 0.0  # the output (a nested fusion's: what its consumer reads) is all of it
+    """The fraction of the value ``name`` that its users
+    inside ``fused`` touch (summed over users)."""
+    # the output (a nested fusion's: what its consumer reads) is all of it
+    total = 1.0 if name == fused.root else 0.0
     elements = _elements(fused.instructions[name].shape)
     for user, position in fused.users(name):
         if user.opcode in _SLICING and position == 0:
             total += _elements(user.shape) / max(elements, 1)
         elif user.opcode in _UPDATING and position == 0:
             continue
-        elif user.opcode in _VIEWS or (user.opcode in _ELEMENTWISE and _elements(user.shape) == elements):
+        elif user.opcode in _VIEWS or (
+            user.opcode in _ELEMENTWISE and _elements(user.shape) == elements
+        ):
             total += _touched(comps, fused, user.name)
         elif user.opcode == "fusion":
             nested = comps[user.called("calls")[0]]
-            total += _param_reads(comps, nested, position) / max(shape_bytes(fused.instructions[name].shape), 1)
+            total += _param_reads(comps, nested, position) / max(
+                shape_bytes(fused.instructions[name].shape), 1
+            )
         else:
             total += 1.0
         if total >= 1.0:
@@ -278,28 +339,34 @@ def _written(comps: dict[str, Computation], fused: Computation, ins: Instruction
 
 
 def _link_bytes(op: str, operands: float, output: float, ins: Instruction) -> float:
-    """Bytes a collective sends plus those it receives, per device, for ring algorithms over its group."""
+    """Bytes a collective sends plus those it receives,
+    per device, for ring algorithms over its group."""
     n = _group_size(ins)
     if n <= 1 and op != "collective-permute":
         return 0.0
     share = (n - 1) / n
     if op == "all-reduce":
-        return 4 * share * operands  # reduce-scatter then all-gather, each sending and receiving (n-1)/n
+        # reduce-scatter then all-gather, each sending and receiving (n-1)/n
+        return 4 * share * operands
     if op == "all-gather":
         return 2 * share * output
     if op in ("reduce-scatter", "all-to-all"):
         return 2 * share * operands
-    return operands + output  # collective-permute / -broadcast: send the operand, receive the output
+    # collective-permute / -broadcast: send the operand, receive the output
+    return operands + output
 
 
 def _group_size(ins: Instruction) -> int:
-    """Devices in each of the collective's replica groups: ``{{0,1,...}}``, the iota form ``[groups,size]<=[n]``,
-    or the mesh form ``mesh['a'=1,'b'=8] {'b'}`` (the named axes' sizes multiplied)."""
+    """Devices in each of the collective's replica groups: ``{{0,1,...}}``,
+    the iota form ``[groups,size]<=[n]``, or the mesh form
+    ``mesh['a'=1,'b'=8] {'b'}`` (the named axes' sizes multiplied)."""
     mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", ins.attributes)
     if mesh is not None:
         sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=([0-9]+)", mesh.group(1))}
         return math.prod(sizes[a] for a in re.findall(r"'([^']+)'", mesh.group(2)))
-    groups = re.search(r"replica_groups=(\{\{[^=]*?\}\}|\[[0-9,]+\]<=\[[0-9,]+\][^,]*)", ins.attributes)
+    groups = re.search(
+        r"replica_groups=(\{\{[^=]*?\}\}|\[[0-9,]+\]<=\[[0-9,]+\][^,]*)", ins.attributes
+    )
     if groups is None:
         return 1
     text = groups.group(1)
@@ -309,8 +376,8 @@ def _group_size(ins: Instruction) -> int:
 
 
 def _custom_call_output(ins: Instruction) -> float:
-    """A custom call's output bytes; a cuBLAS or cuDNN call's trailing s8 array is its scratch workspace, which it
-    need not touch in full: not counted."""
+    """A custom call's output bytes; a cuBLAS or cuDNN call's trailing s8 array
+    is its scratch workspace, which it need not touch in full: not counted."""
     arrays = array_shapes(ins.shape)
     library = (ins.attribute("custom_call_target") or "").startswith(("__cublas", "__cudnn"))
     if library and len(arrays) > 1 and arrays[-1][0] == "s8":
@@ -332,25 +399,41 @@ def _custom_call(account: _Account, ins: Instruction, everything, output: float)
     return everything, output
 
 
-def _loop(account: _Account, comps, comp: Computation, ins: Instruction, scale: float, origins, stage) -> None:
+def _loop(
+    account: _Account, comps, comp: Computation, ins: Instruction, scale: float, origins, stage
+) -> None:
     trips, source = _trip_count(comps, comp, ins)
     account.loops.append({"name": ins.name, "trip_count": trips, "source": source})
     carried = {0: origins.get(ins.operands[0])}
     _walk(account, comps, comps[ins.called("body")[0]], scale * (trips or 1), carried, stage)
-    _walk(account, comps, comps[ins.called("condition")[0]], scale * ((trips or 1) + 1), carried, stage)
+    _walk(
+        account,
+        comps,
+        comps[ins.called("condition")[0]],
+        scale * ((trips or 1) + 1),
+        carried,
+        stage,
+    )
 
 
-def _trip_count(comps: dict[str, Computation], comp: Computation, ins: Instruction) -> tuple[int | None, str]:
-    """A loop's trips: XLA's ``known_trip_count``, else ``limit - start`` of an induction variable that the
-    condition compares (LT) with a constant and the loop starts from a constant (steps of one, as
-    ``fori_loop`` and ``scan`` make); None when neither is found."""
+def _trip_count(
+    comps: dict[str, Computation], comp: Computation, ins: Instruction
+) -> tuple[int | None, str]:
+    """A loop's trips: XLA's ``known_trip_count``, else ``limit - start`` of an induction
+    variable that the condition compares (LT) with a constant and the loop starts from a
+    constant (steps of one, as ``fori_loop`` and ``scan`` make); None when neither is found."""
     known = _TRIP.search(ins.backend_config)
     if known is not None:
         return int(known.group(1)), "known_trip_count"
     condition = comps[ins.called("condition")[0]]
     root = condition.instructions[condition.root]
     init = comp.instructions.get(ins.operands[0])
-    if root.opcode != "compare" or "direction=LT" not in root.attributes or init is None or init.opcode != "tuple":
+    if (
+        root.opcode != "compare"
+        or "direction=LT" not in root.attributes
+        or init is None
+        or init.opcode != "tuple"
+    ):
         return None, "unknown (counted once)"
     left, right = (condition.instructions[o] for o in root.operands)
     if left.opcode == "get-tuple-element" and right.opcode == "constant":
@@ -362,8 +445,12 @@ def _trip_count(comps: dict[str, Computation], comp: Computation, ins: Instructi
     return None, "unknown (counted once)"
 
 
-def _conditional(account: _Account, comps, comp: Computation, ins: Instruction, scale: float, origins, stage):
-    branches = ins.called("branch_computations") or ins.called("true_computation") + ins.called("false_computation")
+def _conditional(
+    account: _Account, comps, comp: Computation, ins: Instruction, scale: float, origins, stage
+):
+    branches = ins.called("branch_computations") or ins.called("true_computation") + ins.called(
+        "false_computation"
+    )
     accounts = []
     for k, branch in enumerate(branches):
         sub = _Account()
@@ -372,5 +459,7 @@ def _conditional(account: _Account, comps, comp: Computation, ins: Instruction, 
     counted = max(range(len(accounts)), key=lambda k: accounts[k].total)
     branch_bytes = [round(a.total) for a in accounts]
     counted_as = f"branch {counted} (the larger)"
-    account.conditionals.append({"name": ins.name, "branch_bytes": branch_bytes, "counted": counted_as})
+    account.conditionals.append(
+        {"name": ins.name, "branch_bytes": branch_bytes, "counted": counted_as}
+    )
     account.merge(accounts[counted])

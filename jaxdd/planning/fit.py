@@ -1,11 +1,12 @@
-"""The fit planner behind ``python -m jaxdd.plan``: will a full-size target + drafter fit a machine's devices, and
-how are the bytes spread?
+"""The fit planner behind ``python -m jaxdd.plan``: will a full-size
+target + drafter fit a machine's devices, and how are the bytes spread?
 
-Both models are built abstractly (shapes and shardings only, nothing allocated) on the machine's devices (this host's
-CPUs, or compile-only GPUs and TPUs from ``jaxdd.planning.aot``), and the round ``jaxdd.generate`` would run there (the
-attention form and MoE dispatch the machine's platform picks) is compiled ahead of time by the machine's own compiler.
-The result holds per device the weights as stored, the caches, the compiler's temporaries and the verdict, the traffic
-floor of every round (``jaxdd.planning.traffic``) and what the compiled round moves (``compiled_traffic``).
+Both models are built abstractly (shapes and shardings only, nothing allocated) on the machine's
+devices (this host's CPUs, or compile-only GPUs and TPUs from ``jaxdd.planning.aot``), and the round
+``jaxdd.generate`` would run there (the attention form and MoE dispatch the machine's platform
+picks) is compiled ahead of time by the machine's own compiler. The result holds per device the
+weights as stored, the caches, the compiler's temporaries and the verdict, the traffic floor of
+every round (``jaxdd.planning.traffic``) and what the compiled round moves (``compiled_traffic``).
 """
 
 from __future__ import annotations
@@ -38,16 +39,26 @@ from jaxdd.planning.aot import Machine, find_machine
 from jaxdd.planning.compiled_traffic import compiled_traffic
 from jaxdd.planning.traffic import ModelBytes, format_table, round_traffic, traffic_table
 from jaxdd.runtime.sharding import make_mesh, param_shardings, place
-from jaxdd.types import ATTENTION_CHOICES, METHODS, MOE_MODES, AttentionChoice, Method, MoeMode, verified_tokens
-from jaxdd.weights.hf_reader import declared_expert_format
+from jaxdd.types import (
+    ATTENTION_CHOICES,
+    METHODS,
+    MOE_MODES,
+    AttentionChoice,
+    Method,
+    MoeMode,
+    verified_tokens,
+)
+from jaxdd.weights.hf_quantization import declared_expert_format
 
 GB = 1e9
-DEFAULT_GPU_FRACTION = 0.75  # of each GPU's memory that JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION)
+# of each GPU's memory that JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION)
+DEFAULT_GPU_FRACTION = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanOptions:
-    """What one plan compiles: the hardware (``names()``), its devices, the MoE split and the round's shape."""
+    """What one plan compiles: the hardware (``names()``),
+    its devices, the MoE split and the round's shape."""
 
     hardware: str = "cpu"
     devices: int | None = None  # default: 8 GPUs, a TPU topology's chips, every CPU device
@@ -65,17 +76,21 @@ class PlanOptions:
         choices = {"method": METHODS, "moe": MOE_MODES, "attention": ATTENTION_CHOICES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise InputError(f"--{name}: expected one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+                raise InputError(
+                    f"--{name}: expected one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
         for name in ("devices", "budget", "max_len", "batch", "layers"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InputError(f"--{name.replace('_', '-')}: expected at least 1, got {value}")
 
 
-def plan(config_path: str | Path, drafter_config_path: str | Path, options: PlanOptions = PlanOptions()) -> dict:
-    """Compile one round (DDTree at ``budget`` by default) of the full-size pair ahead of time for the options'
-    hardware and count its bytes per device, with the traffic account of AR / DFlash / DDTree rounds at
-    ``max_len`` tokens of context (``jaxdd.planning.traffic``)."""
+def plan(
+    config_path: str | Path, drafter_config_path: str | Path, options: PlanOptions = PlanOptions()
+) -> dict:
+    """Compile one round (DDTree at ``budget`` by default) of the full-size pair ahead of time
+    for the options' hardware and count its bytes per device, with the traffic account of AR /
+    DFlash / DDTree rounds at ``max_len`` tokens of context (``jaxdd.planning.traffic``)."""
     o = options
     raw = read_json(config_path, ConfigError, "config file")
     config, drafter_config = _model_configs(raw, drafter_config_path, o.layers)
@@ -83,7 +98,9 @@ def plan(config_path: str | Path, drafter_config_path: str | Path, options: Plan
     where = find_machine(o.hardware, o.devices)
     mesh = make_mesh(len(where.devices), where.devices)
     form = where.backend.attention(o.attention)
-    decoder, per_device, stored = _abstract_decoder(config, drafter_config, experts, mesh, o.moe, jnp.bfloat16, form)
+    decoder, per_device, stored = _abstract_decoder(
+        config, drafter_config, experts, mesh, o.moe, jnp.bfloat16, form
+    )
     block = 1 if o.method == "ar" else drafter_config.block_size
     tokens = verified_tokens(o.method, block, o.budget)
     slots = cache_slots(o.max_len + tokens)
@@ -104,7 +121,9 @@ def plan(config_path: str | Path, drafter_config_path: str | Path, options: Plan
         "batch": o.batch,
         "attention": form,
         "dispatch": _dispatch(decoder.target.model, tokens * o.batch, devices, o.moe, where),
-        "traffic": traffic_table(config, model_bytes, devices, o.moe, o.max_len, drafter_config.block_size),
+        "traffic": traffic_table(
+            config, model_bytes, devices, o.moe, o.max_len, drafter_config.block_size
+        ),
     }
     if not o.compile_round:
         return shape
@@ -116,19 +135,25 @@ def plan(config_path: str | Path, drafter_config_path: str | Path, options: Plan
     per_device["temporaries"] = compiled["temp_bytes"]
     if account is not None:
         draft = 0 if o.method == "ar" else block
-        floor = round_traffic(o.method, tokens, config, model_bytes, o.max_len, devices, o.moe, draft)
+        floor = round_traffic(
+            o.method, tokens, config, model_bytes, o.max_len, devices, o.moe, draft
+        )
         shape["compiled_traffic"] = _against_floor(account, floor)
     return shape | _verdict(per_device, compiled, where, stored)
 
 
-def _model_configs(raw: dict, drafter_config_path: str | Path, layers: int | None) -> tuple[KimiConfig, DrafterConfig]:
-    """The target's config from its parsed JSON and the drafter's; with ``layers``, both cut to that many target
-    layers at full width (the drafter taps the layers that remain)."""
+def _model_configs(
+    raw: dict, drafter_config_path: str | Path, layers: int | None
+) -> tuple[KimiConfig, DrafterConfig]:
+    """The target's config from its parsed JSON and the drafter's; with ``layers``, both cut
+    to that many target layers at full width (the drafter taps the layers that remain)."""
     config = KimiConfig.from_hf(raw)
     drafter_config = DrafterConfig.from_json_file(drafter_config_path)
     if layers is not None:
         config = dataclasses.replace(
-            config, num_hidden_layers=layers, first_k_dense_replace=min(config.first_k_dense_replace, layers - 1)
+            config,
+            num_hidden_layers=layers,
+            first_k_dense_replace=min(config.first_k_dense_replace, layers - 1),
         )
         taps = tuple(min(t, layers - 1) for t in drafter_config.target_layer_ids)
         drafter_config = dataclasses.replace(drafter_config, target_layer_ids=taps)
@@ -137,22 +162,30 @@ def _model_configs(raw: dict, drafter_config_path: str | Path, layers: int | Non
 
 def _against_floor(account: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
     """What the compiled round moves, next to the traffic floor of the same round."""
-    floor_bytes = floor["read_total"] + 2 * floor["allreduce_bytes"]  # reads, and all-reduces sent + received
+    # reads, and all-reduces sent + received
+    floor_bytes = floor["read_total"] + 2 * floor["allreduce_bytes"]
     return account | {
         "floor_bytes": round(floor_bytes),
-        "floor": {k: round(floor[k]) for k in ("weights", "experts", "kv", "drafter", "allreduce_bytes", "allreduces")},
+        "floor": {
+            k: round(floor[k])
+            for k in ("weights", "experts", "kv", "drafter", "allreduce_bytes", "allreduces")
+        },
         "ratio": round(account["bytes"] / floor_bytes, 3),
     }
 
 
-def _verdict(per_device: dict[str, int], compiled: dict[str, Any], where: Machine, stored: int) -> dict[str, Any]:
+def _verdict(
+    per_device: dict[str, int], compiled: dict[str, Any], where: Machine, stored: int
+) -> dict[str, Any]:
     """The per-device byte total and whether it fits the machine's memory."""
-    total = compiled.get("used_bytes", sum(per_device.values()))  # the compiler's figure where it ran out
+    # the compiler's figure where it ran out
+    total = compiled.get("used_bytes", sum(per_device.values()))
     return {
         "per_device_bytes": per_device | {"total": total},
         "compiled": compiled,
         "fits": bool(compiled["fits_compiler"] and total <= where.memory),
-        # JAX preallocates this fraction of each GPU (0.75 unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise)
+        # JAX preallocates this fraction of each GPU (0.75
+        # unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise)
         "memory_fraction": math.ceil(100 * total / where.memory) / 100,
         "stored_bytes": stored,  # all devices together
     }
@@ -180,8 +213,8 @@ def _dispatch(model: KimiTarget, tokens: int, devices: int, moe: str, where: Mac
 
 
 def _compile(decoder, round_batch, state, where: Machine, form: str) -> dict[str, Any]:
-    """Compile the round for ``where``: its memory analysis, or what the compiler said it needs when it ran out
-    of memory (RESOURCE_EXHAUSTED, raised inside the compile on TPU)."""
+    """Compile the round for ``where``: its memory analysis, or what the compiler said it
+    needs when it ran out of memory (RESOURCE_EXHAUSTED, raised inside the compile on TPU)."""
     start = time.perf_counter()
     try:
         lowered = decoder.lower_round(round_batch, state)
@@ -189,7 +222,12 @@ def _compile(decoder, round_batch, state, where: Machine, form: str) -> dict[str
     except Exception as error:
         needed = _exhausted(str(error)) if isinstance(error, jax.errors.JaxRuntimeError) else None
         if needed is not None:
-            return {"fits_compiler": False, "temp_bytes": 0, **needed, "compile_seconds": _since(start)}, None
+            return {
+                "fits_compiler": False,
+                "temp_bytes": 0,
+                **needed,
+                "compile_seconds": _since(start),
+            }, None
         if form == "pallas" and _from_pallas(error):
             raise InputError(
                 f"--hardware {where.name}: the Pallas tree-attention kernel does not compile "
@@ -210,14 +248,16 @@ def _compile(decoder, round_batch, state, where: Machine, form: str) -> dict[str
 
 
 def weight_names(decoder: SpeculativeDecoder) -> dict[str, str]:
-    """The round's weight arguments (``models.target_weights[i]``, as the HLO's parameters name them) by the
-    model's own paths (``target/layers/0/mlp/gate``)."""
+    """The round's weight arguments (``models.target_weights[i]``, as the HLO's
+    parameters name them) by the model's own paths (``target/layers/0/mlp/gate``)."""
     names = {}
     for side, module in (("target", decoder.target.model), ("drafter", decoder.drafter)):
         leaves = jax.tree_util.tree_flatten_with_path(nnx.split(module)[1])[0]
         for i, (path, _) in enumerate(leaves):
             keys = [str(getattr(k, "key", getattr(k, "idx", k))).strip(".") for k in path]
-            names[f"models.{side}_weights[{i}]"] = "/".join([side, *(k for k in keys if k != "value")])
+            names[f"models.{side}_weights[{i}]"] = "/".join(
+                [side, *(k for k in keys if k != "value")]
+            )
     return names
 
 
@@ -230,9 +270,10 @@ _SIZE = r"([0-9.]+)([KMGT])"
 
 
 def _exhausted(message: str) -> dict[str, int] | None:
-    """What an out-of-memory compile error says was needed: XLA:TPU's "the total memory required for HLO
-    temporaries (35.32G) exceeds available HBM (15.75G)" (``temp_bytes``) or "Used 120.5G of 95.7G hbm"
-    (``used_bytes``, everything); None for another error (a kernel over its on-chip memory among them)."""
+    """What an out-of-memory compile error says was needed: XLA:TPU's "the total
+    memory required for HLO temporaries (35.32G) exceeds available HBM (15.75G)"
+    (``temp_bytes``) or "Used 120.5G of 95.7G hbm" (``used_bytes``, everything);
+    None for another error (a kernel over its on-chip memory among them)."""
     if "RESOURCE_EXHAUSTED" not in message or "Shared memory" in message:
         return None
     size = lambda found: int(float(found.group(1)) * _UNITS[found.group(2)])
@@ -244,17 +285,20 @@ def _exhausted(message: str) -> dict[str, int] | None:
 
 
 def _from_pallas(error: BaseException) -> bool:
-    """Whether a compile error came from a Pallas kernel: raised in jax's pallas package (its lowering rules), or
-    naming Mosaic, Pallas or a GPU's shared memory (only kernels ask for it)."""
+    """Whether a compile error came from a Pallas kernel: raised in jax's pallas package (its
+    lowering rules), or naming Mosaic, Pallas or a GPU's shared memory (only kernels ask for it)."""
     frames = traceback.extract_tb(error.__traceback__)
     text = f"{error}".lower()
     words = ("mosaic", "pallas", "shared memory")
     return any(w in text for w in words) or any("/pallas/" in f.filename for f in frames)
 
 
-def _abstract_decoder(config, drafter_config, experts, mesh: jax.sharding.Mesh, moe: str, dtype, attention: str):
-    """A decoder over abstract models placed on a mesh (shapes and shardings only, nothing allocated), the bytes
-    of parameters each device holds, and the bytes stored on all devices together."""
+def _abstract_decoder(
+    config, drafter_config, experts, mesh: jax.sharding.Mesh, moe: str, dtype, attention: str
+):
+    """A decoder over abstract models placed on a mesh (shapes and
+    shardings only, nothing allocated), the bytes of parameters each
+    device holds, and the bytes stored on all devices together."""
 
     def abstract(make) -> tuple[nnx.Module, int, int]:
         module = nnx.eval_shape(make)
@@ -271,27 +315,40 @@ def _abstract_decoder(config, drafter_config, experts, mesh: jax.sharding.Mesh, 
         leaves = jax.tree.leaves(placed)
         return module, sum(_shard_bytes(x) for x in leaves), sum(_bytes(x) for x in leaves)
 
-    target, target_bytes, target_stored = abstract(lambda: KimiTarget(config, dtype, experts=experts, rngs=nnx.Rngs(0)))
-    drafter, drafter_bytes, drafter_stored = abstract(lambda: DFlashDrafter(drafter_config, dtype, rngs=nnx.Rngs(0)))
+    target, target_bytes, target_stored = abstract(
+        lambda: KimiTarget(config, dtype, experts=experts, rngs=nnx.Rngs(0))
+    )
+    drafter, drafter_bytes, drafter_stored = abstract(
+        lambda: DFlashDrafter(drafter_config, dtype, rngs=nnx.Rngs(0))
+    )
     decoder = SpeculativeDecoder(Target(target), drafter, attention=attention)
     per_device = {"target_weights": target_bytes, "drafter_weights": drafter_bytes}
     return decoder, per_device, {"target": target_stored, "drafter": drafter_stored}
 
 
-def _abstract_requests(decoder, mesh, config, drafter_config, method, block, budget, batch, slots, sampled):
-    """A request plan for one round and the decode state it runs on, as sharded ShapeDtypeStructs."""
+def _abstract_requests(
+    decoder, mesh, config, drafter_config, method, block, budget, batch, slots, sampled
+):
+    """A request plan for one round and the decode
+    state it runs on, as sharded ShapeDtypeStructs."""
     rng = jax.ShapeDtypeStruct((batch, 2), jnp.uint32)
-    empty = lambda rng: DecodeState.empty(config, drafter_config, batch, slots, block, jnp.bfloat16, rng)
+    empty = lambda rng: DecodeState.empty(
+        config, drafter_config, batch, slots, block, jnp.bfloat16, rng
+    )
     state = jax.eval_shape(empty, rng)
     shardings = state_shardings(state, mesh)
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+    state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+    )
     settings = Sampling(temperature=1.0) if sampled else GREEDY
     requests = Requests(
         max_length=jax.ShapeDtypeStruct((batch,), jnp.int32),
         stop_ids=jax.ShapeDtypeStruct((batch, MAX_STOP_TOKENS), jnp.int32),
         sampling=jax.eval_shape(lambda: SamplingArrays.of([settings] * batch)),
     )
-    spec = decoder.round_spec(method, block, budget if method == "ddtree" else None, sampled=sampled)
+    spec = decoder.round_spec(
+        method, block, budget if method == "ddtree" else None, sampled=sampled
+    )
     return RoundBatch(spec, batch, [1] * batch, requests), state
 
 
@@ -306,12 +363,19 @@ def _bytes(x, shape: tuple[int, ...] | None = None) -> int:
 
 def report(result: dict[str, Any]) -> str:
     where = result["hardware"]
-    round_name = {"ar": "AR step", "dflash": "DFlash round", "ddtree": f"DDTree round (budget {result['budget']})"}
+    round_name = {
+        "ar": "AR step",
+        "dflash": "DFlash round",
+        "ddtree": f"DDTree round (budget {result['budget']})",
+    }
     lines = [
-        f"{result['config']}: {result['layers']} layers, routed experts {result['routed_experts']}, "
+        f"{result['config']}: {result['layers']} layers, routed experts "
+        f"{result['routed_experts']}, "
         f"{result['devices']} x {where['device_kind']} ({where['name']}), MoE {result['moe']}, "
-        f"batch {result['batch']}, max length {result['max_len']} ({result['cache_slots']} cache slots)",
-        f"per round and device at {result['max_len']} tokens of context (the floor: bytes / bandwidth + link):",
+        f"batch {result['batch']}, max length {result['max_len']} ({result['cache_slots']} "
+        f"cache slots)",
+        f"per round and device at {result['max_len']} tokens of context (the floor: bytes "
+        f"/ bandwidth + link):",
         format_table(result["traffic"]),
     ]
     if "per_device_bytes" not in result:
@@ -321,7 +385,9 @@ def report(result: dict[str, Any]) -> str:
         f"{round_name[result['method']]}, {sampled}, attention {result['attention']}, "
         f"MoE dispatch {result['dispatch']}, per device:"
     )
-    lines += [f"  {name:<16} {value / GB:9.2f} GB" for name, value in result["per_device_bytes"].items()]
+    lines += [
+        f"  {name:<16} {value / GB:9.2f} GB" for name, value in result["per_device_bytes"].items()
+    ]
     compiled = result["compiled"]
     lines.append(f"compiled for {where['platform']} in {compiled['compile_seconds']} s")
     memory = where["memory_bytes"] / GB
@@ -332,21 +398,33 @@ def report(result: dict[str, Any]) -> str:
         lines += traffic_report(result["compiled_traffic"])
     if not compiled["fits_compiler"]:
         lines[-1] += " (the compiler ran out of memory)"
-    elif where["platform"] == "gpu" and result["fits"] and result["memory_fraction"] > DEFAULT_GPU_FRACTION:
+    elif (
+        where["platform"] == "gpu"
+        and result["fits"]
+        and result["memory_fraction"] > DEFAULT_GPU_FRACTION
+    ):
         lines.append(
-            f"run with XLA_PYTHON_CLIENT_MEM_FRACTION={result['memory_fraction']:.2f} or more: JAX preallocates "
+            f"run with XLA_PYTHON_CLIENT_MEM_FRACTION={result['memory_fraction']:.2f} or "
+            f"more: JAX preallocates "
             f"{DEFAULT_GPU_FRACTION:.0%} of each GPU by default"
         )
     return "\n".join(lines)
 
 
 def traffic_report(account: dict[str, Any], top: int = 10) -> list[str]:
-    """The compiled round's bytes beside the floor's parts: per stage, and its largest instructions."""
+    """The compiled round's bytes beside the floor's
+    parts: per stage, and its largest instructions."""
     mb = lambda n: f"{n / 1e6:.1f} MB"
     floor = account["floor"]
-    parts = {"weights": "weights", "experts": "experts", "kv": "caches", "drafter": "drafter + lm_head again"}
+    parts = {
+        "weights": "weights",
+        "experts": "experts",
+        "kv": "caches",
+        "drafter": "drafter + lm_head again",
+    }
     lines = [
-        f"compiled traffic per device: {account['bytes'] / GB:.3f} GB, {account['ratio']:.2f}x the floor's "
+        f"compiled traffic per device: {account['bytes'] / GB:.3f} GB, "
+        f"{account['ratio']:.2f}x the floor's "
         f"{account['floor_bytes'] / GB:.3f} GB",
         "  floor:    "
         + ", ".join(f"{name} {mb(floor[key])}" for key, name in parts.items())
@@ -357,7 +435,8 @@ def traffic_report(account: dict[str, Any], top: int = 10) -> list[str]:
         "  largest instructions:",
     ]
     lines += [
-        f"    {op['bytes'] / 1e6:9.1f} MB  {op['op']:<14} {op['stage']:<7} {op['name']} ({op['scope'][-60:]})"
+        f"    {op['bytes'] / 1e6:9.1f} MB  {op['op']:<14} {op['stage']:<7} {op['name']} "
+        f"({op['scope'][-60:]})"
         for op in account["top_ops"][:top]
     ]
     return lines

@@ -1,11 +1,13 @@
-"""The devices jaxdd plans for, as their vendors describe them: what the traffic account needs (memory, bandwidth,
-link) and, for GPUs, the description a deviceless compile needs (XLA's GpuTargetConfigProto: compute capability,
-SMs, shared memory). TPUs are named by JAX's topology names (``v5p:2x2x2``); their chips are described here.
+"""The devices jaxdd plans for, as their vendors describe them: what the traffic
+account needs (memory, bandwidth, link) and, for GPUs, the description a deviceless
+compile needs (XLA's GpuTargetConfigProto: compute capability, SMs, shared memory).
+TPUs are named by JAX's topology names (``v5p:2x2x2``); their chips are described here.
 
-Sources, per field: memory, bandwidth, link and SMs from NVIDIA's product datasheets / Google Cloud's TPU pages
-(named per entry); shared memory per SM and per block (opt-in) from the CUDA C++ Programming Guide's table of
-compute capabilities (228 / 227 KB on 9.0 and 10.0, 100 / 99 KB on 12.0); L2 size and clock from the
-architecture whitepapers. The all-reduce latency is an estimate (NCCL's small-message all-reduce over 8 GPUs).
+Sources, per field: memory, bandwidth, link and SMs from NVIDIA's product datasheets /
+Google Cloud's TPU pages (named per entry); shared memory per SM and per block (opt-in)
+from the CUDA C++ Programming Guide's table of compute capabilities (228 / 227 KB on 9.0
+and 10.0, 100 / 99 KB on 12.0); L2 size and clock from the architecture whitepapers. The
+all-reduce latency is an estimate (NCCL's small-message all-reduce over 8 GPUs).
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ GPUS: dict[str, Gpu] = {
         64e9,
         "PCIe 5.0 x16, 64 GB/s each way",
         30e-6,
-        "NVIDIA RTX PRO 6000 Blackwell datasheet: 96 GB GDDR7, 1792 GB/s, 188 SMs, PCIe 5.0 x16 (no NVLink); "
+        "NVIDIA RTX PRO 6000 Blackwell datasheet: 96 GB GDDR7, 1792 GB/s, 188 SMs, PCIe "
+        "5.0 x16 (no NVLink); "
         "GB202: 128 MB L2",
         compute_capability=(12, 0),
         sms=188,
@@ -105,7 +108,8 @@ GPUS: dict[str, Gpu] = {
         900e9,
         "NVLink 5, 1.8 TB/s both ways",
         10e-6,
-        "NVIDIA DGX B200 datasheet: 1440 GB HBM3e for 8 GPUs, 8 TB/s each, NVLink 5 1.8 TB/s; 148 SMs, 126 MB L2",
+        "NVIDIA DGX B200 datasheet: 1440 GB HBM3e for 8 GPUs, 8 TB/s each, NVLink 5 1.8 "
+        "TB/s; 148 SMs, 126 MB L2",
         compute_capability=(10, 0),
         sms=148,
         l2_bytes=126 * 1024 * KB,
@@ -117,12 +121,30 @@ GPUS: dict[str, Gpu] = {
 # One chip (one JAX device) per generation, keyed by the prefix of JAX's topology names.
 TPUS: dict[str, Hardware] = {
     "v5e": Hardware(
-        "TPU v5e", 16 * GB, 819e9, 200e9, "ICI 1600 Gbps", 10e-6, "Google Cloud TPU v5e: 16 GB HBM2, 819 GB/s"
+        "TPU v5e",
+        16 * GB,
+        819e9,
+        200e9,
+        "ICI 1600 Gbps",
+        10e-6,
+        "Google Cloud TPU v5e: 16 GB HBM2, 819 GB/s",
     ),
     "v5p": Hardware(
-        "TPU v5p", 95 * GB, 2765e9, 600e9, "ICI 4800 Gbps", 10e-6, "Google Cloud TPU v5p: 95 GB HBM2e, 2765 GB/s"
+        "TPU v5p",
+        95 * GB,
+        2765e9,
+        600e9,
+        "ICI 4800 Gbps",
+        10e-6,
+        "Google Cloud TPU v5p: 95 GB HBM2e, 2765 GB/s",
     ),
     "v6e": Hardware(
-        "TPU v6e", 32 * GB, 1640e9, 448e9, "ICI 3584 Gbps", 10e-6, "Google Cloud TPU v6e: 32 GB HBM, 1640 GB/s"
+        "TPU v6e",
+        32 * GB,
+        1640e9,
+        448e9,
+        "ICI 3584 Gbps",
+        10e-6,
+        "Google Cloud TPU v6e: 32 GB HBM, 1640 GB/s",
     ),
 }

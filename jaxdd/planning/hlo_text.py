@@ -1,8 +1,10 @@
-"""Optimized HLO text, parsed into computations and instructions: what ``jaxdd.planning.compiled_traffic`` walks.
+"""Optimized HLO text, parsed into computations and
+instructions: what ``jaxdd.planning.compiled_traffic`` walks.
 
-The text is what ``compiled.as_text()`` (or ``HloModule.to_string()``) prints for XLA:CPU, XLA:GPU and XLA:TPU
-alike; only the parts the traffic account reads are kept: each instruction's shape, opcode, operands and the
-attributes that name called computations, trip counts, metadata and backend config.
+The text is what ``compiled.as_text()`` (or ``HloModule.to_string()``) prints
+for XLA:CPU, XLA:GPU and XLA:TPU alike; only the parts the traffic account
+reads are kept: each instruction's shape, opcode, operands and the attributes
+that name called computations, trip counts, metadata and backend config.
 """
 
 from __future__ import annotations
@@ -61,7 +63,12 @@ class Computation:
 
     def users(self, name: str) -> list[tuple[Instruction, int]]:
         """The instructions that take ``name`` as an operand, with the operand's position."""
-        return [(i, k) for i in self.instructions.values() for k, o in enumerate(i.operands) if o == name]
+        return [
+            (i, k)
+            for i in self.instructions.values()
+            for k, o in enumerate(i.operands)
+            if o == name
+        ]
 
 
 def parse_module(text: str) -> tuple[dict[str, Computation], str]:
@@ -95,7 +102,9 @@ def _instruction(name: str, text: str) -> Instruction:
     shape, rest = _split_shape(text)
     opcode, _, rest = rest.partition("(")
     operand_text, rest = _balanced(rest)
-    return Instruction(name, shape, opcode.strip(), _NAME.findall(operand_text), rest, operand_text.strip())
+    return Instruction(
+        name, shape, opcode.strip(), _NAME.findall(operand_text), rest, operand_text.strip()
+    )
 
 
 def _split_shape(text: str) -> tuple[str, str]:
@@ -127,15 +136,15 @@ def array_shapes(shape: str) -> list[tuple[str, tuple[int, ...], str]]:
 
 
 def in_device_memory(layout: str) -> bool:
-    """Whether an array's layout places it in device memory (HBM): TPU layouts name other memory spaces
-    (``S(1)``: VMEM, on chip) after a colon."""
+    """Whether an array's layout places it in device memory (HBM): TPU layouts
+    name other memory spaces (``S(1)``: VMEM, on chip) after a colon."""
     found = re.search(r"S\((\d+)\)", layout.partition(":")[2])
     return found is None or found.group(1) == "0"
 
 
 def shape_bytes(shape: str, element: int | None = None, anywhere: bool = False) -> int:
-    """Bytes in device memory (``anywhere``: in any memory) of a shape or of its ``element``-th array, packed
-    sub-byte types rounded up."""
+    """Bytes in device memory (``anywhere``: in any memory) of a shape
+    or of its ``element``-th array, packed sub-byte types rounded up."""
     arrays = array_shapes(shape)
     if element is not None:
         arrays = arrays[element : element + 1]

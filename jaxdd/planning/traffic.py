@@ -1,14 +1,15 @@
-"""What one decode round must read and send per device, the time floor that follows on a named GPU, and the
-tokens/s a tau curve predicts: the account behind "decode is bound by the bytes it reads".
+"""What one decode round must read and send per device, the time floor that follows on a named GPU,
+and the tokens/s a tau curve predicts: the account behind "decode is bound by the bytes it reads".
 
-A round verifies T tokens (AR 1, DFlash its block, DDTree budget + 1). Each device reads its shard of every
-non-expert weight once (the lm_head twice in a speculative round: the drafts' logits and the verify's), the
-drafter's shard, the routed experts that some token chose (a layer of E experts, top k, sees
-E (1 - (1 - k/E)^T) distinct experts for T uniformly routed tokens: trees change the calculus, the bytes grow with
-the budget long before the FLOPs matter), and the KV rows: the MLA latent cache is replicated, so every device
-reads all of it. It sends one all-reduce of [T, hidden] per sharded matmul output (jaxdd sums the routed experts'
-shares with a psum in both TP and EP, not an all-to-all). The floor is bytes / memory bandwidth + collectives over
-the link; compute is assumed to hide under it (a floor, not a prediction of overheads).
+A round verifies T tokens (AR 1, DFlash its block, DDTree budget + 1). Each device reads its
+shard of every non-expert weight once (the lm_head twice in a speculative round: the drafts'
+logits and the verify's), the drafter's shard, the routed experts that some token chose (a layer
+of E experts, top k, sees E (1 - (1 - k/E)^T) distinct experts for T uniformly routed tokens:
+trees change the calculus, the bytes grow with the budget long before the FLOPs matter), and the
+KV rows: the MLA latent cache is replicated, so every device reads all of it. It sends one
+all-reduce of [T, hidden] per sharded matmul output (jaxdd sums the routed experts' shares with a
+psum in both TP and EP, not an all-to-all). The floor is bytes / memory bandwidth + collectives
+over the link; compute is assumed to hide under it (a floor, not a prediction of overheads).
 """
 
 from __future__ import annotations
@@ -29,22 +30,28 @@ from jaxdd.types import verified_tokens
 BF16 = 2
 
 
-# The demo pair's HumanEval tau (CPU, greedy, block 8; benchmarks/README.md): tokens per verify round.
+# The demo pair's HumanEval tau (CPU, greedy, block
+# 8; benchmarks/README.md): tokens per verify round.
 DEMO_TAU = {"ar": 1.0, "dflash": 3.00, "ddtree": {4: 2.94, 8: 3.44, 16: 3.77, 32: 4.04, 64: 4.35}}
 
 
-def distinct_experts(tokens: int, top_k: int, experts: int, probabilities: np.ndarray | None = None) -> float:
-    """Expected distinct experts a layer reads for ``tokens`` tokens: uniform routing, or per-expert choice
-    probabilities (a measured routing histogram, summing to ``top_k``) with tokens routed independently."""
+def distinct_experts(
+    tokens: int, top_k: int, experts: int, probabilities: np.ndarray | None = None
+) -> float:
+    """Expected distinct experts a layer reads for ``tokens`` tokens:
+    uniform routing, or per-expert choice probabilities (a measured routing
+    histogram, summing to ``top_k``) with tokens routed independently."""
     if probabilities is None:
         return experts * (1 - (1 - top_k / experts) ** tokens)
     p = np.clip(np.asarray(probabilities, np.float64), 0, 1)
     return float(np.sum(1 - (1 - p) ** tokens))
 
 
-def slowest_device_experts(tokens: int, top_k: int, experts: int, devices: int, samples: int = 200) -> float:
-    """EP: the expected distinct local experts of the device that has the most (the round waits for it), for
-    uniform routing; sampled with a fixed seed."""
+def slowest_device_experts(
+    tokens: int, top_k: int, experts: int, devices: int, samples: int = 200
+) -> float:
+    """EP: the expected distinct local experts of the device that has the most
+    (the round waits for it), for uniform routing; sampled with a fixed seed."""
     rng = np.random.default_rng(0)
     chosen = np.argsort(rng.random((samples, tokens, experts), np.float32), axis=-1)[..., :top_k]
     used = np.zeros((samples, experts), bool)
@@ -54,7 +61,8 @@ def slowest_device_experts(tokens: int, top_k: int, experts: int, devices: int, 
 
 @dataclasses.dataclass(frozen=True)
 class ModelBytes:
-    """Per-device bytes of a placed (possibly abstract) target and drafter, split the way a round reads them."""
+    """Per-device bytes of a placed (possibly abstract)
+    target and drafter, split the way a round reads them."""
 
     non_expert: int  # target weights but the routed experts and the embedding
     lm_head: int
@@ -67,7 +75,8 @@ class ModelBytes:
 
     @classmethod
     def of(cls, target: KimiTarget, drafter: nnx.Module, shard_bytes) -> ModelBytes:
-        """From modules whose parameters are (abstract) arrays; ``shard_bytes(array)`` gives one device's bytes."""
+        """From modules whose parameters are (abstract) arrays;
+        ``shard_bytes(array)`` gives one device's bytes."""
         params = lambda module: jax.tree.leaves(nnx.state(module, nnx.Param))
         experts = sum(
             shard_bytes(getattr(m, name).get_value())
@@ -100,16 +109,19 @@ def round_traffic(
     moe: str,
     draft_tokens: int = 0,
 ) -> dict[str, float]:
-    """Bytes one device reads, and sends in all-reduces, in a round verifying ``tokens`` tokens at ``context``
-    tokens of KV; ``draft_tokens``: the drafter's block (0 for AR)."""
+    """Bytes one device reads, and sends in all-reduces, in a round verifying ``tokens``
+    tokens at ``context`` tokens of KV; ``draft_tokens``: the drafter's block (0 for AR)."""
     e = config.n_routed_experts
     k = config.num_experts_per_tok
-    per_expert = model.expert_per_layer / (e if moe == "tp" else e / devices)  # one expert's bytes here
+    # one expert's bytes here
+    per_expert = model.expert_per_layer / (e if moe == "tp" else e / devices)
     if moe == "ep" and devices > 1:
         local = slowest_device_experts(tokens, k, e, devices)
     else:
         local = distinct_experts(tokens, k, e)
-    latent = context * (config.kv_lora_rank + config.qk_rope_head_dim) * BF16 * config.num_hidden_layers
+    latent = (
+        context * (config.kv_lora_rank + config.qk_rope_head_dim) * BF16 * config.num_hidden_layers
+    )
     speculative = method != "ar"
     reads = {
         "weights": model.non_expert + tokens * model.embed_row,
@@ -117,8 +129,9 @@ def round_traffic(
         "kv": latent,
         "drafter": (model.drafter + model.lm_head) if speculative else 0,
     }
-    # All-reduces of [T, hidden]: attention and MLP outputs of every layer, the routed psum and the shared expert
-    # of MoE layers, the embedding's vocab-parallel psum; the drafter's layers over its block.
+    # All-reduces of [T, hidden]: attention and MLP outputs of every layer,
+    # the routed psum and the shared expert of MoE layers, the embedding's
+    # vocab-parallel psum; the drafter's layers over its block.
     target_allreduces = 2 * model.dense_layers + 3 * model.moe_layers + 1
     drafter_allreduces = 2 * model.drafter_layers if speculative else 0
     message = config.hidden_size * BF16
@@ -136,7 +149,10 @@ def round_traffic(
 
 def floor_seconds(traffic: Mapping[str, float], hardware: Hardware) -> dict[str, float]:
     memory = traffic["read_total"] / hardware.bandwidth
-    link = traffic["allreduce_bytes"] / hardware.link + traffic["allreduces"] * hardware.allreduce_latency
+    link = (
+        traffic["allreduce_bytes"] / hardware.link
+        + traffic["allreduces"] * hardware.allreduce_latency
+    )
     return {"memory_s": memory, "link_s": link, "round_s": memory + link}
 
 
@@ -150,8 +166,9 @@ def traffic_table(
     budgets: tuple[int, ...] = (4, 8, 16, 32, 64),
     tau: Mapping = DEMO_TAU,
 ) -> list[dict]:
-    """One row per round shape (AR, DFlash at ``block``, DDTree at each budget): what a device reads and sends,
-    and per named GPU the floor per round and the tokens/s ``tau`` predicts at that floor."""
+    """One row per round shape (AR, DFlash at ``block``, DDTree at each
+    budget): what a device reads and sends, and per named GPU the floor
+    per round and the tokens/s ``tau`` predicts at that floor."""
     shapes = [("ar", verified_tokens("ar", 1, None), 0, tau["ar"])]
     shapes += [("dflash", verified_tokens("dflash", block, None), block, tau["dflash"])]
     shapes += [
@@ -161,7 +178,9 @@ def traffic_table(
     ]
     rows = []
     for name, tokens, draft, expected in shapes:
-        traffic = round_traffic(name.split()[0], tokens, config, model, context, devices, moe, draft)
+        traffic = round_traffic(
+            name.split()[0], tokens, config, model, context, devices, moe, draft
+        )
         row = {"round": name, "tokens": tokens, "tau": expected, **traffic, "targets": {}}
         for key, hardware in GPUS.items():
             floor = floor_seconds(traffic, hardware)
@@ -171,7 +190,8 @@ def traffic_table(
 
 
 def format_table(rows: list[dict]) -> str:
-    """The table as text: GB read and sent per device, then per GPU the floor and predicted tokens/s."""
+    """The table as text: GB read and sent per device,
+    then per GPU the floor and predicted tokens/s."""
     names = list(GPUS)
     head = f"{'round':<11} {'tau':>5} {'read GB':>8} {'experts':>8} {'sent MB':>8}"
     head += "".join(f" | {GPUS[n].name:>26}" for n in names)
@@ -181,6 +201,8 @@ def format_table(rows: list[dict]) -> str:
         line += f"{row['experts_read']:>8.1f} {row['allreduce_bytes'] / 1e6:>8.2f}"
         for n in names:
             t = row["targets"][n]
-            line += f" | {t['round_s'] * 1e3:>6.2f} ({t['link_s'] * 1e3:.2f}) {t['tokens_per_s']:>9.0f}"
+            line += (
+                f" | {t['round_s'] * 1e3:>6.2f} ({t['link_s'] * 1e3:.2f}) {t['tokens_per_s']:>9.0f}"
+            )
         lines.append(line)
     return "\n".join(lines)

@@ -7,8 +7,10 @@ from collections.abc import Iterator
 
 import jax
 
-COMPILE_EVENTS = "/jax/core/compile/"  # jaxpr_trace_duration, jaxpr_to_mlir_module_duration, backend_compile_duration
-BACKEND_COMPILE = COMPILE_EVENTS + "backend_compile_duration"  # one per executable built or read from a disk cache
+# jaxpr_trace_duration, jaxpr_to_mlir_module_duration, backend_compile_duration
+COMPILE_EVENTS = "/jax/core/compile/"
+# one per executable built or read from a disk cache
+BACKEND_COMPILE = COMPILE_EVENTS + "backend_compile_duration"
 
 
 class CompileClock:
@@ -18,8 +20,9 @@ class CompileClock:
 
 @contextlib.contextmanager
 def compile_clock() -> Iterator[CompileClock]:
-    """``with compile_clock() as clock: ...``; then ``clock.seconds`` is the compile time spent inside and
-    ``clock.count`` the number of XLA compilations (both 0 when every function was already compiled)."""
+    """``with compile_clock() as clock: ...``; then ``clock.seconds`` is
+    the compile time spent inside and ``clock.count`` the number of XLA
+    compilations (both 0 when every function was already compiled)."""
     clock = CompileClock()
 
     def listener(event: str, seconds: float, **_) -> None:

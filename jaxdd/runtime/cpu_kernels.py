@@ -1,5 +1,6 @@
-"""Decode's matvecs as XLA:CPU custom calls (``cpu_kernels.cc``, XLA's FFI): the gathered INT4 expert matvec, the
-few-row dense matvec and the row dot (decode attention's products with weights and cache rows stored [rows, K]).
+"""Decode's matvecs as XLA:CPU custom calls (``cpu_kernels.cc``, XLA's FFI):
+the gathered INT4 expert matvec, the few-row dense matvec and the row dot
+(decode attention's products with weights and cache rows stored [rows, K]).
 
 XLA:CPU gathers the chosen experts' INT4 words, unpacks them to a dense copy and then multiplies;
 the kernel unpacks in registers as it reads (benchmarks/README.md, "Decode against its floor").
@@ -28,17 +29,28 @@ import jax.numpy as jnp
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 INT4_TARGET = "jaxdd_int4_gathered_matvec"
-DENSE_TARGETS = {jnp.dtype(jnp.float32): "jaxdd_dense_matvec_f32", jnp.dtype(jnp.bfloat16): "jaxdd_dense_matvec_bf16"}
-ROW_DOT_TARGETS = {jnp.dtype(jnp.float32): "jaxdd_row_dot_f32", jnp.dtype(jnp.bfloat16): "jaxdd_row_dot_bf16"}
-GROUP_MULTIPLE = 32  # the kernel's scale groups are whole 4-word half-blocks (every Kimi INT4 checkpoint: 32)
-# No FMA contraction: the portable INT4 path's bf16 rounding (a Veltkamp split) needs each product rounded alone.
+DENSE_TARGETS = {
+    jnp.dtype(jnp.float32): "jaxdd_dense_matvec_f32",
+    jnp.dtype(jnp.bfloat16): "jaxdd_dense_matvec_bf16",
+}
+ROW_DOT_TARGETS = {
+    jnp.dtype(jnp.float32): "jaxdd_row_dot_f32",
+    jnp.dtype(jnp.bfloat16): "jaxdd_row_dot_bf16",
+}
+# the kernel's scale groups are whole 4-word half-blocks (every Kimi INT4 checkpoint: 32)
+GROUP_MULTIPLE = 32
+# No FMA contraction: the portable INT4 path's bf16 rounding
+# (a Veltkamp split) needs each product rounded alone.
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
     """Where compiled kernels are kept: $JAXDD_CACHE, else ~/.cache/jaxdd (XDG)."""
-    base = os.environ.get("JAXDD_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxdd"
+    base = (
+        os.environ.get("JAXDD_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxdd"
+    )
     return Path(base) / "native"
 
 
@@ -53,13 +65,19 @@ def _cpu_flags() -> str:
 
 def compiler() -> str | None:
     """$CXX, else the first C++ compiler on PATH."""
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    return (
+        os.environ.get("CXX")
+        or shutil.which("c++")
+        or shutil.which("g++")
+        or shutil.which("clang++")
+    )
 
 
 def build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
-    """The kernels' shared library, compiled unless the cache has it (written atomically: a temporary file
-    renamed into place, so concurrent processes and interrupted builds leave no partial library). ``extra_flags``
-    e.g. ``-mno-avx512f`` builds the portable form on an AVX-512 host (tests)."""
+    """The kernels' shared library, compiled unless the cache has it (written
+    atomically: a temporary file renamed into place, so concurrent processes
+    and interrupted builds leave no partial library). ``extra_flags`` e.g.
+    ``-mno-avx512f`` builds the portable form on an AVX-512 host (tests)."""
     flags = (*FLAGS, "-march=native", *extra_flags, "-I", jax.ffi.include_dir())
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), compiler, " ".join(flags), _cpu_flags(), jax.__version__):
@@ -70,7 +88,12 @@ def build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         built = Path(scratch) / library.name
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], check=True, capture_output=True, text=True)
+        subprocess.run(
+            [compiler, *flags, str(SOURCE), "-o", str(built)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         os.replace(built, library)
     return library
 
@@ -84,7 +107,9 @@ def load(compiler: str | None) -> ctypes.CDLL | None:
         return ctypes.CDLL(str(build(compiler)))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", None) or error
-        log.warning("jaxdd: the CPU kernels did not build (%s); using XLA's matvecs", str(detail)[-500:])
+        log.warning(
+            "jaxdd: the CPU kernels did not build (%s); using XLA's matvecs", str(detail)[-500:]
+        )
         return None
 
 
@@ -94,31 +119,47 @@ def available() -> bool:
     library = load(compiler())
     if library is not None:
         for target in (INT4_TARGET, *DENSE_TARGETS.values(), *ROW_DOT_TARGETS.values()):
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
+            jax.ffi.register_ffi_target(
+                target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu"
+            )
     return library is not None
 
 
 def gathered_int4_matvec(
-    rows: jax.Array, packed: jax.Array, scale: jax.Array, chosen: jax.Array, target: str = INT4_TARGET
+    rows: jax.Array,
+    packed: jax.Array,
+    scale: jax.Array,
+    chosen: jax.Array,
+    target: str = INT4_TARGET,
 ) -> jax.Array:
-    """rows [P, K] through experts ``chosen`` [P] of packed [E, N, K/8] int32 with scale [E, N, K/group] bf16
-    (``jaxdd.models.quant.Int4Experts``): [P, N] in rows' dtype, each weight dequantized as ``dequantize_int4_groups``
-    does (bf16(q x scale)) and the products summed in fp32. Call only where ``available()``, for groups that
-    are a multiple of ``GROUP_MULTIPLE``. ``target``: the FFI target it is registered as (tests register another
-    build of it under another name)."""
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], packed.shape[1]), jnp.float32))
-    return call(rows.astype(jnp.float32), packed, scale, chosen.astype(jnp.int32)).astype(rows.dtype)
+    """rows [P, K] through experts ``chosen`` [P] of packed [E, N, K/8] int32 with
+    scale [E, N, K/group] bf16 (``jaxdd.models.quant.Int4Experts``): [P, N] in
+    rows' dtype, each weight dequantized as ``dequantize_int4_groups`` does (bf16(q
+    x scale)) and the products summed in fp32. Call only where ``available()``, for
+    groups that are a multiple of ``GROUP_MULTIPLE``. ``target``: the FFI target it
+    is registered as (tests register another build of it under another name)."""
+    call = jax.ffi.ffi_call(
+        target, jax.ShapeDtypeStruct((rows.shape[0], packed.shape[1]), jnp.float32)
+    )
+    return call(rows.astype(jnp.float32), packed, scale, chosen.astype(jnp.int32)).astype(
+        rows.dtype
+    )
 
 
 def dense_matvec(rows: jax.Array, weight: jax.Array) -> jax.Array:
-    """rows [P, K] @ weight [K, N] (fp32 or bf16) for a few rows: [P, N] in rows' dtype, products summed in fp32,
-    each weight read once. Call only where ``available()``."""
+    """rows [P, K] @ weight [K, N] (fp32 or bf16) for a few rows: [P, N] in rows' dtype,
+    products summed in fp32, each weight read once. Call only where ``available()``."""
     out = jax.ShapeDtypeStruct((rows.shape[0], weight.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(DENSE_TARGETS[weight.dtype], out)(rows.astype(jnp.float32), weight).astype(rows.dtype)
+    return jax.ffi.ffi_call(DENSE_TARGETS[weight.dtype], out)(
+        rows.astype(jnp.float32), weight
+    ).astype(rows.dtype)
 
 
 def row_dot(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """x [G, P, K] . weight [G, N, K] (fp32 or bf16) -> [G, P, N] in x's dtype: every row of group g's weight dotted
-    with the P rows of x[g], products summed in fp32, each weight row read once. Call only where ``available()``."""
+    """x [G, P, K] . weight [G, N, K] (fp32 or bf16) -> [G, P, N] in x's dtype:
+    every row of group g's weight dotted with the P rows of x[g], products summed
+    in fp32, each weight row read once. Call only where ``available()``."""
     out = jax.ShapeDtypeStruct((*x.shape[:2], weight.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(ROW_DOT_TARGETS[weight.dtype], out)(x.astype(jnp.float32), weight).astype(x.dtype)
+    return jax.ffi.ffi_call(ROW_DOT_TARGETS[weight.dtype], out)(
+        x.astype(jnp.float32), weight
+    ).astype(x.dtype)

@@ -1,8 +1,10 @@
-"""One process per host: joining a multi-process JAX job and checking that every process got the same tokens.
+"""One process per host: joining a multi-process JAX job
+and checking that every process got the same tokens.
 
-Every process runs the same program on the global mesh (``jax.devices()`` spans all hosts); each holds only its
-devices' shards. On CPU the collectives go through gloo. Where JAX finds the job by itself (cloud TPU slices,
-SLURM, or ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``) no flags are needed.
+Every process runs the same program on the global mesh (``jax.devices()`` spans all
+hosts); each holds only its devices' shards. On CPU the collectives go through gloo. Where
+JAX finds the job by itself (cloud TPU slices, SLURM, or ``JAX_COORDINATOR_ADDRESS`` /
+``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``) no flags are needed.
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ from jax.experimental import multihost_utils
 from jaxdd.errors import InputError
 
 # What JAX's cluster detection reads (jax._src.clusters): a job it can join without being told.
-_JOB_ENVIRONMENT = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
+_JOB_ENVIRONMENT = (
+    "JAX_COORDINATOR_ADDRESS",
+    "SLURM_JOB_ID",
+    "TPU_WORKER_HOSTNAMES",
+    "MEGASCALE_COORDINATOR_ADDRESS",
+)
 
 
 def join(
@@ -28,11 +35,11 @@ def join(
     cpu_devices: int,
     timeout: float = 60.0,
 ) -> None:
-    """Join the job before any JAX backend starts: with all three flags, or as JAX finds it in the environment
-    (a TPU slice of more than one host, SLURM); a single process otherwise. ``cpu_devices``: this process's
-    simulated CPU devices (each host's share of ``--devices``). Says on stderr what it waits for; when the job is
-    not complete within ``timeout`` seconds, says so in one line and exits with code 2 (JAX's own timeout aborts
-    the process with a C++ stack trace)."""
+    """Join the job before any JAX backend starts: with all three flags, or as JAX finds it in the
+    environment (a TPU slice of more than one host, SLURM); a single process otherwise.
+    ``cpu_devices``: this process's simulated CPU devices (each host's share of ``--devices``). Says
+    on stderr what it waits for; when the job is not complete within ``timeout`` seconds, says so in
+    one line and exits with code 2 (JAX's own timeout aborts the process with a C++ stack trace)."""
     flags = (coordinator, num_processes, process_id)
     if any(f is not None for f in flags) and not all(f is not None for f in flags):
         raise InputError("--coordinator, --num-processes and --process-id go together")
@@ -40,22 +47,38 @@ def join(
         return
     if num_processes is not None and not 0 <= process_id < num_processes:
         raise InputError(f"--process-id: expected 0..{num_processes - 1}, got {process_id}")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # used only where the devices are CPUs
+    # used only where the devices are CPUs
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_num_cpu_devices", cpu_devices)
-    where = f"{num_processes} processes at {coordinator}" if coordinator else "the job JAX found in the environment"
-    print(f"jaxdd: waiting for {where} (at most {timeout:g} s: --coordinator-timeout)", file=sys.stderr, flush=True)
+    where = (
+        f"{num_processes} processes at {coordinator}"
+        if coordinator
+        else "the job JAX found in the environment"
+    )
+    print(
+        f"jaxdd: waiting for {where} (at most {timeout:g} s: --coordinator-timeout)",
+        file=sys.stderr,
+        flush=True,
+    )
     watchdog = threading.Timer(timeout, _give_up, (where, timeout))
     watchdog.daemon = True
     watchdog.start()
     try:
-        jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=int(timeout) + 60)
+        jax.distributed.initialize(
+            coordinator, num_processes, process_id, initialization_timeout=int(timeout) + 60
+        )
     finally:
         watchdog.cancel()
 
 
 def _give_up(where: str, timeout: float) -> None:
-    # os._exit: the main thread is blocked in the coordination service's C++ client, which nothing interrupts.
-    print(f"jaxdd: {where}: the job did not assemble within {timeout:g} s", file=sys.stderr, flush=True)
+    # os._exit: the main thread is blocked in the coordination
+    # service's C++ client, which nothing interrupts.
+    print(
+        f"jaxdd: {where}: the job did not assemble within {timeout:g} s",
+        file=sys.stderr,
+        flush=True,
+    )
     os._exit(2)
 
 
@@ -66,8 +89,9 @@ def _job_in_environment() -> bool:
 
 
 def disagreeing_processes(tokens: list[int], length: int) -> list[int]:
-    """The processes whose tokens (at most ``length``) differ from process 0's: none, unless a host computed
-    something else (its weights, its inputs), since all run one SPMD program. Every process must call it."""
+    """The processes whose tokens (at most ``length``) differ from process
+    0's: none, unless a host computed something else (its weights, its
+    inputs), since all run one SPMD program. Every process must call it."""
     if jax.process_count() == 1:
         return []
     row = np.full((length + 1,), -1, np.int32)

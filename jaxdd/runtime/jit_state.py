@@ -44,10 +44,11 @@ class ModuleSpec:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
 
 
-# One spec object per module structure. jit compares a call's static arguments with its cache keys, and two equal
-# specs that are different objects are compared graph by graph, on every round, by a
-# decoder that was built after another one compiled the same shapes (``Target.generate`` builds one per call).
-# The compiled functions keep their specs alive anyway, so holding them here costs nothing extra.
+# One spec object per module structure. jit compares a call's static arguments with
+# its cache keys, and two equal specs that are different objects are compared graph
+# by graph, on every round, by a decoder that was built after another one compiled
+# the same shapes (``Target.generate`` builds one per call). The compiled functions
+# keep their specs alive anyway, so holding them here costs nothing extra.
 _SPECS: dict[ModuleSpec, ModuleSpec] = {}
 
 

@@ -1,12 +1,13 @@
 """Importing JAX without the CUDA plugin's start-up chatter on hosts without a GPU.
 
-With the CUDA PJRT plugin installed (the ``aot`` extra: compiling for GPUs that are not here), its CUDA stub
-prints "Could not find cuda drivers on your machine" from C++, before logging is configured
-(``TF_CPP_MIN_LOG_LEVEL`` does not reach it), when ``import jax`` loads the plugin's extensions and again when
-JAX registers the plugin. That would break every command's one-line error. So importing this module (``jaxdd``
-and ``convert`` do it first) imports JAX, and has JAX discover its plugins, with native stderr held: those lines
-are dropped, everything else printed is passed on. (Without ``JAX_PLATFORMS=cpu`` such a host also hears JAX
-itself report the CUDA plugin's failed start and libtpu's probe for a TPU: real messages, left alone.)
+With the CUDA PJRT plugin installed (the ``aot`` extra: compiling for GPUs that are not here),
+its CUDA stub prints "Could not find cuda drivers on your machine" from C++, before logging is
+configured (``TF_CPP_MIN_LOG_LEVEL`` does not reach it), when ``import jax`` loads the plugin's
+extensions and again when JAX registers the plugin. That would break every command's one-line
+error. So importing this module (``jaxdd`` and ``convert`` do it first) imports JAX, and has
+JAX discover its plugins, with native stderr held: those lines are dropped, everything else
+printed is passed on. (Without ``JAX_PLATFORMS=cpu`` such a host also hears JAX itself report
+the CUDA plugin's failed start and libtpu's probe for a TPU: real messages, left alone.)
 
 In a command (``python -m jaxdd.generate``, ``serve``, ``plan``, ``crosscheck``, ``convert``)
 Ctrl-C or SIGTERM while the imports run ends the process with one line (``end_now``), not a
@@ -24,7 +25,10 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-HARMLESS = ("cudart_stub.cc", "All log messages before absl::InitializeLog() is called are written to STDERR")
+HARMLESS = (
+    "cudart_stub.cc",
+    "All log messages before absl::InitializeLog() is called are written to STDERR",
+)
 # The commands: each runs its main through cli.run.
 COMMANDS = ("jaxdd.generate", "jaxdd.serve", "jaxdd.plan", "jaxdd.crosscheck", "convert")
 STOPPED = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
@@ -64,18 +68,22 @@ def _without_cuda_stub_lines() -> Iterator[None]:
             os.close(saved)
             held.seek(0)
             lines = held.read().decode(errors="replace").splitlines(keepends=True)
-            sys.stderr.write("".join(line for line in lines if not any(h in line for h in HARMLESS)))
+            sys.stderr.write(
+                "".join(line for line in lines if not any(h in line for h in HARMLESS))
+            )
 
 
 def import_jax() -> None:
-    """``import jax`` and wrap its plugin discovery, each with the CUDA stub's lines dropped (once per process)."""
+    """``import jax`` and wrap its plugin discovery, each
+    with the CUDA stub's lines dropped (once per process)."""
     if "jax" in sys.modules:
         return
     with _without_cuda_stub_lines():
         import jax  # noqa: F401
     from jax._src import xla_bridge
 
-    discover = getattr(xla_bridge, "discover_pjrt_plugins", None)  # runs once, when the first backend starts
+    # runs once, when the first backend starts
+    discover = getattr(xla_bridge, "discover_pjrt_plugins", None)
     if discover is not None:
 
         def quietly() -> None:

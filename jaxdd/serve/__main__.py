@@ -1,10 +1,11 @@
-"""``python -m jaxdd.serve``: an OpenAI-compatible server (completions and chat completions, streamed or not) with
-continuous batching of speculative rounds.
+"""``python -m jaxdd.serve``: an OpenAI-compatible server (completions and chat
+completions, streamed or not) with continuous batching of speculative rounds.
 
-    python -m jaxdd.serve                                     # the bundled kimi-mini pair on 127.0.0.1:8000
+    python -m jaxdd.serve  # the bundled kimi-mini pair on 127.0.0.1:8000
     python -m jaxdd.serve --method ddtree --budget 16 --max-batch 16 --max-len 1024
     python -m jaxdd.serve --checkpoint TARGET_DIR --drafter DRAFTER_DIR --port 8080
-    python -m jaxdd.serve --devices 16 --coordinator HOST0:1234 --num-processes 2 --process-id I   # on each host
+    python -m jaxdd.serve --devices 16 --coordinator HOST0:1234 --num-processes 2
+                          --process-id I  # on each host
 
 Start-up: the flags are checked and the port is bound before anything loads (a port in use is one
 line, exit 2); then it compiles every shape it will run (each prompt bucket's prefill up to
@@ -58,19 +59,33 @@ def seconds(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.command_parser("python -m jaxdd.serve", __doc__)
     cli.add_model_flags(parser)
-    parser.add_argument("--max-batch", type=positive, default=8, help="decode rows: requests decoded at once")
-    parser.add_argument("--max-waiting", type=positive, default=64, help="queued requests past which a 429 answers")
-    parser.add_argument("--max-len", type=positive, default=1024, help="prompt + output tokens per request")
-    parser.add_argument("--max-prompt", type=positive, help="prompt tokens per request (default: --max-len - 1)")
-    parser.add_argument("--request-timeout", type=seconds, help="seconds a request may run before it is ended")
+    parser.add_argument(
+        "--max-batch", type=positive, default=8, help="decode rows: requests decoded at once"
+    )
+    parser.add_argument(
+        "--max-waiting", type=positive, default=64, help="queued requests past which a 429 answers"
+    )
+    parser.add_argument(
+        "--max-len", type=positive, default=1024, help="prompt + output tokens per request"
+    )
+    parser.add_argument(
+        "--max-prompt", type=positive, help="prompt tokens per request (default: --max-len - 1)"
+    )
+    parser.add_argument(
+        "--request-timeout", type=seconds, help="seconds a request may run before it is ended"
+    )
     parser.add_argument(
         "--drain-timeout",
         type=seconds,
         default=30.0,
         help="on SIGTERM / SIGINT: seconds to let requests in flight finish before exiting",
     )
-    parser.add_argument("--chat-template", type=Path, help="a Jinja chat template (default: the checkpoint's)")
-    parser.add_argument("--model-name", help="the model id clients name (default: the checkpoint directory's name)")
+    parser.add_argument(
+        "--chat-template", type=Path, help="a Jinja chat template (default: the checkpoint's)"
+    )
+    parser.add_argument(
+        "--model-name", help="the model id clients name (default: the checkpoint directory's name)"
+    )
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     cli.add_device_flags(parser)
     parser.add_argument("--host", default="127.0.0.1")
@@ -85,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     bundled, checkpoint, drafter_dir, method = cli.model_choice(args, parser, DEMO)
     drafter_path = drafter_dir if method != "ar" else None
     template = check_paths(args, checkpoint, drafter_path)
-    platform = cli.choose_platform()  # before JAX starts a backend: no libtpu stall, a clear line for a missing GPU
+    # before JAX starts a backend: no libtpu stall, a clear line for a missing GPU
+    platform = cli.choose_platform()
     # Bound before anything loads: a port in use is said in seconds, not after minutes of loading.
     listener = lifecycle.listen(args.host, args.port) if args.process_id in (None, 0) else None
     cli.enable_compilation_cache()
@@ -96,20 +112,30 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(checkpoint)
         if template is not None:
             if tokenizer is None:
-                raise jaxdd.InputError("--chat-template: the checkpoint has no tokenizer to encode its text")
+                raise jaxdd.InputError(
+                    "--chat-template: the checkpoint has no tokenizer to encode its text"
+                )
             tokenizer.chat_template = template  # its turns end too
         chat_template = tokenizer.chat_template if tokenizer is not None else None
-        target, drafter = jaxdd.load_pair(checkpoint, drafter_path, dtype, devices, args.moe or "tp")
-        options = {"block_size": args.block_size, "budget": args.budget, "max_prompt": args.max_prompt}
-        pool = RowPool(SpeculativeDecoder(target, drafter), method=method, rows=args.max_batch, max_len=args.max_len,
-                       **options)  # fmt: skip
+        target, drafter = jaxdd.load_pair(
+            checkpoint, drafter_path, dtype, devices, args.moe or "tp"
+        )
+        options = {
+            "block_size": args.block_size,
+            "budget": args.budget,
+            "max_prompt": args.max_prompt,
+        }
+        pool = RowPool(SpeculativeDecoder(target, drafter), method=method, rows=args.max_batch,
+                       max_len=args.max_len, **options)  # fmt: skip
     except (jaxdd.CheckpointError, jaxdd.ConfigError, jaxdd.InputError) as error:
         print(f"jaxdd: {error}", file=sys.stderr)
         return 2
     stop_ids = cli.model_stop_ids(target.config, tokenizer)
     channel = Local()
     if jax.process_count() > 1:
-        channel = Broadcast(pool.rows, pool.max_prompt, args.coordinator_timeout, leads=jax.process_index() == 0)
+        channel = Broadcast(
+            pool.rows, pool.max_prompt, args.coordinator_timeout, leads=jax.process_index() == 0
+        )
     scheduler = Scheduler(pool, Metrics(pool.block), args.max_waiting, channel)
     start_up.ready = scheduler.ready.is_set
     if not channel.leads:
@@ -119,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     name = args.model_name or ("kimi-mini" if bundled else Path(checkpoint).resolve().name)
     server = Server(scheduler, pool, tokenizer, name, stop_ids, chat_template, args.request_timeout)
     scheduler.start()  # compiles in its thread while the HTTP side already answers /health with 503
-    shape = f"{method}, {args.max_batch} rows, {pool.slots} cache slots, prompt buckets {pool.buckets}"
+    shape = (
+        f"{method}, {args.max_batch} rows, {pool.slots} cache slots, prompt buckets {pool.buckets}"
+    )
     try:
         app = create_app(server)
         faults.install_from_env(app, pool)
@@ -142,7 +170,8 @@ def check_paths(args: argparse.Namespace, checkpoint: Path, drafter: Path | None
 
 
 def follow(scheduler: Scheduler) -> int:
-    """A follower: no HTTP; carry out process 0's decisions until it stops (0), or this process's engine fails."""
+    """A follower: no HTTP; carry out process 0's decisions
+    until it stops (0), or this process's engine fails."""
     print_note(f"process {jax.process_index()}: following process 0's decisions")
     lifecycle.defer_to_process_0()
     scheduler.start()

@@ -1,9 +1,11 @@
-"""The HTTP side: FastAPI routes for the OpenAI endpoints, Server-Sent Events for streams, OpenAI error bodies.
+"""The HTTP side: FastAPI routes for the OpenAI endpoints,
+Server-Sent Events for streams, OpenAI error bodies.
 
-Every request is checked before it is queued (a 400 names the field); past ``--max-waiting`` it gets a 429. A
-stream whose client goes away cancels its request (the generator is closed), and so does a non-streaming request
-whose client disconnects (polled while it waits), so its row is free for the next round.
-Each refusal and each end (``take``, or the client leaving: "abort") is counted in the metrics.
+Every request is checked before it is queued (a 400 names the field); past
+``--max-waiting`` it gets a 429. A stream whose client goes away cancels its request
+(the generator is closed), and so does a non-streaming request whose client disconnects
+(polled while it waits), so its row is free for the next round. Each refusal and each
+end (``take``, or the client leaving: "abort") is counted in the metrics.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from jaxdd.serve.scheduler import Event, Job, NotReady, QueueFull, Scheduler
 from jaxdd.weights.tokenizer import TextTokenizer, render_chat_template
 
 DISCONNECT_POLL = 0.25  # seconds between a non-streaming request's looks at its connection
-API_PARAMS = {"token_ids": "prompt"}  # the request field behind a jaxdd field that the API names otherwise
+# the request field behind a jaxdd field that the API names otherwise
+API_PARAMS = {"token_ids": "prompt"}
 
 
 @dataclasses.dataclass
@@ -98,7 +101,9 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: protocol.ChatRequest, request: Request):
         if server.chat_template is None:
-            raise APIError(400, "this model has no chat template (start the server with --chat-template FILE)")
+            raise APIError(
+                400, "this model has no chat template (start the server with --chat-template FILE)"
+            )
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         special = {"bos_token": server.tokenizer.named_token("bos_token") or ""}
         special["eos_token"] = server.tokenizer.named_token("eos_token") or ""
@@ -107,7 +112,9 @@ def create_app(server: Server) -> FastAPI:
         except InputError as error:
             raise APIError(400, str(error), param="messages") from None
         prompt = encode(server, text, special=True)
-        return await generate(server, "chat", body, prompt, body.max_completion_tokens or body.max_tokens, request)
+        return await generate(
+            server, "chat", body, prompt, body.max_completion_tokens or body.max_tokens, request
+        )
 
     errors.install(app, lambda reason: server.scheduler.metrics.refused.labels(reason).inc())
     return app
@@ -115,20 +122,31 @@ def create_app(server: Server) -> FastAPI:
 
 def encode(server: Server, text: str, special: bool) -> list[int]:
     if server.tokenizer is None:
-        raise APIError(400, "this model has no tokenizer: give the prompt as token ids", param="prompt")
+        raise APIError(
+            400, "this model has no tokenizer: give the prompt as token ids", param="prompt"
+        )
     ids = server.tokenizer.encode(text, special=special)
     if not ids:
         raise APIError(400, "the prompt has no tokens", param="prompt")
     return ids
 
 
-def make_job(server: Server, body: protocol.SamplingFields, prompt: list[int], max_tokens: int | None, deliver):
+def make_job(
+    server: Server,
+    body: protocol.SamplingFields,
+    prompt: list[int],
+    max_tokens: int | None,
+    deliver,
+):
     """The request's job, checked against what the server runs (APIError 400 / 404 otherwise)."""
     if body.model is not None and body.model != server.model:
-        raise APIError(404, f"model {body.model!r} does not exist; this server has {server.model!r}", param="model",
-                       code="model_not_found")  # fmt: skip
+        raise APIError(404,
+                       f"model {body.model!r} does not exist; this server has {server.model!r}",
+                       param="model", code="model_not_found")  # fmt: skip
     if body.stop_strings() and server.tokenizer is None:
-        raise APIError(400, "stop strings need a tokenizer; this model has none: give stop ids", param="stop")
+        raise APIError(
+            400, "stop strings need a tokenizer; this model has none: give stop ids", param="stop"
+        )
     if max_tokens is None:
         max_tokens = server.pool.max_len - len(prompt)
         if max_tokens < 1:
@@ -151,12 +169,22 @@ def make_job(server: Server, body: protocol.SamplingFields, prompt: list[int], m
         param = API_PARAMS.get(error.field, error.field)
         raise APIError(400, str(error), param=param, refused=refused) from None
     timeouts = [t for t in (body.timeout, server.request_timeout) if t is not None]
-    return Job(prompt, max_tokens, stop_ids, sampling, deliver, timeout=min(timeouts) if timeouts else None)
+    return Job(
+        prompt, max_tokens, stop_ids, sampling, deliver, timeout=min(timeouts) if timeouts else None
+    )
 
 
-async def generate(server: Server, kind: Literal["completion", "chat"], body, prompt, max_tokens, request: Request):
+async def generate(
+    server: Server, kind: Literal["completion", "chat"], body, prompt, max_tokens, request: Request
+):
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    job = make_job(server, body, prompt, max_tokens, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+    job = make_job(
+        server,
+        body,
+        prompt,
+        max_tokens,
+        lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+    )
     try:
         server.scheduler.submit(job)
     except QueueFull as error:
@@ -169,7 +197,9 @@ async def generate(server: Server, kind: Literal["completion", "chat"], body, pr
     request_id = protocol.new_id("chatcmpl" if kind == "chat" else "cmpl")
     if body.stream:
         chunks = stream(server, kind, body, job, events, output, request_id)
-        return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
     watcher = asyncio.create_task(watch_disconnect(request, events))
     try:
         text, finish = "", None
@@ -192,8 +222,8 @@ async def generate(server: Server, kind: Literal["completion", "chat"], body, pr
 
 
 def take(server: Server, event: Event, output: Output, job: Job) -> tuple[str, str | None]:
-    """(the text to release, the finish reason: the engine's, or "stop" for a stop string); an engine error
-    raises. The request's end is counted here."""
+    """(the text to release, the finish reason: the engine's, or "stop" for a
+    stop string); an engine error raises. The request's end is counted here."""
     finished = server.scheduler.metrics.finished
     if event.error is not None:
         finished.labels("error").inc()
@@ -209,14 +239,18 @@ def take(server: Server, event: Event, output: Output, job: Job) -> tuple[str, s
 
 
 async def watch_disconnect(request: Request, events: asyncio.Queue) -> None:
-    """Put None in ``events`` once the client has disconnected (looked at every ``DISCONNECT_POLL`` seconds)."""
+    """Put None in ``events`` once the client has disconnected
+    (looked at every ``DISCONNECT_POLL`` seconds)."""
     while not await request.is_disconnected():
         await asyncio.sleep(DISCONNECT_POLL)
     events.put_nowait(None)
 
 
-async def stream(server: Server, kind, body, job: Job, events, output: Output, request_id: str) -> AsyncIterator[str]:
-    """The SSE chunks of a streamed request; closing the generator (the client left) cancels the request."""
+async def stream(
+    server: Server, kind, body, job: Job, events, output: Output, request_id: str
+) -> AsyncIterator[str]:
+    """The SSE chunks of a streamed request; closing the
+    generator (the client left) cancels the request."""
     usage_field = {"usage": None} if body.include_usage else {}
     first = True
     finish = None
@@ -237,7 +271,9 @@ async def stream(server: Server, kind, body, job: Job, events, output: Output, r
             else:
                 choice = protocol.completion_choice(delta, finish, ids)
             first = False
-            yield sse(protocol.body(kind, request_id, server.model, [choice], chunk=True, **usage_field))
+            yield sse(
+                protocol.body(kind, request_id, server.model, [choice], chunk=True, **usage_field)
+            )
         if body.include_usage and finish is not None:
             usage = protocol.usage(len(job.prompt), len(output.token_ids))
             yield sse(protocol.body(kind, request_id, server.model, [], chunk=True, usage=usage))

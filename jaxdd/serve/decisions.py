@@ -1,10 +1,12 @@
-"""What the scheduler decides between two rounds, and how every process of a job gets process 0's decisions.
+"""What the scheduler decides between two rounds, and
+how every process of a job gets process 0's decisions.
 
-A job of several processes runs one program on the global mesh: each process must make the same jitted calls in
-the same order. So only process 0 decides (which rows to free, which waiting requests to admit, whether to reset
-the pool after a fault, when to stop), on its own clock, and before each step broadcasts the decisions to the
-others, which carry them out as process 0 does. The broadcasts have fixed shapes (a header, then one padded
-record per admitted request), so each compiles once.
+A job of several processes runs one program on the global mesh: each process must
+make the same jitted calls in the same order. So only process 0 decides (which rows
+to free, which waiting requests to admit, whether to reset the pool after a fault,
+when to stop), on its own clock, and before each step broadcasts the decisions to
+the others, which carry them out as process 0 does. The broadcasts have fixed shapes
+(a header, then one padded record per admitted request), so each compiles once.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ LOST = 1  # the exit code of a follower that stopped hearing from process 0
 
 
 class Request(Protocol):
-    """What every process needs of a request to admit it: its tokens and settings, not its connection."""
+    """What every process needs of a request to admit
+    it: its tokens and settings, not its connection."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -47,8 +50,8 @@ class Admission:
 
 @dataclasses.dataclass(frozen=True)
 class Decisions:
-    """One step's decisions: stop, or reset the pool (after a fault), free ``release``'s rows, then admit
-    ``admit`` in order (each into the lowest free row)."""
+    """One step's decisions: stop, or reset the pool (after a fault), free ``release``'s
+    rows, then admit ``admit`` in order (each into the lowest free row)."""
 
     stop: bool = False
     reset: bool = False
@@ -66,10 +69,11 @@ class Local:
 
 
 class Broadcast:
-    """Several processes: process 0 decides and broadcasts; the others receive. A follower whose broadcast
-    fails (process 0 vanished) or that waits ``timeout`` seconds for process 0's next decisions (it hangs) says
-    so in one line and exits ``LOST``; the steps themselves (a long prefill) take what they take. ``broadcast``:
-    process 0's array on every process (a stand-in in tests)."""
+    """Several processes: process 0 decides and broadcasts; the others receive. A
+    follower whose broadcast fails (process 0 vanished) or that waits ``timeout``
+    seconds for process 0's next decisions (it hangs) says so in one line and
+    exits ``LOST``; the steps themselves (a long prefill) take what they take.
+    ``broadcast``: process 0's array on every process (a stand-in in tests)."""
 
     def __init__(
         self,
@@ -81,9 +85,12 @@ class Broadcast:
     ):
         self.rows, self.max_prompt, self.timeout, self.leads = rows, max_prompt, timeout, leads
         self._broadcast = broadcast or from_process_0
-        self._waiting_since: float | None = None  # since when a follower waits for process 0's decisions
+        # since when a follower waits for process 0's decisions
+        self._waiting_since: float | None = None
         if not self.leads:
-            threading.Thread(target=self._watch, name="jaxdd-follower-watchdog", daemon=True).start()
+            threading.Thread(
+                target=self._watch, name="jaxdd-follower-watchdog", daemon=True
+            ).start()
 
     def share(self, decide: Callable[[], Decisions]) -> Decisions:
         if self.leads:
@@ -94,11 +101,16 @@ class Broadcast:
             return decisions
         self._waiting_since = time.monotonic()
         try:
-            stop, reset, release, admitted = decode_header(self._broadcast(encode_header(Decisions(), self.rows)))
+            stop, reset, release, admitted = decode_header(
+                self._broadcast(encode_header(Decisions(), self.rows))
+            )
             blank = np.zeros((admission_size(self.max_prompt),), np.int32)
             admit = tuple(decode_admission(self._broadcast(blank)) for _ in range(admitted))
-        except Exception as error:  # at once: JAX's own client aborts the process with a stack trace soon after
-            _lost(f"lost process 0 ({type(error).__name__}: {(str(error).splitlines() or [''])[0]})")
+        # at once: JAX's own client aborts the process with a stack trace soon after
+        except Exception as error:
+            _lost(
+                f"lost process 0 ({type(error).__name__}: {(str(error).splitlines() or [''])[0]})"
+            )
         self._waiting_since = None
         return Decisions(stop, reset, release, admit)
 
@@ -107,7 +119,8 @@ class Broadcast:
             time.sleep(min(1.0, self.timeout / 4))
             since = self._waiting_since
             if since is not None and time.monotonic() - since > self.timeout:
-                # os._exit: the scheduler thread may be blocked in a collective that nothing interrupts.
+                # os._exit: the scheduler thread may be blocked
+                # in a collective that nothing interrupts.
                 _lost(f"process 0 sent nothing for {self.timeout:g} s")
 
 
@@ -133,11 +146,16 @@ def encode_header(decisions: Decisions, rows: int) -> np.ndarray:
 def decode_header(header: np.ndarray) -> tuple[bool, bool, tuple[int, ...], int]:
     """(stop, reset, released rows, number of admission records to follow)."""
     stop, reset, released, admitted = (int(v) for v in header[:HEADER])
-    return bool(stop), bool(reset), tuple(int(r) for r in header[HEADER : HEADER + released]), admitted
+    return (
+        bool(stop),
+        bool(reset),
+        tuple(int(r) for r in header[HEADER : HEADER + released]),
+        admitted,
+    )
 
 
-# An admission: prompt length, max new tokens, stop count, top_k, seed, temperature and top_p (float64, two words
-# each: exactly the floats process 0 parsed), the stop ids, the prompt.
+# An admission: prompt length, max new tokens, stop count, top_k, seed, temperature and top_p
+# (float64, two words each: exactly the floats process 0 parsed), the stop ids, the prompt.
 FIELDS = 9
 
 
@@ -148,7 +166,12 @@ def admission_size(max_prompt: int) -> int:
 def encode_admission(admission: Request, max_prompt: int) -> np.ndarray:
     record = np.zeros((admission_size(max_prompt),), np.int32)
     sampling = admission.sampling
-    record[:4] = len(admission.prompt), admission.max_new_tokens, len(admission.stop_ids), sampling.top_k
+    record[:4] = (
+        len(admission.prompt),
+        admission.max_new_tokens,
+        len(admission.stop_ids),
+        sampling.top_k,
+    )
     record[4:5] = np.array([sampling.seed], np.uint32).view(np.int32)
     record[5:FIELDS] = np.array([sampling.temperature, sampling.top_p], np.float64).view(np.int32)
     record[FIELDS : FIELDS + len(admission.stop_ids)] = admission.stop_ids

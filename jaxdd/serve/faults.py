@@ -1,7 +1,8 @@
-"""Test-only fault injection: with ``JAXDD_SERVE_FAULTS=1`` in the environment the server gets
-``POST /debug/fault {"rounds": N, "fatal": false}``, which makes its next N round dispatches raise inside the
-engine (the decode state deleted first, as a fault mid-call would leave it); ``fatal`` also makes the pool's reset
-raise, so the engine cannot recover. Without the variable nothing is installed: the normal path runs unwrapped.
+"""Test-only fault injection: with ``JAXDD_SERVE_FAULTS=1`` in the environment the server
+gets ``POST /debug/fault {"rounds": N, "fatal": false}``, which makes its next N round
+dispatches raise inside the engine (the decode state deleted first, as a fault mid-call
+would leave it); ``fatal`` also makes the pool's reset raise, so the engine cannot
+recover. Without the variable nothing is installed: the normal path runs unwrapped.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ class Injector:
         def faulty_dispatch():
             if self.rounds > 0:
                 self.rounds -= 1
-                jax.tree.map(lambda leaf: leaf.delete() if isinstance(leaf, jax.Array) else None, pool.state)
+                jax.tree.map(
+                    lambda leaf: leaf.delete() if isinstance(leaf, jax.Array) else None, pool.state
+                )
                 raise InjectedFault("injected fault in a round")
             dispatch()
 

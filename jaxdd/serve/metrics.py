@@ -1,4 +1,5 @@
-"""The server's Prometheus metrics, vLLM's names under ``jaxdd:`` (prometheus-client renders them)."""
+"""The server's Prometheus metrics, vLLM's names
+under ``jaxdd:`` (prometheus-client renders them)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,22 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from jaxdd.runtime.compile_time import BACKEND_COMPILE
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+)
 # How a queued request ends: abort is a client that left or the drain deadline; error, the engine.
 FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
 # Why a request is answered before it is queued: a 400 / 404 / 415 (invalid), a prompt or output
@@ -17,18 +33,31 @@ REFUSALS = ("invalid", "too_long", "queue_full", "draining", "not_ready")
 
 
 class Metrics:
-    """One registry per server (tests start several in a process); compiles are counted from ``watch_compiles``."""
+    """One registry per server (tests start several in a
+    process); compiles are counted from ``watch_compiles``."""
 
     def __init__(self, block: int):
         self.registry = registry = CollectorRegistry()
         name = lambda suffix: f"jaxdd:{suffix}"
-        self.running = Gauge(name("num_requests_running"), "Requests in decode rows", registry=registry)
-        self.waiting = Gauge(name("num_requests_waiting"), "Requests queued for a row", registry=registry)
-        self.generation_tokens = Counter(name("generation_tokens"), "Tokens generated", registry=registry)
-        self.prompt_tokens = Counter(name("prompt_tokens"), "Prompt tokens prefilled", registry=registry)
-        self.drafts = Counter(name("spec_decode_num_drafts"), "Speculative rounds, per request", registry=registry)
+        self.running = Gauge(
+            name("num_requests_running"), "Requests in decode rows", registry=registry
+        )
+        self.waiting = Gauge(
+            name("num_requests_waiting"), "Requests queued for a row", registry=registry
+        )
+        self.generation_tokens = Counter(
+            name("generation_tokens"), "Tokens generated", registry=registry
+        )
+        self.prompt_tokens = Counter(
+            name("prompt_tokens"), "Prompt tokens prefilled", registry=registry
+        )
+        self.drafts = Counter(
+            name("spec_decode_num_drafts"), "Speculative rounds, per request", registry=registry
+        )
         self.draft_tokens = Counter(
-            name("spec_decode_num_draft_tokens"), "Draft tokens (or tree nodes) verified", registry=registry
+            name("spec_decode_num_draft_tokens"),
+            "Draft tokens (or tree nodes) verified",
+            registry=registry,
         )
         self.accepted_tokens = Counter(
             name("spec_decode_num_accepted_tokens"), "Draft tokens accepted", registry=registry
@@ -49,13 +78,19 @@ class Metrics:
             self.finished.labels(reason)
         for reason in REFUSALS:
             self.refused.labels(reason)
-        self.compiles = Counter(name("compiles"), "XLA compilations (warm-up included)", registry=registry)
+        self.compiles = Counter(
+            name("compiles"), "XLA compilations (warm-up included)", registry=registry
+        )
         self.ttft = Histogram(
-            name("time_to_first_token_seconds"), "Arrival to first token", buckets=LATENCY_BUCKETS, registry=registry
+            name("time_to_first_token_seconds"),
+            "Arrival to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.tpot = Histogram(
             name("time_per_output_token_seconds"),
-            "Per request: (last token - first token) / the tokens delivered after the first token's",
+            "Per request: (last token - first token) / the tokens delivered after the "
+            "first token's",
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )

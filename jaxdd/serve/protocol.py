@@ -1,5 +1,5 @@
-"""The OpenAI wire format: request models (pydantic, OpenAI's field names, vLLM's ``top_k``, ``stop_token_ids``
-and ``return_token_ids``), response and chunk bodies, and error bodies."""
+"""The OpenAI wire format: request models (pydantic, OpenAI's field names, vLLM's ``top_k``,
+``stop_token_ids`` and ``return_token_ids``), response and chunk bodies, and error bodies."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from jaxdd.decoding.requests import MAX_STOP_TOKENS
 
-TokenId = Annotated[int, Strict(), Field(ge=0, lt=2**31)]  # strict: true / 1.0 / "1" are not token ids
-# A stop string is a few words; holding back text that could begin one costs its length squared per event.
+# strict: true / 1.0 / "1" are not token ids
+TokenId = Annotated[int, Strict(), Field(ge=0, lt=2**31)]
+# A stop string is a few words; holding back text that
+# could begin one costs its length squared per event.
 StopString = Annotated[str, Field(max_length=256)]
 
 
@@ -21,23 +23,28 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """What both endpoints take besides the prompt. Unknown fields are ignored, as OpenAI's server does."""
+    """What both endpoints take besides the prompt. Unknown
+    fields are ignored, as OpenAI's server does."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # OpenAI's default and range; 0 is greedy
+    # OpenAI's default and range; 0 is greedy
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, lt=2**31)  # 0 or -1 (vLLM's spelling): no limit
     seed: int | None = Field(None, ge=0, lt=2**32)
     n: Literal[1] = 1
-    stop: StopString | Annotated[list[StopString | TokenId], Field(max_length=MAX_STOP_TOKENS)] | None = None
+    stop: (
+        StopString | Annotated[list[StopString | TokenId], Field(max_length=MAX_STOP_TOKENS)] | None
+    ) = None
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKENS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
-    timeout: float | None = Field(None, gt=0.0)  # seconds this request may run; the server's --request-timeout caps it
+    # seconds this request may run; the server's --request-timeout caps it
+    timeout: float | None = Field(None, gt=0.0)
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -68,7 +75,11 @@ class Message(BaseModel):
     content: str | list[TextPart]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return (
+            self.content
+            if isinstance(self.content, str)
+            else "".join(part.text for part in self.content)
+        )
 
 
 class ChatRequest(SamplingFields):
@@ -82,7 +93,11 @@ def new_id(prefix: str) -> str:
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     total = prompt_tokens + completion_tokens
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": total,
+    }
 
 
 def completion_choice(text: str, finish: str | None, token_ids: list[int] | None) -> dict:
@@ -92,11 +107,17 @@ def completion_choice(text: str, finish: str | None, token_ids: list[int] | None
     return choice
 
 
-def chat_choice(text: str, finish: str | None, token_ids: list[int] | None, *, delta: bool, first: bool) -> dict:
+def chat_choice(
+    text: str, finish: str | None, token_ids: list[int] | None, *, delta: bool, first: bool
+) -> dict:
     message: dict[str, Any] = {"content": text} if text or not delta else {}
     if first or not delta:
         message["role"] = "assistant"
-    choice: dict[str, Any] = {"index": 0, "delta" if delta else "message": message, "finish_reason": finish}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "delta" if delta else "message": message,
+        "finish_reason": finish,
+    }
     if not delta:
         choice["logprobs"] = None
     if token_ids is not None:
@@ -104,7 +125,9 @@ def chat_choice(text: str, finish: str | None, token_ids: list[int] | None, *, d
     return choice
 
 
-def body(kind: Literal["completion", "chat"], request_id: str, model: str, choices: list[dict], **extra) -> dict:
+def body(
+    kind: Literal["completion", "chat"], request_id: str, model: str, choices: list[dict], **extra
+) -> dict:
     """A response (``chunk=False``) or stream chunk body."""
     chunk = extra.pop("chunk", False)
     objects = {
@@ -123,6 +146,8 @@ def body(kind: Literal["completion", "chat"], request_id: str, model: str, choic
     }
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code=None) -> dict:
+def error_body(
+    message: str, kind: str = "invalid_request_error", param: str | None = None, code=None
+) -> dict:
     """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

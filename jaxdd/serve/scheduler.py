@@ -1,19 +1,21 @@
-"""The one thread that owns the decode state: between rounds it frees the rows of finished, cancelled and timed-out
-requests, admits waiting requests into free rows, then runs a round and hands every request its new tokens.
+"""The one thread that owns the decode state: between rounds it frees the
+rows of finished, cancelled and timed-out requests, admits waiting requests
+into free rows, then runs a round and hands every request its new tokens.
 
-Requests wait in a bounded queue (``submit`` refuses past ``max_waiting``: the caller answers 429). Tokens reach a
-request through its ``deliver`` callback, which must be thread-safe (the HTTP side wraps an asyncio queue with
-``loop.call_soon_threadsafe``).
+Requests wait in a bounded queue (``submit`` refuses past ``max_waiting``: the caller
+answers 429). Tokens reach a request through its ``deliver`` callback, which must be
+thread-safe (the HTTP side wraps an asyncio queue with ``loop.call_soon_threadsafe``).
 
-An exception in a round or an admission fails the requests the pool held (each gets an error event: a 500) and
-the pool starts afresh before the next step; only a pool that cannot is fatal (``failure`` set: /health answers
-503). ``drain`` (on shutdown) refuses new requests and ends what still runs at its deadline with finish reason
-"abort".
+An exception in a round or an admission fails the requests the pool held (each gets an
+error event: a 500) and the pool starts afresh before the next step; only a pool that
+cannot is fatal (``failure`` set: /health answers 503). ``drain`` (on shutdown) refuses
+new requests and ends what still runs at its deadline with finish reason "abort".
 
-Each step begins with its decisions (rows to free, requests to admit, a reset, or stop), taken only by the
-process that leads and shared through ``channel`` (``decisions.Broadcast`` in a job of several processes): every
-process then carries out the same decisions, so all make the same device calls in the same order. A follower's
-scheduler has no HTTP side and an empty queue; its requests deliver nowhere (process 0 answers them).
+Each step begins with its decisions (rows to free, requests to admit, a reset, or stop),
+taken only by the process that leads and shared through ``channel``
+(``decisions.Broadcast`` in a job of several processes): every process then carries out the
+same decisions, so all make the same device calls in the same order. A follower's scheduler
+has no HTTP side and an empty queue; its requests deliver nowhere (process 0 answers them).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from jaxdd.decoding.sampling import Sampling
 from jaxdd.serve.decisions import Broadcast, Decisions, Local, Request
 from jaxdd.serve.metrics import Metrics
 
-IDLE_WAIT = 0.05  # seconds the idle loop sleeps between looks at the queue when nothing else wakes it
+# seconds the idle loop sleeps between looks at the queue when nothing else wakes it
+IDLE_WAIT = 0.05
 
 
 class QueueFull(Exception):
@@ -43,8 +46,8 @@ class NotReady(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """What a request receives: new tokens, and at its end the finish reason ("stop", "length", "timeout") or an
-    error message."""
+    """What a request receives: new tokens, and at its end the finish
+    reason ("stop", "length", "timeout") or an error message."""
 
     tokens: list[int]
     finish: str | None = None
@@ -82,19 +85,28 @@ def _nowhere(_: Event) -> None:
 
 
 class Scheduler:
-    def __init__(self, pool: RowPool, metrics: Metrics, max_waiting: int, channel: Local | Broadcast | None = None):
+    def __init__(
+        self,
+        pool: RowPool,
+        metrics: Metrics,
+        max_waiting: int,
+        channel: Local | Broadcast | None = None,
+    ):
         self.pool, self.metrics, self.max_waiting = pool, metrics, max_waiting
         self.channel = channel or Local()
         self._waiting: collections.deque[Job] = collections.deque()
         self._rows: dict[int, Job] = {}
-        self._free = pool.rows  # rows free after the last admission: requests taking them do not count as waiting
+        # rows free after the last admission: requests taking them do not count as waiting
+        self._free = pool.rows
         self._wake = threading.Condition()
         self._stopping = threading.Event()
         self.ready = threading.Event()
         self.failure: str | None = None  # why the engine stopped, if it did
         self._admitting: list[Job] = []  # decided, not yet in a row
-        self._fault: str | None = None  # a step's fault: the pool is reset at the next step, on every process
-        self._drain_deadline: float | None = None  # set on shutdown: admit nothing new, end what runs by then
+        # a step's fault: the pool is reset at the next step, on every process
+        self._fault: str | None = None
+        # set on shutdown: admit nothing new, end what runs by then
+        self._drain_deadline: float | None = None
         self._thread = threading.Thread(target=self._run, name="jaxdd-scheduler", daemon=True)
 
     def start(self) -> None:
@@ -107,7 +119,8 @@ class Scheduler:
         self._thread.join(timeout)
 
     def join(self) -> None:
-        """Wait until the decode thread ends: a follower's, once process 0 decided to stop (or it failed)."""
+        """Wait until the decode thread ends: a follower's,
+        once process 0 decided to stop (or it failed)."""
         self._thread.join()
 
     @property
@@ -115,7 +128,8 @@ class Scheduler:
         return self._drain_deadline is not None
 
     def drain(self, timeout: float) -> None:
-        """Admit no new request; requests already queued or running finish, or end ("abort") after ``timeout``."""
+        """Admit no new request; requests already queued or
+        running finish, or end ("abort") after ``timeout``."""
         with self._wake:
             self._drain_deadline = time.monotonic() + timeout
             self._wake.notify()
@@ -129,7 +143,9 @@ class Scheduler:
                 raise NotReady("the server is shutting down")
             waiting = len(self._waiting) - self._free
             if waiting >= self.max_waiting:
-                raise QueueFull(f"{waiting} requests are already waiting (--max-waiting {self.max_waiting})")
+                raise QueueFull(
+                    f"{waiting} requests are already waiting (--max-waiting {self.max_waiting})"
+                )
             self._waiting.append(job)
             self.metrics.waiting.set(len(self._waiting))
             self._wake.notify()
@@ -143,7 +159,8 @@ class Scheduler:
                 self._carry_out(decisions)
         except Exception as error:  # the engine cannot go on: fail everyone, /health says why
             traceback.print_exc()
-            with self._wake:  # with the queue emptied under the same lock, no request is queued after it
+            # with the queue emptied under the same lock, no request is queued after it
+            with self._wake:
                 self.failure = f"engine failed: {type(error).__name__}: {error}"
                 jobs = [*self._rows.values(), *self._waiting, *self._admitting]
                 self._rows.clear()
@@ -153,8 +170,9 @@ class Scheduler:
                 job.deliver(Event([], error=self.failure))
 
     def _decide(self) -> Decisions:
-        """The next step's decisions, on this process's clock (it leads); while idle, waits a little for work (not
-        after a fault: the reset comes at once, so /health tells a pool that cannot be reset right away)."""
+        """The next step's decisions, on this process's clock (it leads); while
+        idle, waits a little for work (not after a fault: the reset comes at
+        once, so /health tells a pool that cannot be reset right away)."""
         if self._fault is None and not self._rows and not self.pool.in_flight:
             with self._wake:
                 if not self._waiting and not self._stopping.is_set():
@@ -165,17 +183,22 @@ class Scheduler:
             return Decisions(reset=True)
         now = time.monotonic()
         release = [row for row, job in self._rows.items() if self._ends(job, now)]
-        with self._wake:  # one step under the lock: a request submitted meanwhile sees the rows these take
-            self._waiting = collections.deque(job for job in self._waiting if not self._ends(job, now))
+        # one step under the lock: a request submitted meanwhile sees the rows these take
+        with self._wake:
+            self._waiting = collections.deque(
+                job for job in self._waiting if not self._ends(job, now)
+            )
             free = len(self.pool.free_rows()) + len(release)
-            self._admitting = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+            self._admitting = [
+                self._waiting.popleft() for _ in range(min(free, len(self._waiting)))
+            ]
             self._free = free - len(self._admitting)
             self.metrics.waiting.set(len(self._waiting))
         return Decisions(release=tuple(release), admit=tuple(self._admitting))
 
     def _ends(self, job: Job, now: float) -> bool:
-        """Whether a running or waiting request ends before this step: cancelled, or timed out or past the drain
-        deadline (it is told which)."""
+        """Whether a running or waiting request ends before this step: cancelled,
+        or timed out or past the drain deadline (it is told which)."""
         if job.cancelled:
             return True
         aborting = self._drain_deadline is not None and now > self._drain_deadline
@@ -189,7 +212,9 @@ class Scheduler:
         if decisions.reset:
             self._reset()
         elif self._fault is not None:  # a follower's own fault: its state is no longer process 0's
-            raise RuntimeError(f"this process faulted in a step where process 0 did not: {self._fault}")
+            raise RuntimeError(
+                f"this process faulted in a step where process 0 did not: {self._fault}"
+            )
         for row in decisions.release:
             self.pool.release(row)
             del self._rows[row]
@@ -203,11 +228,13 @@ class Scheduler:
     def _job(request: Request) -> Job:
         if isinstance(request, Job):
             return request
-        return Job(request.prompt, request.max_new_tokens, request.stop_ids, request.sampling, _nowhere)
+        return Job(
+            request.prompt, request.max_new_tokens, request.stop_ids, request.sampling, _nowhere
+        )
 
     def _guarded(self, step: Callable[[], None]) -> bool:
-        """Run ``step`` (whether it ran through); if the engine raises, fail the requests the pool held (a 500
-        each): the next step starts the pool afresh (its state may be half-donated)."""
+        """Run ``step`` (whether it ran through); if the engine raises, fail the requests the pool
+        held (a 500 each): the next step starts the pool afresh (its state may be half-donated)."""
         try:
             step()
         except Exception as error:
@@ -226,7 +253,8 @@ class Scheduler:
         self.metrics.running.set(0)
 
     def _reset(self) -> None:
-        """Every row free in a fresh pool; a pool that cannot be made afresh is fatal (it raises)."""
+        """Every row free in a fresh pool; a pool that
+        cannot be made afresh is fatal (it raises)."""
         self._fail_held(self._fault or "engine fault in a round on process 0")
         self._fault = None
         self.pool.reset()
@@ -237,8 +265,8 @@ class Scheduler:
             self._free = len(self.pool.free_rows()) - len(self._admitting)
 
     def _admit(self) -> None:
-        """Dispatch each decided request's prefill into a free row (its first token comes with the next round's
-        report)."""
+        """Dispatch each decided request's prefill into a free row
+        (its first token comes with the next round's report)."""
         while self._admitting:
             job = self._admitting[0]
             row = self.pool.admit(job.prompt, job.max_new_tokens, job.stop_ids, job.sampling)
@@ -247,7 +275,8 @@ class Scheduler:
         self.metrics.running.set(len(self._rows))
 
     def _round(self) -> None:
-        """Dispatch a round, then hand out the previous one's tokens while it runs (at most two in flight)."""
+        """Dispatch a round, then hand out the previous one's
+        tokens while it runs (at most two in flight)."""
         if self._rows:
             self.pool.dispatch()
         if self.pool.in_flight < 2 and self._rows:
@@ -257,7 +286,8 @@ class Scheduler:
             job = self._rows.get(row)
             if job is None:
                 continue
-            drafted = len(update.tokens) - update.first  # the round's tokens: the accepted drafts and a bonus
+            # the round's tokens: the accepted drafts and a bonus
+            drafted = len(update.tokens) - update.first
             if self.pool.method != "ar" and drafted:
                 self.metrics.drafts.inc()
                 self.metrics.draft_tokens.inc(self.pool.budget or self.pool.block - 1)
@@ -278,6 +308,8 @@ class Scheduler:
         job.produced += len(update.tokens)
         self.metrics.generation_tokens.inc(len(update.tokens))
         if update.finish is not None and job.produced > job.first_tokens:
-            self.metrics.tpot.observe((now - job.first_token_at) / (job.produced - job.first_tokens))
+            self.metrics.tpot.observe(
+                (now - job.first_token_at) / (job.produced - job.first_tokens)
+            )
         if not job.cancelled:
             job.deliver(Event(update.tokens, finish=update.finish))

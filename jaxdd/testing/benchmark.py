@@ -1,5 +1,5 @@
-"""Timing helpers and result files shared by the benchmark scripts (medians, with results forced to finish; where
-it ran)."""
+"""Timing helpers and result files shared by the benchmark scripts
+(medians, with results forced to finish; where it ran)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import jax
 
 
 def median_ms(fn, repeats: int = 30) -> float:
-    """Median milliseconds of ``fn()`` after one warm-up call (compilation), waiting for device results."""
+    """Median milliseconds of ``fn()`` after one warm-up
+    call (compilation), waiting for device results."""
     jax.block_until_ready(fn())
     times = []
     for _ in range(repeats):
@@ -48,7 +49,8 @@ def machine_info() -> dict:
 
 
 def _processor_name() -> str:
-    """The CPU's model name from /proc/cpuinfo (``platform.processor()`` is empty on most Linux hosts)."""
+    """The CPU's model name from /proc/cpuinfo
+    (``platform.processor()`` is empty on most Linux hosts)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -59,8 +61,9 @@ def _processor_name() -> str:
 
 
 def write_result(path: Path, report: dict, **versions: str) -> Path:
-    """Write a benchmark's JSON result with the machine it ran on (``machine_info`` plus ``versions``, e.g. the
-    torch version), atomically: a run stopped part-way leaves the previous result in place."""
+    """Write a benchmark's JSON result with the machine it ran on
+    (``machine_info`` plus ``versions``, e.g. the torch version), atomically:
+    a run stopped part-way leaves the previous result in place."""
     report = {**report, "machine": {**machine_info(), **versions, **report.get("machine", {})}}
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
@@ -71,7 +74,8 @@ def write_result(path: Path, report: dict, **versions: str) -> Path:
 
 
 def process_memory_mb(field: str = "VmHWM") -> float:
-    """This process's resident memory from /proc/self/status: ``VmRSS`` now, ``VmHWM`` its peak (Linux)."""
+    """This process's resident memory from /proc/self/status:
+    ``VmRSS`` now, ``VmHWM`` its peak (Linux)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024

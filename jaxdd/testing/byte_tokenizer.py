@@ -8,8 +8,8 @@ from jaxdd.weights.tokenizer import TextTokenizer
 
 
 class PerByteFallback(TextTokenizer):
-    """A token per byte, decoded as the ``tokenizers`` ByteFallback decoder does: each byte of a cut or invalid
-    UTF-8 sequence its own U+FFFD (Python's "replace" gives one per invalid run)."""
+    """A token per byte, decoded as the ``tokenizers`` ByteFallback decoder does: each byte of a
+    cut or invalid UTF-8 sequence its own U+FFFD (Python's "replace" gives one per invalid run)."""
 
     def __init__(self):
         super().__init__({}, {}, None)
@@ -21,4 +21,6 @@ class PerByteFallback(TextTokenizer):
         return bytes(ids).decode("utf-8", errors="jaxdd-per-byte")
 
 
-codecs.register_error("jaxdd-per-byte", lambda error: ("\ufffd" * (error.end - error.start), error.end))
+codecs.register_error(
+    "jaxdd-per-byte", lambda error: ("\ufffd" * (error.end - error.start), error.end)
+)

@@ -1,5 +1,5 @@
-"""The package's shape, measured: what tests/test_layout.py holds the tree to (modules at the root, imports between
-parts, function and file lengths, measurements left in the prose)."""
+"""The package's shape, measured: what tests/test_layout.py holds the tree to (modules at the
+root, imports between parts, function and file lengths, measurements left in the prose)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("jaxdd", "pallas_kernels", "convert")
 # A time or a throughput: what belongs in benchmarks/README.md, not in a comment.
 MEASUREMENT = re.compile(
-    r"\d[\d.,]*\s*(?:ms|us|µs|ns|s|seconds?|minutes?|min|hours?|[GMK]i?B/s|tokens/s|tok/s|(?:G )?values/s)(?![\w/])"
+    r"\d[\d.,]*\s*(?:ms|us|µs|ns|s|seconds?|minutes?|min|hours?|[GMK]i?B/s|tokens/s|tok/s|("
+    r"?:G )?values/s)(?![\w/])"
 )
 # A measured ratio: a number then x, times or %, then faster, slower, longer or shorter (or words
 # for one).
@@ -24,8 +25,12 @@ SPEEDUP = re.compile(
 )
 
 
-def sources(packages: tuple[str, ...] = LIBRARY, suffixes: tuple[str, ...] = (".py",)) -> list[Path]:
-    return sorted(p for package in packages for p in (ROOT / package).rglob("*") if p.suffix in suffixes)
+def sources(
+    packages: tuple[str, ...] = LIBRARY, suffixes: tuple[str, ...] = (".py",)
+) -> list[Path]:
+    return sorted(
+        p for package in packages for p in (ROOT / package).rglob("*") if p.suffix in suffixes
+    )
 
 
 def module_name(path: Path) -> str:
@@ -50,7 +55,11 @@ def prose(path: Path) -> list[str]:
     text = path.read_text()
     if path.suffix == ".cc":
         return re.findall(r"//(.*)", text)
-    found = [t.string for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type == tokenize.COMMENT]
+    found = [
+        t.string
+        for t in tokenize.generate_tokens(io.StringIO(text).readline)
+        if t.type == tokenize.COMMENT
+    ]
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
             docstring = ast.get_docstring(node, clean=False)
@@ -68,5 +77,6 @@ def long_functions(path: Path, limit: int) -> list[tuple[str, int]]:
     return [
         (f"{path.relative_to(ROOT)}:{node.name}", node.end_lineno - node.lineno + 1)
         for node in ast.walk(tree)
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > limit
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno - node.lineno + 1 > limit
     ]

@@ -1,4 +1,5 @@
-"""Tiny Kimi-flavoured HF transformers ``DeepseekV3ForCausalLM`` references, built at test time (fp32, CPU)."""
+"""Tiny Kimi-flavoured HF transformers ``DeepseekV3ForCausalLM``
+references, built at test time (fp32, CPU)."""
 
 from __future__ import annotations
 
@@ -49,14 +50,16 @@ TINY_K2 = dict(
     eos_token_id=2,
 )
 
-# K2.5 flavour: YaRN factor 64 with beta_fast 32, eps 1e-5 (so the q_a/kv_a norms' 1e-6 differs from it).
+# K2.5 flavour: YaRN factor 64 with beta_fast 32, eps
+# 1e-5 (so the q_a/kv_a norms' 1e-6 differs from it).
 TINY_K25 = TINY_K2 | dict(
     rope_scaling=YARN_K2 | {"factor": 64.0, "beta_fast": 32.0},
     max_position_embeddings=64 * 4096,
     rms_norm_eps=1e-5,
 )
 
-# DeepSeek-V3 flavour: group-limited routing (4 groups, best 2 kept), 2 dense layers, no shared-expert scaling.
+# DeepSeek-V3 flavour: group-limited routing (4 groups,
+# best 2 kept), 2 dense layers, no shared-expert scaling.
 TINY_DSV3 = TINY_K2 | dict(
     n_group=4,
     topk_group=2,
@@ -71,15 +74,19 @@ FLAVOURS = {"k2": TINY_K2, "k25": TINY_K25, "dsv3": TINY_DSV3}
 
 
 def hf_model(config: dict, seed: int) -> DeepseekV3ForCausalLM:
-    """A random fp32 HF model in eval mode with eager attention and a random non-zero router bias."""
+    """A random fp32 HF model in eval mode with eager
+    attention and a random non-zero router bias."""
     torch.manual_seed(seed)
     cfg = DeepseekV3Config(**config)
     cfg._attn_implementation = "eager"
     model = DeepseekV3ForCausalLM(cfg).float().eval()
     for layer in model.model.layers:
         if hasattr(layer.mlp, "gate"):
-            # HF initialises the bias to zero, which would leave selection-only bias handling untested.
-            layer.mlp.gate.e_score_correction_bias.data = 0.1 * torch.rand_like(layer.mlp.gate.e_score_correction_bias)
+            # HF initialises the bias to zero, which would
+            # leave selection-only bias handling untested.
+            layer.mlp.gate.e_score_correction_bias.data = 0.1 * torch.rand_like(
+                layer.mlp.gate.e_score_correction_bias
+            )
     return model
 
 
@@ -118,11 +125,12 @@ def rel_err(actual, expected) -> float:
     return float(np.abs(actual - expected).max() / np.abs(expected).max())
 
 
-# --- DFlash drafters (z-lab dflash.model.DFlashDraftModel) ---------------------------------------------------
+# --- DFlash drafters (z-lab dflash.model.DFlashDraftModel) ----------------------------------------
 
 
 def drafter_config(block_size: int = 8, yarn: bool = False, **overrides) -> dict:
-    """A tiny Qwen3-style DFlash drafter for the 3-layer TINY_* targets (hidden 64, taps after layers 1 and 0)."""
+    """A tiny Qwen3-style DFlash drafter for the 3-layer
+    TINY_* targets (hidden 64, taps after layers 1 and 0)."""
     config = dict(
         hidden_size=64,
         num_hidden_layers=2,
@@ -138,7 +146,8 @@ def drafter_config(block_size: int = 8, yarn: bool = False, **overrides) -> dict
         block_size=block_size,
         dflash_config={"mask_token_id": 255, "target_layer_ids": [1, 0]},
     )
-    if yarn:  # Kimi drafters: YaRN over the whole head_dim with mscale = mscale_all_dim (amplitude 1)
+    # Kimi drafters: YaRN over the whole head_dim with mscale = mscale_all_dim (amplitude 1)
+    if yarn:
         config |= dict(
             rope_theta=50000.0,
             max_position_embeddings=64 * 4096,
@@ -164,7 +173,8 @@ def hf_drafter(config: dict, seed: int):
 
 
 def hf_greedy(target, prompt, max_new_tokens: int) -> list[int]:
-    """Greedy decoding by full HF forwards (no cache, no stop tokens): the simplest possible reference."""
+    """Greedy decoding by full HF forwards (no cache, no
+    stop tokens): the simplest possible reference."""
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(max_new_tokens):
@@ -172,8 +182,11 @@ def hf_greedy(target, prompt, max_new_tokens: int) -> list[int]:
     return ids[len(prompt) :]
 
 
-def save_random_pair(root: Path, target_config: dict, drafter_settings: dict, seed: int) -> tuple[Path, Path]:
-    """Save a random HF target and DFlash drafter under ``root``: (target directory, drafter directory)."""
+def save_random_pair(
+    root: Path, target_config: dict, drafter_settings: dict, seed: int
+) -> tuple[Path, Path]:
+    """Save a random HF target and DFlash drafter under
+    ``root``: (target directory, drafter directory)."""
     hf_model(target_config, seed).save_pretrained(root / "target")
     hf_drafter(drafter_settings, seed).save_pretrained(root / "drafter")
     return root / "target", root / "drafter"

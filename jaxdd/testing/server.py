@@ -75,9 +75,20 @@ def started_server(args: list[str], log: Path, env: dict | None = None) -> Itera
     """Start ``python -m jaxdd.serve ARGS`` on a free loopback port, its stdout and stderr in
     ``log`` (not waited on); kill it by pid after."""
     port = free_port()
-    command = [sys.executable, "-m", "jaxdd.serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "jaxdd.serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args,
+    ]
     with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
     try:
         yield ServerProcess(process, f"http://127.0.0.1:{port}", log)
     finally:
@@ -93,12 +104,22 @@ def running_server(args: list[str], log: Path, env: dict | None = None) -> Itera
 
 
 @contextlib.contextmanager
-def running_job(args: list[str], folder: Path, processes: int = 2) -> Iterator[tuple[ServerProcess, list]]:
-    """``python -m jaxdd.serve ARGS`` as a job of ``processes`` processes on loopback (``--coordinator`` on a free
-    port; process 0 serves HTTP on another), their logs in ``folder``: (process 0, the other processes), once
-    /health answers; every process killed by its pid after."""
+def running_job(
+    args: list[str], folder: Path, processes: int = 2
+) -> Iterator[tuple[ServerProcess, list]]:
+    """``python -m jaxdd.serve ARGS`` as a job of ``processes`` processes
+    on loopback (``--coordinator`` on a free port; process 0 serves HTTP on
+    another), their logs in ``folder``: (process 0, the other processes),
+    once /health answers; every process killed by its pid after."""
     port, coordinator = free_port(), free_port()
-    command = [sys.executable, "-m", "jaxdd.serve", *args, "--coordinator", f"127.0.0.1:{coordinator}"]
+    command = [
+        sys.executable,
+        "-m",
+        "jaxdd.serve",
+        *args,
+        "--coordinator",
+        f"127.0.0.1:{coordinator}",
+    ]
     command += ["--num-processes", str(processes)]
     logs = [folder / f"process{i}.log" for i in range(processes)]
     started = []
@@ -107,7 +128,11 @@ def running_job(args: list[str], folder: Path, processes: int = 2) -> Iterator[t
             http = ["--host", "127.0.0.1", "--port", str(port)] if i == 0 else []
             with open(log, "w") as out:
                 argv = [*command, "--process-id", str(i), *http]
-                started.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=job_environment()))
+                started.append(
+                    subprocess.Popen(
+                        argv, stdout=out, stderr=subprocess.STDOUT, env=job_environment()
+                    )
+                )
         server = ServerProcess(started[0], f"http://127.0.0.1:{port}", logs[0])
         wait_healthy(server, started, logs)
         yield server, started[1:]
@@ -115,9 +140,11 @@ def running_job(args: list[str], folder: Path, processes: int = 2) -> Iterator[t
         kill(started)
 
 
-def wait_healthy(server: ServerProcess, processes: list[subprocess.Popen], logs: list[Path]) -> None:
-    """Return once the server's /health answers 200; raise (with the logs) when a process exits first or
-    ``START_SECONDS`` pass."""
+def wait_healthy(
+    server: ServerProcess, processes: list[subprocess.Popen], logs: list[Path]
+) -> None:
+    """Return once the server's /health answers 200; raise (with the
+    logs) when a process exits first or ``START_SECONDS`` pass."""
     deadline = time.monotonic() + START_SECONDS
     while time.monotonic() < deadline:
         for process, log in zip(processes, logs, strict=True):
@@ -139,16 +166,26 @@ def kill(processes: list[subprocess.Popen]) -> None:
 
 
 def complete(client: openai.OpenAI, request: dict) -> tuple[list[int], str, str, dict | None]:
-    """(token ids, text, finish reason, usage) of a completion, streamed (``"stream": True``) or not."""
+    """(token ids, text, finish reason, usage) of a
+    completion, streamed (``"stream": True``) or not."""
     options = {k: v for k, v in request.items() if k != "stream"}
     extra = {"return_token_ids": True}
     if not request.get("stream"):
         response = client.completions.create(model="kimi-mini", extra_body=extra, **options)
         choice = response.choices[0]
-        return choice.token_ids, choice.text, choice.finish_reason, response.usage.model_dump(exclude_none=True)
+        return (
+            choice.token_ids,
+            choice.text,
+            choice.finish_reason,
+            response.usage.model_dump(exclude_none=True),
+        )
     ids, text, finish, usage = [], "", None, None
     stream = client.completions.create(
-        model="kimi-mini", stream=True, stream_options={"include_usage": True}, extra_body=extra, **options
+        model="kimi-mini",
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+        **options,
     )
     for chunk in stream:
         if chunk.usage is not None:

@@ -1,9 +1,10 @@
-"""Where a real round spends its time, by stage: the profiler's per-op events attributed to the ``named_scope`` of
-the round's stages (``jaxdd.decoding.rounds``: draft, build, verify, accept, commit) through the compiled HLO's
-metadata.
+"""Where a real round spends its time, by stage: the profiler's per-op events
+attributed to the ``named_scope`` of the round's stages (``jaxdd.decoding.rounds``:
+draft, build, verify, accept, commit) through the compiled HLO's metadata.
 
-This measures the round that decoding runs, not a copy rebuilt from stage functions. Ops run concurrently on the
-backend's threads, so a stage's time is the sum of its ops' durations ("op time"), not wall time.
+This measures the round that decoding runs, not a copy rebuilt from stage
+functions. Ops run concurrently on the backend's threads, so a stage's
+time is the sum of its ops' durations ("op time"), not wall time.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ _OPERAND = re.compile(r"%([\w.\-]+)")
 
 
 def op_stages(hlo_text: str) -> dict[str, str]:
-    """Each HLO instruction's stage: the first stage name in its op_name scope path. Instructions that XLA made
-    without metadata (e.g. the CPU backend's rewritten dots) take the stage of their first operand that has one;
-    the rest are "other"."""
+    """Each HLO instruction's stage: the first stage name in its op_name scope path.
+    Instructions that XLA made without metadata (e.g. the CPU backend's rewritten
+    dots) take the stage of their first operand that has one; the rest are "other"."""
     stages = {}
     operands = {}
     for name, rest in _INSTRUCTION.findall(hlo_text):
@@ -43,9 +44,12 @@ def op_stages(hlo_text: str) -> dict[str, str]:
     return stages
 
 
-def stage_op_ms(hlo_text: str, module: str, run: Callable[[], object], calls: int) -> dict[str, float]:
-    """Milliseconds of op time per stage and call, profiling ``calls`` calls of ``run`` (each must wait for its
-    results) of the executable ``module`` (e.g. "jit_decode_round") whose compiled HLO is ``hlo_text``."""
+def stage_op_ms(
+    hlo_text: str, module: str, run: Callable[[], object], calls: int
+) -> dict[str, float]:
+    """Milliseconds of op time per stage and call, profiling ``calls`` calls
+    of ``run`` (each must wait for its results) of the executable ``module``
+    (e.g. "jit_decode_round") whose compiled HLO is ``hlo_text``."""
     stages = op_stages(hlo_text)
     totals: dict[str, float] = defaultdict(float)
     with tempfile.TemporaryDirectory() as directory:
@@ -62,8 +66,8 @@ def stage_op_ms(hlo_text: str, module: str, run: Callable[[], object], calls: in
 
 
 def _innermost_ops(events, module: str):
-    """(op name, duration ns) of one thread's op events of ``module``, leaving out those that contain another
-    (a loop's thunk holds its body's: counting both would count the body twice)."""
+    """(op name, duration ns) of one thread's op events of ``module``, leaving out those that
+    contain another (a loop's thunk holds its body's: counting both would count the body twice)."""
     ops = []
     for event in events:
         stats = dict(event.stats)
@@ -77,8 +81,8 @@ def _innermost_ops(events, module: str):
 
 
 def round_stages(decoder, plan, state, calls: int = 20) -> dict[str, float]:
-    """Op milliseconds per stage of ``decoder``'s compiled round for ``plan``, run ``calls`` times from copies
-    of ``state`` (the round donates its state), after one warm-up call."""
+    """Op milliseconds per stage of ``decoder``'s compiled round for ``plan``, run ``calls``
+    times from copies of ``state`` (the round donates its state), after one warm-up call."""
     copies = [jax.tree.map(lambda x: x.copy(), state) for _ in range(calls + 1)]
     hlo = decoder.lower_round(plan, state).compile().as_text()
     run = lambda: jax.block_until_ready(decoder.step(plan, copies.pop()))

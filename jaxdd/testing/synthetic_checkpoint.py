@@ -1,4 +1,5 @@
-"""A random HF-layout target checkpoint of any size, written shard by shard (for memory tests and benchmarks)."""
+"""A random HF-layout target checkpoint of any size, written
+shard by shard (for memory tests and benchmarks)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from jaxdd.weights.hf_mappings import target_mappings
 def write_synthetic_target(
     directory: Path, layers: int, experts: int, width: int, dtype: str = "float32", seed: int = 0
 ) -> tuple[Path, float]:
-    """A Kimi-shaped checkpoint (one dense layer, then MoE layers of ``experts`` experts of width ``width // 2``),
-    one shard per layer plus an index. Returns (directory, size of the largest shard in MiB)."""
+    """A Kimi-shaped checkpoint (one dense layer, then MoE layers of
+    ``experts`` experts of width ``width // 2``), one shard per layer plus
+    an index. Returns (directory, size of the largest shard in MiB)."""
     config = DeepseekV3Config(
         **TINY_K2
         | dict(
@@ -45,7 +47,9 @@ def write_synthetic_target(
     largest = 0
     for shard, tensors in shards.items():
         file = f"model-{shard}.safetensors"
-        arrays = {n: (0.02 * rng.standard_normal(s, np.float32)).astype(dtype) for n, s in tensors.items()}
+        arrays = {
+            n: (0.02 * rng.standard_normal(s, np.float32)).astype(dtype) for n, s in tensors.items()
+        }
         save_file(arrays, directory / file)
         weight_map |= dict.fromkeys(arrays, file)
         largest = max(largest, sum(a.nbytes for a in arrays.values()))

@@ -1,4 +1,5 @@
-"""``python -m jaxdd.train.plot HISTORY.json OUT.png``: loss curves (and the drafter's per-slot accuracy)."""
+"""``python -m jaxdd.train.plot HISTORY.json OUT.png``:
+loss curves (and the drafter's per-slot accuracy)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ def plot_history(history_path: Path, out: Path) -> Path:
     if panels == 2:  # accuracy of each mask slot of the block at the last evaluation
         final = history["accuracy"][-1]
         axes[0, 1].bar(range(1, len(final) + 1), final)
-        axes[0, 1].set(xlabel="position in block", ylabel="greedy draft accuracy", title="validation, final")
+        axes[0, 1].set(
+            xlabel="position in block", ylabel="greedy draft accuracy", title="validation, final"
+        )
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     return out

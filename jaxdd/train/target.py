@@ -1,10 +1,11 @@
-"""Train "kimi-mini": a ~6M-parameter Kimi-architecture target (MLA, a dense first layer, sigmoid-routed MoE with a
-shared expert) on the stdlib corpus, with next-token cross-entropy and AdamW.
+"""Train "kimi-mini": a ~6M-parameter Kimi-architecture target
+(MLA, a dense first layer, sigmoid-routed MoE with a shared expert)
+on the stdlib corpus, with next-token cross-entropy and AdamW.
 
     python -m jaxdd.train.target OUT_DIR [--minutes 90] [--steps N] [--seed 0] [--layers 4]
 
-Writes OUT_DIR/target (an HF-layout checkpoint: config.json + safetensors + tokenizer.json, which transformers
-loads too) and OUT_DIR/target_history.json (train / validation loss per evaluation).
+Writes OUT_DIR/target (an HF-layout checkpoint: config.json + safetensors + tokenizer.json, which
+transformers loads too) and OUT_DIR/target_history.json (train / validation loss per evaluation).
 """
 
 from __future__ import annotations
@@ -76,19 +77,28 @@ def causal_loss(model: KimiTarget, tokens: jax.Array) -> jax.Array:
     cache = LatentCache.zeros(model.config, b, t, model.dtype)
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    hidden = model(inputs, positions, cache, visible, attention="naive", backend=Backend.local()).hidden
+    hidden = model(
+        inputs, positions, cache, visible, attention="naive", backend=Backend.local()
+    ).hidden
     return optax.softmax_cross_entropy_with_integer_labels(model.logits(hidden), labels).mean()
 
 
 def make_optimizer(model: nnx.Module, steps: int, peak_lr: float = 3e-3) -> nnx.Optimizer:
-    schedule = optax.warmup_cosine_decay_schedule(0.0, peak_lr, min(200, steps // 10 + 1), steps, peak_lr / 10)
-    mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # decay matrices, not norms or biases
-    transform = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1, mask=mask))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, peak_lr, min(200, steps // 10 + 1), steps, peak_lr / 10
+    )
+    # decay matrices, not norms or biases
+    mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    transform = optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1, mask=mask)
+    )
     return nnx.Optimizer(model, transform, wrt=nnx.Param)
 
 
 @nnx.jit
-def train_step(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jax.Array, loss_fn=causal_loss) -> jax.Array:
+def train_step(
+    model: nnx.Module, optimizer: nnx.Optimizer, tokens: jax.Array, loss_fn=causal_loss
+) -> jax.Array:
     loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
     optimizer.update(model, grads)
     return loss
@@ -108,8 +118,8 @@ def train(
     seed: int = 0,
     layers: int = KIMI_MINI["num_hidden_layers"],
 ) -> dict:
-    """Train within ``minutes`` (or ``steps``); returns the history (also written next to the checkpoint).
-    ``layers``: decoder layers (the first dense, the rest MoE)."""
+    """Train within ``minutes`` (or ``steps``); returns the history (also written next
+    to the checkpoint). ``layers``: decoder layers (the first dense, the rest MoE)."""
     out.mkdir(parents=True, exist_ok=True)
     train_files, validation_files = split(stdlib_files())
     tokenizer = train_tokenizer(read_texts(train_files), VOCAB)
@@ -126,19 +136,30 @@ def train(
     start = time.perf_counter()
     losses = []
     for step in range(1, steps + 1):
-        losses.append(float(train_step(model, optimizer, windows(train_tokens, batch, length + 1, rng))))
+        losses.append(
+            float(train_step(model, optimizer, windows(train_tokens, batch, length + 1, rng)))
+        )
         elapsed = time.perf_counter() - start
         if step % 100 == 0 or step == steps or elapsed > minutes * 60:
             val = float(np.mean([eval_loss(model, v) for v in np.split(validation, 4)]))
-            for key, value in (("step", step), ("train_loss", float(np.mean(losses))), ("validation_loss", val)):
+            for key, value in (
+                ("step", step),
+                ("train_loss", float(np.mean(losses))),
+                ("validation_loss", val),
+            ):
                 history[key].append(value)
             history["seconds"].append(round(elapsed, 1))
             history["tokens"].append(step * batch * length)
-            print(f"step {step}: train {np.mean(losses):.3f} validation {val:.3f} ({elapsed / 60:.1f} min)", flush=True)
+            print(
+                f"step {step}: train {np.mean(losses):.3f} validation {val:.3f} "
+                f"({elapsed / 60:.1f} min)",
+                flush=True,
+            )
             losses = []
         if elapsed > minutes * 60:
             break
-    with tempfile.TemporaryDirectory() as staging:  # HF layout through the exporter, so transformers loads it
+    # HF layout through the exporter, so transformers loads it
+    with tempfile.TemporaryDirectory() as staging:
         export(save_target(model, Path(staging) / "target"), out / "target", progress=False)
     tokenizer.save(str(out / "target" / "tokenizer.json"))
     (out / "target_history.json").write_text(json.dumps(history, indent=2))
@@ -146,7 +167,9 @@ def train(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxdd.train.target", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxdd.train.target", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("out", type=Path)
     parser.add_argument("--minutes", type=float, default=90.0)
     parser.add_argument("--steps", type=int, default=20000)

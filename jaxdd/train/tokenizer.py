@@ -11,7 +11,8 @@ MASK = "<|mask|>"  # the DFlash drafter's mask token
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> Tokenizer:
-    """Byte-level BPE (GPT-2 style: every byte is a token, so any text encodes), special tokens first (ids 0, 1)."""
+    """Byte-level BPE (GPT-2 style: every byte is a token, so
+    any text encodes), special tokens first (ids 0, 1)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

@@ -1,2 +1,2 @@
-"""Weights on disk: the HF layout tables and reader, orbax checkpoints written atomically, file checksums and
-the tokenizer files."""
+"""Weights on disk: the HF layout tables and reader, orbax checkpoints
+written atomically, file checksums and the tokenizer files."""

@@ -1,11 +1,14 @@
-"""jaxdd checkpoints: ``config.json`` (HF fields) + ``jaxdd.json`` (kind, dtype, expert format, groups) + ``state/``.
+"""jaxdd checkpoints: ``config.json`` (HF fields) +
+``jaxdd.json`` (kind, dtype, expert format, groups) + ``state/``.
 
-The parameters are stored as one orbax item per group: each top-level parameter (``embed``, ``lm_head``, ...)
-and each layer (``layers.7``). Groups let the converter write a checkpoint a layer at a time and let a restore
-fill target shardings a layer at a time, so neither ever holds the whole model on the host.
+The parameters are stored as one orbax item per group: each top-level parameter
+(``embed``, ``lm_head``, ...) and each layer (``layers.7``). Groups let the
+converter write a checkpoint a layer at a time and let a restore fill target
+shardings a layer at a time, so neither ever holds the whole model on the host.
 
-Writes are atomic: everything goes into a temporary sibling directory that is renamed into place at the end,
-so an interrupted save leaves nothing that ``is_jaxdd_checkpoint`` accepts (and a rerun starts afresh).
+Writes are atomic: everything goes into a temporary sibling directory
+that is renamed into place at the end, so an interrupted save leaves
+nothing that ``is_jaxdd_checkpoint`` accepts (and a rerun starts afresh).
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ def group_path(group: str) -> tuple:
 
 
 def groups_of(values: dict) -> Iterator[tuple[str, Any]]:
-    """(group name, subtree) of a parameter pure dict: each layer, and each other top-level entry."""
+    """(group name, subtree) of a parameter pure dict:
+    each layer, and each other top-level entry."""
     for key, value in values.items():
         if key == "layers":
             yield from ((f"layers.{i}", layer) for i, layer in value.items())
@@ -64,16 +68,19 @@ def groups_of(values: dict) -> Iterator[tuple[str, Any]]:
             yield key, value
 
 
-STAGING_LOCK = ".lock"  # held (flock) by the process writing a staging directory; the kernel drops it at any exit
-UNLOCKED_STAGING_SECONDS = 60  # a staging directory without a lock file this old was left by a crash
+# held (flock) by the process writing a staging directory; the kernel drops it at any exit
+STAGING_LOCK = ".lock"
+# a staging directory without a lock file this old was left by a crash
+UNLOCKED_STAGING_SECONDS = 60
 
 
 @contextlib.contextmanager
 def atomic_directory(directory: str | Path, needed_bytes: int = 0) -> Iterator[Path]:
-    """Yield a staging directory next to ``directory`` that is renamed to it when the block succeeds and
-    removed when it fails (an error, an interrupt), so ``directory`` is either complete or absent. Staging
-    directories that a killed run left behind are removed first; a live one (another process writing
-    ``directory``) is refused, and so is a disk with less than ``needed_bytes`` free."""
+    """Yield a staging directory next to ``directory`` that is renamed to it when the
+    block succeeds and removed when it fails (an error, an interrupt), so
+    ``directory`` is either complete or absent. Staging directories that a killed run
+    left behind are removed first; a live one (another process writing ``directory``)
+    is refused, and so is a disk with less than ``needed_bytes`` free."""
     directory = Path(directory).absolute()
     if directory.exists():
         raise FileExistsError(f"{directory} already exists; choose a new directory")
@@ -82,7 +89,8 @@ def atomic_directory(directory: str | Path, needed_bytes: int = 0) -> Iterator[P
     free = shutil.disk_usage(directory.parent).free
     if needed_bytes > free:
         raise CheckpointError(
-            f"{directory}: needs up to {needed_bytes / 1e6:,.1f} MB, {free / 1e6:,.1f} MB free on {directory.parent}"
+            f"{directory}: needs up to {needed_bytes / 1e6:,.1f} MB, {free / 1e6:,.1f} MB "
+            f"free on {directory.parent}"
         )
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     lock = (staging / STAGING_LOCK).open("w")
@@ -105,11 +113,12 @@ def atomic_directory(directory: str | Path, needed_bytes: int = 0) -> Iterator[P
 
 
 def _remove_abandoned_staging(directory: Path) -> None:
-    """Remove the staging directories of ``directory`` whose writer is gone (its lock is free); refuse if one is
-    still being written."""
+    """Remove the staging directories of ``directory`` whose writer is
+    gone (its lock is free); refuse if one is still being written."""
     prefix = f".{directory.name}."
     for staging in directory.parent.glob(f"{prefix}*"):
-        if not staging.is_dir() or "." in staging.name[len(prefix) :]:  # not ours: another output's, e.g. OUT.x
+        # not ours: another output's, e.g. OUT.x
+        if not staging.is_dir() or "." in staging.name[len(prefix) :]:
             continue
         lock_file = staging / STAGING_LOCK
         if lock_file.exists():
@@ -117,7 +126,9 @@ def _remove_abandoned_staging(directory: Path) -> None:
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    raise FileExistsError(f"{directory} is being written by another run (staging {staging})") from None
+                    raise FileExistsError(
+                        f"{directory} is being written by another run (staging {staging})"
+                    ) from None
         elif time.time() - staging.stat().st_mtime < UNLOCKED_STAGING_SECONDS:
             continue  # just created by another run, which is about to lock it
         shutil.rmtree(staging, ignore_errors=True)
@@ -133,13 +144,20 @@ def write_checkpoint(
     extra_files: Iterable[Path] = (),
     expected_bytes: int = 0,
 ) -> Path:
-    """Write a checkpoint atomically, one group at a time: ``groups`` yields (name, subtree of numpy or jax
-    arrays) and may build each group lazily, so only one is ever held. ``extra_files`` (e.g. the tokenizer's)
-    are copied in beside the weights. Every file's size and sha256 go into the marker (``jaxdd.weights.checksums``),
-    each group hashed as soon as it is written (while its files are in the page cache). With ``expected_bytes``
-    (the arrays' size), a destination without that much free space is refused before anything is written; a
+    """Write a checkpoint atomically, one group at a time: ``groups`` yields (name, subtree of
+    numpy or jax arrays) and may build each group lazily, so only one is ever held.
+    ``extra_files`` (e.g. the tokenizer's) are copied in beside the weights. Every file's size
+    and sha256 go into the marker (``jaxdd.weights.checksums``), each group hashed as soon as
+    it is written (while its files are in the page cache). With ``expected_bytes`` (the arrays'
+    size), a destination without that much free space is refused before anything is written; a
     write that fails (a full or read-only disk) is a CheckpointError, and nothing is kept."""
-    meta = {"format": FORMAT_VERSION, "kind": kind, "dtype": jnp.dtype(dtype).name, "groups": [], "files": {}}
+    meta = {
+        "format": FORMAT_VERSION,
+        "kind": kind,
+        "dtype": jnp.dtype(dtype).name,
+        "groups": [],
+        "files": {},
+    }
     if experts is not None:
         meta["experts"] = experts.to_json()
     extra_files = list(extra_files)
@@ -162,20 +180,24 @@ def write_checkpoint(
                 shutil.copyfile(file, staging / file.name)
             written = [staging / "config.json", *(staging / f.name for f in extra_files)]
             meta["files"] |= checksums.record(staging, written)
-            (staging / MARKER).write_text(json.dumps(meta, indent=2))  # last: marks the checkpoint complete
+            # last: marks the checkpoint complete
+            (staging / MARKER).write_text(json.dumps(meta, indent=2))
     except (OSError, ValueError) as error:
         reason = _write_failure(error)
         if reason is None:
             raise
-        raise CheckpointError(f"{Path(directory).absolute()}: cannot write ({reason}); nothing was kept") from None
+        raise CheckpointError(
+            f"{Path(directory).absolute()}: cannot write ({reason}); nothing was kept"
+        ) from None
     return Path(directory).absolute()
 
 
 @contextlib.contextmanager
 def _interrupt_between_groups() -> Iterator[Callable[[], None]]:
-    """Hold a Ctrl-C (SIGINT) until the group being written is complete: orbax writes from background threads,
-    and one interrupted mid-save goes on writing into the staging directory as it is removed. Yields the check
-    to call between groups (it raises the held KeyboardInterrupt); a second Ctrl-C interrupts at once."""
+    """Hold a Ctrl-C (SIGINT) until the group being written is complete: orbax writes
+    from background threads, and one interrupted mid-save goes on writing into the
+    staging directory as it is removed. Yields the check to call between groups (it
+    raises the held KeyboardInterrupt); a second Ctrl-C interrupts at once."""
     if threading.current_thread() is not threading.main_thread():
         yield lambda: None  # signal handlers belong to the main thread
         return
@@ -199,8 +221,8 @@ def _interrupt_between_groups() -> Iterator[Callable[[], None]]:
 
 @contextlib.contextmanager
 def _orbax_errors_raised_not_logged() -> Iterator[None]:
-    """Orbax logs a failed background write with its traceback before ``wait_until_finished`` raises it; the
-    raised error is what reaches the user (as one line when it is a failed write)."""
+    """Orbax logs a failed background write with its traceback before ``wait_until_finished`` raises
+    it; the raised error is what reaches the user (as one line when it is a failed write)."""
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.CRITICAL)
@@ -211,45 +233,63 @@ def _orbax_errors_raised_not_logged() -> Iterator[None]:
 
 
 def _write_failure(error: Exception) -> str | None:
-    """Why a write failed (e.g. "No space left on device"), or None for an error that is not a failed write:
-    OSErrors other than an existing output, and tensorstore's ValueErrors that carry an OS error code."""
+    """Why a write failed (e.g. "No space left on device"), or None for
+    an error that is not a failed write: OSErrors other than an existing
+    output, and tensorstore's ValueErrors that carry an OS error code."""
     if isinstance(error, OSError) and not isinstance(error, FileExistsError):
         return error.strerror or str(error)
-    failed = re.search(r": ([^:\[]+) \[os_error_code", str(error)) if isinstance(error, ValueError) else None
+    failed = (
+        re.search(r": ([^:\[]+) \[os_error_code", str(error))
+        if isinstance(error, ValueError)
+        else None
+    )
     return failed.group(1).strip() if failed else None
 
 
 def save_target(model: KimiTarget, directory: str | Path) -> Path:
     """Write ``model`` to a new directory (which must not exist yet)."""
     groups = groups_of(nnx.to_pure_dict(nnx.state(model)))
-    return write_checkpoint(directory, "target", model.config.to_hf(), model.dtype, groups, model.experts)
+    return write_checkpoint(
+        directory, "target", model.config.to_hf(), model.dtype, groups, model.experts
+    )
 
 
 def save_drafter(model: DFlashDrafter, directory: str | Path, config: dict) -> Path:
-    """Write a drafter with its HF config dict (the z-lab ``config.json``, which export writes back)."""
-    return write_checkpoint(directory, "drafter", config, model.dtype, groups_of(nnx.to_pure_dict(nnx.state(model))))
+    """Write a drafter with its HF config dict (the
+    z-lab ``config.json``, which export writes back)."""
+    return write_checkpoint(
+        directory, "drafter", config, model.dtype, groups_of(nnx.to_pure_dict(nnx.state(model)))
+    )
 
 
 def read_meta(directory: str | Path, kind: Kind) -> dict[str, Any]:
     directory = Path(directory).absolute()
     meta = read_json(directory / MARKER)
     if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{directory / MARKER}: format {meta.get('format')}, this jaxdd reads {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{directory / MARKER}: format {meta.get('format')}, this jaxdd reads {FORMAT_VERSION}"
+        )
     if meta.get("kind") != kind:
         raise CheckpointError(f"{directory}: a jaxdd {meta.get('kind')} checkpoint, not a {kind}")
     return meta
 
 
 def check_files(
-    directory: str | Path, kind: Kind, verify: bool = False, progress: Callable[[int], None] = lambda n: None
+    directory: str | Path,
+    kind: Kind,
+    verify: bool = False,
+    progress: Callable[[int], None] = lambda n: None,
 ) -> None:
-    """Every file the marker records is there with its size, and with ``verify`` its sha256 (reads every byte,
-    calling ``progress(bytes)`` as it goes); a CheckpointError names the first that is not."""
+    """Every file the marker records is there with its size, and with
+    ``verify`` its sha256 (reads every byte, calling ``progress(bytes)``
+    as it goes); a CheckpointError names the first that is not."""
     directory = Path(directory).absolute()
     files = read_meta(directory, kind).get("files")
     if files is None:  # written before jaxdd recorded checksums
         if verify:
-            raise CheckpointError(f"{directory / MARKER}: records no checksums (written by an older jaxdd); reconvert")
+            raise CheckpointError(
+                f"{directory / MARKER}: records no checksums (written by an older jaxdd); reconvert"
+            )
     elif verify:
         checksums.verify(directory, files, progress)
     else:
@@ -267,10 +307,13 @@ def abstract_model(directory: str | Path, kind: Kind) -> tuple[nnx.GraphDef, nnx
     return abstract_drafter(DrafterConfig.from_json_file(directory / "config.json"), dtype)
 
 
-def restore_groups(directory: str | Path, abstract: dict, shardings: dict | None = None) -> Iterator[tuple[str, Any]]:
-    """(group, subtree) restored one group at a time; with ``shardings`` (a tree like ``abstract`` of
-    ``jax.sharding.Sharding``), each array lands directly in its sharding, never whole on one host; without, on
-    the default device. Never as numpy: orbax restores arrays saved from numpy (as conversion saves them) as
+def restore_groups(
+    directory: str | Path, abstract: dict, shardings: dict | None = None
+) -> Iterator[tuple[str, Any]]:
+    """(group, subtree) restored one group at a time; with ``shardings`` (a tree
+    like ``abstract`` of ``jax.sharding.Sharding``), each array lands directly in
+    its sharding, never whole on one host; without, on the default device. Never as
+    numpy: orbax restores arrays saved from numpy (as conversion saves them) as
     numpy, and a jitted call copies numpy arguments to the device on every call."""
     directory = Path(directory).absolute()
     checkpointer = ocp.StandardCheckpointer()
@@ -279,9 +322,13 @@ def restore_groups(directory: str | Path, abstract: dict, shardings: dict | None
         for group in read_json(directory / MARKER)["groups"]:
             target = get_path(abstract, group_path(group))
             placement = (
-                jax.tree.map(lambda _: default, target) if shardings is None else get_path(shardings, group_path(group))
+                jax.tree.map(lambda _: default, target)
+                if shardings is None
+                else get_path(shardings, group_path(group))
             )
-            target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, placement)
+            target = jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, placement
+            )
             tree = _restore_group(checkpointer, directory, group, target)
             bad = first_non_finite(tree)
             if bad is not None:
@@ -293,10 +340,14 @@ def restore_groups(directory: str | Path, abstract: dict, shardings: dict | None
 
 
 def first_non_finite(tree: Any) -> str | None:
-    """The path of the first floating array in ``tree`` holding a NaN or an infinity, or None: checked where the
-    arrays are, one compiled reduction per group layout (the layers share theirs)."""
+    """The path of the first floating array in ``tree`` holding a NaN
+    or an infinity, or None: checked where the arrays are, one
+    compiled reduction per group layout (the layers share theirs)."""
     leaves = jax.tree_util.tree_leaves_with_path(tree)
-    named = [(".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), x) for path, x in leaves]
+    named = [
+        (".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), x)
+        for path, x in leaves
+    ]
     floating = [(name, x) for name, x in named if jnp.issubdtype(x.dtype, jnp.inexact)]
     if not floating:
         return None
@@ -313,30 +364,37 @@ def _all_finite(arrays: list[jax.Array]) -> jax.Array:
 ABANDONED_READS_SECONDS = 0.5
 
 
-def _restore_group(checkpointer: ocp.StandardCheckpointer, directory: Path, group: str, target) -> Any:
-    """One group's arrays, or a CheckpointError naming the group when a chunk is damaged (tensorstore's ValueError,
-    or orbax's wrapping Exception). After such a failure the group's other reads are still in flight: they
-    complete against orbax's event loop, closed by then, and print "Event loop is closed" tracebacks, and the
-    abandoned coroutines print errors when collected. So the restore runs with stderr held (replayed when it
-    succeeds), and a failure waits them out and collects them before raising: the one-line error is all that
-    shows."""
+def _restore_group(
+    checkpointer: ocp.StandardCheckpointer, directory: Path, group: str, target
+) -> Any:
+    """One group's arrays, or a CheckpointError naming the group when a chunk is damaged
+    (tensorstore's ValueError, or orbax's wrapping Exception). After such a failure the group's
+    other reads are still in flight: they complete against orbax's event loop, closed by then,
+    and print "Event loop is closed" tracebacks, and the abandoned coroutines print errors when
+    collected. So the restore runs with stderr held (replayed when it succeeds), and a failure
+    waits them out and collects them before raising: the one-line error is all that shows."""
     held = io.StringIO()
     failure = None
     try:
         with contextlib.redirect_stderr(held):
             try:
-                return checkpointer.restore(directory / "state" / group, {"params": target})["params"]
+                return checkpointer.restore(directory / "state" / group, {"params": target})[
+                    "params"
+                ]
             except Exception as error:
                 if not isinstance(error, ValueError) and "error while reading" not in str(error):
                     raise
-                failure = str(error).splitlines()[0][:200]  # not the error itself: it keeps the coroutines alive
+                # not the error itself: it keeps the coroutines alive
+                failure = str(error).splitlines()[0][:200]
             time.sleep(ABANDONED_READS_SECONDS)
             gc.collect()
     finally:
-        if failure is None:  # restored, or failed for another reason: what was written to stderr is shown
+        # restored, or failed for another reason: what was written to stderr is shown
+        if failure is None:
             sys.stderr.write(held.getvalue())
     raise CheckpointError(
-        f"{directory / 'state' / group}: unreadable ({failure}); python -m convert verify {directory} names "
+        f"{directory / 'state' / group}: unreadable ({failure}); python -m convert verify "
+        f"{directory} names "
         "the damaged file"
     )
 
@@ -348,13 +406,14 @@ def load_checkpoint(
     shardings: dict | None = None,
     verify: bool = False,
 ) -> nnx.Module:
-    """Restore a target or drafter checkpoint; ``dtype`` casts floating weights (router, quantized experts keep
-    theirs); ``shardings`` as in ``restore_groups``; file sizes are checked first, and with ``verify`` their
-    checksums too."""
+    """Restore a target or drafter checkpoint; ``dtype`` casts floating weights
+    (router, quantized experts keep theirs); ``shardings`` as in ``restore_groups``;
+    file sizes are checked first, and with ``verify`` their checksums too."""
     check_files(directory, kind, verify)
     graphdef, abstract = abstract_model(directory, kind)
     values = nnx.to_pure_dict(abstract)
-    with contextlib.closing(restore_groups(directory, values, shardings)) as groups:  # its checkpointer closed
+    # its checkpointer closed
+    with contextlib.closing(restore_groups(directory, values, shardings)) as groups:
         for group, tree in groups:
             set_path(values, group_path(group), tree)
     nnx.replace_by_pure_dict(abstract, values)
@@ -365,13 +424,15 @@ def load_checkpoint(
 
 
 def cast_model(model: nnx.Module, dtype: jnp.dtype) -> nnx.Module:
-    """A copy of a target or drafter computing in ``dtype``; parameters whose dtype is fixed by design (the router,
-    as its checkpoint stores it; quantized expert pieces) keep it."""
+    """A copy of a target or drafter computing in ``dtype``; parameters whose dtype is fixed
+    by design (the router, as its checkpoint stores it; quantized expert pieces) keep it."""
     if isinstance(model, KimiTarget):
         graphdef, abstract = abstract_target(model.config, dtype, model.experts)
     else:
         graphdef, abstract = abstract_drafter(model.config, dtype)
-    return nnx.merge(graphdef, jax.tree.map(lambda a, x: x.astype(a.dtype), abstract, nnx.state(model)))
+    return nnx.merge(
+        graphdef, jax.tree.map(lambda a, x: x.astype(a.dtype), abstract, nnx.state(model))
+    )
 
 
 def get_path(tree: dict, path: tuple):

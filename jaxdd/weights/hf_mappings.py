@@ -1,9 +1,11 @@
-"""How each jaxdd parameter relates to HF tensors, for the Kimi target and the DFlash drafter, in both directions.
+"""How each jaxdd parameter relates to HF tensors, for the
+Kimi target and the DFlash drafter, in both directions.
 
-One table per model (``target_mappings``, ``drafter_mappings``): HF keeps ``nn.Linear`` weights as [out, in],
-jaxdd as [in, out] with heads and experts as their own axes. Loading (``jaxdd.weights.hf_reader``), the streaming
-converter and the exporter in ``convert/`` all read the same table; each entry also says where a range of a
-jaxdd axis lies in the HF tensors, so that one device's part is read alone.
+One table per model (``target_mappings``, ``drafter_mappings``): HF keeps
+``nn.Linear`` weights as [out, in], jaxdd as [in, out] with heads and experts as their
+own axes. Loading (``jaxdd.weights.hf_reader``), the streaming converter and the
+exporter in ``convert/`` all read the same table; each entry also says where a range
+of a jaxdd axis lies in the HF tensors, so that one device's part is read alone.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from jaxdd.models.quant import DENSE, ExpertFormat
 
 
 class Axis(NamedTuple):
-    """Where a range of one jaxdd axis lies in the HF tensors: ``scale`` rows (``hf`` 0) or columns (``hf`` 1)
-    of each per index, or (``hf`` None) which of the stacked tensors (one per expert)."""
+    """Where a range of one jaxdd axis lies in the HF tensors: ``scale`` rows (``hf`` 0) or columns
+    (``hf`` 1) of each per index, or (``hf`` None) which of the stacked tensors (one per expert)."""
 
     hf: int | None
     scale: int = 1
@@ -29,11 +31,12 @@ STACK = Axis(None)
 
 
 class Mapping(NamedTuple):
-    """jaxdd parameters ``paths`` <-> HF tensors ``names`` (with ``shapes``); ``forward`` maps HF arrays to
-    jaxdd arrays, ``backward`` the other way. ``layouts``: for each path, where each of its axes lies in the HF
-    tensors (None: nowhere contiguous), so that one device's part is read alone. ``raw`` names are read as
-    stored (quantized pieces), the others as dense weights (dequantized if the checkpoint stores them
-    quantized). ``forward`` works on such parts too: it never assumes the full head or expert count."""
+    """jaxdd parameters ``paths`` <-> HF tensors ``names`` (with ``shapes``); ``forward``
+    maps HF arrays to jaxdd arrays, ``backward`` the other way. ``layouts``: for each path,
+    where each of its axes lies in the HF tensors (None: nowhere contiguous), so that one
+    device's part is read alone. ``raw`` names are read as stored (quantized pieces), the
+    others as dense weights (dequantized if the checkpoint stores them quantized).
+    ``forward`` works on such parts too: it never assumes the full head or expert count."""
 
     paths: tuple[tuple, ...]
     names: tuple[str, ...]
@@ -44,13 +47,17 @@ class Mapping(NamedTuple):
     raw: bool = False
 
 
-def _single(path: tuple, name: str, shape: tuple[int, ...], fwd: Callable, bwd: Callable, layout: tuple) -> Mapping:
+def _single(
+    path: tuple, name: str, shape: tuple[int, ...], fwd: Callable, bwd: Callable, layout: tuple
+) -> Mapping:
     """One HF tensor <-> one jaxdd parameter, through ``fwd`` and back through ``bwd``."""
     return Mapping((path,), (name,), (shape,), lambda w: (fwd(w),), lambda w: (bwd(w),), (layout,))
 
 
 def _unchanged(path: tuple, name: str, shape: tuple[int, ...]) -> Mapping:
-    return _single(path, name, shape, lambda w: w, lambda w: w, tuple(Axis(i) for i in range(len(shape))))
+    return _single(
+        path, name, shape, lambda w: w, lambda w: w, tuple(Axis(i) for i in range(len(shape)))
+    )
 
 
 def _linear(path: tuple, name: str, shape: tuple[int, ...]) -> Mapping:
@@ -73,7 +80,9 @@ def _heads_out(path: tuple, name: str, shape: tuple[int, ...], heads: int) -> Ma
     return _single(path, name, shape, fwd, bwd, (Axis(1, d), None, Axis(0)))
 
 
-def _stacked(path: tuple, names: list[str], shape: tuple[int, ...], transpose: bool, raw: bool = False) -> Mapping:
+def _stacked(
+    path: tuple, names: list[str], shape: tuple[int, ...], transpose: bool, raw: bool = False
+) -> Mapping:
     """One HF tensor per expert <-> [E, ...] (transposed to [in, out] for dense weights)."""
 
     def forward(*ws):
@@ -103,11 +112,20 @@ def target_mappings(config: KimiConfig, experts: ExpertFormat = DENSE) -> Iterat
         yield _unchanged((*jx, "attn_norm", "weight"), hf + "input_layernorm.weight", (d,))
         yield _unchanged((*jx, "mlp_norm", "weight"), hf + "post_attention_layernorm.weight", (d,))
         yield _linear((*attn, "q_a_proj"), a + "q_a_proj.weight", (c.q_lora_rank, d))
-        yield _unchanged((*attn, "q_a_norm", "weight"), a + "q_a_layernorm.weight", (c.q_lora_rank,))
-        yield _heads_in((*attn, "q_b_proj"), a + "q_b_proj.weight", (h * (dn + dr), c.q_lora_rank), h)
-        yield _linear((*attn, "kv_a_proj"), a + "kv_a_proj_with_mqa.weight", (c.kv_lora_rank + dr, d))
-        yield _unchanged((*attn, "kv_a_norm", "weight"), a + "kv_a_layernorm.weight", (c.kv_lora_rank,))
-        yield Mapping(  # kv_b_proj [heads * (nope + v), latent]: each head's key half, then its value half
+        yield _unchanged(
+            (*attn, "q_a_norm", "weight"), a + "q_a_layernorm.weight", (c.q_lora_rank,)
+        )
+        yield _heads_in(
+            (*attn, "q_b_proj"), a + "q_b_proj.weight", (h * (dn + dr), c.q_lora_rank), h
+        )
+        yield _linear(
+            (*attn, "kv_a_proj"), a + "kv_a_proj_with_mqa.weight", (c.kv_lora_rank + dr, d)
+        )
+        yield _unchanged(
+            (*attn, "kv_a_norm", "weight"), a + "kv_a_layernorm.weight", (c.kv_lora_rank,)
+        )
+        # kv_b_proj [heads * (nope + v), latent]: each head's key half, then its value half
+        yield Mapping(
             ((*attn, "k_up"), (*attn, "v_up")),
             (a + "kv_b_proj.weight",),
             ((h * per_head, c.kv_lora_rank),),
@@ -125,7 +143,9 @@ def target_mappings(config: KimiConfig, experts: ExpertFormat = DENSE) -> Iterat
             yield from _mlp(mlp, m, d, c.intermediate_size)
             continue
         yield _linear((*mlp, "router", "weight"), m + "gate.weight", (c.n_routed_experts, d))
-        yield _unchanged((*mlp, "router", "bias"), m + "gate.e_score_correction_bias", (c.n_routed_experts,))
+        yield _unchanged(
+            (*mlp, "router", "bias"), m + "gate.e_score_correction_bias", (c.n_routed_experts,)
+        )
         f = c.moe_intermediate_size
         for proj, (n_out, n_in) in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
             base = [f"{m}experts.{e}.{proj}_proj." for e in range(c.n_routed_experts)]
@@ -141,19 +161,44 @@ def _mlp(path: tuple, hf: str, d: int, f: int) -> Iterator[Mapping]:
         yield _linear((*path, proj), f"{hf}{proj}_proj.weight", shape)
 
 
-def _experts(path: tuple, base: list[str], n_out: int, n_in: int, fmt: ExpertFormat) -> Iterator[Mapping]:
-    """Routed experts of one projection: dense [E, in, out], or the stored quantized pieces stacked as they are."""
+def _experts(
+    path: tuple, base: list[str], n_out: int, n_in: int, fmt: ExpertFormat
+) -> Iterator[Mapping]:
+    """Routed experts of one projection: dense [E, in, out],
+    or the stored quantized pieces stacked as they are."""
     if fmt.kind == "dense":
-        yield _stacked((*path, "weight"), [b + "weight" for b in base], (n_out, n_in), transpose=True)
+        yield _stacked(
+            (*path, "weight"), [b + "weight" for b in base], (n_out, n_in), transpose=True
+        )
     elif fmt.kind == "int4":
         packed = (n_out, -(-n_in // 8))
         scale = (n_out, n_in // fmt.group)
-        yield _stacked((*path, "packed"), [b + "weight_packed" for b in base], packed, transpose=False, raw=True)
-        yield _stacked((*path, "scale"), [b + "weight_scale" for b in base], scale, transpose=False, raw=True)
+        yield _stacked(
+            (*path, "packed"),
+            [b + "weight_packed" for b in base],
+            packed,
+            transpose=False,
+            raw=True,
+        )
+        yield _stacked(
+            (*path, "scale"), [b + "weight_scale" for b in base], scale, transpose=False, raw=True
+        )
     else:
         blocks = (-(-n_out // fmt.block), -(-n_in // fmt.block))
-        yield _stacked((*path, "weight"), [b + "weight" for b in base], (n_out, n_in), transpose=False, raw=True)
-        yield _stacked((*path, "scale_inv"), [b + "weight_scale_inv" for b in base], blocks, transpose=False, raw=True)
+        yield _stacked(
+            (*path, "weight"),
+            [b + "weight" for b in base],
+            (n_out, n_in),
+            transpose=False,
+            raw=True,
+        )
+        yield _stacked(
+            (*path, "scale_inv"),
+            [b + "weight_scale_inv" for b in base],
+            blocks,
+            transpose=False,
+            raw=True,
+        )
 
 
 def drafter_mappings(config: DrafterConfig) -> Iterator[Mapping]:

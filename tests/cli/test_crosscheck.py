@@ -1,4 +1,5 @@
-"""``python -m jaxdd.crosscheck``: dump PyTorch traces, compare jaxdd against them, and catch a broken jaxdd."""
+"""``python -m jaxdd.crosscheck``: dump PyTorch traces,
+compare jaxdd against them, and catch a broken jaxdd."""
 
 from __future__ import annotations
 
@@ -31,8 +32,23 @@ def references(models):
     out = {}
     for method in ("ar", "dflash", "ddtree"):
         out[method] = models / f"{method}.npz"
-        args = ["dump", "--target", str(models / "target"), "--prompts", str(models / "prompts.json")]
-        args += ["--method", method, "--out", str(out[method]), "--max-new-tokens", "12", "--stop-ids", "-1"]
+        args = [
+            "dump",
+            "--target",
+            str(models / "target"),
+            "--prompts",
+            str(models / "prompts.json"),
+        ]
+        args += [
+            "--method",
+            method,
+            "--out",
+            str(out[method]),
+            "--max-new-tokens",
+            "12",
+            "--stop-ids",
+            "-1",
+        ]
         if method != "ar":
             args += ["--drafter", str(models / "drafter")]
         if method == "ddtree":
@@ -64,9 +80,11 @@ def test_dump_then_compare_passes(references, method, capsys):
 
 @pytest.mark.parametrize("moe", ["tp", "ep"])
 def test_compare_on_eight_devices(references, moe, capsys):
-    """The DDTree reference compared with the pair sharded over the suite's 8 simulated devices passes as on one;
-    asking for more devices than there are is one line, exit 2."""
-    assert main(["compare", str(references["ddtree"]), "--devices", "8", "--moe", moe, "--json"]) == 0
+    """The DDTree reference compared with the pair sharded over the suite's 8 simulated
+    devices passes as on one; asking for more devices than there are is one line, exit 2."""
+    assert (
+        main(["compare", str(references["ddtree"]), "--devices", "8", "--moe", moe, "--json"]) == 0
+    )
     assert json.loads(capsys.readouterr().out)["ok"]
     assert main(["compare", str(references["ddtree"]), "--devices", "16"]) == 2
     assert capsys.readouterr().err == "jaxdd: devices: expected 1..8, got 16\n"
@@ -74,18 +92,24 @@ def test_compare_on_eight_devices(references, moe, capsys):
 
 @pytest.fixture
 def fresh_compilations():
-    """Jitted functions are cached by module structure; a patched module must be traced again (and not leak)."""
+    """Jitted functions are cached by module structure; a
+    patched module must be traced again (and not leak)."""
     jax.clear_caches()
     yield
     jax.clear_caches()
 
 
-def test_wrong_rope_layout_is_caught_and_localised(references, monkeypatch, fresh_compilations, capsys):
-    """Rotating the rope channels as halves instead of interleaved pairs: position 0 (angle 0) is unaffected,
-    so the hidden states must point at position 1, layer 0; the logits fail from the first stored position."""
+def test_wrong_rope_layout_is_caught_and_localised(
+    references, monkeypatch, fresh_compilations, capsys
+):
+    """Rotating the rope channels as halves instead of interleaved pairs:
+    position 0 (angle 0) is unaffected, so the hidden states must point at
+    position 1, layer 0; the logits fail from the first stored position."""
     apply_rope = jaxdd.models.attention.apply_rope
     monkeypatch.setattr(
-        jaxdd.models.attention, "apply_rope", lambda x, cos, sin, interleaved: apply_rope(x, cos, sin, False)
+        jaxdd.models.attention,
+        "apply_rope",
+        lambda x, cos, sin, interleaved: apply_rope(x, cos, sin, False),
     )
     report = compare(references["ddtree"])
     assert not report.ok
@@ -93,7 +117,9 @@ def test_wrong_rope_layout_is_caught_and_localised(references, monkeypatch, fres
     for prompt, trace in zip(report.prompts, traces, strict=True):
         assert prompt.unexplained
         assert prompt.first_logit_excess["position"] == len(trace.prompt) - 1
-        assert prompt.first_hidden_excess["layer"] == 0 and prompt.first_hidden_excess["position"] == 1
+        assert (
+            prompt.first_hidden_excess["layer"] == 0 and prompt.first_hidden_excess["position"] == 1
+        )
     assert main(["compare", str(references["ddtree"])]) == 1
     text = capsys.readouterr().out
     assert "target logits first exceed tolerance at position 6" in text
@@ -122,18 +148,26 @@ def test_text_prompts_use_the_target_tokenizer(tmp_path):
 
 
 def test_unreadable_references_are_refused_by_name(references, tmp_path, capsys):
-    """A truncated, empty, random or foreign file given to compare: exit code 2 (1 is for a divergence) and one
-    line naming the file."""
+    """A truncated, empty, random or foreign file given to compare: exit
+    code 2 (1 is for a divergence) and one line naming the file."""
     whole = references["ar"].read_bytes()
     foreign = tmp_path / "foreign.npz"
     np.savez(foreign, weights=np.zeros(3))
-    cases = {"truncated.npz": whole[: len(whole) // 2], "empty.npz": b"", "random.npz": bytes(range(256)) * 8}
+    cases = {
+        "truncated.npz": whole[: len(whole) // 2],
+        "empty.npz": b"",
+        "random.npz": bytes(range(256)) * 8,
+    }
     for name, content in cases.items():
         (tmp_path / name).write_bytes(content)
     for path in [*(tmp_path / name for name in cases), foreign]:
         assert main(["compare", str(path)]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and f"{path}: not a" in err and "jaxdd cross-check reference" in err, err
+        assert (
+            err.count("\n") == 1
+            and f"{path}: not a" in err
+            and "jaxdd cross-check reference" in err
+        ), err
 
 
 def test_dump_refuses_a_prompt_outside_the_vocabulary(models, tmp_path, capsys):
@@ -142,12 +176,16 @@ def test_dump_refuses_a_prompt_outside_the_vocabulary(models, tmp_path, capsys):
     args = ["dump", "--target", str(models / "target"), "--prompts", str(prompts), "--method", "ar"]
     assert main([*args, "--out", str(tmp_path / "r.npz")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "prompt 1: token_ids: id 256 at (0, 1) outside the vocabulary [0, 256)" in err
+    assert (
+        err.count("\n") == 1
+        and "prompt 1: token_ids: id 256 at (0, 1) outside the vocabulary [0, 256)" in err
+    )
     assert not (tmp_path / "r.npz").exists()
 
 
 def edited_reference(source, destination, edit):
-    """A copy of reference ``source`` with ``edit(header, arrays)`` applied (the fault is made here)."""
+    """A copy of reference ``source`` with ``edit(header,
+    arrays)`` applied (the fault is made here)."""
     with np.load(source) as data:
         arrays = {key: data[key] for key in data.files}
     header = json.loads(str(arrays["header"]))
@@ -158,8 +196,9 @@ def edited_reference(source, destination, edit):
 
 
 def test_a_tampered_reference_fails_and_says_what_differs(references, tmp_path, capsys):
-    """Same tokens are not enough: a reference whose method was switched (greedy DDTree and DFlash emit the same
-    tokens), whose acceptance array was cut, or whose hidden states were scaled must fail with exit code 1."""
+    """Same tokens are not enough: a reference whose method was switched
+    (greedy DDTree and DFlash emit the same tokens), whose acceptance array
+    was cut, or whose hidden states were scaled must fail with exit code 1."""
     ddtree, ar = references["ddtree"], references["ar"]
 
     def as_dflash(header, arrays):
@@ -181,12 +220,17 @@ def test_a_tampered_reference_fails_and_says_what_differs(references, tmp_path, 
         assert message in text and "result: FAIL" in text, (edit.__name__, text)
 
 
-def test_a_reference_from_another_machine_runs_on_local_models(references, models, tmp_path, capsys):
-    """The reference names the directories it was dumped from; --target / --drafter point at local copies."""
+def test_a_reference_from_another_machine_runs_on_local_models(
+    references, models, tmp_path, capsys
+):
+    """The reference names the directories it was dumped
+    from; --target / --drafter point at local copies."""
     moved = edited_reference(
         references["dflash"],
         tmp_path / "moved.npz",
-        lambda header, arrays: header.update(target="/elsewhere/target", drafter="/elsewhere/drafter"),
+        lambda header, arrays: header.update(
+            target="/elsewhere/target", drafter="/elsewhere/drafter"
+        ),
     )
     assert main(["compare", str(moved)]) == 2
     assert "/elsewhere/target" in capsys.readouterr().err

@@ -1,5 +1,5 @@
-"""The bundled kimi-mini pair: small enough to ship, loads in transformers and dflash, and jaxdd decodes it exactly
-as the PyTorch references do."""
+"""The bundled kimi-mini pair: small enough to ship, loads in transformers
+and dflash, and jaxdd decodes it exactly as the PyTorch references do."""
 
 from __future__ import annotations
 
@@ -33,13 +33,17 @@ def prompt() -> list[int]:
 
 @torch.inference_mode()
 def test_jaxdd_decodes_the_bundled_pair_like_transformers_and_dflash(prompt):
-    target, drafter = load_reference_models(DEMO / "target", DEMO / "drafter")  # transformers and dflash load it
+    # transformers and dflash load it
+    target, drafter = load_reference_models(DEMO / "target", DEMO / "drafter")
     greedy = hf_greedy(target, prompt, NEW_TOKENS)
-    reference_tokens, reference_acceptance = dflash_reference(drafter, target, prompt, NEW_TOKENS, 8, [])
+    reference_tokens, reference_acceptance = dflash_reference(
+        drafter, target, prompt, NEW_TOKENS, 8, []
+    )
     assert reference_tokens == greedy  # the reference itself is lossless
 
     decoder = SpeculativeDecoder(
-        jaxdd.load_target(DEMO / "target", dtype="float32"), jaxdd.load_drafter(DEMO / "drafter", dtype="float32")
+        jaxdd.load_target(DEMO / "target", dtype="float32"),
+        jaxdd.load_drafter(DEMO / "drafter", dtype="float32"),
     )
     common = {"max_new_tokens": NEW_TOKENS, "stop_token_ids": []}
     linear = decoder.generate(prompt, method="dflash", **common)

@@ -1,6 +1,7 @@
-"""Faults from around the command lines (jaxdd.cli): the platform and device count a user sets, closed and broken
-standard streams, Ctrl-C, a job whose other process never comes, NaN weights and unreadable files. Each is made
-for real in a subprocess where it can be, and answers with one ``jaxdd: ...`` line and its exit code."""
+"""Faults from around the command lines (jaxdd.cli): the platform and device count a
+user sets, closed and broken standard streams, Ctrl-C, a job whose other process
+never comes, NaN weights and unreadable files. Each is made for real in a subprocess
+where it can be, and answers with one ``jaxdd: ...`` line and its exit code."""
 
 from __future__ import annotations
 
@@ -32,7 +33,13 @@ from jaxdd.weights.hf_reader import HFCheckpoint
 
 GENERATE = [sys.executable, "-m", "jaxdd.generate"]
 PLAN = [sys.executable, "-m", "jaxdd.plan", "--config", "tests/fixtures/kimi_k25_config.json"]
-PLAN += ["--drafter-config", "tests/fixtures/kimi_k26_dflash_config.json", "--layers", "2", "--traffic"]
+PLAN += [
+    "--drafter-config",
+    "tests/fixtures/kimi_k26_dflash_config.json",
+    "--layers",
+    "2",
+    "--traffic",
+]
 QUICK = ["--prompt-ids", "1,2,3", "--max-new-tokens", "2"]
 SERVE = [sys.executable, "-m", "jaxdd.serve", "--host", "127.0.0.1"]
 
@@ -44,11 +51,13 @@ def environment(changes: dict[str, str | None]) -> dict[str, str]:
 
 
 def run(argv: list[str], env: dict[str, str | None] | None = None, shell_redirect: str = ""):
-    """``argv`` in a fresh process with ``env``'s changes, its streams captured; ``shell_redirect``: what sh does
-    to its streams first (``<&-``: stdin closed)."""
+    """``argv`` in a fresh process with ``env``'s changes, its streams captured;
+    ``shell_redirect``: what sh does to its streams first (``<&-``: stdin closed)."""
     if shell_redirect:
         argv = ["sh", "-c", f'exec "$@" {shell_redirect}', "sh", *argv]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=environment(env or {}))
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=120, env=environment(env or {})
+    )
 
 
 def one_line(process, code: int = 2) -> str:
@@ -66,7 +75,11 @@ def test_closed_stdin_and_stdout(tmp_path):
 
 @pytest.mark.parametrize(
     ("platforms", "said"),
-    [("cuda", "this host has no GPU"), ("tpu", "this host has no TPU"), ("metal", "'metal' is not a platform")],
+    [
+        ("cuda", "this host has no GPU"),
+        ("tpu", "this host has no TPU"),
+        ("metal", "'metal' is not a platform"),
+    ],
 )
 def test_platform_asked_for_where_there_is_none(platforms, said):
     if platforms != "metal" and cli._present(cli.PLATFORMS[platforms]):
@@ -75,9 +88,12 @@ def test_platform_asked_for_where_there_is_none(platforms, said):
 
 
 def test_accelerator_runtime_missing():
-    """Simulated: a GPU device file 'present' (the root directory stands in for /dev/nvidiactl) on a host whose
-    CUDA libraries are not there; the CUDA plugin's failure is said in one line."""
-    code = "import jaxdd.cli as c; c.DEVICE_FILES['gpu'] = ('/',); from jaxdd.generate import main; c.run(main)"
+    """Simulated: a GPU device file 'present' (the root directory stands in for /dev/nvidiactl) on
+    a host whose CUDA libraries are not there; the CUDA plugin's failure is said in one line."""
+    code = (
+        "import jaxdd.cli as c; c.DEVICE_FILES['gpu'] = ('/',); from jaxdd.generate import "
+        "main; c.run(main)"
+    )
     process = run([sys.executable, "-c", code, *QUICK], {"JAX_PLATFORMS": "cuda"})
     if process.returncode == 0:
         pytest.skip("this host runs CUDA")
@@ -85,7 +101,8 @@ def test_accelerator_runtime_missing():
 
 
 def test_plan_ignores_platform_and_needs_no_jax_platforms():
-    """The README's plan for a GPU works without JAX_PLATFORMS=cpu set first, and with a GPU asked for."""
+    """The README's plan for a GPU works without
+    JAX_PLATFORMS=cpu set first, and with a GPU asked for."""
     for platforms in (None, "cuda"):
         process = run([*PLAN, "--target", "rtx-pro-6000"], {"JAX_PLATFORMS": platforms})
         assert process.returncode == 0 and process.stderr == "", process.stderr
@@ -94,10 +111,14 @@ def test_plan_ignores_platform_and_needs_no_jax_platforms():
 
 def test_more_devices_than_the_host_can_simulate():
     process = run([*GENERATE, *QUICK, "--devices", "100000"])
-    assert "--devices 100000: this host has 1 CPU device; simulating 100000 would take" in one_line(process)
+    assert "--devices 100000: this host has 1 CPU device; simulating 100000 would take" in one_line(
+        process
+    )
     assert "--devices 100000" in one_line(run([*PLAN, "--devices", "100000"]))
     flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=100000"}
-    assert one_line(run([*GENERATE, *QUICK], flags)).startswith(f"jaxdd: XLA_FLAGS={flags['XLA_FLAGS']}: this host")
+    assert one_line(run([*GENERATE, *QUICK], flags)).startswith(
+        f"jaxdd: XLA_FLAGS={flags['XLA_FLAGS']}: this host"
+    )
     assert cli.simulated_device_limit(64 * 2**30) == 692  # sqrt(32 GiB / 70 KiB per device pair)
 
 
@@ -211,10 +232,12 @@ def test_plan_names_hardware_and_unknown_xla_flags_are_one_line():
 
 
 def test_broken_pipe_is_quiet_libtpu_never_speaks_and_compiles_are_cached(tmp_path):
-    """With no JAX_PLATFORMS (libtpu and the CUDA plugin installed, neither device here) the run is the CPU's,
-    silent on stderr but for its status line; its output into a reader that closes after 10 bytes ends it
-    quietly; its compiles land in the user's cache directory."""
-    env = environment({"JAX_PLATFORMS": None, "JAX_COMPILATION_CACHE_DIR": None, "XDG_CACHE_HOME": str(tmp_path)})
+    """With no JAX_PLATFORMS (libtpu and the CUDA plugin installed, neither device here) the
+    run is the CPU's, silent on stderr but for its status line; its output into a reader that
+    closes after 10 bytes ends it quietly; its compiles land in the user's cache directory."""
+    env = environment(
+        {"JAX_PLATFORMS": None, "JAX_COMPILATION_CACHE_DIR": None, "XDG_CACHE_HOME": str(tmp_path)}
+    )
     argv = [*GENERATE, "--method", "ar", "--max-new-tokens", "8", "--stop-ids", "-1"]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     head = process.stdout.read(10)
@@ -222,28 +245,60 @@ def test_broken_pipe_is_quiet_libtpu_never_speaks_and_compiles_are_cached(tmp_pa
     _, err = process.communicate(timeout=120)
     assert len(head) == 10 and process.returncode == cli.BROKEN_PIPE
     stderr = err.decode()
-    assert "Traceback" not in stderr and "libtpu" not in stderr and "TPU_" not in stderr and "cuda" not in stderr
+    assert (
+        "Traceback" not in stderr
+        and "libtpu" not in stderr
+        and "TPU_" not in stderr
+        and "cuda" not in stderr
+    )
     assert all(line.startswith("[ar]") for line in stderr.splitlines()), stderr
     assert any((tmp_path / "jaxdd" / "compiles").iterdir())
 
 
 def test_ctrl_c_after_the_first_tokens():
-    argv = [*GENERATE, "--method", "ddtree", "--prompt-ids", "1,2,3", "--max-new-tokens", "4000", "--stop-ids", "-1"]
+    argv = [
+        *GENERATE,
+        "--method",
+        "ddtree",
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "4000",
+        "--stop-ids",
+        "-1",
+    ]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = process.stdout.read(3)  # the first tokens' text is out
     process.send_signal(signal.SIGINT)
     rest, err = process.communicate(timeout=30)
-    # On a failure, what came after the signal says whether it landed during the run (exit 0 seen twice under load).
-    assert len(first) == 3 and process.returncode == cli.INTERRUPTED, (process.returncode, len(rest), err[-2000:])
+    # On a failure, what came after the signal says whether it
+    # landed during the run (exit 0 seen twice under load).
+    assert len(first) == 3 and process.returncode == cli.INTERRUPTED, (
+        process.returncode,
+        len(rest),
+        err[-2000:],
+    )
     assert err.splitlines()[-1] == "jaxdd: interrupted" and "Traceback" not in err
 
 
 def test_coordinator_without_its_peer():
-    argv = [*GENERATE, *QUICK, "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "1"]
+    argv = [
+        *GENERATE,
+        *QUICK,
+        "--coordinator",
+        "127.0.0.1:1",
+        "--num-processes",
+        "2",
+        "--process-id",
+        "1",
+    ]
     process = run([*argv, "--coordinator-timeout", "3"])
     assert process.returncode == 2 and "Traceback" not in process.stderr
     waiting, gave_up = process.stderr.splitlines()[-2:]
-    assert waiting == "jaxdd: waiting for 2 processes at 127.0.0.1:1 (at most 3 s: --coordinator-timeout)"
+    assert (
+        waiting
+        == "jaxdd: waiting for 2 processes at 127.0.0.1:1 (at most 3 s: --coordinator-timeout)"
+    )
     assert gave_up == "jaxdd: 2 processes at 127.0.0.1:1: the job did not assemble within 3 s"
 
 
@@ -264,13 +319,13 @@ def nan_target(tmp_path_factory) -> tuple[Path, str, str]:
 def test_nan_weights_are_named_by_generate_and_convert(nan_target, tmp_path):
     root, shard, name = nan_target
     said = f"{root / shard}: tensor {name} holds NaN or infinite values\n"
-    assert one_line(run([*GENERATE, *QUICK, "--checkpoint", str(root), "--drafter", str(DEMO / "drafter")])) == (
-        f"jaxdd: {said}"
-    )
+    assert one_line(
+        run([*GENERATE, *QUICK, "--checkpoint", str(root), "--drafter", str(DEMO / "drafter")])
+    ) == (f"jaxdd: {said}")
     out = tmp_path / "converted"
-    assert one_line(run([sys.executable, "-m", "convert", "hf-to-jaxdd", str(root), str(out), "--quiet"])) == (
-        f"jaxdd: {said}"
-    )
+    assert one_line(
+        run([sys.executable, "-m", "convert", "hf-to-jaxdd", str(root), str(out), "--quiet"])
+    ) == (f"jaxdd: {said}")
     assert not out.exists()
 
 
@@ -278,13 +333,15 @@ def test_nan_weights_in_a_jaxdd_checkpoint(tmp_path):
     model = jaxdd.load_target(DEMO / "target", dtype="float32").model
     model.layers[1].attn.o_proj[...] = model.layers[1].attn.o_proj[...].at[0, 0, 0].set(jnp.inf)
     jaxdd.save_target(model, tmp_path / "bad")
-    with pytest.raises(jaxdd.CheckpointError, match=r"state/layers\.1: tensor layers\.1\.attn\.o_proj holds NaN"):
+    with pytest.raises(
+        jaxdd.CheckpointError, match=r"state/layers\.1: tensor layers\.1\.attn\.o_proj holds NaN"
+    ):
         jaxdd.load_target(tmp_path / "bad", dtype="float32")
 
 
 def test_unreadable_files_name_their_cause(tmp_path, monkeypatch):
-    """Tests run as root, whom permissions do not stop: a directory stands in a shard's place, and opening the
-    config raises PermissionError as it would for another user."""
+    """Tests run as root, whom permissions do not stop: a directory stands in a shard's
+    place, and opening the config raises PermissionError as it would for another user."""
     root = tmp_path / "target"
     shutil.copytree(DEMO / "target", root)
     shard = sorted(root.glob("*.safetensors"))[0]
@@ -318,14 +375,31 @@ def test_plan_refuses_bad_sizes_and_configs(tmp_path, capsys):
 
 
 def test_compare_json_has_no_bare_nan_and_names_the_first_non_finite_layer():
-    hidden = np.random.default_rng(1).normal(size=(3, 5, 4)).astype(np.float32)  # [layers - 1, T, D]
+    # [layers - 1, T, D]
+    hidden = np.random.default_rng(1).normal(size=(3, 5, 4)).astype(np.float32)
     ref = types.SimpleNamespace(hidden=hidden[:, [1, 3]], hidden_positions=np.array([1, 3]))
     assert first_hidden_excess(hidden, ref, 1e-4) is None
     hidden[1:, 3] = np.nan  # from layer 1 on, at position 3
     excess = first_hidden_excess(hidden, ref, 1e-4)
     assert excess["layer"] == 1 and excess["position"] == 3 and excess["non_finite"]
     prompt = PromptReport(
-        0, 4, 4, None, True, None, 0, 0, 1.0, None, 0, None, float("nan"), float("inf"), float("nan"), None, excess
+        0,
+        4,
+        4,
+        None,
+        True,
+        None,
+        0,
+        0,
+        1.0,
+        None,
+        0,
+        None,
+        float("nan"),
+        float("inf"),
+        float("nan"),
+        None,
+        excess,
     )
     report = Report("ar", "float32", "cpu", 1e-4, [prompt])
     text = json.dumps(report.to_json(), allow_nan=False)

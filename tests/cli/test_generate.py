@@ -1,5 +1,5 @@
-"""python -m jaxdd.generate: the bundled demo, greedy AR / DFlash / DDTree from checkpoints, text (argument, file,
-stdin, chat template) or id prompts, streamed text, JSON, clear errors."""
+"""python -m jaxdd.generate: the bundled demo, greedy AR / DFlash / DDTree from checkpoints,
+text (argument, file, stdin, chat template) or id prompts, streamed text, JSON, clear errors."""
 
 from __future__ import annotations
 
@@ -38,21 +38,37 @@ def run_json(capsys, *argv) -> dict:
 def test_ar_and_dflash_match_hf_greedy(checkpoints, capsys):
     model, target, drafter = checkpoints
     expected = hf_greedy(model, PROMPT, 12)
-    common = ["--checkpoint", str(target), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "12"]
-    common += ["--stop-ids", "0"]  # token 0 never comes up here; keeps the default EOS from cutting the output
+    common = [
+        "--checkpoint",
+        str(target),
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+        "--max-new-tokens",
+        "12",
+    ]
+    # token 0 never comes up here; keeps the default EOS from cutting the output
+    common += ["--stop-ids", "0"]
     ar = run_json(capsys, *common)
     assert ar["method"] == "ar" and ar["output_ids"] == expected
     dflash = run_json(capsys, *common, "--drafter", str(drafter))
     assert dflash["method"] == "dflash" and dflash["output_ids"] == expected
-    assert sum(dflash["acceptance_lengths"]) == len(expected) - 1  # the first token comes from the prefill
-    assert dflash["decode_seconds"] > 0 and dflash["target_forwards"] == len(dflash["acceptance_lengths"]) + 1
-    tree = run_json(capsys, *common, "--drafter", str(drafter), "--method", "ddtree", "--budget", "16")
+    # the first token comes from the prefill
+    assert sum(dflash["acceptance_lengths"]) == len(expected) - 1
+    assert (
+        dflash["decode_seconds"] > 0
+        and dflash["target_forwards"] == len(dflash["acceptance_lengths"]) + 1
+    )
+    tree = run_json(
+        capsys, *common, "--drafter", str(drafter), "--method", "ddtree", "--budget", "16"
+    )
     assert tree["method"] == "ddtree" and tree["output_ids"] == expected
     block = dflash["options"]["block"]  # the drafter's block size, filled in by the decoder
     assert ar["options"] == {} and block > 1 and tree["options"] == {"block": block, "budget": 16}
 
 
-def test_text_prompt_from_argument_file_and_stdin_streams(checkpoints, tmp_path, capsys, monkeypatch):
+def test_text_prompt_from_argument_file_and_stdin_streams(
+    checkpoints, tmp_path, capsys, monkeypatch
+):
     model, target, _ = checkpoints
     tokenized = tmp_path / "with_tokenizer"
     shutil.copytree(target, tokenized)
@@ -68,19 +84,26 @@ def test_text_prompt_from_argument_file_and_stdin_streams(checkpoints, tmp_path,
     assert out["output_ids"] == hf_greedy(model, out["prompt_ids"], 4)
     assert out["text"] == tokenizer.decode(out["output_ids"])
     (tmp_path / "prompt.txt").write_text(text)
-    assert run_json(capsys, *common, "--prompt-file", str(tmp_path / "prompt.txt"))["output_ids"] == out["output_ids"]
+    assert (
+        run_json(capsys, *common, "--prompt-file", str(tmp_path / "prompt.txt"))["output_ids"]
+        == out["output_ids"]
+    )
     monkeypatch.setattr("sys.stdin", io.StringIO(text))
     assert run_json(capsys, *common, "--prompt-file", "-")["output_ids"] == out["output_ids"]
-    # Without --json: the prompt, then the text of the accepted tokens on stdout; the summary on stderr.
+    # Without --json: the prompt, then the text of the
+    # accepted tokens on stdout; the summary on stderr.
     assert main([*common, "--dtype", "float32", text]) == 0
     streamed = capsys.readouterr()
     assert streamed.out == text + out["text"] + "\n"
-    assert re.search(r"\[ar\] 4 tokens, [0-9.]+ tokens/s, mean acceptance 1.00, 4 target forwards", streamed.err)
+    assert re.search(
+        r"\[ar\] 4 tokens, [0-9.]+ tokens/s, mean acceptance 1.00, 4 target forwards", streamed.err
+    )
 
 
 def test_kimi_tiktoken_checkpoint_uses_its_chat_template(tmp_path, capsys):
-    """A Kimi-layout checkpoint (tiktoken.model + tokenizer_config.json, special ids after the 256 byte ranks):
-    the prompt becomes a user turn, and <|im_end|> stops generation besides the config's EOS."""
+    """A Kimi-layout checkpoint (tiktoken.model + tokenizer_config.json,
+    special ids after the 256 byte ranks): the prompt becomes a user
+    turn, and <|im_end|> stops generation besides the config's EOS."""
     model = hf_model(dict(TINY_K2, vocab_size=512), seed=3)
     model.save_pretrained(tmp_path)
     write_kimi_tokenizer(tmp_path, {bytes([b]): b for b in range(256)})
@@ -92,17 +115,21 @@ def test_kimi_tiktoken_checkpoint_uses_its_chat_template(tmp_path, capsys):
     stops = {TINY_K2["eos_token_id"], im["[EOS]"], im["<|im_end|>"]}
     cut = next((i + 1 for i, t in enumerate(expected) if t in stops), len(expected))
     assert out["output_ids"] == expected[:cut]
-    raw = run_json(capsys, "--checkpoint", str(tmp_path), "2+3=", "--max-new-tokens", "1", "--no-chat")
+    raw = run_json(
+        capsys, "--checkpoint", str(tmp_path), "2+3=", "--max-new-tokens", "1", "--no-chat"
+    )
     assert raw["prompt_ids"] == list(b"2+3=")
 
 
 def test_bundled_demo_runs_with_no_arguments(capsys):
-    """The bundled kimi-mini pair and the default prompt; its trained drafter gets several tokens per round."""
+    """The bundled kimi-mini pair and the default prompt;
+    its trained drafter gets several tokens per round."""
     assert main([]) == 0
     streamed = capsys.readouterr()
     assert streamed.out.startswith(DEFAULT_PROMPT) and len(streamed.out) > len(DEFAULT_PROMPT) + 20
     summary = re.search(
-        r"\[dflash block 8\] (\d+) tokens, .* mean acceptance ([0-9.]+), (\d+) target forwards", streamed.err
+        r"\[dflash block 8\] (\d+) tokens, .* mean acceptance ([0-9.]+), (\d+) target forwards",
+        streamed.err,
     )
     assert summary, streamed.err
     tokens, acceptance, forwards = int(summary[1]), float(summary[2]), int(summary[3])
@@ -116,12 +143,21 @@ def test_bad_arguments(checkpoints, tmp_path, capsys):
     assert main(["--checkpoint", str(target), "--prompt-ids", "1,999"]) == 2
     assert "id 999 at (0, 1) outside the vocabulary" in capsys.readouterr().err
     assert main(["--checkpoint", str(target), "hello"]) == 2
-    assert "no tokenizer (tokenizer.json or tiktoken.model); pass --prompt-ids" in capsys.readouterr().err
+    assert (
+        "no tokenizer (tokenizer.json or tiktoken.model); pass --prompt-ids"
+        in capsys.readouterr().err
+    )
     assert main(["--checkpoint", str(target), "--prompt-file", str(tmp_path / "missing.txt")]) == 2
     assert "--prompt-file" in capsys.readouterr().err
-    assert main(["--checkpoint", str(target), "--drafter", str(tmp_path / "none"), "--prompt-ids", "1"]) == 2
+    assert (
+        main(
+            ["--checkpoint", str(target), "--drafter", str(tmp_path / "none"), "--prompt-ids", "1"]
+        )
+        == 2
+    )
     assert "not a directory" in capsys.readouterr().err
-    assert main(["--checkpoint", str(tmp_path / "none"), "hello"]) == 2  # the directory, not a missing tokenizer
+    # the directory, not a missing tokenizer
+    assert main(["--checkpoint", str(tmp_path / "none"), "hello"]) == 2
     assert "none: not a directory" in capsys.readouterr().err
     for argv, message in [
         (["--prompt-ids", "a,b"], "expected comma-separated integers"),
@@ -140,7 +176,16 @@ def test_bad_arguments(checkpoints, tmp_path, capsys):
 
 def test_sampling_options(checkpoints, capsys):
     _, target, drafter = checkpoints
-    common = ["--checkpoint", str(target), "--drafter", str(drafter), "--prompt-ids", "7,100,42", "--stop-ids", "0"]
+    common = [
+        "--checkpoint",
+        str(target),
+        "--drafter",
+        str(drafter),
+        "--prompt-ids",
+        "7,100,42",
+        "--stop-ids",
+        "0",
+    ]
     common += ["--max-new-tokens", "8", "--temperature", "1.0", "--top-k", "50", "--top-p", "0.9"]
     first = run_json(capsys, *common, "--seed", "4")
     again = run_json(capsys, *common, "--seed", "4")
@@ -159,15 +204,21 @@ def corrupt_copy(source, destination, name: str, content: bytes):
 
 
 def test_faults_are_one_line_errors(checkpoints, tmp_path, capsys, monkeypatch):
-    """Broken files and inputs that the checkpoint cannot take end in one `jaxdd: ...` line naming the file or
-    field, exit code 2, no traceback (each fault is made here: bad JSON, a corrupt tokenizer, binary prompts)."""
+    """Broken files and inputs that the checkpoint cannot take end in one
+    `jaxdd: ...` line naming the file or field, exit code 2, no traceback (each
+    fault is made here: bad JSON, a corrupt tokenizer, binary prompts)."""
     _, target, drafter = checkpoints
     bad_json = b'{"model_type": "deepseek_v3",'
     binary = bytes(range(128, 256))
     (tmp_path / "binary.txt").write_bytes(binary)
     cases = [
         (
-            ["--checkpoint", str(corrupt_copy(target, tmp_path / "t1", "config.json", bad_json)), "--prompt-ids", "1"],
+            [
+                "--checkpoint",
+                str(corrupt_copy(target, tmp_path / "t1", "config.json", bad_json)),
+                "--prompt-ids",
+                "1",
+            ],
             "t1/config.json: not valid JSON",
         ),
         (
@@ -182,16 +233,32 @@ def test_faults_are_one_line_errors(checkpoints, tmp_path, capsys, monkeypatch):
             "d1/config.json: not valid JSON",
         ),
         (
-            ["--checkpoint", str(corrupt_copy(target, tmp_path / "t2", "tokenizer.json", b"{not json")), "hello"],
+            [
+                "--checkpoint",
+                str(corrupt_copy(target, tmp_path / "t2", "tokenizer.json", b"{not json")),
+                "hello",
+            ],
             "t2/tokenizer.json: not a tokenizers file",
         ),
         (
             ["--checkpoint", str(target), "--prompt-ids", "1", "--stop-ids", "0,4096"],
             "stop_token_ids: 4096 outside the vocabulary [0, 256)",
         ),
-        (["--checkpoint", str(target), "--prompt-ids", "1", "--budget", "8"], "--budget does not apply to --method ar"),
         (
-            ["--checkpoint", str(target), "--prompt-ids", "1", "--drafter", str(drafter), "--budget", "8"],
+            ["--checkpoint", str(target), "--prompt-ids", "1", "--budget", "8"],
+            "--budget does not apply to --method ar",
+        ),
+        (
+            [
+                "--checkpoint",
+                str(target),
+                "--prompt-ids",
+                "1",
+                "--drafter",
+                str(drafter),
+                "--budget",
+                "8",
+            ],
             "--budget does not apply to --method dflash",
         ),
         (
@@ -200,9 +267,14 @@ def test_faults_are_one_line_errors(checkpoints, tmp_path, capsys, monkeypatch):
         ),
     ]
     tokenized = corrupt_copy(target, tmp_path / "t3", "tokenizer.json", b"")
-    Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")).save(str(tokenized / "tokenizer.json"))
+    Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")).save(
+        str(tokenized / "tokenizer.json")
+    )
     cases.append(
-        (["--checkpoint", str(tokenized), "--prompt-file", str(tmp_path / "binary.txt")], "binary.txt: not UTF-8 text")
+        (
+            ["--checkpoint", str(tokenized), "--prompt-file", str(tmp_path / "binary.txt")],
+            "binary.txt: not UTF-8 text",
+        )
     )
     for argv, message in cases:
         assert main([*argv, "--dtype", "float32"]) == 2, argv
@@ -222,54 +294,118 @@ def test_help_reads_as_plain_text(capsys):
 
 
 def test_the_wrong_drafter_is_refused_by_name(checkpoints, tmp_path, capsys):
-    """A target directory given as the drafter, and a drafter for another vocabulary: errors naming the file or
-    the mismatch, not a missing field or silently wrong drafts."""
+    """A target directory given as the drafter, and a drafter for another vocabulary: errors
+    naming the file or the mismatch, not a missing field or silently wrong drafts."""
     _, target, drafter = checkpoints
-    assert main(["--checkpoint", str(target), "--drafter", str(target), "--prompt-ids", "1", "--dtype", "float32"]) == 2
+    assert (
+        main(
+            [
+                "--checkpoint",
+                str(target),
+                "--drafter",
+                str(target),
+                "--prompt-ids",
+                "1",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith(f"jaxdd: {target / 'config.json'}: ") and "missing" in err
     other = tmp_path / "other_vocab"
     shutil.copytree(drafter, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps(config | {"vocab_size": 512}))
-    assert main(["--checkpoint", str(target), "--drafter", str(other), "--prompt-ids", "1", "--dtype", "float32"]) == 2
+    assert (
+        main(
+            [
+                "--checkpoint",
+                str(target),
+                "--drafter",
+                str(other),
+                "--prompt-ids",
+                "1",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 2
+    )
     assert "drafter vocab_size 512 != target vocab_size 256" in capsys.readouterr().err
 
 
 def test_rounds_past_memory_are_refused_and_oversized_ones_noted(checkpoints, capsys):
-    """A DDTree budget whose round needs more working memory than the device has (the compiler's own figure)
-    is refused before the first round; rounds that verify far more than they can accept run, with a note."""
+    """A DDTree budget whose round needs more working memory than the device
+    has (the compiler's own figure) is refused before the first round;
+    rounds that verify far more than they can accept run, with a note."""
     _, target, drafter = checkpoints
-    common = ["--checkpoint", str(target), "--drafter", str(drafter), "--prompt-ids", "7,100,42", "--dtype", "float32"]
+    common = [
+        "--checkpoint",
+        str(target),
+        "--drafter",
+        str(drafter),
+        "--prompt-ids",
+        "7,100,42",
+        "--dtype",
+        "float32",
+    ]
     assert main([*common, "--method", "ddtree", "--budget", "100000", "--max-new-tokens", "4"]) == 2
-    err = capsys.readouterr().err  # after the "compiling ..." status line: the compile tells the size
+    # after the "compiling ..." status line: the compile tells the size
+    err = capsys.readouterr().err
     assert "Traceback" not in err and re.fullmatch(
-        r"jaxdd: the ddtree round verifies 100001 tokens per request \(budget 100000\) and needs [\d.]+ GB of "
+        r"jaxdd: the ddtree round verifies 100001 tokens per request \(budget 100000\) and "
+        r"needs [\d.]+ GB of "
         r"working memory per device, [\d.]+ GB is free; lower budget",
         err.splitlines()[-1],
     ), err
     for flags, note in [
-        (["--method", "ddtree", "--budget", "64"], "(budget 64) to accept at most 4: over 16 nodes per drafted"),
+        (
+            ["--method", "ddtree", "--budget", "64"],
+            "(budget 64) to accept at most 4: over 16 nodes per drafted",
+        ),
         (["--block-size", "12"], "(block_size 12) past the drafter's trained block of 4"),
     ]:
         assert main([*common, *flags, "--max-new-tokens", "8", "--stop-ids", "0", "--json"]) == 0
         out, err = capsys.readouterr()
         assert len(json.loads(out)["output_ids"]) == 8
         notes = [line for line in err.splitlines() if line.startswith("jaxdd: note: ")]
-        assert len(notes) == 1 and note in notes[0] and "B of working memory per device" in notes[0], notes
-    assert main([*common, "--method", "ddtree", "--budget", "8", "--max-new-tokens", "4", "--json"]) == 0
+        assert (
+            len(notes) == 1 and note in notes[0] and "B of working memory per device" in notes[0]
+        ), notes
+    assert (
+        main([*common, "--method", "ddtree", "--budget", "8", "--max-new-tokens", "4", "--json"])
+        == 0
+    )
     assert "note" not in capsys.readouterr().err
 
 
 def test_devices_and_moe_flags_shard_the_pair(checkpoints, capsys):
-    """`--devices 8 --moe ep|tp` (the suite's 8 simulated CPU devices) gives one device's tokens (DFlash in EP,
-    DDTree in TP); more devices than the host has, or --moe on one device, is one line and exit code 2."""
+    """`--devices 8 --moe ep|tp` (the suite's 8 simulated CPU devices) gives
+    one device's tokens (DFlash in EP, DDTree in TP); more devices than the
+    host has, or --moe on one device, is one line and exit code 2."""
     _, target, drafter = checkpoints
-    common = ["--checkpoint", str(target), "--drafter", str(drafter), "--prompt-ids", "7,100,42", "--stop-ids", "0"]
+    common = [
+        "--checkpoint",
+        str(target),
+        "--drafter",
+        str(drafter),
+        "--prompt-ids",
+        "7,100,42",
+        "--stop-ids",
+        "0",
+    ]
     common += ["--max-new-tokens", "12"]
-    for method, moe in ((["--method", "dflash"], "ep"), (["--method", "ddtree", "--budget", "6"], "tp")):
+    for method, moe in (
+        (["--method", "dflash"], "ep"),
+        (["--method", "ddtree", "--budget", "6"], "tp"),
+    ):
         alone = run_json(capsys, *common, *method)["output_ids"]
-        assert run_json(capsys, *common, *method, "--devices", "8", "--moe", moe)["output_ids"] == alone
+        assert (
+            run_json(capsys, *common, *method, "--devices", "8", "--moe", moe)["output_ids"]
+            == alone
+        )
     for flags, message in [
         (["--devices", "16"], "jaxdd: --devices 16: this host has 8\n"),
         (["--moe", "ep"], "jaxdd: --moe applies to several devices (--devices N)\n"),
@@ -279,12 +415,20 @@ def test_devices_and_moe_flags_shard_the_pair(checkpoints, capsys):
 
 
 def test_bundled_demo_on_eight_simulated_devices_from_a_fresh_process():
-    """`python -m jaxdd.generate --devices 8 --moe ep` on a host with one CPU device: the flag itself makes the 8
-    simulated devices, and the bundled pair gives the single-device tokens."""
+    """`python -m jaxdd.generate --devices 8 --moe ep` on a host with one CPU device: the flag
+    itself makes the 8 simulated devices, and the bundled pair gives the single-device tokens."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
     runs = {}
     for name, flags in {"one": [], "eight": ["--devices", "8", "--moe", "ep"]}.items():
-        command = [sys.executable, "-m", "jaxdd.generate", "--max-new-tokens", "24", "--json", *flags]
+        command = [
+            sys.executable,
+            "-m",
+            "jaxdd.generate",
+            "--max-new-tokens",
+            "24",
+            "--json",
+            *flags,
+        ]
         run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
         assert run.returncode == 0, run.stderr
         runs[name] = json.loads(run.stdout)["output_ids"]

@@ -1,4 +1,5 @@
-"""Linear DFlash against z-lab ``dflash.model.dflash_generate`` (greedy, fp32, CPU), and lossless decoding."""
+"""Linear DFlash against z-lab ``dflash.model.dflash_generate``
+(greedy, fp32, CPU), and lossless decoding."""
 
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ from hypothesis.extra import numpy as hnp
 import jaxdd
 from jaxdd.config import DrafterConfig
 from jaxdd.crosscheck.torch_reference import dflash_reference
-from jaxdd.decoding.buckets import CACHE_ALIGN, PROMPT_BUCKETS_PER_OCTAVE, PROMPT_MIN_STEP, bucket, cache_slots
+from jaxdd.decoding.buckets import (
+    CACHE_ALIGN,
+    PROMPT_BUCKETS_PER_OCTAVE,
+    PROMPT_MIN_STEP,
+    bucket,
+    cache_slots,
+)
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.sampling import argmax
 from jaxdd.models.drafter import DFlashDrafter
@@ -30,19 +37,31 @@ MAX_NEW = 24
 
 
 @settings(max_examples=examples(60), deadline=None)
-@given(hnp.arrays(np.float32, hnp.array_shapes(min_dims=1, max_dims=3, max_side=40), elements=st.integers(-3, 3)))
+@given(
+    hnp.arrays(
+        np.float32,
+        hnp.array_shapes(min_dims=1, max_dims=3, max_side=40),
+        elements=st.integers(-3, 3),
+    )
+)
 def test_argmax_is_the_first_maximum(logits):
-    """Greedy decoding's argmax picks the lowest index among tied maxima, like numpy's (few distinct values force
-    ties)."""
-    np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(logits))), np.argmax(logits, axis=-1))
+    """Greedy decoding's argmax picks the lowest index among tied
+    maxima, like numpy's (few distinct values force ties)."""
+    np.testing.assert_array_equal(
+        np.asarray(argmax(jnp.asarray(logits))), np.argmax(logits, axis=-1)
+    )
 
 
 @pytest.mark.parametrize("block_size", [4, 8, 16])
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "long"])
 def test_matches_dflash_generate(models, block_size, prompt):
     ref_target, ref_drafter, decoder = models
-    tokens, lengths = dflash_reference(ref_drafter, ref_target, prompt, MAX_NEW, block_size, stop_token_ids=None)
-    ours = decoder.generate(prompt, max_new_tokens=MAX_NEW, stop_token_ids=[], block_size=block_size)
+    tokens, lengths = dflash_reference(
+        ref_drafter, ref_target, prompt, MAX_NEW, block_size, stop_token_ids=None
+    )
+    ours = decoder.generate(
+        prompt, max_new_tokens=MAX_NEW, stop_token_ids=[], block_size=block_size
+    )
     assert ours.tokens == tokens
     assert ours.acceptance_lengths == lengths
 
@@ -51,16 +70,21 @@ def test_lossless_dflash_equals_ar_equals_hf_greedy(models):
     ref_target, _, decoder = models
     prompt = PROMPTS[0]
     expected = hf_greedy(ref_target, prompt, MAX_NEW)
-    assert decoder.generate(prompt, method="ar", max_new_tokens=MAX_NEW, stop_token_ids=[]).tokens == expected
+    assert (
+        decoder.generate(prompt, method="ar", max_new_tokens=MAX_NEW, stop_token_ids=[]).tokens
+        == expected
+    )
     for block_size in (4, 16):
-        dflash = decoder.generate(prompt, max_new_tokens=MAX_NEW, stop_token_ids=[], block_size=block_size)
+        dflash = decoder.generate(
+            prompt, max_new_tokens=MAX_NEW, stop_token_ids=[], block_size=block_size
+        )
         assert dflash.tokens == expected
 
 
 @pytest.mark.parametrize("block_size", [4, 8, 16])
 def test_partly_right_drafts_match_reference(models, block_size):
-    """Drafts injected from the target's own greedy continuation: long acceptances, shortened last blocks and a
-    stop token inside a round all take the reference's path."""
+    """Drafts injected from the target's own greedy continuation: long acceptances,
+    shortened last blocks and a stop token inside a round all take the reference's path."""
     ref_target, ref_drafter, decoder = models
     prompt = PROMPTS[1]
     greedy = np.array(prompt + hf_greedy(ref_target, prompt, MAX_NEW + block_size))
@@ -69,10 +93,15 @@ def test_partly_right_drafts_match_reference(models, block_size):
     patched = patched_reference_drafter(ref_drafter, greedy, right)
 
     continuation = greedy[len(prompt) : len(prompt) + MAX_NEW].tolist()
-    latest_new = max(continuation.index(token) for token in set(continuation))  # stops mid-generation
+    # stops mid-generation
+    latest_new = max(continuation.index(token) for token in set(continuation))
     for stops in ([], [continuation[latest_new]]):
-        tokens, lengths = dflash_reference(patched, ref_target, prompt, MAX_NEW, block_size, stops or None)
-        ours = oracle.generate(prompt, max_new_tokens=MAX_NEW, stop_token_ids=stops, block_size=block_size)
+        tokens, lengths = dflash_reference(
+            patched, ref_target, prompt, MAX_NEW, block_size, stops or None
+        )
+        ours = oracle.generate(
+            prompt, max_new_tokens=MAX_NEW, stop_token_ids=stops, block_size=block_size
+        )
         assert (ours.tokens, ours.acceptance_lengths) == (tokens, lengths)
         assert ours.tokens == continuation[: len(ours.tokens)]  # lossless
         if not stops:
@@ -95,8 +124,8 @@ def test_stop_tokens_end_generation(models):
 
 @given(st.integers(1, 1 << 16))
 def test_prompt_buckets_are_eighth_octaves_in_steps_of_16(n):
-    """A prompt pads to a multiple of 16, by less than 16 up to 256 tokens and by less than an eighth of its
-    length beyond: one of 8 sizes per octave."""
+    """A prompt pads to a multiple of 16, by less than 16 up to 256 tokens and
+    by less than an eighth of its length beyond: one of 8 sizes per octave."""
     padded = bucket(n, per_octave=PROMPT_BUCKETS_PER_OCTAVE, min_step=PROMPT_MIN_STEP)
     assert n <= padded and padded % 16 == 0
     assert padded < n + 16 if n <= 256 else padded < 1.125 * n
@@ -107,11 +136,14 @@ def test_prompt_buckets_are_eighth_octaves_in_steps_of_16(n):
 
 @given(st.integers(1, 1 << 17))
 def test_cache_slots_fit_the_tree_kernel(n):
-    """The cache holds n slots with under a quarter (plus one kernel block) spare, in whole kernel blocks."""
+    """The cache holds n slots with under a quarter (plus
+    one kernel block) spare, in whole kernel blocks."""
     slots = cache_slots(n)
     assert n <= slots < max(16, 1.25 * n + CACHE_ALIGN)
-    assert slots % min(slots, CACHE_ALIGN) == 0 and slots % 16 == 0  # whole blocks of 16, 32 or 64 slots
-    assert cache_slots(8192 + 65) == 10240  # Kimi at 8k with a 64-node tree: 16384 slots as a power of two
+    # whole blocks of 16, 32 or 64 slots
+    assert slots % min(slots, CACHE_ALIGN) == 0 and slots % 16 == 0
+    # Kimi at 8k with a 64-node tree: 16384 slots as a power of two
+    assert cache_slots(8192 + 65) == 10240
 
 
 def test_compiles_once_per_bucket(models):
@@ -119,7 +151,9 @@ def test_compiles_once_per_bucket(models):
     _, _, decoder = models
     decoder.generate(PROMPTS[0], max_new_tokens=MAX_NEW, stop_token_ids=[], block_size=8)  # warm
     with compile_clock() as compiles:
-        result = decoder.generate(PROMPTS[1], max_new_tokens=MAX_NEW - 4, stop_token_ids=[], block_size=8)
+        result = decoder.generate(
+            PROMPTS[1], max_new_tokens=MAX_NEW - 4, stop_token_ids=[], block_size=8
+        )
         decoder.generate([9, 9, 9], max_new_tokens=MAX_NEW, stop_token_ids=[], block_size=8)
     assert result.rounds > 5
     assert compiles.count == 0
@@ -143,7 +177,9 @@ def test_bad_input(models, tmp_path):
         decoder.generate([1, 2], method="ddtree", budget=0)
     with pytest.raises(jaxdd.InputError, match="max_children: must be >= 1"):
         decoder.generate([1, 2], method="ddtree", max_children=0)
-    with pytest.raises(jaxdd.InputError, match="attention: expected 'auto', 'absorbed' or 'pallas'"):
+    with pytest.raises(
+        jaxdd.InputError, match="attention: expected 'auto', 'absorbed' or 'pallas'"
+    ):
         SpeculativeDecoder(decoder.target, attention="flash")
 
 
@@ -151,8 +187,14 @@ def test_bad_input(models, tmp_path):
     ("overrides", "message"),
     [
         ({"hidden_size": 32, "head_dim": 8}, "drafter hidden_size 32 != target hidden_size 64"),
-        ({"dflash_config": {"mask_token_id": 255, "target_layer_ids": [0, 3]}}, r"target_layer_ids \[3\] outside"),
-        ({"dflash_config": {"mask_token_id": 300, "target_layer_ids": [0, 1]}}, "mask_token_id 300 outside"),
+        (
+            {"dflash_config": {"mask_token_id": 255, "target_layer_ids": [0, 3]}},
+            r"target_layer_ids \[3\] outside",
+        ),
+        (
+            {"dflash_config": {"mask_token_id": 300, "target_layer_ids": [0, 1]}},
+            "mask_token_id 300 outside",
+        ),
     ],
 )
 def test_drafter_that_does_not_fit(models, overrides, message):
@@ -164,8 +206,9 @@ def test_drafter_that_does_not_fit(models, overrides, message):
 
 
 def whole_buffer_copies(hlo: str, buffers) -> list[str]:
-    """Copies and transposes in a compiled module's entry computation of one of ``buffers``, in any layout (the
-    same dimensions, in any order, unit dimensions dropped; in-place updates are ``dynamic-update-slice`` fusions)."""
+    """Copies and transposes in a compiled module's entry computation of one of
+    ``buffers``, in any layout (the same dimensions, in any order, unit dimensions
+    dropped; in-place updates are ``dynamic-update-slice`` fusions)."""
 
     def dims(shape) -> tuple[int, ...]:
         return tuple(sorted(d for d in shape if d != 1))
@@ -176,16 +219,18 @@ def whole_buffer_copies(hlo: str, buffers) -> list[str]:
     return [
         name
         for name, shape in moves
-        if "dynamic-update-slice" not in name and dims(int(d) for d in shape.split(",") if d) in shapes
+        if "dynamic-update-slice" not in name
+        and dims(int(d) for d in shape.split(",") if d) in shapes
     ]
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks XLA:CPU's compiled rounds")
 @pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
 def test_rounds_update_caches_in_place(models, method):
-    """A compiled round writes its rows into the donated caches in place: no whole-cache copy or transpose. An AR
-    step used to copy every layer's latent cache four times (the written cache read through a bitcast), and every
-    round transposed the drafter's keys and values for its attention matmuls."""
+    """A compiled round writes its rows into the donated caches in place: no
+    whole-cache copy or transpose. An AR step used to copy every layer's latent
+    cache four times (the written cache read through a bitcast), and every round
+    transposed the drafter's keys and values for its attention matmuls."""
     _, _, decoder = models
     plan, state = decoder.start([PROMPTS[1]], method=method, max_new_tokens=MAX_NEW, block_size=4)
     lowered = decoder.lower_round(plan, state)

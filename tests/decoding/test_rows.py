@@ -1,6 +1,6 @@
-"""RowPool: requests admitted into a running decode state at any round decode to what they give alone (DDTree,
-greedy and seeded sampled, another cache size and batch than alone), with rounds in flight and rows released
-and reused between them, and nothing compiles after warm-up."""
+"""RowPool: requests admitted into a running decode state at any round decode to what they give
+alone (DDTree, greedy and seeded sampled, another cache size and batch than alone), with rounds
+in flight and rows released and reused between them, and nothing compiles after warm-up."""
 
 from __future__ import annotations
 
@@ -25,8 +25,17 @@ def test_interleaved_ddtree_rows_equal_their_runs_alone(decoder):
     pool = RowPool(decoder, method="ddtree", budget=12, rows=2, max_len=100, max_prompt=16)
     pool.warm_up()
     requests = [
-        (rng.integers(1, 4096, size=int(rng.integers(3, 16))).tolist(), int(rng.integers(12, 30)), sampling)
-        for sampling in [jaxdd.Sampling(), jaxdd.Sampling(0.8, 0.95, 0, 5), jaxdd.Sampling(1.0, 1.0, 20, 6)] * 2
+        (
+            rng.integers(1, 4096, size=int(rng.integers(3, 16))).tolist(),
+            int(rng.integers(12, 30)),
+            sampling,
+        )
+        for sampling in [
+            jaxdd.Sampling(),
+            jaxdd.Sampling(0.8, 0.95, 0, 5),
+            jaxdd.Sampling(1.0, 1.0, 20, 6),
+        ]
+        * 2
     ]
     outputs, row_of, pending = {}, {}, list(range(len(requests)))
     with compile_clock() as clock:
@@ -43,21 +52,26 @@ def test_interleaved_ddtree_rows_equal_their_runs_alone(decoder):
                 outputs[row_of[row]] = outputs[row_of[row]] + update.tokens
     assert clock.count == 0 and not pending and not pool.active
     for i, (prompt, length, sampling) in enumerate(requests):
-        alone = decoder.generate(prompt, method="ddtree", budget=12, max_new_tokens=length, stop_token_ids=[0],
-                                 sampling=sampling)  # fmt: skip
+        alone = decoder.generate(prompt, method="ddtree", budget=12, max_new_tokens=length,
+                                 stop_token_ids=[0], sampling=sampling)  # fmt: skip
         assert outputs[i] == alone.tokens, i
 
 
 def test_admissions_and_releases_while_rounds_are_in_flight(decoder):
-    """Driven as the server drives it (two rounds in flight, admissions between them, live rows released and
-    taken by the next request at once): a request that runs to its end gets what it gets alone, and a released
-    one got a prefix of it; a released row's reports in flight never reach its next request."""
+    """Driven as the server drives it (two rounds in flight, admissions between
+    them, live rows released and taken by the next request at once): a request
+    that runs to its end gets what it gets alone, and a released one got a prefix
+    of it; a released row's reports in flight never reach its next request."""
     rng = np.random.default_rng(7)
     pool = RowPool(decoder, method="dflash", rows=2, max_len=80, max_prompt=16)
     pool.warm_up()
     samplings = [jaxdd.Sampling(), jaxdd.Sampling(0.7, 0.9, 0, 11), jaxdd.Sampling(1.0, 1.0, 0, 12)]
     requests = [
-        (rng.integers(1, 4096, size=int(rng.integers(3, 16))).tolist(), int(rng.integers(8, 40)), sampling)
+        (
+            rng.integers(1, 4096, size=int(rng.integers(3, 16))).tolist(),
+            int(rng.integers(8, 40)),
+            sampling,
+        )
         for sampling in samplings * 3
     ]
     outputs, row_of, pending, released, finished = {}, {}, list(range(len(requests))), set(), set()
@@ -82,7 +96,9 @@ def test_admissions_and_releases_while_rounds_are_in_flight(decoder):
     assert not pending and not pool.active and released and finished
     assert released | finished == set(range(len(requests))) and not released & finished
     for i, (prompt, length, sampling) in enumerate(requests):
-        alone = decoder.generate(prompt, max_new_tokens=length, stop_token_ids=[0], sampling=sampling).tokens
+        alone = decoder.generate(
+            prompt, max_new_tokens=length, stop_token_ids=[0], sampling=sampling
+        ).tokens
         assert outputs[i] == alone if i in finished else alone[: len(outputs[i])] == outputs[i], i
 
 

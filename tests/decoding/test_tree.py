@@ -1,9 +1,11 @@
-"""DDTree builder: the device build against the paper's heap (host oracle), invariants, ties, and the accept walk.
+"""DDTree builder: the device build against the paper's
+heap (host oracle), invariants, ties, and the accept walk.
 
-Stated tolerance: the oracle sums float64 scores incrementally (logw - lp[r] + lp[r+1]), the device keeps fp32
-running sums, so the two may order two nodes differently only when their scores lie within float rounding of each
-other. ``SCORE_TOL`` (1e-4 in log-prob units, for paths of up to 8 terms of magnitude <= ~20) is the gap above which
-the order must agree exactly; exact ties (equal log-probs) are checked separately and must agree exactly.
+Stated tolerance: the oracle sums float64 scores incrementally (logw - lp[r] + lp[r+1]), the
+device keeps fp32 running sums, so the two may order two nodes differently only when their
+scores lie within float rounding of each other. ``SCORE_TOL`` (1e-4 in log-prob units, for
+paths of up to 8 terms of magnitude <= ~20) is the gap above which the order must agree
+exactly; exact ties (equal log-probs) are checked separately and must agree exactly.
 """
 
 from __future__ import annotations
@@ -22,12 +24,24 @@ SCORE_TOL = 1e-4
 
 build = jax.jit(build_tree, static_argnames=("budget", "max_children"))
 
-# Each (depth, vocab, budget) is one compilation, so the property tests draw shapes from short lists.
-SHAPES = [(1, 2, 1), (2, 3, 31), (3, 7, 5), (4, 40, 16), (5, 1000, 31), (8, 40, 64), (6, 1000, 256), (8, 2, 256)]
+# Each (depth, vocab, budget) is one compilation, so
+# the property tests draw shapes from short lists.
+SHAPES = [
+    (1, 2, 1),
+    (2, 3, 31),
+    (3, 7, 5),
+    (4, 40, 16),
+    (5, 1000, 31),
+    (8, 40, 64),
+    (6, 1000, 256),
+    (8, 2, 256),
+]
 TIE_SHAPES = [(1, 4, 3), (3, 10, 8), (6, 64, 100), (4, 4, 30)]
 
 
-def device_tree(logits: np.ndarray, budget: int, depth_limit: int | None = None, max_children: int | None = None):
+def device_tree(
+    logits: np.ndarray, budget: int, depth_limit: int | None = None, max_children: int | None = None
+):
     tree = build(
         jnp.asarray(logits)[None],
         jnp.array([-1]),
@@ -35,12 +49,16 @@ def device_tree(logits: np.ndarray, budget: int, depth_limit: int | None = None,
         budget=budget,
         max_children=max_children,
     )
-    return {name: np.asarray(getattr(tree, name))[0] for name in ("tokens", "parents", "depths", "valid", "visible")}
+    return {
+        name: np.asarray(getattr(tree, name))[0]
+        for name in ("tokens", "parents", "depths", "valid", "visible")
+    }
 
 
 def check_invariants(tree: dict, logits: np.ndarray) -> None:
     n = int(tree["valid"].sum()) - 1
-    assert tree["valid"][: n + 1].all() and not tree["valid"][n + 1 :].any()  # valid nodes come first
+    # valid nodes come first
+    assert tree["valid"][: n + 1].all() and not tree["valid"][n + 1 :].any()
     children_of: dict[int, list[int]] = {}
     for i in range(1, n + 1):
         parent = tree["parents"][i]
@@ -65,27 +83,40 @@ def compare_with_oracle(tree: dict, host) -> None:
 
 
 @settings(
-    max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
+    max_examples=examples(60),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-@given(shape=st.sampled_from(SHAPES), seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([0.5, 3.0, 10.0]))
+@given(
+    shape=st.sampled_from(SHAPES),
+    seed=st.integers(0, 2**31 - 1),
+    scale=st.sampled_from([0.5, 3.0, 10.0]),
+)
 def test_matches_heap_oracle(shape, seed, scale):
     depth, vocab, budget = shape
-    logits = (np.random.default_rng(seed).standard_normal((depth, vocab)) * scale).astype(np.float32)
+    logits = (np.random.default_rng(seed).standard_normal((depth, vocab)) * scale).astype(
+        np.float32
+    )
     tree = device_tree(logits, budget)
     check_invariants(tree, logits)
     host = build_tree_host(logits, budget + 1)  # one extra pop: the first node left out
     popped = np.sort(host.scores)[::-1]
-    assume(len(popped) < 2 or np.diff(popped).max() < -SCORE_TOL)  # no two competing scores within tolerance
+    # no two competing scores within tolerance
+    assume(len(popped) < 2 or np.diff(popped).max() < -SCORE_TOL)
     compare_with_oracle(tree, build_tree_host(logits, budget))
 
 
-@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@settings(
+    max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.filter_too_much]
+)
 @given(shape=st.sampled_from(TIE_SHAPES), seed=st.integers(0, 2**31 - 1))
 def test_exact_ties_break_by_rank_tuple(shape, seed):
-    """Logits in equal pairs, and flat rows: many exact ties, which both sides break by the rank tuple.
+    """Logits in equal pairs, and flat rows: many exact
+    ties, which both sides break by the rank tuple.
 
-    Rows are scaled apart so that two depths never share log-probs: sums of the same values in another order
-    tie exactly in the oracle's float64 but may differ by an ulp in fp32, a near-tie rather than a tie.
+    Rows are scaled apart so that two depths never share log-probs: sums of
+    the same values in another order tie exactly in the oracle's float64
+    but may differ by an ulp in fp32, a near-tie rather than a tie.
     """
     depth, vocab, budget = shape
     rng = np.random.default_rng(seed)
@@ -147,6 +178,8 @@ def test_accept_path_matches_the_host_walk():
             posterior[parent] = tokens[node]
             node = parent
         path, accepted = accept_path(tree, jnp.asarray(posterior)[None], depth)
-        expected = follow_verified_tree(tokens, np.asarray(tree.parents[0]), np.asarray(tree.valid[0]), posterior)
+        expected = follow_verified_tree(
+            tokens, np.asarray(tree.parents[0]), np.asarray(tree.valid[0]), posterior
+        )
         assert int(accepted[0]) == len(expected) - 1, trial
         np.testing.assert_array_equal(np.asarray(path[0, : len(expected)]), expected)

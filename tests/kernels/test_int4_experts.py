@@ -1,7 +1,8 @@
-"""The gathered INT4 expert matvec's Pallas GPU kernel (pallas_kernels/int4_experts.py): interpreted on CPU its
-dequantization equals ``dequantize_int4_groups`` bit for bit and its products equal XLA's gathered form; compiled
-deviceless for sm_90 (H200) and sm_120 (RTX PRO 6000) at Kimi K2.6's per-device sizes, it declares the bytes it
-moves (each pair's expert once) and ``jaxdd.compiled_traffic`` counts them; the GPU backend picks it."""
+"""The gathered INT4 expert matvec's Pallas GPU kernel (pallas_kernels/int4_experts.py):
+interpreted on CPU its dequantization equals ``dequantize_int4_groups`` bit for bit and its
+products equal XLA's gathered form; compiled deviceless for sm_90 (H200) and sm_120 (RTX
+PRO 6000) at Kimi K2.6's per-device sizes, it declares the bytes it moves (each pair's
+expert once) and ``jaxdd.compiled_traffic`` counts them; the GPU backend picks it."""
 
 from __future__ import annotations
 
@@ -20,12 +21,15 @@ from pallas_kernels.int4_experts import declared_bytes, gathered_int4_matvec_gpu
 
 ON_GPU = jax.default_backend() == "gpu"
 GPU_MACHINES = ["h200", "rtx-pro-6000"]  # sm_90, sm_120
-EXPERTS, HIDDEN, FFN = 384, 7168, 256  # Kimi K2.6's routed experts, one TP8 device's slice of their FFN
+# Kimi K2.6's routed experts, one TP8 device's slice of their FFN
+EXPERTS, HIDDEN, FFN = 384, 7168, 256
 
 
 def random_experts(rng, experts: int, n_out: int, k: int, group: int, scales=None):
     """packed [E, N, K/8] int32 (every bit pattern) and scale [E, N, K/group] bf16."""
-    packed = rng.integers(-(2**31), 2**31, (experts, n_out, k // 8), dtype=np.int64).astype(np.int32)
+    packed = rng.integers(-(2**31), 2**31, (experts, n_out, k // 8), dtype=np.int64).astype(
+        np.int32
+    )
     if scales is None:
         scales = rng.uniform(0.001, 0.01, experts * n_out * (k // group))
     scale = np.resize(scales, experts * n_out * (k // group)).reshape(experts, n_out, k // group)
@@ -35,8 +39,8 @@ def random_experts(rng, experts: int, n_out: int, k: int, group: int, scales=Non
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(("group", "k"), [(32, 96), (128, 256)])
 def test_kernel_dequantizes_exactly(group, k, dtype):
-    """One-hot rows read the dequantized weights back exactly, for every stored nibble and scales over bf16's
-    whole range (subnormals and both signs), groups of 32 and 128."""
+    """One-hot rows read the dequantized weights back exactly, for every stored nibble and
+    scales over bf16's whole range (subnormals and both signs), groups of 32 and 128."""
     rng = np.random.default_rng(0)
     bits = rng.integers(0, 2**16, 4096, dtype=np.uint32) << 16
     scales = bits.view(np.float32)
@@ -63,8 +67,8 @@ def test_kernel_dequantizes_exactly(group, k, dtype):
     ],
 )
 def test_kernel_products_equal_xla_gathered_form(pairs, n_out, k, group, chosen, dtype):
-    """Repeated and distinct experts, any number of pairs, outputs in blocks under 64: the products equal XLA's
-    gather, dequantize and dot to fp32 rounding."""
+    """Repeated and distinct experts, any number of pairs, outputs in blocks under
+    64: the products equal XLA's gather, dequantize and dot to fp32 rounding."""
     rng = np.random.default_rng(pairs)
     experts = 12
     packed, scale = random_experts(rng, experts, n_out, k, group)
@@ -76,14 +80,19 @@ def test_kernel_products_equal_xla_gathered_form(pairs, n_out, k, group, chosen,
     rows = jnp.asarray(rng.standard_normal((pairs, k)), dtype)
     out = gathered_int4_matvec_gpu(rows, packed, scale, ids, interpret=True)
     assert out.dtype == dtype and out.shape == (pairs, n_out)
-    dense = dequantize_int4_groups(jnp.asarray(packed)[ids], jnp.asarray(scale)[ids], k, jnp.bfloat16, group)
+    dense = dequantize_int4_groups(
+        jnp.asarray(packed)[ids], jnp.asarray(scale)[ids], k, jnp.bfloat16, group
+    )
     expected = np.einsum("pk,pnk->pn", np.asarray(rows, np.float64), np.asarray(dense, np.float64))
     tolerance = 1e-5 if dtype == jnp.float32 else 1e-2
-    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=tolerance, atol=tolerance)
+    np.testing.assert_allclose(
+        np.asarray(out, np.float64), expected, rtol=tolerance, atol=tolerance
+    )
 
 
 def test_kernel_clamps_ids_as_xla_gathers_do():
-    """Ids past either end read the first or last expert (as XLA's gather clamps), not memory past the arrays."""
+    """Ids past either end read the first or last expert (as
+    XLA's gather clamps), not memory past the arrays."""
     rng = np.random.default_rng(5)
     packed, scale = random_experts(rng, 4, 16, 64, 32)
     rows = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
@@ -95,8 +104,15 @@ def test_kernel_clamps_ids_as_xla_gathers_do():
 def _compiled_account(machine: str, pairs: int, n_out: int, k: int, dtype=jnp.bfloat16) -> dict:
     where = find_machine(machine, 1)
     device = jax.sharding.SingleDeviceSharding(where.devices[0])
-    shapes = [((pairs, k), dtype), ((EXPERTS, n_out, k // 8), jnp.int32), ((EXPERTS, n_out, k // 32), jnp.bfloat16)]
-    args = [jax.ShapeDtypeStruct(shape, d, sharding=device) for shape, d in [*shapes, ((pairs,), jnp.int32)]]
+    shapes = [
+        ((pairs, k), dtype),
+        ((EXPERTS, n_out, k // 8), jnp.int32),
+        ((EXPERTS, n_out, k // 32), jnp.bfloat16),
+    ]
+    args = [
+        jax.ShapeDtypeStruct(shape, d, sharding=device)
+        for shape, d in [*shapes, ((pairs,), jnp.int32)]
+    ]
     kernel = where.backend.int4_matvec(32)
     compiled = jax.jit(kernel).lower(*args).compile(compiler_options=where.compiler_options or None)
     return jaxdd.compiled_traffic(compiled)
@@ -105,9 +121,10 @@ def _compiled_account(machine: str, pairs: int, n_out: int, k: int, dtype=jnp.bf
 @pytest.mark.parametrize("machine", GPU_MACHINES)
 @pytest.mark.parametrize(("n_out", "k"), [(FFN, HIDDEN), (HIDDEN, FFN)], ids=["gate_up", "down"])
 def test_kernel_compiles_deviceless_and_declares_its_bytes(machine, n_out, k):
-    """136 pairs (a DDTree verify of 17 tokens x 8) through K2.6's TP8 gate / up ([256, 7168]) and down
-    ([7168, 256]) slices: the kernel compiles for sm_90 and sm_120, its call counts the bytes it declares, and
-    those are each pair's expert (words and scales) once, plus the pair's bf16 row per program and the outputs."""
+    """136 pairs (a DDTree verify of 17 tokens x 8) through K2.6's TP8 gate / up
+    ([256, 7168]) and down ([7168, 256]) slices: the kernel compiles for sm_90 and
+    sm_120, its call counts the bytes it declares, and those are each pair's expert
+    (words and scales) once, plus the pair's bf16 row per program and the outputs."""
     pairs = 136
     account = _compiled_account(machine, pairs, n_out, k)
     ((target, call),) = account["custom_calls"].items()
@@ -117,12 +134,14 @@ def test_kernel_compiles_deviceless_and_declares_its_bytes(machine, n_out, k):
     programs = pairs * n_out // block_n
     recomputed = pairs * expert + programs * (4 + 2 * k) + pairs * n_out * 2
     assert call["bytes"] == recomputed == declared_bytes(pairs, n_out, k, k // 32, 2, block_n)
-    assert pairs * expert <= account["bytes"] <= 1.1 * pairs * expert  # rows and their relayout: a few percent
+    # rows and their relayout: a few percent
+    assert pairs * expert <= account["bytes"] <= 1.1 * pairs * expert
 
 
 def test_gpu_backend_takes_the_kernel_for_the_groups_it_tiles():
-    """Groups of whole words, a power of two of them (Kimi's 32, 128); gathering pays on GPU up to one pair per
-    expert (past that ``scan`` reads fewer bytes), on CPU up to ``KERNEL_GATHERED_PAIRS``."""
+    """Groups of whole words, a power of two of them (Kimi's 32, 128);
+    gathering pays on GPU up to one pair per expert (past that ``scan``
+    reads fewer bytes), on CPU up to ``KERNEL_GATHERED_PAIRS``."""
     assert supports(32) and supports(128) and not supports(96) and not supports(4)
     gpu = Backend("gpu")
     assert gpu.int4_matvec(32) is not None and gpu.int4_matvec(96) is None
@@ -130,21 +149,35 @@ def test_gpu_backend_takes_the_kernel_for_the_groups_it_tiles():
     assert _int4_kernel(projections, gpu) is not None
     assert gpu.moe_dispatch(48, 8, 384, HIDDEN, FFN, quantized=True, kernel=True) == "gathered"
     assert gpu.moe_dispatch(49, 8, 384, HIDDEN, FFN, quantized=True, kernel=True) == "scan"
-    assert Backend("cpu").moe_dispatch(49, 8, 384, HIDDEN, FFN, quantized=True, kernel=True) == "gathered"
+    assert (
+        Backend("cpu").moe_dispatch(49, 8, 384, HIDDEN, FFN, quantized=True, kernel=True)
+        == "gathered"
+    )
 
 
 @pytest.mark.parametrize("experts", ["replicated", "split"])
 def test_the_kernel_compiles_on_several_gpus_outside_shard_map(experts):
-    """Unlike a Mosaic call, a Triton call over 8 GPUs outside shard_map compiles (XLA runs it on every device,
-    gathering split experts first), so the GPU backend keeps it for MoE layers left unplaced."""
+    """Unlike a Mosaic call, a Triton call over 8 GPUs outside shard_map
+    compiles (XLA runs it on every device, gathering split experts
+    first), so the GPU backend keeps it for MoE layers left unplaced."""
     gpu = Backend("gpu")
     assert gpu.int4_matvec(32, unplaced=True) is not None
     mesh = jax.sharding.Mesh(np.array(find_machine("rtx-pro-6000", 8).devices), ("x",))
     split = jax.sharding.PartitionSpec("x" if experts == "split" else None)
-    on = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+    on = lambda shape, dtype, spec: jax.ShapeDtypeStruct(
+        shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec)
+    )
     whole = jax.sharding.PartitionSpec()
-    args = [on((16, 64), jnp.bfloat16, whole), on((8, 32, 8), jnp.int32, split), on((8, 32, 2), jnp.bfloat16, split)]
-    compiled = jax.jit(gpu.int4_matvec(32)).lower(*args, on((16,), jnp.int32, whole)).compile(GPU_COMPILER_OPTIONS)
+    args = [
+        on((16, 64), jnp.bfloat16, whole),
+        on((8, 32, 8), jnp.int32, split),
+        on((8, 32, 2), jnp.bfloat16, split),
+    ]
+    compiled = (
+        jax.jit(gpu.int4_matvec(32))
+        .lower(*args, on((16,), jnp.int32, whole))
+        .compile(GPU_COMPILER_OPTIONS)
+    )
     assert ("all-gather" in compiled.as_text()) == (experts == "split")
 
 
@@ -152,19 +185,23 @@ def test_the_kernel_compiles_on_several_gpus_outside_shard_map(experts):
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU; the interpreted twins above run everywhere")
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_kernel_on_gpu_equals_the_interpreted_form(dtype):
-    """On a GPU: the compiled kernel's dequantization is exact (one-hot rows) and its products equal the
-    interpreter's to fp32 rounding, at K2.6's gate / up slice."""
+    """On a GPU: the compiled kernel's dequantization is exact (one-hot rows) and its
+    products equal the interpreter's to fp32 rounding, at K2.6's gate / up slice."""
     rng = np.random.default_rng(3)
     packed, scale = random_experts(rng, 16, FFN, HIDDEN, 32)
     chosen = rng.integers(0, 16, 24).astype(np.int32)
     rows = jnp.asarray(rng.standard_normal((24, HIDDEN)), dtype)
     kernel = Backend.local().int4_matvec(32)
     out = np.asarray(kernel(rows, packed, scale, chosen), np.float64)
-    expected = np.asarray(gathered_int4_matvec_gpu(rows, packed, scale, chosen, interpret=True), np.float64)
+    expected = np.asarray(
+        gathered_int4_matvec_gpu(rows, packed, scale, chosen, interpret=True), np.float64
+    )
     tolerance = 1e-5 if dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(out, expected, rtol=tolerance, atol=tolerance)
     one_hot = jnp.asarray(np.eye(HIDDEN, dtype=np.float32)[:64], dtype)
     ids = np.zeros(64, np.int32)
     dense = dequantize_int4_groups(jnp.asarray(packed[:1]), jnp.asarray(scale[:1]), HIDDEN)
     expected = np.asarray(dense, np.float32)[0, :, :64].T
-    np.testing.assert_array_equal(np.asarray(kernel(one_hot, packed, scale, ids), np.float32), expected)
+    np.testing.assert_array_equal(
+        np.asarray(kernel(one_hot, packed, scale, ids), np.float32), expected
+    )

@@ -1,5 +1,5 @@
-"""The Pallas tree-attention kernel against its jnp reference (interpret mode on CPU; a GPU twin when present),
-and inside the model and the DDTree decoder."""
+"""The Pallas tree-attention kernel against its jnp reference (interpret mode on
+CPU; a GPU twin when present), and inside the model and the DDTree decoder."""
 
 from __future__ import annotations
 
@@ -19,7 +19,12 @@ from pallas_kernels.tree_attention_tpu import tpu_tiles, tree_attention_tpu
 
 ON_GPU = jax.default_backend() == "gpu"
 # (batch, tree tokens, heads, latent, rope, cache slots); GPU lowering wants dims >= 16
-SHAPES = [(1, 1, 2, 32, 8, 16), (2, 9, 4, 32, 8, 64), (1, 17, 2, 64, 16, 128), (2, 33, 1, 16, 16, 64)]
+SHAPES = [
+    (1, 1, 2, 32, 8, 16),
+    (2, 9, 4, 32, 8, 64),
+    (1, 17, 2, 64, 16, 128),
+    (2, 33, 1, 16, 16, 64),
+]
 GPU_SHAPES = [(2, 9, 4, 64, 16, 64), (1, 65, 8, 512, 64, 256)]
 TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}
 
@@ -43,11 +48,17 @@ def check(shape, dtype, seed, interpret):
     expected = tree_attention_reference(*args, scale)
     options = Backend("cpu" if interpret else "gpu").kernel_options()
     actual = tree_attention(*args, scale=scale, block_q=16, block_k=16, **options)
-    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=TOLERANCE[dtype], rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(actual), np.asarray(expected), atol=TOLERANCE[dtype], rtol=0
+    )
 
 
 @settings(max_examples=examples(8), deadline=None)
-@given(shape=st.sampled_from(SHAPES), dtype=st.sampled_from(["float32", "bfloat16"]), seed=st.integers(0, 10**6))
+@given(
+    shape=st.sampled_from(SHAPES),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+    seed=st.integers(0, 10**6),
+)
 def test_kernel_interpreted_matches_reference(shape, dtype, seed):
     check(shape, dtype, seed, interpret=True)
 
@@ -62,21 +73,25 @@ def test_empty_prefix_and_full_prefix():
         np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=2e-5)
 
 
-# TPU form: caches of 3 key blocks of 128 (lengths inside a block, or 0: blocks skipped), of fewer slots than a
-# block, and one of 4 blocks of 512; trees up to past one 128-lane chunk of the tail; batch rows of other lengths.
+# TPU form: caches of 3 key blocks of 128 (lengths inside a block, or 0: blocks
+# skipped), of fewer slots than a block, and one of 4 blocks of 512; trees up
+# to past one 128-lane chunk of the tail; batch rows of other lengths.
 TPU_SHAPES = [(2, 9, 4, 64, 16, 384), (1, 17, 2, 32, 8, 64), (2, 130, 2, 64, 16, 2048)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", TPU_SHAPES, ids=["3-blocks", "under-a-block", "tail-past-128"])
 def test_tpu_form_in_the_tpu_interpreter_matches_reference(shape, dtype):
-    """The Mosaic form run by Pallas' TPU interpreter (TPU semantics: VMEM blocks, the grid's pipeline, scalar
-    prefetch) on random trees and cache lengths that are not multiples of its blocks."""
+    """The Mosaic form run by Pallas' TPU interpreter (TPU semantics:
+    VMEM blocks, the grid's pipeline, scalar prefetch) on random
+    trees and cache lengths that are not multiples of its blocks."""
     args = inputs(shape, dtype, seed=sum(shape))
     scale = shape[3] ** -0.5
     expected = tree_attention_reference(*args, scale)
     actual = tree_attention_tpu(*args, scale=scale, interpret=pltpu.InterpretParams())
-    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=TOLERANCE[dtype], rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(actual), np.asarray(expected), atol=TOLERANCE[dtype], rtol=0
+    )
 
 
 def test_tpu_form_empty_and_full_prefix():
@@ -90,7 +105,12 @@ def test_tpu_form_empty_and_full_prefix():
 
 def test_tpu_tiles_are_lane_aligned_and_do_not_grow_with_the_cache():
     small, large = tpu_tiles(257, 64, 4096), tpu_tiles(257, 64, 131072)
-    assert small == large and large.block_k % 128 == 0 and large.tail == 384 and large.block_q % 32 == 0
+    assert (
+        small == large
+        and large.block_k % 128 == 0
+        and large.tail == 384
+        and large.block_q % 32 == 0
+    )
     assert tpu_tiles(9, 4, 64).block_k == 64  # a cache under one block is one block
 
 
@@ -104,10 +124,20 @@ def test_kernel_on_gpu_matches_reference(shape, dtype):
 
 
 def test_kernel_lowers_for_gpu_at_kimi_sizes():
-    """Lowered for CUDA on any machine (no GPU needed): at Kimi's latent sizes the kernel must go through the
-    Triton backend; Mosaic GPU would stage the whole cache block in shared memory and fail."""
+    """Lowered for CUDA on any machine (no GPU needed): at Kimi's
+    latent sizes the kernel must go through the Triton backend; Mosaic
+    GPU would stage the whole cache block in shared memory and fail."""
     b, t, h, r, dr, s = 1, 65, 8, 512, 64, 256
-    shapes = [(b, t, h, r), (b, t, h, dr), (b, s, r), (b, s, dr), (b,), (b, t, r), (b, t, dr), (b, t, t)]
+    shapes = [
+        (b, t, h, r),
+        (b, t, h, dr),
+        (b, s, r),
+        (b, s, dr),
+        (b,),
+        (b, t, r),
+        (b, t, dr),
+        (b, t, t),
+    ]
     dtypes = [jnp.bfloat16] * 4 + [jnp.int32, jnp.bfloat16, jnp.bfloat16, jnp.bool_]
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
     kernel = jax.jit(lambda *a: tree_attention(*a, scale=0.1, **Backend("gpu").kernel_options()))
@@ -117,8 +147,8 @@ def test_kernel_lowers_for_gpu_at_kimi_sizes():
 
 @pytest.mark.parametrize("models", [0], indirect=True, ids=["seed0"])
 def test_ddtree_with_the_kernel_is_lossless(models):
-    """The decoder verifying trees through the kernel (interpreted on CPU, compiled on GPU) gives the same tokens
-    as verifying with plain XLA, and as AR."""
+    """The decoder verifying trees through the kernel (interpreted on CPU, compiled
+    on GPU) gives the same tokens as verifying with plain XLA, and as AR."""
     from jaxdd.decoding.engine import SpeculativeDecoder
 
     _, _, decoder = models
@@ -126,21 +156,26 @@ def test_ddtree_with_the_kernel_is_lossless(models):
     xla = SpeculativeDecoder(decoder.target, decoder.drafter, attention="absorbed")
     prompt = [5, 17, 3, 250, 9, 1, 77]
     kwargs = dict(method="ddtree", budget=16, max_new_tokens=12, stop_token_ids=[])
-    with jax.default_matmul_precision("highest"):  # GPU: XLA's fp32 dots would otherwise run in TF32
+    # GPU: XLA's fp32 dots would otherwise run in TF32
+    with jax.default_matmul_precision("highest"):
         tokens = kernel.generate(prompt, **kwargs).tokens
         assert tokens == xla.generate(prompt, **kwargs).tokens
-        assert tokens == xla.generate(prompt, method="ar", max_new_tokens=12, stop_token_ids=[]).tokens
+        assert (
+            tokens == xla.generate(prompt, method="ar", max_new_tokens=12, stop_token_ids=[]).tokens
+        )
 
 
 @pytest.mark.parametrize("models", [0], indirect=True, ids=["seed0"])
 def test_ddtree_with_the_tpu_form_is_lossless(models):
-    """The decoder verifying trees through the kernel's TPU form, run by Pallas' TPU interpreter inside the jitted
-    rounds, gives the tokens of verifying with plain XLA."""
+    """The decoder verifying trees through the kernel's TPU form, run by Pallas' TPU
+    interpreter inside the jitted rounds, gives the tokens of verifying with plain XLA."""
     from jaxdd.decoding.engine import SpeculativeDecoder
 
     _, _, decoder = models
     tpu_form = Backend("cpu", interpreted_kernel="tpu")
-    kernel = SpeculativeDecoder(decoder.target, decoder.drafter, attention="pallas", backend=tpu_form)
+    kernel = SpeculativeDecoder(
+        decoder.target, decoder.drafter, attention="pallas", backend=tpu_form
+    )
     xla = SpeculativeDecoder(decoder.target, decoder.drafter, attention="absorbed")
     prompt = [5, 17, 3, 250, 9, 1, 77]
     kwargs = dict(method="ddtree", budget=16, max_new_tokens=12, stop_token_ids=[])

@@ -26,7 +26,8 @@ def pair(request, tmp_path_factory):
 
 
 def reference_step(reference, cache, features, embeds, start):
-    """One reference drafter forward: new context features, then the block at positions start..start+B-1."""
+    """One reference drafter forward: new context features,
+    then the block at positions start..start+B-1."""
     ctx = features.shape[1]
     positions = torch.arange(start - ctx, start + embeds.shape[1])[None]
     with torch.no_grad():
@@ -42,8 +43,9 @@ def reference_step(reference, cache, features, embeds, start):
 
 
 def test_rounds_of_context_injection(pair):
-    """Prompt context, then two rounds of newly committed context: same hidden states as the reference. The cache
-    carried from round to round is the one drafting returned, whose uncommitted block rows must not leak."""
+    """Prompt context, then two rounds of newly committed context: same
+    hidden states as the reference. The cache carried from round to round is
+    the one drafting returned, whose uncommitted block rows must not leak."""
     reference, drafter = pair
     rng = np.random.default_rng(0)
     block, width = 8, 2 * 64
@@ -57,20 +59,28 @@ def test_rounds_of_context_injection(pair):
         expected = reference_step(reference, cache_ref, features, embeds, start)
         positions = jnp.arange(start - ctx, start)[None]
         cache = drafter.inject(cache, jnp.asarray(features), positions, jnp.array([ctx]))
-        hidden, cache = drafter(jnp.asarray(embeds), (start + jnp.arange(block))[None], cache, jnp.array([block]))
+        hidden, cache = drafter(
+            jnp.asarray(embeds), (start + jnp.arange(block))[None], cache, jnp.array([block])
+        )
         assert rel_err(hidden, expected) < TOL
     assert int(cache.length[0]) == start
 
 
 def test_short_block_hides_the_rest(pair):
-    """Near max length the reference drafts a shorter block; masking the tail of a full block is the same."""
+    """Near max length the reference drafts a shorter
+    block; masking the tail of a full block is the same."""
     reference, drafter = pair
     rng = np.random.default_rng(1)
     features = rng.standard_normal((1, 6, 128)).astype(np.float32)
     embeds = rng.standard_normal((1, 8, 64)).astype(np.float32)
-    expected = reference_step(reference, DynamicCache(config=reference.config), features, embeds[:, :3], 6)
+    expected = reference_step(
+        reference, DynamicCache(config=reference.config), features, embeds[:, :3], 6
+    )
     cache = drafter.inject(
-        DraftCache.zeros(drafter.config, 1, 32, jnp.float32), jnp.asarray(features), jnp.arange(6)[None], jnp.array([6])
+        DraftCache.zeros(drafter.config, 1, 32, jnp.float32),
+        jnp.asarray(features),
+        jnp.arange(6)[None],
+        jnp.array([6]),
     )
     hidden, _ = drafter(jnp.asarray(embeds), (6 + jnp.arange(8))[None], cache, jnp.array([3]))
     assert rel_err(hidden[:, :3], expected) < TOL
@@ -79,8 +89,11 @@ def test_short_block_hides_the_rest(pair):
 def test_config_fields():
     cfg = DrafterConfig.from_hf(drafter_config(block_size=16))
     assert (cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids) == (16, 255, (1, 0))
-    derived = drafter_config(dflash_config={"mask_token_id": 5}, num_target_layers=61, num_hidden_layers=6)
-    assert DrafterConfig.from_hf(derived).target_layer_ids == (1, 12, 24, 35, 47, 58)  # Kimi K2.x taps
+    derived = drafter_config(
+        dflash_config={"mask_token_id": 5}, num_target_layers=61, num_hidden_layers=6
+    )
+    # Kimi K2.x taps
+    assert DrafterConfig.from_hf(derived).target_layer_ids == (1, 12, 24, 35, 47, 58)
     assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-8B taps
     yarn = DrafterConfig.from_hf(drafter_config(yarn=True)).yarn
     assert (yarn.factor, yarn.beta_fast, yarn.mscale, yarn.mscale_all_dim) == (64.0, 32.0, 1.0, 1.0)

@@ -59,7 +59,9 @@ def test_rms_norm(eps):
     # bf16 follows HF's cast order: normalise in fp32, cast, then multiply by the weight in bf16.
     with torch.no_grad():
         expected16 = ref.to(torch.bfloat16)(torch_of(x).to(torch.bfloat16)).float().numpy()
-    actual16 = rms_norm(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), eps).astype(jnp.float32)
+    actual16 = rms_norm(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), eps).astype(
+        jnp.float32
+    )
     assert rel_err(actual16, expected16) < 1e-2
 
 
@@ -85,8 +87,12 @@ def test_apply_rope(interleaved):
     rotate = hf.apply_rotary_pos_emb_interleave if interleaved else hf.apply_rotary_pos_emb
     q_ref, k_ref = rotate(torch_of(q), torch_of(k), cos_full, sin_full)
     cos, sin = jnp.cos(angles)[:, None], jnp.sin(angles)[:, None]
-    np.testing.assert_allclose(apply_rope(jnp.asarray(q), cos, sin, interleaved), q_ref.numpy(), atol=1e-6)
-    np.testing.assert_allclose(apply_rope(jnp.asarray(k), cos, sin, interleaved), k_ref.numpy(), atol=1e-6)
+    np.testing.assert_allclose(
+        apply_rope(jnp.asarray(q), cos, sin, interleaved), q_ref.numpy(), atol=1e-6
+    )
+    np.testing.assert_allclose(
+        apply_rope(jnp.asarray(k), cos, sin, interleaved), k_ref.numpy(), atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("form", ["naive", "absorbed", "pallas"])
@@ -120,7 +126,9 @@ def empty_rows(config, b: int, t: int) -> tuple[jnp.ndarray, jnp.ndarray]:
 
 def causal_args(b: int, t: int) -> tuple[jnp.ndarray, jnp.ndarray]:
     """(length, mask) for t new tokens into an empty t-slot cache."""
-    return jnp.zeros((b,), jnp.int32), jnp.asarray(np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t)))
+    return jnp.zeros((b,), jnp.int32), jnp.asarray(
+        np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))
+    )
 
 
 def moe_layer(target) -> int:
@@ -134,7 +142,8 @@ def test_router(pair):
     with torch.no_grad():
         _, ref_weights, ref_experts = model.model.layers[i].mlp.gate(torch_of(x))
     weights, experts = target.layers[i].mlp.router(jnp.asarray(x))
-    # Order within a token's top-k is arbitrary (torch.topk(sorted=False)): compare sorted by expert id.
+    # Order within a token's top-k is arbitrary
+    # (torch.topk(sorted=False)): compare sorted by expert id.
     ref_order, order = np.argsort(ref_experts.numpy(), -1), np.argsort(np.asarray(experts), -1)
     sorted_ref = np.take_along_axis(ref_experts.numpy(), ref_order, -1)
     np.testing.assert_array_equal(np.take_along_axis(np.asarray(experts), order, -1), sorted_ref)
@@ -146,11 +155,16 @@ def test_router(pair):
 
 
 def test_bf16_parts_sum_to_x():
-    """The router's three bf16 parts of fp32 x sum to x exactly, from 2**-103 to fp32's largest, both signs."""
+    """The router's three bf16 parts of fp32 x sum to x
+    exactly, from 2**-103 to fp32's largest, both signs."""
     rng = np.random.default_rng(7)
     signs = rng.choice([-1.0, 1.0], 100000)
-    x = (signs * rng.uniform(1, 2, 100000) * 2.0 ** rng.integers(-103, 128, 100000)).astype(np.float32)
-    x = np.concatenate([x, np.float32([np.finfo(np.float32).max, -np.finfo(np.float32).max, 2.0**-103])])
+    x = (signs * rng.uniform(1, 2, 100000) * 2.0 ** rng.integers(-103, 128, 100000)).astype(
+        np.float32
+    )
+    x = np.concatenate(
+        [x, np.float32([np.finfo(np.float32).max, -np.finfo(np.float32).max, 2.0**-103])]
+    )
     high = _bf16_head(jnp.asarray(x))
     middle = _bf16_head(jnp.asarray(x) - high)
     low = jnp.asarray(x) - high - middle
@@ -160,9 +174,9 @@ def test_bf16_parts_sum_to_x():
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])
 def test_bf16_router_matches_hf(pair, platform):
-    """A router gate stored in bf16 (as K2.x checkpoints store it; HF upcasts it to fp32) picks HF's experts with
-    HF's weights, multiplied as fp32 (cpu) or as stored with x in three bf16 parts (the GPU / TPU path, run here on
-    XLA:CPU; that XLA:GPU keeps the parts: test_compiled_traffic.py)."""
+    """A router gate stored in bf16 (as K2.x checkpoints store it; HF upcasts it to fp32) picks HF's
+    experts with HF's weights, multiplied as fp32 (cpu) or as stored with x in three bf16 parts (the
+    GPU / TPU path, run here on XLA:CPU; that XLA:GPU keeps the parts: test_compiled_traffic.py)."""
     model, target = pair
     i = moe_layer(target)
     gate, router = model.model.layers[i].mlp.gate, target.layers[i].mlp.router
@@ -179,7 +193,8 @@ def test_bf16_router_matches_hf(pair, platform):
         gate.weight.data, router.weight.value = stored, fp32
     ref_order, order = np.argsort(ref_experts.numpy(), -1), np.argsort(np.asarray(experts), -1)
     np.testing.assert_array_equal(
-        np.take_along_axis(np.asarray(experts), order, -1), np.take_along_axis(ref_experts.numpy(), ref_order, -1)
+        np.take_along_axis(np.asarray(experts), order, -1),
+        np.take_along_axis(ref_experts.numpy(), ref_order, -1),
     )
     np.testing.assert_allclose(
         np.take_along_axis(np.asarray(weights), order, -1),
@@ -189,7 +204,8 @@ def test_bf16_router_matches_hf(pair, platform):
 
 
 def test_router_bias_selects_but_does_not_weight(pair):
-    """A large bias on one expert forces it into every top-k, yet its weight is its unbiased sigmoid score."""
+    """A large bias on one expert forces it into every
+    top-k, yet its weight is its unbiased sigmoid score."""
     _, target = pair
     router = target.layers[moe_layer(target)].mlp.router
     x = jnp.asarray(hidden(np.random.default_rng(5), 9, target.config.hidden_size))
@@ -203,13 +219,16 @@ def test_router_bias_selects_but_does_not_weight(pair):
     scores = 1 / (1 + np.exp(-(np.asarray(x) @ np.asarray(router.weight[...]))))
     raw = np.take_along_axis(scores, np.asarray(experts), -1)
     c = target.config
-    np.testing.assert_allclose(weights, raw / raw.sum(-1, keepdims=True) * c.routed_scaling_factor, rtol=1e-5)
+    np.testing.assert_allclose(
+        weights, raw / raw.sum(-1, keepdims=True) * c.routed_scaling_factor, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("dispatch", ["auto", "dense", "gathered", "grouped", "skipping", "tiled"])
 def test_moe(pair, dispatch):
     model, target = pair
-    x = hidden(np.random.default_rng(6), 2, 13, target.config.hidden_size)  # 26 tokens: auto tiles on CPU
+    # 26 tokens: auto tiles on CPU
+    x = hidden(np.random.default_rng(6), 2, 13, target.config.hidden_size)
     i = moe_layer(target)
     with torch.no_grad():
         expected = model.model.layers[i].mlp(torch_of(x)).numpy()
@@ -234,37 +253,45 @@ ROUTINGS = given(
 @settings(max_examples=examples(6), deadline=None)
 @ROUTINGS
 def test_tiled_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
-    """The tiled layout is exact whatever the routing: unused experts, one expert taking nearly every pair (its
-    tiles run past the even share), an expert chosen twice by one token, group sizes on and off tile edges."""
+    """The tiled layout is exact whatever the routing: unused experts, one
+    expert taking nearly every pair (its tiles run past the even share), an
+    expert chosen twice by one token, group sizes on and off tile edges."""
     check_dispatch(_tiled_experts, tokens, top_k, n_experts, favourite, seed)
 
 
 @settings(max_examples=examples(10), deadline=None)  # each example's shapes compile anew
 @ROUTINGS
 def test_skipping_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
-    """Skipping the unchosen experts is exact whatever the routing: every expert chosen, a few, only one, an expert
-    chosen twice by one token."""
+    """Skipping the unchosen experts is exact whatever the routing: every
+    expert chosen, a few, only one, an expert chosen twice by one token."""
     check_dispatch(_skipping_experts, tokens, top_k, n_experts, favourite, seed)
 
 
 @settings(max_examples=examples(10), deadline=None)  # each example's shapes compile anew
 @ROUTINGS
 def test_gathered_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
-    """Gathering each pair's expert is exact whatever the routing, an expert chosen by many tokens or twice by one
-    included."""
+    """Gathering each pair's expert is exact whatever the routing,
+    an expert chosen by many tokens or twice by one included."""
     check_dispatch(gathered, tokens, top_k, n_experts, favourite, seed)
 
 
 @settings(max_examples=examples(10), deadline=None)  # each example's shapes compile anew
-@given(tokens=st.integers(1, 12), share=st.floats(0, 1), capacity=st.integers(1, 8), seed=st.integers(0, 2**16))
+@given(
+    tokens=st.integers(1, 12),
+    share=st.floats(0, 1),
+    capacity=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+)
 def test_gathered_local_pairs_under_ep(tokens, share, capacity, seed):
-    """Under EP a device gathers only the pairs routed to its own experts, compacted into ``capacity`` slots:
-    the outputs of gathering every pair with weight 0 for the others, whether its pairs fit or overflow (then
-    every pair is gathered)."""
+    """Under EP a device gathers only the pairs routed to its own experts, compacted
+    into ``capacity`` slots: the outputs of gathering every pair with weight 0 for
+    the others, whether its pairs fit or overflow (then every pair is gathered)."""
     rng = np.random.default_rng(seed)
     d, f, n_experts, top_k = 16, 8, 6, 2
     shapes = [(n_experts, d, f), (n_experts, d, f), (n_experts, f, d)]
-    projections = [DenseExperts(nnx.Rngs(i), shape, jnp.float32, (None,) * 3) for i, shape in enumerate(shapes)]
+    projections = [
+        DenseExperts(nnx.Rngs(i), shape, jnp.float32, (None,) * 3) for i, shape in enumerate(shapes)
+    ]
     pieces = [p.stored() for p in projections]
     mine = rng.random((tokens, top_k)) < share  # the pairs routed to this device
     experts = jnp.asarray(np.where(mine, rng.integers(0, n_experts, (tokens, top_k)), 0))
@@ -277,11 +304,14 @@ def test_gathered_local_pairs_under_ep(tokens, share, capacity, seed):
 
 
 def gathered(x, weights, experts, projections, pieces):
-    return _gathered_experts(x, weights, experts, _pair_experts(projections, pieces, Backend.local()))
+    return _gathered_experts(
+        x, weights, experts, _pair_experts(projections, pieces, Backend.local())
+    )
 
 
 def check_dispatch(dispatch, tokens, top_k, n_experts, favourite, seed):
-    """``dispatch`` against a numpy MoE for random routing (``favourite``: the share of pairs sent to expert 0)."""
+    """``dispatch`` against a numpy MoE for random routing
+    (``favourite``: the share of pairs sent to expert 0)."""
     rng = np.random.default_rng(seed)
     d, f = 16, 8
     experts = rng.integers(0, n_experts, (tokens, top_k))
@@ -299,7 +329,8 @@ def check_dispatch(dispatch, tokens, top_k, n_experts, favourite, seed):
     for slot in range(top_k):
         e = experts[:, slot]
         gated = np.einsum("nd,ndf->nf", x, gate[e])
-        hidden_ = gated / (1 + np.exp(-gated)) * np.einsum("nd,ndf->nf", x, up[e])  # silu(x gate) * x up
+        # silu(x gate) * x up
+        hidden_ = gated / (1 + np.exp(-gated)) * np.einsum("nd,ndf->nf", x, up[e])
         expected += weights[:, slot, None] * np.einsum("nf,nfd->nd", hidden_, down[e])
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -316,13 +347,17 @@ def test_decoder_layer(pair, which):
     causal = np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))
     with torch.no_grad():
         rope = model.model.rotary_emb(torch_of(x), torch_of(positions))
-        expected = model.model.layers[i](torch_of(x), attention_mask=additive_mask(causal), position_embeddings=rope)
+        expected = model.model.layers[i](
+            torch_of(x), attention_mask=additive_mask(causal), position_embeddings=rope
+        )
     inv_freq, amplitude = target_rope(target.config)
     cos_sin = rope_cos_sin(jnp.asarray(positions), inv_freq, amplitude, jnp.float32)
     c = target.config
     length, causal = causal_args(b, t)
     rows = empty_rows(c, b, t)
-    out, _ = target.layers[i](jnp.asarray(x), cos_sin, rows, length, causal, causal, "absorbed", Backend.local())
+    out, _ = target.layers[i](
+        jnp.asarray(x), cos_sin, rows, length, causal, causal, "absorbed", Backend.local()
+    )
     assert rel_err(out, expected.numpy()) < TOL
 
 
@@ -334,8 +369,9 @@ def test_decoder_layer(pair, which):
     seed=st.integers(0, 2**16),
 )
 def test_write_rows_puts_each_sequence_at_its_start(batch, rows, heads, seed):
-    """Unrolled in-place updates (batch <= 8) and the vmapped scatter (beyond) both write sequence b's rows at
-    its own start, for the latent layout [B, S, d] (slot axis 1) and the drafter's [B, kv, S, hd] (axis 2)."""
+    """Unrolled in-place updates (batch <= 8) and the vmapped scatter (beyond)
+    both write sequence b's rows at its own start, for the latent layout [B,
+    S, d] (slot axis 1) and the drafter's [B, kv, S, hd] (axis 2)."""
     rng = np.random.default_rng(seed)
     slots = 16
     axis = 1 if heads is None else 2

@@ -18,11 +18,15 @@ from jaxdd.testing.hf_layouts import deepseek_weight_dequant
 def test_fp8_block_dequant_matches_deepseek(shape):
     """Partial edge blocks included (576 = 4.5 blocks, like kv_a_proj_with_mqa's [5, 56] scales)."""
     rng = np.random.default_rng(0)
-    weight = torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * 3).to(torch.float8_e4m3fn)
+    weight = torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * 3).to(
+        torch.float8_e4m3fn
+    )
     blocks = (-(-shape[0] // 128), -(-shape[1] // 128))
     scale_inv = torch.from_numpy(rng.uniform(1e-3, 1e-1, blocks).astype(np.float32))
     expected = deepseek_weight_dequant(weight, scale_inv).float().numpy()
-    ours = dequantize_fp8_blocks(jnp.asarray(weight.float().numpy()).astype(jnp.float8_e4m3fn), jnp.asarray(scale_inv))
+    ours = dequantize_fp8_blocks(
+        jnp.asarray(weight.float().numpy()).astype(jnp.float8_e4m3fn), jnp.asarray(scale_inv)
+    )
     np.testing.assert_array_equal(np.asarray(ours.astype(jnp.float32)), expected)
 
 
@@ -33,20 +37,29 @@ def test_int4_unpack_matches_compressed_tensors(shape):
     for shifts in (False, True):  # the bitcast and the shifts-and-masks unpacking (GPU, TPU)
         unpacked = unpack_int4(jnp.asarray(packed.numpy()), shape[1], shifts=shifts)
         np.testing.assert_array_equal(np.asarray(unpacked), values.numpy())
-    np.testing.assert_array_equal(unpack_from_int32(packed, 4, torch.Size(shape)).numpy(), values.numpy())
+    np.testing.assert_array_equal(
+        unpack_from_int32(packed, 4, torch.Size(shape)).numpy(), values.numpy()
+    )
 
 
 def test_int4_group_dequant_matches_compressed_tensors():
-    """Kimi K2.5 routed-expert layout: weight_packed int32 [out, in/8], weight_scale bf16 [out, in/32]."""
+    """Kimi K2.5 routed-expert layout: weight_packed
+    int32 [out, in/8], weight_scale bf16 [out, in/32]."""
     out_features, in_features = 64, 256
     rng = np.random.default_rng(2)
     values = torch.from_numpy(rng.integers(-8, 8, (out_features, in_features)).astype(np.int8))
-    scale = torch.from_numpy(rng.uniform(1e-3, 2e-2, (out_features, in_features // 32)).astype(np.float32))
+    scale = torch.from_numpy(
+        rng.uniform(1e-3, 2e-2, (out_features, in_features // 32)).astype(np.float32)
+    )
     scale = scale.to(torch.bfloat16)
     args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)
     expected = dequantize(values, scale, None, args=args, dtype=torch.bfloat16).float().numpy()
     packed = pack_to_int32(values, 4).numpy()
-    ours = dequantize_int4_groups(jnp.asarray(packed), jnp.asarray(scale.float().numpy(), jnp.bfloat16), in_features)
+    ours = dequantize_int4_groups(
+        jnp.asarray(packed), jnp.asarray(scale.float().numpy(), jnp.bfloat16), in_features
+    )
     np.testing.assert_array_equal(np.asarray(ours.astype(jnp.float32)), expected)
-    stacked = dequantize_int4_groups(jnp.asarray(packed)[None], jnp.asarray(scale.float().numpy())[None], in_features)
+    stacked = dequantize_int4_groups(
+        jnp.asarray(packed)[None], jnp.asarray(scale.float().numpy())[None], in_features
+    )
     assert stacked.shape == (1, out_features, in_features)  # stacked experts [E, out, in]

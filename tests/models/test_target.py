@@ -40,10 +40,11 @@ def hf_forward(model, ids, **kwargs):
 
 @pytest.mark.parametrize("form", ["naive", "absorbed"])
 def test_prefill_logits_and_taps_match_hf(pair, form):
-    """Logits, and taps = the residual stream after the tapped layers (HF hidden_states[i + 1]) in tap order.
+    """Logits, and taps = the residual stream after the
+    tapped layers (HF hidden_states[i + 1]) in tap order.
 
-    HF replaces its last hidden state by the final-normed one, so the last layer is not tapped here (DFlash
-    taps end three layers before the last).
+    HF replaces its last hidden state by the final-normed one, so the last
+    layer is not tapped here (DFlash taps end three layers before the last).
     """
     model, target, seed = pair
     rng = np.random.default_rng([seed, 1])  # this test's own draw, whatever ran before
@@ -52,12 +53,16 @@ def test_prefill_logits_and_taps_match_hf(pair, form):
     out = target.forward(ids, target.new_cache(BATCH, SLOTS), taps=taps, attention=form)
     expected = hf_forward(model, ids)
     assert rel_err(out.logits, expected.logits.numpy()) < TOL
-    assert rel_err(out.taps, np.concatenate([expected.hidden_states[i + 1].numpy() for i in taps], -1)) < TOL
+    assert (
+        rel_err(out.taps, np.concatenate([expected.hidden_states[i + 1].numpy() for i in taps], -1))
+        < TOL
+    )
 
 
 @pytest.mark.parametrize("decode_form", ["absorbed", "naive"])
 def test_incremental_decode_matches_full_forward(pair, decode_form):
-    """Prefill a prefix, then decode one token at a time through the cache: every step equals HF's row."""
+    """Prefill a prefix, then decode one token at a time
+    through the cache: every step equals HF's row."""
     model, target, seed = pair
     rng = np.random.default_rng([seed, 2])  # this test's own draw, whatever ran before
     ids = rng.integers(0, target.config.vocab_size, (BATCH, 12))
@@ -84,7 +89,9 @@ def test_tree_forward_matches_hf_with_4d_mask(pair):
     depths, tree_visible = np.stack(depths), np.stack(tree_visible)
 
     prefill = target.forward(prefix, target.new_cache(BATCH, SLOTS))
-    out = target.forward(tree, prefill.cache, positions=prefix_len + depths, visible=tree_visible, commit=False)
+    out = target.forward(
+        tree, prefill.cache, positions=prefix_len + depths, visible=tree_visible, commit=False
+    )
     np.testing.assert_array_equal(np.asarray(out.cache.length), [prefix_len] * BATCH)
 
     total = prefix_len + nodes
@@ -92,7 +99,9 @@ def test_tree_forward_matches_hf_with_4d_mask(pair):
     visible[:, :prefix_len, :prefix_len] = np.tril(np.ones((prefix_len, prefix_len), bool))
     visible[:, prefix_len:, :prefix_len] = True
     visible[:, prefix_len:, prefix_len:] = tree_visible
-    positions = np.concatenate([np.broadcast_to(np.arange(prefix_len), (BATCH, prefix_len)), prefix_len + depths], 1)
+    positions = np.concatenate(
+        [np.broadcast_to(np.arange(prefix_len), (BATCH, prefix_len)), prefix_len + depths], 1
+    )
     expected = hf_forward(
         model,
         np.concatenate([prefix, tree], axis=1),
@@ -106,12 +115,14 @@ BF16_EPS = 2.0**-8  # bf16's unit roundoff (8 significand bits)
 
 
 def test_bf16_forward_tracks_fp32(pair):
-    """bf16 weights and activations stay close to fp32 (a check of the dtype plumbing, not of exactness), per
-    position, within bounds from bf16's roundoff and the depth: the median position within eps x (layers + 1)
-    (measured at most 2.2 eps over 40 draws on every flavour), and 80% of them within 4x that. Not every position:
-    a rounding can flip a routing choice (a discrete top-k), which moves that position's logits further."""
+    """bf16 weights and activations stay close to fp32 (a check of the dtype plumbing, not
+    of exactness), per position, within bounds from bf16's roundoff and the depth: the
+    median position within eps x (layers + 1) (measured at most 2.2 eps over 40 draws on
+    every flavour), and 80% of them within 4x that. Not every position: a rounding can flip
+    a routing choice (a discrete top-k), which moves that position's logits further."""
     _, target, seed = pair
-    ids = np.random.default_rng([seed, 4]).integers(0, target.config.vocab_size, (BATCH, 12))  # its own draw
+    # its own draw
+    ids = np.random.default_rng([seed, 4]).integers(0, target.config.vocab_size, (BATCH, 12))
     low = target.astype("bfloat16")
     assert low.model.layers[-1].mlp.router.weight.dtype == np.float32  # the router stays fp32
     assert low.model.embed.dtype == np.dtype("bfloat16")

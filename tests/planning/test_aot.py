@@ -1,6 +1,7 @@
-"""Deviceless compiles for the real targets (``jaxdd.planning.aot``, ``jaxdd.plan --target``): the rounds
-``jaxdd.generate`` runs there compile with the GPU's or TPU's own compiler on this CPU host, each with a memory
-analysis inside a bound computed from the shapes, and the full-width Kimi K2.6 layers fit on the GPU."""
+"""Deviceless compiles for the real targets (``jaxdd.planning.aot``, ``jaxdd.plan
+--target``): the rounds ``jaxdd.generate`` runs there compile with the GPU's or
+TPU's own compiler on this CPU host, each with a memory analysis inside a bound
+computed from the shapes, and the full-width Kimi K2.6 layers fit on the GPU."""
 
 import functools
 
@@ -15,10 +16,12 @@ from jaxdd.runtime.backend import Backend
 from jaxdd.testing.reference import TINY_K2
 from pallas_kernels.tree_attention import tree_attention
 
-# (method, sampled, devices): every round sharded over 8 devices but greedy DDTree, which runs on 1 (one device
-# compiles the same program less its collectives; the suite's time goes to these compiles).
+# (method, sampled, devices): every round sharded over 8 devices but
+# greedy DDTree, which runs on 1 (one device compiles the same program
+# less its collectives; the suite's time goes to these compiles).
 ROUNDS = [("ar", False, 8), ("dflash", False, 8), ("ddtree", False, 1), ("ddtree", True, 8)]
-# The RTX PRO 6000 differs from the H200 in the kernel's tiles (its shared memory): only its sampled tree round.
+# The RTX PRO 6000 differs from the H200 in the kernel's
+# tiles (its shared memory): only its sampled tree round.
 CASES = [
     (target, *r)
     for target in ("h200", "rtx-pro-6000", "v5p:2x2x2")
@@ -32,8 +35,9 @@ TPU_TILE_PADDING = 4  # TPU layouts pad the tiny model's 64- and 32-wide rows to
 
 
 def _check_memory(result: dict) -> None:
-    """What the round reads is what it takes (its weights and caches, TPU tile padding aside), and its
-    temporaries stay within twice that plus a few hundred activation rows of scores and logits."""
+    """What the round reads is what it takes (its weights and caches,
+    TPU tile padding aside), and its temporaries stay within twice
+    that plus a few hundred activation rows of scores and logits."""
     per_device, compiled, method = result["per_device_bytes"], result["compiled"], result["method"]
     reads = per_device["target_weights"] + per_device["target_cache"]
     if method != "ar":
@@ -42,7 +46,8 @@ def _check_memory(result: dict) -> None:
     padding = TPU_TILE_PADDING if tpu else 1
     assert reads <= compiled["argument_bytes"] <= padding * reads + 64 * 1024
     scores = TINY_K2["vocab_size"] + TINY_K2["num_attention_heads"] * result["cache_slots"]
-    activations = TOKENS[method] * scores * 4  # one fp32 row of logits and attention scores per verified token
+    # one fp32 row of logits and attention scores per verified token
+    activations = TOKENS[method] * scores * 4
     workspace = 0 if tpu else CUBLAS_WORKSPACE
     assert 0 <= compiled["temp_bytes"] <= workspace + padding * (2 * reads + 256 * activations)
     assert result["fits"] and compiled["fits_compiler"]
@@ -50,25 +55,31 @@ def _check_memory(result: dict) -> None:
 
 @pytest.mark.parametrize(("target", "method", "sampled", "devices"), CASES, ids=CASE_IDS)
 def test_rounds_compile_for_the_target(tiny_plan_configs, target, method, sampled, devices):
-    """AR, DFlash and DDTree (greedy and sampled, budget 16) of a tiny Kimi K2.6-style pair (INT4 experts) on 8
-    devices (greedy DDTree on 1), with the attention the target's platform gets: the Pallas kernel, its Triton
-    form on GPUs and its Mosaic form on TPU (per device under shard_map on 8)."""
-    result = plan(*tiny_plan_configs, PlanOptions(target, devices, "ep", method, 16, 256, sampled=sampled))
+    """AR, DFlash and DDTree (greedy and sampled, budget 16) of a tiny Kimi
+    K2.6-style pair (INT4 experts) on 8 devices (greedy DDTree on 1), with the
+    attention the target's platform gets: the Pallas kernel, its Triton form
+    on GPUs and its Mosaic form on TPU (per device under shard_map on 8)."""
+    result = plan(
+        *tiny_plan_configs, PlanOptions(target, devices, "ep", method, 16, 256, sampled=sampled)
+    )
     platform = "tpu" if target.startswith("v5p") else "gpu"
     assert result["hardware"]["platform"] == platform and result["devices"] == devices
     assert result["attention"] == "pallas"
     _check_memory(result)
 
 
-KIMI_KERNEL_SHAPES = [(17, 8, 4096), (257, 64, 131072)]  # (tree tokens, heads per device, cache slots)
+# (tree tokens, heads per device, cache slots)
+KIMI_KERNEL_SHAPES = [(17, 8, 4096), (257, 64, 131072)]
 
 
-@pytest.mark.parametrize(("tokens", "heads", "slots"), KIMI_KERNEL_SHAPES, ids=["17x8x4k", "257x64x128k"])
+@pytest.mark.parametrize(
+    ("tokens", "heads", "slots"), KIMI_KERNEL_SHAPES, ids=["17x8x4k", "257x64x128k"]
+)
 @pytest.mark.parametrize("target", ["v5e:2x2", "v5p:2x2x2", "v6e:2x2", "h200", "rtx-pro-6000"])
 def test_kernel_compiles_at_kimi_sizes(target, tokens, heads, slots):
-    """Kimi's latent sizes (512 + 64, bf16) with the form and tiles each platform gets: Mosaic streams the cache
-    through VMEM (the GPU form's whole-cache block failed at 16k slots there), Triton reads it through pointers;
-    128k slots compile for every chip."""
+    """Kimi's latent sizes (512 + 64, bf16) with the form and tiles each platform gets:
+    Mosaic streams the cache through VMEM (the GPU form's whole-cache block failed at 16k
+    slots there), Triton reads it through pointers; 128k slots compile for every chip."""
     where = find_machine(target, 1)
     device = jax.sharding.SingleDeviceSharding(where.devices[0])
     spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=device)
@@ -84,18 +95,20 @@ def test_kernel_compiles_at_kimi_sizes(target, tokens, heads, slots):
 
 
 def test_a_round_over_the_chips_memory_is_refused_by_the_compiler(tiny_plan_configs):
-    """32M cache slots on one 16 GB v5e chip: XLA:TPU refuses the program inside the compile, and the plan
-    reports what the compiler said it needs."""
+    """32M cache slots on one 16 GB v5e chip: XLA:TPU refuses the program inside
+    the compile, and the plan reports what the compiler said it needs."""
     result = plan(*tiny_plan_configs, PlanOptions("v5e:2x2", 1, "ep", budget=16, max_len=2**25))
     assert not result["fits"] and not result["compiled"]["fits_compiler"]
     assert result["per_device_bytes"]["total"] > 16e9 > result["hardware"]["memory_bytes"] - 1e9
 
 
-@pytest.mark.parametrize(("target", "dtype"), [("rtx-pro-6000", jnp.bfloat16), ("rtx-pro-6000", jnp.float32)])
+@pytest.mark.parametrize(
+    ("target", "dtype"), [("rtx-pro-6000", jnp.bfloat16), ("rtx-pro-6000", jnp.float32)]
+)
 def test_kernel_tiles_fit_the_gpus_shared_memory(target, dtype):
-    """Kimi's latent sizes (512 + 64, 8 heads per device, a 65-token tree over 32k slots) with the tiles the
-    backend picks for a GPU of 99 KB shared memory per block: Triton's compile accepts them (H200's tiles ask
-    for 166 KB and are refused)."""
+    """Kimi's latent sizes (512 + 64, 8 heads per device, a 65-token tree over 32k
+    slots) with the tiles the backend picks for a GPU of 99 KB shared memory per block:
+    Triton's compile accepts them (H200's tiles ask for 166 KB and are refused)."""
     where = find_machine(target, 1)
     backend = Backend.of_devices(where.devices)
     assert backend.shared_memory == 99 * 1024
@@ -114,8 +127,8 @@ def test_kernel_tiles_fit_the_gpus_shared_memory(target, dtype):
 
 
 def test_a_multi_host_slice_compiles_as_one_program(tiny_plan_configs):
-    """TPU v5p:2x2x4 is 16 chips on 4 hosts (one JAX process each): the plan compiles the one SPMD program all
-    four would run, from this single process."""
+    """TPU v5p:2x2x4 is 16 chips on 4 hosts (one JAX process each): the plan
+    compiles the one SPMD program all four would run, from this single process."""
     result = plan(*tiny_plan_configs, PlanOptions("v5p:2x2x4", None, "tp", budget=16, max_len=256))
     assert result["devices"] == 16 and result["hardware"]["processes"] == 4
     _check_memory(result)

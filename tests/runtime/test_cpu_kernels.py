@@ -1,8 +1,8 @@
-"""The XLA:CPU kernels (jaxdd/runtime/cpu_kernels.cc). The gathered INT4 matvec's dequantization equals
-``dequantize_int4_groups`` (itself checked against compressed-tensors in test_quant.py) bit for bit, in the form
-this host compiles and in the portable form; its products equal XLA's gathered form; the dense matvec and the row
-dot equal XLA's products, and decode attention through them equals XLA's; the model picks each only where it
-applies."""
+"""The XLA:CPU kernels (jaxdd/runtime/cpu_kernels.cc). The gathered INT4 matvec's
+dequantization equals ``dequantize_int4_groups`` (itself checked against compressed-tensors in
+test_quant.py) bit for bit, in the form this host compiles and in the portable form; its
+products equal XLA's gathered form; the dense matvec and the row dot equal XLA's products, and
+decode attention through them equals XLA's; the model picks each only where it applies."""
 
 from __future__ import annotations
 
@@ -33,19 +33,22 @@ from jaxdd.testing.profiles import examples
 from jaxdd.testing.reference import TINY_K2
 from pallas_kernels import int4_experts
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler builds the kernels here")
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(), reason="no C++ compiler builds the kernels here"
+)
 
 
 def every_bf16_scale() -> np.ndarray:
-    """Every finite bf16 (subnormals, zero, both signs, both sides of the kernel's 2^100 split limit) whose
-    products with q in [-8, 7] stay finite."""
+    """Every finite bf16 (subnormals, zero, both signs, both sides of the
+    kernel's 2^100 split limit) whose products with q in [-8, 7] stay finite."""
     values = (np.arange(2**16, dtype=np.uint32) << 16).view(np.float32)
     values = values[np.isfinite(values)]
     return values[np.abs(values) < np.finfo(np.float32).max / 8]
 
 
 def packed_with_every_q(rng, rows: int, in_features: int) -> np.ndarray:
-    """[rows, in/8] int32 words in which every 32-value run holds each stored nibble 0..15 twice, shuffled."""
+    """[rows, in/8] int32 words in which every 32-value
+    run holds each stored nibble 0..15 twice, shuffled."""
     runs = np.tile(np.arange(16), (rows * in_features // 32, 2))
     nibbles = rng.permuted(runs, axis=1).reshape(rows, in_features // 8, 8).astype(np.uint32)
     return (nibbles << (4 * np.arange(8, dtype=np.uint32))).sum(-1).astype(np.uint32).view(np.int32)
@@ -53,34 +56,45 @@ def packed_with_every_q(rng, rows: int, in_features: int) -> np.ndarray:
 
 @functools.cache
 def portable_target() -> str:
-    """The INT4 matvec built without AVX-512 (the form AVX2 and ARM hosts run), registered under its own name; off
-    x86 the native build is that form."""
+    """The INT4 matvec built without AVX-512 (the form AVX2 and ARM hosts run),
+    registered under its own name; off x86 the native build is that form."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return cpu_kernels.INT4_TARGET
     library = ctypes.CDLL(str(cpu_kernels.build(cpu_kernels.compiler(), ("-mno-avx512f",))))
     name = "jaxdd_test_portable_int4_matvec"
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, cpu_kernels.INT4_TARGET)), platform="cpu")
+    jax.ffi.register_ffi_target(
+        name, jax.ffi.pycapsule(getattr(library, cpu_kernels.INT4_TARGET)), platform="cpu"
+    )
     return name
 
 
 @pytest.mark.parametrize("form", ["native", "portable"])
 @pytest.mark.parametrize(("group", "in_features"), [(32, 96), (64, 128), (128, 384)])
 def test_kernel_dequantizes_every_scale_exactly(group, in_features, form):
-    """One-hot rows read the dequantized weights back exactly: every finite bf16 scale, every q with each, groups of
-    32 (two per 8-word block), 64 and 128 (whole blocks), and inputs ending in a partial block (96, 384); in the
-    form this host compiles (AVX-512: table lookups) and the portable one (arithmetic)."""
+    """One-hot rows read the dequantized weights back exactly: every finite bf16
+    scale, every q with each, groups of 32 (two per 8-word block), 64 and 128 (whole
+    blocks), and inputs ending in a partial block (96, 384); in the form this host
+    compiles (AVX-512: table lookups) and the portable one (arithmetic)."""
     target = cpu_kernels.INT4_TARGET if form == "native" else portable_target()
     rng = np.random.default_rng(0)
     scales = rng.permutation(every_bf16_scale())
     groups = in_features // group
     experts, rows = 2, -(-scales.size // (2 * groups))
-    scale = np.resize(scales, experts * rows * groups).reshape(experts, rows, groups).astype(ml_dtypes.bfloat16)
+    scale = (
+        np.resize(scales, experts * rows * groups)
+        .reshape(experts, rows, groups)
+        .astype(ml_dtypes.bfloat16)
+    )
     packed = packed_with_every_q(rng, experts * rows, in_features).reshape(experts, rows, -1)
     # Pair (e, i): expert e, the one-hot row of input i, so out[pair] is expert e's weight column i.
     chosen = np.repeat(np.arange(experts, dtype=np.int32), in_features)
     one_hot = np.tile(np.eye(in_features, dtype=np.float32), (experts, 1))
-    out = jax.jit(cpu_kernels.gathered_int4_matvec, static_argnames="target")(one_hot, packed, scale, chosen, target)
-    dense = dequantize_int4_groups(jnp.asarray(packed), jnp.asarray(scale), in_features, jnp.bfloat16, group)
+    out = jax.jit(cpu_kernels.gathered_int4_matvec, static_argnames="target")(
+        one_hot, packed, scale, chosen, target
+    )
+    dense = dequantize_int4_groups(
+        jnp.asarray(packed), jnp.asarray(scale), in_features, jnp.bfloat16, group
+    )
     expected = np.asarray(dense, np.float32).transpose(0, 2, 1).reshape(experts * in_features, rows)
     np.testing.assert_array_equal(np.asarray(out), expected)
 
@@ -94,34 +108,44 @@ def test_kernel_dequantizes_every_scale_exactly(group, in_features, form):
     seed=st.integers(0, 2**16),
 )
 def test_kernel_products_equal_xla_gathered_form(pairs, n_out, blocks, dtype, seed):
-    """Any number of pairs and output rows (chunks split across XLA's threads, ragged last chunks), any chosen
-    experts (repeated ones included): the products equal XLA's gather, dequantize and dot to fp32 rounding."""
+    """Any number of pairs and output rows (chunks split across XLA's threads,
+    ragged last chunks), any chosen experts (repeated ones included): the
+    products equal XLA's gather, dequantize and dot to fp32 rounding."""
     rng = np.random.default_rng(seed)
     experts, in_features = 5, 32 * blocks
-    packed = rng.integers(-(2**31), 2**31, (experts, n_out, in_features // 8), dtype=np.int64).astype(np.int32)
+    packed = rng.integers(
+        -(2**31), 2**31, (experts, n_out, in_features // 8), dtype=np.int64
+    ).astype(np.int32)
     scale = rng.uniform(0.001, 0.01, (experts, n_out, in_features // 32)).astype(ml_dtypes.bfloat16)
     rows = rng.standard_normal((pairs, in_features)).astype(dtype)
     chosen = rng.integers(0, experts, pairs).astype(np.int32)
     out = jax.jit(cpu_kernels.gathered_int4_matvec)(rows, packed, scale, chosen)
     assert out.dtype == dtype and out.shape == (pairs, n_out)
-    dense = dequantize_int4_groups(jnp.asarray(packed)[chosen], jnp.asarray(scale)[chosen], in_features)
+    dense = dequantize_int4_groups(
+        jnp.asarray(packed)[chosen], jnp.asarray(scale)[chosen], in_features
+    )
     expected = np.einsum("pk,pnk->pn", np.asarray(rows, np.float64), np.asarray(dense, np.float64))
     tolerance = 1e-5 if dtype == jnp.float32 else 1e-2
-    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=tolerance, atol=tolerance)
+    np.testing.assert_allclose(
+        np.asarray(out, np.float64), expected, rtol=tolerance, atol=tolerance
+    )
 
 
 def int4_projections(rng, n_experts: int, d: int, f: int, group: int) -> list[Int4Experts]:
     projections = []
     for shape in [(n_experts, d, f), (n_experts, d, f), (n_experts, f, d)]:
         p = Int4Experts(shape, jnp.float32, (None,) * 3, group)
-        p.packed[...] = rng.integers(-(2**31), 2**31, p.packed.shape, dtype=np.int64).astype(np.int32)
+        p.packed[...] = rng.integers(-(2**31), 2**31, p.packed.shape, dtype=np.int64).astype(
+            np.int32
+        )
         p.scale[...] = jnp.asarray(rng.uniform(0.01, 0.05, p.scale.shape), jnp.bfloat16)
         projections.append(p)
     return projections
 
 
 def test_gathered_dispatch_through_the_kernel_equals_xla():
-    """The MoE's gathered dispatch gives the same outputs through the kernel as through XLA's dequantization."""
+    """The MoE's gathered dispatch gives the same outputs
+    through the kernel as through XLA's dequantization."""
     rng = np.random.default_rng(1)
     projections = int4_projections(rng, 6, 64, 96, 32)
     pieces = [p.stored() for p in projections]
@@ -132,17 +156,21 @@ def test_gathered_dispatch_through_the_kernel_equals_xla():
     for kernel in (True, False):
         backend = Backend("cpu", cpu_kernels=kernel)
         through = _pair_experts(projections, pieces, backend)
-        outputs[kernel] = jax.jit(lambda x, w, e, t=through: _gathered_experts(x, w, e, t))(x, weights, experts)
+        outputs[kernel] = jax.jit(lambda x, w, e, t=through: _gathered_experts(x, w, e, t))(
+            x, weights, experts
+        )
     np.testing.assert_allclose(outputs[True], outputs[False], rtol=1e-5, atol=1e-6)
 
 
 def test_the_kernel_is_used_only_where_it_applies():
-    """CPU and INT4 groups that are whole half-blocks; not for other groups, GPUs (they have their own,
-    tests/kernels/test_int4_experts.py), or when turned off; and with it gathering pays up to a few pairs per expert
-    (without it, only below half a pair per expert)."""
+    """CPU and INT4 groups that are whole half-blocks; not for other groups, GPUs (they have
+    their own, tests/kernels/test_int4_experts.py), or when turned off; and with it gathering
+    pays up to a few pairs per expert (without it, only below half a pair per expert)."""
     rng = np.random.default_rng(2)
     cpu = Backend("cpu")
-    assert _int4_kernel(int4_projections(rng, 2, 64, 32, 32), cpu) is cpu_kernels.gathered_int4_matvec
+    assert (
+        _int4_kernel(int4_projections(rng, 2, 64, 32, 32), cpu) is cpu_kernels.gathered_int4_matvec
+    )
     gpu = _int4_kernel(int4_projections(rng, 2, 64, 32, 32), Backend("gpu"))
     assert gpu is not None and gpu.func is int4_experts.gathered_int4_matvec_gpu
     for backend, group in ((cpu, 16), (Backend("cpu", cpu_kernels=False), 32)):
@@ -153,12 +181,15 @@ def test_the_kernel_is_used_only_where_it_applies():
 
 
 def test_build_is_cached_and_a_failing_compiler_falls_back(tmp_path, monkeypatch, caplog):
-    """The library is built once into the cache (a rename: no partial file), reused after; a compiler that fails
-    leaves nothing in the cache and makes ``load`` answer None with one warning."""
+    """The library is built once into the cache (a rename: no partial
+    file), reused after; a compiler that fails leaves nothing in the
+    cache and makes ``load`` answer None with one warning."""
     monkeypatch.setenv("JAXDD_CACHE", str(tmp_path))
     compiler = cpu_kernels.compiler()
     library = cpu_kernels.build(compiler)
-    assert library.parent == tmp_path / "native" and [p.name for p in library.parent.iterdir()] == [library.name]
+    assert library.parent == tmp_path / "native" and [p.name for p in library.parent.iterdir()] == [
+        library.name
+    ]
     built = library.stat().st_mtime_ns
     assert cpu_kernels.build(compiler) == library and library.stat().st_mtime_ns == built
     monkeypatch.setenv("JAXDD_CACHE", str(tmp_path / "failing"))
@@ -177,11 +208,12 @@ def test_build_is_cached_and_a_failing_compiler_falls_back(tmp_path, monkeypatch
     row_dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
     seed=st.integers(0, 2**16),
 )
-@example(rows=2, k=300, n=530, weight_dtype=jnp.float32, row_dtype=jnp.float32, seed=0)  # wide: 4 rows a pass
+# wide: 4 rows a pass
+@example(rows=2, k=300, n=530, weight_dtype=jnp.float32, row_dtype=jnp.float32, seed=0)
 def test_dense_matvec_equals_xla(rows, k, n, weight_dtype, row_dtype, seed):
-    """Any rows, inputs (one block of W's rows or several, split across threads) and outputs (narrow and wide
-    weights, whole vectors and a ragged tail): the dense kernel equals XLA's matmul to fp32 rounding, in the rows'
-    dtype."""
+    """Any rows, inputs (one block of W's rows or several, split across threads)
+    and outputs (narrow and wide weights, whole vectors and a ragged tail): the
+    dense kernel equals XLA's matmul to fp32 rounding, in the rows' dtype."""
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((rows, k)), row_dtype)
     weight = jnp.asarray(rng.standard_normal((k, n)), weight_dtype)
@@ -189,21 +221,34 @@ def test_dense_matvec_equals_xla(rows, k, n, weight_dtype, row_dtype, seed):
     assert out.dtype == row_dtype and out.shape == (rows, n)
     expected = np.asarray(x, np.float64) @ np.asarray(weight, np.float64)
     tolerance = 1e-5 * np.sqrt(k) if row_dtype == jnp.float32 else 1e-2 * np.sqrt(k)
-    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=tolerance, atol=tolerance)
+    np.testing.assert_allclose(
+        np.asarray(out, np.float64), expected, rtol=tolerance, atol=tolerance
+    )
 
 
 def test_linear_uses_the_dense_kernel_only_where_it_applies():
-    """``linear`` (any weight rank) gives XLA's result through the kernel for a few rows on one CPU device; more
-    rows, several devices, other platforms and the switch leave it to XLA."""
+    """``linear`` (any weight rank) gives XLA's result through the kernel for a few rows on one
+    CPU device; more rows, several devices, other platforms and the switch leave it to XLA."""
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((1, 1, 48)), jnp.float32)
     weight = jnp.asarray(rng.standard_normal((48, 4, 24)), jnp.float32)
     through_kernel = jax.jit(lambda x, w: linear(x, w, Backend("cpu")))(x, weight)
-    np.testing.assert_allclose(through_kernel, jnp.einsum("btq,qhd->bthd", x, weight), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        through_kernel, jnp.einsum("btq,qhd->bthd", x, weight), rtol=1e-5, atol=1e-5
+    )
     cpu = Backend("cpu")
-    assert cpu.dense_matvec(1) is cpu_kernels.dense_matvec and cpu.dense_matvec(Backend.DENSE_KERNEL_ROWS)
-    off = [Backend("cpu", devices=8), Backend("gpu"), Backend("tpu"), Backend("cpu", cpu_kernels=False)]
-    assert cpu.dense_matvec(Backend.DENSE_KERNEL_ROWS + 1) is None and all(b.dense_matvec(1) is None for b in off)
+    assert cpu.dense_matvec(1) is cpu_kernels.dense_matvec and cpu.dense_matvec(
+        Backend.DENSE_KERNEL_ROWS
+    )
+    off = [
+        Backend("cpu", devices=8),
+        Backend("gpu"),
+        Backend("tpu"),
+        Backend("cpu", cpu_kernels=False),
+    ]
+    assert cpu.dense_matvec(Backend.DENSE_KERNEL_ROWS + 1) is None and all(
+        b.dense_matvec(1) is None for b in off
+    )
     assert Backend.of_devices(jax.devices()[:1]).devices == 1
 
 
@@ -217,20 +262,23 @@ def test_linear_uses_the_dense_kernel_only_where_it_applies():
     seed=st.integers(0, 2**16),
 )
 def test_row_dot_equals_xla(groups, rows, n, k, weight_dtype, seed):
-    """Any groups, rows of x (8, 4, 2 and 1 at a time), weight rows (split across threads, a ragged last task) and
-    lengths (whole vectors and a tail): the row-dot kernel equals the einsum to fp32 rounding."""
+    """Any groups, rows of x (8, 4, 2 and 1 at a time), weight rows (split
+    across threads, a ragged last task) and lengths (whole vectors and a
+    tail): the row-dot kernel equals the einsum to fp32 rounding."""
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((groups, rows, k)), jnp.float32)
     weight = jnp.asarray(rng.standard_normal((groups, n, k)), weight_dtype)
     out = jax.jit(cpu_kernels.row_dot)(x, weight)
     assert out.dtype == jnp.float32 and out.shape == (groups, rows, n)
     expected = np.einsum("gpk,gnk->gpn", np.asarray(x, np.float64), np.asarray(weight, np.float64))
-    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=1e-5 * np.sqrt(k), atol=1e-5 * np.sqrt(k))
+    np.testing.assert_allclose(
+        np.asarray(out, np.float64), expected, rtol=1e-5 * np.sqrt(k), atol=1e-5 * np.sqrt(k)
+    )
 
 
 def test_decode_attention_through_the_kernels_equals_xla():
-    """A one-token step after a prefill (a batch of two: one cache each) gives XLA's hidden states and logits with
-    the dense matvecs and absorbed attention's products through the kernels."""
+    """A one-token step after a prefill (a batch of two: one cache each) gives XLA's hidden states
+    and logits with the dense matvecs and absorbed attention's products through the kernels."""
     batch = 2
     config = KimiConfig.from_hf(DeepseekV3Config(**TINY_K2).to_dict())
     target = KimiTarget(config, jnp.float32, rngs=nnx.Rngs(4))
@@ -247,7 +295,9 @@ def test_decode_attention_through_the_kernels_equals_xla():
                 length=jnp.full((batch,), 5, jnp.int32)
             )
             one = jnp.ones((batch, 1, 1), bool)
-            hidden = target(tokens[:, -1:], positions[:, -1:] + 1, cache, one, backend=backend).hidden
+            hidden = target(
+                tokens[:, -1:], positions[:, -1:] + 1, cache, one, backend=backend
+            ).hidden
             return hidden, target.logits(hidden, backend)
 
         return run(prompt)

@@ -10,16 +10,24 @@ from jaxdd.weights.tokenizer import load_tokenizer
 
 @pytest.fixture(scope="module")
 def reference():
-    """(run, tokenizer): ``run(prompt, max_tokens, temperature, seed, top_p, method)`` decodes one request alone
-    by SpeculativeDecoder.generate (its own cache size and batch of one), stopping where the server stops."""
+    """(run, tokenizer): ``run(prompt, max_tokens, temperature, seed, top_p,
+    method)`` decodes one request alone by SpeculativeDecoder.generate (its
+    own cache size and batch of one), stopping where the server stops."""
     target, drafter = jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32")
     decoder = SpeculativeDecoder(target, drafter)
     tokenizer = load_tokenizer(DEMO / "target")
     stops = sorted(set(target.config.eos_token_ids) | set(tokenizer.stop_ids))
 
-    def run(prompt: list[int], max_tokens: int, temperature=0.0, seed=0, top_p=1.0, method="dflash") -> list[int]:
+    def run(
+        prompt: list[int], max_tokens: int, temperature=0.0, seed=0, top_p=1.0, method="dflash"
+    ) -> list[int]:
         sampling = jaxdd.Sampling(temperature, top_p, 0, seed)
-        options = {"max_new_tokens": max_tokens, "stop_token_ids": stops, "sampling": sampling, "method": method}
+        options = {
+            "max_new_tokens": max_tokens,
+            "stop_token_ids": stops,
+            "sampling": sampling,
+            "method": method,
+        }
         return decoder.generate(prompt, **options).tokens
 
     return run, tokenizer

@@ -1,5 +1,6 @@
-"""Process 0's decisions as a follower receives them: exactly (the floats, a seed near 2**32, every field), in the
-order they were broadcast; a follower whose broadcast breaks, or that hears nothing, exits in one line."""
+"""Process 0's decisions as a follower receives them: exactly (the floats, a
+seed near 2**32, every field), in the order they were broadcast; a follower
+whose broadcast breaks, or that hears nothing, exits in one line."""
 
 import subprocess
 import sys
@@ -34,7 +35,8 @@ def test_a_follower_receives_exactly_what_process_0_decided():
     assert [leader.share(lambda step=step: step) for step in STEPS] == STEPS
     replay = iter(sent)
     follower = Broadcast(ROWS, MAX_PROMPT, 3600, leads=False, broadcast=lambda _: next(replay))
-    assert [follower.share(lambda: Decisions(stop=True)) for _ in STEPS] == STEPS  # its own decisions are unused
+    # its own decisions are unused
+    assert [follower.share(lambda: Decisions(stop=True)) for _ in STEPS] == STEPS
     assert next(replay, None) is None
 
 
@@ -46,13 +48,21 @@ def hang(values):
 def broken(values):
     raise ValueError("UNKNOWN: Gloo all-reduce failed: Connection closed by peer\\nmore")
 Broadcast(2, 16, 1.0, leads=False, broadcast={"hang": hang, "broken": broken}[sys.argv[1]]).share(None)
-"""
+"""  # noqa: E501
 
 
 def test_a_follower_that_loses_process_0_exits_in_one_line():
     for how, line in [
-        ("broken", "jaxdd: lost process 0 (ValueError: UNKNOWN: Gloo all-reduce failed: Connection closed by peer)"),
+        (
+            "broken",
+            "jaxdd: lost process 0 (ValueError: UNKNOWN: Gloo all-reduce failed: "
+            "Connection closed by peer)",
+        ),
         ("hang", "jaxdd: process 0 sent nothing for 1 s"),
     ]:
-        run = subprocess.run([sys.executable, "-c", FOLLOWER, how], capture_output=True, text=True, timeout=120)
-        assert run.returncode == LOST and run.stderr.splitlines()[-1] == f"{line}: exiting", run.stderr
+        run = subprocess.run(
+            [sys.executable, "-c", FOLLOWER, how], capture_output=True, text=True, timeout=120
+        )
+        assert run.returncode == LOST and run.stderr.splitlines()[-1] == f"{line}: exiting", (
+            run.stderr
+        )

@@ -1,6 +1,7 @@
-"""One scheduler, one meaning: a follower fed process 0's broadcast decisions makes the same pool calls in the
-same order (admissions, releases, rounds, a reset after a fault on both), and stops when process 0 does; a
-follower that faults alone says so and stops. A fake pool stands in for the model (no JAX)."""
+"""One scheduler, one meaning: a follower fed process 0's broadcast decisions
+makes the same pool calls in the same order (admissions, releases, rounds, a
+reset after a fault on both), and stops when process 0 does; a follower that
+faults alone says so and stops. A fake pool stands in for the model (no JAX)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ ROWS, MAX_PROMPT = 2, 8
 
 
 class FakePool:
-    """A RowPool's bookkeeping: each round gives every busy row one token (the first with its prefill's), a row ends
-    at its length; every call that a device would see is logged. ``faulty``: the dispatches (counted from 1) that
-    raise."""
+    """A RowPool's bookkeeping: each round gives every busy row one token (the
+    first with its prefill's), a row ends at its length; every call that a device
+    would see is logged. ``faulty``: the dispatches (counted from 1) that raise."""
 
     method, block, budget = "dflash", 4, None
 
@@ -64,7 +65,9 @@ class FakePool:
             if self.active.get(row) is not entry:
                 continue
             entry[1] += 1
-            updates[row] = RowUpdate([row], "length" if entry[1] >= entry[0] else None, first=entry[1] == 1)
+            updates[row] = RowUpdate(
+                [row], "length" if entry[1] >= entry[0] else None, first=entry[1] == 1
+            )
             if entry[1] >= entry[0]:
                 del self.active[row]
         return updates
@@ -75,11 +78,15 @@ class FakePool:
         self._in_flight.clear()
 
 
-def lead(pool: FakePool, jobs: list[tuple[list[int], int, Sampling]]) -> tuple[list[list[Event]], list]:
-    """Serve ``jobs`` (all at once) on a leading scheduler until each has ended, the last one cancelled by its
-    client after two events: (each job's events, what it broadcast)."""
+def lead(
+    pool: FakePool, jobs: list[tuple[list[int], int, Sampling]]
+) -> tuple[list[list[Event]], list]:
+    """Serve ``jobs`` (all at once) on a leading scheduler until each has ended, the last
+    one cancelled by its client after two events: (each job's events, what it broadcast)."""
     sent = []
-    channel = Broadcast(ROWS, MAX_PROMPT, 3600, leads=True, broadcast=lambda values: sent.append(values) or values)
+    channel = Broadcast(
+        ROWS, MAX_PROMPT, 3600, leads=True, broadcast=lambda values: sent.append(values) or values
+    )
     scheduler = Scheduler(pool, Metrics(pool.block), max_waiting=16, channel=channel)
     scheduler.start()
     assert scheduler.ready.wait(10)
@@ -96,7 +103,9 @@ def lead(pool: FakePool, jobs: list[tuple[list[int], int, Sampling]]) -> tuple[l
 
     submitted = []
     for i, (prompt, max_new_tokens, sampling) in enumerate(jobs):
-        submitted.append(Job(prompt, max_new_tokens, [0], sampling, lambda event, i=i: deliver(i, event)))
+        submitted.append(
+            Job(prompt, max_new_tokens, [0], sampling, lambda event, i=i: deliver(i, event))
+        )
         scheduler.submit(submitted[-1])
     for _ in jobs:
         assert ended.acquire(timeout=10)
@@ -126,7 +135,9 @@ JOBS = [
 def test_a_follower_makes_process_0s_pool_calls():
     leader = FakePool(faulty=frozenset({3}))
     events, sent = lead(leader, JOBS)
-    assert any(e.error for job in events for e in job) and any(e.finish == "length" for job in events for e in job)
+    assert any(e.error for job in events for e in job) and any(
+        e.finish == "length" for job in events for e in job
+    )
     assert ("reset",) in leader.log and any(call[0] == "release" for call in leader.log)
     follower = FakePool(faulty=frozenset({3}))  # one program: the fault is everyone's
     scheduler, unread = follow(follower, sent)
@@ -136,4 +147,6 @@ def test_a_follower_makes_process_0s_pool_calls():
 def test_a_follower_that_faults_alone_stops():
     _, sent = lead(FakePool(), JOBS)
     scheduler, unread = follow(FakePool(faulty=frozenset({2})), sent)
-    assert unread > 0 and "this process faulted in a step where process 0 did not" in scheduler.failure
+    assert (
+        unread > 0 and "this process faulted in a step where process 0 did not" in scheduler.failure
+    )

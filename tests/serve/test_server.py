@@ -1,6 +1,7 @@
-"""python -m jaxdd.serve on loopback with the bundled pair, driven by the real ``openai`` client: both endpoints,
-streamed and not, concurrent requests equal to their runs alone (greedy and seeded), stop strings and ids, usage,
-token ids, cancellation, the queue limit, bad requests, health, metrics, no compile after warm-up."""
+"""python -m jaxdd.serve on loopback with the bundled pair, driven by the real
+``openai`` client: both endpoints, streamed and not, concurrent requests equal to their
+runs alone (greedy and seeded), stop strings and ids, usage, token ids, cancellation,
+the queue limit, bad requests, health, metrics, no compile after warm-up."""
 
 from __future__ import annotations
 
@@ -24,13 +25,16 @@ TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<a
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """(base url, openai client, the server's compiles right after warm-up), the server stopped by pid after."""
+    """(base url, openai client, the server's compiles right
+    after warm-up), the server stopped by pid after."""
     template = tmp_path_factory.mktemp("serve") / "chat.jinja"
     template.write_text(TEMPLATE)
     args = ["--max-batch", str(ROWS), "--max-waiting", str(WAITING), "--max-len", str(MAX_LEN)]
     args += ["--max-prompt", str(MAX_PROMPT), "--chat-template", str(template)]
     with running_server(args, tmp_path_factory.mktemp("serve_log") / "server.log") as process:
-        client = openai.OpenAI(base_url=f"{process.url}/v1", api_key="none", timeout=60, max_retries=0)
+        client = openai.OpenAI(
+            base_url=f"{process.url}/v1", api_key="none", timeout=60, max_retries=0
+        )
         yield process.url, client, process.metric("compiles_total")
 
 
@@ -61,8 +65,8 @@ def requests_for(seed: int, count: int) -> list[dict]:
 
 
 def test_concurrent_requests_equal_their_runs_alone(server, reference):
-    """Greedy and seeded sampled requests of mixed lengths, more than there are rows, sent at once (some streamed):
-    each one's tokens are what it decodes alone; usage counts them."""
+    """Greedy and seeded sampled requests of mixed lengths, more than there are rows, sent at
+    once (some streamed): each one's tokens are what it decodes alone; usage counts them."""
     _, client, _ = server
     run, _ = reference
     batch = requests_for(seed=1, count=ROWS + 2)
@@ -84,18 +88,34 @@ def test_server_equals_the_cli(server):
     """A seeded sampled request gives what python -m jaxdd.generate --no-chat gives for it."""
     _, client, _ = server
     prompt = "def fibonacci(n):"
-    argv = [sys.executable, "-m", "jaxdd.generate", prompt, "--no-chat", "--json", "--max-new-tokens", "24"]
+    argv = [
+        sys.executable,
+        "-m",
+        "jaxdd.generate",
+        prompt,
+        "--no-chat",
+        "--json",
+        "--max-new-tokens",
+        "24",
+    ]
     argv += ["--temperature", "0.8", "--seed", "11", "--dtype", "float32"]
-    cli = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300).stdout)
-    ids, text, _, _ = complete(client, {"prompt": prompt, "max_tokens": 24, "temperature": 0.8, "seed": 11})
-    assert ids == cli["output_ids"] and text == cli["text"]  # no stop id among them: the texts agree too
+    cli = json.loads(
+        subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300).stdout
+    )
+    ids, text, _, _ = complete(
+        client, {"prompt": prompt, "max_tokens": 24, "temperature": 0.8, "seed": 11}
+    )
+    # no stop id among them: the texts agree too
+    assert ids == cli["output_ids"] and text == cli["text"]
 
 
 def test_chat_streamed_equals_chat_whole(server, reference):
     _, client, _ = server
     run, tokenizer = reference
     messages = [{"role": "user", "content": "Write a loop."}]
-    whole = client.chat.completions.create(model="kimi-mini", messages=messages, max_tokens=20, temperature=0)
+    whole = client.chat.completions.create(
+        model="kimi-mini", messages=messages, max_tokens=20, temperature=0
+    )
     chunks = list(
         client.chat.completions.create(
             model="kimi-mini",
@@ -123,14 +143,20 @@ def test_stop_ids_and_stop_strings(server, reference):
     prompt = tokenizer.encode("class Stack:\n")
     full = run(prompt, 40)
     stop_id = full[6]
-    ids, _, finish, _ = complete(client, {"prompt": prompt, "max_tokens": 40, "temperature": 0, "stop": [stop_id]})
+    ids, _, finish, _ = complete(
+        client, {"prompt": prompt, "max_tokens": 40, "temperature": 0, "stop": [stop_id]}
+    )
     assert ids == full[: full.index(stop_id) + 1] and finish == "stop"
     text = tokenizer.decode(full)
     stop = text[len(text) // 2 : len(text) // 2 + 3]
-    ids, cut, finish, _ = complete(client, {"prompt": prompt, "max_tokens": 40, "temperature": 0, "stop": stop})
+    ids, cut, finish, _ = complete(
+        client, {"prompt": prompt, "max_tokens": 40, "temperature": 0, "stop": stop}
+    )
     assert finish == "stop" and cut == text[: text.index(stop)]
     assert stop in tokenizer.decode(ids) and stop not in tokenizer.decode(ids[:-1])
-    streamed = complete(client, {"prompt": prompt, "max_tokens": 40, "temperature": 0, "stop": stop, "stream": True})
+    streamed = complete(
+        client, {"prompt": prompt, "max_tokens": 40, "temperature": 0, "stop": stop, "stream": True}
+    )
     assert streamed[:3] == (ids, cut, "stop")
 
 
@@ -139,7 +165,12 @@ def test_closed_stream_frees_its_row(server):
     before = metric(url, "generation_tokens_total")
     max_tokens = MAX_LEN - 8
     stream = client.completions.create(
-        model="kimi-mini", prompt=[5, 6, 7], max_tokens=max_tokens, temperature=1.0, seed=3, stream=True
+        model="kimi-mini",
+        prompt=[5, 6, 7],
+        max_tokens=max_tokens,
+        temperature=1.0,
+        seed=3,
+        stream=True,
     )
     next(iter(stream))
     assert metric(url, "num_requests_running") == 1
@@ -148,13 +179,18 @@ def test_closed_stream_frees_its_row(server):
     while metric(url, "num_requests_running") != 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert metric(url, "num_requests_running") == 0
-    assert metric(url, "generation_tokens_total") - before < max_tokens  # ended early, not run to its length
+    # ended early, not run to its length
+    assert metric(url, "generation_tokens_total") - before < max_tokens
 
 
 def test_timeout_ends_a_request(server):
     _, client, _ = server
     response = client.completions.create(
-        model="kimi-mini", prompt=[9, 8, 7], max_tokens=MAX_LEN - 8, temperature=1.0, extra_body={"timeout": 0.05}
+        model="kimi-mini",
+        prompt=[9, 8, 7],
+        max_tokens=MAX_LEN - 8,
+        temperature=1.0,
+        extra_body={"timeout": 0.05},
     )
     assert response.choices[0].finish_reason == "timeout"
     assert response.usage.completion_tokens < MAX_LEN - 8
@@ -165,9 +201,13 @@ def test_health_models_metrics_and_no_compile_after_warm_up(server):
     assert httpx.get(f"{url}/health", timeout=10).json() == {"status": "ok"}
     assert [m.id for m in client.models.list().data] == ["kimi-mini"]
     for i, length in enumerate([3, MAX_PROMPT]):  # both prompt buckets, greedy and sampled
-        complete(client, {"prompt": [7] * length, "max_tokens": 12, "temperature": 0.5 * i, "seed": i})
+        complete(
+            client, {"prompt": [7] * length, "max_tokens": 12, "temperature": 0.5 * i, "seed": i}
+        )
     assert metric(url, "compiles_total") == compiles > 0
     assert metric(url, "spec_decode_num_drafts_total") > 0
-    assert metric(url, "spec_decode_num_accepted_tokens_total") <= metric(url, "spec_decode_num_draft_tokens_total")
+    assert metric(url, "spec_decode_num_accepted_tokens_total") <= metric(
+        url, "spec_decode_num_draft_tokens_total"
+    )
     assert metric(url, "time_to_first_token_seconds_count") > 0
     assert metric(url, "acceptance_length_count") == metric(url, "spec_decode_num_drafts_total")

@@ -1,7 +1,8 @@
-"""The server against careless and hostile clients, overload, vanished clients, signals and engine faults, on
-loopback with the real ``openai`` client and raw httpx bodies: every bad request a 4xx with an OpenAI error body
-naming what is wrong, 429 past the queue, rows freed when clients leave, SIGTERM / SIGINT drained to exit 0, a
-second signal at once, a faulty round failing only its requests, and a short soak with nothing growing."""
+"""The server against careless and hostile clients, overload, vanished clients, signals
+and engine faults, on loopback with the real ``openai`` client and raw httpx bodies: every
+bad request a 4xx with an OpenAI error body naming what is wrong, 429 past the queue, rows
+freed when clients leave, SIGTERM / SIGINT drained to exit 0, a second signal at once, a
+faulty round failing only its requests, and a short soak with nothing growing."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from jaxdd.testing.server import START_SECONDS, running_server, started_server
 ROWS, WAITING, MAX_LEN, MAX_PROMPT = 2, 2, 1024, 16
 SHAPE = ["--max-batch", str(ROWS), "--max-waiting", str(WAITING), "--max-len", str(MAX_LEN)]
 SHAPE += ["--max-prompt", str(MAX_PROMPT)]
-LONG = {"prompt": [5, 6, 7], "max_tokens": MAX_LEN - 16, "temperature": 1.0, "seed": 0}  # seconds: outlasts the checks
+# seconds: outlasts the checks
+LONG = {"prompt": [5, 6, 7], "max_tokens": MAX_LEN - 16, "temperature": 1.0, "seed": 0}
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
 
 
@@ -40,7 +42,9 @@ def server(tmp_path_factory):
 
 
 def post(server, body, path: str = "/v1/completions", **options) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, timeout=options.pop("timeout", 120), **options)
+    return httpx.post(
+        f"{server.url}{path}", json=body, timeout=options.pop("timeout", 120), **options
+    )
 
 
 def sse_payloads(response: httpx.Response) -> list:
@@ -54,7 +58,9 @@ def sse_payloads(response: httpx.Response) -> list:
 
 
 def finish_of(payloads: list) -> str | None:
-    reasons = [c["finish_reason"] for p in payloads if isinstance(p, dict) for c in p.get("choices", [])]
+    reasons = [
+        c["finish_reason"] for p in payloads if isinstance(p, dict) for c in p.get("choices", [])
+    ]
     return next((r for r in reversed(reasons) if r), None)
 
 
@@ -93,7 +99,12 @@ BAD_BODIES = [  # (body, status, param, words the message holds)
     ({"prompt": [1, 2], "stop": [str(i) for i in range(17)]}, 400, "stop", "at most"),
     ({"prompt": [1, 2], "stop": "x" * 257}, 400, "stop", "at most 256 characters"),
     ({"prompt": [1, 2], "stop": ["x", "x" * 257]}, 400, "stop", "at most 256 characters"),
-    ({"prompt": [1, 2], "stop_token_ids": list(range(1, 17))}, 400, "stop_token_ids", "at most 15 beside"),
+    (
+        {"prompt": [1, 2], "stop_token_ids": list(range(1, 17))},
+        400,
+        "stop_token_ids",
+        "at most 15 beside",
+    ),
     ({"prompt": [1, 2], "stop_token_ids": [10**6]}, 400, "stop_token_ids", "vocabulary"),
     ({"prompt": [1, 2], "stream_options": "yes"}, 400, "stream_options", "dictionary"),
 ]
@@ -104,7 +115,11 @@ def test_bad_request_names_what_is_wrong(server, body, status, param, words):
     response = post(server, body)
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert error["param"] == param and words in error["message"] and error["type"] == "invalid_request_error"
+    assert (
+        error["param"] == param
+        and words in error["message"]
+        and error["type"] == "invalid_request_error"
+    )
 
 
 @pytest.mark.parametrize(
@@ -117,7 +132,12 @@ def test_bad_request_names_what_is_wrong(server, body, status, param, words):
         (b'{"prompt": "\xff\xfe"}', None, 400, "could not be read"),
         (b"[" * 100_000 + b"]" * 100_000, None, 400, "could not be read"),
         (b'{"prompt": [1, 2]}', {"content-type": "text/plain"}, 415, "application/json"),
-        (b"prompt=1", {"content-type": "application/x-www-form-urlencoded"}, 415, "application/json"),
+        (
+            b"prompt=1",
+            {"content-type": "application/x-www-form-urlencoded"},
+            415,
+            "application/json",
+        ),
     ],
 )
 def test_malformed_body_gets_an_error_body(server, payload, headers, status, words):
@@ -137,11 +157,16 @@ def test_oversized_bodies_413_declared_or_chunked(server):
     chunked = httpx.post(f"{server.url}/v1/completions", content=chunks(), timeout=60)
     assert chunked.request.headers.get("transfer-encoding") == "chunked"
     for response in (declared, chunked):
-        assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+        assert (
+            response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+        )
 
 
 def test_chat_bad_requests_and_the_openai_client(server):
-    bad_chat = [({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "hi"}]}, "messages")]
+    bad_chat = [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
+    ]
     for body, param in bad_chat:
         response = post(server, body, "/v1/chat/completions")
         assert response.status_code == 400 and response.json()["error"]["param"] == param
@@ -150,7 +175,12 @@ def test_chat_bad_requests_and_the_openai_client(server):
         client.completions.create(model="kimi-mini", prompt=[1, 2], max_tokens=MAX_LEN * 4)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
-    assert client.completions.create(model="kimi-mini", prompt=[1, 2], max_tokens=3).usage.completion_tokens == 3
+    assert (
+        client.completions.create(
+            model="kimi-mini", prompt=[1, 2], max_tokens=3
+        ).usage.completion_tokens
+        == 3
+    )
 
 
 def counted(server, metric: str, label: str, values: tuple[str, ...]) -> dict[str, float]:
@@ -179,7 +209,9 @@ def test_overload_refused_at_once_and_every_admitted_request_completes(server):
     def send(i: int) -> tuple[int, float, dict]:
         start.wait()
         began = time.monotonic()
-        response = post(server, {"prompt": [3, 4, i], "max_tokens": 64, "temperature": 1.0, "seed": i})
+        response = post(
+            server, {"prompt": [3, 4, i], "max_tokens": 64, "temperature": 1.0, "seed": i}
+        )
         return response.status_code, time.monotonic() - began, response.json()
 
     with concurrent.futures.ThreadPoolExecutor(count) as pool:
@@ -191,7 +223,8 @@ def test_overload_refused_at_once_and_every_admitted_request_completes(server):
     assert f"--max-waiting {WAITING}" in refused[0][2]["error"]["message"]
     assert all(r[2]["choices"][0]["finish_reason"] == "length" for r in served)
     assert all(r[2]["usage"]["completion_tokens"] == 64 for r in served)
-    assert max(r[1] for r in refused) < max(r[1] for r in served)  # refused without waiting for a row
+    # refused without waiting for a row
+    assert max(r[1] for r in refused) < max(r[1] for r in served)
     assert server.wait_until(lambda: server.metric("num_requests_running") == 0, 30)
     assert change(refused_before, refusals(server)) == {"queue_full": len(refused)}
     assert change(ended, ends(server)) == {"length": len(served)}
@@ -204,12 +237,18 @@ def rows_free(server) -> bool:
 def test_a_stream_whose_socket_closes_frees_its_row(server):
     before = server.metric("generation_tokens_total")
     body = json.dumps({**LONG, "stream": True}).encode()
-    connection = socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=30)
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+    connection = socket.create_connection(
+        ("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=30
+    )
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        f"application/json\r\nContent-Length: {len(body)}"
+    )
     connection.sendall(head.encode() + b"\r\n\r\n" + body)
     assert b"200 OK" in connection.recv(4096)
     assert server.wait_until(lambda: server.metric("num_requests_running") == 1, 10)
-    connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # reset
+    # reset
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
     connection.close()
     assert server.wait_until(lambda: rows_free(server), 10)
     assert server.metric("generation_tokens_total") - before < LONG["max_tokens"]
@@ -224,30 +263,40 @@ def test_a_client_read_timeout_frees_its_row(server):
 
 
 def test_queued_requests_that_leave_or_time_out_end_while_every_row_is_busy(server):
-    """With both rows busy, a queued client that leaves stops counting as waiting, and a queued request past its
-    timeout ends ("timeout"), at the next step: neither waits for a row to free."""
+    """With both rows busy, a queued client that leaves stops counting as waiting, and a queued
+    request past its timeout ends ("timeout"), at the next step: neither waits for a row to free."""
     prompt_tokens = server.metric("prompt_tokens_total")
     with httpx.Client(base_url=server.url, timeout=60) as client, contextlib.ExitStack() as streams:
         lines = []  # kept: a dropped line iterator closes its stream
         for _ in range(ROWS):
-            response = streams.enter_context(client.stream("POST", "/v1/completions", json={**LONG, "stream": True}))
+            response = streams.enter_context(
+                client.stream("POST", "/v1/completions", json={**LONG, "stream": True})
+            )
             lines.append(response.iter_lines())
             next(lines[-1])
         assert server.wait_until(lambda: server.metric("num_requests_running") == ROWS, 10)
         with pytest.raises(httpx.ReadTimeout):
             post(server, LONG, timeout=httpx.Timeout(30, read=0.5))
         # The server notices a waiting client's leaving at its next look.
-        assert server.wait_until(lambda: server.metric("num_requests_waiting") == 0, 4 * DISCONNECT_POLL + 2)
+        assert server.wait_until(
+            lambda: server.metric("num_requests_waiting") == 0, 4 * DISCONNECT_POLL + 2
+        )
         timed = post(server, {**LONG, "timeout": 0.2}, timeout=10).json()
-        assert timed["choices"][0]["finish_reason"] == "timeout" and timed["usage"]["completion_tokens"] == 0
+        assert (
+            timed["choices"][0]["finish_reason"] == "timeout"
+            and timed["usage"]["completion_tokens"] == 0
+        )
         assert server.metric("num_requests_running") == ROWS  # the rows were busy throughout
     assert server.wait_until(lambda: rows_free(server), 10)
     assert post(server, {"prompt": [1, 2], "max_tokens": 2}).status_code == 200
-    assert server.metric("prompt_tokens_total") - prompt_tokens == ROWS * 3 + 2  # the queued prompt never ran
+    # the queued prompt never ran
+    assert server.metric("prompt_tokens_total") - prompt_tokens == ROWS * 3 + 2
 
 
 def test_engine_fault_fails_its_round_and_serving_goes_on(server):
-    with httpx.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}, timeout=60) as streamed:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}, timeout=60
+    ) as streamed:
         lines = streamed.iter_lines()
         next(lines)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -260,7 +309,9 @@ def test_engine_fault_fails_its_round_and_serving_goes_on(server):
     assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
     assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ok"}
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=60, max_retries=0)
-    after = client.completions.create(model="kimi-mini", prompt=[1, 2, 3], max_tokens=12, temperature=0)
+    after = client.completions.create(
+        model="kimi-mini", prompt=[1, 2, 3], max_tokens=12, temperature=0
+    )
     assert after.choices[0].finish_reason == "length" and after.usage.completion_tokens == 12
 
 
@@ -312,13 +363,14 @@ def test_serving_is_said_once_health_answers(tmp_path):
 
 def soak_request(rng: np.random.Generator, i: int) -> dict:
     prompt = rng.integers(1, 4096, size=int(rng.integers(1, MAX_PROMPT + 1))).tolist()
-    return {"prompt": prompt, "max_tokens": int(rng.integers(1, 12)), "temperature": float(rng.choice([0, 0.8])),
-            "seed": i, "stream": bool(i % 2)}  # fmt: skip
+    return {"prompt": prompt, "max_tokens": int(rng.integers(1, 12)),
+            "temperature": float(rng.choice([0, 0.8])), "seed": i,
+            "stream": bool(i % 2)}  # fmt: skip
 
 
 def test_soak_nothing_grows_after_warm_up(server):
-    """A few hundred mixed requests (streamed or not, some bad, some abandoned): RSS, threads, open files and
-    compiled executables do not grow past the warm-up's."""
+    """A few hundred mixed requests (streamed or not, some bad, some abandoned): RSS,
+    threads, open files and compiled executables do not grow past the warm-up's."""
     rng = np.random.default_rng(41)
     bodies = [soak_request(rng, i) for i in range(300)]
 
@@ -326,13 +378,18 @@ def test_soak_nothing_grows_after_warm_up(server):
         body = bodies[i]
         if i % 10 == 3:
             body["top_p"] = 7  # a bad request
-        if i % 10 == 7:  # a client that leaves at once (unless the queue is full: a 429 comes first)
+        # a client that leaves at once (unless the queue is full: a 429 comes first)
+        if i % 10 == 7:
             try:
                 timeout = httpx.Timeout(30, read=0.05)
-                return post(server, {**body, "max_tokens": MAX_LEN - MAX_PROMPT}, timeout=timeout).status_code
+                return post(
+                    server, {**body, "max_tokens": MAX_LEN - MAX_PROMPT}, timeout=timeout
+                ).status_code
             except httpx.ReadTimeout:
                 return 499
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json=body, timeout=120
+        ) as response:
             response.read()
             return response.status_code
 
@@ -346,28 +403,37 @@ def test_soak_nothing_grows_after_warm_up(server):
     statuses = batch(60, 240)
     assert server.wait_until(lambda: rows_free(server), 30)
     after = server.usage()
-    assert statuses.count(200) >= 120 and statuses.count(400) == 24 and set(statuses) <= {200, 400, 429, 499}
+    assert (
+        statuses.count(200) >= 120
+        and statuses.count(400) == 24
+        and set(statuses) <= {200, 400, 429, 499}
+    )
     assert server.metric("compiles_total") == compiles
     assert after["threads"] <= before["threads"] and after["fds"] <= before["fds"] + 4
     assert after["rss_mb"] - before["rss_mb"] < 64
 
 
 def long_stream(url: str, out: list) -> None:
-    with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}, timeout=120) as response:
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={**LONG, "stream": True}, timeout=120
+    ) as response:
         out.extend(sse_payloads(response))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_drains_then_exits_0(tmp_path, sig):
-    """A short and a long stream in flight: the short one finishes, the long one ends at the drain timeout with
-    "abort"; both end with ``[DONE]``; no new request is admitted; the process exits 0."""
+    """A short and a long stream in flight: the short one finishes,
+    the long one ends at the drain timeout with "abort"; both end with
+    ``[DONE]``; no new request is admitted; the process exits 0."""
     with running_server([*SHAPE, "--drain-timeout", "2"], tmp_path / "server.log") as server:
         long = []
         thread = threading.Thread(target=long_stream, args=(server.url, long))
         thread.start()
         assert server.wait_until(lambda: server.metric("num_requests_running") == 1, 30)
         body = {"prompt": [1, 2], "max_tokens": 24, "temperature": 0, "stream": True}
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json=body, timeout=120
+        ) as response:
             lines = response.iter_lines()
             first = next(lines)
             server.process.send_signal(sig)
@@ -375,7 +441,10 @@ def test_signal_drains_then_exits_0(tmp_path, sig):
         assert server.exit_code(60) == 0, server.log.read_text()
         thread.join(30)
         short = [line.removeprefix("data: ") for line in short if line]
-        assert short[-1] == "[DONE]" and finish_of([json.loads(line) for line in short[:-1]]) == "length"
+        assert (
+            short[-1] == "[DONE]"
+            and finish_of([json.loads(line) for line in short[:-1]]) == "length"
+        )
         assert long[-1] == "[DONE]" and finish_of(long) == "abort"
         with pytest.raises(httpx.ConnectError):
             post(server, {"prompt": [1], "max_tokens": 2})
@@ -401,7 +470,9 @@ def test_second_signal_exits_at_once(tmp_path):
 
 
 def test_an_engine_that_cannot_recover_says_so(tmp_path):
-    with running_server([*SHAPE], tmp_path / "server.log", env={"JAXDD_SERVE_FAULTS": "1"}) as server:
+    with running_server(
+        [*SHAPE], tmp_path / "server.log", env={"JAXDD_SERVE_FAULTS": "1"}
+    ) as server:
         assert post(server, {"rounds": 1, "fatal": True}, "/debug/fault").status_code == 200
         failed = post(server, LONG)
         assert failed.status_code == 500 and "engine fault" in failed.json()["error"]["message"]

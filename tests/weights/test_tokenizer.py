@@ -1,4 +1,5 @@
-"""Checkpoint tokenizers: Kimi's tiktoken.model + tokenizer_config.json (synthetic), tokenizer.json, chat templates."""
+"""Checkpoint tokenizers: Kimi's tiktoken.model +
+tokenizer_config.json (synthetic), tokenizer.json, chat templates."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ from jaxdd.errors import CheckpointError
 from jaxdd.testing.byte_tokenizer import PerByteFallback
 from jaxdd.testing.kimi_tokenizer import KIMI_STYLE_TEMPLATE, SPECIAL, write_kimi_tokenizer
 from jaxdd.testing.profiles import examples
-from jaxdd.weights.tokenizer import KIMI_PATTERN, IncrementalDecoder, KimiTokenizer, TextTokenizer, load_tokenizer
+from jaxdd.weights.tokenizer import (
+    KIMI_PATTERN,
+    IncrementalDecoder,
+    KimiTokenizer,
+    TextTokenizer,
+    load_tokenizer,
+)
 
 TEXT = "def add(a, b):\n    return a + b\n\n# 加法 adds numbers; it's 123456 times faster\n" * 4
 
@@ -35,7 +42,8 @@ def test_kimi_tiktoken_special_tokens(kimi):
     tokenizer, base = kimi
     assert isinstance(tokenizer, KimiTokenizer)
     assert [tokenizer.token_id(t) for t in SPECIAL] == list(range(base, base + len(SPECIAL)))
-    assert tokenizer.token_id(f"<|reserved_token_{base + 100}|>") == base + 100  # unnamed slots are reserved
+    # unnamed slots are reserved
+    assert tokenizer.token_id(f"<|reserved_token_{base + 100}|>") == base + 100
     assert len(tokenizer.special) == 256
     assert tokenizer.stop_ids == [base + 1, base + 2]  # [EOS] and, as a chat model, <|im_end|>
     assert tokenizer.encode("<|im_end|>", special=True) == [base + 2]
@@ -45,10 +53,12 @@ def test_kimi_tiktoken_special_tokens(kimi):
 
 
 @settings(max_examples=examples(60), deadline=None)
-@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=40) | st.sampled_from(TEXT.splitlines()))
+@given(
+    st.text(alphabet=st.characters(codec="utf-8"), max_size=40) | st.sampled_from(TEXT.splitlines())
+)
 def test_kimi_encoding_follows_the_pattern_and_round_trips(kimi, text):
-    """Each piece of Kimi's pre-tokenizer regex (run by the ``regex`` module, which spells ``&&`` class
-    intersection in V1 mode) is encoded on its own: merges never cross a piece boundary."""
+    """Each piece of Kimi's pre-tokenizer regex (run by the ``regex`` module, which spells ``&&``
+    class intersection in V1 mode) is encoded on its own: merges never cross a piece boundary."""
     tokenizer, _ = kimi
     ids = tokenizer.encode(text)
     assert tokenizer.decode(ids) == text
@@ -58,12 +68,20 @@ def test_kimi_encoding_follows_the_pattern_and_round_trips(kimi, text):
 
 
 def test_han_characters_split_from_latin_letters(kimi):
-    assert regex.findall(KIMI_PATTERN, "加法adds 加法", flags=regex.V1) == ["加法", "adds", " ", "加法"]
+    assert regex.findall(KIMI_PATTERN, "加法adds 加法", flags=regex.V1) == [
+        "加法",
+        "adds",
+        " ",
+        "加法",
+    ]
 
 
 def test_chat_template_renders_like_transformers(kimi, tmp_path):
     tokenizer, base = kimi
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "add 2 and 3"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "add 2 and 3"},
+    ]
     backend = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     reference = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=KIMI_STYLE_TEMPLATE)
@@ -74,8 +92,14 @@ def test_chat_template_renders_like_transformers(kimi, tmp_path):
     im = {t: tokenizer.token_id(t) for t in SPECIAL}
     assert ids[0] == im["<|im_system|>"] and ids[-1] == im["<|im_middle|>"]
     assert ids.count(im["<|im_end|>"]) == 2
-    generation_prompt = [im["<|im_assistant|>"], *tokenizer.encode("assistant"), im["<|im_middle|>"]]
-    assert ids[-len(generation_prompt) :] == generation_prompt and im["<|im_assistant|>"] == base + 4
+    generation_prompt = [
+        im["<|im_assistant|>"],
+        *tokenizer.encode("assistant"),
+        im["<|im_middle|>"],
+    ]
+    assert (
+        ids[-len(generation_prompt) :] == generation_prompt and im["<|im_assistant|>"] == base + 4
+    )
 
 
 def test_chat_template_file_and_plain_tokenizers(tmp_path):
@@ -94,13 +118,18 @@ def test_bad_tokenizer_files_are_named(tmp_path):
     write_kimi_tokenizer(tmp_path, ranks)
     with open(tmp_path / "tiktoken.model", "a") as f:
         f.write("not-base64!! 256\n")
-    with pytest.raises(CheckpointError, match="tiktoken.model: line 257 is not 'base64-token rank'"):
+    with pytest.raises(
+        CheckpointError, match="tiktoken.model: line 257 is not 'base64-token rank'"
+    ):
         load_tokenizer(tmp_path)
     write_kimi_tokenizer(tmp_path, ranks)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     config["added_tokens_decoder"]["9999"] = {"content": "<|far|>"}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"added token id\(s\) \[9999\] outside the special range \[256, 512\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"added token id\(s\) \[9999\] outside the special range \[256, 512\)",
+    ):
         load_tokenizer(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text("{")
     with pytest.raises(CheckpointError, match="tokenizer_config.json: not valid JSON"):
@@ -111,7 +140,8 @@ DEMO_TOKENIZER = load_tokenizer(DEMO / "target")
 
 
 def streamed(tokenizer: TextTokenizer, ids: list[int], cuts: list[int]) -> list[str]:
-    """The pieces an ``IncrementalDecoder`` releases for ``ids`` given in chunks cut at ``cuts``, then closed."""
+    """The pieces an ``IncrementalDecoder`` releases for
+    ``ids`` given in chunks cut at ``cuts``, then closed."""
     decoder = IncrementalDecoder(tokenizer)
     edges = [0, *sorted(c % (len(ids) + 1) for c in cuts), len(ids)]
     pieces = [decoder.push(ids[a:b]) for a, b in itertools.pairwise(edges)]
@@ -122,8 +152,8 @@ def streamed(tokenizer: TextTokenizer, ids: list[int], cuts: list[int]) -> list[
 @given(st.data())
 @pytest.mark.parametrize("which", ["demo", "kimi", "per-byte"])
 def test_incremental_decoding_releases_the_whole_text_in_order(kimi, which, data):
-    """Random ids (any byte sequences, special tokens included) in random chunks: the released pieces add up to
-    the whole decode, and no piece but the last ends mid-character."""
+    """Random ids (any byte sequences, special tokens included) in random chunks: the released
+    pieces add up to the whole decode, and no piece but the last ends mid-character."""
     tokenizer = {"demo": DEMO_TOKENIZER, "kimi": kimi[0], "per-byte": PerByteFallback()}[which]
     vocab = 256 if which == "per-byte" else max(tokenizer.special.values()) + 1
     ids = data.draw(st.lists(st.integers(0, vocab - 1), max_size=30))
@@ -133,8 +163,9 @@ def test_incremental_decoding_releases_the_whole_text_in_order(kimi, which, data
 
 
 def test_a_character_cut_over_tokens_waits_for_its_last_byte():
-    """Three byte tokens of 中, decoded per byte as two U+FFFD before the third: nothing is released until it
-    comes, and the text goes on after it (holding back a single U+FFFD released one of those and then nothing)."""
+    """Three byte tokens of 中, decoded per byte as two U+FFFD before the
+    third: nothing is released until it comes, and the text goes on after it
+    (holding back a single U+FFFD released one of those and then nothing)."""
     tokenizer = PerByteFallback()
     ids = tokenizer.encode("a中b")
     assert streamed(tokenizer, ids, [1, 2, 3, 4]) == ["a", "", "", "中", "b", ""]
