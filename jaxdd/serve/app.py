@@ -96,7 +96,10 @@ def create_app(server: Server) -> FastAPI:
     async def completions(body: protocol.CompletionRequest, request: Request):
         text = isinstance(body.prompt, str)
         prompt = encode(server, body.prompt, special=False) if text else list(body.prompt)
-        return await generate(server, "completion", body, prompt, body.max_tokens, request)
+        if body.best_of not in (None, body.n):
+            message = f"best_of: only best_of == n ({body.n}) is served, got {body.best_of}"
+            raise APIError(400, message, param="best_of")
+        return await generate(server, "completion", body, prompt, body.max_new_tokens, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: protocol.ChatRequest, request: Request):
@@ -112,9 +115,7 @@ def create_app(server: Server) -> FastAPI:
         except InputError as error:
             raise APIError(400, str(error), param="messages") from None
         prompt = encode(server, text, special=True)
-        return await generate(
-            server, "chat", body, prompt, body.max_completion_tokens or body.max_tokens, request
-        )
+        return await generate(server, "chat", body, prompt, body.max_new_tokens, request)
 
     errors.install(app, lambda reason: server.scheduler.metrics.refused.labels(reason).inc())
     return app

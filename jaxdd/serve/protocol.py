@@ -1,5 +1,11 @@
 """The OpenAI wire format: request models (pydantic, OpenAI's field names, vLLM's ``top_k``,
-``stop_token_ids`` and ``return_token_ids``), response and chunk bodies, and error bodies."""
+``stop_token_ids`` and ``return_token_ids``), response and chunk bodies, and error bodies.
+
+Every field of OpenAI's two request bodies is declared: it works, or it is ``unsupported`` (a value
+other than its default is refused by name, so a client never believes it got what it did not).
+An explicit ``null`` means the field's default. Fields OpenAI does not know are ignored, as its
+server ignores them, except vLLM's that change the output (refused like OpenAI's).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, model_validator
+from pydantic_core import PydanticCustomError
 
 from jaxdd.decoding.requests import MAX_STOP_TOKENS
 
@@ -18,18 +25,53 @@ TokenId = Annotated[int, Strict(), Field(ge=0, lt=2**31)]
 StopString = Annotated[str, Field(max_length=256)]
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+def unsupported(*defaults: Any) -> Any:
+    """A field jaxdd does not implement: absent, null or one of ``defaults`` (the values that
+    leave the output as if it were absent) passes; any other value is refused by name."""
+
+    def check(value: Any) -> Any:
+        if value is not None and not any(value == d and type(value) is type(d) for d in defaults):
+            allowed = " or ".join(["null", *(repr(d) for d in defaults)])
+            raise PydanticCustomError(
+                "not_implemented", "jaxdd does not implement it; send {allowed} or leave it out",
+                {"allowed": allowed},
+            )  # fmt: skip
+        return value
+
+    return Annotated[Any, AfterValidator(check), Field(default=None)]
 
 
-class SamplingFields(BaseModel):
-    """What both endpoints take besides the prompt. Unknown
-    fields are ignored, as OpenAI's server does."""
+class Fields(BaseModel):
+    """A request body: unknown fields ignored, and an explicit null taken as the field's default
+    (a required field's null stays, to be refused)."""
 
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in fields or fields[key].is_required()
+        }
+
+
+class StreamOptions(Fields):
+    include_usage: bool = False
+    # OpenAI's padding against length side channels: the chunks' content is the same without it
+    include_obfuscation: bool = True
+
+
+class SamplingFields(Fields):
+    """What both endpoints take besides the prompt."""
+
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     # OpenAI's default and range; 0 is greedy
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -45,6 +87,33 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False
     # seconds this request may run; the server's --request-timeout caps it
     timeout: float | None = Field(None, gt=0.0)
+    user: str | None = None  # a tag for the caller's own records: it changes no output
+    frequency_penalty: unsupported(0, 0.0)
+    presence_penalty: unsupported(0, 0.0)
+    logit_bias: unsupported({})
+    # vLLM's fields that would change the output
+    min_tokens: unsupported(0)
+    ignore_eos: unsupported(False)
+    repetition_penalty: unsupported(1, 1.0)
+    min_p: unsupported(0, 0.0)
+    use_beam_search: unsupported(False)
+    length_penalty: unsupported(1, 1.0)
+    include_stop_str_in_output: unsupported(False)
+    prompt_logprobs: unsupported()
+    truncate_prompt_tokens: unsupported()
+    bad_words: unsupported([])
+    allowed_token_ids: unsupported()
+    logits_processors: unsupported()
+    structured_outputs: unsupported()
+    guided_json: unsupported()
+    guided_regex: unsupported()
+    guided_choice: unsupported()
+    guided_grammar: unsupported()
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """The output limit asked for, under either of OpenAI's names (None: as many as fit)."""
+        return self.max_completion_tokens or self.max_tokens
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -61,6 +130,10 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+    best_of: int | None = Field(None, ge=1)  # the n best of best_of: only best_of == n is served
+    logprobs: unsupported()
+    echo: unsupported(False)
+    suffix: unsupported("")
 
 
 class TextPart(BaseModel):
@@ -84,7 +157,35 @@ class Message(BaseModel):
 
 class ChatRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    # tags, routing and retention hints for OpenAI's own service: they change no output
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: str | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    logprobs: unsupported(False)
+    top_logprobs: unsupported()
+    audio: unsupported()
+    modalities: unsupported(["text"])
+    function_call: unsupported("none")
+    functions: unsupported([])
+    tools: unsupported([])
+    tool_choice: unsupported("none")
+    parallel_tool_calls: unsupported(True)
+    prediction: unsupported()
+    reasoning_effort: unsupported()
+    response_format: unsupported({"type": "text"})
+    store: unsupported(False)
+    moderation: unsupported()
+    verbosity: unsupported()
+    web_search_options: unsupported()
+    # vLLM's chat fields that would change the prompt or the output
+    echo: unsupported(False)
+    add_generation_prompt: unsupported(True)
+    continue_final_message: unsupported(False)
+    chat_template: unsupported()
+    chat_template_kwargs: unsupported({})
 
 
 def new_id(prefix: str) -> str:

@@ -1,10 +1,12 @@
-"""What the server tests compare with: each request decoded alone, in this process."""
+"""What the server tests compare with (each request decoded alone, in this process), and a small
+row pool for the in-process tests of the HTTP side."""
 
 import pytest
 
 import jaxdd
 from jaxdd.cli import DEMO
 from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.decoding.rows import RowPool
 from jaxdd.weights.tokenizer import load_tokenizer
 
 
@@ -31,3 +33,12 @@ def reference():
         return decoder.generate(prompt, **options).tokens
 
     return run, tokenizer
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """A one-row pool on the demo pair for the HTTP side in-process (nothing compiles unless it
+    runs)."""
+    target, drafter = jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32")
+    decoder = SpeculativeDecoder(target, drafter)
+    return RowPool(decoder, method="dflash", rows=1, max_len=64, max_prompt=32)

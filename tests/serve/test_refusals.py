@@ -6,23 +6,11 @@ from __future__ import annotations
 
 import re
 
-import pytest
 from starlette.testclient import TestClient
 
-import jaxdd
-from jaxdd.cli import DEMO
-from jaxdd.decoding.engine import SpeculativeDecoder
-from jaxdd.decoding.rows import RowPool
 from jaxdd.serve.app import Server, create_app
 from jaxdd.serve.metrics import REFUSALS, Metrics
 from jaxdd.serve.scheduler import Scheduler
-
-
-@pytest.fixture(scope="module")
-def pool():
-    target, drafter = jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32")
-    decoder = SpeculativeDecoder(target, drafter)
-    return RowPool(decoder, method="dflash", rows=1, max_len=64, max_prompt=8)
 
 
 def refusals(client: TestClient) -> dict[str, float]:

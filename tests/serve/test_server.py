@@ -211,3 +211,15 @@ def test_health_models_metrics_and_no_compile_after_warm_up(server):
     )
     assert metric(url, "time_to_first_token_seconds_count") > 0
     assert metric(url, "acceptance_length_count") == metric(url, "spec_decode_num_drafts_total")
+
+
+def test_max_completion_tokens_on_completions_and_null_as_default(server, reference):
+    """OpenAI's newer name limits a completion too; nulls are the defaults (top_p 1, no stop)."""
+    _, client, _ = server
+    run, _ = reference
+    prompt = [11, 12, 13]
+    extra = {"max_completion_tokens": 5, "return_token_ids": True, "top_p": None, "stop": None}
+    response = client.completions.create(
+        model="kimi-mini", prompt=prompt, temperature=0, extra_body=extra
+    )
+    assert response.choices[0].token_ids == run(prompt, 5)

@@ -1,0 +1,187 @@
+"""Every field of OpenAI's completions and chat request bodies (as the installed ``openai`` package
+types them) works or, with a value other than its default, is a 400 naming it; an explicit null is
+the default. In-process on the HTTP side alone: the scheduler's thread never starts, so a request
+that passes every check is answered 503 "compiling" at the queue."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+from openai.types import completion_create_params
+from openai.types.chat import completion_create_params as chat_create_params
+from starlette.testclient import TestClient
+
+from jaxdd.cli import DEMO
+from jaxdd.serve import protocol
+from jaxdd.serve.app import Server, create_app
+from jaxdd.serve.metrics import Metrics
+from jaxdd.serve.scheduler import Scheduler
+from jaxdd.weights.tokenizer import load_tokenizer
+
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+BASES = {
+    "/v1/completions": {"prompt": [1, 2], "max_tokens": 2},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+}
+MODELS = {
+    "/v1/completions": protocol.CompletionRequest,
+    "/v1/chat/completions": protocol.ChatRequest,
+}
+OPENAI = {
+    "/v1/completions": completion_create_params.CompletionCreateParamsStreaming,
+    "/v1/chat/completions": chat_create_params.CompletionCreateParamsStreaming,
+}
+SHARED_WORKS = {
+    "model": "kimi-mini",
+    "max_tokens": 3,
+    "max_completion_tokens": 3,
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "top_k": 5,
+    "seed": 7,
+    "stop": ["\n", 5],
+    "stop_token_ids": [5],
+    "stream": True,
+    "stream_options": {"include_usage": True, "include_obfuscation": False},
+    "return_token_ids": True,
+    "timeout": 5.0,
+    "user": "someone",
+}
+# a value other than the default for each field the server serves
+WORKS = {
+    "/v1/completions": {**SHARED_WORKS, "prompt": "def f(x):", "best_of": 1},
+    "/v1/chat/completions": {
+        **SHARED_WORKS,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+        "metadata": {"run": "1"},
+        "prompt_cache_key": "k",
+        "prompt_cache_options": {"mode": "implicit", "ttl": "30m"},
+        "prompt_cache_retention": "24h",
+        "safety_identifier": "someone",
+        "service_tier": "default",
+    },
+}
+SHARED_REFUSED = {
+    "n": 2,
+    "frequency_penalty": 0.5,
+    "presence_penalty": -0.5,
+    "logit_bias": {"5": 10},
+    "min_tokens": 2,
+    "ignore_eos": True,
+    "repetition_penalty": 1.2,
+    "min_p": 0.1,
+    "use_beam_search": True,
+    "length_penalty": 0.5,
+    "include_stop_str_in_output": True,
+    "prompt_logprobs": 1,
+    "truncate_prompt_tokens": 4,
+    "bad_words": ["x"],
+    "allowed_token_ids": [5, 6],
+    "logits_processors": ["module.Class"],
+    "structured_outputs": {"regex": "a+"},
+    "guided_json": {"type": "object"},
+    "guided_regex": "a+",
+    "guided_choice": ["a", "b"],
+    "guided_grammar": "root ::= 'a'",
+}
+# a value other than the default for each field the server refuses
+REFUSED = {
+    "/v1/completions": {
+        **SHARED_REFUSED,
+        "best_of": 3,
+        "logprobs": 1,
+        "echo": True,
+        "suffix": "}",
+    },
+    "/v1/chat/completions": {
+        **SHARED_REFUSED,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "audio": {"voice": "alloy", "format": "mp3"},
+        "modalities": ["text", "audio"],
+        "function_call": "auto",
+        "functions": [{"name": "f"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "prediction": {"type": "content", "content": "x"},
+        "reasoning_effort": "low",
+        "response_format": {"type": "json_object"},
+        "store": True,
+        "moderation": {"model": "omni-moderation-latest"},
+        "service_tier": "flex",
+        "verbosity": "low",
+        "web_search_options": {},
+        "echo": True,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "chat_template": "{{ messages }}",
+        "chat_template_kwargs": {"thinking": True},
+    },
+}
+PATHS = list(BASES)
+CASES = [(path, field) for path in PATHS for field in REFUSED[path]]
+
+
+@pytest.fixture(scope="module")
+def client(pool):
+    """The HTTP side of a server whose scheduler never becomes ready."""
+    scheduler = Scheduler(pool, Metrics(pool.block), max_waiting=1)
+    server = Server(
+        scheduler, pool, load_tokenizer(DEMO / "target"), "kimi-mini", [0], TEMPLATE, None
+    )
+    return TestClient(create_app(server))
+
+
+def passes_every_check(response) -> bool:
+    return response.status_code == 503 and "compiling" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_openai_field_is_served_or_refused(path):
+    """The installed openai package's fields, each among those served or refused; each of those
+    a field of the request model (not an unknown field, ignored)."""
+    fields = set(typing.get_type_hints(OPENAI[path]))
+    tested = set(WORKS[path]) | set(REFUSED[path])
+    assert fields - tested == set()
+    assert tested - set(MODELS[path].model_fields) == set()
+    assert set(MODELS[path].model_fields) - tested == set()  # and every declared field tested
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_served_fields_pass_every_check(client, path):
+    for field, value in WORKS[path].items():
+        response = client.post(path, json={**BASES[path], field: value})
+        assert passes_every_check(response), (field, response.text)
+
+
+@pytest.mark.parametrize(("path", "field"), CASES)
+def test_a_refused_field_is_named(client, path, field):
+    response = client.post(path, json={**BASES[path], field: REFUSED[path][field]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{field}:")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_null_is_the_default(client, path):
+    """Each optional field's null parses as if it were left out, and is served."""
+    model = MODELS[path]
+    optional = [name for name, field in model.model_fields.items() if not field.is_required()]
+    nulls = dict.fromkeys(optional, None)
+    base = {key: value for key, value in BASES[path].items() if key not in optional}
+    assert model.model_validate({**base, **nulls}) == model.model_validate(base)
+    assert passes_every_check(client.post(path, json={**base, **nulls}))
+    options = {"include_usage": None, "include_obfuscation": None}
+    assert protocol.StreamOptions.model_validate(options) == protocol.StreamOptions()
+
+
+def test_max_completion_tokens_limits_a_completion(client):
+    """OpenAI's newer name is the limit on /v1/completions too: past --max-len it is refused."""
+    body = {"prompt": [1, 2], "max_completion_tokens": 10**6}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 400 and "--max-len" in response.json()["error"]["message"]
+    parsed = protocol.CompletionRequest.model_validate({"prompt": [1], "max_completion_tokens": 4})
+    assert parsed.max_new_tokens == 4
