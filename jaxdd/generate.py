@@ -10,7 +10,8 @@
 The text streams to stdout as tokens are accepted; a summary (tokens/s, mean acceptance
 length, target forwards, compile time) goes to stderr. ``--json`` prints one JSON
 object instead. Checkpoints with a chat template (instruct models, e.g. Kimi's
-tokenizer_config.json) get the prompt wrapped as a user turn unless ``--no-chat``.
+tokenizer_config.json) get the prompt wrapped as a user turn unless ``--no-chat``; the bundled
+pair's target is a base model (its template is for chat clients), so only with ``--chat``.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
-        help="use the chat template (default: if any)",
+        help="use the chat template (default: if any, but for the bundled base model)",
     )
     parser.add_argument("--system", help="system message for the chat template")
     parser.add_argument(
@@ -146,7 +147,9 @@ def read_prompt(
             f"{args.checkpoint}: no tokenizer (tokenizer.json or tiktoken.model); pass "
             f"--prompt-ids instead"
         )
-    chat = tokenizer.chat_template is not None if args.chat is None else args.chat
+    chat = args.chat
+    if chat is None:  # the bundled target is a base model: its template serves chat clients only
+        chat = tokenizer.chat_template is not None and not bundled
     if chat:
         return tokenizer.chat_prompt(text, system=args.system), text
     return tokenizer.encode(text), text

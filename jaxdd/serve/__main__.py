@@ -15,7 +15,11 @@ Until then SIGTERM or Ctrl-C ends it at once (one line, exit 143 / 130); afterwa
 GET /metrics has Prometheus metrics under ``jaxdd:``, vLLM's names: tokens, rounds, latencies, and
 jaxdd:request_success_total{finished_reason=stop|length|abort|timeout|error} (abort: the client left
 or the drain deadline came) and jaxdd:request_refused_total{reason=invalid|too_long|queue_full|
-draining|not_ready} (a 400 / 404 / 413 / 415, a 429, a 503).
+draining|not_ready|unauthorized} (a 400 / 404 / 413 / 415, a 429, a 503, a 401).
+
+With --api-key KEY (or JAXDD_API_KEY) every route but /health and /metrics wants
+``Authorization: Bearer KEY`` (else a 401). Each request gets an access-log line on stderr (method,
+path, status, prompt+completion tokens, seconds) unless --no-access-log.
 
 Across several processes (hosts) process 0 alone serves HTTP and decides every step (admit, cancel,
 timeout, drain), broadcast to the others before each round; they exit 0 when it does. One that
@@ -26,6 +30,7 @@ and one that waits --coordinator-timeout seconds for its next step exits 1.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -84,7 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template", type=Path, help="a Jinja chat template (default: the checkpoint's)"
     )
     parser.add_argument(
-        "--model-name", help="the model id clients name (default: the checkpoint directory's name)"
+        "--model-name",
+        "--served-model-name",  # vLLM's name for it
+        dest="model_name",
+        help="the model id clients name (default: the checkpoint directory's name)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("JAXDD_API_KEY") or None,
+        help="the key clients send as Authorization: Bearer KEY (default: $JAXDD_API_KEY; none)",
+    )
+    parser.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        help="no line on stderr per request",
     )
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     cli.add_device_flags(parser)
@@ -143,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             listener.close()
         return follow(scheduler)
     name = args.model_name or ("kimi-mini" if bundled else Path(checkpoint).resolve().name)
-    server = Server(scheduler, pool, tokenizer, name, stop_ids, chat_template, args.request_timeout)
+    server = Server(scheduler, pool, tokenizer, name, stop_ids, chat_template, args.request_timeout,
+                    args.api_key, args.access_log)  # fmt: skip
     scheduler.start()  # compiles in its thread while the HTTP side already answers /health with 503
     shape = (
         f"{method}, {args.max_batch} rows, {pool.slots} cache slots, prompt buckets {pool.buckets}"

@@ -26,6 +26,7 @@ from jaxdd.decoding.rows import RowPool
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.errors import InputError
 from jaxdd.serve import errors, protocol
+from jaxdd.serve.access import AccessLog, RequireKey
 from jaxdd.serve.output import Output
 from jaxdd.serve.scheduler import Event, Job, NotReady, QueueFull, Scheduler
 from jaxdd.weights.tokenizer import TextTokenizer, render_chat_template
@@ -44,6 +45,8 @@ class Server:
     stop_ids: list[int]  # always stop here (EOS, end of turn); requests add their own
     chat_template: str | None
     request_timeout: float | None
+    api_key: str | None = None  # without it every route is open
+    access_log: bool = False
 
 
 class APIError(Exception):
@@ -117,7 +120,14 @@ def create_app(server: Server) -> FastAPI:
         prompt = encode(server, text, special=True)
         return await generate(server, "chat", body, prompt, body.max_new_tokens, request)
 
-    errors.install(app, lambda reason: server.scheduler.metrics.refused.labels(reason).inc())
+    def refuse(reason: str) -> None:
+        server.scheduler.metrics.refused.labels(reason).inc()
+
+    errors.install(app, refuse)
+    if server.api_key is not None:  # outside the body guard: a stranger's body is not read
+        app.add_middleware(RequireKey, key=server.api_key, refuse=refuse)
+    if server.access_log:  # outermost: every answer is logged, refusals included
+        app.add_middleware(AccessLog)
     return app
 
 
@@ -197,7 +207,7 @@ async def generate(
     output = Output(server.tokenizer, set(job.stop_ids), body.stop_strings())
     request_id = protocol.new_id("chatcmpl" if kind == "chat" else "cmpl")
     if body.stream:
-        chunks = stream(server, kind, body, job, events, output, request_id)
+        chunks = stream(server, kind, body, job, events, output, request_id, request.state)
         return StreamingResponse(
             chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
@@ -218,6 +228,7 @@ async def generate(
     choice = protocol.completion_choice(text, finish, ids)
     if kind == "chat":
         choice = protocol.chat_choice(text, finish, ids, delta=False, first=True)
+    request.state.usage = (len(prompt), len(output.token_ids))
     usage = protocol.usage(len(prompt), len(output.token_ids))
     return protocol.body(kind, request_id, server.model, [choice], usage=usage)
 
@@ -248,9 +259,9 @@ async def watch_disconnect(request: Request, events: asyncio.Queue) -> None:
 
 
 async def stream(
-    server: Server, kind, body, job: Job, events, output: Output, request_id: str
+    server: Server, kind, body, job: Job, events, output: Output, request_id: str, state
 ) -> AsyncIterator[str]:
-    """The SSE chunks of a streamed request; closing the
+    """The SSE chunks of a streamed request (``state.usage``: its tokens so far); closing the
     generator (the client left) cancels the request."""
     usage_field = {"usage": None} if body.include_usage else {}
     first = True
@@ -266,6 +277,7 @@ async def stream(
                 failed = True
                 yield sse(error.body)
                 break
+            state.usage = (len(job.prompt), len(output.token_ids))
             ids = output.token_ids[before:] if body.return_token_ids else None
             if kind == "chat":
                 choice = protocol.chat_choice(delta, finish, ids, delta=True, first=first)

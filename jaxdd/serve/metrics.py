@@ -28,8 +28,9 @@ LATENCY_BUCKETS = (
 FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
 # Why a request is answered before it is queued: a 400 / 404 / 415 (invalid), a prompt or output
 # past the server's lengths or a body past its size (too_long), a 429 (queue_full), a 503 while
-# shutting down (draining) or while compiling or after the engine failed (not_ready).
-REFUSALS = ("invalid", "too_long", "queue_full", "draining", "not_ready")
+# shutting down (draining) or while compiling or after the engine failed (not_ready), a 401
+# (unauthorized).
+REFUSALS = ("invalid", "too_long", "queue_full", "draining", "not_ready", "unauthorized")
 
 
 class Metrics:

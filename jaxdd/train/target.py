@@ -4,8 +4,9 @@ on the stdlib corpus, with next-token cross-entropy and AdamW.
 
     python -m jaxdd.train.target OUT_DIR [--minutes 90] [--steps N] [--seed 0] [--layers 4]
 
-Writes OUT_DIR/target (an HF-layout checkpoint: config.json + safetensors + tokenizer.json, which
-transformers loads too) and OUT_DIR/target_history.json (train / validation loss per evaluation).
+Writes OUT_DIR/target (an HF-layout checkpoint: config.json + safetensors + tokenizer.json and
+tokenizer_config.json, which transformers loads too) and OUT_DIR/target_history.json (train /
+validation loss per evaluation).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from jaxdd.models.cache import LatentCache
 from jaxdd.models.target import KimiTarget
 from jaxdd.runtime.backend import Backend
 from jaxdd.train.data import encode_corpus, read_texts, split, stdlib_files, windows
-from jaxdd.train.tokenizer import END_OF_TEXT, train_tokenizer
+from jaxdd.train.tokenizer import END_OF_TEXT, save_tokenizer, train_tokenizer
 from jaxdd.weights.checkpoint import save_target
 
 VOCAB = 4096
@@ -161,7 +162,7 @@ def train(
     # HF layout through the exporter, so transformers loads it
     with tempfile.TemporaryDirectory() as staging:
         export(save_target(model, Path(staging) / "target"), out / "target", progress=False)
-    tokenizer.save(str(out / "target" / "tokenizer.json"))
+    save_tokenizer(tokenizer, out / "target", config.max_position_embeddings)
     (out / "target_history.json").write_text(json.dumps(history, indent=2))
     return history
 

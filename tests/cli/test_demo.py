@@ -3,15 +3,20 @@ and dflash, and jaxdd decodes it exactly as the PyTorch references do."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer
 
 import jaxdd
 from jaxdd.cli import DEMO
 from jaxdd.crosscheck.torch_reference import dflash_reference, load_reference_models
 from jaxdd.decoding.engine import SpeculativeDecoder
-from jaxdd.generate import DEFAULT_PROMPT
+from jaxdd.generate import DEFAULT_PROMPT, build_parser, read_prompt
 from jaxdd.testing.reference import hf_greedy
+from jaxdd.train.tokenizer import tokenizer_config
 from jaxdd.weights.tokenizer import load_tokenizer
 
 NEW_TOKENS = 24
@@ -51,3 +56,33 @@ def test_jaxdd_decodes_the_bundled_pair_like_transformers_and_dflash(prompt):
     tree = decoder.generate(prompt, method="ddtree", budget=16, **common)
     assert tree.tokens == greedy
     assert linear.mean_acceptance > 1.5  # the drafter is trained: several tokens per target forward
+
+
+def test_bundled_tokenizer_is_what_hf_users_expect():
+    """tokenizer_config.json as the trainer writes it: transformers' AutoTokenizer finds BOS / EOS
+    and renders the chat template as jaxdd does; generate keeps the base model's prompts raw."""
+    directory = DEMO / "target"
+    saved = json.loads((directory / "tokenizer_config.json").read_text())
+    backend = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    longest = json.loads((directory / "config.json").read_text())["max_position_embeddings"]
+    assert saved == tokenizer_config(backend, longest)
+    hf = AutoTokenizer.from_pretrained(directory)
+    assert (hf.bos_token, hf.eos_token, hf.eos_token_id) == ("<|endoftext|>",) * 2 + (0,)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Add 2 and 3."},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "Now 4?"},
+    ]
+    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    turns = "system: Be brief.\nuser: Add 2 and 3.\nassistant: 5<|endoftext|>\nuser: Now 4?\n"
+    assert text == turns + "assistant:"
+    tokenizer = load_tokenizer(directory)
+    assert tokenizer.chat_prompt("Add 2 and 3.", system="Be brief.") == hf.apply_chat_template(
+        messages[:2], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    parser = build_parser()
+    raw = read_prompt(parser.parse_args(["x = 1"]), tokenizer, True, parser)
+    assert raw == (tokenizer.encode("x = 1"), "x = 1")
+    chat = read_prompt(parser.parse_args(["x = 1", "--chat"]), tokenizer, True, parser)
+    assert chat[0] == tokenizer.chat_prompt("x = 1")

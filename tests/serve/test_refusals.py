@@ -8,6 +8,7 @@ import re
 
 from starlette.testclient import TestClient
 
+from jaxdd.serve.__main__ import build_parser
 from jaxdd.serve.app import Server, create_app
 from jaxdd.serve.metrics import REFUSALS, Metrics
 from jaxdd.serve.scheduler import Scheduler
@@ -32,3 +33,36 @@ def test_compiling_and_draining_refusals_are_counted(pool):
     draining = client.post("/v1/completions", json=body)
     assert draining.status_code == 503 and "shutting down" in draining.json()["error"]["message"]
     assert refusals(client) == {**dict.fromkeys(REFUSALS, 0.0), "not_ready": 1.0, "draining": 1.0}
+
+
+def test_api_key_and_access_log(pool, capsys):
+    """With a key, every route but /health and /metrics wants it (a 401 with OpenAI's body,
+    counted as unauthorized); each request gets one access-log line."""
+    scheduler = Scheduler(pool, Metrics(pool.block), max_waiting=1)
+    server = Server(scheduler, pool, None, "kimi-mini", [0], None, None, "s3cret", True)
+    client = TestClient(create_app(server))
+    body = {"prompt": [1, 2], "max_tokens": 2}
+    missing = client.post("/v1/completions", json=body)
+    wrong = client.get("/v1/models", headers={"Authorization": "Bearer guess"})
+    for response, words in ((missing, "no API key"), (wrong, "incorrect")):
+        error = response.json()["error"]
+        assert response.status_code == 401 and error["code"] == "invalid_api_key"
+        assert words in error["message"] and error["type"] == "invalid_request_error"
+    key = {"Authorization": "Bearer s3cret"}
+    assert client.get("/v1/models", headers=key).json()["data"][0]["id"] == "kimi-mini"
+    # past the key, the request reaches the queue (the server is still compiling)
+    assert client.post("/v1/completions", json=body, headers=key).status_code == 503
+    assert client.get("/health").status_code == 503  # open: it says "compiling", not 401
+    assert refusals(client)["unauthorized"] == 2.0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "access:" in line]
+    assert len(lines) == 6 and lines[-1].startswith("jaxdd: access: GET /metrics 200 tokens -")
+    assert re.fullmatch(r"jaxdd: access: POST /v1/completions 401 tokens - \d+\.\d{3} s", lines[0])
+
+
+def test_served_model_name_is_model_name():
+    """vLLM's flag names the model as --model-name does; the key comes from the flag or the
+    environment."""
+    parser = build_parser()
+    assert parser.parse_args(["--served-model-name", "mine"]).model_name == "mine"
+    assert parser.parse_args(["--api-key", "k"]).api_key == "k"
+    assert parser.parse_args(["--no-access-log"]).access_log is False

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -21,20 +22,25 @@ from jaxdd.testing.server import complete, running_server
 
 ROWS, WAITING, MAX_LEN, MAX_PROMPT = 4, 4, 512, 32
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+KEY = "test-key"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """(base url, openai client, the server's compiles right
-    after warm-up), the server stopped by pid after."""
+def log(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("serve_log") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, log):
+    """(base url, openai client, the server's compiles right after warm-up), the server stopped by
+    pid after; it wants the key KEY (from the environment), its model named by vLLM's flag."""
     template = tmp_path_factory.mktemp("serve") / "chat.jinja"
     template.write_text(TEMPLATE)
     args = ["--max-batch", str(ROWS), "--max-waiting", str(WAITING), "--max-len", str(MAX_LEN)]
     args += ["--max-prompt", str(MAX_PROMPT), "--chat-template", str(template)]
-    with running_server(args, tmp_path_factory.mktemp("serve_log") / "server.log") as process:
-        client = openai.OpenAI(
-            base_url=f"{process.url}/v1", api_key="none", timeout=60, max_retries=0
-        )
+    args += ["--served-model-name", "kimi-mini"]
+    with running_server(args, log, env={"JAXDD_API_KEY": KEY}) as process:
+        client = openai.OpenAI(base_url=f"{process.url}/v1", api_key=KEY, timeout=60, max_retries=0)
         yield process.url, client, process.metric("compiles_total")
 
 
@@ -223,3 +229,31 @@ def test_max_completion_tokens_on_completions_and_null_as_default(server, refere
         model="kimi-mini", prompt=prompt, temperature=0, extra_body=extra
     )
     assert response.choices[0].token_ids == run(prompt, 5)
+
+
+def test_a_key_is_wanted_and_each_request_logged(server, log):
+    """Without the key a 401 (the openai client's AuthenticationError); /health and /metrics stay
+    open; each request's access-log line has its status and tokens."""
+    url, client, _ = server
+    stranger = openai.OpenAI(base_url=f"{url}/v1", api_key="guess", timeout=60, max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="incorrect API key"):
+        stranger.completions.create(model="kimi-mini", prompt=[1, 2], max_tokens=2)
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert metric(url, 'request_refused_total{reason="unauthorized"}') == 1
+    whole = client.completions.create(
+        model="kimi-mini", prompt=[3, 4, 5], max_tokens=6, temperature=0
+    ).usage.completion_tokens
+    stream = client.completions.create(
+        model="kimi-mini",
+        prompt=[3, 4],
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    streamed = [chunk.usage for chunk in stream if chunk.usage][-1].completion_tokens
+    lines = [line for line in log.read_text().splitlines() if line.startswith("jaxdd: access:")]
+    assert any(" POST /v1/completions 401 tokens - " in line for line in lines)
+    assert any(f" POST /v1/completions 200 tokens 3+{whole} " in line for line in lines)
+    assert any(f" POST /v1/completions 200 tokens 2+{streamed} " in line for line in lines)
+    assert any(" GET /health 200 " in line for line in lines)
