@@ -97,12 +97,14 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request):
-        text = isinstance(body.prompt, str)
-        prompt = encode(server, body.prompt, special=False) if text else list(body.prompt)
+        prompts = [
+            encode(server, p, special=False) if isinstance(p, str) else list(p)
+            for p in body.prompts()
+        ]
         if body.best_of not in (None, body.n):
             message = f"best_of: only best_of == n ({body.n}) is served, got {body.best_of}"
             raise APIError(400, message, param="best_of")
-        return await generate(server, "completion", body, prompt, body.max_new_tokens, request)
+        return await generate(server, "completion", body, prompts, body.max_new_tokens, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: protocol.ChatRequest, request: Request):
@@ -118,7 +120,7 @@ def create_app(server: Server) -> FastAPI:
         except InputError as error:
             raise APIError(400, str(error), param="messages") from None
         prompt = encode(server, text, special=True)
-        return await generate(server, "chat", body, prompt, body.max_new_tokens, request)
+        return await generate(server, "chat", body, [prompt], body.max_new_tokens, request)
 
     def refuse(reason: str) -> None:
         server.scheduler.metrics.refused.labels(reason).inc()
@@ -148,8 +150,10 @@ def make_job(
     prompt: list[int],
     max_tokens: int | None,
     deliver,
+    draw: int = 0,
 ):
-    """The request's job, checked against what the server runs (APIError 400 / 404 otherwise)."""
+    """The job of one of a request's rows (its ``draw``-th sample of the prompt: seed + draw),
+    checked against what the server runs (APIError 400 / 404 otherwise)."""
     if body.model is not None and body.model != server.model:
         raise APIError(404,
                        f"model {body.model!r} does not exist; this server has {server.model!r}",
@@ -169,7 +173,7 @@ def make_job(
         own, added = len(set(server.stop_ids)), len(set(body.stop_ids()) - set(server.stop_ids))
         message = f"at most {MAX_STOP_TOKENS - own} beside this model's {own} own, got {added}"
         raise APIError(400, f"stop_token_ids: {message}", param="stop_token_ids")
-    seed = secrets.randbelow(2**32) if body.seed is None else body.seed
+    seed = secrets.randbelow(2**32) if body.seed is None else (body.seed + draw) % 2**32
     sampling = Sampling(body.temperature, body.top_p, max(body.top_k, 0), seed)
     try:
         server.pool.check(prompt, max_tokens, stop_ids, sampling)
@@ -186,51 +190,125 @@ def make_job(
 
 
 async def generate(
-    server: Server, kind: Literal["completion", "chat"], body, prompt, max_tokens, request: Request
+    server: Server,
+    kind: Literal["completion", "chat"],
+    body,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    request: Request,
 ):
+    """Answer a request: each prompt's ``n`` rows, submitted together, each its own choice (index
+    prompt * n + draw), streamed or whole."""
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    job = make_job(
-        server,
-        body,
-        prompt,
-        max_tokens,
-        lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-    )
-    try:
-        server.scheduler.submit(job)
-    except QueueFull as error:
-        code = "rate_limit_exceeded"
-        raise APIError(429, str(error), "requests", code=code, refused="queue_full") from None
-    except NotReady as error:
-        refused = "draining" if server.scheduler.draining else "not_ready"
-        raise APIError(503, str(error), "server_error", code="not_ready", refused=refused) from None
-    output = Output(server.tokenizer, set(job.stop_ids), body.stop_strings())
+    rows, limit = len(prompts) * body.n, server.pool.rows + server.scheduler.max_waiting
+    if body.n > server.pool.rows:
+        message = f"n: at most --max-batch {server.pool.rows} rows decode at once, got {body.n}"
+        raise APIError(400, message, param="n")
+    if rows > limit:
+        message = (
+            f"prompt: {len(prompts)} prompts x n {body.n} = {rows} rows, more than this server "
+            f"holds ({limit}: --max-batch + --max-waiting)"
+        )
+        raise APIError(400, message, param="prompt")
+
+    def deliver(index: int):
+        return lambda event: loop.call_soon_threadsafe(events.put_nowait, (index, event))
+
+    jobs = [
+        make_job(server, body, prompt, max_tokens, deliver(p * body.n + i), i)
+        for p, prompt in enumerate(prompts)
+        for i in range(body.n)
+    ]
+    choices = Choices(server, jobs, body.stop_strings(), sum(map(len, prompts)), request.state)
+    submit(server, jobs)
     request_id = protocol.new_id("chatcmpl" if kind == "chat" else "cmpl")
     if body.stream:
-        chunks = stream(server, kind, body, job, events, output, request_id, request.state)
+        chunks = stream(server, kind, body, choices, events, request_id)
         return StreamingResponse(
             chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
     watcher = asyncio.create_task(watch_disconnect(request, events))
+    texts = [""] * len(jobs)
     try:
-        text, finish = "", None
-        while finish is None:
-            event = await events.get()
-            if event is None:  # the client went away
-                server.scheduler.metrics.finished.labels("abort").inc()
+        while not choices.done:
+            item = await events.get()
+            if item is None:  # the client went away
+                choices.end("abort")
                 return Response(status_code=499)
-            delta, finish = take(server, event, output, job)
-            text += delta
+            index, event = item
+            texts[index] += choices.take(index, event)
     finally:
-        job.cancel()
+        choices.end("error")  # rows left when a sibling's error ended the request
         watcher.cancel()
-    ids = output.token_ids if body.return_token_ids else None
-    choice = protocol.completion_choice(text, finish, ids)
-    if kind == "chat":
-        choice = protocol.chat_choice(text, finish, ids, delta=False, first=True)
-    request.state.usage = (len(prompt), len(output.token_ids))
-    usage = protocol.usage(len(prompt), len(output.token_ids))
-    return protocol.body(kind, request_id, server.model, [choice], usage=usage)
+    out = []
+    for index, (text, output) in enumerate(zip(texts, choices.outputs, strict=True)):
+        ids = output.token_ids if body.return_token_ids else None
+        finish = choices.finishes[index]
+        if kind == "chat":
+            out.append(protocol.chat_choice(text, finish, ids, index, delta=False, first=True))
+        else:
+            out.append(protocol.completion_choice(text, finish, ids, index))
+    return protocol.body(kind, request_id, server.model, out, usage=choices.usage())
+
+
+def submit(server: Server, jobs: list[Job]) -> None:
+    """Queue every row of a request, or none (its rows already queued are cancelled)."""
+    try:
+        for job in jobs:
+            server.scheduler.submit(job)
+    except QueueFull as error:
+        for job in jobs:
+            job.cancel()
+        code = "rate_limit_exceeded"
+        raise APIError(429, str(error), "requests", code=code, refused="queue_full") from None
+    except NotReady as error:
+        for job in jobs:
+            job.cancel()
+        refused = "draining" if server.scheduler.draining else "not_ready"
+        raise APIError(503, str(error), "server_error", code="not_ready", refused=refused) from None
+
+
+class Choices:
+    """A request's rows as they come: each one's output and finish reason, and the token counts
+    (in the request's ``state.usage`` too, for the access log)."""
+
+    def __init__(self, server: Server, jobs: list[Job], stops: list[str], prompt_tokens, state):
+        self.server, self.jobs, self.state = server, jobs, state
+        self.outputs = [Output(server.tokenizer, set(job.stop_ids), stops) for job in jobs]
+        self.finishes: list[str | None] = [None] * len(jobs)
+        self.prompt_tokens = prompt_tokens
+        state.usage = (prompt_tokens, 0)
+
+    @property
+    def done(self) -> bool:
+        return all(finish is not None for finish in self.finishes)
+
+    def take(self, index: int, event: Event) -> str:
+        """Row ``index``'s new text (``take``: an engine error raises)."""
+        try:
+            delta, self.finishes[index] = take(
+                self.server, event, self.outputs[index], self.jobs[index]
+            )
+        except APIError:
+            self.finishes[index] = "error"  # counted by take
+            raise
+        self.state.usage = (self.prompt_tokens, self.completion_tokens)
+        return delta
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(output.token_ids) for output in self.outputs)
+
+    def usage(self) -> dict:
+        return protocol.usage(self.prompt_tokens, self.completion_tokens)
+
+    def end(self, reason: str) -> None:
+        """Cancel every row; count those that had not finished as ending for ``reason``."""
+        for index, job in enumerate(self.jobs):
+            job.cancel()
+            if self.finishes[index] is None:
+                self.finishes[index] = reason
+                self.server.scheduler.metrics.finished.labels(reason).inc()
 
 
 def take(server: Server, event: Event, output: Output, job: Job) -> tuple[str, str | None]:
@@ -259,42 +337,42 @@ async def watch_disconnect(request: Request, events: asyncio.Queue) -> None:
 
 
 async def stream(
-    server: Server, kind, body, job: Job, events, output: Output, request_id: str, state
+    server: Server, kind, body, choices: Choices, events, request_id: str
 ) -> AsyncIterator[str]:
-    """The SSE chunks of a streamed request (``state.usage``: its tokens so far); closing the
+    """The SSE chunks of a streamed request, each of one choice (its ``index``); closing the
     generator (the client left) cancels the request."""
     usage_field = {"usage": None} if body.include_usage else {}
-    first = True
-    finish = None
-    failed = False
+    first = [True] * len(choices.jobs)
+    reason = "abort"  # how rows still running end when the generator closes: the client left
     try:
-        while finish is None:
-            event = await events.get()
+        while not choices.done:
+            index, event = await events.get()
+            output = choices.outputs[index]
             before = len(output.token_ids)
             try:
-                delta, finish = take(server, event, output, job)
+                delta = choices.take(index, event)
             except APIError as error:
-                failed = True
+                reason = "error"
                 yield sse(error.body)
                 break
-            state.usage = (len(job.prompt), len(output.token_ids))
             ids = output.token_ids[before:] if body.return_token_ids else None
+            finish = choices.finishes[index]
             if kind == "chat":
-                choice = protocol.chat_choice(delta, finish, ids, delta=True, first=first)
+                choice = protocol.chat_choice(
+                    delta, finish, ids, index, delta=True, first=first[index]
+                )
             else:
-                choice = protocol.completion_choice(delta, finish, ids)
-            first = False
+                choice = protocol.completion_choice(delta, finish, ids, index)
+            first[index] = False
             yield sse(
                 protocol.body(kind, request_id, server.model, [choice], chunk=True, **usage_field)
             )
-        if body.include_usage and finish is not None:
-            usage = protocol.usage(len(job.prompt), len(output.token_ids))
+        if body.include_usage and choices.done:
+            usage = choices.usage()
             yield sse(protocol.body(kind, request_id, server.model, [], chunk=True, usage=usage))
         yield "data: [DONE]\n\n"
     finally:
-        job.cancel()
-        if finish is None and not failed:  # the client left first
-            server.scheduler.metrics.finished.labels("abort").inc()
+        choices.end(reason)
 
 
 def sse(payload: dict) -> str:

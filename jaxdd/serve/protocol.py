@@ -77,7 +77,7 @@ class SamplingFields(Fields):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, lt=2**31)  # 0 or -1 (vLLM's spelling): no limit
     seed: int | None = Field(None, ge=0, lt=2**32)
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1)  # independent rows of each prompt; the server's --max-batch caps it
     stop: (
         StopString | Annotated[list[StopString | TokenId], Field(max_length=MAX_STOP_TOKENS)] | None
     ) = None
@@ -128,12 +128,22 @@ class SamplingFields(Fields):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+Text = Annotated[str, Field(min_length=1)]
+Ids = Annotated[list[TokenId], Field(min_length=1)]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+    # OpenAI's four forms: a text, its ids, a batch of texts or of id lists (lm-eval's default)
+    prompt: Text | Ids | Annotated[list[Text] | list[Ids], Field(min_length=1)]
     best_of: int | None = Field(None, ge=1)  # the n best of best_of: only best_of == n is served
     logprobs: unsupported()
     echo: unsupported(False)
     suffix: unsupported("")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch's prompts, one for a single prompt."""
+        single = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return [self.prompt] if single else list(self.prompt)
 
 
 class TextPart(BaseModel):
@@ -201,21 +211,34 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def completion_choice(text: str, finish: str | None, token_ids: list[int] | None) -> dict:
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+def completion_choice(
+    text: str, finish: str | None, token_ids: list[int] | None, index: int
+) -> dict:
+    choice: dict[str, Any] = {
+        "index": index,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish,
+    }
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return choice
 
 
 def chat_choice(
-    text: str, finish: str | None, token_ids: list[int] | None, *, delta: bool, first: bool
+    text: str,
+    finish: str | None,
+    token_ids: list[int] | None,
+    index: int,
+    *,
+    delta: bool,
+    first: bool,
 ) -> dict:
     message: dict[str, Any] = {"content": text} if text or not delta else {}
     if first or not delta:
         message["role"] = "assistant"
     choice: dict[str, Any] = {
-        "index": 0,
+        "index": index,
         "delta" if delta else "message": message,
         "finish_reason": finish,
     }

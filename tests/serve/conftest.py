@@ -37,8 +37,8 @@ def reference():
 
 @pytest.fixture(scope="module")
 def pool():
-    """A one-row pool on the demo pair for the HTTP side in-process (nothing compiles unless it
+    """A two-row pool on the demo pair for the HTTP side in-process (nothing compiles unless it
     runs)."""
     target, drafter = jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32")
     decoder = SpeculativeDecoder(target, drafter)
-    return RowPool(decoder, method="dflash", rows=1, max_len=64, max_prompt=32)
+    return RowPool(decoder, method="dflash", rows=2, max_len=64, max_prompt=32)

@@ -19,7 +19,6 @@ from jaxdd.serve.metrics import Metrics
 from jaxdd.serve.scheduler import Scheduler
 from jaxdd.weights.tokenizer import load_tokenizer
 
-TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
 BASES = {
     "/v1/completions": {"prompt": [1, 2], "max_tokens": 2},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
@@ -47,6 +46,7 @@ SHARED_WORKS = {
     "return_token_ids": True,
     "timeout": 5.0,
     "user": "someone",
+    "n": 2,
 }
 # a value other than the default for each field the server serves
 WORKS = {
@@ -63,7 +63,6 @@ WORKS = {
     },
 }
 SHARED_REFUSED = {
-    "n": 2,
     "frequency_penalty": 0.5,
     "presence_penalty": -0.5,
     "logit_bias": {"5": 10},
@@ -126,11 +125,12 @@ CASES = [(path, field) for path in PATHS for field in REFUSED[path]]
 
 @pytest.fixture(scope="module")
 def client(pool):
-    """The HTTP side of a server whose scheduler never becomes ready."""
+    """The HTTP side of a server on the demo pair (chat by its own template) whose scheduler
+    never becomes ready."""
     scheduler = Scheduler(pool, Metrics(pool.block), max_waiting=1)
-    server = Server(
-        scheduler, pool, load_tokenizer(DEMO / "target"), "kimi-mini", [0], TEMPLATE, None
-    )
+    tokenizer = load_tokenizer(DEMO / "target")
+    template = tokenizer.chat_template
+    server = Server(scheduler, pool, tokenizer, "kimi-mini", [0], template, None)
     return TestClient(create_app(server))
 
 
@@ -185,3 +185,31 @@ def test_max_completion_tokens_limits_a_completion(client):
     assert response.status_code == 400 and "--max-len" in response.json()["error"]["message"]
     parsed = protocol.CompletionRequest.model_validate({"prompt": [1], "max_completion_tokens": 4})
     assert parsed.max_new_tokens == 4
+
+
+@pytest.mark.parametrize(
+    "prompt", ["def f(x):", [5, 6], ["def f(x):", "x = "], [[5, 6], [7]]], ids=str
+)
+def test_each_prompt_form_is_served(client, prompt):
+    response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+    assert passes_every_check(response), response.text
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"prompt": [[5, 6], []]}, "prompt", "prompt.1: List should have at least 1 item"),
+        ({"prompt": ["x", ""]}, "prompt", "prompt.1: String should have at least 1 character"),
+        ({"prompt": ["x", 5]}, "prompt", "valid string"),
+        ({"prompt": [[5], [4096]]}, "prompt", "vocabulary"),
+        ({"prompt": [[5]] * 4}, "prompt", "4 rows, more than this server holds (3"),
+        ({"prompt": [[5]] * 2, "n": 2}, "prompt", "4 rows"),
+        ({"prompt": [5], "n": 3}, "n", "n: at most --max-batch 2"),
+        ({"prompt": [5], "n": 0}, "n", "greater than or equal to 1"),
+        ({"prompt": [5], "n": 2, "best_of": 3}, "best_of", "best_of == n (2)"),
+    ],
+)
+def test_a_batch_past_the_server_is_refused(client, body, param, words):
+    response = client.post("/v1/completions", json={**body, "max_tokens": 2})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == param and words in error["message"]

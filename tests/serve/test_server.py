@@ -257,3 +257,45 @@ def test_a_key_is_wanted_and_each_request_logged(server, log):
     assert any(f" POST /v1/completions 200 tokens 3+{whole} " in line for line in lines)
     assert any(f" POST /v1/completions 200 tokens 2+{streamed} " in line for line in lines)
     assert any(" GET /health 200 " in line for line in lines)
+
+
+def choices_by_index(client, request: dict) -> dict[int, list[int]]:
+    """Each choice's token ids by its index, from a streamed or whole completion."""
+    options = {k: v for k, v in request.items() if k != "stream"}
+    extra = {"return_token_ids": True}
+    if not request.get("stream"):
+        response = client.completions.create(model="kimi-mini", extra_body=extra, **options)
+        return {choice.index: choice.token_ids for choice in response.choices}
+    ids: dict[int, list[int]] = {}
+    for chunk in client.completions.create(
+        model="kimi-mini", stream=True, extra_body=extra, **options
+    ):
+        for choice in chunk.choices:
+            ids.setdefault(choice.index, []).extend(choice.token_ids)
+    return ids
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_batches_each_their_own_choice(server, reference, stream):
+    """lm-eval's default body (a list of id lists) and a list of texts: each prompt decodes as it
+    does alone, its choice at its index, streamed chunks routed by theirs."""
+    _, client, _ = server
+    run, tokenizer = reference
+    texts = ["def add(a, b):", "import os\n", "class Point:"]
+    prompts = [tokenizer.encode(text) for text in texts]
+    expected = {i: run(prompt, 10) for i, prompt in enumerate(prompts)}
+    for batch in (prompts, texts):
+        request = {"prompt": batch, "max_tokens": 10, "temperature": 0, "stream": stream}
+        assert choices_by_index(client, request) == expected
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_samples_are_seeded_rows(server, reference, stream):
+    """n rows of one prompt, row i seeded seed + i: each equals its run alone."""
+    _, client, _ = server
+    run, _ = reference
+    prompt, seed = [40, 41, 42], 17
+    request = {"prompt": prompt, "max_tokens": 12, "temperature": 0.8, "seed": seed, "n": 3}
+    expected = {i: run(prompt, 12, 0.8, seed + i) for i in range(3)}
+    assert len({tuple(ids) for ids in expected.values()}) > 1  # the rows differ
+    assert choices_by_index(client, {**request, "stream": stream}) == expected
