@@ -2,10 +2,11 @@
 Server-Sent Events for streams, OpenAI error bodies.
 
 Every request is checked before it is queued (a 400 names the field); past
-``--max-waiting`` it gets a 429. A stream whose client goes away cancels its request
-(the generator is closed), and so does a non-streaming request whose client disconnects
-(polled while it waits), so its row is free for the next round. Each refusal and each
-end (``take``, or the client leaving: "abort") is counted in the metrics.
+``--max-waiting`` it gets a 429. A request is one row per prompt of a batch and per sample
+(``n``), all queued together (or none), each its own choice. A stream whose client goes away
+cancels its rows (the generator is closed), and so does a non-streaming request whose client
+disconnects (polled while it waits), so they are free for the next round. Each refusal and each
+row's end (``take``, the client leaving: "abort", or a sibling's error) is counted in the metrics.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import dataclasses
 import json
 import secrets
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -272,7 +273,9 @@ class Choices:
     """A request's rows as they come: each one's output and finish reason, and the token counts
     (in the request's ``state.usage`` too, for the access log)."""
 
-    def __init__(self, server: Server, jobs: list[Job], stops: list[str], prompt_tokens, state):
+    def __init__(
+        self, server: Server, jobs: list[Job], stops: list[str], prompt_tokens: int, state: Any
+    ):
         self.server, self.jobs, self.state = server, jobs, state
         self.outputs = [Output(server.tokenizer, set(job.stop_ids), stops) for job in jobs]
         self.finishes: list[str | None] = [None] * len(jobs)

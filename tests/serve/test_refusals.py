@@ -1,6 +1,7 @@
 """The refusals a running server shows a client only briefly, made in-process on the HTTP side
 alone (the scheduler's thread never starts, so nothing compiles): a request while compiling is
-refused as not_ready, one while draining as draining, each a 503 counted under its reason."""
+refused as not_ready, one while draining as draining, each a 503 counted under its reason; one
+without the server's API key a 401 (unauthorized); each request an access-log line."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """python -m jaxdd.serve on loopback with the bundled pair, driven by the real
 ``openai`` client: both endpoints, streamed and not, concurrent requests equal to their
 runs alone (greedy and seeded), stop strings and ids, usage, token ids, cancellation,
-the queue limit, bad requests, health, metrics, no compile after warm-up."""
+the queue limit, bad requests, health, metrics, no compile after warm-up, prompt batches and n
+seeded rows, max_completion_tokens and nulls, the API key and the access log."""
 
 from __future__ import annotations
 
