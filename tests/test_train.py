@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from flax import nnx
-from transformers import DeepseekV3ForCausalLM
+from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
 import jaxdd
 from convert.jaxdd_to_hf import export
@@ -15,7 +15,8 @@ from jaxdd.config import KimiConfig
 from jaxdd.models.target import KimiTarget
 from jaxdd.train.data import split, stdlib_files
 from jaxdd.train.target import KIMI_MINI, eval_loss, make_optimizer, train_step
-from jaxdd.train.tokenizer import END_OF_TEXT, MASK, train_tokenizer
+from jaxdd.train.tokenizer import END_OF_TEXT, MASK, save_tokenizer, train_tokenizer
+from jaxdd.weights.tokenizer import load_tokenizer
 
 SMALL = KIMI_MINI | dict(num_hidden_layers=2, vocab_size=512, hidden_size=64, intermediate_size=128)
 
@@ -39,6 +40,17 @@ def test_tokenizer_round_trips_and_has_the_special_tokens():
     assert tokenizer.token_to_id(END_OF_TEXT) == 0 and tokenizer.token_to_id(MASK) == 1
     text = "def g(y):\n    return 'é' * y  # any text encodes (byte level)\n"
     assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def test_saved_tokenizer_loads_with_bos_eos_and_chat_in_transformers_and_jaxdd(tmp_path):
+    tokenizer = train_tokenizer(["def f(x):\n    return x\n"] * 10, vocab_size=300)
+    save_tokenizer(tokenizer, tmp_path, max_length=128)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    assert hf.eos_token == hf.bos_token == END_OF_TEXT and hf.model_max_length == 128
+    messages = [{"role": "user", "content": "hi"}]
+    ids = hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    ours = load_tokenizer(tmp_path)
+    assert ours.chat_prompt("hi") == ids and ours.stop_ids == [0]
 
 
 def test_training_steps_lower_the_loss_and_export_loads_in_transformers(tmp_path):
