@@ -201,7 +201,8 @@ async def generate(
     """Answer a request: each prompt's ``n`` rows, submitted together, each its own choice (index
     prompt * n + draw), streamed or whole."""
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    rows, limit = len(prompts) * body.n, server.pool.rows + server.scheduler.max_waiting
+    rows = len(prompts) * body.n
+    limit = server.pool.rows + server.scheduler.max_waiting
     if body.n > server.pool.rows:
         message = f"n: at most --max-batch {server.pool.rows} rows decode at once, got {body.n}"
         raise APIError(400, message, param="n")
