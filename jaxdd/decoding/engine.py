@@ -15,7 +15,7 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from jaxdd.decoding.buckets import bucket, cache_slots, prompt_bucket
+from jaxdd.cache import row_slots
 from jaxdd.decoding.report import RoundTrace
 from jaxdd.decoding.requests import (
     check_lengths,
@@ -32,6 +32,7 @@ from jaxdd.errors import InputError, LargeRoundWarning
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget
 from jaxdd.runtime.backend import Backend
+from jaxdd.runtime.buckets import bucket, prompt_bucket
 from jaxdd.runtime.compile_time import compile_clock
 from jaxdd.runtime.jit_state import split_module
 from jaxdd.runtime.sharding import mesh_of
@@ -223,7 +224,7 @@ class SpeculativeDecoder:
     def _decode(pool: RowPool, results: list[Generation], emit) -> None:
         """Run rounds until every row of ``pool`` is done,
         appending each round's tokens to ``results``."""
-        if pool.active:
+        if pool.table:
             pool.dispatch()
         while pool.in_flight:
             # Dispatch the next round before reading this one's report, so the host's work (the
@@ -239,7 +240,7 @@ class SpeculativeDecoder:
                     emit(i, update.tokens)
                 if update.trace is not None:
                     _record_trace(results[i], update.trace)
-            if not pool.active:
+            if not pool.table:
                 pool.discard()  # a round dispatched ahead finishes in this call's time
             elif not pool.in_flight:
                 pool.dispatch()
@@ -329,9 +330,7 @@ class SpeculativeDecoder:
         # Prompts in eighth octaves, multiples of 16, the cache in quarter octaves: a prefill's cost
         # grows with its padded length and a round's with its slots, and each new shape compiles.
         longest = max(len(p) for p in checked)
-        slots = cache_slots(
-            max(prompt_bucket(longest), max(max_lengths) + max(block, verify_width))
-        )
+        slots = row_slots(prompt_bucket(longest), max(max_lengths), max(block, verify_width))
         sampled = any(not s.greedy for s in settings)
         spec = self.round_spec(
             method,

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxdd.cache import DraftCache, LatentCache
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.report import RoundReport
 from jaxdd.decoding.sampling import (
@@ -42,8 +43,7 @@ from jaxdd.decoding.sampling import (
     split_keys,
 )
 from jaxdd.decoding.tree import accept_path, build_tree
-from jaxdd.models.cache import LatentCache, compact_rows
-from jaxdd.models.drafter import DFlashDrafter, DraftCache
+from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.jit_state import ModuleSpec
@@ -260,7 +260,7 @@ def _ddtree_round(
         # the target's choices along the path: drafts + bonus
         emitted = jnp.take_along_axis(choice, path, axis=1)
     with jax.named_scope("commit"):
-        cache = compact_rows(out.cache, start, path)
+        cache = out.cache.keep_path(path)
         context = jnp.take_along_axis(out.taps, path[:, :, None], axis=1)  # features in path order
         trace = {}
         if spec.trace:
@@ -386,7 +386,7 @@ def _commit(
     )
     last = jnp.take_along_axis(emitted, jnp.maximum(produced - 1, 0)[:, None], axis=1)[:, 0]
     new_state = DecodeState(
-        target_cache=cache.replace(length=start + produced),
+        target_cache=cache.commit(produced),
         bonus=jnp.where(produced > 0, last, state.bonus),
         done=done,
         rng=rng,
@@ -424,20 +424,13 @@ def prefill(
     taps = () if drafter is None else drafter.config.target_layer_ids
     positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
     visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    # The cache is empty: the prompt attends over a cache of its own length,
-    # whose rows are then copied into the first slots, instead of over every
-    # slot (a 160-token prompt in a 256-slot cache: ~1/3 less attention).
-    cache = state.target_cache
-    prompt_cache = LatentCache.zeros(target.config, b, t, cache.latent[0].dtype)
+    # The cache is empty: the prompt attends over a cache of its own length, whose rows then
+    # fill the state's, instead of over every slot (less attention by the slots' padding).
+    prompt_cache = LatentCache.zeros(target.config, b, t, target.dtype)
     out = target(
         tokens, positions, prompt_cache, visible, taps=taps, attention="naive", backend=spec.backend
     )
-    latent, rope = jax.tree.map(
-        lambda full, rows: full.at[:, :t].set(rows),
-        (cache.latent, cache.rope),
-        (out.cache.latent, out.cache.rope),
-    )
-    cache = cache.replace(latent=latent, rope=rope, length=prompt_len)
+    cache = state.target_cache.fill(out.cache, prompt_len)
     last = jnp.take_along_axis(out.hidden, (prompt_len - 1)[:, None, None], axis=1)
     first, rng = _choose(
         spec, target.logits(last, spec.backend)[:, 0], requests.sampling, state.rng

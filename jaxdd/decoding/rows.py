@@ -34,8 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdd.cache import RowTable, row_slots
+from jaxdd.cache.layout import front, put_front, put_row
 from jaxdd.config import KimiConfig
-from jaxdd.decoding.buckets import cache_slots, prompt_bucket
 from jaxdd.decoding.report import RoundReport, RoundTrace
 from jaxdd.decoding.requests import (
     MAX_STOP_TOKENS,
@@ -55,6 +56,7 @@ from jaxdd.decoding.rounds import (
 from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays, seed_keys
 from jaxdd.errors import InputError
 from jaxdd.models.drafter import DFlashDrafter
+from jaxdd.runtime.buckets import prompt_bucket
 from jaxdd.types import Method, verified_tokens
 
 
@@ -141,10 +143,7 @@ def prefill_row(
     """``prefill`` one request and put it in row ``row`` of ``state``
     (in place: the state is donated): (state, the prefill's report)."""
     new, report = prefill(spec, models, tokens, prompt_len, requests, seeds, slots, mesh)
-    state = jax.tree.map(
-        lambda rows, one: jax.lax.dynamic_update_slice_in_dim(rows, one, row, axis=0), state, new
-    )
-    return state, report
+    return put_row(state, new, row), report
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "rows"), donate_argnames=("state",))
@@ -153,10 +152,8 @@ def front_round(
 ) -> tuple[DecodeState, jax.Array]:
     """``decode_round`` on the first ``rows`` rows only (the rest unchanged): while
     few rows are busy, a round costs what their number does, not the pool's."""
-    front = jax.tree.map(lambda x: x[:rows], (state, requests))
-    new, report = decode_round(spec, models, *front)
-    update = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, 0, axis=0)
-    return jax.tree.map(update, state, new), report
+    new, report = decode_round(spec, models, *front((state, requests), rows))
+    return put_front(state, new), report
 
 
 def pad_requests(
@@ -211,10 +208,8 @@ class RowPool:
         # Rounds over the first 1, 4, 16, ... rows and over all: requests take the
         # lowest free row, so the round runs over the rows up to the highest busy one.
         tiers = tuple(sorted({4**i for i in range(rows.bit_length()) if 4**i < rows} | {rows}))
-        longest = prompt_bucket(max_prompt)
-        slots = cache_slots(
-            max(longest, max_len + max(block, verified_tokens(method, block, budget)))
-        )
+        round_tokens = max(block, verified_tokens(method, block, budget))
+        slots = row_slots(prompt_bucket(max_prompt), max_len, round_tokens)
         shape = RowShape(spec, greedy_spec, rows, max_len, max_prompt, slots, tiers)
         self._setup(decoder, shape)
         self.state = self._empty_state()
@@ -250,7 +245,7 @@ class RowPool:
         self._settings = [GREEDY] * self.rows
         self.requests: Requests | None = None  # the device copy, made when a round needs it
         self.state: DecodeState | None = None
-        self.active: dict[int, _Row] = {}
+        self.table: RowTable[_Row] = RowTable(self.rows)  # which request holds each row
         # Reports not yet read: the prefills since the last dispatch,
         # and per round dispatched those before it and its own.
         self._prefilled: list[_Report] = []
@@ -262,7 +257,7 @@ class RowPool:
         return self.spec.width
 
     def free_rows(self) -> list[int]:
-        return [row for row in range(self.rows) if row not in self.active]
+        return self.table.free()
 
     def check(
         self, prompt: list[int], max_new_tokens: int, stop_ids: list[int], sampling: Sampling
@@ -292,15 +287,11 @@ class RowPool:
         """Prefill a request alone into a free row, without waiting for it: its
         row. Its first token comes with the next round's tokens (``collect``)."""
         self.check(prompt, max_new_tokens, stop_ids, sampling)
-        free = self.free_rows()
-        if not free:
-            raise InputError("no free row: admit only while free_rows() is not empty")
-        row = free[0]
         request = RowRequest(prompt, max_new_tokens, stop_ids, sampling)
         tokens, prompt_len, seeds = pad_requests([request], 1, prompt_bucket(len(prompt)))
         if self.state is None:
             self.state = self._empty_state()
-        self._hold(row, request)
+        row = self._hold(request)
         one = self._host_requests(slice(row, row + 1))
         mesh = self.decoder.mesh
         args = (
@@ -316,7 +307,7 @@ class RowPool:
             mesh,
         )
         self.state, report = prefill_row(*args)
-        self._prefilled.append(_Report(report, 0, [(row, 0, self.active[row])]))
+        self._prefilled.append(_Report(report, 0, [(row, 0, self.table.holder(row))]))
         return row
 
     def admit_all(self, requests: list[RowRequest]) -> None:
@@ -329,36 +320,35 @@ class RowPool:
             )
         padded = prompt_bucket(max(len(r.prompt) for r in requests))
         tokens, prompt_len, seeds = pad_requests(requests, self.rows, padded)
-        for row, request in enumerate(requests):
-            self._hold(row, request)
+        for request in requests:
+            self._hold(request)  # rows 0, 1, ...: the table is empty
         # the prefill and every round read them
         self.requests = jax.device_put(self._host_requests())
         mesh = self.decoder.mesh
         args = (self.spec, self.models, tokens, prompt_len, self.requests, seeds, self.slots, mesh)
         self.state, report = prefill(*args)
-        self._prefilled.append(
-            _Report(report, 0, [(row, row, e) for row, e in self.active.items()])
-        )
+        self._prefilled.append(_Report(report, 0, [(row, row, e) for row, e in self.table.items()]))
 
-    def _hold(self, row: int, request: RowRequest) -> None:
-        """Mark ``row`` as ``request``'s (its settings reach the device with the next round)."""
+    def _hold(self, request: RowRequest) -> int:
+        """A free row for ``request`` (its settings reach the device with the next round)."""
+        row = self.table.take(_Row(request.max_new_tokens))
         stops = np.full((MAX_STOP_TOKENS,), -1, np.int32)
         stops[: len(request.stop_ids)] = request.stop_ids
         self._max_length[row] = len(request.prompt) + request.max_new_tokens
         self._stop_ids[row], self._settings[row] = stops, request.sampling
         self.requests = None
-        self.active[row] = _Row(request.max_new_tokens)
+        return row
 
     def release(self, row: int) -> None:
         """Free a row (a cancelled request): its device row keeps
         running until a new request overwrites it, which costs nothing
         extra (the round's shape is fixed) and touches no other row."""
-        self.active.pop(row, None)
+        self.table.release(row)
 
     def reset(self) -> None:
         """Every row free in a fresh state, nothing in flight: after a fault,
         the old state may have been donated to a call that never returned."""
-        self.active.clear()
+        self.table.clear()
         self._prefilled.clear()
         self._in_flight.clear()
         self.state = self._empty_state()
@@ -372,13 +362,13 @@ class RowPool:
     def may_finish(self) -> bool:
         """Whether a busy row may reach its length in the next round
         (a round dispatched ahead of it would be wasted work)."""
-        return any(e.produced + self.width >= e.max_new_tokens for e in self.active.values())
+        return any(e.produced + self.width >= e.max_new_tokens for _, e in self.table.items())
 
     def dispatch(self) -> None:
         """Start one round for every row without waiting for it: the greedy
         round while every active row is greedy, else the sampled one."""
-        sampled = any(not self._settings[row].greedy for row in self.active)
-        tier = next(t for t in self.tiers if t > max(self.active, default=0))
+        sampled = any(not self._settings[row].greedy for row, _ in self.table.items())
+        tier = next(t for t in self.tiers if t > self.table.highest())
         self._run_round(self.spec if sampled else self.greedy_spec, tier)
 
     def _run_round(self, spec: RoundSpec, tier: int) -> None:
@@ -389,7 +379,7 @@ class RowPool:
         else:
             self.state, report = front_round(spec, self.models, self.state, self.requests, tier)
         trace = spec.trace if spec.method != "ar" else 0
-        holders = [(row, row, e) for row, e in self.active.items()]
+        holders = [(row, row, e) for row, e in self.table.items()]
         self._in_flight.append([*self._prefilled, _Report(report, trace, holders)])
         self._prefilled = []
 
@@ -406,7 +396,7 @@ class RowPool:
             report = RoundReport.decode(device_report, self.width, trace)
             for row, index, entry in holders:
                 # released, or already finished by an earlier report
-                if self.active.get(row) is not entry:
+                if self.table.holder(row) is not entry:
                     continue
                 tokens = report.emitted(index)
                 first = entry.produced == 0
@@ -424,7 +414,7 @@ class RowPool:
                 row_trace = None if report.trace is None or not tokens else report.trace[index]
                 updates[row] = RowUpdate(tokens, finish, first, row_trace)
                 if finish is not None:
-                    del self.active[row]
+                    self.table.release(row)
         return updates
 
     def discard(self) -> None:

@@ -25,8 +25,8 @@ import numpy as np
 from flax import nnx
 
 from jaxdd.api import Target
+from jaxdd.cache import cache_slots
 from jaxdd.config import DrafterConfig, KimiConfig
-from jaxdd.decoding.buckets import cache_slots
 from jaxdd.decoding.engine import RoundBatch, SpeculativeDecoder
 from jaxdd.decoding.requests import MAX_STOP_TOKENS
 from jaxdd.decoding.rounds import DecodeState, Requests, state_shardings
