@@ -1,5 +1,5 @@
 """The host-side API: load a target, run jitted forwards over a latent cache (inputs checked by
-``jaxdd.decoding.requests``), generate.
+``jaxdd.decoding.checks``), generate.
 
 The jitted step takes the model as a flat list of arrays (``jaxdd.runtime.jit_state``)
 and donates the cache so XLA writes the new rows in place.
@@ -19,8 +19,8 @@ from jax.sharding import Mesh
 
 from jaxdd.cache import LatentCache
 from jaxdd.config import KimiConfig
+from jaxdd.decoding.checks import check_positions, check_tokens, check_visible
 from jaxdd.decoding.engine import Generation, SpeculativeDecoder
-from jaxdd.decoding.requests import check_positions, check_tokens, check_visible
 from jaxdd.decoding.sampling import GREEDY, Sampling
 from jaxdd.errors import CheckpointError, InputError, checkpoint_directory
 from jaxdd.models.drafter import DFlashDrafter

@@ -77,7 +77,8 @@ def write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array, axis: int =
         return jax.vmap(update)(buffer, rows, start)
     for b in range(buffer.shape[0]):
         corner = [0] * buffer.ndim
-        corner[0], corner[axis] = b, start[b]
+        corner[0] = b
+        corner[axis] = start[b]
         buffer = jax.lax.dynamic_update_slice(buffer, rows[b : b + 1], tuple(corner))
     return buffer
 

@@ -90,7 +90,10 @@ class MLAttention(nnx.Module, Placeable):
 
     def __init__(self, config: KimiConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         c = config
-        h, dn, dr, dv = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        h = c.num_attention_heads
+        dn = c.qk_nope_head_dim
+        dr = c.qk_rope_head_dim
+        dv = c.v_head_dim
         self.config = c
         self.q_a_proj = param(rngs, (c.hidden_size, c.q_lora_rank), dtype, ("embed", "q_lora"))
         self.q_a_norm = RMSNorm(c.q_lora_rank, c.latent_norm_eps, dtype, axis="q_lora")
@@ -127,7 +130,8 @@ class MLAttention(nnx.Module, Placeable):
         cos, sin = cos_sin
         q = self.q_a_norm(linear(*unmerged(x, self.q_a_proj[...]), backend))
         q = linear(q, self.q_b_proj[...], backend)  # [B, T, heads, d]
-        q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
+        q_nope = q[..., : c.qk_nope_head_dim]
+        q_pe = q[..., c.qk_nope_head_dim :]
         q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None], c.rope_interleave)
 
         kv = linear(*unmerged(x, self.kv_a_proj[...]), backend)
@@ -148,7 +152,10 @@ class MLAttention(nnx.Module, Placeable):
         """The committed cache and the new rows as two sets of keys joined
         for one softmax, the new rows written afterwards: written first, a
         one-token step makes XLA:CPU copy each layer's whole cache."""
-        q_pe, latent, k_pe, visible = inputs.q_pe, inputs.latent, inputs.k_pe, inputs.visible
+        q_pe = inputs.q_pe
+        latent = inputs.latent
+        k_pe = inputs.k_pe
+        visible = inputs.visible
         kernels = inputs.backend.decode_kernels(q_pe.shape[0] * q_pe.shape[1])
         q_latent = _per_head(inputs.q_nope, self.k_up[...], kernels)
         cache_latent, cache_rope = inputs.cache_rows

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             listener.close()
         return follow(scheduler)
     name = args.model_name or ("kimi-mini" if bundled else Path(checkpoint).resolve().name)
-    server = Server(scheduler, pool, tokenizer, name, stop_ids, chat_template, args.request_timeout)
+    server = Server(scheduler, tokenizer, name, stop_ids, chat_template, args.request_timeout)
     scheduler.start()  # compiles in its thread while the HTTP side already answers /health with 503
     shape = (
         f"{method}, {args.max_batch} rows, {pool.slots} cache slots, prompt buckets {pool.buckets}"

@@ -21,8 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jaxdd.decoding.requests import MAX_STOP_TOKENS
-from jaxdd.decoding.rows import RowPool
+from jaxdd.decoding.checks import MAX_STOP_TOKENS
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.errors import InputError
 from jaxdd.serve import errors, protocol
@@ -38,7 +37,6 @@ API_PARAMS = {"token_ids": "prompt"}
 @dataclasses.dataclass
 class Server:
     scheduler: Scheduler
-    pool: RowPool
     tokenizer: TextTokenizer | None
     model: str
     stop_ids: list[int]  # always stop here (EOS, end of turn); requests add their own
@@ -90,7 +88,7 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         card = {"id": server.model, "object": "model", "created": 0, "owned_by": "jaxdd"}
-        return {"object": "list", "data": [{**card, "max_model_len": server.pool.max_len}]}
+        return {"object": "list", "data": [{**card, "max_model_len": server.scheduler.max_len}]}
 
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request):
@@ -148,9 +146,9 @@ def make_job(
             400, "stop strings need a tokenizer; this model has none: give stop ids", param="stop"
         )
     if max_tokens is None:
-        max_tokens = server.pool.max_len - len(prompt)
+        max_tokens = server.scheduler.max_len - len(prompt)
         if max_tokens < 1:
-            limit = server.pool.max_len
+            limit = server.scheduler.max_len
             message = f"prompt: {len(prompt)} tokens leaves no room in --max-len {limit}"
             raise APIError(400, message, refused="too_long")
     stop_ids = sorted(set(server.stop_ids) | set(body.stop_ids()))
@@ -161,17 +159,13 @@ def make_job(
     seed = secrets.randbelow(2**32) if body.seed is None else body.seed
     sampling = Sampling(body.temperature, body.top_p, max(body.top_k, 0), seed)
     try:
-        server.pool.check(prompt, max_tokens, stop_ids, sampling)
+        request = server.scheduler.check(prompt, max_tokens, stop_ids, sampling)
     except InputError as error:
-        pool = server.pool
-        too_long = len(prompt) > pool.max_prompt or len(prompt) + max_tokens > pool.max_len
-        refused = "too_long" if too_long else "invalid"
+        refused = "too_long" if server.scheduler.too_long(prompt, max_tokens) else "invalid"
         param = API_PARAMS.get(error.field, error.field)
         raise APIError(400, str(error), param=param, refused=refused) from None
     timeouts = [t for t in (body.timeout, server.request_timeout) if t is not None]
-    return Job(
-        prompt, max_tokens, stop_ids, sampling, deliver, timeout=min(timeouts) if timeouts else None
-    )
+    return Job(request, deliver, timeout=min(timeouts) if timeouts else None)
 
 
 async def generate(
@@ -193,7 +187,7 @@ async def generate(
     except NotReady as error:
         refused = "draining" if server.scheduler.draining else "not_ready"
         raise APIError(503, str(error), "server_error", code="not_ready", refused=refused) from None
-    output = Output(server.tokenizer, set(job.stop_ids), body.stop_strings())
+    output = Output(server.tokenizer, set(job.request.stop_ids), body.stop_strings())
     request_id = protocol.new_id("chatcmpl" if kind == "chat" else "cmpl")
     if body.stream:
         chunks = stream(server, kind, body, job, events, output, request_id)
@@ -275,7 +269,7 @@ async def stream(
                 protocol.body(kind, request_id, server.model, [choice], chunk=True, **usage_field)
             )
         if body.include_usage and finish is not None:
-            usage = protocol.usage(len(job.prompt), len(output.token_ids))
+            usage = protocol.usage(len(job.request.prompt), len(output.token_ids))
             yield sse(protocol.body(kind, request_id, server.model, [], chunk=True, usage=usage))
         yield "data: [DONE]\n\n"
     finally:

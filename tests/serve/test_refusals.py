@@ -34,7 +34,7 @@ def refusals(client: TestClient) -> dict[str, float]:
 
 def test_compiling_and_draining_refusals_are_counted(pool):
     scheduler = Scheduler(pool, Metrics(pool.block), max_waiting=1)
-    client = TestClient(create_app(Server(scheduler, pool, None, "kimi-mini", [0], None, None)))
+    client = TestClient(create_app(Server(scheduler, None, "kimi-mini", [0], None, None)))
     assert refusals(client) == dict.fromkeys(REFUSALS, 0.0)
     body = {"prompt": [1, 2], "max_tokens": 2}
     compiling = client.post("/v1/completions", json=body)
