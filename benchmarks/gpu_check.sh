@@ -15,7 +15,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
-export PYTHONPATH="$PWD:$PWD/.gpu_site" JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD:$PWD/.gpu_site" JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 PYTHONUNBUFFERED=1
 PY=python3
 # jaxdd is written against flax 0.12 (nnx); use the carried copy if the image has another series
 $PY -c 'import flax, sys; sys.exit(not flax.__version__.startswith("0.12"))' || export PYTHONPATH="$PWD/.gpu_site/flax_0128:$PYTHONPATH"

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 import jaxdd
+from jaxdd.cache import CacheView
 from jaxdd.models.layers import rope_cos_sin
 from jaxdd.models.target import target_rope
 from jaxdd.runtime.backend import Backend
@@ -40,7 +41,8 @@ def measure(flavour: str, seed: int) -> dict:
     inv_freq, amplitude = target_rope(c)
     cos_sin = rope_cos_sin(jnp.asarray(positions), inv_freq, amplitude, jnp.float32)
     empty = (jnp.zeros((b, t, c.kv_lora_rank)), jnp.zeros((b, t, c.qk_rope_head_dim)))
-    length, mask = jnp.zeros((b,), jnp.int32), jnp.asarray(causal)
+    view = CacheView(jnp.zeros((b,), jnp.int32))  # an empty cache of t slots
+    mask = jnp.asarray(causal)
     moe = c.num_hidden_layers - 1
     errors = {}
     with torch.no_grad():
@@ -52,7 +54,7 @@ def measure(flavour: str, seed: int) -> dict:
         hf_mask = additive_mask(causal)
         for form in ("naive", "absorbed"):
             ours = jx.layers[1].attn(
-                jnp.asarray(x), cos_sin, empty, length, mask, mask, form, Backend.local()
+                jnp.asarray(x), cos_sin, empty, view, mask, form, Backend.local()
             )[0]
             errors[f"attention_{form}"] = rel_err(
                 ours, model.model.layers[1].self_attn(tx, (cos, sin), hf_mask)[0].numpy()
@@ -69,7 +71,7 @@ def measure(flavour: str, seed: int) -> dict:
         )
         for name, i in (("dense_layer", 0), ("moe_layer", moe)):
             ours = jx.layers[i](
-                jnp.asarray(x), cos_sin, empty, length, mask, mask, "absorbed", Backend.local()
+                jnp.asarray(x), cos_sin, empty, view, mask, "absorbed", Backend.local()
             )[0]
             hf = model.model.layers[i](tx, attention_mask=hf_mask, position_embeddings=(cos, sin))
             errors[name] = rel_err(ours, hf.numpy())

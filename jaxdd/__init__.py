@@ -20,11 +20,11 @@ The stable Python API:
 # first: imports JAX without the CUDA plugin's start-up lines
 import jaxdd.runtime.startup  # noqa: F401
 from jaxdd.api import ForwardResult, Target, load_drafter, load_pair, load_target
+from jaxdd.cache import LatentCache
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.engine import Generation, SpeculativeDecoder
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.errors import CheckpointError, ConfigError, InputError, LargeRoundWarning
-from jaxdd.models.cache import LatentCache
 from jaxdd.planning.compiled_traffic import compiled_traffic
 from jaxdd.weights.checkpoint import save_drafter, save_target
 

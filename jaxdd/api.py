@@ -1,5 +1,5 @@
 """The host-side API: load a target, run jitted forwards over a latent cache (inputs checked by
-``jaxdd.decoding.requests``), generate.
+``jaxdd.decoding.checks``), generate.
 
 The jitted step takes the model as a flat list of arrays (``jaxdd.runtime.jit_state``)
 and donates the cache so XLA writes the new rows in place.
@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxdd.cache import LatentCache
 from jaxdd.config import KimiConfig
+from jaxdd.decoding.checks import check_positions, check_tokens, check_visible
 from jaxdd.decoding.engine import Generation, SpeculativeDecoder
-from jaxdd.decoding.requests import check_positions, check_tokens, check_visible
 from jaxdd.decoding.sampling import GREEDY, Sampling
 from jaxdd.errors import CheckpointError, InputError, checkpoint_directory
-from jaxdd.models.cache import LatentCache
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget
 from jaxdd.runtime.backend import Backend
@@ -130,7 +130,7 @@ def _forward(
     out = model(tokens, positions, cache, visible, taps=taps, attention=attention, backend=backend)
     cache = out.cache
     if commit:
-        cache = cache.replace(length=cache.length + tokens.shape[1])
+        cache = cache.commit(jnp.full_like(cache.length, tokens.shape[1]))
     return ForwardResult(model.logits(out.hidden, backend), out.taps, cache)
 
 

@@ -32,7 +32,9 @@ from jaxdd.runtime.startup import end_now
 from jaxdd.types import METHODS, MOE_MODES
 
 # 130 and 141: the shell's codes for SIGINT and SIGPIPE
-USAGE, INTERRUPTED, BROKEN_PIPE = 2, 130, 141
+USAGE = 2
+INTERRUPTED = 130
+BROKEN_PIPE = 141
 # The device files an accelerator's driver creates: without them JAX
 # can only fail (or, for a TPU, probe the cloud metadata server first).
 DEVICE_FILES = {"gpu": ("/dev/nvidiactl", "/dev/kfd"), "tpu": ("/dev/accel0", "/dev/vfio/0")}
@@ -343,7 +345,8 @@ def start_backend() -> list:
     logger = logging.getLogger("jax._src.xla_bridge")
     held = _Held(logging.WARNING)
     logger.addHandler(held)
-    propagate, logger.propagate = logger.propagate, False
+    propagate = logger.propagate
+    logger.propagate = False
     try:
         devices = jax.devices()
     # JAX asserts when no platform it was asked for started

@@ -170,7 +170,8 @@ class _Reader:
     """Typed field access with error messages that name the field as it appears in the file."""
 
     def __init__(self, data: Mapping[str, Any], prefix: str):
-        self.data, self.prefix = data, prefix
+        self.data = data
+        self.prefix = prefix
 
     def _fail(self, key: str, msg: str) -> ConfigError:
         return ConfigError(f"{self.prefix}{key}: {msg}")
@@ -270,10 +271,12 @@ def _parse_rope(
     pair (amplitude 0.1 ln(factor) + 1), original length = max_position_embeddings.
     """
     if isinstance(data.get("rope_parameters"), Mapping):
-        params, where = data["rope_parameters"], "rope_parameters"
+        params = data["rope_parameters"]
+        where = "rope_parameters"
         rope_theta = _Reader(params, f"{r.prefix}{where}.").get("rope_theta", float)
     else:
-        params, where = data.get("rope_scaling") or {}, "rope_scaling"
+        params = data.get("rope_scaling") or {}
+        where = "rope_scaling"
         rope_theta = r.get("rope_theta", float)
     if not isinstance(params, Mapping):
         raise r._fail(where, f"expected an object, got {params!r}")
@@ -365,7 +368,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     the taps over layers 1 .. L-3 (Python's round)."""
     if num_draft_layers == 1:
         return (num_target_layers // 2,)
-    start, end = 1, num_target_layers - 3
+    start = 1
+    end = num_target_layers - 3
     span = end - start
     return tuple(round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
 

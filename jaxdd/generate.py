@@ -97,7 +97,8 @@ class TextStream:
 
     def __init__(self, tokenizer: TextTokenizer | None, stop_ids: set[int], status: str):
         self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
-        self.stop_ids, self.out = stop_ids, sys.stdout
+        self.stop_ids = stop_ids
+        self.out = sys.stdout
         self.printed_ids = False
         # Said on stderr when the first tokens take over a
         # second (compiling), so never before a quick error.

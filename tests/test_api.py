@@ -128,7 +128,7 @@ def test_bad_checkpoint_directories(hf_dir, tmp_path):
         jaxdd.load_target(broken)
 
 
-def test_equal_models_share_one_jit_spec(hf_dir, target):
+def test_equal_models_share_one_jit_structure(hf_dir, target):
     """Decoders built one after another reuse compiled rounds
     without jit comparing their module graphs again."""
     from jaxdd.runtime.jit_state import split_module
@@ -138,7 +138,7 @@ def test_equal_models_share_one_jit_spec(hf_dir, target):
     assert spec is split_module(target.model)[0]
     assert weights[0] is not split_module(target.model)[1][0]  # only the structure is shared
     assert (
-        jaxdd.SpeculativeDecoder(again)._models.target_spec
-        is jaxdd.SpeculativeDecoder(target)._models.target_spec
+        jaxdd.SpeculativeDecoder(again)._models.target_structure
+        is jaxdd.SpeculativeDecoder(target)._models.target_structure
     )
     assert split_module(jaxdd.load_target(hf_dir, dtype="bfloat16").model)[0] is not spec

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxdd.config import KimiConfig
-from jaxdd.decoding.requests import check_lengths, check_stop_ids, check_tokens, per_request
+from jaxdd.decoding.checks import check_lengths, check_stop_ids, check_tokens, per_request
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.errors import CheckpointError, ConfigError, FieldError, InputError
 

@@ -5,13 +5,14 @@ and measurements in benchmarks/README.md rather than in comments."""
 from __future__ import annotations
 
 import graphlib
+import re
 
 from jaxdd.testing.layout import ROOT, imports, long_functions, measurements, module_name, sources
 
 # Each part may import its own layer and the layers before it.
 LAYERS = [
     ("jaxdd.types", "jaxdd.errors", "jaxdd.config"),
-    ("jaxdd.runtime", "pallas_kernels"),
+    ("jaxdd.runtime", "pallas_kernels", "jaxdd.cache"),
     ("jaxdd.models",),
     ("jaxdd.weights", "jaxdd.decoding"),
     ("jaxdd.api", "jaxdd"),
@@ -82,3 +83,24 @@ def test_test_files_have_unique_names():
     packages under tests/): two of one name cannot both run."""
     names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
     assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+# Slot arithmetic: writes at a row's slots, slot masks, the slot axis, row placement in a batch.
+SLOT_ARITHMETIC = re.compile(
+    r"dynamic_update_slice|\bwrite_rows\b|SLOT_AXIS|\.at\[:, *:|arange\((?:cache\.)?slots\)"
+    r"|\bCacheView\("
+)
+
+
+def test_only_the_cache_computes_where_rows_live():
+    """jaxdd.cache decides where each request's rows are; the models and the decoding loop take
+    its views and tables (the kernels in pallas_kernels read what a view hands them)."""
+    cache = ROOT / "jaxdd" / "cache"
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in sources(("jaxdd",))
+        if cache not in path.parents
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if SLOT_ARITHMETIC.search(line)
+    ]
+    assert found == []

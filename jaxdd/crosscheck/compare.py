@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from jaxdd.crosscheck.trace import PromptTrace, load_traces
-from jaxdd.decoding.buckets import bucket
 from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.runtime.buckets import bucket
 
 # Relative tolerances (of the largest reference magnitude at that position) per jaxdd compute dtype:
 # bf16 carries ~4e-3 rounding per op through every layer (what the test models show:

@@ -9,7 +9,7 @@ import numpy as np
 
 from jaxdd.config import KimiConfig
 from jaxdd.crosscheck.trace import PromptTrace, pad_rows, save_traces, selected_positions
-from jaxdd.decoding.requests import check_tokens
+from jaxdd.decoding.checks import check_tokens
 from jaxdd.errors import InputError, read_json
 from jaxdd.weights.tokenizer import load_tokenizer
 

@@ -15,9 +15,8 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from jaxdd.decoding.buckets import bucket, cache_slots, prompt_bucket
-from jaxdd.decoding.report import RoundTrace
-from jaxdd.decoding.requests import (
+from jaxdd.cache import row_slots
+from jaxdd.decoding.checks import (
     check_lengths,
     check_round_options,
     check_stop_ids,
@@ -25,13 +24,15 @@ from jaxdd.decoding.requests import (
     check_tree_logits,
     per_request,
 )
-from jaxdd.decoding.rounds import DecodeState, ModelPair, Requests, RoundSpec, decode_round
+from jaxdd.decoding.report import RoundTrace
+from jaxdd.decoding.rounds import DecodeState, ModelPair, RoundSpec, RowSettings, decode_round
 from jaxdd.decoding.rows import RowPool, RowRequest, RowShape
 from jaxdd.decoding.sampling import GREEDY, Sampling
 from jaxdd.errors import InputError, LargeRoundWarning
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget
 from jaxdd.runtime.backend import Backend
+from jaxdd.runtime.buckets import bucket, prompt_bucket
 from jaxdd.runtime.compile_time import compile_clock
 from jaxdd.runtime.jit_state import split_module
 from jaxdd.runtime.sharding import mesh_of
@@ -116,7 +117,7 @@ class RoundBatch:
     spec: RoundSpec
     count: int  # real rows; the batch is padded to a power of two
     max_new_tokens: list[int]
-    requests: Requests  # on the device once, not copied there again by every round
+    settings: RowSettings  # on the device once, not copied there again by every round
 
 
 class SpeculativeDecoder:
@@ -148,16 +149,19 @@ class SpeculativeDecoder:
         # set when the models were placed with jaxdd.runtime.sharding.shard_module
         self.mesh = mesh_of(target.model)
         self._working_memory: dict[tuple, int] = {}  # compiled rounds' temporaries, by round shape
-        target_spec, target_weights = split_module(target.model)
+        target_structure, target_weights = split_module(target.model)
         self._target_only = ModelPair(
-            target_weights, None, target_spec=target_spec, drafter_spec=None
+            target_weights, None, target_structure=target_structure, drafter_structure=None
         )
         self._models = self._target_only
         if drafter is not None:
             drafter.config.check_fits(self.config)
-            drafter_spec, drafter_weights = split_module(drafter)
+            drafter_structure, drafter_weights = split_module(drafter)
             self._models = ModelPair(
-                target_weights, drafter_weights, target_spec=target_spec, drafter_spec=drafter_spec
+                target_weights,
+                drafter_weights,
+                target_structure=target_structure,
+                drafter_structure=drafter_structure,
             )
 
     def generate(self, prompt_ids, *, sampling: Sampling = GREEDY, **options) -> Generation:
@@ -223,7 +227,7 @@ class SpeculativeDecoder:
     def _decode(pool: RowPool, results: list[Generation], emit) -> None:
         """Run rounds until every row of ``pool`` is done,
         appending each round's tokens to ``results``."""
-        if pool.active:
+        if pool.table:
             pool.dispatch()
         while pool.in_flight:
             # Dispatch the next round before reading this one's report, so the host's work (the
@@ -239,20 +243,20 @@ class SpeculativeDecoder:
                     emit(i, update.tokens)
                 if update.trace is not None:
                     _record_trace(results[i], update.trace)
-            if not pool.active:
+            if not pool.table:
                 pool.discard()  # a round dispatched ahead finishes in this call's time
             elif not pool.in_flight:
                 pool.dispatch()
 
     def step(self, plan: RoundBatch, state: DecodeState) -> tuple[DecodeState, jax.Array]:
         """One jitted round for the whole batch: (new state, the round's report [rows, ...])."""
-        return decode_round(plan.spec, self.models_for(plan.spec), state, plan.requests)
+        return decode_round(plan.spec, self.models_for(plan.spec), state, plan.settings)
 
     def lower_round(self, plan: RoundBatch, state: DecodeState) -> jax.stages.Lowered:
         """The round ``step`` runs for ``plan``, lowered for ``state``
         (arrays or ShapeDtypeStructs): for compiling ahead of time
         (``jaxdd.plan``), reading the HLO, or profiling its stages."""
-        return decode_round.lower(plan.spec, self.models_for(plan.spec), state, plan.requests)
+        return decode_round.lower(plan.spec, self.models_for(plan.spec), state, plan.settings)
 
     def round_spec(
         self,
@@ -293,7 +297,7 @@ class SpeculativeDecoder:
         pool = RowPool.of_shape(self, shape)
         pool.admit_all(requests)
         plan = RoundBatch(
-            shape.spec, len(requests), [r.max_new_tokens for r in requests], pool.requests
+            shape.spec, len(requests), [r.max_new_tokens for r in requests], pool.settings
         )
         self._check_round_size(plan, pool.state)
         return pool, plan
@@ -310,7 +314,8 @@ class SpeculativeDecoder:
         settings = per_request("sampling and max_new_tokens", options.sampling, n)
         lengths = per_request("sampling and max_new_tokens", options.max_new_tokens, n)
         stops = check_stop_ids(options.stop_token_ids, self.config)
-        method, max_children = options.method, options.max_children
+        method = options.method
+        max_children = options.max_children
         drafter_block = None if self.drafter is None else self.drafter.config.block_size
         block, budget = check_round_options(
             method,
@@ -329,9 +334,7 @@ class SpeculativeDecoder:
         # Prompts in eighth octaves, multiples of 16, the cache in quarter octaves: a prefill's cost
         # grows with its padded length and a round's with its slots, and each new shape compiles.
         longest = max(len(p) for p in checked)
-        slots = cache_slots(
-            max(prompt_bucket(longest), max(max_lengths) + max(block, verify_width))
-        )
+        slots = row_slots(prompt_bucket(longest), max(max_lengths), max(block, verify_width))
         sampled = any(not s.greedy for s in settings)
         spec = self.round_spec(
             method,
@@ -365,7 +368,7 @@ class SpeculativeDecoder:
         # a cached executable, costs more than a round.
         key = (
             spec,
-            tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves((state, plan.requests))),
+            tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves((state, plan.settings))),
         )
         if key not in self._working_memory:
             try:

@@ -65,11 +65,9 @@ class RoundReport:
         """The report ``encode`` made for rounds of ``width``
         tokens (and a top-``trace`` trace): waits for it."""
         report = np.asarray(report)
-        tokens, produced, stopped = (
-            report[:, :width],
-            report[:, width],
-            report[:, width + 1].astype(bool),
-        )
+        tokens = report[:, :width]
+        produced = report[:, width]
+        stopped = report[:, width + 1].astype(bool)
         if not trace:
             return cls(tokens, produced, stopped)
         drafted = (width - 1) * trace

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxdd.cache import DraftCache, LatentCache
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.report import RoundReport
 from jaxdd.decoding.sampling import (
@@ -42,11 +43,10 @@ from jaxdd.decoding.sampling import (
     split_keys,
 )
 from jaxdd.decoding.tree import accept_path, build_tree
-from jaxdd.models.cache import LatentCache, compact_rows
-from jaxdd.models.drafter import DFlashDrafter, DraftCache
+from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget
 from jaxdd.runtime.backend import Backend
-from jaxdd.runtime.jit_state import ModuleSpec
+from jaxdd.runtime.jit_state import ModuleStructure
 from jaxdd.runtime.sharding import cache_sharding
 from jaxdd.types import Attention, Method, TreeLogits
 
@@ -81,18 +81,20 @@ class ModelPair:
 
     target_weights: list[jax.Array]
     drafter_weights: list[jax.Array] | None
-    target_spec: ModuleSpec = struct.field(pytree_node=False)
-    drafter_spec: ModuleSpec | None = struct.field(pytree_node=False)
+    target_structure: ModuleStructure = struct.field(pytree_node=False)
+    drafter_structure: ModuleStructure | None = struct.field(pytree_node=False)
 
     def merge(self) -> tuple[KimiTarget, DFlashDrafter | None]:
         drafter = (
-            None if self.drafter_spec is None else self.drafter_spec.merge(self.drafter_weights)
+            None
+            if self.drafter_structure is None
+            else self.drafter_structure.merge(self.drafter_weights)
         )
-        return self.target_spec.merge(self.target_weights), drafter
+        return self.target_structure.merge(self.target_weights), drafter
 
 
 @struct.dataclass
-class Requests:
+class RowSettings:
     """Per-row request settings, on the device once for all rounds."""
 
     max_length: jax.Array  # [rows] int32: prompt length + max_new_tokens
@@ -107,7 +109,7 @@ class DecodeState:
     bonus: jax.Array
     # [B] bool: the request stopped or reached its length; its row no longer changes
     done: jax.Array
-    rng: jax.Array  # [B, 2] uint32: each request's random stream (sampled requests)
+    rng: jax.Array  # [B, 2] uint32: each request's random stream (sampled ones)
     draft_cache: DraftCache | None = None
     # [B, block, taps * D]: features of the tokens committed last round
     context: jax.Array | None = None
@@ -160,44 +162,44 @@ def state_shardings(state: DecodeState, mesh: jax.sharding.Mesh) -> DecodeState:
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
 def decode_round(
-    spec: RoundSpec, models: ModelPair, state: DecodeState, requests: Requests
+    spec: RoundSpec, models: ModelPair, state: DecodeState, settings: RowSettings
 ) -> tuple[DecodeState, jax.Array]:
     """One round of ``spec.method`` for the whole batch: (new state, the
     round's report, ``RoundReport.encode``: with ``trace`` the drafter's top-k
     per draft position and for DDTree the tree's tokens and parents)."""
     target, drafter = models.merge()
     if spec.method == "ar":
-        return _ar_step(spec, target, state, requests)
+        return _ar_step(spec, target, state, settings)
     return (_dflash_round if spec.method == "dflash" else _ddtree_round)(
-        spec, target, drafter, state, requests
+        spec, target, drafter, state, settings
     )
 
 
-def _ar_step(spec: RoundSpec, target: KimiTarget, state: DecodeState, requests: Requests):
+def _ar_step(spec: RoundSpec, target: KimiTarget, state: DecodeState, settings: RowSettings):
     with jax.named_scope("verify"):
         logits, _, cache = _verify_chain(spec, target, state.target_cache, state.bonus[:, None], ())
     with jax.named_scope("accept"):
-        token, rng = _choose(spec, logits[:, 0], requests.sampling, state.rng)
+        token, rng = _choose(spec, logits[:, 0], settings.sampling, state.rng)
     with jax.named_scope("commit"):
         return _commit(
-            state, token[:, None], jnp.zeros_like(token), cache, None, None, rng, requests
+            state, token[:, None], jnp.zeros_like(token), cache, None, None, rng, settings
         )
 
 
 def _dflash_round(
-    spec: RoundSpec, target: KimiTarget, drafter: DFlashDrafter, state: DecodeState, requests
+    spec: RoundSpec, target: KimiTarget, drafter: DFlashDrafter, state: DecodeState, settings
 ):
     """With ``spec.sampled``, drafts are sampled and accepted by
     ``dflash_generate``'s rejection sampling (``accept_sampled``; greedy rows'
     one-hot distributions make it the greedy rule); otherwise the argmax chain."""
-    block_len = jnp.clip(requests.max_length - state.target_cache.length, 1, spec.block)
+    block_len = jnp.clip(settings.max_length - state.target_cache.length, 1, spec.block)
     with jax.named_scope("draft"):
         logits, draft_cache = _draft(drafter, target, state, block_len, spec.block)
     rng = state.rng
     with jax.named_scope("build"):
         if spec.sampled:
             rng, (draft_key, *accept_keys) = split_keys(rng, 3)
-            draft_probs = filtered_probs(logits, requests.sampling, spec.backend.cut_off_ways())
+            draft_probs = filtered_probs(logits, settings.sampling, spec.backend.cut_off_ways())
             drafts = sample(draft_key, draft_probs)
         else:
             drafts = argmax(logits)
@@ -210,7 +212,7 @@ def _dflash_round(
     with jax.named_scope("accept"):
         if spec.sampled:
             target_probs = filtered_probs(
-                target_logits, requests.sampling, spec.backend.cut_off_ways()
+                target_logits, settings.sampling, spec.backend.cut_off_ways()
             )
             emitted, accepted = accept_sampled(
                 drafts, draft_probs, target_probs, block_len, accept_keys
@@ -220,12 +222,12 @@ def _dflash_round(
     with jax.named_scope("commit"):
         trace = {"draft_topk": jax.lax.top_k(logits, spec.trace)[1]} if spec.trace else {}
         return _commit(
-            state, emitted, accepted, cache, features, draft_cache, rng, requests, **trace
+            state, emitted, accepted, cache, features, draft_cache, rng, settings, **trace
         )
 
 
 def _ddtree_round(
-    spec: RoundSpec, target: KimiTarget, drafter: DFlashDrafter, state: DecodeState, requests
+    spec: RoundSpec, target: KimiTarget, drafter: DFlashDrafter, state: DecodeState, settings
 ):
     """Sampled rows use the target-only rule: one token is sampled from the target's filtered
     distribution at every node; the walk descends while the sample is a child's token and the
@@ -233,13 +235,13 @@ def _ddtree_round(
     target (lossless for any tree). The tree is built from the drafter's logits at the
     request's temperature (``tree_logits="scaled"``) or from the raw logits."""
     start = state.target_cache.length
-    block_len = jnp.clip(requests.max_length - start, 1, spec.block)
+    block_len = jnp.clip(settings.max_length - start, 1, spec.block)
     with jax.named_scope("draft"):
         logits, draft_cache = _draft(drafter, target, state, block_len, spec.block)
     with jax.named_scope("build"):
         tree_logits = logits
         if spec.sampled and spec.tree_logits == "scaled":
-            temperature = requests.sampling.temperature[:, None, None]
+            temperature = settings.sampling.temperature[:, None, None]
             tree_logits = logits / jnp.where(temperature > 0, temperature, 1.0)
         tree = build_tree(tree_logits, state.bonus, block_len - 1, spec.budget, spec.max_children)
     with jax.named_scope("verify"):
@@ -255,26 +257,24 @@ def _ddtree_round(
         )
         target_logits = target.logits(out.hidden, spec.backend)
     with jax.named_scope("accept"):
-        choice, rng = _choose(spec, target_logits, requests.sampling, state.rng)
+        choice, rng = _choose(spec, target_logits, settings.sampling, state.rng)
         path, accepted = accept_path(tree, choice, spec.block - 1)
         # the target's choices along the path: drafts + bonus
         emitted = jnp.take_along_axis(choice, path, axis=1)
     with jax.named_scope("commit"):
-        cache = compact_rows(out.cache, start, path)
+        cache = out.cache.keep_path(path)
         context = jnp.take_along_axis(out.taps, path[:, :, None], axis=1)  # features in path order
         trace = {}
         if spec.trace:
             unused = ~tree.valid
-            tree_tokens, tree_parents = (
-                jnp.where(unused, -1, tree.tokens),
-                jnp.where(unused, -1, tree.parents),
-            )
+            tree_tokens = jnp.where(unused, -1, tree.tokens)
+            tree_parents = jnp.where(unused, -1, tree.parents)
             trace = {
                 "draft_topk": jax.lax.top_k(logits, spec.trace)[1],
                 "tree": (tree_tokens, tree_parents),
             }
         return _commit(
-            state, emitted, accepted, cache, context, draft_cache, rng, requests, **trace
+            state, emitted, accepted, cache, context, draft_cache, rng, settings, **trace
         )
 
 
@@ -375,18 +375,18 @@ def _commit(
     context,
     draft_cache,
     rng,
-    requests: Requests,
+    settings: RowSettings,
     draft_topk: jax.Array | None = None,
     tree: tuple[jax.Array, jax.Array] | None = None,
 ):
     """Keep ``produced`` tokens per row (rows already done keep everything as it was) and report."""
     start = state.target_cache.length
     produced, stopped, done = limit_round(
-        emitted, accepted, requests.max_length, start, requests.stop_ids, state.done
+        emitted, accepted, settings.max_length, start, settings.stop_ids, state.done
     )
     last = jnp.take_along_axis(emitted, jnp.maximum(produced - 1, 0)[:, None], axis=1)[:, 0]
     new_state = DecodeState(
-        target_cache=cache.replace(length=start + produced),
+        target_cache=cache.commit(produced),
         bonus=jnp.where(produced > 0, last, state.bonus),
         done=done,
         rng=rng,
@@ -403,7 +403,7 @@ def prefill(
     models: ModelPair,
     tokens: jax.Array,
     prompt_len: jax.Array,
-    requests: Requests,
+    settings: RowSettings,
     seeds: jax.Array,
     slots: int,
     mesh: jax.sharding.Mesh | None,
@@ -424,25 +424,18 @@ def prefill(
     taps = () if drafter is None else drafter.config.target_layer_ids
     positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
     visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    # The cache is empty: the prompt attends over a cache of its own length,
-    # whose rows are then copied into the first slots, instead of over every
-    # slot (a 160-token prompt in a 256-slot cache: ~1/3 less attention).
-    cache = state.target_cache
-    prompt_cache = LatentCache.zeros(target.config, b, t, cache.latent[0].dtype)
+    # The cache is empty: the prompt attends over a cache of its own length, whose rows then
+    # fill the state's, instead of over every slot (less attention by the slots' padding).
+    prompt_cache = LatentCache.zeros(target.config, b, t, target.dtype)
     out = target(
         tokens, positions, prompt_cache, visible, taps=taps, attention="naive", backend=spec.backend
     )
-    latent, rope = jax.tree.map(
-        lambda full, rows: full.at[:, :t].set(rows),
-        (cache.latent, cache.rope),
-        (out.cache.latent, out.cache.rope),
-    )
-    cache = cache.replace(latent=latent, rope=rope, length=prompt_len)
+    cache = state.target_cache.fill(out.cache, prompt_len)
     last = jnp.take_along_axis(out.hidden, (prompt_len - 1)[:, None, None], axis=1)
     first, rng = _choose(
-        spec, target.logits(last, spec.backend)[:, 0], requests.sampling, state.rng
+        spec, target.logits(last, spec.backend)[:, 0], settings.sampling, state.rng
     )
-    done = (first[:, None] == requests.stop_ids).any(-1) | (prompt_len + 1 >= requests.max_length)
+    done = (first[:, None] == settings.stop_ids).any(-1) | (prompt_len + 1 >= settings.max_length)
     state = state.replace(target_cache=cache, bonus=first, rng=rng, done=done)
     if drafter is not None:
         state = state.replace(
@@ -450,6 +443,6 @@ def prefill(
         )
     if mesh is not None:
         state = jax.lax.with_sharding_constraint(state, state_shardings(state, mesh))
-    stopped = (first[:, None] == requests.stop_ids).any(-1)
+    stopped = (first[:, None] == settings.stop_ids).any(-1)
     emitted = jnp.zeros((b, spec.width), jnp.int32).at[:, 0].set(first)
     return state, RoundReport.encode(emitted, jnp.ones((b,), jnp.int32), stopped)

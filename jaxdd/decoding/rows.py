@@ -34,20 +34,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdd.cache import RowTable, row_slots
+from jaxdd.cache.layout import front, put_front, put_row
 from jaxdd.config import KimiConfig
-from jaxdd.decoding.buckets import cache_slots, prompt_bucket
-from jaxdd.decoding.report import RoundReport, RoundTrace
-from jaxdd.decoding.requests import (
+from jaxdd.decoding.checks import (
     MAX_STOP_TOKENS,
     check_round_options,
     check_stop_ids,
     check_tokens,
 )
+from jaxdd.decoding.report import RoundReport, RoundTrace
 from jaxdd.decoding.rounds import (
     DecodeState,
     ModelPair,
-    Requests,
     RoundSpec,
+    RowSettings,
     decode_round,
     prefill,
     state_shardings,
@@ -55,6 +56,7 @@ from jaxdd.decoding.rounds import (
 from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays, seed_keys
 from jaxdd.errors import InputError
 from jaxdd.models.drafter import DFlashDrafter
+from jaxdd.runtime.buckets import prompt_bucket
 from jaxdd.types import Method, verified_tokens
 
 
@@ -74,8 +76,8 @@ class Decoder(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class RowRequest:
-    """One request as the rows take it: checked, its
-    stop ids the full set (the model's own included)."""
+    """One request as the rows take it (``RowPool.check`` makes one):
+    checked, its stop ids the full set (the model's own included)."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -102,17 +104,21 @@ class RowShape:
 class RowUpdate:
     """What a row got since the last collect: its new tokens (``first``: the first of
     them is the prefill's, the request's first token; the rest are one round's), once
-    it ends why ("stop" or "length"), and with a trace the round's (``RoundTrace``)."""
+    it ends why ("stop" or "length"), with a trace the round's (``RoundTrace``), the
+    tokens its request has now, and that request's owner (as given to ``admit``)."""
 
     tokens: list[int]
     finish: str | None = None
     first: bool = False
     trace: RoundTrace | None = None
+    produced: int = 0
+    owner: Any = None
 
 
 @dataclasses.dataclass
 class _Row:
     max_new_tokens: int
+    owner: Any = None
     produced: int = 0
 
 
@@ -133,30 +139,25 @@ def prefill_row(
     row: jax.Array,
     tokens: jax.Array,
     prompt_len: jax.Array,
-    requests: Requests,
+    settings: RowSettings,
     seeds: jax.Array,
     slots: int,
     mesh: jax.sharding.Mesh | None,
 ) -> tuple[DecodeState, jax.Array]:
     """``prefill`` one request and put it in row ``row`` of ``state``
     (in place: the state is donated): (state, the prefill's report)."""
-    new, report = prefill(spec, models, tokens, prompt_len, requests, seeds, slots, mesh)
-    state = jax.tree.map(
-        lambda rows, one: jax.lax.dynamic_update_slice_in_dim(rows, one, row, axis=0), state, new
-    )
-    return state, report
+    new, report = prefill(spec, models, tokens, prompt_len, settings, seeds, slots, mesh)
+    return put_row(state, new, row), report
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "rows"), donate_argnames=("state",))
 def front_round(
-    spec: RoundSpec, models: ModelPair, state: DecodeState, requests: Requests, rows: int
+    spec: RoundSpec, models: ModelPair, state: DecodeState, settings: RowSettings, rows: int
 ) -> tuple[DecodeState, jax.Array]:
     """``decode_round`` on the first ``rows`` rows only (the rest unchanged): while
     few rows are busy, a round costs what their number does, not the pool's."""
-    front = jax.tree.map(lambda x: x[:rows], (state, requests))
-    new, report = decode_round(spec, models, *front)
-    update = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, 0, axis=0)
-    return jax.tree.map(update, state, new), report
+    new, report = decode_round(spec, models, *front((state, settings), rows))
+    return put_front(state, new), report
 
 
 def pad_requests(
@@ -211,10 +212,8 @@ class RowPool:
         # Rounds over the first 1, 4, 16, ... rows and over all: requests take the
         # lowest free row, so the round runs over the rows up to the highest busy one.
         tiers = tuple(sorted({4**i for i in range(rows.bit_length()) if 4**i < rows} | {rows}))
-        longest = prompt_bucket(max_prompt)
-        slots = cache_slots(
-            max(longest, max_len + max(block, verified_tokens(method, block, budget)))
-        )
+        round_tokens = max(block, verified_tokens(method, block, budget))
+        slots = row_slots(prompt_bucket(max_prompt), max_len, round_tokens)
         shape = RowShape(spec, greedy_spec, rows, max_len, max_prompt, slots, tiers)
         self._setup(decoder, shape)
         self.state = self._empty_state()
@@ -227,19 +226,18 @@ class RowPool:
         return pool
 
     def _setup(self, decoder: Decoder, shape: RowShape) -> None:
-        self.decoder, self.shape = decoder, shape
-        self.rows, self.max_len, self.max_prompt = shape.rows, shape.max_len, shape.max_prompt
-        self.spec, self.greedy_spec, self.slots, self.tiers = (
-            shape.spec,
-            shape.greedy_spec,
-            shape.slots,
-            shape.tiers,
-        )
-        self.method, self.block, self.budget = (
-            shape.spec.method,
-            shape.spec.block,
-            shape.spec.budget,
-        )
+        self.decoder = decoder
+        self.shape = shape
+        self.rows = shape.rows
+        self.max_len = shape.max_len
+        self.max_prompt = shape.max_prompt
+        self.spec = shape.spec
+        self.greedy_spec = shape.greedy_spec
+        self.slots = shape.slots
+        self.tiers = shape.tiers
+        self.method = shape.spec.method
+        self.block = shape.spec.block
+        self.budget = shape.spec.budget
         self.models = decoder.models_for(self.spec)
         self.buckets = sorted({prompt_bucket(n) for n in range(1, self.max_prompt + 1)})
         # Host copies of the per-row settings; the device copy is replaced whole at
@@ -247,10 +245,10 @@ class RowPool:
         # last request's settings: a done row changes nothing whatever they say.
         self._max_length = np.full((self.rows,), 2, np.int32)
         self._stop_ids = np.full((self.rows, MAX_STOP_TOKENS), -1, np.int32)
-        self._settings = [GREEDY] * self.rows
-        self.requests: Requests | None = None  # the device copy, made when a round needs it
+        self._sampling = [GREEDY] * self.rows
+        self.settings: RowSettings | None = None  # the device copy, made when a round needs it
         self.state: DecodeState | None = None
-        self.active: dict[int, _Row] = {}
+        self.table: RowTable[_Row] = RowTable(self.rows)  # which request holds each row
         # Reports not yet read: the prefills since the last dispatch,
         # and per round dispatched those before it and its own.
         self._prefilled: list[_Report] = []
@@ -262,13 +260,21 @@ class RowPool:
         return self.spec.width
 
     def free_rows(self) -> list[int]:
-        return [row for row in range(self.rows) if row not in self.active]
+        return self.table.free()
+
+    def owners(self) -> list[tuple[int, Any]]:
+        """(row, owner) of every busy row."""
+        return [(row, entry.owner) for row, entry in self.table.items()]
+
+    @property
+    def busy(self) -> int:
+        """Rows held by a request."""
+        return len(self.table)
 
     def check(
         self, prompt: list[int], max_new_tokens: int, stop_ids: list[int], sampling: Sampling
-    ) -> None:
-        """Raise ``InputError`` naming what in a request
-        this pool cannot run (nothing is changed)."""
+    ) -> RowRequest:
+        """The request, checked: ``InputError`` naming what in it this pool cannot run."""
         check_tokens([prompt], self.decoder.config.vocab_size)
         if len(prompt) > self.max_prompt:
             raise InputError.at(
@@ -285,23 +291,18 @@ class RowPool:
         check_stop_ids(stop_ids, self.decoder.config)
         if not isinstance(sampling, Sampling):
             raise InputError.at("sampling", "expected a jaxdd.Sampling")
+        return RowRequest(list(prompt), max_new_tokens, list(stop_ids), sampling)
 
-    def admit(
-        self, prompt: list[int], max_new_tokens: int, stop_ids: list[int], sampling: Sampling
-    ) -> int:
-        """Prefill a request alone into a free row, without waiting for it: its
-        row. Its first token comes with the next round's tokens (``collect``)."""
-        self.check(prompt, max_new_tokens, stop_ids, sampling)
-        free = self.free_rows()
-        if not free:
-            raise InputError("no free row: admit only while free_rows() is not empty")
-        row = free[0]
-        request = RowRequest(prompt, max_new_tokens, stop_ids, sampling)
-        tokens, prompt_len, seeds = pad_requests([request], 1, prompt_bucket(len(prompt)))
+    def admit(self, request: RowRequest, owner: Any = None) -> int:
+        """Prefill a request (checked by ``check``) alone into a free row, without waiting for
+        it: its row. Its first token comes with the next round's tokens (``collect``), in an
+        update that names ``owner``."""
+        padded = prompt_bucket(len(request.prompt))
+        tokens, prompt_len, seeds = pad_requests([request], 1, padded)
         if self.state is None:
             self.state = self._empty_state()
-        self._hold(row, request)
-        one = self._host_requests(slice(row, row + 1))
+        row = self._hold(request, owner)
+        one = self._host_settings(slice(row, row + 1))
         mesh = self.decoder.mesh
         args = (
             self.spec,
@@ -316,7 +317,7 @@ class RowPool:
             mesh,
         )
         self.state, report = prefill_row(*args)
-        self._prefilled.append(_Report(report, 0, [(row, 0, self.active[row])]))
+        self._prefilled.append(_Report(report, 0, [(row, 0, self.table.holder(row))]))
         return row
 
     def admit_all(self, requests: list[RowRequest]) -> None:
@@ -329,40 +330,44 @@ class RowPool:
             )
         padded = prompt_bucket(max(len(r.prompt) for r in requests))
         tokens, prompt_len, seeds = pad_requests(requests, self.rows, padded)
-        for row, request in enumerate(requests):
-            self._hold(row, request)
+        for request in requests:
+            self._hold(request)  # rows 0, 1, ...: the table is empty
         # the prefill and every round read them
-        self.requests = jax.device_put(self._host_requests())
+        self.settings = jax.device_put(self._host_settings())
         mesh = self.decoder.mesh
-        args = (self.spec, self.models, tokens, prompt_len, self.requests, seeds, self.slots, mesh)
+        args = (self.spec, self.models, tokens, prompt_len, self.settings, seeds, self.slots, mesh)
         self.state, report = prefill(*args)
-        self._prefilled.append(
-            _Report(report, 0, [(row, row, e) for row, e in self.active.items()])
-        )
+        self._prefilled.append(_Report(report, 0, [(row, row, e) for row, e in self.table.items()]))
 
-    def _hold(self, row: int, request: RowRequest) -> None:
-        """Mark ``row`` as ``request``'s (its settings reach the device with the next round)."""
+    def _hold(self, request: RowRequest, owner: Any = None) -> int:
+        """A free row for ``request`` (its settings reach the device with the next round)."""
+        row = self.table.take(_Row(request.max_new_tokens, owner))
         stops = np.full((MAX_STOP_TOKENS,), -1, np.int32)
         stops[: len(request.stop_ids)] = request.stop_ids
         self._max_length[row] = len(request.prompt) + request.max_new_tokens
-        self._stop_ids[row], self._settings[row] = stops, request.sampling
-        self.requests = None
-        self.active[row] = _Row(request.max_new_tokens)
+        self._stop_ids[row] = stops
+        self._sampling[row] = request.sampling
+        self.settings = None
+        return row
 
     def release(self, row: int) -> None:
         """Free a row (a cancelled request): its device row keeps
         running until a new request overwrites it, which costs nothing
         extra (the round's shape is fixed) and touches no other row."""
-        self.active.pop(row, None)
+        self.table.release(row)
+
+    def release_all(self) -> None:
+        """Free every row (their requests failed); rounds in flight still finish."""
+        self.table.clear()
 
     def reset(self) -> None:
         """Every row free in a fresh state, nothing in flight: after a fault,
         the old state may have been donated to a call that never returned."""
-        self.active.clear()
+        self.table.clear()
         self._prefilled.clear()
         self._in_flight.clear()
         self.state = self._empty_state()
-        self.requests = None
+        self.settings = None
 
     @property
     def in_flight(self) -> int:
@@ -372,24 +377,24 @@ class RowPool:
     def may_finish(self) -> bool:
         """Whether a busy row may reach its length in the next round
         (a round dispatched ahead of it would be wasted work)."""
-        return any(e.produced + self.width >= e.max_new_tokens for e in self.active.values())
+        return any(e.produced + self.width >= e.max_new_tokens for _, e in self.table.items())
 
     def dispatch(self) -> None:
         """Start one round for every row without waiting for it: the greedy
         round while every active row is greedy, else the sampled one."""
-        sampled = any(not self._settings[row].greedy for row in self.active)
-        tier = next(t for t in self.tiers if t > max(self.active, default=0))
+        sampled = any(not self._sampling[row].greedy for row, _ in self.table.items())
+        tier = next(t for t in self.tiers if t > self.table.highest())
         self._run_round(self.spec if sampled else self.greedy_spec, tier)
 
     def _run_round(self, spec: RoundSpec, tier: int) -> None:
-        if self.requests is None:
-            self.requests = jax.device_put(self._host_requests())
+        if self.settings is None:
+            self.settings = jax.device_put(self._host_settings())
         if tier == self.rows:
-            self.state, report = decode_round(spec, self.models, self.state, self.requests)
+            self.state, report = decode_round(spec, self.models, self.state, self.settings)
         else:
-            self.state, report = front_round(spec, self.models, self.state, self.requests, tier)
+            self.state, report = front_round(spec, self.models, self.state, self.settings, tier)
         trace = spec.trace if spec.method != "ar" else 0
-        holders = [(row, row, e) for row, e in self.active.items()]
+        holders = [(row, row, e) for row, e in self.table.items()]
         self._in_flight.append([*self._prefilled, _Report(report, trace, holders)])
         self._prefilled = []
 
@@ -400,13 +405,14 @@ class RowPool:
         if self._in_flight:
             reports = self._in_flight.popleft()
         else:
-            reports, self._prefilled = self._prefilled, []
+            reports = self._prefilled
+            self._prefilled = []
         updates: dict[int, RowUpdate] = {}
         for device_report, trace, holders in reports:
             report = RoundReport.decode(device_report, self.width, trace)
             for row, index, entry in holders:
                 # released, or already finished by an earlier report
-                if self.active.get(row) is not entry:
+                if self.table.holder(row) is not entry:
                     continue
                 tokens = report.emitted(index)
                 first = entry.produced == 0
@@ -420,11 +426,14 @@ class RowPool:
                     else None
                 )
                 if row in updates:
-                    tokens, first = updates[row].tokens + tokens, updates[row].first
+                    tokens = updates[row].tokens + tokens
+                    first = updates[row].first
                 row_trace = None if report.trace is None or not tokens else report.trace[index]
-                updates[row] = RowUpdate(tokens, finish, first, row_trace)
+                updates[row] = RowUpdate(
+                    tokens, finish, first, row_trace, entry.produced, entry.owner
+                )
                 if finish is not None:
-                    del self.active[row]
+                    self.table.release(row)
         return updates
 
     def discard(self) -> None:
@@ -438,10 +447,10 @@ class RowPool:
         self.dispatch()
         return self.collect()
 
-    def _host_requests(self, rows: slice = slice(None)) -> Requests:
+    def _host_settings(self, rows: slice = slice(None)) -> RowSettings:
         """The per-row settings of ``rows`` as host arrays."""
-        settings = SamplingArrays.of(self._settings[rows])
-        return Requests(self._max_length[rows], self._stop_ids[rows], settings)
+        sampling = SamplingArrays.of(self._sampling[rows])
+        return RowSettings(self._max_length[rows], self._stop_ids[rows], sampling)
 
     def _empty_state(self) -> DecodeState:
         """Every row done (nothing to decode) until a request is inserted."""
@@ -462,9 +471,9 @@ class RowPool:
         finds what the first left: shardings and layouts settle after one)."""
         for _ in range(2):
             for padded in self.buckets:
-                self.admit([1] * min(padded, self.max_prompt), 1, [], GREEDY)
+                self.admit(RowRequest([1] * min(padded, self.max_prompt), 1, [], GREEDY))
                 self.step()  # the first token ends it
-            row = self.admit([1], min(self.width + 1, self.max_len - 1), [], GREEDY)
+            row = self.admit(RowRequest([1], min(self.width + 1, self.max_len - 1), [], GREEDY))
             for spec in (self.spec, self.greedy_spec):
                 for tier in self.tiers:
                     self._run_round(spec, tier)

@@ -121,13 +121,12 @@ def filtered_probs(logits: jax.Array, settings: SamplingArrays, ways: int = 2) -
     read of the values (2: a bisection; ``Backend.cut_off_ways``), only when some row needs it."""
     vocab = logits.shape[-1]
     expand = (slice(None),) + (None,) * (logits.ndim - 1)
-    temperature, top_p, top_k = (
-        settings.temperature[expand],
-        settings.top_p[expand],
-        settings.top_k[expand],
-    )
+    temperature = settings.temperature[expand]
+    top_p = settings.top_p[expand]
+    top_k = settings.top_k[expand]
     scores = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
-    limited, nucleus = (top_k > 0) & (top_k < vocab), top_p < 1
+    limited = (top_k > 0) & (top_k < vocab)
+    nucleus = top_p < 1
     cut = lambda: _cut_off(
         scores, jnp.where(limited, top_k, 0), jnp.where(nucleus, top_p, 1.0), ways
     )

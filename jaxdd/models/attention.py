@@ -4,6 +4,7 @@ tree-attention kernel; each form is one method of ``MLAttention``."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from types import ModuleType
 
@@ -11,25 +12,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxdd.cache import CacheView
 from jaxdd.config import KimiConfig
-from jaxdd.models.cache import write_rows
 from jaxdd.models.layers import RMSNorm, apply_rope, linear, param, project_heads, unmerged
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.sharding import AXIS, Placeable, partition_spec
 from jaxdd.types import Attention
-
-
-def attention_mask(length: jax.Array, visible: jax.Array, slots: int) -> jax.Array:
-    """[B, T, slots]: committed slots (< length) for everyone;
-    new token j's slot (length + j) where visible."""
-    slot = jnp.arange(slots)[None, None, :]
-    start = length[:, None, None]
-    new_index = jnp.clip(slot - start, 0, visible.shape[-1] - 1)
-    is_new = (slot >= start) & (slot < start + visible.shape[-1])
-    new_visible = jnp.take_along_axis(
-        visible, jnp.broadcast_to(new_index, (*visible.shape[:2], slots)), axis=-1
-    )
-    return (slot < start) | (is_new & new_visible)
 
 
 def _write_after(value: jax.Array, rows: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
@@ -74,6 +62,21 @@ def _cache_values(rows: jax.Array, probs: jax.Array, kernels: ModuleType | None)
     return out.reshape(b, h, t, -1).transpose(0, 2, 1, 3)
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionInputs:
+    """What every form of the attention takes: the step's queries and new cache rows, the
+    cache's rows and where to read and write them, and which new tokens see which."""
+
+    q_nope: jax.Array  # [B, T, heads, qk_nope_head_dim]
+    q_pe: jax.Array  # [B, T, heads, qk_rope_head_dim], rotated
+    latent: jax.Array  # [B, T, kv_lora_rank]: the new tokens' normed latent rows
+    k_pe: jax.Array  # [B, T, qk_rope_head_dim]: their rotated rope keys
+    cache_rows: tuple[jax.Array, jax.Array]  # this layer's latent [B, S, r] and rope [B, S, dr]
+    view: CacheView
+    visible: jax.Array  # [B, T, T] bool: may new token i attend to new token j
+    backend: Backend
+
+
 class MLAttention(nnx.Module, Placeable):
     """Multi-head latent attention. K/V live in the cache
     as one normed latent row plus one rope key per token.
@@ -87,7 +90,10 @@ class MLAttention(nnx.Module, Placeable):
 
     def __init__(self, config: KimiConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         c = config
-        h, dn, dr, dv = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        h = c.num_attention_heads
+        dn = c.qk_nope_head_dim
+        dr = c.qk_rope_head_dim
+        dv = c.v_head_dim
         self.config = c
         self.q_a_proj = param(rngs, (c.hidden_size, c.q_lora_rank), dtype, ("embed", "q_lora"))
         self.q_a_norm = RMSNorm(c.q_lora_rank, c.latent_norm_eps, dtype, axis="q_lora")
@@ -107,26 +113,25 @@ class MLAttention(nnx.Module, Placeable):
         x: jax.Array,
         cos_sin: tuple[jax.Array, jax.Array],
         cache_rows: tuple[jax.Array, jax.Array],
-        length: jax.Array,
+        view: CacheView,
         visible: jax.Array,
-        mask: jax.Array,
         attention: Attention,
         backend: Backend,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """x [B,T,D]; cache_rows (latent [B,S,r], rope [B,S,dr]); the new
-        tokens see the committed slots (< length) and each other where
-        visible [B,T,T]; mask [B,T,S] is the same over the cache slots.
+        """x [B,T,D]; cache_rows (latent [B,S,r], rope [B,S,dr]); the new tokens see
+        the committed cache (``view``) and each other where visible [B,T,T].
 
-        This step's rows go to slots ``length .. length + T - 1``: ``naive`` and
-        ``pallas`` write them first and attend over the cache alone (no concatenated copy
-        of it per layer); ``absorbed`` attends to the cache and the new rows separately
-        and writes them last. Returns the output [B,T,D] and the updated rows.
+        This step's rows go where ``view`` writes: ``naive`` and ``pallas`` write them
+        first and attend over the cache alone (no concatenated copy of it per layer);
+        ``absorbed`` attends to the cache and the new rows separately and writes them
+        last. Returns the output [B,T,D] and the updated rows.
         """
         c = self.config
         cos, sin = cos_sin
         q = self.q_a_norm(linear(*unmerged(x, self.q_a_proj[...]), backend))
         q = linear(q, self.q_b_proj[...], backend)  # [B, T, heads, d]
-        q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
+        q_nope = q[..., : c.qk_nope_head_dim]
+        q_pe = q[..., c.qk_nope_head_dim :]
         q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None], c.rope_interleave)
 
         kv = linear(*unmerged(x, self.kv_a_proj[...]), backend)
@@ -139,21 +144,24 @@ class MLAttention(nnx.Module, Placeable):
             raise ValueError(
                 f"attention: expected 'naive', 'absorbed' or 'pallas', got {attention!r}"
             )
-        out, rows = forms[attention](
-            q_nope, q_pe, latent, k_pe, cache_rows, length, visible, mask, backend
-        )
+        inputs = AttentionInputs(q_nope, q_pe, latent, k_pe, cache_rows, view, visible, backend)
+        out, rows = forms[attention](inputs)
         return project_heads(out, self.o_proj[...], backend), rows
 
-    def _absorbed(self, q_nope, q_pe, latent, k_pe, cache_rows, length, visible, mask, backend):
+    def _absorbed(self, inputs: AttentionInputs):
         """The committed cache and the new rows as two sets of keys joined
         for one softmax, the new rows written afterwards: written first, a
         one-token step makes XLA:CPU copy each layer's whole cache."""
-        kernels = backend.decode_kernels(q_nope.shape[0] * q_nope.shape[1])
-        q_latent = _per_head(q_nope, self.k_up[...], kernels)
-        cache_latent, cache_rope = cache_rows
+        q_pe = inputs.q_pe
+        latent = inputs.latent
+        k_pe = inputs.k_pe
+        visible = inputs.visible
+        kernels = inputs.backend.decode_kernels(q_pe.shape[0] * q_pe.shape[1])
+        q_latent = _per_head(inputs.q_nope, self.k_up[...], kernels)
+        cache_latent, cache_rope = inputs.cache_rows
         slots = cache_latent.shape[1]
         committed = jnp.broadcast_to(
-            jnp.arange(slots) < length[:, None, None], (*visible.shape[:2], slots)
+            inputs.view.committed(slots)[:, None, :], (*visible.shape[:2], slots)
         )
         scores = jnp.concatenate(
             [
@@ -169,17 +177,13 @@ class MLAttention(nnx.Module, Placeable):
         out_latent += jnp.einsum("bur,bhtu->bthr", latent, probs[..., slots:])
         out = _per_head(out_latent, self.v_up[...], kernels)
         rows = _write_after(out_latent, (latent, k_pe))
-        new_rows = (
-            write_rows(cache_latent, rows[0], length),
-            write_rows(cache_rope, rows[1], length),
-        )
-        return out, new_rows
+        return out, tuple(map(inputs.view.write, inputs.cache_rows, rows))
 
-    def _pallas(self, q_nope, q_pe, latent, k_pe, cache_rows, length, visible, mask, backend):
+    def _pallas(self, inputs: AttentionInputs):
         """The absorbed form with the attention itself in the Pallas tree-attention kernel."""
         c = self.config
-        q_latent = jnp.einsum("bthd,hrd->bthr", q_nope, self.k_up[...])
-        kernel = functools.partial(backend.tree_attention(), scale=c.softmax_scale)
+        q_latent = jnp.einsum("bthd,hrd->bthr", inputs.q_nope, self.k_up[...])
+        kernel = functools.partial(inputs.backend.tree_attention(), scale=c.softmax_scale)
 
         def attend(q_latent, q_pe, cache_latent, cache_rope, length, latent, k_pe, visible):
             # The committed rows only (slots < length): the kernel reads the cache as it was, and
@@ -201,20 +205,24 @@ class MLAttention(nnx.Module, Placeable):
             attend = jax.shard_map(
                 attend, mesh=mesh, in_specs=specs, out_specs=(heads, whole, whole), check_vma=False
             )
-        out_latent, latent, k_pe = attend(
-            q_latent, q_pe, *cache_rows, length, latent, k_pe, visible
+        out_latent, *rows = attend(
+            q_latent,
+            inputs.q_pe,
+            *inputs.cache_rows,
+            inputs.view.length,
+            inputs.latent,
+            inputs.k_pe,
+            inputs.visible,
         )
-        out = jnp.einsum("bthr,hdr->bthd", out_latent.astype(q_pe.dtype), self.v_up[...])
-        keys_latent = write_rows(cache_rows[0], latent, length)  # [B, S, r]
-        keys_rope = write_rows(cache_rows[1], k_pe, length)  # [B, S, dr]
-        return out, (keys_latent, keys_rope)
+        out = jnp.einsum("bthr,hdr->bthd", out_latent.astype(inputs.q_pe.dtype), self.v_up[...])
+        return out, tuple(map(inputs.view.write, inputs.cache_rows, rows))
 
-    def _naive(self, q_nope, q_pe, latent, k_pe, cache_rows, length, visible, mask, backend):
+    def _naive(self, inputs: AttentionInputs):
         """HF's formulation: the latents expanded into
         per-head keys and values, the rows written first."""
         c = self.config
-        keys_latent = write_rows(cache_rows[0], latent, length)  # [B, S, r]
-        keys_rope = write_rows(cache_rows[1], k_pe, length)  # [B, S, dr]
+        rows = (inputs.latent, inputs.k_pe)
+        keys_latent, keys_rope = map(inputs.view.write, inputs.cache_rows, rows)  # [B, S, r | dr]
         k_nope = jnp.einsum("bsr,hrd->bshd", keys_latent, self.k_up[...])
         values = jnp.einsum("bsr,hdr->bshd", keys_latent, self.v_up[...])
         # One score matmul over the [nope | rope] channels, as HF concatenates them: on XLA:CPU two
@@ -223,7 +231,10 @@ class MLAttention(nnx.Module, Placeable):
             keys_rope[:, :, None], (*k_nope.shape[:3], c.qk_rope_head_dim)
         )
         keys = jnp.concatenate([k_nope, k_pe_heads], axis=-1)
-        scores = jnp.einsum("bthd,bshd->bhts", jnp.concatenate([q_nope, q_pe], axis=-1), keys)
+        query = jnp.concatenate([inputs.q_nope, inputs.q_pe], axis=-1)
+        scores = jnp.einsum("bthd,bshd->bhts", query, keys)
+        # every layer's mask is the same computation: XLA computes it once
+        mask = inputs.view.mask(inputs.visible, keys.shape[1])
         out = jnp.einsum("bhts,bshd->bthd", self._softmax(scores, mask), values)
         return out, (keys_latent, keys_rope)
 

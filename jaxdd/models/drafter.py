@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 
+from jaxdd.cache import CacheView, DraftCache
 from jaxdd.config import DrafterConfig
-from jaxdd.models.cache import write_rows
 from jaxdd.models.layers import (
     MLP,
     RMSNorm,
@@ -26,32 +26,6 @@ from jaxdd.models.layers import (
     rope_frequencies,
     unmerged,
 )
-
-SLOT_AXIS = 2  # of the drafter cache's [batch, kv_heads, slots, head_dim] buffers
-
-
-@struct.dataclass
-class DraftCache:
-    # One buffer per layer, updated in place under donation (see ``jaxdd.models.cache``). Heads
-    # before slots, as the attention matmuls read them (see ``DraftAttention``): stored [batch,
-    # slots, kv_heads, head_dim], XLA:CPU transposes every layer's whole cache in every round.
-    keys: tuple[jax.Array, ...]  # per layer [batch, kv_heads, slots, head_dim] (normed and rotated)
-    values: tuple[jax.Array, ...]  # per layer [batch, kv_heads, slots, head_dim]
-    length: jax.Array  # [batch] int32: context tokens cached
-
-    @classmethod
-    def zeros(cls, config: DrafterConfig, batch: int, slots: int, dtype: jnp.dtype) -> DraftCache:
-        shape = (batch, config.num_key_value_heads, slots, config.head_dim)
-        layers = range(config.num_hidden_layers)
-        return cls(
-            keys=tuple(jnp.zeros(shape, dtype) for _ in layers),
-            values=tuple(jnp.zeros(shape, dtype) for _ in layers),
-            length=jnp.zeros((batch,), jnp.int32),
-        )
-
-    @property
-    def slots(self) -> int:
-        return self.keys[0].shape[SLOT_AXIS]
 
 
 class DraftAttention(nnx.Module):
@@ -98,24 +72,23 @@ class DraftAttention(nnx.Module):
         return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
     def __call__(
-        self, x, cos_sin, cached: tuple[jax.Array, jax.Array], length: jax.Array, mask: jax.Array
+        self, x, cos_sin, cached: tuple[jax.Array, jax.Array], view: CacheView, mask: jax.Array
     ):
-        """x [B,T,D]; cached keys/values [B,kv,S,hd] holding ``length`` [B]
-        context rows; mask [B,S]: the slots the block sees. Returns the
-        output [B,T,D] and the keys/values with the block's rows in them.
+        """x [B,T,D]; cached keys/values [B,kv,S,hd] holding the context ``view``
+        reads; mask [B,S]: the slots the block sees. Returns the output [B,T,D]
+        and the keys/values with the block's rows in them.
 
-        The block's K/V are written at slots length .. length + T - 1, so attention
-        runs over the cache alone (no concatenated copy of it per layer). They are
-        never committed: ``length`` does not move, the slots stay hidden from later
-        blocks beyond their own, and the next context injection overwrites them.
+        The block's K/V are written where ``view`` writes new rows, so attention runs over
+        the cache alone (no concatenated copy of it per layer). They are never committed:
+        the view does not move, the slots stay hidden from later blocks beyond their own,
+        and the next context injection overwrites them.
         """
         c = self.config
         cos, sin = cos_sin
         q = self.q_norm(jnp.einsum("btd,dnh->btnh", *unmerged(x, self.q_proj[...])))
         q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleaved=False)
         k, v = self.keys_values(x, cos, sin)
-        keys = write_rows(cached[0], k, length, SLOT_AXIS)
-        values = write_rows(cached[1], v, length, SLOT_AXIS)
+        keys, values = map(view.write, cached, (k, v))
         b, t = x.shape[:2]
         groups = c.num_attention_heads // c.num_key_value_heads
         q = q.reshape(b, t, c.num_key_value_heads, groups, c.head_dim)
@@ -137,8 +110,8 @@ class DraftLayer(nnx.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype, rngs)
 
-    def __call__(self, x, cos_sin, cached, length, mask):
-        attn, cached = self.attn(self.attn_norm(x), cos_sin, cached, length, mask)
+    def __call__(self, x, cos_sin, cached, view: CacheView, mask):
+        attn, cached = self.attn(self.attn_norm(x), cos_sin, cached, view, mask)
         x = x + attn
         return x + self.mlp(self.mlp_norm(x)), cached
 
@@ -173,9 +146,10 @@ class DFlashDrafter(nnx.Module):
             self.layers, cache.keys, cache.values, strict=True
         ):
             k, v = layer.attn.keys_values(context, cos, sin)
-            keys.append(write_rows(cached_keys, k, cache.length, SLOT_AXIS))
-            values.append(write_rows(cached_values, v, cache.length, SLOT_AXIS))
-        return cache.replace(keys=tuple(keys), values=tuple(values), length=cache.length + count)
+            keys.append(cache.view.write(cached_keys, k))
+            values.append(cache.view.write(cached_values, v))
+        committed = cache.view.commit(count).length
+        return cache.replace(keys=tuple(keys), values=tuple(values), length=committed)
 
     def __call__(
         self, embeds: jax.Array, positions: jax.Array, cache: DraftCache, block_len: jax.Array
@@ -188,7 +162,7 @@ class DFlashDrafter(nnx.Module):
         reference drafts a shorter block near max length).
         """
         # context, then block
-        visible = jnp.arange(cache.slots)[None, :] < (cache.length + block_len)[:, None]
+        visible = cache.visible(block_len)
         cos_sin = self._cos_sin(positions)
         x = embeds.astype(self.dtype)
         keys = []
@@ -196,7 +170,7 @@ class DFlashDrafter(nnx.Module):
         for layer, cached in zip(
             self.layers, zip(cache.keys, cache.values, strict=True), strict=True
         ):
-            x, (layer_keys, layer_values) = layer(x, cos_sin, cached, cache.length, visible)
+            x, (layer_keys, layer_values) = layer(x, cos_sin, cached, cache.view, visible)
             keys.append(layer_keys)
             values.append(layer_values)
         return self.norm(x), cache.replace(keys=tuple(keys), values=tuple(values))

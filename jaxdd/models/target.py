@@ -2,9 +2,10 @@
 MLA attention over a latent cache and noaux_tc MoE.
 
 One forward serves every use: prefill, one-token decode, a causal block (linear verify) and a draft
-tree. The new tokens see the committed prefix of the cache (slots below ``cache.length``) plus
-whichever new tokens ``visible`` allows; their latent rows are written at slots ``length .. length +
-T - 1``; committing (moving ``length``, or compacting an accepted tree path) is the caller's job.
+tree. The new tokens see the committed prefix of the cache plus whichever new tokens ``visible``
+allows; their latent rows are written where the cache's view puts them (``jaxdd.cache``);
+committing them (``LatentCache.commit``, or ``keep_path`` for an accepted tree path) is the
+caller's job.
 
 Weights use the JAX layout ``x @ W`` ([in, out]);
 ``jaxdd.weights.hf_mappings`` maps the HF names and transposes.
@@ -19,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxdd.cache import CacheView, LatentCache
 from jaxdd.config import KimiConfig
-from jaxdd.models.attention import MLAttention, attention_mask
-from jaxdd.models.cache import LatentCache
+from jaxdd.models.attention import MLAttention
 from jaxdd.models.layers import (
     MLP,
     RMSNorm,
@@ -67,10 +68,17 @@ class TargetLayer(nnx.Module):
             self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype, rngs)
 
     def __call__(
-        self, x, cos_sin, cache_rows, length, visible, mask, attention: Attention, backend: Backend
+        self,
+        x,
+        cos_sin,
+        cache_rows,
+        view: CacheView,
+        visible,
+        attention: Attention,
+        backend: Backend,
     ):
         attn, cache_rows = self.attn(
-            self.attn_norm(x), cos_sin, cache_rows, length, visible, mask, attention, backend
+            self.attn_norm(x), cos_sin, cache_rows, view, visible, attention, backend
         )
         x = x + attn
         mlp_in = self.mlp_norm(x)
@@ -119,7 +127,6 @@ class KimiTarget(nnx.Module, Placeable):
         ancestor-or-self mask gives tree verify (with positions = start +
         depth). ``backend``: the platform's choices (``Backend.of_module``).
         """
-        mask = attention_mask(cache.length, visible, cache.slots)
         inv_freq, amplitude = target_rope(self.config)
         cos_sin = rope_cos_sin(positions, inv_freq, amplitude, self.dtype)
 
@@ -130,7 +137,7 @@ class KimiTarget(nnx.Module, Placeable):
         for i, layer in enumerate(self.layers):
             rows = (latent_cache[i], rope_cache[i])
             x, (latent_cache[i], rope_cache[i]) = layer(
-                x, cos_sin, rows, cache.length, visible, mask, attention, backend
+                x, cos_sin, rows, cache.view, visible, attention, backend
             )
             if i in taps:
                 tapped.append(x)

@@ -25,11 +25,11 @@ import numpy as np
 from flax import nnx
 
 from jaxdd.api import Target
+from jaxdd.cache import cache_slots
 from jaxdd.config import DrafterConfig, KimiConfig
-from jaxdd.decoding.buckets import cache_slots
+from jaxdd.decoding.checks import MAX_STOP_TOKENS
 from jaxdd.decoding.engine import RoundBatch, SpeculativeDecoder
-from jaxdd.decoding.requests import MAX_STOP_TOKENS
-from jaxdd.decoding.rounds import DecodeState, Requests, state_shardings
+from jaxdd.decoding.rounds import DecodeState, RowSettings, state_shardings
 from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays
 from jaxdd.errors import ConfigError, InputError, read_json
 from jaxdd.models.drafter import DFlashDrafter
@@ -340,16 +340,16 @@ def _abstract_requests(
     state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
     )
-    settings = Sampling(temperature=1.0) if sampled else GREEDY
-    requests = Requests(
+    sampling = Sampling(temperature=1.0) if sampled else GREEDY
+    settings = RowSettings(
         max_length=jax.ShapeDtypeStruct((batch,), jnp.int32),
         stop_ids=jax.ShapeDtypeStruct((batch, MAX_STOP_TOKENS), jnp.int32),
-        sampling=jax.eval_shape(lambda: SamplingArrays.of([settings] * batch)),
+        sampling=jax.eval_shape(lambda: SamplingArrays.of([sampling] * batch)),
     )
     spec = decoder.round_spec(
         method, block, budget if method == "ddtree" else None, sampled=sampled
     )
-    return RoundBatch(spec, batch, [1] * batch, requests), state
+    return RoundBatch(spec, batch, [1] * batch, settings), state
 
 
 def _shard_bytes(x) -> int:

@@ -15,12 +15,11 @@ from flax import nnx
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ModuleSpec:
+class ModuleStructure:
     """The static half of a split module: hashable, so it can be a static jit argument.
 
     jit hashes its static arguments on every call, and an NNX GraphDef's hash walks the whole module
-    graph. So the hash is computed once,
-    and a spec compares equal to itself without a walk.
+    graph. So the hash is computed once, and a structure compares equal to itself without a walk.
     """
 
     graphdef: Any
@@ -36,7 +35,7 @@ class ModuleSpec:
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True
-        if not isinstance(other, ModuleSpec) or self._hash != other._hash:
+        if not isinstance(other, ModuleStructure) or self._hash != other._hash:
             return False
         return (self.graphdef, self.treedef) == (other.graphdef, other.treedef)
 
@@ -44,16 +43,16 @@ class ModuleSpec:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
 
 
-# One spec object per module structure. jit compares a call's static arguments with
-# its cache keys, and two equal specs that are different objects are compared graph
-# by graph, on every round, by a decoder that was built after another one compiled
-# the same shapes (``Target.generate`` builds one per call). The compiled functions
-# keep their specs alive anyway, so holding them here costs nothing extra.
-_SPECS: dict[ModuleSpec, ModuleSpec] = {}
+# One object per module structure. jit compares a call's static arguments with its cache
+# keys, and two equal structures that are different objects are compared graph by graph,
+# on every round, by a decoder that was built after another one compiled the same shapes
+# (``Target.generate`` builds one per call). The compiled functions keep their structures
+# alive anyway, so holding them here costs nothing extra.
+_STRUCTURES: dict[ModuleStructure, ModuleStructure] = {}
 
 
-def split_module(module: nnx.Module) -> tuple[ModuleSpec, list[jax.Array]]:
+def split_module(module: nnx.Module) -> tuple[ModuleStructure, list[jax.Array]]:
     graphdef, state = nnx.split(module)
     leaves, treedef = jax.tree.flatten(state)
-    spec = ModuleSpec(graphdef, treedef)
-    return _SPECS.setdefault(spec, spec), leaves
+    structure = ModuleStructure(graphdef, treedef)
+    return _STRUCTURES.setdefault(structure, structure), leaves

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             listener.close()
         return follow(scheduler)
     name = args.model_name or ("kimi-mini" if bundled else Path(checkpoint).resolve().name)
-    server = Server(scheduler, pool, tokenizer, name, stop_ids, chat_template, args.request_timeout,
+    server = Server(scheduler, tokenizer, name, stop_ids, chat_template, args.request_timeout,
                     args.api_key, args.access_log)  # fmt: skip
     scheduler.start()  # compiles in its thread while the HTTP side already answers /health with 503
     shape = (

@@ -23,7 +23,9 @@ OPEN_PATHS = ("/health", "/metrics")
 
 class RequireKey:
     def __init__(self, app: ASGIApp, key: str, refuse: Callable[[str], None]):
-        self.app, self.key, self.refuse = app, f"Bearer {key}".encode(), refuse
+        self.app = app
+        self.key = f"Bearer {key}".encode()
+        self.refuse = refuse
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:

@@ -22,8 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jaxdd.decoding.requests import MAX_STOP_TOKENS
-from jaxdd.decoding.rows import RowPool
+from jaxdd.decoding.checks import MAX_STOP_TOKENS
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.errors import InputError
 from jaxdd.serve import errors, protocol
@@ -40,7 +39,6 @@ API_PARAMS = {"token_ids": "prompt"}
 @dataclasses.dataclass
 class Server:
     scheduler: Scheduler
-    pool: RowPool
     tokenizer: TextTokenizer | None
     model: str
     stop_ids: list[int]  # always stop here (EOS, end of turn); requests add their own
@@ -64,7 +62,8 @@ class APIError(Exception):
         refused: str | None = None,
     ):
         super().__init__(message)
-        self.status, self.body = status, protocol.error_body(message, kind, param, code)
+        self.status = status
+        self.body = protocol.error_body(message, kind, param, code)
         self.refused = refused or ("invalid" if status < 500 else None)
 
 
@@ -94,7 +93,7 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         card = {"id": server.model, "object": "model", "created": 0, "owned_by": "jaxdd"}
-        return {"object": "list", "data": [{**card, "max_model_len": server.pool.max_len}]}
+        return {"object": "list", "data": [{**card, "max_model_len": server.scheduler.max_len}]}
 
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request):
@@ -164,30 +163,27 @@ def make_job(
             400, "stop strings need a tokenizer; this model has none: give stop ids", param="stop"
         )
     if max_tokens is None:
-        max_tokens = server.pool.max_len - len(prompt)
+        max_tokens = server.scheduler.max_len - len(prompt)
         if max_tokens < 1:
-            limit = server.pool.max_len
+            limit = server.scheduler.max_len
             message = f"prompt: {len(prompt)} tokens leaves no room in --max-len {limit}"
             raise APIError(400, message, refused="too_long")
     stop_ids = sorted(set(server.stop_ids) | set(body.stop_ids()))
     if len(stop_ids) > MAX_STOP_TOKENS:
-        own, added = len(set(server.stop_ids)), len(set(body.stop_ids()) - set(server.stop_ids))
+        own = len(set(server.stop_ids))
+        added = len(set(body.stop_ids()) - set(server.stop_ids))
         message = f"at most {MAX_STOP_TOKENS - own} beside this model's {own} own, got {added}"
         raise APIError(400, f"stop_token_ids: {message}", param="stop_token_ids")
     seed = secrets.randbelow(2**32) if body.seed is None else (body.seed + draw) % 2**32
     sampling = Sampling(body.temperature, body.top_p, max(body.top_k, 0), seed)
     try:
-        server.pool.check(prompt, max_tokens, stop_ids, sampling)
+        request = server.scheduler.check(prompt, max_tokens, stop_ids, sampling)
     except InputError as error:
-        pool = server.pool
-        too_long = len(prompt) > pool.max_prompt or len(prompt) + max_tokens > pool.max_len
-        refused = "too_long" if too_long else "invalid"
+        refused = "too_long" if server.scheduler.too_long(prompt, max_tokens) else "invalid"
         param = API_PARAMS.get(error.field, error.field)
         raise APIError(400, str(error), param=param, refused=refused) from None
     timeouts = [t for t in (body.timeout, server.request_timeout) if t is not None]
-    return Job(
-        prompt, max_tokens, stop_ids, sampling, deliver, timeout=min(timeouts) if timeouts else None
-    )
+    return Job(request, deliver, timeout=min(timeouts) if timeouts else None)
 
 
 async def generate(
@@ -200,11 +196,14 @@ async def generate(
 ):
     """Answer a request: each prompt's ``n`` rows, submitted together, each its own choice (index
     prompt * n + draw), streamed or whole."""
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    events = asyncio.Queue()
     rows = len(prompts) * body.n
-    limit = server.pool.rows + server.scheduler.max_waiting
-    if body.n > server.pool.rows:
-        message = f"n: at most --max-batch {server.pool.rows} rows decode at once, got {body.n}"
+    limit = server.scheduler.rows + server.scheduler.max_waiting
+    if body.n > server.scheduler.rows:
+        message = (
+            f"n: at most --max-batch {server.scheduler.rows} rows decode at once, got {body.n}"
+        )
         raise APIError(400, message, param="n")
     if rows > limit:
         message = (
@@ -277,8 +276,10 @@ class Choices:
     def __init__(
         self, server: Server, jobs: list[Job], stops: list[str], prompt_tokens: int, state: Any
     ):
-        self.server, self.jobs, self.state = server, jobs, state
-        self.outputs = [Output(server.tokenizer, set(job.stop_ids), stops) for job in jobs]
+        self.server = server
+        self.jobs = jobs
+        self.state = state
+        self.outputs = [Output(server.tokenizer, set(job.request.stop_ids), stops) for job in jobs]
         self.finishes: list[str | None] = [None] * len(jobs)
         self.prompt_tokens = prompt_tokens
         state.usage = (prompt_tokens, 0)

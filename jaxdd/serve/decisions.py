@@ -17,46 +17,28 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import NoReturn, Protocol
+from typing import NoReturn
 
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxdd.decoding.requests import MAX_STOP_TOKENS
+from jaxdd.decoding.checks import MAX_STOP_TOKENS
+from jaxdd.decoding.rows import RowRequest
 from jaxdd.decoding.sampling import Sampling
 
 LOST = 1  # the exit code of a follower that stopped hearing from process 0
 
 
-class Request(Protocol):
-    """What every process needs of a request to admit
-    it: its tokens and settings, not its connection."""
-
-    prompt: list[int]
-    max_new_tokens: int
-    stop_ids: list[int]
-    sampling: Sampling
-
-
-@dataclasses.dataclass(frozen=True)
-class Admission:
-    """A request as a follower receives it."""
-
-    prompt: list[int]
-    max_new_tokens: int
-    stop_ids: list[int]
-    sampling: Sampling
-
-
 @dataclasses.dataclass(frozen=True)
 class Decisions:
     """One step's decisions: stop, or reset the pool (after a fault), free ``release``'s
-    rows, then admit ``admit`` in order (each into the lowest free row)."""
+    rows, then admit ``admit`` in order (each into the lowest free row): what every process
+    needs of a request to admit it, its tokens and settings, not its connection."""
 
     stop: bool = False
     reset: bool = False
     release: tuple[int, ...] = ()
-    admit: tuple[Request, ...] = ()
+    admit: tuple[RowRequest, ...] = ()
 
 
 class Local:
@@ -83,7 +65,10 @@ class Broadcast:
         leads: bool,
         broadcast: Callable[[np.ndarray], np.ndarray] | None = None,
     ):
-        self.rows, self.max_prompt, self.timeout, self.leads = rows, max_prompt, timeout, leads
+        self.rows = rows
+        self.max_prompt = max_prompt
+        self.timeout = timeout
+        self.leads = leads
         self._broadcast = broadcast or from_process_0
         # since when a follower waits for process 0's decisions
         self._waiting_since: float | None = None
@@ -163,7 +148,7 @@ def admission_size(max_prompt: int) -> int:
     return FIELDS + MAX_STOP_TOKENS + max_prompt
 
 
-def encode_admission(admission: Request, max_prompt: int) -> np.ndarray:
+def encode_admission(admission: RowRequest, max_prompt: int) -> np.ndarray:
     record = np.zeros((admission_size(max_prompt),), np.int32)
     sampling = admission.sampling
     record[:4] = (
@@ -180,11 +165,12 @@ def encode_admission(admission: Request, max_prompt: int) -> np.ndarray:
     return record
 
 
-def decode_admission(record: np.ndarray) -> Admission:
+def decode_admission(record: np.ndarray) -> RowRequest:
     length, max_new_tokens, stops, top_k = (int(v) for v in record[:4])
     seed = int(record[4:5].view(np.uint32)[0])
     temperature, top_p = (float(v) for v in record[5:FIELDS].view(np.float64))
     start = FIELDS + MAX_STOP_TOKENS
     prompt = [int(t) for t in record[start : start + length]]
     stop_ids = [int(t) for t in record[FIELDS : FIELDS + stops]]
-    return Admission(prompt, max_new_tokens, stop_ids, Sampling(temperature, top_p, top_k, seed))
+    sampling = Sampling(temperature, top_p, top_k, seed)
+    return RowRequest(prompt, max_new_tokens, stop_ids, sampling)

@@ -37,7 +37,9 @@ class BodyGuard:
     bodies of POST requests before the route reads them."""
 
     def __init__(self, app: ASGIApp, refuse: Callable[[str], None], max_bytes=MAX_BODY_BYTES):
-        self.app, self.refuse, self.max_bytes = app, refuse, max_bytes
+        self.app = app
+        self.refuse = refuse
+        self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -92,10 +94,8 @@ def describe(errors: list[dict]) -> tuple[str, str | None]:
     its type best: the deepest error, and one that is not a type mismatch where there is one."""
     first = errors[0]
     if first.get("type") == "json_invalid":
-        where, why = (
-            first.get("loc", ("body", "?"))[-1],
-            first.get("ctx", {}).get("error", "decode error"),
-        )
+        where = first.get("loc", ("body", "?"))[-1]
+        why = first.get("ctx", {}).get("error", "decode error")
         return f"the body is not valid JSON: {why} (at character {where})", None
     if tuple(first.get("loc", ())) == ("body",):
         if first.get("type") == "missing":

@@ -29,8 +29,10 @@ class FaultPlan(BaseModel):
 
 class Injector:
     def __init__(self, pool: RowPool):
-        self.rounds, self.fatal = 0, False
-        dispatch, reset = pool.dispatch, pool.reset
+        self.rounds = 0
+        self.fatal = False
+        dispatch = pool.dispatch
+        reset = pool.reset
 
         def faulty_dispatch():
             if self.rounds > 0:
@@ -47,7 +49,8 @@ class Injector:
             reset()
 
         # On the instance: the class's methods stay as they are.
-        pool.dispatch, pool.reset = faulty_dispatch, faulty_reset
+        pool.dispatch = faulty_dispatch
+        pool.reset = faulty_reset
 
 
 def install_from_env(app: FastAPI, pool: RowPool) -> None:
@@ -58,5 +61,6 @@ def install_from_env(app: FastAPI, pool: RowPool) -> None:
 
     @app.post("/debug/fault")
     async def arm(plan: FaultPlan):
-        injector.rounds, injector.fatal = plan.rounds, plan.fatal
+        injector.rounds = plan.rounds
+        injector.fatal = plan.fatal
         return {"armed": plan.rounds, "fatal": plan.fatal}

@@ -79,7 +79,8 @@ def listen(host: str, port: int) -> socket.socket:
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, scheduler: Scheduler, drain_timeout: float, say):
         super().__init__(config)
-        self.scheduler, self.drain_timeout = scheduler, drain_timeout
+        self.scheduler = scheduler
+        self.drain_timeout = drain_timeout
         self.announcement: str | None = say  # printed once /health answers 200
 
     async def on_tick(self, counter: int) -> bool:

@@ -38,7 +38,8 @@ class Metrics:
     process); compiles are counted from ``watch_compiles``."""
 
     def __init__(self, block: int):
-        self.registry = registry = CollectorRegistry()
+        registry = CollectorRegistry()
+        self.registry = registry
         name = lambda suffix: f"jaxdd:{suffix}"
         self.running = Gauge(
             name("num_requests_running"), "Requests in decode rows", registry=registry

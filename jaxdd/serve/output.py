@@ -17,7 +17,8 @@ class Output:
         self, tokenizer: TextTokenizer | None, stop_ids: set[int], stop_strings: list[str]
     ):
         self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
-        self.stop_ids, self.stop_strings = stop_ids, stop_strings
+        self.stop_ids = stop_ids
+        self.stop_strings = stop_strings
         self.token_ids: list[int] = []
         self.held = ""  # decoded, not released: it could be the start of a stop string
         self.stopped = False  # a stop string was found: the request ends here
@@ -42,7 +43,8 @@ class Output:
                 self.stopped = True
                 return self.held[: end + minus_length]
         keep = 0 if final else max(map(self._started, self.stop_strings), default=0)
-        released, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
+        released = self.held[: len(self.held) - keep]
+        self.held = self.held[len(self.held) - keep :]
         return released
 
     def _started(self, stop: str) -> int:

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, model_validator
 from pydantic_core import PydanticCustomError
 
-from jaxdd.decoding.requests import MAX_STOP_TOKENS
+from jaxdd.decoding.checks import MAX_STOP_TOKENS
 
 # strict: true / 1.0 / "1" are not token ids
 TokenId = Annotated[int, Strict(), Field(ge=0, lt=2**31)]

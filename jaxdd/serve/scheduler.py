@@ -27,9 +27,9 @@ import time
 import traceback
 from collections.abc import Callable
 
-from jaxdd.decoding.rows import RowPool, RowUpdate
+from jaxdd.decoding.rows import RowPool, RowRequest, RowUpdate
 from jaxdd.decoding.sampling import Sampling
-from jaxdd.serve.decisions import Broadcast, Decisions, Local, Request
+from jaxdd.serve.decisions import Broadcast, Decisions, Local
 from jaxdd.serve.metrics import Metrics
 
 # seconds the idle loop sleeps between looks at the queue when nothing else wakes it
@@ -56,16 +56,15 @@ class Event:
 
 @dataclasses.dataclass
 class Job:
-    prompt: list[int]
-    max_new_tokens: int
-    stop_ids: list[int]
-    sampling: Sampling
+    """A request on the server's side: what the rows run (checked before it is queued), where
+    its tokens go, and its deadlines. The pool holds its row and counts its tokens."""
+
+    request: RowRequest
     deliver: Callable[[Event], None]
     timeout: float | None = None
     arrived: float = dataclasses.field(default_factory=time.monotonic)
     first_token_at: float | None = None
     first_tokens: int = 0  # the tokens delivered with the first (its update holds a round's too)
-    produced: int = 0
     _cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -92,10 +91,11 @@ class Scheduler:
         max_waiting: int,
         channel: Local | Broadcast | None = None,
     ):
-        self.pool, self.metrics, self.max_waiting = pool, metrics, max_waiting
+        self.pool = pool
+        self.metrics = metrics
+        self.max_waiting = max_waiting
         self.channel = channel or Local()
         self._waiting: collections.deque[Job] = collections.deque()
-        self._rows: dict[int, Job] = {}
         # rows free after the last admission: requests taking them do not count as waiting
         self._free = pool.rows
         self._wake = threading.Condition()
@@ -111,6 +111,30 @@ class Scheduler:
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def rows(self) -> int:
+        """Requests decoded at once (``--max-batch``)."""
+        return self.pool.rows
+
+    @property
+    def max_len(self) -> int:
+        """Prompt + new tokens, per request."""
+        return self.pool.max_len
+
+    def check(
+        self, prompt: list[int], max_new_tokens: int, stop_ids: list[int], sampling: Sampling
+    ) -> RowRequest:
+        """The request as the rows will run it, checked once before it is queued (``InputError``
+        naming the field; ``too_long`` says whether its length is what the server refuses)."""
+        return self.pool.check(prompt, max_new_tokens, stop_ids, sampling)
+
+    def too_long(self, prompt: list[int], max_new_tokens: int) -> bool:
+        pool = self.pool
+        return len(prompt) > pool.max_prompt or len(prompt) + max_new_tokens > pool.max_len
+
+    def _running(self) -> list[Job]:
+        return [job for _, job in self.pool.owners()]
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
@@ -162,8 +186,8 @@ class Scheduler:
             # with the queue emptied under the same lock, no request is queued after it
             with self._wake:
                 self.failure = f"engine failed: {type(error).__name__}: {error}"
-                jobs = [*self._rows.values(), *self._waiting, *self._admitting]
-                self._rows.clear()
+                jobs = [*self._running(), *self._waiting, *self._admitting]
+                self.pool.release_all()
                 self._waiting.clear()
                 self._admitting = []
             for job in jobs:
@@ -173,7 +197,7 @@ class Scheduler:
         """The next step's decisions, on this process's clock (it leads); while
         idle, waits a little for work (not after a fault: the reset comes at
         once, so /health tells a pool that cannot be reset right away)."""
-        if self._fault is None and not self._rows and not self.pool.in_flight:
+        if self._fault is None and not self.pool.busy and not self.pool.in_flight:
             with self._wake:
                 if not self._waiting and not self._stopping.is_set():
                     self._wake.wait(IDLE_WAIT)
@@ -182,7 +206,7 @@ class Scheduler:
         if self._fault is not None:
             return Decisions(reset=True)
         now = time.monotonic()
-        release = [row for row, job in self._rows.items() if self._ends(job, now)]
+        release = [row for row, job in self.pool.owners() if self._ends(job, now)]
         # one step under the lock: a request submitted meanwhile sees the rows these take
         with self._wake:
             self._waiting = collections.deque(
@@ -194,7 +218,7 @@ class Scheduler:
             ]
             self._free = free - len(self._admitting)
             self.metrics.waiting.set(len(self._waiting))
-        return Decisions(release=tuple(release), admit=tuple(self._admitting))
+        return Decisions(release=tuple(release), admit=tuple(j.request for j in self._admitting))
 
     def _ends(self, job: Job, now: float) -> bool:
         """Whether a running or waiting request ends before this step: cancelled,
@@ -217,20 +241,12 @@ class Scheduler:
             )
         for row in decisions.release:
             self.pool.release(row)
-            del self._rows[row]
-        self._admitting = [self._job(request) for request in decisions.admit]
+        if not self.channel.leads:  # process 0 answers them
+            self._admitting = [Job(request, _nowhere) for request in decisions.admit]
         self._count_free()
-        self.metrics.running.set(len(self._rows))
-        if self._guarded(self._admit) and (self._rows or self.pool.in_flight):
+        self.metrics.running.set(self.pool.busy)
+        if self._guarded(self._admit) and (self.pool.busy or self.pool.in_flight):
             self._guarded(self._round)
-
-    @staticmethod
-    def _job(request: Request) -> Job:
-        if isinstance(request, Job):
-            return request
-        return Job(
-            request.prompt, request.max_new_tokens, request.stop_ids, request.sampling, _nowhere
-        )
 
     def _guarded(self, step: Callable[[], None]) -> bool:
         """Run ``step`` (whether it ran through); if the engine raises, fail the requests the pool
@@ -245,8 +261,8 @@ class Scheduler:
         return True
 
     def _fail_held(self, message: str) -> None:
-        jobs = [*self._rows.values(), *self._admitting]
-        self._rows.clear()
+        jobs = [*self._running(), *self._admitting]
+        self.pool.release_all()
         self._admitting = []
         for job in jobs:
             job.deliver(Event([], error=message))
@@ -269,23 +285,20 @@ class Scheduler:
         (its first token comes with the next round's report)."""
         while self._admitting:
             job = self._admitting[0]
-            row = self.pool.admit(job.prompt, job.max_new_tokens, job.stop_ids, job.sampling)
-            self._rows[row] = self._admitting.pop(0)
-            self.metrics.prompt_tokens.inc(len(job.prompt))
-        self.metrics.running.set(len(self._rows))
+            self.pool.admit(job.request, owner=job)
+            self._admitting.pop(0)
+            self.metrics.prompt_tokens.inc(len(job.request.prompt))
+        self.metrics.running.set(self.pool.busy)
 
     def _round(self) -> None:
         """Dispatch a round, then hand out the previous one's
         tokens while it runs (at most two in flight)."""
-        if self._rows:
+        if self.pool.busy:
             self.pool.dispatch()
-        if self.pool.in_flight < 2 and self._rows:
+        if self.pool.in_flight < 2 and self.pool.busy:
             return
-        updates = self.pool.collect()
-        for row, update in updates.items():
-            job = self._rows.get(row)
-            if job is None:
-                continue
+        for update in self.pool.collect().values():
+            job = update.owner
             # the round's tokens: the accepted drafts and a bonus
             drafted = len(update.tokens) - update.first
             if self.pool.method != "ar" and drafted:
@@ -294,22 +307,20 @@ class Scheduler:
                 self.metrics.accepted_tokens.inc(drafted - 1)
             if drafted:
                 self.metrics.acceptance.observe(drafted)
-            if update.finish is not None:
-                del self._rows[row]
             self._hand(job, update)
         self._count_free()
-        self.metrics.running.set(len(self._rows))
+        self.metrics.running.set(self.pool.busy)
 
     def _hand(self, job: Job, update: RowUpdate) -> None:
         now = time.monotonic()
         if update.first:
-            job.first_token_at, job.first_tokens = now, len(update.tokens)
+            job.first_token_at = now
+            job.first_tokens = len(update.tokens)
             self.metrics.ttft.observe(now - job.arrived)
-        job.produced += len(update.tokens)
         self.metrics.generation_tokens.inc(len(update.tokens))
-        if update.finish is not None and job.produced > job.first_tokens:
+        if update.finish is not None and update.produced > job.first_tokens:
             self.metrics.tpot.observe(
-                (now - job.first_token_at) / (job.produced - job.first_tokens)
+                (now - job.first_token_at) / (update.produced - job.first_tokens)
             )
         if not job.cancelled:
             job.deliver(Event(update.tokens, finish=update.finish))

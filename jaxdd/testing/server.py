@@ -35,7 +35,9 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, process: subprocess.Popen, url: str, log: Path):
-        self.process, self.url, self.log = process, url, log
+        self.process = process
+        self.url = url
+        self.log = log
 
     @property
     def pid(self) -> int:
@@ -113,7 +115,8 @@ def running_job(
     on loopback (``--coordinator`` on a free port; process 0 serves HTTP on
     another), their logs in ``folder``: (process 0, the other processes),
     once /health answers; every process killed by its pid after."""
-    port, coordinator = free_port(), free_port()
+    port = free_port()
+    coordinator = free_port()
     command = [
         sys.executable,
         "-m",
@@ -181,7 +184,10 @@ def complete(client: openai.OpenAI, request: dict) -> tuple[list[int], str, str,
             choice.finish_reason,
             response.usage.model_dump(exclude_none=True),
         )
-    ids, text, finish, usage = [], "", None, None
+    ids = []
+    text = ""
+    finish = None
+    usage = None
     stream = client.completions.create(
         model="kimi-mini",
         stream=True,

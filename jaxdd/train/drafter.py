@@ -37,10 +37,10 @@ from tokenizers import Tokenizer
 
 import jaxdd
 from convert.jaxdd_to_hf import export
+from jaxdd.cache import DraftCache, LatentCache
 from jaxdd.config import DrafterConfig
 from jaxdd.decoding.engine import SpeculativeDecoder
-from jaxdd.models.cache import LatentCache
-from jaxdd.models.drafter import DFlashDrafter, DraftCache
+from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget
 from jaxdd.runtime.backend import Backend
 from jaxdd.train.data import encode_corpus, split, stdlib_files, windows

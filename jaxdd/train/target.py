@@ -24,8 +24,8 @@ import optax
 from flax import nnx
 
 from convert.jaxdd_to_hf import export
+from jaxdd.cache import LatentCache
 from jaxdd.config import KimiConfig
-from jaxdd.models.cache import LatentCache
 from jaxdd.models.target import KimiTarget
 from jaxdd.runtime.backend import Backend
 from jaxdd.train.data import encode_corpus, read_texts, split, stdlib_files, windows

@@ -169,7 +169,8 @@ class HFCheckpoint:
 
         One CheckpointError lists every problem; nothing is
         read beyond the headers (and INT4 weight_shape)."""
-        problems, used = [], set()
+        problems = []
+        used = set()
         for mapping in mappings:
             for name, shape in zip(mapping.names, mapping.shapes, strict=True):
                 check = self._check_raw if mapping.raw else self._check_dense
@@ -196,7 +197,8 @@ class HFCheckpoint:
         base = name.removesuffix(".weight")
         if base + ".weight_packed" in self.tensors:
             group = int4_group(self.quantization())
-            packed, scale = (shape[0], -(-shape[1] // 8)), (shape[0], shape[1] // group)
+            packed = (shape[0], -(-shape[1] // 8))
+            scale = (shape[0], shape[1] // group)
             problems = self._check_raw(base + ".weight_packed", packed, used)
             problems += self._check_tensor(base + ".weight_scale", scale, FLOAT_DTYPES, used)
             if not problems and tuple(self._read(base + ".weight_shape").tolist()) != shape:
@@ -242,7 +244,9 @@ class HFCheckpoint:
             for axis, (s, n) in enumerate(zip(index, shape, strict=True))
             if s.indices(n)[:2] != (0, n)
         ]
-        names, region, rest = mapping.names, None, list(index)
+        names = mapping.names
+        region = None
+        rest = list(index)
         where = mapping.layouts[k][split[0]] if len(split) == 1 else None
         if where is not None:
             start, stop, _ = index[split[0]].indices(shape[split[0]])
@@ -265,7 +269,8 @@ class HFCheckpoint:
         if base + ".weight_packed" in self.tensors:
             out, in_features = (int(n) for n in self._read(base + ".weight_shape"))
             group = int4_group(self.quantization())
-            rows, (wide, cut) = _rows(region, out), _widen(region, 1, in_features, group)
+            rows = _rows(region, out)
+            (wide, cut) = _widen(region, 1, in_features, group)
             packed = self._read(
                 base + ".weight_packed", (rows, slice(wide.start // 8, -(-wide.stop // 8)))
             )
@@ -348,7 +353,8 @@ def _widen(
     start, stop = (
         (0, size) if region is None or len(region) <= axis else region[axis].indices(size)[:2]
     )
-    low, high = start - start % unit, min(size, -(-stop // unit) * unit)
+    low = start - start % unit
+    high = min(size, -(-stop // unit) * unit)
     return slice(low, high), slice(start - low, stop - low)
 
 

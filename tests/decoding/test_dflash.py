@@ -15,18 +15,13 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import jaxdd
+from jaxdd.cache.table import CACHE_ALIGN, cache_slots
 from jaxdd.config import DrafterConfig
 from jaxdd.crosscheck.torch_reference import dflash_reference
-from jaxdd.decoding.buckets import (
-    CACHE_ALIGN,
-    PROMPT_BUCKETS_PER_OCTAVE,
-    PROMPT_MIN_STEP,
-    bucket,
-    cache_slots,
-)
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.sampling import argmax
 from jaxdd.models.drafter import DFlashDrafter
+from jaxdd.runtime.buckets import PROMPT_BUCKETS_PER_OCTAVE, PROMPT_MIN_STEP, bucket
 from jaxdd.runtime.compile_time import compile_clock
 from jaxdd.testing.oracle import OracleDrafter, patched_reference_drafter
 from jaxdd.testing.profiles import examples

@@ -40,17 +40,17 @@ def test_interleaved_ddtree_rows_equal_their_runs_alone(decoder):
     outputs, row_of, pending = {}, {}, list(range(len(requests)))
     with compile_clock() as clock:
         for _ in range(1000):  # bounded: every request ends within its max_tokens rounds
-            if not pending and not pool.active:
+            if not pending and not pool.busy:
                 break
-            if pending and pool.free_rows() and (not pool.active or rng.random() < 0.4):
+            if pending and pool.free_rows() and (not pool.busy or rng.random() < 0.4):
                 i = pending.pop(0)
-                row = pool.admit(*requests[i][:2], [0], requests[i][2])
+                row = pool.admit(pool.check(*requests[i][:2], [0], requests[i][2]))
                 outputs[i] = []
                 row_of[row] = i
                 continue
             for row, update in pool.step().items():
                 outputs[row_of[row]] = outputs[row_of[row]] + update.tokens
-    assert clock.count == 0 and not pending and not pool.active
+    assert clock.count == 0 and not pending and not pool.busy
     for i, (prompt, length, sampling) in enumerate(requests):
         alone = decoder.generate(prompt, method="ddtree", budget=12, max_new_tokens=length,
                                  stop_token_ids=[0], sampling=sampling)  # fmt: skip
@@ -76,24 +76,24 @@ def test_admissions_and_releases_while_rounds_are_in_flight(decoder):
     ]
     outputs, row_of, pending, released, finished = {}, {}, list(range(len(requests))), set(), set()
     for _ in range(2000):  # bounded: every request ends within its max_tokens rounds
-        if not pending and not pool.active and not pool.in_flight:
+        if not pending and not pool.busy and not pool.in_flight:
             break
         if pending and pool.free_rows() and rng.random() < 0.5:
             i = pending.pop(0)
-            row_of[pool.admit(*requests[i][:2], [0], requests[i][2])] = i
+            row_of[pool.admit(pool.check(*requests[i][:2], [0], requests[i][2]))] = i
             outputs[i] = []
-        if pool.active and rng.random() < 0.08:
-            row = int(rng.choice(list(pool.active)))
+        if pool.busy and rng.random() < 0.08:
+            row = int(rng.choice([row for row, _ in pool.owners()]))
             pool.release(row)
             released.add(row_of.pop(row))
-        if pool.active:
+        if pool.busy:
             pool.dispatch()
-        if pool.in_flight >= 2 or (pool.in_flight and not pool.active):
+        if pool.in_flight >= 2 or (pool.in_flight and not pool.busy):
             for row, update in pool.collect().items():
                 outputs[row_of[row]] += update.tokens
                 if update.finish is not None:
                     finished.add(row_of.pop(row))
-    assert not pending and not pool.active and released and finished
+    assert not pending and not pool.busy and released and finished
     assert released | finished == set(range(len(requests))) and not released & finished
     for i, (prompt, length, sampling) in enumerate(requests):
         alone = decoder.generate(

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from jaxdd.cache import DraftCache
 from jaxdd.config import DrafterConfig, default_target_layer_ids
 from jaxdd.errors import ConfigError
-from jaxdd.models.drafter import DraftCache
 from jaxdd.testing.reference import drafter_config, hf_drafter, rel_err
 from jaxdd.weights.hf_reader import load_hf_drafter
 

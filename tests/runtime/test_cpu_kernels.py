@@ -21,8 +21,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from transformers import DeepseekV3Config
 
+from jaxdd.cache import LatentCache
 from jaxdd.config import KimiConfig
-from jaxdd.models.cache import LatentCache
 from jaxdd.models.layers import linear
 from jaxdd.models.moe import _gathered_experts, _int4_kernel, _pair_experts
 from jaxdd.models.quant import Int4Experts, dequantize_int4_groups

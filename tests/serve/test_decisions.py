@@ -5,8 +5,9 @@ whose broadcast breaks, or that hears nothing, exits in one line."""
 import subprocess
 import sys
 
+from jaxdd.decoding.rows import RowRequest
 from jaxdd.decoding.sampling import Sampling
-from jaxdd.serve.decisions import LOST, Admission, Broadcast, Decisions
+from jaxdd.serve.decisions import LOST, Broadcast, Decisions
 
 ROWS, MAX_PROMPT = 4, 16
 STEPS = [
@@ -14,8 +15,8 @@ STEPS = [
     Decisions(
         release=(3, 0),
         admit=(
-            Admission([7] * MAX_PROMPT, 9, [0, 163586], Sampling(0.7, 0.9, 3, 2**32 - 1)),
-            Admission([1], 1, [], Sampling()),
+            RowRequest([7] * MAX_PROMPT, 9, [0, 163586], Sampling(0.7, 0.9, 3, 2**32 - 1)),
+            RowRequest([1], 1, [], Sampling()),
         ),
     ),
     Decisions(reset=True),

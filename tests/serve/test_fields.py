@@ -130,7 +130,7 @@ def client(pool):
     scheduler = Scheduler(pool, Metrics(pool.block), max_waiting=1)
     tokenizer = load_tokenizer(DEMO / "target")
     template = tokenizer.chat_template
-    server = Server(scheduler, pool, tokenizer, "kimi-mini", [0], template, None)
+    server = Server(scheduler, tokenizer, "kimi-mini", [0], template, None)
     return TestClient(create_app(server))
 
 

@@ -9,7 +9,7 @@ import collections
 import threading
 import time
 
-from jaxdd.decoding.rows import RowUpdate
+from jaxdd.decoding.rows import RowRequest, RowUpdate
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.serve.decisions import Broadcast
 from jaxdd.serve.metrics import Metrics
@@ -27,7 +27,7 @@ class FakePool:
 
     def __init__(self, faulty: frozenset[int] = frozenset()):
         self.rows, self.faulty, self.dispatches = ROWS, faulty, 0
-        self.active: dict[int, list[int]] = {}  # row -> [max new tokens, produced]
+        self.active: dict[int, list] = {}  # row -> [max new tokens, produced, owner]
         self.log: list[tuple] = []
         self._in_flight: collections.deque[dict] = collections.deque()
 
@@ -37,11 +37,22 @@ class FakePool:
     def free_rows(self) -> list[int]:
         return [row for row in range(self.rows) if row not in self.active]
 
-    def admit(self, prompt, max_new_tokens, stop_ids, sampling) -> int:
+    def admit(self, request: RowRequest, owner=None) -> int:
         row = self.free_rows()[0]
-        self.log.append(("admit", row, tuple(prompt), max_new_tokens, tuple(stop_ids), sampling))
-        self.active[row] = [max_new_tokens, 0]
+        prompt, stop_ids = tuple(request.prompt), tuple(request.stop_ids)
+        self.log.append(("admit", row, prompt, request.max_new_tokens, stop_ids, request.sampling))
+        self.active[row] = [request.max_new_tokens, 0, owner]
         return row
+
+    def owners(self) -> list[tuple[int, object]]:
+        return [(row, entry[2]) for row, entry in self.active.items()]
+
+    @property
+    def busy(self) -> int:
+        return len(self.active)
+
+    def release_all(self) -> None:
+        self.active.clear()
 
     def release(self, row: int) -> None:
         self.log.append(("release", row))
@@ -65,8 +76,9 @@ class FakePool:
             if self.active.get(row) is not entry:
                 continue
             entry[1] += 1
+            finish = "length" if entry[1] >= entry[0] else None
             updates[row] = RowUpdate(
-                [row], "length" if entry[1] >= entry[0] else None, first=entry[1] == 1
+                [row], finish, first=entry[1] == 1, produced=entry[1], owner=entry[2]
             )
             if entry[1] >= entry[0]:
                 del self.active[row]
@@ -104,7 +116,10 @@ def lead(
     submitted = []
     for i, (prompt, max_new_tokens, sampling) in enumerate(jobs):
         submitted.append(
-            Job(prompt, max_new_tokens, [0], sampling, lambda event, i=i: deliver(i, event))
+            Job(
+                RowRequest(prompt, max_new_tokens, [0], sampling),
+                lambda event, i=i: deliver(i, event),
+            )
         )
         scheduler.submit(submitted[-1])
     for _ in jobs:

@@ -1,0 +1,177 @@
+"""A refactor's promise, measured: the same tokens and the same speed as an earlier commit.
+
+    python benchmarks/ab_commits.py [--base 1d110ab] [--head HEAD] [--alternations 3] [--prompts 6]
+                                    [--serve-alternations 2]
+
+Both commits are checked out into temporary worktrees (removed at the end) and measured in
+alternation in one run, so a slow spell of a shared machine hits both alike:
+
+- rounds: the bundled pair (fp32, batch 1, HumanEval prompts, no stop tokens) through
+  ``SpeculativeDecoder.generate`` for AR, DFlash, DDTree-16 and seeded sampled DFlash and DDTree:
+  every token must be the same on both commits; the time per round (compiled runs excluded) is
+  compared as the ratio of the medians over the alternations;
+- serving: ``benchmarks/serve_load.py --clients 16`` of each commit (its own server), throughput
+  of the continuous batching at T=0 and T=0.7.
+
+Writes benchmarks/results/ab_commits.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from humaneval import humaneval_prompts
+
+from jaxdd.testing.benchmark import write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+RUNS = {
+    "ar": {"method": "ar"},
+    "dflash": {"method": "dflash"},
+    "ddtree": {"method": "ddtree", "budget": 16},
+    "dflash_sampled": {"method": "dflash", "sampled": True},
+    "ddtree_sampled": {"method": "ddtree", "budget": 16, "sampled": True},
+}
+# Run inside a commit's tree: only names both commits have (the public API and the engine).
+PROBE = """
+import json, sys, time
+import jaxdd
+from jaxdd.decoding.engine import SpeculativeDecoder
+prompts, runs, max_new = json.loads(sys.stdin.read())
+demo = "jaxdd/demo/kimi-mini"
+target = jaxdd.load_target(demo + "/target", "float32")
+drafter = jaxdd.load_drafter(demo + "/drafter", "float32")
+decoder = SpeculativeDecoder(target, drafter)
+out = {}
+for name, run in runs.items():
+    options = {k: v for k, v in run.items() if k != "sampled"}
+    tokens, seconds, rounds = [], 0.0, 0
+    for i, prompt in enumerate(prompts):
+        sampling = jaxdd.Sampling(0.7, 0.95, 0, 100 + i) if run.get("sampled") else jaxdd.Sampling()
+        go = lambda: decoder.generate(prompt, max_new_tokens=max_new, stop_token_ids=[],
+                                      sampling=sampling, **options)
+        go()  # compiles
+        result = go()
+        tokens.append(result.tokens)
+        seconds += result.decode_seconds
+        rounds += len(result.acceptance_lengths)
+    out[name] = {"tokens": tokens, "ms_per_round": 1e3 * seconds / rounds}
+print(json.dumps(out))
+"""
+
+
+@contextlib.contextmanager
+def worktree(commit: str) -> Iterator[Path]:
+    """A detached checkout of ``commit``, removed afterwards."""
+    folder = Path(tempfile.mkdtemp(prefix="jaxdd-ab-")) / "tree"
+    git = ["git", "-C", str(ROOT)]
+    subprocess.run([*git, "worktree", "add", "-q", "--detach", str(folder), commit], check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run([*git, "worktree", "remove", "--force", str(folder)], check=False)
+
+
+def run_in(tree: Path, args: list[str], stdin: str | None = None) -> str:
+    """``python args`` with ``tree`` as the working directory and the package it imports."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "TQDM_DISABLE": "1", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, *args], cwd=tree, env=env, input=stdin, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"jaxdd: {tree}: {' '.join(args[:2])} failed:\n{done.stderr[-2000:]}")
+    return done.stdout
+
+
+def rounds(trees: dict[str, Path], prompts, alternations: int, max_new: int) -> dict:
+    """Per run: tokens equal on every side, and each side's ms per round per alternation."""
+    probe = json.dumps([prompts, RUNS, max_new])
+    times = {side: {name: [] for name in RUNS} for side in trees}
+    tokens = {}
+    for i in range(alternations):
+        for side, tree in trees.items():
+            out = json.loads(run_in(tree, ["-c", PROBE], probe).splitlines()[-1])
+            for name, result in out.items():
+                times[side][name].append(result["ms_per_round"])
+                tokens.setdefault(name, {})[side] = result["tokens"]
+            print(
+                f"alternation {i} {side}:", {n: round(r["ms_per_round"], 2) for n, r in out.items()}
+            )
+    base, head = trees
+    return {
+        name: {
+            "same_tokens": tokens[name][base] == tokens[name][head],
+            **{f"{side}_ms_per_round": times[side][name] for side in trees},
+            "head_over_base": statistics.median(times[head][name])
+            / statistics.median(times[base][name]),
+        }
+        for name in RUNS
+    }
+
+
+def serving(trees: dict[str, Path], alternations: int) -> dict:
+    """Each side's serve_load throughput at 16 clients, per temperature and alternation."""
+    found = {side: {} for side in trees}
+    for _ in range(alternations):
+        for side, tree in trees.items():
+            run_in(tree, ["benchmarks/serve_load.py", "--clients", "16", "--repeats", "1"])
+            report = json.loads((tree / "benchmarks/results/serve_load.json").read_text())
+            for row in report["rows"]:
+                key = f"T={row['temperature']}"
+                throughput = row["continuous"]["throughput"]
+                found[side].setdefault(key, []).append(throughput)
+            print(side, {k: v[-1] for k, v in found[side].items()})
+    base, head = trees
+    return {
+        key: {
+            **{f"{side}_tokens_per_s": found[side][key] for side in trees},
+            "head_over_base": statistics.median(found[head][key])
+            / statistics.median(found[base][key]),
+        }
+        for key in found[base]
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", default="1d110ab")
+    parser.add_argument("--head", default="HEAD")
+    parser.add_argument("--alternations", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--serve-alternations", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "ab_commits.json")
+    args = parser.parse_args()
+    prompts = humaneval_prompts(args.prompts, keep=96)
+    with worktree(args.base) as base, worktree(args.head) as head:
+        commits = {
+            side: subprocess.check_output(
+                ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], text=True
+            ).strip()
+            for side, tree in (("base", base), ("head", head))
+        }
+        trees = {"base": base, "head": head}
+        report = {
+            "commits": commits,
+            "settings": vars(args) | {"out": str(args.out)},
+            "rounds": rounds(trees, prompts, args.alternations, args.max_new_tokens),
+            "serve_load_16_clients": serving(trees, args.serve_alternations)
+            if args.serve_alternations
+            else {},
+        }
+    print(json.dumps({k: v for k, v in report.items() if k != "settings"}, indent=1)[:3000])
+    write_result(args.out, report)
+
+
+if __name__ == "__main__":
+    main()
