@@ -22,8 +22,8 @@ import openai
 
 from jaxdd.testing.multiprocess import job_environment
 
-# A bound for a hung start only: a server that exits is reported at once, and a cold start under a
-# CPU hog on both cores outlasted the old, shorter bound.
+# A bound for a hung start only (a server's or a CLI's): a process that exits is reported at
+# once, and a cold start under a CPU hog on both cores outlasted the old, shorter bound.
 START_SECONDS = 1200
 
 

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from jaxdd.generate import DEFAULT_PROMPT, main
 from jaxdd.testing.kimi_tokenizer import SPECIAL, write_kimi_tokenizer
 from jaxdd.testing.reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model
+from jaxdd.testing.server import START_SECONDS
 
 PROMPT = [7, 100, 42, 3, 9]
 
@@ -429,7 +430,9 @@ def test_bundled_demo_on_eight_simulated_devices_from_a_fresh_process():
             "--json",
             *flags,
         ]
-        run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        run = subprocess.run(
+            command, capture_output=True, text=True, env=env, timeout=START_SECONDS
+        )
         assert run.returncode == 0, run.stderr
         runs[name] = json.loads(run.stdout)["output_ids"]
     assert runs["eight"] == runs["one"] and len(runs["one"]) == 24

@@ -13,6 +13,7 @@ import pytest
 from jaxdd.planning.fit import PlanOptions, plan, report
 from jaxdd.planning.hardware import GPUS
 from jaxdd.planning.traffic import distinct_experts, slowest_device_experts
+from jaxdd.testing.server import START_SECONDS
 
 
 @pytest.mark.parametrize(
@@ -85,7 +86,7 @@ def test_plan_command_line_traffic_only():
         "2",
         "--traffic",
     ]
-    run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=START_SECONDS)
     assert run.returncode == 0, run.stderr
     assert (
         "ddtree 64" in run.stdout

@@ -10,6 +10,7 @@ import pytest
 import jaxdd
 from jaxdd.cli import DEMO
 from jaxdd.testing.multiprocess import METHODS, PROMPT, free_port, run_processes, start_job
+from jaxdd.testing.server import START_SECONDS
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def test_generate_cli_across_two_processes(one_process):
     ]
     command += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
     first, second = run_processes(
-        [[*command, "--process-id", str(i)] for i in range(2)], timeout=240
+        [[*command, "--process-id", str(i)] for i in range(2)], timeout=START_SECONDS
     )
     printed = [line for line in first.splitlines() if line.startswith("{")]  # gloo prints too
     assert len(printed) == 1 and json.loads(printed[0])["output_ids"] == expected["ddtree"]

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from jaxdd.serve.decisions import LOST
-from jaxdd.testing.server import complete, running_job
+from jaxdd.testing.server import START_SECONDS, complete, running_job
 
 ROWS, MAX_LEN, MAX_PROMPT = 2, 64, 16
 SHAPE = ["--max-batch", str(ROWS), "--max-len", str(MAX_LEN), "--max-prompt", str(MAX_PROMPT)]
@@ -120,7 +120,9 @@ def test_ar_through_the_server_equals_generate(ar_job, reference):
     ]
     argv += ["--method", "ar", "--temperature", "0.8", "--seed", "11", "--dtype", "float32"]
     cli = json.loads(
-        subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300).stdout
+        subprocess.run(
+            argv, capture_output=True, text=True, check=True, timeout=START_SECONDS
+        ).stdout
     )
     ids, text, _, _ = complete(
         client, {"prompt": prompt, "max_tokens": 24, "temperature": 0.8, "seed": 11}
