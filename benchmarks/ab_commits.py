@@ -128,7 +128,7 @@ def serving(trees: dict[str, Path], alternations: int) -> dict:
             report = json.loads((tree / "benchmarks/results/serve_load.json").read_text())
             for row in report["rows"]:
                 key = f"T={row['temperature']}"
-                throughput = row["continuous"]["throughput"]
+                throughput = row["continuous"]["tokens_per_second"]
                 found[side].setdefault(key, []).append(throughput)
             print(side, {k: v[-1] for k, v in found[side].items()})
     base, head = trees
