@@ -25,7 +25,8 @@ import json
 from jaxdd import cli
 from jaxdd.errors import ConfigError, InputError
 from jaxdd.planning.aot import names
-from jaxdd.planning.fit import PlanOptions, plan, report
+from jaxdd.planning.fit import PlanOptions, plan
+from jaxdd.planning.report import report
 from jaxdd.types import ATTENTION_CHOICES, METHODS, MOE_MODES
 
 
