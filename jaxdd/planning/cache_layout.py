@@ -100,28 +100,30 @@ def choose_layout(
     round_name: str,
 ) -> LayoutChoice:
     """``requested``, or the layout whose floor of the plan's round (``floors``: seconds per
-    layout on the plan's hardware) is lower, among those whose ``capacity`` (context tokens)
-    holds the ``needed`` tokens (batch x max length); striped when replicated cannot."""
+    layout on the plan's hardware) is lower; striped when only its pages (``capacity``: context
+    tokens per layout) hold the ``needed`` tokens (batch x max length)."""
     if requested is not None:
         return LayoutChoice(requested, f"--cache-layout {requested}, as asked")
     if devices == 1:
         return LayoutChoice("replicated", "one device: nothing to stripe over")
-    if capacity["replicated"] < needed:
-        holds = "holds" if capacity["striped"] >= needed else "holds the most, though not"
+    if capacity["replicated"] < needed <= capacity["striped"]:
         return LayoutChoice(
             "striped",
             f"replicated rows hold {capacity['replicated']:,} context tokens, the batch needs "
-            f"{needed:,}; striped {holds} them ({capacity['striped']:,})",
+            f"{needed:,}; striped holds {capacity['striped']:,}",
         )
+    short = ""
+    if capacity["striped"] < needed:
+        short = f" (neither layout holds the batch's {needed:,} context tokens)"
     if hardware is None:
         return LayoutChoice(
             "replicated",
             "the simulated CPU devices have no link model (jaxdd.planning.hardware) to weigh "
-            "the merge's collectives against the cache reads striping saves",
+            f"the merge's collectives against the cache reads striping saves{short}",
         )
     layout = min(LAYOUTS, key=lambda name: floors[name])
     return LayoutChoice(
         layout,
         f"the {round_name} floor on {hardware.name}: {floors['striped'] * 1e3:.2f} ms striped "
-        f"vs {floors['replicated'] * 1e3:.2f} ms replicated",
+        f"vs {floors['replicated'] * 1e3:.2f} ms replicated{short}",
     )

@@ -29,15 +29,18 @@ from jaxdd.cache import cache_slots
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.checks import MAX_STOP_TOKENS
 from jaxdd.decoding.engine import RoundBatch, SpeculativeDecoder
-from jaxdd.decoding.rounds import DecodeState, RowSettings, state_shardings
+from jaxdd.decoding.rounds import RowSettings
 from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays
 from jaxdd.errors import ConfigError, InputError, read_json
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.moe import MoE
 from jaxdd.models.target import KimiTarget
 from jaxdd.planning.aot import Machine, find_machine
+from jaxdd.planning.cache_layout import LAYOUTS, PAGE_TOKENS, choose_layout
+from jaxdd.planning.capacity import abstract_state, cache_capacity, slot_bytes
 from jaxdd.planning.compiled_traffic import compiled_traffic
-from jaxdd.planning.traffic import ModelBytes, round_traffic, traffic_table
+from jaxdd.planning.hardware import named_hardware
+from jaxdd.planning.traffic import ModelBytes, floor_seconds, round_traffic, traffic_table
 from jaxdd.runtime.sharding import make_mesh, param_shardings, place
 from jaxdd.types import (
     ATTENTION_CHOICES,
@@ -67,13 +70,17 @@ class PlanOptions:
     sampled: bool = False
     attention: AttentionChoice = "auto"
     compile_round: bool = True  # False: the traffic account only (seconds, not minutes)
+    cache_layout: str | None = None  # the latent cache's (LAYOUTS); None: the faster floor
 
     def __post_init__(self) -> None:
         choices = {"method": METHODS, "moe": MOE_MODES, "attention": ATTENTION_CHOICES}
+        choices["cache_layout"] = (None, *LAYOUTS)
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
+                listed = ", ".join(a for a in allowed if a is not None)
                 raise InputError(
-                    f"--{name}: expected one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                    f"--{name.replace('_', '-')}: expected one of {listed}, "
+                    f"got {getattr(self, name)!r}"
                 )
         for name in ("devices", "budget", "max_len", "batch", "layers"):
             value = getattr(self, name)
@@ -117,25 +124,89 @@ def plan(
         "batch": o.batch,
         "attention": form,
         "dispatch": _dispatch(decoder.target.model, tokens * o.batch, devices, o.moe, where),
-        "traffic": traffic_table(
-            config, model_bytes, devices, o.moe, o.max_len, drafter_config.block_size
-        ),
     }
+    layouts = lambda activations: _cache_layouts(
+        o, config, drafter_config, model_bytes, where, mesh, per_device, activations
+    )
     if not o.compile_round:
-        return shape
+        return shape | layouts(None)
     round_shape = (o.method, block, o.budget, o.batch, slots, o.sampled)
     round_batch, state = _abstract_requests(decoder, mesh, config, drafter_config, *round_shape)
     per_device["target_cache"] = sum(_shard_bytes(x) for x in jax.tree.leaves(state.target_cache))
     per_device["drafter_cache"] = sum(_shard_bytes(x) for x in jax.tree.leaves(state.draft_cache))
     compiled, account = _compile(decoder, round_batch, state, where, form)
     per_device["temporaries"] = compiled["temp_bytes"]
+    shape |= layouts(compiled["temp_bytes"])
     if account is not None:
         draft = 0 if o.method == "ar" else block
+        # the compiled round keeps today's replicated latent rows
         floor = round_traffic(
             o.method, tokens, config, model_bytes, o.max_len, devices, o.moe, draft
         )
         shape["compiled_traffic"] = _against_floor(account, floor)
     return shape | _verdict(per_device, compiled, where, stored)
+
+
+def _cache_layouts(
+    o: PlanOptions,
+    config: KimiConfig,
+    drafter_config: DrafterConfig,
+    model_bytes: ModelBytes,
+    where: Machine,
+    mesh: jax.sharding.Mesh,
+    per_device: dict[str, int],
+    activations: int | None,
+) -> dict[str, Any]:
+    """The traffic account of the latent cache's layout (``--cache-layout``, or the faster
+    floor of the plan's round on its hardware), both layouts' rounds, and the context tokens
+    each holds in the memory left after the weights and (when compiled) the temporaries."""
+    devices = len(where.devices)
+    weights = per_device["target_weights"] + per_device["drafter_weights"]
+    free = where.memory - weights - (activations or 0)
+    slot = slot_bytes(config, drafter_config, mesh, _shard_bytes)
+    capacity = {name: cache_capacity(free, slot, devices, name) for name in LAYOUTS}
+    hardware = named_hardware(where.name)
+    block = 1 if o.method == "ar" else drafter_config.block_size
+    tokens = verified_tokens(o.method, block, o.budget)
+    draft = 0 if o.method == "ar" else block
+    floors = {
+        name: floor_seconds(
+            round_traffic(
+                o.method, tokens, config, model_bytes, o.max_len, devices, o.moe, draft, name
+            ),
+            hardware,
+        )["round_s"]
+        for name in LAYOUTS
+        if hardware is not None
+    }
+    round_name = {"ar": "AR", "dflash": "DFlash", "ddtree": f"DDTree-{o.budget}"}[o.method]
+    held = {name: c["tokens"] for name, c in capacity.items()}
+    choice = choose_layout(
+        o.cache_layout, floors, held, o.batch * o.max_len, hardware, devices, round_name
+    )
+    by_layout = {
+        name: traffic_table(
+            config, model_bytes, devices, o.moe, o.max_len, drafter_config.block_size, layout=name
+        )
+        for name in LAYOUTS
+    }
+    return {
+        "traffic": by_layout[choice.layout],
+        "cache_layout": choice.layout,
+        "cache_layout_reason": choice.reason,
+        "cache_capacity_tokens": held[choice.layout],
+        "cache_capacity": {
+            "memory_bytes": where.memory,
+            "weights_bytes": weights,
+            "activations_bytes": activations or 0,
+            "activations": "compiled temporaries" if activations is not None else "not compiled",
+            "free_bytes": free,
+            "page_tokens": PAGE_TOKENS,
+            "slot_bytes": slot,
+            **capacity,
+        },
+        "traffic_by_layout": by_layout,
+    }
 
 
 def _model_configs(
@@ -327,15 +398,7 @@ def _abstract_requests(
 ):
     """A request plan for one round and the decode
     state it runs on, as sharded ShapeDtypeStructs."""
-    rng = jax.ShapeDtypeStruct((batch, 2), jnp.uint32)
-    empty = lambda rng: DecodeState.empty(
-        config, drafter_config, batch, slots, block, jnp.bfloat16, rng
-    )
-    state = jax.eval_shape(empty, rng)
-    shardings = state_shardings(state, mesh)
-    state = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
-    )
+    state = abstract_state(config, drafter_config, batch, slots, block, mesh)
     sampling = Sampling(temperature=1.0) if sampled else GREEDY
     settings = RowSettings(
         max_length=jax.ShapeDtypeStruct((batch,), jnp.int32),

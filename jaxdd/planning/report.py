@@ -29,6 +29,7 @@ def report(result: dict[str, Any]) -> str:
         f"per round and device at {result['max_len']} tokens of context (the floor: bytes "
         f"/ bandwidth + link):",
         format_table(result["traffic"]),
+        *layout_report(result),
     ]
     if "per_device_bytes" not in result:
         return "\n".join(lines)
@@ -61,6 +62,55 @@ def report(result: dict[str, Any]) -> str:
             f"{DEFAULT_GPU_FRACTION:.0%} of each GPU by default"
         )
     return "\n".join(lines)
+
+
+def layout_report(result: dict[str, Any]) -> list[str]:
+    """The latent cache's layout and why, the other layout's rounds, and what
+    context each layout's pages hold in the memory left per device."""
+    chosen = result["cache_layout"]
+    other = next(name for name in result["traffic_by_layout"] if name != chosen)
+    lines = [
+        *merge_report(result["traffic"]),
+        f"latent cache {chosen}: {result['cache_layout_reason']}",
+    ]
+    lines += [
+        f"the latent cache {other} instead:",
+        format_table(result["traffic_by_layout"][other]),
+    ]
+    lines += merge_report(result["traffic_by_layout"][other])
+    return lines + capacity_report(result["cache_capacity"], result["devices"])
+
+
+def merge_report(rows: list[dict]) -> list[str]:
+    """Striped rounds: the merge the link model chose per GPU, its collectives and bytes."""
+    if not rows[0].get("merges"):
+        return []
+    chosen = sorted({t["merge"] for row in rows for t in row["targets"].values()})
+    merge = rows[0]["merges"][chosen[0]]
+    sent = " / ".join(f"{row['merges'][chosen[0]]['bytes'] / 1e6:.1f}" for row in rows)
+    return [
+        f"  merge by {' or '.join(chosen)} (the link model's choice), "
+        f"{merge['collectives']} collectives per round, MB sent per round: {sent}"
+    ]
+
+
+def capacity_report(capacity: dict[str, Any], devices: int) -> list[str]:
+    """Context tokens per layout in the memory left after weights (and temporaries)."""
+    slot = capacity["slot_bytes"]
+    replicated, striped = capacity["replicated"]["tokens"], capacity["striped"]["tokens"]
+    after = "weights and temporaries" if capacity["activations_bytes"] else "weights"
+    lines = [
+        f"cache capacity ({capacity['free_bytes'] / GB:.2f} GB per device after {after}, "
+        f"{capacity['page_tokens']}-token pages): replicated {replicated:,} context tokens, "
+        f"striped {striped:,}"
+    ]
+    if replicated:
+        lines[-1] += (
+            f" ({striped / replicated:.2f}x: striping divides the latent rows, "
+            f"{slot['latent']:,.0f} B per token, over {devices} devices, not the drafter's K/V, "
+            f"{slot['drafter']:,.0f} B per token and device, already split by heads)"
+        )
+    return lines
 
 
 def traffic_report(account: dict[str, Any], top: int = 10) -> list[str]:
