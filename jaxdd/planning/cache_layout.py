@@ -36,11 +36,13 @@ def latent_row_bytes(config: KimiConfig) -> int:
 
 def tokens_read(context: int, devices: int, layout: str) -> int:
     """Context tokens whose latent rows the busiest device reads: all of them replicated;
-    striped, the pages dealt to the first device (it gets the most) times the page size."""
-    if layout == "replicated" or devices == 1:
+    striped, the pages dealt round-robin to the device with the most rows."""
+    if layout == "replicated":
         return context
-    pages = -(-context // PAGE_TOKENS)
-    return min(context, -(-pages // devices) * PAGE_TOKENS)
+    full, rest = divmod(context, PAGE_TOKENS)
+    rounds, extra = divmod(full, devices)
+    # devices before ``extra`` hold one more full page; the partial one lands on ``extra``
+    return rounds * PAGE_TOKENS + (PAGE_TOKENS if extra else rest)
 
 
 def merge_costs(config: KimiConfig, tokens: int, devices: int) -> dict[str, dict[str, float]]:
