@@ -52,16 +52,16 @@ def merge_costs(config: KimiConfig, tokens: int, devices: int) -> dict[str, dict
     if devices == 1:
         return {}
     share = (devices - 1) / devices
-    heads = tokens * config.num_attention_heads
+    token_heads = tokens * config.num_attention_heads
     # the absorbed queries, [T, heads, latent + rope]
-    queries = share * heads * (config.kv_lora_rank + config.qk_rope_head_dim) * BF16
-    outputs = share * heads * config.kv_lora_rank * FLOAT32
+    queries = share * token_heads * (config.kv_lora_rank + config.qk_rope_head_dim) * BF16
+    outputs = share * token_heads * config.kv_lora_rank * FLOAT32
     # every device's log-sum-exps [T, heads] reach every device
-    lse_gather = (devices - 1) * heads * FLOAT32
+    lse_gather = (devices - 1) * token_heads * FLOAT32
     layers = config.num_hidden_layers
     return {
         ALL_TO_ALL: {
-            "bytes": layers * (queries + outputs + share * heads * FLOAT32),
+            "bytes": layers * (queries + outputs + share * token_heads * FLOAT32),
             "collectives": 2 * layers,
         },
         GATHER_SCATTER: {
