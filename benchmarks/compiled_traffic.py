@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jaxdd.planning.hardware import GPUS, TPUS
+from jaxdd.planning.hardware import named_hardware
 from jaxdd.planning.traffic import DEMO_TAU
 from jaxdd.testing.benchmark import write_result
 
@@ -83,10 +83,10 @@ def compile_round(hardware: str, method: str, sampled: bool, layers: int | None)
 def row(result: dict, hardware: str, method: str, sampled: bool) -> dict:
     """One table row: floor and compiled bytes, their ratio, and tokens/s at each
     (memory bytes / bandwidth plus the floor's link time, with the demo pair's tau)."""
-    chip = GPUS.get(hardware) or TPUS[hardware.split(":")[0]]
+    chip = named_hardware(hardware)
     account = result["compiled_traffic"]
     floor = account["floor"]
-    link_s = floor["allreduce_bytes"] / chip.link + floor["allreduces"] * chip.allreduce_latency
+    link_s = floor["allreduce_bytes"] / chip.link + floor["allreduces"] * chip.collective_latency
     tau = DEMO_TAU[method][BUDGET] if method == "ddtree" else DEMO_TAU[method]
     floor_s = (account["floor_bytes"] - 2 * floor["allreduce_bytes"]) / chip.bandwidth + link_s
     compiled_s = (account["bytes"] - account["collective_bytes"]) / chip.bandwidth + link_s

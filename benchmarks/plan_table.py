@@ -78,7 +78,8 @@ def main() -> None:
             FIXTURES / "kimi_k26_dflash_config.json",
             PlanOptions(target, moe=moe, budget=budget, max_len=context),
         )
-        row.pop("traffic")  # benchmarks/traffic_table.py's subject
+        for name in ("traffic", "traffic_by_layout"):
+            row.pop(name)  # benchmarks/traffic_table.py's subject
         print(
             f"{target} {moe} budget {budget} {context // 1024}k: "
             f"{row['per_device_bytes']['total'] / GB:.1f} GB"

@@ -3,7 +3,7 @@ drafter fit a target's devices, and how are the bytes spread?
 
     python -m jaxdd.plan --config CONFIG.json --drafter-config DRAFTER.json \\
         --hardware rtx-pro-6000 --devices 8 --moe tp|ep --budget 64 --max-len 8192 --batch 1 \\
-        [--method ddtree] [--sampled] [--layers N] [--json]
+        [--method ddtree] [--sampled] [--layers N] [--cache-layout striped|replicated] [--json]
 
 Builds both models abstractly (shapes and shardings only, nothing allocated), lowers the
 round ``jaxdd.generate`` would run on the target (its attention form and MoE dispatch,
@@ -14,6 +14,8 @@ name (``v5p:2x2x2``), deviceless (``jaxdd.planning.aot``). Reports per device: w
 stored (INT4 or FP8 routed experts included), caches (the target's MLA latent rows and
 the drafter's K/V), the compiler's temporaries, the total, and whether it fits the
 device's memory. ``--layers`` keeps the full width but fewer layers (for quick checks).
+``--cache-layout`` accounts the target's latent cache replicated on every device or striped
+over them (``jaxdd.planning.cache_layout``), and both layouts' capacity in context tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import json
 from jaxdd import cli
 from jaxdd.errors import ConfigError, InputError
 from jaxdd.planning.aot import names
-from jaxdd.planning.fit import PlanOptions, plan, report
+from jaxdd.planning.fit import PlanOptions, plan
+from jaxdd.planning.report import report
 from jaxdd.types import ATTENTION_CHOICES, METHODS, MOE_MODES
 
 
@@ -65,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, help="keep the full width but only this many layers")
     parser.add_argument(
         "--traffic", action="store_true", help="only the traffic account: no compile"
+    )
+    parser.add_argument(
+        "--cache-layout",
+        help="the target's latent cache under TP: striped (pages dealt over the devices) or "
+        "replicated (default: the faster floor of the round for the hardware and context)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)

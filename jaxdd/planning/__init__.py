@@ -1,2 +1,3 @@
 """Planning for hardware that is not here: the hardware table, deviceless compiles,
-the traffic floor and the fit planner behind ``python -m jaxdd.plan``."""
+the traffic floor, the latent cache's layouts and their capacity, and the fit planner
+behind ``python -m jaxdd.plan``."""

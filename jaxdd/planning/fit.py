@@ -6,7 +6,9 @@ devices (this host's CPUs, or compile-only GPUs and TPUs from ``jaxdd.planning.a
 ``jaxdd.generate`` would run there (the attention form and MoE dispatch the machine's platform
 picks) is compiled ahead of time by the machine's own compiler. The result holds per device the
 weights as stored, the caches, the compiler's temporaries and the verdict, the traffic floor of
-every round (``jaxdd.planning.traffic``) and what the compiled round moves (``compiled_traffic``).
+every round (``jaxdd.planning.traffic``) for the latent cache replicated and striped
+(``cache_layout``), the context each layout's pages hold (``capacity``) and what the compiled
+round moves (``compiled_traffic``).
 """
 
 from __future__ import annotations
@@ -29,15 +31,18 @@ from jaxdd.cache import cache_slots
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.checks import MAX_STOP_TOKENS
 from jaxdd.decoding.engine import RoundBatch, SpeculativeDecoder
-from jaxdd.decoding.rounds import DecodeState, RowSettings, state_shardings
+from jaxdd.decoding.rounds import RowSettings
 from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays
 from jaxdd.errors import ConfigError, InputError, read_json
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.moe import MoE
 from jaxdd.models.target import KimiTarget
 from jaxdd.planning.aot import Machine, find_machine
+from jaxdd.planning.cache_layout import LAYOUTS, PAGE_TOKENS, choose_layout
+from jaxdd.planning.capacity import abstract_state, cache_capacity, slot_bytes
 from jaxdd.planning.compiled_traffic import compiled_traffic
-from jaxdd.planning.traffic import ModelBytes, format_table, round_traffic, traffic_table
+from jaxdd.planning.hardware import named_hardware
+from jaxdd.planning.traffic import ModelBytes, floor_seconds, round_traffic, traffic_table
 from jaxdd.runtime.sharding import make_mesh, param_shardings, place
 from jaxdd.types import (
     ATTENTION_CHOICES,
@@ -49,10 +54,6 @@ from jaxdd.types import (
     verified_tokens,
 )
 from jaxdd.weights.hf_quantization import declared_expert_format
-
-GB = 1e9
-# of each GPU's memory that JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION)
-DEFAULT_GPU_FRACTION = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +72,17 @@ class PlanOptions:
     sampled: bool = False
     attention: AttentionChoice = "auto"
     compile_round: bool = True  # False: the traffic account only (seconds, not minutes)
+    cache_layout: str | None = None  # the latent cache's (LAYOUTS); None: the faster floor
 
     def __post_init__(self) -> None:
         choices = {"method": METHODS, "moe": MOE_MODES, "attention": ATTENTION_CHOICES}
+        choices["cache_layout"] = (None, *LAYOUTS)
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
+                listed = ", ".join(a for a in allowed if a is not None)
                 raise InputError(
-                    f"--{name}: expected one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                    f"--{name.replace('_', '-')}: expected one of {listed}, "
+                    f"got {getattr(self, name)!r}"
                 )
         for name in ("devices", "budget", "max_len", "batch", "layers"):
             value = getattr(self, name)
@@ -121,25 +126,89 @@ def plan(
         "batch": o.batch,
         "attention": form,
         "dispatch": _dispatch(decoder.target.model, tokens * o.batch, devices, o.moe, where),
-        "traffic": traffic_table(
-            config, model_bytes, devices, o.moe, o.max_len, drafter_config.block_size
-        ),
     }
+    layouts = lambda activations: _cache_layouts(
+        o, config, drafter_config, model_bytes, where, mesh, per_device, activations
+    )
     if not o.compile_round:
-        return shape
+        return shape | layouts(None)
     round_shape = (o.method, block, o.budget, o.batch, slots, o.sampled)
     round_batch, state = _abstract_requests(decoder, mesh, config, drafter_config, *round_shape)
     per_device["target_cache"] = sum(_shard_bytes(x) for x in jax.tree.leaves(state.target_cache))
     per_device["drafter_cache"] = sum(_shard_bytes(x) for x in jax.tree.leaves(state.draft_cache))
     compiled, account = _compile(decoder, round_batch, state, where, form)
     per_device["temporaries"] = compiled["temp_bytes"]
+    shape |= layouts(compiled["temp_bytes"])
     if account is not None:
         draft = 0 if o.method == "ar" else block
+        # the compiled round keeps today's replicated latent rows
         floor = round_traffic(
             o.method, tokens, config, model_bytes, o.max_len, devices, o.moe, draft
         )
         shape["compiled_traffic"] = _against_floor(account, floor)
     return shape | _verdict(per_device, compiled, where, stored)
+
+
+def _cache_layouts(
+    o: PlanOptions,
+    config: KimiConfig,
+    drafter_config: DrafterConfig,
+    model_bytes: ModelBytes,
+    where: Machine,
+    mesh: jax.sharding.Mesh,
+    per_device: dict[str, int],
+    activations: int | None,
+) -> dict[str, Any]:
+    """The traffic account of the latent cache's layout (``--cache-layout``, or the faster
+    floor of the plan's round on its hardware), both layouts' rounds, and the context tokens
+    each holds in the memory left after the weights and (when compiled) the temporaries."""
+    devices = len(where.devices)
+    weights = per_device["target_weights"] + per_device["drafter_weights"]
+    free = where.memory - weights - (activations or 0)
+    slot = slot_bytes(config, drafter_config, mesh, _shard_bytes)
+    capacity = {name: cache_capacity(free, slot, devices, name) for name in LAYOUTS}
+    hardware = named_hardware(where.name)
+    block = 1 if o.method == "ar" else drafter_config.block_size
+    tokens = verified_tokens(o.method, block, o.budget)
+    draft = 0 if o.method == "ar" else block
+    floors = {
+        name: floor_seconds(
+            round_traffic(
+                o.method, tokens, config, model_bytes, o.max_len, devices, o.moe, draft, name
+            ),
+            hardware,
+        )["round_s"]
+        for name in LAYOUTS
+        if hardware is not None
+    }
+    round_name = {"ar": "AR", "dflash": "DFlash", "ddtree": f"DDTree-{o.budget}"}[o.method]
+    held = {name: c["tokens"] for name, c in capacity.items()}
+    choice = choose_layout(
+        o.cache_layout, floors, held, o.batch * o.max_len, hardware, devices, round_name
+    )
+    by_layout = {
+        name: traffic_table(
+            config, model_bytes, devices, o.moe, o.max_len, drafter_config.block_size, layout=name
+        )
+        for name in LAYOUTS
+    }
+    return {
+        "traffic": by_layout[choice.layout],
+        "cache_layout": choice.layout,
+        "cache_layout_reason": choice.reason,
+        "cache_capacity_tokens": held[choice.layout],
+        "cache_capacity": {
+            "memory_bytes": where.memory,
+            "weights_bytes": weights,
+            "activations_bytes": activations or 0,
+            "activations": "compiled temporaries" if activations is not None else "not compiled",
+            "free_bytes": free,
+            "page_tokens": PAGE_TOKENS,
+            "slot_bytes": slot,
+            **capacity,
+        },
+        "traffic_by_layout": by_layout,
+    }
 
 
 def _model_configs(
@@ -331,15 +400,7 @@ def _abstract_requests(
 ):
     """A request plan for one round and the decode
     state it runs on, as sharded ShapeDtypeStructs."""
-    rng = jax.ShapeDtypeStruct((batch, 2), jnp.uint32)
-    empty = lambda rng: DecodeState.empty(
-        config, drafter_config, batch, slots, block, jnp.bfloat16, rng
-    )
-    state = jax.eval_shape(empty, rng)
-    shardings = state_shardings(state, mesh)
-    state = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
-    )
+    state = abstract_state(config, drafter_config, batch, slots, block, mesh)
     sampling = Sampling(temperature=1.0) if sampled else GREEDY
     settings = RowSettings(
         max_length=jax.ShapeDtypeStruct((batch,), jnp.int32),
@@ -359,84 +420,3 @@ def _shard_bytes(x) -> int:
 
 def _bytes(x, shape: tuple[int, ...] | None = None) -> int:
     return int(np.prod(x.shape if shape is None else shape, dtype=np.int64)) * x.dtype.itemsize
-
-
-def report(result: dict[str, Any]) -> str:
-    where = result["hardware"]
-    round_name = {
-        "ar": "AR step",
-        "dflash": "DFlash round",
-        "ddtree": f"DDTree round (budget {result['budget']})",
-    }
-    lines = [
-        f"{result['config']}: {result['layers']} layers, routed experts "
-        f"{result['routed_experts']}, "
-        f"{result['devices']} x {where['device_kind']} ({where['name']}), MoE {result['moe']}, "
-        f"batch {result['batch']}, max length {result['max_len']} ({result['cache_slots']} "
-        f"cache slots)",
-        f"per round and device at {result['max_len']} tokens of context (the floor: bytes "
-        f"/ bandwidth + link):",
-        format_table(result["traffic"]),
-    ]
-    if "per_device_bytes" not in result:
-        return "\n".join(lines)
-    sampled = "sampled" if result["sampled"] else "greedy"
-    lines.append(
-        f"{round_name[result['method']]}, {sampled}, attention {result['attention']}, "
-        f"MoE dispatch {result['dispatch']}, per device:"
-    )
-    lines += [
-        f"  {name:<16} {value / GB:9.2f} GB" for name, value in result["per_device_bytes"].items()
-    ]
-    compiled = result["compiled"]
-    lines.append(f"compiled for {where['platform']} in {compiled['compile_seconds']} s")
-    memory = where["memory_bytes"] / GB
-    total = result["per_device_bytes"]["total"] / GB
-    verdict = "fits" if result["fits"] else "does not fit"
-    lines.append(f"{verdict} {where['name']}: needs {total:.1f} of {memory:.0f} GB per device")
-    if "compiled_traffic" in result:
-        lines += traffic_report(result["compiled_traffic"])
-    if not compiled["fits_compiler"]:
-        lines[-1] += " (the compiler ran out of memory)"
-    elif (
-        where["platform"] == "gpu"
-        and result["fits"]
-        and result["memory_fraction"] > DEFAULT_GPU_FRACTION
-    ):
-        lines.append(
-            f"run with XLA_PYTHON_CLIENT_MEM_FRACTION={result['memory_fraction']:.2f} or "
-            f"more: JAX preallocates "
-            f"{DEFAULT_GPU_FRACTION:.0%} of each GPU by default"
-        )
-    return "\n".join(lines)
-
-
-def traffic_report(account: dict[str, Any], top: int = 10) -> list[str]:
-    """The compiled round's bytes beside the floor's
-    parts: per stage, and its largest instructions."""
-    mb = lambda n: f"{n / 1e6:.1f} MB"
-    floor = account["floor"]
-    parts = {
-        "weights": "weights",
-        "experts": "experts",
-        "kv": "caches",
-        "drafter": "drafter + lm_head again",
-    }
-    lines = [
-        f"compiled traffic per device: {account['bytes'] / GB:.3f} GB, "
-        f"{account['ratio']:.2f}x the floor's "
-        f"{account['floor_bytes'] / GB:.3f} GB",
-        "  floor:    "
-        + ", ".join(f"{name} {mb(floor[key])}" for key, name in parts.items())
-        + f", all-reduces {mb(2 * floor['allreduce_bytes'])}",
-        "  compiled: "
-        + ", ".join(f"{stage} {mb(n)}" for stage, n in account["by_stage"].items() if n)
-        + f" (collectives {mb(account['collective_bytes'])})",
-        "  largest instructions:",
-    ]
-    lines += [
-        f"    {op['bytes'] / 1e6:9.1f} MB  {op['op']:<14} {op['stage']:<7} {op['name']} "
-        f"({op['scope'][-60:]})"
-        for op in account["top_ops"][:top]
-    ]
-    return lines

@@ -7,7 +7,8 @@ Sources, per field: memory, bandwidth, link and SMs from NVIDIA's product datash
 Google Cloud's TPU pages (named per entry); shared memory per SM and per block (opt-in)
 from the CUDA C++ Programming Guide's table of compute capabilities (228 / 227 KB on 9.0
 and 10.0, 100 / 99 KB on 12.0); L2 size and clock from the architecture whitepapers. The
-all-reduce latency is an estimate (NCCL's small-message all-reduce over 8 GPUs).
+collective latency is an estimate (NCCL's small-message all-reduce over 8 GPUs), taken for
+every collective whatever its size.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class Hardware:
     bandwidth: float  # memory bytes/s per device
     link: float  # bytes/s each way per device for collectives
     link_name: str
-    allreduce_latency: float  # seconds per all-reduce, whatever its size
+    collective_latency: float  # seconds per collective (all-reduce, all-gather, all-to-all)
     source: str
 
 
@@ -148,3 +149,9 @@ TPUS: dict[str, Hardware] = {
         "Google Cloud TPU v6e: 32 GB HBM, 1640 GB/s",
     ),
 }
+
+
+def named_hardware(name: str) -> Hardware | None:
+    """The device a plan's ``--hardware`` names (a GPU, or a TPU topology's chip); None for
+    ``cpu``, whose simulated devices share the host's memory and have no link to model."""
+    return GPUS.get(name) or TPUS.get(name.split(":")[0])

@@ -6,16 +6,18 @@ shard of every non-expert weight once (the lm_head twice in a speculative round:
 logits and the verify's), the drafter's shard, the routed experts that some token chose (a layer
 of E experts, top k, sees E (1 - (1 - k/E)^T) distinct experts for T uniformly routed tokens:
 trees change the calculus, the bytes grow with the budget long before the FLOPs matter), and the
-KV rows: the MLA latent cache is replicated, so every device reads all of it. It sends one
-all-reduce of [T, hidden] per sharded matmul output (jaxdd sums the routed experts' shares with a
-psum in both TP and EP, not an all-to-all). The floor is bytes / memory bandwidth + collectives
-over the link; compute is assumed to hide under it (a floor, not a prediction of overheads).
+KV rows: the MLA latent cache replicated, every device reads all of it; striped, its share, and
+it runs the merge's collectives (``jaxdd.planning.cache_layout``). It sends one all-reduce of
+[T, hidden] per sharded matmul output (jaxdd sums the routed experts' shares with a psum in both
+TP and EP, not an all-to-all). The floor is bytes / memory bandwidth + collectives over the link;
+compute is assumed to hide under it (a floor, not a prediction of overheads).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -24,11 +26,16 @@ from flax import nnx
 from jaxdd.config import KimiConfig
 from jaxdd.models.quant import ExpertWeights
 from jaxdd.models.target import KimiTarget
+from jaxdd.planning.cache_layout import (
+    BF16,
+    cheapest_merge,
+    latent_row_bytes,
+    link_seconds,
+    merge_costs,
+    tokens_read,
+)
 from jaxdd.planning.hardware import GPUS, Hardware
 from jaxdd.types import verified_tokens
-
-BF16 = 2
-
 
 # The demo pair's HumanEval tau (CPU, greedy, block
 # 8; benchmarks/README.md): tokens per verify round.
@@ -108,9 +115,12 @@ def round_traffic(
     devices: int,
     moe: str,
     draft_tokens: int = 0,
-) -> dict[str, float]:
+    layout: str = "replicated",
+) -> dict[str, Any]:
     """Bytes one device reads, and sends in all-reduces, in a round verifying ``tokens``
-    tokens at ``context`` tokens of KV; ``draft_tokens``: the drafter's block (0 for AR)."""
+    tokens at ``context`` tokens of KV; ``draft_tokens``: the drafter's block (0 for AR).
+    ``layout``: the latent cache's (``cache_layout.LAYOUTS``); striped adds the merge's
+    ``merges`` (bytes sent and collectives per scheme)."""
     e = config.n_routed_experts
     k = config.num_experts_per_tok
     # one expert's bytes here
@@ -119,9 +129,7 @@ def round_traffic(
         local = slowest_device_experts(tokens, k, e, devices)
     else:
         local = distinct_experts(tokens, k, e)
-    latent = (
-        context * (config.kv_lora_rank + config.qk_rope_head_dim) * BF16 * config.num_hidden_layers
-    )
+    latent = tokens_read(context, devices, layout) * latent_row_bytes(config)
     speculative = method != "ar"
     reads = {
         "weights": model.non_expert + tokens * model.embed_row,
@@ -138,22 +146,35 @@ def round_traffic(
     ring = 2 * (devices - 1) / devices if devices > 1 else 0.0
     sent = ring * message * (target_allreduces * tokens + drafter_allreduces * draft_tokens)
     count = (target_allreduces + drafter_allreduces) if devices > 1 else 0
-    return {
+    traffic = {
         **reads,
         "read_total": sum(reads.values()),
         "allreduce_bytes": sent,
         "allreduces": count,
         "experts_read": local,
     }
+    if layout == "striped":
+        traffic["merges"] = merge_costs(config, tokens, devices)
+    return traffic
 
 
-def floor_seconds(traffic: Mapping[str, float], hardware: Hardware) -> dict[str, float]:
+def floor_seconds(traffic: Mapping[str, Any], hardware: Hardware) -> dict[str, Any]:
+    """Memory and link time of a round on ``hardware``; a striped round's link time
+    holds its merge, the scheme the link model finds cheaper (``merge``)."""
     memory = traffic["read_total"] / hardware.bandwidth
-    link = (
-        traffic["allreduce_bytes"] / hardware.link
-        + traffic["allreduces"] * hardware.allreduce_latency
-    )
-    return {"memory_s": memory, "link_s": link, "round_s": memory + link}
+    link = link_seconds(traffic["allreduce_bytes"], traffic["allreduces"], hardware)
+    merge = cheapest_merge(traffic.get("merges", {}), hardware)
+    if merge is None:
+        return {"memory_s": memory, "link_s": link, "round_s": memory + link}
+    cost = traffic["merges"][merge]
+    merge_s = link_seconds(cost["bytes"], cost["collectives"], hardware)
+    return {
+        "memory_s": memory,
+        "link_s": link + merge_s,
+        "round_s": memory + link + merge_s,
+        "merge": merge,
+        "merge_s": merge_s,
+    }
 
 
 def traffic_table(
@@ -165,6 +186,7 @@ def traffic_table(
     block: int,
     budgets: tuple[int, ...] = (4, 8, 16, 32, 64),
     tau: Mapping = DEMO_TAU,
+    layout: str = "replicated",
 ) -> list[dict]:
     """One row per round shape (AR, DFlash at ``block``, DDTree at each
     budget): what a device reads and sends, and per named GPU the floor
@@ -179,7 +201,7 @@ def traffic_table(
     rows = []
     for name, tokens, draft, expected in shapes:
         traffic = round_traffic(
-            name.split()[0], tokens, config, model, context, devices, moe, draft
+            name.split()[0], tokens, config, model, context, devices, moe, draft, layout
         )
         row = {"round": name, "tokens": tokens, "tau": expected, **traffic, "targets": {}}
         for key, hardware in GPUS.items():

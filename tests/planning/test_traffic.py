@@ -10,8 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from jaxdd.planning.fit import PlanOptions, plan, report
+from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.planning.hardware import GPUS
+from jaxdd.planning.report import report
 from jaxdd.planning.traffic import distinct_experts, slowest_device_experts
 from jaxdd.testing.server import START_SECONDS
 

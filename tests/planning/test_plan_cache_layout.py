@@ -1,0 +1,191 @@
+"""The latent cache's layout in the plan (jaxdd.planning.cache_layout, capacity): striped reads
+a device's share of the cache and pays the merge's collectives, replicated is today's account,
+the default is the faster floor, and the pages that fit are counted for both layouts."""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxdd.config import DrafterConfig, KimiConfig
+from jaxdd.errors import InputError
+from jaxdd.planning.cache_layout import (
+    ALL_TO_ALL,
+    GATHER_SCATTER,
+    LAYOUTS,
+    PAGE_TOKENS,
+    choose_layout,
+    latent_row_bytes,
+    merge_costs,
+    tokens_read,
+)
+from jaxdd.planning.capacity import cache_capacity
+from jaxdd.planning.fit import PlanOptions, plan
+from jaxdd.planning.hardware import GPUS
+from jaxdd.planning.report import report
+
+FIXTURES = "tests/fixtures/"
+CONFIGS = (FIXTURES + "kimi_k25_config.json", FIXTURES + "kimi_k26_dflash_config.json")
+CLI = [sys.executable, "-m", "jaxdd.plan", "--config", CONFIGS[0], "--drafter-config", CONFIGS[1]]
+
+
+@functools.cache
+def k26_plan(context: int, **options) -> dict:
+    """The full K2.6 + DFlash on 8 x RTX PRO 6000, TP, batch 1: the AR traffic account."""
+    return plan(
+        *CONFIGS,
+        PlanOptions(
+            hardware="rtx-pro-6000", method="ar", max_len=context, compile_round=False, **options
+        ),
+    )
+
+
+def rows(result: dict, layout: str) -> dict[str, dict]:
+    return {row["round"]: row for row in result["traffic_by_layout"][layout]}
+
+
+def test_striped_reads_an_eighth_of_the_128k_cache_and_is_the_default_there():
+    """At 128k the striped AR round reads under half the replicated bytes (the cache's eighth,
+    all else equal), pays 2 collectives per layer for the merge, and the faster floor makes it
+    the default; DDTree-16 saves the same cache bytes."""
+    result = k26_plan(131072)
+    config = KimiConfig.from_json_file(CONFIGS[0])
+    striped, replicated = rows(result, "striped"), rows(result, "replicated")
+    assert list(striped) == list(replicated)
+    cache = 131072 * latent_row_bytes(config)
+    for name in ("ar", "ddtree 16"):
+        assert replicated[name]["kv"] == cache and striped[name]["kv"] == cache / 8
+        for key in ("weights", "experts", "drafter", "allreduce_bytes", "allreduces"):
+            assert striped[name][key] == replicated[name][key]
+    assert striped["ar"]["read_total"] < 0.5 * replicated["ar"]["read_total"]
+    pcie = striped["ar"]["targets"]["rtx-pro-6000"]
+    assert pcie["merge"] == ALL_TO_ALL
+    assert striped["ar"]["merges"][ALL_TO_ALL]["collectives"] == 2 * config.num_hidden_layers
+    assert pcie["round_s"] < replicated["ar"]["targets"]["rtx-pro-6000"]["round_s"]
+    assert result["cache_layout"] == "striped" and "AR floor" in result["cache_layout_reason"]
+    assert result["traffic"] == result["traffic_by_layout"]["striped"]
+
+
+def test_8k_default_is_todays_replicated_account():
+    """At 8k the merge's collective latency outweighs the cache reads striping saves on PCIe:
+    the default stays replicated and its rows are today's (no merge, the whole cache read)."""
+    result = k26_plan(8192)
+    config = KimiConfig.from_json_file(CONFIGS[0])
+    assert result["cache_layout"] == "replicated"
+    assert result["traffic"] == result["traffic_by_layout"]["replicated"]
+    for row in result["traffic"]:
+        assert "merges" not in row and row["kv"] == 8192 * latent_row_bytes(config)
+        assert "merge" not in row["targets"]["rtx-pro-6000"]
+    striped = rows(result, "striped")["ar"]["targets"]["rtx-pro-6000"]
+    replicated = rows(result, "replicated")["ar"]["targets"]["rtx-pro-6000"]
+    assert striped["round_s"] > replicated["round_s"]
+    latency = 2 * config.num_hidden_layers * GPUS["rtx-pro-6000"].collective_latency
+    assert latency > replicated["memory_s"] - striped["memory_s"] > 0
+
+
+def test_asked_layout_is_accounted():
+    result = k26_plan(8192, cache_layout="striped")
+    assert result["cache_layout"] == "striped" and "as asked" in result["cache_layout_reason"]
+    assert result["traffic"] == result["traffic_by_layout"]["striped"]
+    assert result["cache_capacity_tokens"] == result["cache_capacity"]["striped"]["tokens"]
+
+
+def test_capacity_counts_whole_pages_and_the_drafter_kv_keeps_it_under_8x():
+    """The decode state's own bytes per slot: K2.6's latent rows on every device, the drafter's
+    K/V split over 8 devices by its 8 KV heads. The pages fit in the memory left after the
+    weights; striped holds more, but less than 8x: the drafter's share is not divided again."""
+    result = k26_plan(131072)
+    capacity = result["cache_capacity"]
+    config = KimiConfig.from_json_file(CONFIGS[0])
+    drafter = DrafterConfig.from_json_file(CONFIGS[1])
+    drafter_kv = 2 * drafter.num_hidden_layers * drafter.num_key_value_heads * drafter.head_dim
+    assert capacity["slot_bytes"] == {"latent": latent_row_bytes(config), "drafter": drafter_kv / 4}
+    free = GPUS["rtx-pro-6000"].memory - capacity["weights_bytes"]
+    assert capacity["free_bytes"] == free and capacity["activations_bytes"] == 0
+    for layout in LAYOUTS:
+        held = capacity[layout]
+        assert held["tokens"] == held["pages"] * PAGE_TOKENS
+        assert held["tokens"] * held["bytes_per_token"] <= free
+        # one more page per device would not fit
+        group = 8 if layout == "striped" else 1
+        assert (held["tokens"] + group * PAGE_TOKENS) * held["bytes_per_token"] > free
+    ratio = capacity["striped"]["tokens"] / capacity["replicated"]["tokens"]
+    slot = capacity["slot_bytes"]
+    explained = (slot["latent"] + slot["drafter"]) / (slot["latent"] / 8 + slot["drafter"])
+    assert 1 < ratio < 8 and ratio == pytest.approx(explained, rel=1e-3)
+    no_drafter = {"latent": slot["latent"], "drafter": 0}
+    full = [cache_capacity(free, no_drafter, 8, layout)["tokens"] for layout in LAYOUTS]
+    assert full[0] == pytest.approx(8 * full[1], rel=1e-3)
+    assert result["cache_capacity_tokens"] == capacity["striped"]["tokens"]
+    assert f"({ratio:.2f}x: striping divides the latent rows" in report(result)
+
+
+@pytest.mark.parametrize("devices", [2, 3, 8])
+def test_tokens_read_is_the_busiest_devices_pages(devices):
+    """Pages dealt round-robin, counted one by one: the busiest device's rows."""
+    rng = np.random.default_rng(devices)
+    for context in [1, 63, 64, 65, *rng.integers(1, 20000, 20).tolist()]:
+        held = [0] * devices
+        for page, start in enumerate(range(0, context, PAGE_TOKENS)):
+            held[page % devices] += min(PAGE_TOKENS, context - start)
+        assert tokens_read(context, devices, "striped") == max(held)
+        assert tokens_read(context, devices, "replicated") == context
+    assert tokens_read(5000, 1, "striped") == 5000
+
+
+@pytest.mark.parametrize(("tokens", "devices"), [(1, 2), (17, 8), (65, 4)])
+def test_all_to_all_merge_sends_less_in_fewer_collectives(tokens, devices):
+    """One all-to-all carries the log-sum-exps with the outputs: fewer bytes than gathering
+    every device's log-sum-exps, and one collective per layer less."""
+    config = KimiConfig.from_json_file(CONFIGS[0])
+    costs = merge_costs(config, tokens, devices)
+    assert costs[ALL_TO_ALL]["bytes"] < costs[GATHER_SCATTER]["bytes"]
+    assert (
+        costs[ALL_TO_ALL]["collectives"] + config.num_hidden_layers
+        == (costs[GATHER_SCATTER]["collectives"])
+    )
+    assert merge_costs(config, tokens, 1) == {}
+
+
+def test_choice_follows_capacity_then_the_floor():
+    h200 = GPUS["h200"]
+    floors = {"striped": 2.0, "replicated": 1.0}
+    fits = {"striped": 800, "replicated": 100}
+    choose = lambda needed, hardware=h200, devices=8: (
+        choose_layout(None, floors, fits, needed, hardware, devices, "AR").layout
+    )
+    assert choose(100) == "replicated"  # both hold it: the faster floor
+    assert choose(101) == "striped"  # only striped holds it
+    assert choose(801) == "replicated"  # neither: the faster floor again
+    assert choose(101, devices=1) == "replicated"
+    assert choose(100, hardware=None) == "replicated"  # the CPU: no link model
+    with pytest.raises(InputError, match="--cache-layout"):
+        PlanOptions(cache_layout="interleaved")
+
+
+def test_command_line_json_and_a_bad_layout():
+    """`--json` carries the layout, its reason, both capacities and both layouts' rounds;
+    a layout that does not exist is one line and exit 2 (2 layers, full width)."""
+    argv = [*CLI, "--layers", "2", "--traffic", "--hardware", "rtx-pro-6000", "--method", "ar"]
+    run = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    for key in ("cache_layout", "cache_layout_reason", "cache_capacity_tokens", "cache_capacity"):
+        assert key in result
+    assert set(result["traffic_by_layout"]) == set(LAYOUTS)
+    layout = result["cache_layout"]
+    assert result["cache_capacity_tokens"] == result["cache_capacity"][layout]["tokens"]
+    names = [[row["round"] for row in rounds] for rounds in result["traffic_by_layout"].values()]
+    assert names[0] == names[1] == [row["round"] for row in result["traffic"]]
+    bad = subprocess.run(
+        [*argv, "--cache-layout", "interleaved"], capture_output=True, text=True, timeout=300
+    )
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == [
+        "jaxdd: --cache-layout: expected one of striped, replicated, got 'interleaved'"
+    ]
