@@ -17,6 +17,8 @@ STEPS = [
         admit=(
             RowRequest([7] * MAX_PROMPT, 9, [0, 163586], Sampling(0.7, 0.9, 3, 2**32 - 1)),
             RowRequest([1], 1, [], Sampling()),
+            RowRequest([2, 3], 0, [0], Sampling(), logprobs=5, score_prompt=True),
+            RowRequest([4], 2, [], Sampling(), logprobs=0),
         ),
     ),
     Decisions(reset=True),
