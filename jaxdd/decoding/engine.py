@@ -25,8 +25,9 @@ from jaxdd.decoding.checks import (
     per_request,
 )
 from jaxdd.decoding.report import RoundTrace, TokenLogprob
+from jaxdd.decoding.requests import RowRequest, RowShape
 from jaxdd.decoding.rounds import DecodeState, ModelPair, RoundSpec, RowSettings, decode_round
-from jaxdd.decoding.rows import RowPool, RowRequest, RowShape
+from jaxdd.decoding.rows import RowPool
 from jaxdd.decoding.sampling import GREEDY, Sampling
 from jaxdd.errors import InputError, LargeRoundWarning
 from jaxdd.models.drafter import DFlashDrafter

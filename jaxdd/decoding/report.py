@@ -96,6 +96,19 @@ class RoundReport:
         """The tokens row ``row`` produced this round."""
         return [int(t) for t in self.tokens[row, : self.produced[row]]]
 
+    def scores(
+        self, row: int, count: int, k: int | None, prompt: int
+    ) -> tuple[list[TokenLogprob] | None, list[TokenLogprob] | None]:
+        """Row ``row``'s (logprobs of its first ``count`` tokens, of its prompt's tokens after
+        the first if its ``prompt`` > 0 tokens were scored here), each with its top ``k``; None
+        for a request that asked for none (``k`` None)."""
+        if k is None:
+            return None, None
+        scores = self.logprobs.entries(row, count, k)
+        if self.prompt_logprobs is None or not prompt:
+            return scores, None
+        return scores, self.prompt_logprobs.entries(row, prompt - 1, k)
+
     @staticmethod
     def encode(
         tokens: jax.Array,

@@ -21,11 +21,9 @@ at the first stop token, as z-lab ``dflash.model.dflash_generate`` does. Each st
 a ``jax.named_scope``, so profiles and the compiled HLO attribute time to it. The host
 reads back one small array per round: the emitted tokens (``RoundReport``).
 
-With ``RoundSpec.logprobs`` = k > 0 a round also reports, for each emitted token, its
-log-probability and its position's top-k under the target's distribution as the verify
-computed it, BEFORE temperature and cut-offs (vLLM's default): a log-softmax and a top-k
-over the emitted positions' logits only, which choose no token (the tokens are those of
-k = 0, whose compiled round is the round without them).
+With ``RoundSpec.logprobs`` = k > 0 a round also reports each emitted token's log-probability
+and its position's top-k under the verify's target distribution BEFORE temperature and cut-offs
+(vLLM's default): a log-softmax and a top-k of the emitted positions' logits, choosing no token.
 """
 
 from __future__ import annotations

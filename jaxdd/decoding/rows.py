@@ -32,7 +32,7 @@ import collections
 import dataclasses
 import functools
 import itertools
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,14 +40,14 @@ import numpy as np
 
 from jaxdd.cache import RowTable, row_slots
 from jaxdd.cache.layout import front, put_front, put_row
-from jaxdd.config import KimiConfig
 from jaxdd.decoding.checks import (
     MAX_STOP_TOKENS,
     check_round_options,
     check_stop_ids,
     check_tokens,
 )
-from jaxdd.decoding.report import RoundReport, RoundTrace, TokenLogprob
+from jaxdd.decoding.report import RoundReport
+from jaxdd.decoding.requests import Decoder, RowRequest, RowShape, RowUpdate
 from jaxdd.decoding.rounds import (
     DecodeState,
     ModelPair,
@@ -59,70 +59,8 @@ from jaxdd.decoding.rounds import (
 )
 from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays, seed_keys
 from jaxdd.errors import InputError
-from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.runtime.buckets import prompt_bucket
 from jaxdd.types import Method, verified_tokens
-
-
-class Decoder(Protocol):
-    """What the rows need of ``SpeculativeDecoder``: the
-    models, their placement and the round's static form."""
-
-    config: KimiConfig
-    drafter: DFlashDrafter | None
-    mesh: jax.sharding.Mesh | None
-    target: Any  # has .model, the KimiTarget
-
-    def round_spec(self, method: Method, **options) -> RoundSpec: ...
-
-    def models_for(self, spec: RoundSpec) -> ModelPair: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class RowRequest:
-    """One request as the rows take it (``RowPool.check`` makes one):
-    checked, its stop ids the full set (the model's own included)."""
-
-    prompt: list[int]
-    max_new_tokens: int  # 0 only with ``score_prompt``: the prompt scored alone
-    stop_ids: list[int]
-    sampling: Sampling = GREEDY
-    logprobs: int | None = None  # each new token's logprob and this many top ones; None: none
-    score_prompt: bool = False  # the prompt's logprobs too (a scoring prefill)
-
-
-@dataclasses.dataclass(frozen=True)
-class RowShape:
-    """Everything fixed about a pool: its rounds, rows,
-    cache size and what a request may ask for."""
-
-    spec: RoundSpec  # the round while any busy row samples
-    # the round while every busy row is greedy (``spec`` itself for a one-round pool)
-    greedy_spec: RoundSpec
-    rows: int
-    max_len: int  # prompt + new tokens, per request
-    max_prompt: int
-    slots: int
-    tiers: tuple[int, ...]  # the row counts a round runs over: the fewest that hold every busy row
-
-
-@dataclasses.dataclass(frozen=True)
-class RowUpdate:
-    """What a row got since the last collect: its new tokens (``first``: the first of
-    them is the prefill's, the request's first token; the rest are one round's), once
-    it ends why ("stop" or "length"), with a trace the round's (``RoundTrace``), the
-    tokens its request has now, and that request's owner (as given to ``admit``). If
-    the request asked, ``logprobs`` has an entry per new token and ``prompt_logprobs``
-    (with ``first``) one per prompt token after the first."""
-
-    tokens: list[int]
-    finish: str | None = None
-    first: bool = False
-    trace: RoundTrace | None = None
-    produced: int = 0
-    owner: Any = None
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclasses.dataclass
@@ -475,7 +413,9 @@ class RowPool:
                     if entry.produced >= entry.max_new_tokens
                     else None
                 )
-                scores, prompt_scores = self._scores(report, index, entry, len(tokens))
+                scores, prompt_scores = report.scores(
+                    index, len(tokens), entry.logprobs, entry.scored_prompt
+                )
                 if row in updates:
                     earlier = updates[row]
                     tokens = earlier.tokens + tokens
@@ -497,20 +437,6 @@ class RowPool:
                 if finish is not None:
                     self.table.release(row)
         return updates
-
-    @staticmethod
-    def _scores(
-        report: RoundReport, index: int, entry: _Row, count: int
-    ) -> tuple[list[TokenLogprob] | None, list[TokenLogprob] | None]:
-        """Row ``index``'s (logprobs of its ``count`` new tokens, of its prompt's tokens after
-        the first if the report scored them), for a request that asked for them (else None)."""
-        if entry.logprobs is None:
-            return None, None
-        scores = report.logprobs.entries(index, count, entry.logprobs)
-        prompt = report.prompt_logprobs
-        if prompt is None or not entry.scored_prompt:
-            return scores, None
-        return scores, prompt.entries(index, entry.scored_prompt - 1, entry.logprobs)
 
     def discard(self) -> None:
         """Wait for the rounds still in flight and drop their

@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxdd.decoding.checks import MAX_STOP_TOKENS
-from jaxdd.decoding.rows import RowRequest
+from jaxdd.decoding.requests import RowRequest
 from jaxdd.decoding.sampling import Sampling
 
 LOST = 1  # the exit code of a follower that stopped hearing from process 0

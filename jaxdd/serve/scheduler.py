@@ -28,7 +28,8 @@ import traceback
 from collections.abc import Callable
 
 from jaxdd.decoding.report import TokenLogprob
-from jaxdd.decoding.rows import RowPool, RowRequest, RowUpdate
+from jaxdd.decoding.requests import RowRequest, RowUpdate
+from jaxdd.decoding.rows import RowPool
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.serve.decisions import Broadcast, Decisions, Local
 from jaxdd.serve.metrics import Metrics

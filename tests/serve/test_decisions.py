@@ -5,7 +5,7 @@ whose broadcast breaks, or that hears nothing, exits in one line."""
 import subprocess
 import sys
 
-from jaxdd.decoding.rows import RowRequest
+from jaxdd.decoding.requests import RowRequest
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.serve.decisions import LOST, Broadcast, Decisions
 
