@@ -249,6 +249,8 @@ class RowPool:
                 "prompt", f"{len(prompt)} tokens, this server admits at most {self.max_prompt}"
             )
         most = self.spec.logprobs
+        if logprobs is not None and not most:
+            raise InputError.at("logprobs", "this pool computes none (made with logprobs=0)")
         if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= most):
             raise InputError.at("logprobs", f"must be an integer in [0, {most}], got {logprobs!r}")
         if score_prompt and logprobs is None:

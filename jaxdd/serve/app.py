@@ -1,14 +1,14 @@
 """The HTTP side: FastAPI routes for the OpenAI endpoints,
 Server-Sent Events for streams, OpenAI error bodies.
 
-Every request is checked before it is queued (a 400 names the field); past
-``--max-waiting`` it gets a 429. Logprobs (up to ``--max-logprobs`` top ones) and a completion's
-``echo`` are shaped by ``jaxdd.serve.logprobs``; ``echo`` with ``max_tokens`` 0 scores the prompt
-alone. A request is one row per prompt of a batch and per sample
-(``n``), all queued together (or none), each its own choice. A stream whose client goes away
-cancels its rows (the generator is closed), and so does a non-streaming request whose client
-disconnects (polled while it waits), so they are free for the next round. Each refusal and each
-row's end (``take``, the client leaving: "abort", or a sibling's error) is counted in the metrics.
+Every request is checked before it is queued (a 400 names the field); past ``--max-waiting`` it
+gets a 429. Logprobs (up to ``--max-logprobs`` top ones) and a completion's ``echo`` are shaped by
+``jaxdd.serve.logprobs``; ``echo`` with ``max_tokens`` 0 scores the prompt alone. A request is one
+row per prompt of a batch and per sample (``n``), all queued together (or none), each its own
+choice. A stream whose client goes away cancels its rows (the generator is closed), and so does a
+non-streaming request whose client disconnects (polled while it waits), so they are free for the
+next round. Each refusal and each row's end (``take``, the client leaving: "abort", or a sibling's
+error) is counted in the metrics.
 """
 
 from __future__ import annotations

@@ -110,3 +110,13 @@ def test_requests_past_the_pool_are_refused(decoder):
         pool.check([1] * 17, 2, [0], jaxdd.Sampling())
     with pytest.raises(InputError, match="outside the vocabulary"):
         pool.check([1, 4096], 2, [0], jaxdd.Sampling())
+    with pytest.raises(InputError, match="logprobs: this pool computes none"):
+        pool.check([1, 2], 2, [0], jaxdd.Sampling(), logprobs=0)
+    scoring = RowPool(decoder, method="dflash", rows=1, max_len=40, max_prompt=16, logprobs=2)
+    with pytest.raises(InputError, match=r"logprobs: must be an integer in \[0, 2\], got 3"):
+        scoring.check([1, 2], 2, [0], jaxdd.Sampling(), logprobs=3)
+    with pytest.raises(InputError, match="max_tokens: must be an integer >= 1, got 0"):
+        scoring.check([1, 2], 0, [0], jaxdd.Sampling(), logprobs=2)
+    with pytest.raises(InputError, match="logprobs: scoring the prompt needs logprobs"):
+        scoring.check([1, 2], 0, [0], jaxdd.Sampling(), score_prompt=True)
+    assert scoring.check([1, 2], 0, [0], jaxdd.Sampling(), 1, True).max_new_tokens == 0
