@@ -32,8 +32,8 @@ class Decoder(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class RowRequest:
-    """One request as the rows take it (``RowPool.check`` makes one):
-    checked, its stop ids the full set (the model's own included)."""
+    """One request as the rows take it once ``RowPool.check`` passed it:
+    its stop ids the full set (the model's own included)."""
 
     prompt: list[int]
     max_new_tokens: int  # 0 only with ``score_prompt``: the prompt scored alone

@@ -233,16 +233,11 @@ class RowPool:
         """Rows held by a request."""
         return len(self.table)
 
-    def check(
-        self,
-        prompt: list[int],
-        max_new_tokens: int,
-        stop_ids: list[int],
-        sampling: Sampling,
-        logprobs: int | None = None,
-        score_prompt: bool = False,
-    ) -> RowRequest:
-        """The request, checked: ``InputError`` naming what in it this pool cannot run."""
+    def check(self, request: RowRequest) -> RowRequest:
+        """``request`` checked (its lists copied): ``InputError`` naming what in it this pool
+        cannot run."""
+        prompt, max_new_tokens = request.prompt, request.max_new_tokens
+        logprobs, score_prompt = request.logprobs, request.score_prompt
         check_tokens([prompt], self.decoder.config.vocab_size)
         if len(prompt) > self.max_prompt:
             raise InputError.at(
@@ -266,12 +261,10 @@ class RowPool:
                 f"{max_new_tokens} after a prompt of {len(prompt)} tokens exceeds the server's "
                 f"--max-len {self.max_len}",
             )
-        check_stop_ids(stop_ids, self.decoder.config)
-        if not isinstance(sampling, Sampling):
+        check_stop_ids(request.stop_ids, self.decoder.config)
+        if not isinstance(request.sampling, Sampling):
             raise InputError.at("sampling", "expected a jaxdd.Sampling")
-        return RowRequest(
-            list(prompt), max_new_tokens, list(stop_ids), sampling, logprobs, score_prompt
-        )
+        return dataclasses.replace(request, prompt=list(prompt), stop_ids=list(request.stop_ids))
 
     def admit(self, request: RowRequest, owner: Any = None) -> int:
         """Prefill a request (checked by ``check``) alone into a free row, without waiting for

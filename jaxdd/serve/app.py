@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxdd.decoding.checks import MAX_STOP_TOKENS
+from jaxdd.decoding.requests import RowRequest
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.errors import InputError
 from jaxdd.serve import errors, protocol
@@ -227,7 +228,9 @@ def make_job(
     if score and logprobs is None:
         logprobs = check_logprobs(server, 0, "max_tokens")  # computed, not returned
     try:
-        request = server.scheduler.check(prompt, max_tokens, stop_ids, sampling, logprobs, score)
+        request = server.scheduler.check(
+            RowRequest(prompt, max_tokens, stop_ids, sampling, logprobs, score)
+        )
     except InputError as error:
         refused = "too_long" if server.scheduler.too_long(prompt, max_tokens) else "invalid"
         param = API_PARAMS.get(error.field, error.field)

@@ -30,7 +30,6 @@ from collections.abc import Callable
 from jaxdd.decoding.report import TokenLogprob
 from jaxdd.decoding.requests import RowRequest, RowUpdate
 from jaxdd.decoding.rows import RowPool
-from jaxdd.decoding.sampling import Sampling
 from jaxdd.serve.decisions import Broadcast, Decisions, Local
 from jaxdd.serve.metrics import Metrics
 
@@ -132,18 +131,10 @@ class Scheduler:
         """Top logprobs a request may ask for per token (``--max-logprobs``; 0: no logprobs)."""
         return self.pool.spec.logprobs
 
-    def check(
-        self,
-        prompt: list[int],
-        max_new_tokens: int,
-        stop_ids: list[int],
-        sampling: Sampling,
-        logprobs: int | None = None,
-        score_prompt: bool = False,
-    ) -> RowRequest:
+    def check(self, request: RowRequest) -> RowRequest:
         """The request as the rows will run it, checked once before it is queued (``InputError``
         naming the field; ``too_long`` says whether its length is what the server refuses)."""
-        return self.pool.check(prompt, max_new_tokens, stop_ids, sampling, logprobs, score_prompt)
+        return self.pool.check(request)
 
     def too_long(self, prompt: list[int], max_new_tokens: int) -> bool:
         pool = self.pool
