@@ -481,7 +481,8 @@ def prefill(
         state = jax.lax.with_sharding_constraint(state, state_shardings(state, mesh))
     stopped = (first[:, None] == settings.stop_ids).any(-1)
     emitted = jnp.zeros((b, spec.width), jnp.int32).at[:, 0].set(first)
-    scores = prompt_scores = None
+    scores = None
+    prompt_scores = None
     if spec.logprobs:
         # the report's logprob columns are a round's: the first token's, then unused positions
         first_scores = token_logprobs(last_logits, first[:, None], spec.logprobs)

@@ -236,8 +236,10 @@ class RowPool:
     def check(self, request: RowRequest) -> RowRequest:
         """``request`` checked (its lists copied): ``InputError`` naming what in it this pool
         cannot run."""
-        prompt, max_new_tokens = request.prompt, request.max_new_tokens
-        logprobs, score_prompt = request.logprobs, request.score_prompt
+        prompt = request.prompt
+        max_new_tokens = request.max_new_tokens
+        logprobs = request.logprobs
+        score_prompt = request.score_prompt
         check_tokens([prompt], self.decoder.config.vocab_size)
         if len(prompt) > self.max_prompt:
             raise InputError.at(

@@ -377,7 +377,8 @@ class Choices:
             self.finishes[index] = "error"  # counted by take
             raise
         self.state.usage = (self.prompt_tokens, self.completion_tokens)
-        echo, self.echoes[index] = self.echoes[index], None
+        echo = self.echoes[index]
+        self.echoes[index] = None  # sent with this event
         shape = self.logprobs[index]
         if shape is None:
             return (echo or "") + delta, None

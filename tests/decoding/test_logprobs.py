@@ -77,7 +77,10 @@ def test_a_batch_of_mixed_prompts(models):
 def test_the_report_carries_floats_exactly():
     """Log-probabilities travel bitcast in the report's int32 array: decoded bit for bit."""
     rng = np.random.default_rng(0)
-    rows, width, k, prompt = 3, 4, 2, 5
+    rows = 3
+    width = 4
+    k = 2
+    prompt = 5
     tokens = rng.integers(0, 100, (rows, width)).astype(np.int32)
     produced = np.array([1, 4, 0], np.int32)
     stopped = np.array([False, True, False])
