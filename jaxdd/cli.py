@@ -81,12 +81,20 @@ def parse_ids(text: str) -> list[int]:
 
 
 def positive(text: str) -> int:
+    return at_least(text, 1)
+
+
+def non_negative(text: str) -> int:
+    return at_least(text, 0)
+
+
+def at_least(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
     return value
 
 

@@ -24,9 +24,10 @@ from jaxdd.decoding.checks import (
     check_tree_logits,
     per_request,
 )
-from jaxdd.decoding.report import RoundTrace
+from jaxdd.decoding.report import RoundTrace, TokenLogprob
+from jaxdd.decoding.requests import RowRequest, RowShape
 from jaxdd.decoding.rounds import DecodeState, ModelPair, RoundSpec, RowSettings, decode_round
-from jaxdd.decoding.rows import RowPool, RowRequest, RowShape
+from jaxdd.decoding.rows import RowPool
 from jaxdd.decoding.sampling import GREEDY, Sampling
 from jaxdd.errors import InputError, LargeRoundWarning
 from jaxdd.models.drafter import DFlashDrafter
@@ -68,6 +69,10 @@ class Generation:
     # valid nodes, root first (for cross-checking against a reference).
     draft_topk: list[np.ndarray] = dataclasses.field(default_factory=list)
     trees: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
+    # With ``logprobs`` > 0: per new token, and with ``score_prompt`` per prompt token after the
+    # first, its logprob and top ones under the target (before temperature and cut-offs).
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
     @property
     def rounds(self) -> int:
@@ -92,11 +97,17 @@ class GenerateOptions:
     max_children: int | None = None
     trace_topk: int = 0
     tree_logits: TreeLogits = "scaled"
+    logprobs: int = 0  # > 0: each new token's logprob and this many top ones
+    score_prompt: bool = False  # with logprobs: the prompt's too
 
     def __post_init__(self):
         check_tree_logits(self.tree_logits)
-        if not isinstance(self.trace_topk, int) or self.trace_topk < 0:
-            raise InputError.at("trace_topk", f"must be an integer >= 0, got {self.trace_topk!r}")
+        for name in ("trace_topk", "logprobs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise InputError.at(name, f"must be an integer >= 0, got {value!r}")
+        if self.score_prompt and not self.logprobs:
+            raise InputError.at("score_prompt", "needs logprobs > 0")
 
     @classmethod
     def of(cls, options: GenerateOptions | None, fields: dict) -> GenerateOptions:
@@ -195,9 +206,12 @@ class SpeculativeDecoder:
         verifies the DFlash chain through the tree path), ``tree_logits`` (sampled DDTree: build
         the tree from the draft logits at the request's temperature, "scaled", or from the raw
         logits, "raw"; lossless either way). ``trace_topk`` > 0 records each round's draft top-k
-        (and DDTree trees) in the results. ``on_tokens(request, new_tokens)`` is called as tokens
-        are accepted (the first one after the prefill, then each round's), e.g. to stream text. The
-        options may come as one ``GenerateOptions`` (``options``) or as its fields by keyword.
+        (and DDTree trees) in the results. ``logprobs`` > 0 records each new token's logprob and
+        top ``logprobs`` under the target's distribution before temperature and cut-offs (the
+        tokens are the same), ``score_prompt`` each prompt token's after the first too.
+        ``on_tokens(request, new_tokens)`` is called as tokens are accepted (the first one after
+        the prefill, then each round's), e.g. to stream text. The options may come as one
+        ``GenerateOptions`` (``options``) or as its fields by keyword.
         """
         emit = on_tokens or (lambda request, tokens: None)
         with compile_clock() as clock:
@@ -208,6 +222,9 @@ class SpeculativeDecoder:
             results = [
                 Generation(first[i].tokens, [], prefill_seconds, 0.0) for i in range(len(first))
             ]
+            for i, result in enumerate(results):
+                result.logprobs = first[i].logprobs or []
+                result.prompt_logprobs = first[i].prompt_logprobs or []
             for i, result in enumerate(results):
                 emit(i, result.tokens[:])
             t0 = time.perf_counter()
@@ -243,6 +260,8 @@ class SpeculativeDecoder:
                     emit(i, update.tokens)
                 if update.trace is not None:
                     _record_trace(results[i], update.trace)
+                if update.logprobs is not None:
+                    results[i].logprobs.extend(update.logprobs)
             if not pool.table:
                 pool.discard()  # a round dispatched ahead finishes in this call's time
             elif not pool.in_flight:
@@ -267,6 +286,7 @@ class SpeculativeDecoder:
         sampled: bool = False,
         trace: int = 0,
         tree_logits: TreeLogits = "scaled",
+        logprobs: int = 0,
     ) -> RoundSpec:
         """The static description of a round on this decoder's backend and attention."""
         return RoundSpec(
@@ -279,6 +299,7 @@ class SpeculativeDecoder:
             sampled=sampled,
             trace=trace,
             tree_logits=tree_logits,
+            logprobs=logprobs,
         )
 
     def start(
@@ -327,8 +348,9 @@ class SpeculativeDecoder:
         )
         max_lengths = check_lengths(checked, lengths, self.config)
         verify_width = verified_tokens(method, block, budget)
+        asked = options.logprobs or None
         requests = [
-            RowRequest(p.tolist(), m, stops, s)
+            RowRequest(p.tolist(), m, stops, s, asked, options.score_prompt)
             for p, m, s in zip(checked, lengths, settings, strict=True)
         ]
         # Prompts in eighth octaves, multiples of 16, the cache in quarter octaves: a prefill's cost
@@ -344,6 +366,7 @@ class SpeculativeDecoder:
             sampled=sampled,
             trace=options.trace_topk,
             tree_logits=options.tree_logits,
+            logprobs=options.logprobs,
         )
         rows = bucket(n, minimum=1)
         return requests, RowShape(spec, spec, rows, max(max_lengths), longest, slots, (rows,))

@@ -19,7 +19,11 @@ AR is the round with no draft. Near ``max_length`` the block shrinks to ``max_le
 start`` tokens (the drafter hides the rest, acceptance stops there) and a round stops
 at the first stop token, as z-lab ``dflash.model.dflash_generate`` does. Each stage is
 a ``jax.named_scope``, so profiles and the compiled HLO attribute time to it. The host
-reads back one small array per round: the emitted tokens.
+reads back one small array per round: the emitted tokens (``RoundReport``).
+
+With ``RoundSpec.logprobs`` = k > 0 a round also reports each emitted token's log-probability
+and its position's top-k under the verify's target distribution BEFORE temperature and cut-offs
+(vLLM's default): a log-softmax and a top-k of the emitted positions' logits, choosing no token.
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ class RoundSpec:
     trace: int = 0
     # sampled DDTree: the tree from the draft logits at the temperature, or raw
     tree_logits: TreeLogits = "scaled"
+    # > 0: also report each emitted token's logprob and the top-``logprobs`` at its position
+    logprobs: int = 0
 
     @property
     def width(self) -> int:
@@ -181,8 +187,9 @@ def _ar_step(spec: RoundSpec, target: KimiTarget, state: DecodeState, settings: 
     with jax.named_scope("accept"):
         token, rng = _choose(spec, logits[:, 0], settings.sampling, state.rng)
     with jax.named_scope("commit"):
+        scores = _scores(spec, logits, token[:, None])
         return _commit(
-            state, token[:, None], jnp.zeros_like(token), cache, None, None, rng, settings
+            state, token[:, None], jnp.zeros_like(token), cache, None, None, rng, settings, scores
         )
 
 
@@ -221,8 +228,10 @@ def _dflash_round(
             emitted, accepted = accept_greedy(drafts, argmax(target_logits), block_len)
     with jax.named_scope("commit"):
         trace = {"draft_topk": jax.lax.top_k(logits, spec.trace)[1]} if spec.trace else {}
+        # emitted token i was chosen at chain position i
+        scores = _scores(spec, target_logits, emitted)
         return _commit(
-            state, emitted, accepted, cache, features, draft_cache, rng, settings, **trace
+            state, emitted, accepted, cache, features, draft_cache, rng, settings, scores, **trace
         )
 
 
@@ -273,9 +282,31 @@ def _ddtree_round(
                 "draft_topk": jax.lax.top_k(logits, spec.trace)[1],
                 "tree": (tree_tokens, tree_parents),
             }
+        scores = None
+        if spec.logprobs:  # the path's nodes only: the rest of the tree emits nothing
+            path_logits = jnp.take_along_axis(target_logits, path[:, :, None], axis=1)
+            scores = _scores(spec, path_logits, emitted)
         return _commit(
-            state, emitted, accepted, cache, context, draft_cache, rng, settings, **trace
+            state, emitted, accepted, cache, context, draft_cache, rng, settings, scores, **trace
         )
+
+
+def _scores(spec: RoundSpec, logits: jax.Array, tokens: jax.Array):
+    """With ``spec.logprobs``, ``token_logprobs`` of ``tokens`` chosen at ``logits``'s
+    positions; None without."""
+    return token_logprobs(logits, tokens, spec.logprobs) if spec.logprobs else None
+
+
+def token_logprobs(
+    logits: jax.Array, tokens: jax.Array, k: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(each token's log-probability [B, n], the top-k ids and log-probabilities [B, n, k]) of
+    ``tokens`` [B, n] under ``logits`` [B, n, V], untempered; the chosen token's and the top-k's
+    values are read from the one log-softmax, so a token that is the argmax equals its top-1."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    top, top_ids = jax.lax.top_k(logp, k)
+    return chosen, top_ids, top
 
 
 def _forward_options(spec: RoundSpec) -> dict:
@@ -376,10 +407,12 @@ def _commit(
     draft_cache,
     rng,
     settings: RowSettings,
+    scores: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     draft_topk: jax.Array | None = None,
     tree: tuple[jax.Array, jax.Array] | None = None,
 ):
-    """Keep ``produced`` tokens per row (rows already done keep everything as it was) and report."""
+    """Keep ``produced`` tokens per row (rows already done keep everything as
+    it was) and report (with ``scores``, the emitted tokens' logprobs)."""
     start = state.target_cache.length
     produced, stopped, done = limit_round(
         emitted, accepted, settings.max_length, start, settings.stop_ids, state.done
@@ -394,10 +427,10 @@ def _commit(
         context=context,
         context_count=None if context is None else produced,
     )
-    return new_state, RoundReport.encode(emitted, produced, stopped, draft_topk, tree)
+    return new_state, RoundReport.encode(emitted, produced, stopped, draft_topk, tree, scores)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "slots", "mesh"))
+@functools.partial(jax.jit, static_argnames=("spec", "slots", "mesh", "score"))
 def prefill(
     spec: RoundSpec,
     models: ModelPair,
@@ -407,11 +440,15 @@ def prefill(
     seeds: jax.Array,
     slots: int,
     mesh: jax.sharding.Mesh | None,
+    score: bool = False,
 ) -> tuple[DecodeState, jax.Array]:
     """Run the (padded) prompts, commit ``prompt_len`` tokens per row, choose each row's first
     token, and cache the drafter context: (the decode state for rounds of ``spec``, with caches
     of ``slots`` slots placed on ``mesh`` if given; a report as a round's, the first token
     produced). A row is done at once if that token is a stop token or its length allows no more.
+    With ``spec.logprobs`` the report has the first token's logprobs; with ``score`` too those of
+    prompt positions 1 .. padded length - 1 (from the target's logits at every position, which
+    only a scored prefill computes).
 
     The empty state is made here rather than passed in: made outside, its many eager dispatches cost
     host time on every prefill."""
@@ -432,9 +469,8 @@ def prefill(
     )
     cache = state.target_cache.fill(out.cache, prompt_len)
     last = jnp.take_along_axis(out.hidden, (prompt_len - 1)[:, None, None], axis=1)
-    first, rng = _choose(
-        spec, target.logits(last, spec.backend)[:, 0], settings.sampling, state.rng
-    )
+    last_logits = target.logits(last, spec.backend)
+    first, rng = _choose(spec, last_logits[:, 0], settings.sampling, state.rng)
     done = (first[:, None] == settings.stop_ids).any(-1) | (prompt_len + 1 >= settings.max_length)
     state = state.replace(target_cache=cache, bonus=first, rng=rng, done=done)
     if drafter is not None:
@@ -445,4 +481,20 @@ def prefill(
         state = jax.lax.with_sharding_constraint(state, state_shardings(state, mesh))
     stopped = (first[:, None] == settings.stop_ids).any(-1)
     emitted = jnp.zeros((b, spec.width), jnp.int32).at[:, 0].set(first)
-    return state, RoundReport.encode(emitted, jnp.ones((b,), jnp.int32), stopped)
+    scores = None
+    prompt_scores = None
+    if spec.logprobs:
+        # the report's logprob columns are a round's: the first token's, then unused positions
+        first_scores = token_logprobs(last_logits, first[:, None], spec.logprobs)
+        unused = spec.width - 1
+        scores = tuple(
+            jnp.pad(x, [(0, 0), (0, unused)] + [(0, 0)] * (x.ndim - 2)) for x in first_scores
+        )
+    if score:
+        # position i's logits choose token i + 1
+        all_logits = target.logits(out.hidden[:, :-1], spec.backend)
+        prompt_scores = token_logprobs(all_logits, tokens[:, 1:], spec.logprobs)
+    report = RoundReport.encode(
+        emitted, jnp.ones((b,), jnp.int32), stopped, logprobs=scores, prompt_logprobs=prompt_scores
+    )
+    return state, report

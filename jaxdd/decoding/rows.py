@@ -5,11 +5,14 @@ server admits requests one by one between rounds; a batch is admitted all at onc
 (one prefill for every row, ``admit_all``) and stepped until every row is done.
 
 Every shape is fixed when the pool is made (``RowShape``): ``rows`` rows, one cache size for all
-(from ``max_len``), one prefill per prompt bucket up to ``max_prompt``, and two rounds per tier:
+(from ``max_len``), one prefill per prompt bucket up to ``max_prompt`` (with ``logprobs`` > 0, a
+scoring one too, for requests that ask for their prompt's logprobs), and two rounds per tier:
 the sampled round, whose greedy rows still decode greedily (their distributions are one-hot), and
 the cheaper greedy round, run while every active row is greedy (the tokens are the same). A tier
 is the first 1, 4, 16, ... rows or all of them; a round runs over the fewest that hold every busy
 row (requests take the lowest free row), so a lightly loaded pool pays for the rows it uses.
+With ``logprobs`` = k > 0 every round reports each emitted token's logprob and top-k (one
+executable whatever a request asks for); a request gets its own top ``RowRequest.logprobs``.
 
 A request admitted alone is prefilled on its own (batch 1, at its prompt bucket) and copied into
 a free row in the same jitted call, the row index traced and the state donated, so admitting
@@ -28,7 +31,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Any, NamedTuple, Protocol
+import itertools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,14 +40,14 @@ import numpy as np
 
 from jaxdd.cache import RowTable, row_slots
 from jaxdd.cache.layout import front, put_front, put_row
-from jaxdd.config import KimiConfig
 from jaxdd.decoding.checks import (
     MAX_STOP_TOKENS,
     check_round_options,
     check_stop_ids,
     check_tokens,
 )
-from jaxdd.decoding.report import RoundReport, RoundTrace
+from jaxdd.decoding.report import RoundReport
+from jaxdd.decoding.requests import Decoder, RowRequest, RowShape, RowUpdate
 from jaxdd.decoding.rounds import (
     DecodeState,
     ModelPair,
@@ -55,64 +59,8 @@ from jaxdd.decoding.rounds import (
 )
 from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays, seed_keys
 from jaxdd.errors import InputError
-from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.runtime.buckets import prompt_bucket
 from jaxdd.types import Method, verified_tokens
-
-
-class Decoder(Protocol):
-    """What the rows need of ``SpeculativeDecoder``: the
-    models, their placement and the round's static form."""
-
-    config: KimiConfig
-    drafter: DFlashDrafter | None
-    mesh: jax.sharding.Mesh | None
-    target: Any  # has .model, the KimiTarget
-
-    def round_spec(self, method: Method, **options) -> RoundSpec: ...
-
-    def models_for(self, spec: RoundSpec) -> ModelPair: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class RowRequest:
-    """One request as the rows take it (``RowPool.check`` makes one):
-    checked, its stop ids the full set (the model's own included)."""
-
-    prompt: list[int]
-    max_new_tokens: int
-    stop_ids: list[int]
-    sampling: Sampling = GREEDY
-
-
-@dataclasses.dataclass(frozen=True)
-class RowShape:
-    """Everything fixed about a pool: its rounds, rows,
-    cache size and what a request may ask for."""
-
-    spec: RoundSpec  # the round while any busy row samples
-    # the round while every busy row is greedy (``spec`` itself for a one-round pool)
-    greedy_spec: RoundSpec
-    rows: int
-    max_len: int  # prompt + new tokens, per request
-    max_prompt: int
-    slots: int
-    tiers: tuple[int, ...]  # the row counts a round runs over: the fewest that hold every busy row
-
-
-@dataclasses.dataclass(frozen=True)
-class RowUpdate:
-    """What a row got since the last collect: its new tokens (``first``: the first of
-    them is the prefill's, the request's first token; the rest are one round's), once
-    it ends why ("stop" or "length"), with a trace the round's (``RoundTrace``), the
-    tokens its request has now, and that request's owner (as given to ``admit``)."""
-
-    tokens: list[int]
-    finish: str | None = None
-    first: bool = False
-    trace: RoundTrace | None = None
-    produced: int = 0
-    owner: Any = None
 
 
 @dataclasses.dataclass
@@ -120,18 +68,25 @@ class _Row:
     max_new_tokens: int
     owner: Any = None
     produced: int = 0
+    logprobs: int | None = None  # the request's top-k (None: no logprobs)
+    scored_prompt: int = 0  # the prompt's length if it is scored, else 0
 
 
 class _Report(NamedTuple):
-    """A device report, its top-k trace width, and for each row it was
-    run for (row, its line in the report, the request holding it)."""
+    """A device report, its top-k trace width and logprobs' top-k, the prompt positions it
+    scored, and for each row it was run for (row, its line in the report, the request holding
+    it)."""
 
     report: jax.Array
     trace: int
+    logprobs: int
+    scored: int
     holders: list[tuple[int, int, _Row]]
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "slots", "mesh"), donate_argnames=("state",))
+@functools.partial(
+    jax.jit, static_argnames=("spec", "slots", "mesh", "score"), donate_argnames=("state",)
+)
 def prefill_row(
     spec: RoundSpec,
     models: ModelPair,
@@ -143,10 +98,11 @@ def prefill_row(
     seeds: jax.Array,
     slots: int,
     mesh: jax.sharding.Mesh | None,
+    score: bool = False,
 ) -> tuple[DecodeState, jax.Array]:
-    """``prefill`` one request and put it in row ``row`` of ``state``
-    (in place: the state is donated): (state, the prefill's report)."""
-    new, report = prefill(spec, models, tokens, prompt_len, settings, seeds, slots, mesh)
+    """``prefill`` one request (``score``: and its prompt's logprobs) and put it in row
+    ``row`` of ``state`` (in place: the state is donated): (state, the prefill's report)."""
+    new, report = prefill(spec, models, tokens, prompt_len, settings, seeds, slots, mesh, score)
     return put_row(state, new, row), report
 
 
@@ -190,8 +146,11 @@ class RowPool:
         max_prompt: int | None = None,
         block_size: int | None = None,
         budget: int | None = None,
+        logprobs: int = 0,
     ):
-        """A serving pool: rows admitted one by one, a sampled and a greedy round per tier."""
+        """A serving pool: rows admitted one by one, a sampled and a greedy round per tier
+        (``logprobs`` > 0: each reporting logprobs, requests asking for at most that many top
+        ones)."""
         config = decoder.config
         if rows < 1:
             raise InputError.at("rows", f"must be >= 1, got {rows}")
@@ -207,8 +166,11 @@ class RowPool:
         block, budget = check_round_options(
             method, has_drafter, drafter_block, block_size, budget, None
         )
-        spec = decoder.round_spec(method, block=block, budget=budget, sampled=True)
-        greedy_spec = decoder.round_spec(method, block=block, budget=budget, sampled=False)
+        if not isinstance(logprobs, int) or logprobs < 0:
+            raise InputError.at("logprobs", f"must be an integer >= 0, got {logprobs!r}")
+        options = {"block": block, "budget": budget, "logprobs": logprobs}
+        spec = decoder.round_spec(method, sampled=True, **options)
+        greedy_spec = decoder.round_spec(method, sampled=False, **options)
         # Rounds over the first 1, 4, 16, ... rows and over all: requests take the
         # lowest free row, so the round runs over the rows up to the highest busy one.
         tiers = tuple(sorted({4**i for i in range(rows.bit_length()) if 4**i < rows} | {rows}))
@@ -271,27 +233,40 @@ class RowPool:
         """Rows held by a request."""
         return len(self.table)
 
-    def check(
-        self, prompt: list[int], max_new_tokens: int, stop_ids: list[int], sampling: Sampling
-    ) -> RowRequest:
-        """The request, checked: ``InputError`` naming what in it this pool cannot run."""
+    def check(self, request: RowRequest) -> RowRequest:
+        """``request`` checked (its lists copied): ``InputError`` naming what in it this pool
+        cannot run."""
+        prompt = request.prompt
+        max_new_tokens = request.max_new_tokens
+        logprobs = request.logprobs
+        score_prompt = request.score_prompt
         check_tokens([prompt], self.decoder.config.vocab_size)
         if len(prompt) > self.max_prompt:
             raise InputError.at(
                 "prompt", f"{len(prompt)} tokens, this server admits at most {self.max_prompt}"
             )
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InputError.at("max_tokens", f"must be an integer >= 1, got {max_new_tokens!r}")
+        most = self.spec.logprobs
+        if logprobs is not None and not most:
+            raise InputError.at("logprobs", "this pool computes none (made with logprobs=0)")
+        if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= most):
+            raise InputError.at("logprobs", f"must be an integer in [0, {most}], got {logprobs!r}")
+        if score_prompt and logprobs is None:
+            raise InputError.at("logprobs", "scoring the prompt needs logprobs")
+        least = 0 if score_prompt else 1
+        if not isinstance(max_new_tokens, int) or max_new_tokens < least:
+            raise InputError.at(
+                "max_tokens", f"must be an integer >= {least}, got {max_new_tokens!r}"
+            )
         if len(prompt) + max_new_tokens > self.max_len:
             raise InputError.at(
                 "max_tokens",
                 f"{max_new_tokens} after a prompt of {len(prompt)} tokens exceeds the server's "
                 f"--max-len {self.max_len}",
             )
-        check_stop_ids(stop_ids, self.decoder.config)
-        if not isinstance(sampling, Sampling):
+        check_stop_ids(request.stop_ids, self.decoder.config)
+        if not isinstance(request.sampling, Sampling):
             raise InputError.at("sampling", "expected a jaxdd.Sampling")
-        return RowRequest(list(prompt), max_new_tokens, list(stop_ids), sampling)
+        return dataclasses.replace(request, prompt=list(prompt), stop_ids=list(request.stop_ids))
 
     def admit(self, request: RowRequest, owner: Any = None) -> int:
         """Prefill a request (checked by ``check``) alone into a free row, without waiting for
@@ -315,9 +290,12 @@ class RowPool:
             seeds,
             self.slots,
             mesh,
+            request.score_prompt,
         )
         self.state, report = prefill_row(*args)
-        self._prefilled.append(_Report(report, 0, [(row, 0, self.table.holder(row))]))
+        scored = padded - 1 if request.score_prompt else 0
+        holders = [(row, 0, self.table.holder(row))]
+        self._prefilled.append(_Report(report, 0, self.spec.logprobs, scored, holders))
         return row
 
     def admit_all(self, requests: list[RowRequest]) -> None:
@@ -335,13 +313,18 @@ class RowPool:
         # the prefill and every round read them
         self.settings = jax.device_put(self._host_settings())
         mesh = self.decoder.mesh
+        score = any(r.score_prompt for r in requests)
         args = (self.spec, self.models, tokens, prompt_len, self.settings, seeds, self.slots, mesh)
-        self.state, report = prefill(*args)
-        self._prefilled.append(_Report(report, 0, [(row, row, e) for row, e in self.table.items()]))
+        self.state, report = prefill(*args, score)
+        holders = [(row, row, e) for row, e in self.table.items()]
+        scored = padded - 1 if score else 0
+        self._prefilled.append(_Report(report, 0, self.spec.logprobs, scored, holders))
 
     def _hold(self, request: RowRequest, owner: Any = None) -> int:
         """A free row for ``request`` (its settings reach the device with the next round)."""
-        row = self.table.take(_Row(request.max_new_tokens, owner))
+        scored = len(request.prompt) if request.score_prompt else 0
+        entry = _Row(request.max_new_tokens, owner, 0, request.logprobs, scored)
+        row = self.table.take(entry)
         stops = np.full((MAX_STOP_TOKENS,), -1, np.int32)
         stops[: len(request.stop_ids)] = request.stop_ids
         self._max_length[row] = len(request.prompt) + request.max_new_tokens
@@ -395,7 +378,8 @@ class RowPool:
             self.state, report = front_round(spec, self.models, self.state, self.settings, tier)
         trace = spec.trace if spec.method != "ar" else 0
         holders = [(row, row, e) for row, e in self.table.items()]
-        self._in_flight.append([*self._prefilled, _Report(report, trace, holders)])
+        own = _Report(report, trace, spec.logprobs, 0, holders)
+        self._in_flight.append([*self._prefilled, own])
         self._prefilled = []
 
     def collect(self) -> dict[int, RowUpdate]:
@@ -408,13 +392,14 @@ class RowPool:
             reports = self._prefilled
             self._prefilled = []
         updates: dict[int, RowUpdate] = {}
-        for device_report, trace, holders in reports:
-            report = RoundReport.decode(device_report, self.width, trace)
+        for device_report, trace, logprobs, scored, holders in reports:
+            report = RoundReport.decode(device_report, self.width, trace, logprobs, scored)
             for row, index, entry in holders:
                 # released, or already finished by an earlier report
                 if self.table.holder(row) is not entry:
                     continue
-                tokens = report.emitted(index)
+                # a request for no new tokens (its prompt scored alone) keeps not even the first
+                tokens = report.emitted(index)[: entry.max_new_tokens - entry.produced]
                 first = entry.produced == 0
                 entry.produced += len(tokens)
                 stopped = bool(report.stopped[index])
@@ -425,12 +410,26 @@ class RowPool:
                     if entry.produced >= entry.max_new_tokens
                     else None
                 )
+                scores, prompt_scores = report.scores(
+                    index, len(tokens), entry.logprobs, entry.scored_prompt
+                )
                 if row in updates:
-                    tokens = updates[row].tokens + tokens
-                    first = updates[row].first
+                    earlier = updates[row]
+                    tokens = earlier.tokens + tokens
+                    first = earlier.first
+                    prompt_scores = earlier.prompt_logprobs
+                    if scores is not None:
+                        scores = earlier.logprobs + scores
                 row_trace = None if report.trace is None or not tokens else report.trace[index]
                 updates[row] = RowUpdate(
-                    tokens, finish, first, row_trace, entry.produced, entry.owner
+                    tokens,
+                    finish,
+                    first,
+                    row_trace,
+                    entry.produced,
+                    entry.owner,
+                    scores,
+                    prompt_scores,
                 )
                 if finish is not None:
                     self.table.release(row)
@@ -466,12 +465,15 @@ class RowPool:
         return jax.device_put(state, state_shardings(state, mesh)) if mesh is not None else state
 
     def warm_up(self) -> None:
-        """Compile every executable the pool will run: each prompt bucket's prefill
-        and each tier's sampled and greedy rounds (twice each, so a second call
-        finds what the first left: shardings and layouts settle after one)."""
+        """Compile every executable the pool will run: each prompt bucket's prefill (and with
+        logprobs its scoring prefill) and each tier's sampled and greedy rounds (twice each, so a
+        second call finds what the first left: shardings and layouts settle after one)."""
+        scoring = (False, True) if self.spec.logprobs else (False,)
         for _ in range(2):
-            for padded in self.buckets:
-                self.admit(RowRequest([1] * min(padded, self.max_prompt), 1, [], GREEDY))
+            for padded, score in itertools.product(self.buckets, scoring):
+                prompt = [1] * min(padded, self.max_prompt)
+                logprobs = 0 if score else None
+                self.admit(RowRequest(prompt, 1, [], GREEDY, logprobs, score))
                 self.step()  # the first token ends it
             row = self.admit(RowRequest([1], min(self.width + 1, self.max_len - 1), [], GREEDY))
             for spec in (self.spec, self.greedy_spec):

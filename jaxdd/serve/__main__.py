@@ -9,7 +9,13 @@ completions, streamed or not) with continuous batching of speculative rounds.
 
 Start-up: the flags are checked and the port is bound before anything loads (a port in use is one
 line, exit 2); then it compiles every shape it will run (each prompt bucket's prefill up to
---max-prompt, each tier's rounds), and once GET /health answers 200 it prints "serving ... on ...".
+--max-prompt, and its scoring prefill unless --max-logprobs 0; each tier's rounds), and once GET
+/health answers 200 it prints "serving ... on ...".
+
+Logprobs (``logprobs`` on completions, ``logprobs`` / ``top_logprobs`` on chat, up to
+--max-logprobs top ones, default 20) are the target's distribution before temperature and
+cut-offs; with --max-logprobs > 0 every round computes them at the emitted positions (the tokens
+are the same), and completions' ``echo`` with ``max_tokens`` 0 scores a prompt alone.
 Until then SIGTERM or Ctrl-C ends it at once (one line, exit 143 / 130); afterwards they drain.
 
 GET /metrics has Prometheus metrics under ``jaxdd:``, vLLM's names: tokens, rounds, latencies, and
@@ -38,7 +44,7 @@ import jax
 
 import jaxdd
 from jaxdd import cli
-from jaxdd.cli import DEMO, positive, print_note
+from jaxdd.cli import DEMO, non_negative, positive, print_note
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.rows import RowPool
 from jaxdd.errors import checkpoint_directory
@@ -75,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-prompt", type=positive, help="prompt tokens per request (default: --max-len - 1)"
+    )
+    parser.add_argument(
+        "--max-logprobs",
+        type=non_negative,
+        default=20,
+        help="top logprobs a request may ask for per token (0: no logprobs, no scoring)",
     )
     parser.add_argument(
         "--request-timeout", type=seconds, help="seconds a request may run before it is ended"
@@ -143,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             "block_size": args.block_size,
             "budget": args.budget,
             "max_prompt": args.max_prompt,
+            "logprobs": args.max_logprobs,
         }
         pool = RowPool(SpeculativeDecoder(target, drafter), method=method, rows=args.max_batch,
                        max_len=args.max_len, **options)  # fmt: skip

@@ -1,12 +1,14 @@
 """The HTTP side: FastAPI routes for the OpenAI endpoints,
 Server-Sent Events for streams, OpenAI error bodies.
 
-Every request is checked before it is queued (a 400 names the field); past
-``--max-waiting`` it gets a 429. A request is one row per prompt of a batch and per sample
-(``n``), all queued together (or none), each its own choice. A stream whose client goes away
-cancels its rows (the generator is closed), and so does a non-streaming request whose client
-disconnects (polled while it waits), so they are free for the next round. Each refusal and each
-row's end (``take``, the client leaving: "abort", or a sibling's error) is counted in the metrics.
+Every request is checked before it is queued (a 400 names the field); past ``--max-waiting`` it
+gets a 429. Logprobs (up to ``--max-logprobs`` top ones) and a completion's ``echo`` are shaped by
+``jaxdd.serve.logprobs``; ``echo`` with ``max_tokens`` 0 scores the prompt alone. A request is one
+row per prompt of a batch and per sample (``n``), all queued together (or none), each its own
+choice. A stream whose client goes away cancels its rows (the generator is closed), and so does a
+non-streaming request whose client disconnects (polled while it waits), so they are free for the
+next round. Each refusal and each row's end (``take``, the client leaving: "abort", or a sibling's
+error) is counted in the metrics.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxdd.decoding.checks import MAX_STOP_TOKENS
+from jaxdd.decoding.requests import RowRequest
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.errors import InputError
 from jaxdd.serve import errors, protocol
 from jaxdd.serve.access import AccessLog, RequireKey
+from jaxdd.serve.logprobs import ChoiceLogprobs
 from jaxdd.serve.output import Output
 from jaxdd.serve.scheduler import Event, Job, NotReady, QueueFull, Scheduler
 from jaxdd.weights.tokenizer import TextTokenizer, render_chat_template
@@ -46,6 +50,15 @@ class Server:
     request_timeout: float | None
     api_key: str | None = None  # without it every route is open
     access_log: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Asked:
+    """What a request asks of its choices beyond their text: each token's logprob and
+    ``logprobs`` top ones (None: no logprobs); ``echo``: the prompt first (a completion's)."""
+
+    logprobs: int | None = None
+    echo: bool = False
 
 
 class APIError(Exception):
@@ -104,7 +117,11 @@ def create_app(server: Server) -> FastAPI:
         if body.best_of not in (None, body.n):
             message = f"best_of: only best_of == n ({body.n}) is served, got {body.best_of}"
             raise APIError(400, message, param="best_of")
-        return await generate(server, "completion", body, prompts, body.max_new_tokens, request)
+        asked = Asked(check_logprobs(server, body.logprobs, "logprobs"), body.echo)
+        echoes = [p if isinstance(p, str) else spell(server, p) for p in body.prompts()]
+        return await generate(
+            server, "completion", body, prompts, request, asked, echoes if body.echo else None
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(body: protocol.ChatRequest, request: Request):
@@ -120,7 +137,12 @@ def create_app(server: Server) -> FastAPI:
         except InputError as error:
             raise APIError(400, str(error), param="messages") from None
         prompt = encode(server, text, special=True)
-        return await generate(server, "chat", body, [prompt], body.max_new_tokens, request)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs true", param="top_logprobs")
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        param = "logprobs" if body.top_logprobs is None else "top_logprobs"
+        asked = Asked(check_logprobs(server, top, param))
+        return await generate(server, "chat", body, [prompt], request, asked)
 
     def refuse(reason: str) -> None:
         server.scheduler.metrics.refused.labels(reason).inc()
@@ -131,6 +153,26 @@ def create_app(server: Server) -> FastAPI:
     if server.access_log:  # outermost: every answer is logged, refusals included
         app.add_middleware(AccessLog)
     return app
+
+
+def check_logprobs(server: Server, asked: int | None, param: str) -> int | None:
+    """The top logprobs a request asks for, within ``--max-logprobs`` (else a 400 naming
+    ``param``)."""
+    most = server.scheduler.max_logprobs
+    if asked is None:
+        return None
+    if most == 0:
+        raise APIError(
+            400, f"{param}: this server gives no logprobs (--max-logprobs 0)", param=param
+        )
+    if asked > most:
+        raise APIError(400, f"{param}: at most --max-logprobs {most}, got {asked}", param=param)
+    return asked
+
+
+def spell(server: Server, prompt: list[int]) -> str:
+    """A prompt of ids as text, to echo it ("" without a tokenizer, as its outputs are)."""
+    return "" if server.tokenizer is None else server.tokenizer.decode(prompt)
 
 
 def encode(server: Server, text: str, special: bool) -> list[int]:
@@ -148,12 +190,13 @@ def make_job(
     server: Server,
     body: protocol.SamplingFields,
     prompt: list[int],
-    max_tokens: int | None,
     deliver,
     draw: int = 0,
+    asked: Asked = Asked(),
 ):
     """The job of one of a request's rows (its ``draw``-th sample of the prompt: seed + draw),
     checked against what the server runs (APIError 400 / 404 otherwise)."""
+    max_tokens = body.max_new_tokens
     if body.model is not None and body.model != server.model:
         raise APIError(404,
                        f"model {body.model!r} does not exist; this server has {server.model!r}",
@@ -176,8 +219,18 @@ def make_job(
         raise APIError(400, f"stop_token_ids: {message}", param="stop_token_ids")
     seed = secrets.randbelow(2**32) if body.seed is None else (body.seed + draw) % 2**32
     sampling = Sampling(body.temperature, body.top_p, max(body.top_k, 0), seed)
+    if max_tokens == 0 and not asked.echo:
+        message = "max_tokens: 0 is served only with echo (the prompt scored alone)"
+        raise APIError(400, message, param="max_tokens")
+    # the prompt's logprobs when they are echoed, and for no new token (nothing else to compute)
+    score = asked.echo and (asked.logprobs is not None or max_tokens == 0)
+    logprobs = asked.logprobs
+    if score and logprobs is None:
+        logprobs = check_logprobs(server, 0, "max_tokens")  # computed, not returned
     try:
-        request = server.scheduler.check(prompt, max_tokens, stop_ids, sampling)
+        request = server.scheduler.check(
+            RowRequest(prompt, max_tokens, stop_ids, sampling, logprobs, score)
+        )
     except InputError as error:
         refused = "too_long" if server.scheduler.too_long(prompt, max_tokens) else "invalid"
         param = API_PARAMS.get(error.field, error.field)
@@ -191,11 +244,13 @@ async def generate(
     kind: Literal["completion", "chat"],
     body,
     prompts: list[list[int]],
-    max_tokens: int | None,
     request: Request,
+    asked: Asked,
+    echoes: list[str] | None = None,
 ):
     """Answer a request: each prompt's ``n`` rows, submitted together, each its own choice (index
-    prompt * n + draw), streamed or whole."""
+    prompt * n + draw), streamed or whole; with ``echoes`` (``asked.echo``), each prompt's text
+    first."""
     loop = asyncio.get_running_loop()
     events = asyncio.Queue()
     rows = len(prompts) * body.n
@@ -216,11 +271,14 @@ async def generate(
         return lambda event: loop.call_soon_threadsafe(events.put_nowait, (index, event))
 
     jobs = [
-        make_job(server, body, prompt, max_tokens, deliver(p * body.n + i), i)
+        make_job(server, body, prompt, deliver(p * body.n + i), i, asked)
         for p, prompt in enumerate(prompts)
         for i in range(body.n)
     ]
-    choices = Choices(server, jobs, body.stop_strings(), sum(map(len, prompts)), request.state)
+    prompt_tokens = sum(map(len, prompts))
+    choices = Choices(server, kind, jobs, body.stop_strings(), prompt_tokens, request.state, asked)
+    if echoes is not None:
+        choices.echo([echo for echo in echoes for _ in range(body.n)])
     submit(server, jobs)
     request_id = protocol.new_id("chatcmpl" if kind == "chat" else "cmpl")
     if body.stream:
@@ -237,7 +295,7 @@ async def generate(
                 choices.end("abort")
                 return Response(status_code=499)
             index, event = item
-            texts[index] += choices.take(index, event)
+            texts[index] += choices.take(index, event)[0]
     finally:
         choices.end("error")  # rows left when a sibling's error ended the request
         watcher.cancel()
@@ -245,10 +303,15 @@ async def generate(
     for index, (text, output) in enumerate(zip(texts, choices.outputs, strict=True)):
         ids = output.token_ids if body.return_token_ids else None
         finish = choices.finishes[index]
+        shape = choices.logprobs[index]
+        logprobs = None if shape is None else shape.whole()
         if kind == "chat":
-            out.append(protocol.chat_choice(text, finish, ids, index, delta=False, first=True))
+            choice = protocol.chat_choice(
+                text, finish, ids, index, delta=False, first=True, logprobs=logprobs
+            )
         else:
-            out.append(protocol.completion_choice(text, finish, ids, index))
+            choice = protocol.completion_choice(text, finish, ids, index, logprobs)
+        out.append(choice)
     return protocol.body(kind, request_id, server.model, out, usage=choices.usage())
 
 
@@ -270,35 +333,62 @@ def submit(server: Server, jobs: list[Job]) -> None:
 
 
 class Choices:
-    """A request's rows as they come: each one's output and finish reason, and the token counts
-    (in the request's ``state.usage`` too, for the access log)."""
+    """A request's rows as they come: each one's output, finish reason and logprobs (if asked),
+    and the token counts (in the request's ``state.usage`` too, for the access log)."""
 
     def __init__(
-        self, server: Server, jobs: list[Job], stops: list[str], prompt_tokens: int, state: Any
+        self,
+        server: Server,
+        kind: Literal["completion", "chat"],
+        jobs: list[Job],
+        stops: list[str],
+        prompt_tokens: int,
+        state: Any,
+        asked: Asked,
     ):
         self.server = server
         self.jobs = jobs
         self.state = state
         self.outputs = [Output(server.tokenizer, set(job.request.stop_ids), stops) for job in jobs]
         self.finishes: list[str | None] = [None] * len(jobs)
+        self.logprobs = [
+            None if asked.logprobs is None else ChoiceLogprobs(server.tokenizer, kind) for _ in jobs
+        ]
+        self.echoes: list[str | None] = [None] * len(jobs)  # each choice's, until it is sent
         self.prompt_tokens = prompt_tokens
         state.usage = (prompt_tokens, 0)
+
+    def echo(self, texts: list[str]) -> None:
+        """Each choice's text begins with its prompt's (one per row)."""
+        self.echoes = list(texts)
 
     @property
     def done(self) -> bool:
         return all(finish is not None for finish in self.finishes)
 
-    def take(self, index: int, event: Event) -> str:
-        """Row ``index``'s new text (``take``: an engine error raises)."""
+    def take(self, index: int, event: Event) -> tuple[str, dict | None]:
+        """Row ``index``'s new text (its echoed prompt's first) and, if asked, the logprobs of
+        its new tokens (``take``: an engine error raises)."""
+        output = self.outputs[index]
+        before = len(output.token_ids)
         try:
-            delta, self.finishes[index] = take(
-                self.server, event, self.outputs[index], self.jobs[index]
-            )
+            delta, self.finishes[index] = take(self.server, event, output, self.jobs[index])
         except APIError:
             self.finishes[index] = "error"  # counted by take
             raise
         self.state.usage = (self.prompt_tokens, self.completion_tokens)
-        return delta
+        echo = self.echoes[index]
+        self.echoes[index] = None  # sent with this event
+        shape = self.logprobs[index]
+        if shape is None:
+            return (echo or "") + delta, None
+        parts = []
+        if echo is not None and event.prompt_logprobs is not None:
+            prompt = self.jobs[index].request.prompt
+            parts.append(shape.add_prompt(prompt, event.prompt_logprobs, echo))
+        new = output.token_ids[before:]  # a stop string may end the output inside the event
+        parts.append(shape.add(new, (event.logprobs or [])[: len(new)]))
+        return (echo or "") + delta, shape.joined(parts)
 
     @property
     def completion_tokens(self) -> int:
@@ -355,7 +445,7 @@ async def stream(
             output = choices.outputs[index]
             before = len(output.token_ids)
             try:
-                delta = choices.take(index, event)
+                delta, logprobs = choices.take(index, event)
             except APIError as error:
                 reason = "error"
                 yield sse(error.body)
@@ -364,10 +454,10 @@ async def stream(
             finish = choices.finishes[index]
             if kind == "chat":
                 choice = protocol.chat_choice(
-                    delta, finish, ids, index, delta=True, first=first[index]
+                    delta, finish, ids, index, delta=True, first=first[index], logprobs=logprobs
                 )
             else:
-                choice = protocol.completion_choice(delta, finish, ids, index)
+                choice = protocol.completion_choice(delta, finish, ids, index, logprobs)
             first[index] = False
             yield sse(
                 protocol.body(kind, request_id, server.model, [choice], chunk=True, **usage_field)

@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxdd.decoding.checks import MAX_STOP_TOKENS
-from jaxdd.decoding.rows import RowRequest
+from jaxdd.decoding.requests import RowRequest
 from jaxdd.decoding.sampling import Sampling
 
 LOST = 1  # the exit code of a follower that stopped hearing from process 0
@@ -140,8 +140,9 @@ def decode_header(header: np.ndarray) -> tuple[bool, bool, tuple[int, ...], int]
 
 
 # An admission: prompt length, max new tokens, stop count, top_k, seed, temperature and top_p
-# (float64, two words each: exactly the floats process 0 parsed), the stop ids, the prompt.
-FIELDS = 9
+# (float64, two words each: exactly the floats process 0 parsed), logprobs (-1: none), whether
+# the prompt is scored, the stop ids, the prompt.
+FIELDS = 11
 
 
 def admission_size(max_prompt: int) -> int:
@@ -158,7 +159,9 @@ def encode_admission(admission: RowRequest, max_prompt: int) -> np.ndarray:
         sampling.top_k,
     )
     record[4:5] = np.array([sampling.seed], np.uint32).view(np.int32)
-    record[5:FIELDS] = np.array([sampling.temperature, sampling.top_p], np.float64).view(np.int32)
+    record[5:9] = np.array([sampling.temperature, sampling.top_p], np.float64).view(np.int32)
+    record[9] = -1 if admission.logprobs is None else admission.logprobs
+    record[10] = admission.score_prompt
     record[FIELDS : FIELDS + len(admission.stop_ids)] = admission.stop_ids
     start = FIELDS + MAX_STOP_TOKENS
     record[start : start + len(admission.prompt)] = admission.prompt
@@ -168,9 +171,10 @@ def encode_admission(admission: RowRequest, max_prompt: int) -> np.ndarray:
 def decode_admission(record: np.ndarray) -> RowRequest:
     length, max_new_tokens, stops, top_k = (int(v) for v in record[:4])
     seed = int(record[4:5].view(np.uint32)[0])
-    temperature, top_p = (float(v) for v in record[5:FIELDS].view(np.float64))
+    temperature, top_p = (float(v) for v in record[5:9].view(np.float64))
+    logprobs = None if record[9] < 0 else int(record[9])
     start = FIELDS + MAX_STOP_TOKENS
     prompt = [int(t) for t in record[start : start + length]]
     stop_ids = [int(t) for t in record[FIELDS : FIELDS + stops]]
     sampling = Sampling(temperature, top_p, top_k, seed)
-    return RowRequest(prompt, max_new_tokens, stop_ids, sampling)
+    return RowRequest(prompt, max_new_tokens, stop_ids, sampling, logprobs, bool(record[10]))

@@ -70,8 +70,9 @@ class SamplingFields(Fields):
     """What both endpoints take besides the prompt."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    # 0: no new token, only with a completion's echo (the prompt scored alone)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)  # OpenAI's newer name for max_tokens
     # OpenAI's default and range; 0 is greedy
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -113,7 +114,7 @@ class SamplingFields(Fields):
     @property
     def max_new_tokens(self) -> int | None:
         """The output limit asked for, under either of OpenAI's names (None: as many as fit)."""
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -136,8 +137,9 @@ class CompletionRequest(SamplingFields):
     # OpenAI's four forms: a text, its ids, a batch of texts or of id lists (lm-eval's default)
     prompt: Text | Ids | Annotated[list[Text] | list[Ids], Field(min_length=1)]
     best_of: int | None = Field(None, ge=1)  # the n best of best_of: only best_of == n is served
-    logprobs: unsupported()
-    echo: unsupported(False)
+    # each token's logprob and this many top ones (the server's --max-logprobs caps it)
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False  # the prompt's text first (with logprobs, its tokens' logprobs too)
     suffix: unsupported("")
 
     def prompts(self) -> list[str | list[int]]:
@@ -174,8 +176,8 @@ class ChatRequest(SamplingFields):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     safety_identifier: str | None = None
     service_tier: Literal["auto", "default"] | None = None
-    logprobs: unsupported(False)
-    top_logprobs: unsupported()
+    logprobs: bool = False  # each token's logprob
+    top_logprobs: int | None = Field(None, ge=0)  # and this many top ones, with logprobs
     audio: unsupported()
     modalities: unsupported(["text"])
     function_call: unsupported("none")
@@ -212,12 +214,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_choice(
-    text: str, finish: str | None, token_ids: list[int] | None, index: int
+    text: str,
+    finish: str | None,
+    token_ids: list[int] | None,
+    index: int,
+    logprobs: dict | None = None,
 ) -> dict:
     choice: dict[str, Any] = {
         "index": index,
         "text": text,
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish,
     }
     if token_ids is not None:
@@ -233,6 +239,7 @@ def chat_choice(
     *,
     delta: bool,
     first: bool,
+    logprobs: dict | None = None,
 ) -> dict:
     message: dict[str, Any] = {"content": text} if text or not delta else {}
     if first or not delta:
@@ -242,8 +249,8 @@ def chat_choice(
         "delta" if delta else "message": message,
         "finish_reason": finish,
     }
-    if not delta:
-        choice["logprobs"] = None
+    if not delta or logprobs is not None:
+        choice["logprobs"] = logprobs
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return choice

@@ -27,8 +27,9 @@ import time
 import traceback
 from collections.abc import Callable
 
-from jaxdd.decoding.rows import RowPool, RowRequest, RowUpdate
-from jaxdd.decoding.sampling import Sampling
+from jaxdd.decoding.report import TokenLogprob
+from jaxdd.decoding.requests import RowRequest, RowUpdate
+from jaxdd.decoding.rows import RowPool
 from jaxdd.serve.decisions import Broadcast, Decisions, Local
 from jaxdd.serve.metrics import Metrics
 
@@ -46,12 +47,15 @@ class NotReady(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """What a request receives: new tokens, and at its end the finish
-    reason ("stop", "length", "timeout") or an error message."""
+    """What a request receives: new tokens, and at its end the finish reason ("stop",
+    "length", "timeout") or an error message; if it asked, the new tokens' logprobs and
+    (with its first tokens) its prompt's."""
 
     tokens: list[int]
     finish: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclasses.dataclass
@@ -122,12 +126,15 @@ class Scheduler:
         """Prompt + new tokens, per request."""
         return self.pool.max_len
 
-    def check(
-        self, prompt: list[int], max_new_tokens: int, stop_ids: list[int], sampling: Sampling
-    ) -> RowRequest:
+    @property
+    def max_logprobs(self) -> int:
+        """Top logprobs a request may ask for per token (``--max-logprobs``; 0: no logprobs)."""
+        return self.pool.spec.logprobs
+
+    def check(self, request: RowRequest) -> RowRequest:
         """The request as the rows will run it, checked once before it is queued (``InputError``
         naming the field; ``too_long`` says whether its length is what the server refuses)."""
-        return self.pool.check(prompt, max_new_tokens, stop_ids, sampling)
+        return self.pool.check(request)
 
     def too_long(self, prompt: list[int], max_new_tokens: int) -> bool:
         pool = self.pool
@@ -299,8 +306,8 @@ class Scheduler:
             return
         for update in self.pool.collect().values():
             job = update.owner
-            # the round's tokens: the accepted drafts and a bonus
-            drafted = len(update.tokens) - update.first
+            # the round's tokens: the accepted drafts and a bonus (none for a prompt scored alone)
+            drafted = max(len(update.tokens) - update.first, 0)
             if self.pool.method != "ar" and drafted:
                 self.metrics.drafts.inc()
                 self.metrics.draft_tokens.inc(self.pool.budget or self.pool.block - 1)
@@ -323,4 +330,5 @@ class Scheduler:
                 (now - job.first_token_at) / (update.produced - job.first_tokens)
             )
         if not job.cancelled:
-            job.deliver(Event(update.tokens, finish=update.finish))
+            scores = {"logprobs": update.logprobs, "prompt_logprobs": update.prompt_logprobs}
+            job.deliver(Event(update.tokens, finish=update.finish, **scores))

@@ -10,6 +10,7 @@ import pytest
 import jaxdd
 from jaxdd.cli import DEMO
 from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.decoding.requests import RowRequest
 from jaxdd.decoding.rows import RowPool
 from jaxdd.errors import InputError
 from jaxdd.runtime.compile_time import compile_clock
@@ -44,7 +45,7 @@ def test_interleaved_ddtree_rows_equal_their_runs_alone(decoder):
                 break
             if pending and pool.free_rows() and (not pool.busy or rng.random() < 0.4):
                 i = pending.pop(0)
-                row = pool.admit(pool.check(*requests[i][:2], [0], requests[i][2]))
+                row = pool.admit(pool.check(RowRequest(*requests[i][:2], [0], requests[i][2])))
                 outputs[i] = []
                 row_of[row] = i
                 continue
@@ -80,7 +81,7 @@ def test_admissions_and_releases_while_rounds_are_in_flight(decoder):
             break
         if pending and pool.free_rows() and rng.random() < 0.5:
             i = pending.pop(0)
-            row_of[pool.admit(pool.check(*requests[i][:2], [0], requests[i][2]))] = i
+            row_of[pool.admit(pool.check(RowRequest(*requests[i][:2], [0], requests[i][2])))] = i
             outputs[i] = []
         if pool.busy and rng.random() < 0.08:
             row = int(rng.choice([row for row, _ in pool.owners()]))
@@ -105,8 +106,19 @@ def test_admissions_and_releases_while_rounds_are_in_flight(decoder):
 def test_requests_past_the_pool_are_refused(decoder):
     pool = RowPool(decoder, method="dflash", rows=1, max_len=40, max_prompt=16)
     with pytest.raises(InputError, match="max-len 40"):
-        pool.check([1, 2, 3], 38, [0], jaxdd.Sampling())
+        pool.check(RowRequest([1, 2, 3], 38, [0], jaxdd.Sampling()))
     with pytest.raises(InputError, match="at most 16"):
-        pool.check([1] * 17, 2, [0], jaxdd.Sampling())
+        pool.check(RowRequest([1] * 17, 2, [0], jaxdd.Sampling()))
     with pytest.raises(InputError, match="outside the vocabulary"):
-        pool.check([1, 4096], 2, [0], jaxdd.Sampling())
+        pool.check(RowRequest([1, 4096], 2, [0], jaxdd.Sampling()))
+    with pytest.raises(InputError, match="logprobs: this pool computes none"):
+        pool.check(RowRequest([1, 2], 2, [0], jaxdd.Sampling(), logprobs=0))
+    scoring = RowPool(decoder, method="dflash", rows=1, max_len=40, max_prompt=16, logprobs=2)
+    with pytest.raises(InputError, match=r"logprobs: must be an integer in \[0, 2\], got 3"):
+        scoring.check(RowRequest([1, 2], 2, [0], jaxdd.Sampling(), logprobs=3))
+    with pytest.raises(InputError, match="max_tokens: must be an integer >= 1, got 0"):
+        scoring.check(RowRequest([1, 2], 0, [0], jaxdd.Sampling(), logprobs=2))
+    with pytest.raises(InputError, match="logprobs: scoring the prompt needs logprobs"):
+        scoring.check(RowRequest([1, 2], 0, [0], jaxdd.Sampling(), score_prompt=True))
+    scored = RowRequest([1, 2], 0, [0], jaxdd.Sampling(), 1, True)
+    assert scoring.check(scored) == scored

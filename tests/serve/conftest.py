@@ -38,7 +38,7 @@ def reference():
 @pytest.fixture(scope="module")
 def pool():
     """A two-row pool on the demo pair for the HTTP side in-process (nothing compiles unless it
-    runs)."""
+    runs), up to 5 top logprobs."""
     target, drafter = jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32")
     decoder = SpeculativeDecoder(target, drafter)
-    return RowPool(decoder, method="dflash", rows=2, max_len=64, max_prompt=32)
+    return RowPool(decoder, method="dflash", rows=2, max_len=64, max_prompt=32, logprobs=5)

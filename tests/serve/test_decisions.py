@@ -5,7 +5,7 @@ whose broadcast breaks, or that hears nothing, exits in one line."""
 import subprocess
 import sys
 
-from jaxdd.decoding.rows import RowRequest
+from jaxdd.decoding.requests import RowRequest
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.serve.decisions import LOST, Broadcast, Decisions
 
@@ -17,6 +17,8 @@ STEPS = [
         admit=(
             RowRequest([7] * MAX_PROMPT, 9, [0, 163586], Sampling(0.7, 0.9, 3, 2**32 - 1)),
             RowRequest([1], 1, [], Sampling()),
+            RowRequest([2, 3], 0, [0], Sampling(), logprobs=5, score_prompt=True),
+            RowRequest([4], 2, [], Sampling(), logprobs=0),
         ),
     ),
     Decisions(reset=True),

@@ -50,7 +50,13 @@ SHARED_WORKS = {
 }
 # a value other than the default for each field the server serves
 WORKS = {
-    "/v1/completions": {**SHARED_WORKS, "prompt": "def f(x):", "best_of": 1},
+    "/v1/completions": {
+        **SHARED_WORKS,
+        "prompt": "def f(x):",
+        "best_of": 1,
+        "logprobs": 2,
+        "echo": True,
+    },
     "/v1/chat/completions": {
         **SHARED_WORKS,
         "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
@@ -60,8 +66,12 @@ WORKS = {
         "prompt_cache_retention": "24h",
         "safety_identifier": "someone",
         "service_tier": "default",
+        "logprobs": True,
+        "top_logprobs": 2,
     },
 }
+# what a served field needs beside it
+ALONGSIDE = {"top_logprobs": {"logprobs": True}}
 SHARED_REFUSED = {
     "frequency_penalty": 0.5,
     "presence_penalty": -0.5,
@@ -89,14 +99,10 @@ REFUSED = {
     "/v1/completions": {
         **SHARED_REFUSED,
         "best_of": 3,
-        "logprobs": 1,
-        "echo": True,
         "suffix": "}",
     },
     "/v1/chat/completions": {
         **SHARED_REFUSED,
-        "logprobs": True,
-        "top_logprobs": 2,
         "audio": {"voice": "alloy", "format": "mp3"},
         "modalities": ["text", "audio"],
         "function_call": "auto",
@@ -152,7 +158,7 @@ def test_every_openai_field_is_served_or_refused(path):
 @pytest.mark.parametrize("path", PATHS)
 def test_served_fields_pass_every_check(client, path):
     for field, value in WORKS[path].items():
-        response = client.post(path, json={**BASES[path], field: value})
+        response = client.post(path, json={**BASES[path], **ALONGSIDE.get(field, {}), field: value})
         assert passes_every_check(response), (field, response.text)
 
 
@@ -207,9 +213,27 @@ def test_each_prompt_form_is_served(client, prompt):
         ({"prompt": [5], "n": 3}, "n", "n: at most --max-batch 2"),
         ({"prompt": [5], "n": 0}, "n", "greater than or equal to 1"),
         ({"prompt": [5], "n": 2, "best_of": 3}, "best_of", "best_of == n (2)"),
+        ({"prompt": [5], "logprobs": 6}, "logprobs", "logprobs: at most --max-logprobs 5, got 6"),
+        ({"prompt": [5], "logprobs": -1}, "logprobs", "greater than or equal to 0"),
+        ({"prompt": [5], "max_tokens": 0}, "max_tokens", "max_tokens: 0 is served only with echo"),
     ],
 )
 def test_a_batch_past_the_server_is_refused(client, body, param, words):
-    response = client.post("/v1/completions", json={**body, "max_tokens": 2})
+    response = client.post("/v1/completions", json={"max_tokens": 2, **body})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == param and words in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"top_logprobs": 2}, "top_logprobs", "top_logprobs: needs logprobs true"),
+        ({"logprobs": True, "top_logprobs": 6}, "top_logprobs", "at most --max-logprobs 5, got 6"),
+        ({"max_tokens": 0}, "max_tokens", "max_tokens: 0 is served only with echo"),
+    ],
+)
+def test_chat_logprobs_past_the_server_are_refused(client, body, param, words):
+    messages = [{"role": "user", "content": "hi"}]
+    response = client.post("/v1/chat/completions", json={"messages": messages, **body})
     error = response.json()["error"]
     assert response.status_code == 400 and error["param"] == param and words in error["message"]

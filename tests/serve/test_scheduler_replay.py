@@ -9,7 +9,7 @@ import collections
 import threading
 import time
 
-from jaxdd.decoding.rows import RowRequest, RowUpdate
+from jaxdd.decoding.requests import RowRequest, RowUpdate
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.serve.decisions import Broadcast
 from jaxdd.serve.metrics import Metrics

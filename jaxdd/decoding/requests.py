@@ -1,0 +1,77 @@
+"""What a pool of rows takes and gives (``jaxdd.decoding.rows``): a checked request, the pool's
+fixed shape, a row's update after a collect, and what the pool needs of its decoder."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+
+from jaxdd.config import KimiConfig
+from jaxdd.decoding.report import RoundTrace, TokenLogprob
+from jaxdd.decoding.rounds import ModelPair, RoundSpec
+from jaxdd.decoding.sampling import GREEDY, Sampling
+from jaxdd.models.drafter import DFlashDrafter
+from jaxdd.types import Method
+
+
+class Decoder(Protocol):
+    """What the rows need of ``SpeculativeDecoder``: the
+    models, their placement and the round's static form."""
+
+    config: KimiConfig
+    drafter: DFlashDrafter | None
+    mesh: jax.sharding.Mesh | None
+    target: Any  # has .model, the KimiTarget
+
+    def round_spec(self, method: Method, **options) -> RoundSpec: ...
+
+    def models_for(self, spec: RoundSpec) -> ModelPair: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RowRequest:
+    """One request as the rows take it once ``RowPool.check`` passed it:
+    its stop ids the full set (the model's own included)."""
+
+    prompt: list[int]
+    max_new_tokens: int  # 0 only with ``score_prompt``: the prompt scored alone
+    stop_ids: list[int]
+    sampling: Sampling = GREEDY
+    logprobs: int | None = None  # each new token's logprob and this many top ones; None: none
+    score_prompt: bool = False  # the prompt's logprobs too (a scoring prefill)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowShape:
+    """Everything fixed about a pool: its rounds, rows,
+    cache size and what a request may ask for."""
+
+    spec: RoundSpec  # the round while any busy row samples
+    # the round while every busy row is greedy (``spec`` itself for a one-round pool)
+    greedy_spec: RoundSpec
+    rows: int
+    max_len: int  # prompt + new tokens, per request
+    max_prompt: int
+    slots: int
+    tiers: tuple[int, ...]  # the row counts a round runs over: the fewest that hold every busy row
+
+
+@dataclasses.dataclass(frozen=True)
+class RowUpdate:
+    """What a row got since the last collect: its new tokens (``first``: the first of
+    them is the prefill's, the request's first token; the rest are one round's), once
+    it ends why ("stop" or "length"), with a trace the round's (``RoundTrace``), the
+    tokens its request has now, and that request's owner (as given to ``admit``). If
+    the request asked, ``logprobs`` has an entry per new token and ``prompt_logprobs``
+    (with ``first``) one per prompt token after the first."""
+
+    tokens: list[int]
+    finish: str | None = None
+    first: bool = False
+    trace: RoundTrace | None = None
+    produced: int = 0
+    owner: Any = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
