@@ -73,7 +73,7 @@ BAD_BODIES = [  # (body, status, param, words the message holds)
     ({"prompt": [1, 2], "max_tokens": "many"}, 400, "max_tokens", "integer"),
     ({"prompt": [1, 2], "max_tokens": -5}, 400, "max_tokens", "greater than"),
     ({"prompt": [1, 2], "max_tokens": 2.5}, 400, "max_tokens", "fractional"),
-    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "greater than"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "only with echo"),
     ({"prompt": [1, 2], "max_tokens": 10**30}, 400, "max_tokens", "--max-len"),
     ({"prompt": [1, 2], "max_tokens": MAX_LEN - 1}, 400, "max_tokens", "--max-len"),
     ({"prompt": [1] * (MAX_PROMPT + 1), "max_tokens": 2}, 400, "prompt", "at most"),
