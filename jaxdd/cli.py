@@ -247,6 +247,10 @@ def run(main: Callable[[], int]) -> NoReturn:
     code, or the one line for the faults around it."""
     if sys.stdout is None:
         sys.exit(fail("standard output is closed (redirect it to /dev/null to discard the output)"))
+    if sys.stderr is not None:
+        # a line reaches fd 2 whole: unbuffered (PYTHONUNBUFFERED), print writes text and newline
+        # apart, and another thread's line (end_now's, say) could land between them
+        sys.stderr.reconfigure(line_buffering=True, write_through=False)
     # From here Ctrl-C is a KeyboardInterrupt again (a command may clean up on it).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

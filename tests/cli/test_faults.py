@@ -173,6 +173,27 @@ def test_ctrl_c_while_jax_imports():
     assert err == "jaxdd: interrupted\n"
 
 
+def test_a_command_line_reaches_stderr_whole():
+    """Unbuffered (PYTHONUNBUFFERED=1, as CI sets it), print writes a line's text and its newline
+    apart; under ``cli.run`` another thread's line (``end_now``'s) can no longer land between."""
+    main = (
+        "import os, sys\n"
+        "from jaxdd import cli\n"
+        "def main():\n"
+        "    sys.stderr.write('jaxdd: access: GET /health 503')\n"
+        "    os.write(2, b'jaxdd: interrupted\\n')\n"
+        "    sys.stderr.write(' tokens -\\n')\n"
+        "    return 0\n"
+        "cli.run(main)\n"
+    )
+    process = run([sys.executable, "-c", main], {"PYTHONUNBUFFERED": "1"})
+    assert process.returncode == 0, process.stderr
+    assert process.stderr.splitlines() == [
+        "jaxdd: interrupted",
+        "jaxdd: access: GET /health 503 tokens -",
+    ]
+
+
 def compiling(server) -> bool:
     """Whether the server answers /health with 503, "compiling"."""
     with contextlib.suppress(httpx.HTTPError):
