@@ -65,7 +65,7 @@ class RowUpdate:
     it ends why ("stop" or "length"), with a trace the round's (``RoundTrace``), the
     tokens its request has now, and that request's owner (as given to ``admit``). If
     the request asked, ``logprobs`` has an entry per new token and ``prompt_logprobs``
-    (with ``first``) one per prompt token after the first."""
+    (in the request's first update) one per prompt token after the first."""
 
     tokens: list[int]
     finish: str | None = None

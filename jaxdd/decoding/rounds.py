@@ -23,7 +23,8 @@ reads back one small array per round: the emitted tokens (``RoundReport``).
 
 With ``RoundSpec.logprobs`` = k > 0 a round also reports each emitted token's log-probability
 and its position's top-k under the verify's target distribution BEFORE temperature and cut-offs
-(vLLM's default): a log-softmax and a top-k of the emitted positions' logits, choosing no token.
+(vLLM's default): a log-softmax and a top-k of the emitted positions' logits, choosing no token,
+run only while a row asked for them (``jaxdd.decoding.scores``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from jaxdd.decoding.sampling import (
     seed_keys,
     split_keys,
 )
+from jaxdd.decoding.scores import Scores, prompt_logprobs, round_logprobs
 from jaxdd.decoding.tree import accept_path, build_tree
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget
@@ -106,6 +108,7 @@ class RowSettings:
     max_length: jax.Array  # [rows] int32: prompt length + max_new_tokens
     stop_ids: jax.Array  # [rows, MAX_STOP_TOKENS] int32, -1 padded
     sampling: SamplingArrays
+    wants_logprobs: jax.Array  # [rows] bool: the row's request asked for logprobs
 
 
 @struct.dataclass
@@ -187,7 +190,7 @@ def _ar_step(spec: RoundSpec, target: KimiTarget, state: DecodeState, settings: 
     with jax.named_scope("accept"):
         token, rng = _choose(spec, logits[:, 0], settings.sampling, state.rng)
     with jax.named_scope("commit"):
-        scores = _scores(spec, logits, token[:, None])
+        scores = _scores(spec, logits, token[:, None], settings)
         return _commit(
             state, token[:, None], jnp.zeros_like(token), cache, None, None, rng, settings, scores
         )
@@ -229,7 +232,7 @@ def _dflash_round(
     with jax.named_scope("commit"):
         trace = {"draft_topk": jax.lax.top_k(logits, spec.trace)[1]} if spec.trace else {}
         # emitted token i was chosen at chain position i
-        scores = _scores(spec, target_logits, emitted)
+        scores = _scores(spec, target_logits, emitted, settings)
         return _commit(
             state, emitted, accepted, cache, features, draft_cache, rng, settings, scores, **trace
         )
@@ -282,31 +285,25 @@ def _ddtree_round(
                 "draft_topk": jax.lax.top_k(logits, spec.trace)[1],
                 "tree": (tree_tokens, tree_parents),
             }
-        scores = None
-        if spec.logprobs:  # the path's nodes only: the rest of the tree emits nothing
-            path_logits = jnp.take_along_axis(target_logits, path[:, :, None], axis=1)
-            scores = _scores(spec, path_logits, emitted)
+        # the path's nodes only: the rest of the tree emits nothing
+        scores = _scores(spec, target_logits, emitted, settings, path)
         return _commit(
             state, emitted, accepted, cache, context, draft_cache, rng, settings, scores, **trace
         )
 
 
-def _scores(spec: RoundSpec, logits: jax.Array, tokens: jax.Array):
-    """With ``spec.logprobs``, ``token_logprobs`` of ``tokens`` chosen at ``logits``'s
-    positions; None without."""
-    return token_logprobs(logits, tokens, spec.logprobs) if spec.logprobs else None
-
-
-def token_logprobs(
-    logits: jax.Array, tokens: jax.Array, k: int
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(each token's log-probability [B, n], the top-k ids and log-probabilities [B, n, k]) of
-    ``tokens`` [B, n] under ``logits`` [B, n, V], untempered; the chosen token's and the top-k's
-    values are read from the one log-softmax, so a token that is the argmax equals its top-1."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
-    top, top_ids = jax.lax.top_k(logp, k)
-    return chosen, top_ids, top
+def _scores(
+    spec: RoundSpec,
+    logits: jax.Array,
+    tokens: jax.Array,
+    settings: RowSettings,
+    at: jax.Array | None = None,
+) -> Scores | None:
+    """With ``spec.logprobs``, ``round_logprobs`` of ``tokens`` chosen at ``logits``'s positions
+    (``at``, or its first ones); None without."""
+    if not spec.logprobs:
+        return None
+    return round_logprobs(logits, tokens, spec.logprobs, settings.wants_logprobs, at)
 
 
 def _forward_options(spec: RoundSpec) -> dict:
@@ -485,15 +482,13 @@ def prefill(
     prompt_scores = None
     if spec.logprobs:
         # the report's logprob columns are a round's: the first token's, then unused positions
-        first_scores = token_logprobs(last_logits, first[:, None], spec.logprobs)
+        first_scores = _scores(spec, last_logits, first[:, None], settings)
         unused = spec.width - 1
         scores = tuple(
             jnp.pad(x, [(0, 0), (0, unused)] + [(0, 0)] * (x.ndim - 2)) for x in first_scores
         )
     if score:
-        # position i's logits choose token i + 1
-        all_logits = target.logits(out.hidden[:, :-1], spec.backend)
-        prompt_scores = token_logprobs(all_logits, tokens[:, 1:], spec.logprobs)
+        prompt_scores = prompt_logprobs(target, out.hidden, tokens, spec.logprobs, spec.backend)
     report = RoundReport.encode(
         emitted, jnp.ones((b,), jnp.int32), stopped, logprobs=scores, prompt_logprobs=prompt_scores
     )

@@ -208,6 +208,8 @@ class RowPool:
         self._max_length = np.full((self.rows,), 2, np.int32)
         self._stop_ids = np.full((self.rows, MAX_STOP_TOKENS), -1, np.int32)
         self._sampling = [GREEDY] * self.rows
+        # cleared as a row leaves: a round computes logprobs only while one is set
+        self._wants_logprobs = np.zeros((self.rows,), bool)
         self.settings: RowSettings | None = None  # the device copy, made when a round needs it
         self.state: DecodeState | None = None
         self.table: RowTable[_Row] = RowTable(self.rows)  # which request holds each row
@@ -330,23 +332,35 @@ class RowPool:
         self._max_length[row] = len(request.prompt) + request.max_new_tokens
         self._stop_ids[row] = stops
         self._sampling[row] = request.sampling
+        self._wants_logprobs[row] = request.logprobs is not None
         self.settings = None
         return row
+
+    def _leave(self, row: int | None = None) -> None:
+        """Free ``row`` (None: every row) in the table and in the rounds' logprobs flags."""
+        rows = slice(None) if row is None else row
+        if self._wants_logprobs[rows].any():
+            self._wants_logprobs[rows] = False
+            self.settings = None
+        if row is None:
+            self.table.clear()
+        else:
+            self.table.release(row)
 
     def release(self, row: int) -> None:
         """Free a row (a cancelled request): its device row keeps
         running until a new request overwrites it, which costs nothing
         extra (the round's shape is fixed) and touches no other row."""
-        self.table.release(row)
+        self._leave(row)
 
     def release_all(self) -> None:
         """Free every row (their requests failed); rounds in flight still finish."""
-        self.table.clear()
+        self._leave()
 
     def reset(self) -> None:
         """Every row free in a fresh state, nothing in flight: after a fault,
         the old state may have been donated to a call that never returned."""
-        self.table.clear()
+        self._leave()
         self._prefilled.clear()
         self._in_flight.clear()
         self.state = self._empty_state()
@@ -399,10 +413,12 @@ class RowPool:
                 if self.table.holder(row) is not entry:
                     continue
                 # a request for no new tokens (its prompt scored alone) keeps not even the first
-                tokens = report.emitted(index)[: entry.max_new_tokens - entry.produced]
-                first = entry.produced == 0
+                emitted = report.emitted(index)
+                tokens = emitted[: entry.max_new_tokens - entry.produced]
+                first = entry.produced == 0 and bool(tokens)
                 entry.produced += len(tokens)
-                stopped = bool(report.stopped[index])
+                # a stop token cut off by the length is not the reason it ended
+                stopped = bool(report.stopped[index]) and len(tokens) == len(emitted)
                 finish = (
                     "stop"
                     if stopped
@@ -432,7 +448,7 @@ class RowPool:
                     prompt_scores,
                 )
                 if finish is not None:
-                    self.table.release(row)
+                    self._leave(row)
         return updates
 
     def discard(self) -> None:
@@ -449,7 +465,9 @@ class RowPool:
     def _host_settings(self, rows: slice = slice(None)) -> RowSettings:
         """The per-row settings of ``rows`` as host arrays."""
         sampling = SamplingArrays.of(self._sampling[rows])
-        return RowSettings(self._max_length[rows], self._stop_ids[rows], sampling)
+        return RowSettings(
+            self._max_length[rows], self._stop_ids[rows], sampling, self._wants_logprobs[rows]
+        )
 
     def _empty_state(self) -> DecodeState:
         """Every row done (nothing to decode) until a request is inserted."""

@@ -307,7 +307,7 @@ class Scheduler:
         for update in self.pool.collect().values():
             job = update.owner
             # the round's tokens: the accepted drafts and a bonus (none for a prompt scored alone)
-            drafted = max(len(update.tokens) - update.first, 0)
+            drafted = len(update.tokens) - update.first
             if self.pool.method != "ar" and drafted:
                 self.metrics.drafts.inc()
                 self.metrics.draft_tokens.inc(self.pool.budget or self.pool.block - 1)
