@@ -376,6 +376,11 @@ class RowPool:
         (a round dispatched ahead of it would be wasted work)."""
         return any(e.produced + self.width >= e.max_new_tokens for _, e in self.table.items())
 
+    def needs_round(self) -> bool:
+        """Whether a busy row wants more than its prefill's first token (else ``collect`` alone
+        ends every row: a prompt scored alone, a request for one token)."""
+        return any(e.max_new_tokens > max(e.produced, 1) for _, e in self.table.items())
+
     def dispatch(self) -> None:
         """Start one round for every row without waiting for it: the greedy
         round while every active row is greedy, else the sampled one."""

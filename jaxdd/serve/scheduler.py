@@ -299,11 +299,12 @@ class Scheduler:
 
     def _round(self) -> None:
         """Dispatch a round, then hand out the previous one's
-        tokens while it runs (at most two in flight)."""
-        if self.pool.busy:
+        tokens while it runs (at most two in flight); rows that need no round (prompts scored
+        alone) get their prefill's report without one."""
+        if self.pool.needs_round():
             self.pool.dispatch()
-        if self.pool.in_flight < 2 and self.pool.busy:
-            return
+            if self.pool.in_flight < 2:
+                return
         for update in self.pool.collect().values():
             job = update.owner
             # the round's tokens: the accepted drafts and a bonus (none for a prompt scored alone)

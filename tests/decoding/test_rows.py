@@ -122,3 +122,20 @@ def test_requests_past_the_pool_are_refused(decoder):
         scoring.check(RowRequest([1, 2], 0, [0], jaxdd.Sampling(), score_prompt=True))
     scored = RowRequest([1, 2], 0, [0], jaxdd.Sampling(), 1, True)
     assert scoring.check(scored) == scored
+
+
+def test_requests_done_by_their_prefill_need_no_round(decoder):
+    """A prompt scored alone and a request for one token end with their prefill's report: the
+    pool needs no round for them (the server collects without dispatching one), only for a
+    request that wants more."""
+    pool = RowPool(decoder, method="dflash", rows=2, max_len=40, max_prompt=16, logprobs=2)
+    scored = pool.admit(RowRequest([5, 6, 7], 0, [], logprobs=0, score_prompt=True))
+    one = pool.admit(RowRequest([8, 9], 1, []))
+    assert pool.busy and not pool.needs_round()
+    updates = pool.collect()
+    assert pool.in_flight == 0 and not pool.busy
+    assert updates[scored].tokens == [] and updates[scored].finish == "length"
+    assert len(updates[one].tokens) == 1 and updates[one].finish in ("stop", "length")
+    assert [e.logprob is not None for e in updates[scored].prompt_logprobs] == [True, True]
+    pool.admit(RowRequest([8, 9], 3, []))
+    assert pool.needs_round()
