@@ -34,6 +34,15 @@ def latent_row_bytes(config: KimiConfig) -> int:
     return (config.kv_lora_rank + config.qk_rope_head_dim) * BF16 * config.num_hidden_layers
 
 
+def slots_held(slots: int, devices: int, layout: str) -> int:
+    """Cache slots of one row the busiest device stores: all of them replicated; striped,
+    its whole pages of the row's ``slots`` dealt round-robin (ceil(1 / devices) of them)."""
+    if layout == "replicated":
+        return slots
+    pages = -(-slots // PAGE_TOKENS)
+    return -(-pages // devices) * PAGE_TOKENS
+
+
 def tokens_read(context: int, devices: int, layout: str) -> int:
     """Context tokens whose latent rows the busiest device reads: all of them replicated;
     striped, the pages dealt round-robin to the device with the most rows."""

@@ -38,7 +38,7 @@ from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.moe import MoE
 from jaxdd.models.target import KimiTarget
 from jaxdd.planning.aot import Machine, find_machine
-from jaxdd.planning.cache_layout import LAYOUTS, PAGE_TOKENS, choose_layout
+from jaxdd.planning.cache_layout import LAYOUTS, PAGE_TOKENS, choose_layout, slots_held
 from jaxdd.planning.capacity import abstract_state, cache_capacity, slot_bytes
 from jaxdd.planning.compiled_traffic import compiled_traffic
 from jaxdd.planning.hardware import named_hardware
@@ -139,6 +139,13 @@ def plan(
     compiled, account = _compile(decoder, round_batch, state, where, form)
     per_device["temporaries"] = compiled["temp_bytes"]
     shape |= layouts(compiled["temp_bytes"])
+    replicated_cache = per_device["target_cache"]
+    if shape["cache_layout"] == "striped":
+        held = slots_held(slots, devices, "striped")
+        laid = abstract_state(config, drafter_config, o.batch, held, block, mesh)
+        per_device["target_cache"] = sum(
+            _shard_bytes(x) for x in jax.tree.leaves(laid.target_cache)
+        )
     if account is not None:
         draft = 0 if o.method == "ar" else block
         # the compiled round keeps today's replicated latent rows
@@ -146,7 +153,8 @@ def plan(
             o.method, tokens, config, model_bytes, o.max_len, devices, o.moe, draft
         )
         shape["compiled_traffic"] = _against_floor(account, floor)
-    return shape | _verdict(per_device, compiled, where, stored)
+    saved = replicated_cache - per_device["target_cache"]
+    return shape | _verdict(per_device, compiled, where, stored, saved)
 
 
 def _cache_layouts(
@@ -244,11 +252,17 @@ def _against_floor(account: dict[str, Any], floor: dict[str, Any]) -> dict[str, 
 
 
 def _verdict(
-    per_device: dict[str, int], compiled: dict[str, Any], where: Machine, stored: int
+    per_device: dict[str, int],
+    compiled: dict[str, Any],
+    where: Machine,
+    stored: int,
+    saved: int,
 ) -> dict[str, Any]:
-    """The per-device byte total and whether it fits the machine's memory."""
-    # the compiler's figure where it ran out
-    total = compiled.get("used_bytes", sum(per_device.values()))
+    """The per-device byte total in the plan's cache layout and whether it fits the machine's
+    memory; ``saved``: the latent cache bytes striping takes off each device."""
+    # the compiler's figure where it ran out counts the round it compiled: replicated rows
+    used = compiled.get("used_bytes")
+    total = sum(per_device.values()) if used is None else used - saved
     return {
         "per_device_bytes": per_device | {"total": total},
         "compiled": compiled,

@@ -38,8 +38,13 @@ def report(result: dict[str, Any]) -> str:
         f"{round_name[result['method']]}, {sampled}, attention {result['attention']}, "
         f"MoE dispatch {result['dispatch']}, per device:"
     )
+    notes = {}
+    if result["cache_layout"] == "striped":
+        devices = result["devices"]
+        notes["target_cache"] = f" (striped over {devices} devices: the busiest one's pages)"
     lines += [
-        f"  {name:<16} {value / GB:9.2f} GB" for name, value in result["per_device_bytes"].items()
+        f"  {name:<16} {value / GB:9.2f} GB{notes.get(name, '')}"
+        for name, value in result["per_device_bytes"].items()
     ]
     compiled = result["compiled"]
     lines.append(f"compiled for {where['platform']} in {compiled['compile_seconds']} s")

@@ -4,8 +4,10 @@ the default is the faster floor, and the pages that fit are counted for both lay
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import math
 import subprocess
 import sys
 
@@ -14,6 +16,7 @@ import pytest
 
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.errors import InputError
+from jaxdd.planning import fit
 from jaxdd.planning.cache_layout import (
     ALL_TO_ALL,
     GATHER_SCATTER,
@@ -189,3 +192,46 @@ def test_command_line_json_and_a_bad_layout():
     assert bad.stderr.strip().splitlines() == [
         "jaxdd: --cache-layout: expected one of striped, replicated, got 'interleaved'"
     ]
+
+
+def test_the_verdict_follows_the_layout(tiny_plan_configs, monkeypatch):
+    """A batch whose replicated latent rows overflow each device's memory but whose striped
+    pages fit: striped holds the busiest device's whole pages (ceil(1/8) of each row's, the
+    drafter's K/V as it was) and fits, replicated does not, and the default picks striped."""
+    options = PlanOptions("cpu", 8, method="ar", batch=4, max_len=4096)
+    replicated = plan(*tiny_plan_configs, dataclasses.replace(options, cache_layout="replicated"))
+    per_device = replicated["per_device_bytes"]
+    cache = per_device["target_cache"]
+    # between the replicated total and the striped one (an eighth of the cache)
+    memory = per_device["total"] - cache / 2
+    real = fit.find_machine
+    monkeypatch.setattr(
+        fit,
+        "find_machine",
+        lambda *a: dataclasses.replace(real(*a), memory=memory),
+    )
+    results = {
+        layout: plan(*tiny_plan_configs, dataclasses.replace(options, cache_layout=layout))
+        for layout in (*LAYOUTS, None)
+    }
+    assert not results["replicated"]["fits"]
+    assert results["replicated"]["per_device_bytes"] == per_device
+    assert "does not fit cpu" in report(results["replicated"])
+    striped = results["striped"]
+    slots = striped["cache_slots"]
+    pages = math.ceil(slots / PAGE_TOKENS)
+    held = math.ceil(pages / 8) * PAGE_TOKENS
+    assert held < slots
+    rows = striped["per_device_bytes"]
+    length = 4 * 4  # the rows' int32 lengths, replicated
+    assert rows["target_cache"] - length == (cache - length) * held / slots
+    assert rows["drafter_cache"] == per_device["drafter_cache"]
+    assert rows["total"] == sum(v for k, v in rows.items() if k != "total") <= memory
+    assert striped["fits"] and "\nfits cpu" in report(striped)
+    assert "(striped over 8 devices: the busiest one's pages)" in report(striped)
+    default = results[None]
+    assert (
+        default["cache_layout"] == "striped"
+        and "replicated rows hold" in (default["cache_layout_reason"])
+    )
+    assert default["fits"] and default["per_device_bytes"] == rows
