@@ -111,8 +111,9 @@ def choose_layout(
     round_name: str,
 ) -> LayoutChoice:
     """``requested``, or the layout whose floor of the plan's round (``floors``: seconds per
-    layout on the plan's hardware) is lower; striped when only its pages (``capacity``: context
-    tokens per layout) hold the ``needed`` tokens (batch x max length)."""
+    layout on the plan's hardware, all its rows together) is lower; striped when only its
+    pages (``capacity``: context tokens per layout) hold the ``needed`` tokens (batch x max
+    length)."""
     if requested is not None:
         return LayoutChoice(requested, f"--cache-layout {requested}, as asked")
     if devices == 1:

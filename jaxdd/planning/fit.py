@@ -168,8 +168,9 @@ def _cache_layouts(
     activations: int | None,
 ) -> dict[str, Any]:
     """The traffic account of the latent cache's layout (``--cache-layout``, or the faster
-    floor of the plan's round on its hardware), both layouts' rounds, and the context tokens
-    each holds in the memory left after the weights and (when compiled) the temporaries."""
+    floor of the plan's round at its batch on its hardware), both layouts' rounds, and the
+    context tokens each holds in the memory left after the weights and (when compiled) the
+    temporaries."""
     devices = len(where.devices)
     weights = per_device["target_weights"] + per_device["drafter_weights"]
     free = where.memory - weights - (activations or 0)
@@ -182,7 +183,16 @@ def _cache_layouts(
     floors = {
         name: floor_seconds(
             round_traffic(
-                o.method, tokens, config, model_bytes, o.max_len, devices, o.moe, draft, name
+                o.method,
+                tokens,
+                config,
+                model_bytes,
+                o.max_len,
+                devices,
+                o.moe,
+                draft,
+                name,
+                o.batch,
             ),
             hardware,
         )["round_s"]
@@ -190,6 +200,8 @@ def _cache_layouts(
         if hardware is not None
     }
     round_name = {"ar": "AR", "dflash": "DFlash", "ddtree": f"DDTree-{o.budget}"}[o.method]
+    if o.batch > 1:
+        round_name += f" (batch {o.batch})"
     held = {name: c["tokens"] for name, c in capacity.items()}
     choice = choose_layout(
         o.cache_layout, floors, held, o.batch * o.max_len, hardware, devices, round_name

@@ -116,23 +116,26 @@ def round_traffic(
     moe: str,
     draft_tokens: int = 0,
     layout: str = "replicated",
+    batch: int = 1,
 ) -> dict[str, Any]:
     """Bytes one device reads, and sends in all-reduces, in a round verifying ``tokens``
-    tokens at ``context`` tokens of KV; ``draft_tokens``: the drafter's block (0 for AR).
-    ``layout``: the latent cache's (``cache_layout.LAYOUTS``); striped adds the merge's
-    ``merges`` (bytes sent and collectives per scheme)."""
+    tokens in each of ``batch`` rows at ``context`` tokens of KV each; ``draft_tokens``: the
+    drafter's block (0 for AR). ``layout``: the latent cache's (``cache_layout.LAYOUTS``);
+    striped adds the merge's ``merges`` (bytes sent and collectives per scheme)."""
     e = config.n_routed_experts
     k = config.num_experts_per_tok
+    # the weights are read once for all rows' tokens, the cache once per row
+    verified = tokens * batch
     # one expert's bytes here
     per_expert = model.expert_per_layer / (e if moe == "tp" else e / devices)
     if moe == "ep" and devices > 1:
-        local = slowest_device_experts(tokens, k, e, devices)
+        local = slowest_device_experts(verified, k, e, devices)
     else:
-        local = distinct_experts(tokens, k, e)
-    latent = tokens_read(context, devices, layout) * latent_row_bytes(config)
+        local = distinct_experts(verified, k, e)
+    latent = batch * tokens_read(context, devices, layout) * latent_row_bytes(config)
     speculative = method != "ar"
     reads = {
-        "weights": model.non_expert + tokens * model.embed_row,
+        "weights": model.non_expert + verified * model.embed_row,
         "experts": model.moe_layers * local * per_expert,
         "kv": latent,
         "drafter": (model.drafter + model.lm_head) if speculative else 0,
@@ -144,7 +147,8 @@ def round_traffic(
     drafter_allreduces = 2 * model.drafter_layers if speculative else 0
     message = config.hidden_size * BF16
     ring = 2 * (devices - 1) / devices if devices > 1 else 0.0
-    sent = ring * message * (target_allreduces * tokens + drafter_allreduces * draft_tokens)
+    drafted = draft_tokens * batch
+    sent = ring * message * (target_allreduces * verified + drafter_allreduces * drafted)
     count = (target_allreduces + drafter_allreduces) if devices > 1 else 0
     traffic = {
         **reads,
@@ -154,7 +158,7 @@ def round_traffic(
         "experts_read": local,
     }
     if layout == "striped":
-        traffic["merges"] = merge_costs(config, tokens, devices)
+        traffic["merges"] = merge_costs(config, verified, devices)
     return traffic
 
 

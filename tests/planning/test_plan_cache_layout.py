@@ -31,6 +31,7 @@ from jaxdd.planning.capacity import cache_capacity
 from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.planning.hardware import GPUS
 from jaxdd.planning.report import report
+from jaxdd.planning.traffic import ModelBytes, round_traffic
 
 FIXTURES = "tests/fixtures/"
 CONFIGS = (FIXTURES + "kimi_k25_config.json", FIXTURES + "kimi_k26_dflash_config.json")
@@ -235,3 +236,34 @@ def test_the_verdict_follows_the_layout(tiny_plan_configs, monkeypatch):
         and "replicated rows hold" in (default["cache_layout_reason"])
     )
     assert default["fits"] and default["per_device_bytes"] == rows
+
+
+def test_the_default_weighs_the_floors_at_the_plans_batch():
+    """Striping saves each row's cache reads, but its merge's collectives are paid once per
+    round: at 64k on PCIe one row's round is faster replicated, two rows' striped (both
+    layouts hold the 2 x 64k tokens, so the floors decide)."""
+    one, two = k26_plan(65536), k26_plan(65536, batch=2)
+    assert one["cache_layout"] == "replicated" and "AR floor" in one["cache_layout_reason"]
+    assert two["cache_layout"] == "striped"
+    assert "AR (batch 2) floor" in two["cache_layout_reason"]
+    capacity = two["cache_capacity"]
+    assert capacity["replicated"]["tokens"] >= 2 * 65536
+    # the tables stay one row's round
+    assert two["traffic_by_layout"] == one["traffic_by_layout"]
+
+
+def test_a_batchs_round_reads_the_weights_once_and_each_rows_cache():
+    config = KimiConfig.from_json_file(CONFIGS[0])
+    model = ModelBytes(1000, 10, 7, 5000, 300, 60, 1, 1)
+    rounds = {
+        batch: round_traffic("dflash", 9, config, model, 4096, 8, "tp", 8, "striped", batch)
+        for batch in (1, 3)
+    }
+    one, three = rounds[1], rounds[3]
+    assert three["kv"] == 3 * one["kv"] == 3 * tokens_read(4096, 8, "striped") * 70272
+    assert three["drafter"] == one["drafter"]
+    assert three["weights"] - one["weights"] == 2 * 9 * 7
+    assert three["allreduce_bytes"] == 3 * one["allreduce_bytes"]
+    assert three["allreduces"] == one["allreduces"]
+    assert three["merges"] == merge_costs(config, 27, 8)
+    assert three["experts_read"] > one["experts_read"]
