@@ -174,7 +174,8 @@ def test_choice_follows_capacity_then_the_floor():
 
 def test_command_line_json_and_a_bad_layout():
     """`--json` carries the layout, its reason, both capacities and both layouts' rounds;
-    a layout that does not exist is one line and exit 2 (2 layers, full width)."""
+    a layout or MoE split that does not exist is one line naming the flag and exit 2
+    (2 layers, full width)."""
     argv = [*CLI, "--layers", "2", "--traffic", "--hardware", "rtx-pro-6000", "--method", "ar"]
     run = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
@@ -186,13 +187,11 @@ def test_command_line_json_and_a_bad_layout():
     assert result["cache_capacity_tokens"] == result["cache_capacity"][layout]["tokens"]
     names = [[row["round"] for row in rounds] for rounds in result["traffic_by_layout"].values()]
     assert names[0] == names[1] == [row["round"] for row in result["traffic"]]
-    bad = subprocess.run(
-        [*argv, "--cache-layout", "interleaved"], capture_output=True, text=True, timeout=300
-    )
-    assert bad.returncode == 2 and bad.stdout == ""
-    assert bad.stderr.strip().splitlines() == [
-        "jaxdd: --cache-layout: expected one of striped, replicated, got 'interleaved'"
-    ]
+    for flag, value in (("--cache-layout", "interleaved"), ("--moe", "dp")):
+        bad = subprocess.run([*argv, flag, value], capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 2 and bad.stdout == ""
+        (line,) = bad.stderr.strip().splitlines()
+        assert line.startswith(f"jaxdd: argument {flag}: invalid choice: '{value}'")
 
 
 def test_the_verdict_follows_the_layout(tiny_plan_configs, monkeypatch):
