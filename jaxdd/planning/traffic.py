@@ -215,16 +215,30 @@ def traffic_table(
     return rows
 
 
+def sent_bytes(traffic: Mapping[str, Any], merge: str | None) -> float:
+    """What a device sends in a round: its all-reduces, and the ``merge`` scheme's bytes
+    (a striped round's, as ``floor_seconds`` picks it; None: no merge)."""
+    merged = traffic["merges"][merge]["bytes"] if merge is not None else 0.0
+    return traffic["allreduce_bytes"] + merged
+
+
 def format_table(rows: list[dict]) -> str:
-    """The table as text: GB read and sent per device,
-    then per GPU the floor and predicted tokens/s."""
+    """The table as text: GB read and MB sent per device (the all-reduces and a striped
+    round's merge, as the link time counts them), then per GPU the floor and tokens/s."""
     names = list(GPUS)
     head = f"{'round':<11} {'tau':>5} {'read GB':>8} {'experts':>8} {'sent MB':>8}"
     head += "".join(f" | {GPUS[n].name:>26}" for n in names)
-    lines = [head, f"{'':<44}" + "".join(f" | {'ms (link ms)   tokens/s':>26}" for _ in names)]
+    merged = any(row.get("merges") for row in rows)
+    sent_head = "(all-reduces + merge)" if merged else "(all-reduces)"
+    lines = [
+        head,
+        f"{sent_head:>44}" + "".join(f" | {'ms (link ms)   tokens/s':>26}" for _ in names),
+    ]
     for row in rows:
+        sent = {sent_bytes(row, row["targets"][n].get("merge")) / 1e6 for n in names}
+        shown = f"{min(sent):.2f}" if len(sent) == 1 else f"{min(sent):.0f}-{max(sent):.0f}"
         line = f"{row['round']:<11} {row['tau']:>5.2f} {row['read_total'] / 1e9:>8.2f} "
-        line += f"{row['experts_read']:>8.1f} {row['allreduce_bytes'] / 1e6:>8.2f}"
+        line += f"{row['experts_read']:>8.1f} {shown:>8}"
         for n in names:
             t = row["targets"][n]
             line += (

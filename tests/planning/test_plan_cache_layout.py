@@ -30,8 +30,8 @@ from jaxdd.planning.cache_layout import (
 from jaxdd.planning.capacity import cache_capacity
 from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.planning.hardware import GPUS
-from jaxdd.planning.report import report
-from jaxdd.planning.traffic import ModelBytes, round_traffic
+from jaxdd.planning.report import merge_report, report
+from jaxdd.planning.traffic import ModelBytes, format_table, round_traffic, sent_bytes
 
 FIXTURES = "tests/fixtures/"
 CONFIGS = (FIXTURES + "kimi_k25_config.json", FIXTURES + "kimi_k26_dflash_config.json")
@@ -266,3 +266,35 @@ def test_a_batchs_round_reads_the_weights_once_and_each_rows_cache():
     assert three["allreduces"] == one["allreduces"]
     assert three["merges"] == merge_costs(config, 27, 8)
     assert three["experts_read"] > one["experts_read"]
+
+
+def test_sent_column_and_merge_lines_say_what_the_link_time_counts():
+    """The table's MB sent are the bytes its link ms carry (all-reduces, and a striped round's
+    merge); each merge scheme chosen gets its own line with its own collectives and bytes."""
+    result = k26_plan(131072)
+    striped = result["traffic_by_layout"]["striped"]
+    for row in striped:
+        for key, hardware in GPUS.items():
+            floor = row["targets"][key]
+            sent = sent_bytes(row, floor["merge"])
+            collectives = row["allreduces"] + row["merges"][floor["merge"]]["collectives"]
+            link = sent / hardware.link + collectives * hardware.collective_latency
+            assert floor["link_s"] == pytest.approx(link)
+    table = format_table(striped).splitlines()
+    assert table[1].strip().startswith("(all-reduces + merge) |")
+    ar = striped[0]
+    assert table[2].split()[4] == f"{sent_bytes(ar, ALL_TO_ALL) / 1e6:.2f}"
+    assert "(all-reduces) |" in format_table(result["traffic_by_layout"]["replicated"])
+    (line,) = merge_report(striped)
+    assert "merge by all-to-all (the link model's choice on every GPU), 122 collectives" in line
+    # the link model picked the gather + reduce-scatter on H200 for one row
+    mixed = [dict(row, targets=dict(row["targets"])) for row in striped]
+    mixed[0]["targets"]["h200"] = mixed[0]["targets"]["h200"] | {"merge": GATHER_SCATTER}
+    gather, a2a = merge_report(mixed)
+    assert "all-to-all (the link model's choice on every GPU), 122 collectives" in a2a
+    assert "all-gather + reduce-scatter (the link model's choice on 8 x H200" in gather
+    assert "183 collectives" in gather
+    sent = striped[0]["merges"][GATHER_SCATTER]["bytes"] / 1e6
+    assert gather.split("MB sent per round: ")[1].startswith(f"{sent:.1f} / ")
+    low, high = sorted(sent_bytes(striped[0], m) / 1e6 for m in (ALL_TO_ALL, GATHER_SCATTER))
+    assert format_table(mixed).splitlines()[2].split()[4] == f"{low:.0f}-{high:.0f}"
