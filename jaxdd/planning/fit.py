@@ -38,7 +38,13 @@ from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.moe import MoE
 from jaxdd.models.target import KimiTarget
 from jaxdd.planning.aot import Machine, find_machine
-from jaxdd.planning.cache_layout import LAYOUTS, PAGE_TOKENS, choose_layout, slots_held
+from jaxdd.planning.cache_layout import (
+    LAYOUTS,
+    PAGE_TOKENS,
+    CacheLayout,
+    choose_layout,
+    slots_held,
+)
 from jaxdd.planning.capacity import abstract_state, cache_capacity, slot_bytes
 from jaxdd.planning.compiled_traffic import compiled_traffic
 from jaxdd.planning.hardware import named_hardware
@@ -72,7 +78,7 @@ class PlanOptions:
     sampled: bool = False
     attention: AttentionChoice = "auto"
     compile_round: bool = True  # False: the traffic account only (seconds, not minutes)
-    cache_layout: str | None = None  # the latent cache's (LAYOUTS); None: the faster floor
+    cache_layout: CacheLayout | None = None  # None: the layout with the faster floor
 
     def __post_init__(self) -> None:
         choices = {"method": METHODS, "moe": MOE_MODES, "attention": ATTENTION_CHOICES}
@@ -127,9 +133,14 @@ def plan(
         "attention": form,
         "dispatch": _dispatch(decoder.target.model, tokens * o.batch, devices, o.moe, where),
     }
-    layouts = lambda activations: _cache_layouts(
-        o, config, drafter_config, model_bytes, where, mesh, per_device, activations
-    )
+
+    def layouts(activations: int | None) -> dict[str, Any]:
+        """The latent cache's layout, its rounds and capacity (``_cache_layouts``), after
+        ``activations`` bytes of compiled temporaries (None: not compiled)."""
+        return _cache_layouts(
+            o, config, drafter_config, model_bytes, where, mesh, per_device, activations
+        )
+
     if not o.compile_round:
         return shape | layouts(None)
     round_shape = (o.method, block, o.budget, o.batch, slots, o.sampled)
@@ -148,7 +159,7 @@ def plan(
         )
     if account is not None:
         draft = 0 if o.method == "ar" else block
-        # the compiled round keeps today's replicated latent rows
+        # the compiled round is the runtime's, its latent rows replicated
         floor = round_traffic(
             o.method, tokens, config, model_bytes, o.max_len, devices, o.moe, draft
         )

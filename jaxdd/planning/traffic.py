@@ -28,6 +28,7 @@ from jaxdd.models.quant import ExpertWeights
 from jaxdd.models.target import KimiTarget
 from jaxdd.planning.cache_layout import (
     BF16,
+    CacheLayout,
     cheapest_merge,
     latent_row_bytes,
     link_seconds,
@@ -115,7 +116,7 @@ def round_traffic(
     devices: int,
     moe: str,
     draft_tokens: int = 0,
-    layout: str = "replicated",
+    layout: CacheLayout = "replicated",
     batch: int = 1,
 ) -> dict[str, Any]:
     """Bytes one device reads, and sends in all-reduces, in a round verifying ``tokens``
@@ -190,7 +191,7 @@ def traffic_table(
     block: int,
     budgets: tuple[int, ...] = (4, 8, 16, 32, 64),
     tau: Mapping = DEMO_TAU,
-    layout: str = "replicated",
+    layout: CacheLayout = "replicated",
 ) -> list[dict]:
     """One row per round shape (AR, DFlash at ``block``, DDTree at each
     budget): what a device reads and sends, and per named GPU the floor

@@ -1,5 +1,5 @@
 """The latent cache's layout in the plan (jaxdd.planning.cache_layout, capacity): striped reads
-a device's share of the cache and pays the merge's collectives, replicated is today's account,
+a device's share of the cache and pays the merge's collectives, replicated reads all of it,
 the default is the faster floor, and the pages that fit are counted for both layouts."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from jaxdd.planning.cache_layout import (
     GATHER_SCATTER,
     LAYOUTS,
     PAGE_TOKENS,
+    CacheLayout,
     choose_layout,
     latent_row_bytes,
     merge_costs,
@@ -49,7 +50,7 @@ def k26_plan(context: int, **options) -> dict:
     )
 
 
-def rows(result: dict, layout: str) -> dict[str, dict]:
+def rows(result: dict, layout: CacheLayout) -> dict[str, dict]:
     return {row["round"]: row for row in result["traffic_by_layout"][layout]}
 
 
@@ -75,9 +76,9 @@ def test_striped_reads_an_eighth_of_the_128k_cache_and_is_the_default_there():
     assert result["traffic"] == result["traffic_by_layout"]["striped"]
 
 
-def test_8k_default_is_todays_replicated_account():
+def test_8k_default_is_the_replicated_account():
     """At 8k the merge's collective latency outweighs the cache reads striping saves on PCIe:
-    the default stays replicated and its rows are today's (no merge, the whole cache read)."""
+    the default stays replicated and its rows have no merge and read the whole cache."""
     result = k26_plan(8192)
     config = KimiConfig.from_json_file(CONFIGS[0])
     assert result["cache_layout"] == "replicated"
