@@ -20,22 +20,20 @@ over them (``jaxdd.planning.cache_layout``), and both layouts' capacity in conte
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 
 from jaxdd import cli
 from jaxdd.errors import ConfigError, InputError
 from jaxdd.planning.aot import names
+from jaxdd.planning.cache_layout import LAYOUTS
 from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.planning.report import report
 from jaxdd.types import ATTENTION_CHOICES, METHODS, MOE_MODES
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m jaxdd.plan", description=__doc__.split("\n\n")[0]
-    )
+    parser = cli.OneLineParser(prog="python -m jaxdd.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--config", required=True, help="target HF config.json (kimi_k25 / kimi_k2 / deepseek_v3)"
     )
@@ -71,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--cache-layout",
+        choices=LAYOUTS,
         help="the target's latent cache under TP: striped (pages dealt over the devices) or "
         "replicated (default: the faster floor of the round for the hardware and context)",
     )

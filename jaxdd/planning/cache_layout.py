@@ -1,13 +1,13 @@
 """Where the target's MLA latent cache lives under TP, and what each placement costs a round.
 
-Replicated (what the runtime does today): every device stores every latent row and reads all of
-them in every round, since each of its heads attends over the whole context. Striped (decode
-context parallelism): the cache is cut into ``PAGE_TOKENS``-token pages dealt round-robin over
-the devices; each device attends, for all heads, over its own pages only, and the partial
-outputs merge exactly by their log-sum-exp. Striping divides the cache reads by the devices and
-adds, per layer, the merge's collectives: the absorbed queries of all heads gathered to every
-device, then either one all-to-all of (partial output, log-sum-exp) merged locally, or an
-all-gather of the log-sum-exps and a reduce-scatter of the rescaled outputs. The link model
+Replicated (the runtime's layout, ``state_shardings``): every device stores every latent row and
+reads all of them in every round, since each of its heads attends over the whole context.
+Striped (decode context parallelism): the cache is cut into ``PAGE_TOKENS``-token pages dealt
+round-robin over the devices; each device attends, for all heads, over its own pages only, and
+the partial outputs merge exactly by their log-sum-exp. Striping divides the cache reads by the
+devices and adds, per layer, the merge's collectives: the absorbed queries of all heads gathered
+to every device, then either one all-to-all of (partial output, log-sum-exp) merged locally, or
+an all-gather of the log-sum-exps and a reduce-scatter of the rescaled outputs. The link model
 (``jaxdd.planning.hardware``) picks the cheaper merge; the cheaper layout is the default.
 """
 
@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Literal, get_args
 
 from jaxdd.config import KimiConfig
 from jaxdd.planning.hardware import Hardware
 
 PAGE_TOKENS = 64
-LAYOUTS = ("striped", "replicated")
+CacheLayout = Literal["striped", "replicated"]
+LAYOUTS: tuple[CacheLayout, ...] = get_args(CacheLayout)
 BF16 = 2
 # partial outputs and log-sum-exps cross the link in float32, so the
 # merge is the one-device attention up to float32 rounding
@@ -34,7 +36,16 @@ def latent_row_bytes(config: KimiConfig) -> int:
     return (config.kv_lora_rank + config.qk_rope_head_dim) * BF16 * config.num_hidden_layers
 
 
-def tokens_read(context: int, devices: int, layout: str) -> int:
+def slots_held(slots: int, devices: int, layout: CacheLayout) -> int:
+    """Cache slots of one row the busiest device stores: all of them replicated; striped,
+    its whole pages of the row's ``slots`` dealt round-robin (ceil(1 / devices) of them)."""
+    if layout == "replicated":
+        return slots
+    pages = -(-slots // PAGE_TOKENS)
+    return -(-pages // devices) * PAGE_TOKENS
+
+
+def tokens_read(context: int, devices: int, layout: CacheLayout) -> int:
     """Context tokens whose latent rows the busiest device reads: all of them replicated;
     striped, the pages dealt round-robin to the device with the most rows."""
     if layout == "replicated":
@@ -88,12 +99,12 @@ def cheapest_merge(merges: Mapping[str, Mapping[str, float]], hardware: Hardware
 class LayoutChoice:
     """The layout a plan accounts and why."""
 
-    layout: str
+    layout: CacheLayout
     reason: str
 
 
 def choose_layout(
-    requested: str | None,
+    requested: CacheLayout | None,
     floors: Mapping[str, float],
     capacity: Mapping[str, int],
     needed: int,
@@ -102,8 +113,9 @@ def choose_layout(
     round_name: str,
 ) -> LayoutChoice:
     """``requested``, or the layout whose floor of the plan's round (``floors``: seconds per
-    layout on the plan's hardware) is lower; striped when only its pages (``capacity``: context
-    tokens per layout) hold the ``needed`` tokens (batch x max length)."""
+    layout on the plan's hardware, all its rows together) is lower; striped when only its
+    pages (``capacity``: context tokens per layout) hold the ``needed`` tokens (batch x max
+    length)."""
     if requested is not None:
         return LayoutChoice(requested, f"--cache-layout {requested}, as asked")
     if devices == 1:

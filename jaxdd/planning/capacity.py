@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.rounds import DecodeState, state_shardings
-from jaxdd.planning.cache_layout import PAGE_TOKENS
+from jaxdd.planning.cache_layout import PAGE_TOKENS, CacheLayout
 
 
 def abstract_state(
@@ -60,7 +60,7 @@ def slot_bytes(
 
 
 def cache_capacity(
-    free: float, slot: Mapping[str, float], devices: int, layout: str
+    free: float, slot: Mapping[str, float], devices: int, layout: CacheLayout
 ) -> dict[str, float]:
     """The context tokens (whole pages) that ``free`` bytes per device hold in ``layout``,
     for one slot's ``slot_bytes``: the pages, and the bytes a token takes per device."""

@@ -38,7 +38,13 @@ from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.moe import MoE
 from jaxdd.models.target import KimiTarget
 from jaxdd.planning.aot import Machine, find_machine
-from jaxdd.planning.cache_layout import LAYOUTS, PAGE_TOKENS, choose_layout
+from jaxdd.planning.cache_layout import (
+    LAYOUTS,
+    PAGE_TOKENS,
+    CacheLayout,
+    choose_layout,
+    slots_held,
+)
 from jaxdd.planning.capacity import abstract_state, cache_capacity, slot_bytes
 from jaxdd.planning.compiled_traffic import compiled_traffic
 from jaxdd.planning.hardware import named_hardware
@@ -72,7 +78,7 @@ class PlanOptions:
     sampled: bool = False
     attention: AttentionChoice = "auto"
     compile_round: bool = True  # False: the traffic account only (seconds, not minutes)
-    cache_layout: str | None = None  # the latent cache's (LAYOUTS); None: the faster floor
+    cache_layout: CacheLayout | None = None  # None: the layout with the faster floor
 
     def __post_init__(self) -> None:
         choices = {"method": METHODS, "moe": MOE_MODES, "attention": ATTENTION_CHOICES}
@@ -127,9 +133,14 @@ def plan(
         "attention": form,
         "dispatch": _dispatch(decoder.target.model, tokens * o.batch, devices, o.moe, where),
     }
-    layouts = lambda activations: _cache_layouts(
-        o, config, drafter_config, model_bytes, where, mesh, per_device, activations
-    )
+
+    def layouts(activations: int | None) -> dict[str, Any]:
+        """The latent cache's layout, its rounds and capacity (``_cache_layouts``), after
+        ``activations`` bytes of compiled temporaries (None: not compiled)."""
+        return _cache_layouts(
+            o, config, drafter_config, model_bytes, where, mesh, per_device, activations
+        )
+
     if not o.compile_round:
         return shape | layouts(None)
     round_shape = (o.method, block, o.budget, o.batch, slots, o.sampled)
@@ -139,14 +150,22 @@ def plan(
     compiled, account = _compile(decoder, round_batch, state, where, form)
     per_device["temporaries"] = compiled["temp_bytes"]
     shape |= layouts(compiled["temp_bytes"])
+    replicated_cache = per_device["target_cache"]
+    if shape["cache_layout"] == "striped":
+        held = slots_held(slots, devices, "striped")
+        laid = abstract_state(config, drafter_config, o.batch, held, block, mesh)
+        per_device["target_cache"] = sum(
+            _shard_bytes(x) for x in jax.tree.leaves(laid.target_cache)
+        )
     if account is not None:
         draft = 0 if o.method == "ar" else block
-        # the compiled round keeps today's replicated latent rows
+        # the compiled round is the runtime's, its latent rows replicated
         floor = round_traffic(
             o.method, tokens, config, model_bytes, o.max_len, devices, o.moe, draft
         )
         shape["compiled_traffic"] = _against_floor(account, floor)
-    return shape | _verdict(per_device, compiled, where, stored)
+    saved = replicated_cache - per_device["target_cache"]
+    return shape | _verdict(per_device, compiled, where, stored, saved)
 
 
 def _cache_layouts(
@@ -160,8 +179,9 @@ def _cache_layouts(
     activations: int | None,
 ) -> dict[str, Any]:
     """The traffic account of the latent cache's layout (``--cache-layout``, or the faster
-    floor of the plan's round on its hardware), both layouts' rounds, and the context tokens
-    each holds in the memory left after the weights and (when compiled) the temporaries."""
+    floor of the plan's round at its batch on its hardware), both layouts' rounds, and the
+    context tokens each holds in the memory left after the weights and (when compiled) the
+    temporaries."""
     devices = len(where.devices)
     weights = per_device["target_weights"] + per_device["drafter_weights"]
     free = where.memory - weights - (activations or 0)
@@ -174,7 +194,16 @@ def _cache_layouts(
     floors = {
         name: floor_seconds(
             round_traffic(
-                o.method, tokens, config, model_bytes, o.max_len, devices, o.moe, draft, name
+                o.method,
+                tokens,
+                config,
+                model_bytes,
+                o.max_len,
+                devices,
+                o.moe,
+                draft,
+                name,
+                o.batch,
             ),
             hardware,
         )["round_s"]
@@ -182,6 +211,8 @@ def _cache_layouts(
         if hardware is not None
     }
     round_name = {"ar": "AR", "dflash": "DFlash", "ddtree": f"DDTree-{o.budget}"}[o.method]
+    if o.batch > 1:
+        round_name += f" (batch {o.batch})"
     held = {name: c["tokens"] for name, c in capacity.items()}
     choice = choose_layout(
         o.cache_layout, floors, held, o.batch * o.max_len, hardware, devices, round_name
@@ -244,11 +275,17 @@ def _against_floor(account: dict[str, Any], floor: dict[str, Any]) -> dict[str, 
 
 
 def _verdict(
-    per_device: dict[str, int], compiled: dict[str, Any], where: Machine, stored: int
+    per_device: dict[str, int],
+    compiled: dict[str, Any],
+    where: Machine,
+    stored: int,
+    saved: int,
 ) -> dict[str, Any]:
-    """The per-device byte total and whether it fits the machine's memory."""
-    # the compiler's figure where it ran out
-    total = compiled.get("used_bytes", sum(per_device.values()))
+    """The per-device byte total in the plan's cache layout and whether it fits the machine's
+    memory; ``saved``: the latent cache bytes striping takes off each device."""
+    # the compiler's figure where it ran out counts the round it compiled: replicated rows
+    used = compiled.get("used_bytes")
+    total = sum(per_device.values()) if used is None else used - saved
     return {
         "per_device_bytes": per_device | {"total": total},
         "compiled": compiled,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxdd.planning.hardware import GPUS
 from jaxdd.planning.traffic import format_table
 
 GB = 1e9
@@ -38,8 +39,13 @@ def report(result: dict[str, Any]) -> str:
         f"{round_name[result['method']]}, {sampled}, attention {result['attention']}, "
         f"MoE dispatch {result['dispatch']}, per device:"
     )
+    notes = {}
+    if result["cache_layout"] == "striped":
+        devices = result["devices"]
+        notes["target_cache"] = f" (striped over {devices} devices: the busiest one's pages)"
     lines += [
-        f"  {name:<16} {value / GB:9.2f} GB" for name, value in result["per_device_bytes"].items()
+        f"  {name:<16} {value / GB:9.2f} GB{notes.get(name, '')}"
+        for name, value in result["per_device_bytes"].items()
     ]
     compiled = result["compiled"]
     lines.append(f"compiled for {where['platform']} in {compiled['compile_seconds']} s")
@@ -82,16 +88,25 @@ def layout_report(result: dict[str, Any]) -> list[str]:
 
 
 def merge_report(rows: list[dict]) -> list[str]:
-    """Striped rounds: the merge the link model chose per GPU, its collectives and bytes."""
+    """Striped rounds: each merge scheme the link model chose, on which GPUs, its collectives
+    and the MB it sends per round (one figure per row of the table)."""
     if not rows[0].get("merges"):
         return []
-    chosen = sorted({t["merge"] for row in rows for t in row["targets"].values()})
-    merge = rows[0]["merges"][chosen[0]]
-    sent = " / ".join(f"{row['merges'][chosen[0]]['bytes'] / 1e6:.1f}" for row in rows)
-    return [
-        f"  merge by {' or '.join(chosen)} (the link model's choice), "
-        f"{merge['collectives']} collectives per round, MB sent per round: {sent}"
-    ]
+    lines = []
+    for merge in sorted({t["merge"] for row in rows for t in row["targets"].values()}):
+        where = [
+            GPUS[key].name
+            for key in rows[0]["targets"]
+            if any(row["targets"][key]["merge"] == merge for row in rows)
+        ]
+        gpus = "every GPU" if len(where) == len(rows[0]["targets"]) else ", ".join(where)
+        collectives = rows[0]["merges"][merge]["collectives"]
+        sent = " / ".join(f"{row['merges'][merge]['bytes'] / 1e6:.1f}" for row in rows)
+        lines.append(
+            f"  merge by {merge} (the link model's choice on {gpus}), "
+            f"{collectives} collectives per round, MB sent per round: {sent}"
+        )
+    return lines
 
 
 def capacity_report(capacity: dict[str, Any], devices: int) -> list[str]:

@@ -28,6 +28,7 @@ from jaxdd.models.quant import ExpertWeights
 from jaxdd.models.target import KimiTarget
 from jaxdd.planning.cache_layout import (
     BF16,
+    CacheLayout,
     cheapest_merge,
     latent_row_bytes,
     link_seconds,
@@ -115,24 +116,27 @@ def round_traffic(
     devices: int,
     moe: str,
     draft_tokens: int = 0,
-    layout: str = "replicated",
+    layout: CacheLayout = "replicated",
+    batch: int = 1,
 ) -> dict[str, Any]:
     """Bytes one device reads, and sends in all-reduces, in a round verifying ``tokens``
-    tokens at ``context`` tokens of KV; ``draft_tokens``: the drafter's block (0 for AR).
-    ``layout``: the latent cache's (``cache_layout.LAYOUTS``); striped adds the merge's
-    ``merges`` (bytes sent and collectives per scheme)."""
+    tokens in each of ``batch`` rows at ``context`` tokens of KV each; ``draft_tokens``: the
+    drafter's block (0 for AR). ``layout``: the latent cache's (``cache_layout.LAYOUTS``);
+    striped adds the merge's ``merges`` (bytes sent and collectives per scheme)."""
     e = config.n_routed_experts
     k = config.num_experts_per_tok
+    # the weights are read once for all rows' tokens, the cache once per row
+    verified = tokens * batch
     # one expert's bytes here
     per_expert = model.expert_per_layer / (e if moe == "tp" else e / devices)
     if moe == "ep" and devices > 1:
-        local = slowest_device_experts(tokens, k, e, devices)
+        local = slowest_device_experts(verified, k, e, devices)
     else:
-        local = distinct_experts(tokens, k, e)
-    latent = tokens_read(context, devices, layout) * latent_row_bytes(config)
+        local = distinct_experts(verified, k, e)
+    latent = batch * tokens_read(context, devices, layout) * latent_row_bytes(config)
     speculative = method != "ar"
     reads = {
-        "weights": model.non_expert + tokens * model.embed_row,
+        "weights": model.non_expert + verified * model.embed_row,
         "experts": model.moe_layers * local * per_expert,
         "kv": latent,
         "drafter": (model.drafter + model.lm_head) if speculative else 0,
@@ -144,7 +148,8 @@ def round_traffic(
     drafter_allreduces = 2 * model.drafter_layers if speculative else 0
     message = config.hidden_size * BF16
     ring = 2 * (devices - 1) / devices if devices > 1 else 0.0
-    sent = ring * message * (target_allreduces * tokens + drafter_allreduces * draft_tokens)
+    drafted = draft_tokens * batch
+    sent = ring * message * (target_allreduces * verified + drafter_allreduces * drafted)
     count = (target_allreduces + drafter_allreduces) if devices > 1 else 0
     traffic = {
         **reads,
@@ -154,7 +159,7 @@ def round_traffic(
         "experts_read": local,
     }
     if layout == "striped":
-        traffic["merges"] = merge_costs(config, tokens, devices)
+        traffic["merges"] = merge_costs(config, verified, devices)
     return traffic
 
 
@@ -186,7 +191,7 @@ def traffic_table(
     block: int,
     budgets: tuple[int, ...] = (4, 8, 16, 32, 64),
     tau: Mapping = DEMO_TAU,
-    layout: str = "replicated",
+    layout: CacheLayout = "replicated",
 ) -> list[dict]:
     """One row per round shape (AR, DFlash at ``block``, DDTree at each
     budget): what a device reads and sends, and per named GPU the floor
@@ -211,16 +216,30 @@ def traffic_table(
     return rows
 
 
+def sent_bytes(traffic: Mapping[str, Any], merge: str | None) -> float:
+    """What a device sends in a round: its all-reduces, and the ``merge`` scheme's bytes
+    (a striped round's, as ``floor_seconds`` picks it; None: no merge)."""
+    merged = traffic["merges"][merge]["bytes"] if merge is not None else 0.0
+    return traffic["allreduce_bytes"] + merged
+
+
 def format_table(rows: list[dict]) -> str:
-    """The table as text: GB read and sent per device,
-    then per GPU the floor and predicted tokens/s."""
+    """The table as text: GB read and MB sent per device (the all-reduces and a striped
+    round's merge, as the link time counts them), then per GPU the floor and tokens/s."""
     names = list(GPUS)
     head = f"{'round':<11} {'tau':>5} {'read GB':>8} {'experts':>8} {'sent MB':>8}"
     head += "".join(f" | {GPUS[n].name:>26}" for n in names)
-    lines = [head, f"{'':<44}" + "".join(f" | {'ms (link ms)   tokens/s':>26}" for _ in names)]
+    merged = any(row.get("merges") for row in rows)
+    sent_head = "(all-reduces + merge)" if merged else "(all-reduces)"
+    lines = [
+        head,
+        f"{sent_head:>44}" + "".join(f" | {'ms (link ms)   tokens/s':>26}" for _ in names),
+    ]
     for row in rows:
+        sent = {sent_bytes(row, row["targets"][n].get("merge")) / 1e6 for n in names}
+        shown = f"{min(sent):.2f}" if len(sent) == 1 else f"{min(sent):.0f}-{max(sent):.0f}"
         line = f"{row['round']:<11} {row['tau']:>5.2f} {row['read_total'] / 1e9:>8.2f} "
-        line += f"{row['experts_read']:>8.1f} {row['allreduce_bytes'] / 1e6:>8.2f}"
+        line += f"{row['experts_read']:>8.1f} {shown:>8}"
         for n in names:
             t = row["targets"][n]
             line += (

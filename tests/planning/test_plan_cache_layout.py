@@ -1,11 +1,13 @@
 """The latent cache's layout in the plan (jaxdd.planning.cache_layout, capacity): striped reads
-a device's share of the cache and pays the merge's collectives, replicated is today's account,
+a device's share of the cache and pays the merge's collectives, replicated reads all of it,
 the default is the faster floor, and the pages that fit are counted for both layouts."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import math
 import subprocess
 import sys
 
@@ -14,11 +16,13 @@ import pytest
 
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.errors import InputError
+from jaxdd.planning import fit
 from jaxdd.planning.cache_layout import (
     ALL_TO_ALL,
     GATHER_SCATTER,
     LAYOUTS,
     PAGE_TOKENS,
+    CacheLayout,
     choose_layout,
     latent_row_bytes,
     merge_costs,
@@ -27,7 +31,8 @@ from jaxdd.planning.cache_layout import (
 from jaxdd.planning.capacity import cache_capacity
 from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.planning.hardware import GPUS
-from jaxdd.planning.report import report
+from jaxdd.planning.report import merge_report, report
+from jaxdd.planning.traffic import ModelBytes, format_table, round_traffic, sent_bytes
 
 FIXTURES = "tests/fixtures/"
 CONFIGS = (FIXTURES + "kimi_k25_config.json", FIXTURES + "kimi_k26_dflash_config.json")
@@ -45,7 +50,7 @@ def k26_plan(context: int, **options) -> dict:
     )
 
 
-def rows(result: dict, layout: str) -> dict[str, dict]:
+def rows(result: dict, layout: CacheLayout) -> dict[str, dict]:
     return {row["round"]: row for row in result["traffic_by_layout"][layout]}
 
 
@@ -71,9 +76,9 @@ def test_striped_reads_an_eighth_of_the_128k_cache_and_is_the_default_there():
     assert result["traffic"] == result["traffic_by_layout"]["striped"]
 
 
-def test_8k_default_is_todays_replicated_account():
+def test_8k_default_is_the_replicated_account():
     """At 8k the merge's collective latency outweighs the cache reads striping saves on PCIe:
-    the default stays replicated and its rows are today's (no merge, the whole cache read)."""
+    the default stays replicated and its rows have no merge and read the whole cache."""
     result = k26_plan(8192)
     config = KimiConfig.from_json_file(CONFIGS[0])
     assert result["cache_layout"] == "replicated"
@@ -170,7 +175,8 @@ def test_choice_follows_capacity_then_the_floor():
 
 def test_command_line_json_and_a_bad_layout():
     """`--json` carries the layout, its reason, both capacities and both layouts' rounds;
-    a layout that does not exist is one line and exit 2 (2 layers, full width)."""
+    a layout or MoE split that does not exist is one line naming the flag and exit 2
+    (2 layers, full width)."""
     argv = [*CLI, "--layers", "2", "--traffic", "--hardware", "rtx-pro-6000", "--method", "ar"]
     run = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
@@ -182,10 +188,114 @@ def test_command_line_json_and_a_bad_layout():
     assert result["cache_capacity_tokens"] == result["cache_capacity"][layout]["tokens"]
     names = [[row["round"] for row in rounds] for rounds in result["traffic_by_layout"].values()]
     assert names[0] == names[1] == [row["round"] for row in result["traffic"]]
-    bad = subprocess.run(
-        [*argv, "--cache-layout", "interleaved"], capture_output=True, text=True, timeout=300
+    for flag, value in (("--cache-layout", "interleaved"), ("--moe", "dp")):
+        bad = subprocess.run([*argv, flag, value], capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 2 and bad.stdout == ""
+        (line,) = bad.stderr.strip().splitlines()
+        assert line.startswith(f"jaxdd: argument {flag}: invalid choice: '{value}'")
+
+
+def test_the_verdict_follows_the_layout(tiny_plan_configs, monkeypatch):
+    """A batch whose replicated latent rows overflow each device's memory but whose striped
+    pages fit: striped holds the busiest device's whole pages (ceil(1/8) of each row's, the
+    drafter's K/V as it was) and fits, replicated does not, and the default picks striped."""
+    options = PlanOptions("cpu", 8, method="ar", batch=4, max_len=4096)
+    replicated = plan(*tiny_plan_configs, dataclasses.replace(options, cache_layout="replicated"))
+    per_device = replicated["per_device_bytes"]
+    cache = per_device["target_cache"]
+    # between the replicated total and the striped one (an eighth of the cache)
+    memory = per_device["total"] - cache / 2
+    real = fit.find_machine
+    monkeypatch.setattr(
+        fit,
+        "find_machine",
+        lambda *a: dataclasses.replace(real(*a), memory=memory),
     )
-    assert bad.returncode == 2 and bad.stdout == ""
-    assert bad.stderr.strip().splitlines() == [
-        "jaxdd: --cache-layout: expected one of striped, replicated, got 'interleaved'"
-    ]
+    results = {
+        layout: plan(*tiny_plan_configs, dataclasses.replace(options, cache_layout=layout))
+        for layout in (*LAYOUTS, None)
+    }
+    assert not results["replicated"]["fits"]
+    assert results["replicated"]["per_device_bytes"] == per_device
+    assert "does not fit cpu" in report(results["replicated"])
+    striped = results["striped"]
+    slots = striped["cache_slots"]
+    pages = math.ceil(slots / PAGE_TOKENS)
+    held = math.ceil(pages / 8) * PAGE_TOKENS
+    assert held < slots
+    rows = striped["per_device_bytes"]
+    length = 4 * 4  # the rows' int32 lengths, replicated
+    assert rows["target_cache"] - length == (cache - length) * held / slots
+    assert rows["drafter_cache"] == per_device["drafter_cache"]
+    assert rows["total"] == sum(v for k, v in rows.items() if k != "total") <= memory
+    assert striped["fits"] and "\nfits cpu" in report(striped)
+    assert "(striped over 8 devices: the busiest one's pages)" in report(striped)
+    default = results[None]
+    assert (
+        default["cache_layout"] == "striped"
+        and "replicated rows hold" in (default["cache_layout_reason"])
+    )
+    assert default["fits"] and default["per_device_bytes"] == rows
+
+
+def test_the_default_weighs_the_floors_at_the_plans_batch():
+    """Striping saves each row's cache reads, but its merge's collectives are paid once per
+    round: at 64k on PCIe one row's round is faster replicated, two rows' striped (both
+    layouts hold the 2 x 64k tokens, so the floors decide)."""
+    one, two = k26_plan(65536), k26_plan(65536, batch=2)
+    assert one["cache_layout"] == "replicated" and "AR floor" in one["cache_layout_reason"]
+    assert two["cache_layout"] == "striped"
+    assert "AR (batch 2) floor" in two["cache_layout_reason"]
+    capacity = two["cache_capacity"]
+    assert capacity["replicated"]["tokens"] >= 2 * 65536
+    # the tables stay one row's round
+    assert two["traffic_by_layout"] == one["traffic_by_layout"]
+
+
+def test_a_batchs_round_reads_the_weights_once_and_each_rows_cache():
+    config = KimiConfig.from_json_file(CONFIGS[0])
+    model = ModelBytes(1000, 10, 7, 5000, 300, 60, 1, 1)
+    rounds = {
+        batch: round_traffic("dflash", 9, config, model, 4096, 8, "tp", 8, "striped", batch)
+        for batch in (1, 3)
+    }
+    one, three = rounds[1], rounds[3]
+    assert three["kv"] == 3 * one["kv"] == 3 * tokens_read(4096, 8, "striped") * 70272
+    assert three["drafter"] == one["drafter"]
+    assert three["weights"] - one["weights"] == 2 * 9 * 7
+    assert three["allreduce_bytes"] == 3 * one["allreduce_bytes"]
+    assert three["allreduces"] == one["allreduces"]
+    assert three["merges"] == merge_costs(config, 27, 8)
+    assert three["experts_read"] > one["experts_read"]
+
+
+def test_sent_column_and_merge_lines_say_what_the_link_time_counts():
+    """The table's MB sent are the bytes its link ms carry (all-reduces, and a striped round's
+    merge); each merge scheme chosen gets its own line with its own collectives and bytes."""
+    result = k26_plan(131072)
+    striped = result["traffic_by_layout"]["striped"]
+    for row in striped:
+        for key, hardware in GPUS.items():
+            floor = row["targets"][key]
+            sent = sent_bytes(row, floor["merge"])
+            collectives = row["allreduces"] + row["merges"][floor["merge"]]["collectives"]
+            link = sent / hardware.link + collectives * hardware.collective_latency
+            assert floor["link_s"] == pytest.approx(link)
+    table = format_table(striped).splitlines()
+    assert table[1].strip().startswith("(all-reduces + merge) |")
+    ar = striped[0]
+    assert table[2].split()[4] == f"{sent_bytes(ar, ALL_TO_ALL) / 1e6:.2f}"
+    assert "(all-reduces) |" in format_table(result["traffic_by_layout"]["replicated"])
+    (line,) = merge_report(striped)
+    assert "merge by all-to-all (the link model's choice on every GPU), 122 collectives" in line
+    # the link model picked the gather + reduce-scatter on H200 for one row
+    mixed = [dict(row, targets=dict(row["targets"])) for row in striped]
+    mixed[0]["targets"]["h200"] = mixed[0]["targets"]["h200"] | {"merge": GATHER_SCATTER}
+    gather, a2a = merge_report(mixed)
+    assert "all-to-all (the link model's choice on every GPU), 122 collectives" in a2a
+    assert "all-gather + reduce-scatter (the link model's choice on 8 x H200" in gather
+    assert "183 collectives" in gather
+    sent = striped[0]["merges"][GATHER_SCATTER]["bytes"] / 1e6
+    assert gather.split("MB sent per round: ")[1].startswith(f"{sent:.1f} / ")
+    low, high = sorted(sent_bytes(striped[0], m) / 1e6 for m in (ALL_TO_ALL, GATHER_SCATTER))
+    assert format_table(mixed).splitlines()[2].split()[4] == f"{low:.0f}-{high:.0f}"
