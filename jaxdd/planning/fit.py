@@ -161,7 +161,15 @@ def plan(
         draft = 0 if o.method == "ar" else block
         # the compiled round is the runtime's, its latent rows replicated
         floor = round_traffic(
-            o.method, tokens, config, model_bytes, o.max_len, devices, o.moe, draft
+            o.method,
+            tokens,
+            config,
+            model_bytes,
+            o.max_len,
+            devices,
+            o.moe,
+            draft,
+            batch=o.batch,
         )
         shape["compiled_traffic"] = _against_floor(account, floor)
     saved = replicated_cache - per_device["target_cache"]

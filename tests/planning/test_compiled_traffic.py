@@ -224,6 +224,20 @@ def test_rounds_copy_no_weight(tiny_plan_configs, machine, method, sampled):
     assert account["bytes"] >= account["by_weight"]["target/lm_head"] > 0
 
 
+def test_the_floor_is_the_compiled_rounds_batch(tiny_plan_configs):
+    """A plan of a batch compares its compiled round, which runs every row, with the floor of
+    that many rows: each row's cache once, the weights once for all (and each token's embedding
+    row)."""
+    floors = {
+        batch: plan(*tiny_plan_configs, PlanOptions("h200", 8, "tp", "dflash", 16, 256, batch))[
+            "compiled_traffic"
+        ]["floor"]
+        for batch in (1, 2)
+    }
+    assert floors[2]["kv"] == 2 * floors[1]["kv"] > 0
+    assert floors[1]["weights"] <= floors[2]["weights"] < 1.1 * floors[1]["weights"]
+
+
 def test_sampled_tree_round_updates_the_cache_in_place_on_rtx_pro_6000():
     """K2.6 at full width (one layer), the sampled DDTree round for RTX PRO 6000: the
     tree-attention kernel reads the cache before the new rows are written into it, so
