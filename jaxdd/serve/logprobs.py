@@ -5,7 +5,9 @@ stream chunk with its own tokens'. The values are the target's distribution befo
 cut-offs (vLLM's default), whatever the request samples with. A token is spelled as the tokenizer
 decodes it alone (a cut UTF-8 character as U+FFFD, ``bytes`` its UTF-8), ``token_id:N`` without a
 tokenizer (vLLM's spelling); ``text_offset`` counts the spellings' characters from the choice's
-text start. A log-probability below ``FLOOR`` is given as it (JSON has no -Infinity), as vLLM does.
+text start. A completion's ``top_logprobs`` holds the token itself beside the top ones (OpenAI's
+"up to logprobs + 1"), chat's ``top_logprobs`` the top ones alone. A log-probability below
+``FLOOR`` is given as it (JSON has no -Infinity), as vLLM does.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class ChoiceLogprobs:
                 text = self.spell(token)
                 part["tokens"].append(text)
                 part["token_logprobs"].append(None if entry is None else finite(entry.logprob))
-                part["top_logprobs"].append(None if entry is None else self._top(entry))
+                part["top_logprobs"].append(None if entry is None else self._top(text, entry))
                 part["text_offset"].append(self.offset)
                 self.offset += len(text)
         self.parts.append(part)
@@ -72,11 +74,13 @@ class ChoiceLogprobs:
         keys = ("content",) if self.chat else COMPLETION_FIELDS
         return {key: [x for part in parts for x in part[key]] for key in keys}
 
-    def _top(self, entry: TokenLogprob) -> dict[str, float]:
-        """Completions' top: spelling -> logprob, best first (two ids spelled alike: the best)."""
-        top: dict[str, float] = {}
+    def _top(self, text: str, entry: TokenLogprob) -> dict[str, float]:
+        """Completions' top: spelling -> logprob, the token's own (spelled ``text``) first, then
+        the top ones best first (OpenAI's up to logprobs + 1); two spelled alike: the best."""
+        top = {text: finite(entry.logprob)}
         for token, logprob in entry.top:
-            top.setdefault(self.spell(token), finite(logprob))
+            spelled = self.spell(token)
+            top[spelled] = max(top.get(spelled, FLOOR), finite(logprob))
         return top
 
     def _chat_entry(self, token: int, entry: TokenLogprob) -> dict:

@@ -78,20 +78,21 @@ def generated(served, prompt: list[int], max_tokens: int, score: bool = False):
 
 def check_completion(logprobs: dict, tokenizer, tokens: list[int], entries, k: int) -> None:
     """OpenAI's completion logprobs of ``tokens`` equal the decoder's ``entries`` (None: a
-    prompt's first token), the top k spelled."""
+    prompt's first token): each top the token itself, then the top k, spelled."""
     assert logprobs["tokens"] == [tokenizer.decode([t]) for t in tokens]
     offsets = np.cumsum([0, *map(len, logprobs["tokens"][:-1])]).tolist()
     assert logprobs["text_offset"] == offsets
-    for value, top, entry in zip(
-        logprobs["token_logprobs"], logprobs["top_logprobs"], entries, strict=True
+    for token, value, top, entry in zip(
+        tokens, logprobs["token_logprobs"], logprobs["top_logprobs"], entries, strict=True
     ):
         if entry is None:
             assert value is None and top is None
             continue
         assert value == pytest.approx(entry.logprob, abs=ATOL)
-        spelled = {}
-        for token, logprob in entry.top[:k]:
-            spelled.setdefault(tokenizer.decode([token]), logprob)
+        spelled = {tokenizer.decode([token]): entry.logprob}
+        for other, logprob in entry.top[:k]:
+            text = tokenizer.decode([other])
+            spelled[text] = max(spelled.get(text, -np.inf), logprob)
         assert list(top) == list(spelled)
         np.testing.assert_allclose(list(top.values()), list(spelled.values()), atol=ATOL)
 
@@ -124,6 +125,23 @@ def test_completion_logprobs_equal_the_decoders(served):
     plain = post(client, "/v1/completions", {**body, "logprobs": None, "temperature": 0})
     assert plain["choices"][0]["logprobs"] is None
     assert plain["choices"][0]["token_ids"] == expected.tokens  # asking changed no token
+
+
+def test_completion_top_logprobs_hold_the_token_itself(served):
+    """OpenAI's "up to logprobs + 1": logprobs 0 gives each token's own, and a sampled token
+    outside the top one is in its own top too."""
+    client, *_ = served
+    body = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 2.0, "seed": 3}
+    alone = post(client, "/v1/completions", {**body, "logprobs": 0})["choices"][0]["logprobs"]
+    assert alone["top_logprobs"] == [
+        {text: value} for text, value in zip(alone["tokens"], alone["token_logprobs"], strict=True)
+    ]
+    one = post(client, "/v1/completions", {**body, "logprobs": 1})["choices"][0]["logprobs"]
+    assert one["tokens"] == alone["tokens"]  # asking for more changed no token
+    triples = zip(one["tokens"], one["token_logprobs"], one["top_logprobs"], strict=True)
+    for text, value, top in triples:
+        assert next(iter(top)) == text and top[text] >= value and len(top) <= 2
+    assert any(len(top) == 2 for top in one["top_logprobs"])  # sampled past the top one
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1])
