@@ -385,7 +385,7 @@ class Choices:
         parts = []
         if echo is not None and event.prompt_logprobs is not None:
             prompt = self.jobs[index].request.prompt
-            parts.append(shape.add_prompt(prompt, event.prompt_logprobs, echo))
+            parts.append(shape.add_prompt(prompt, event.prompt_logprobs))
         new = output.token_ids[before:]  # a stop string may end the output inside the event
         parts.append(shape.add(new, (event.logprobs or [])[: len(new)]))
         return (echo or "") + delta, shape.joined(parts)

@@ -5,9 +5,10 @@ stream chunk with its own tokens'. The values are the target's distribution befo
 cut-offs (vLLM's default), whatever the request samples with. A token is spelled as the tokenizer
 decodes it alone (a cut UTF-8 character as U+FFFD, ``bytes`` its UTF-8), ``token_id:N`` without a
 tokenizer (vLLM's spelling); ``text_offset`` counts the spellings' characters from the choice's
-text start. A completion's ``top_logprobs`` holds the token itself beside the top ones (OpenAI's
-"up to logprobs + 1"), chat's ``top_logprobs`` the top ones alone. A log-probability below
-``FLOOR`` is given as it (JSON has no -Infinity), as vLLM does.
+start, the echoed prompt's included (as vLLM's; a cut character's pieces count one each). A
+completion's ``top_logprobs`` holds the token itself beside the top ones (OpenAI's "up to
+logprobs + 1"), chat's ``top_logprobs`` the top ones alone. A log-probability below ``FLOOR`` is
+given as it (JSON has no -Infinity), as vLLM does.
 """
 
 from __future__ import annotations
@@ -58,12 +59,9 @@ class ChoiceLogprobs:
         self.parts.append(part)
         return part
 
-    def add_prompt(self, prompt: list[int], entries: list[TokenLogprob], text: str) -> dict:
-        """The echoed prompt's part (``entries``: its tokens' after the first); the tokens
-        after it are offset from the end of its ``text``."""
-        part = self.add(prompt, [None, *entries])
-        self.offset = len(text)
-        return part
+    def add_prompt(self, prompt: list[int], entries: list[TokenLogprob]) -> dict:
+        """The echoed prompt's part (``entries``: its tokens' after the first)."""
+        return self.add(prompt, [None, *entries])
 
     def whole(self) -> dict:
         """Every part so far, joined: the non-streamed choice's logprobs."""

@@ -162,6 +162,19 @@ def test_echo_scores_prompts_as_lm_eval_asks(served, max_tokens):
     assert response["usage"]["completion_tokens"] == max_tokens * len(PROMPTS)
 
 
+def test_echo_offsets_count_the_spellings_of_cut_characters(served):
+    """A prompt whose tokens cut UTF-8 characters (each piece spelled U+FFFD): every offset,
+    the new tokens' too, counts the pieces' spellings, not the echoed text's characters."""
+    client, _, tokenizer, _, _ = served
+    prompt = tokenizer.encode('x = "é漢"')
+    assert len(tokenizer.decode(prompt)) < sum(len(tokenizer.decode([t])) for t in prompt)
+    body = {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 4, "temperature": 0}
+    logprobs = post(client, "/v1/completions", body)["choices"][0]["logprobs"]
+    tokens = logprobs["tokens"]
+    assert len(tokens) > len(prompt)
+    assert logprobs["text_offset"] == np.cumsum([0, *map(len, tokens[:-1])]).tolist()
+
+
 def test_echo_without_logprobs_and_of_a_text(served):
     client, *_ = served
     body = {"prompt": "def f(x):", "echo": True, "max_tokens": 4, "temperature": 0}
