@@ -288,6 +288,7 @@ async def generate(
         )
     watcher = asyncio.create_task(watch_disconnect(request, events))
     texts = [""] * len(jobs)
+    parts: list[list[dict]] = [[] for _ in jobs]  # each choice's logprobs, as they come
     try:
         while not choices.done:
             item = await events.get()
@@ -295,7 +296,10 @@ async def generate(
                 choices.end("abort")
                 return Response(status_code=499)
             index, event = item
-            texts[index] += choices.take(index, event)[0]
+            text, logprobs = choices.take(index, event)
+            texts[index] += text
+            if logprobs is not None:
+                parts[index].append(logprobs)
     finally:
         choices.end("error")  # rows left when a sibling's error ended the request
         watcher.cancel()
@@ -304,7 +308,7 @@ async def generate(
         ids = output.token_ids if body.return_token_ids else None
         finish = choices.finishes[index]
         shape = choices.logprobs[index]
-        logprobs = None if shape is None else shape.whole()
+        logprobs = None if shape is None else shape.joined(parts[index])
         if kind == "chat":
             choice = protocol.chat_choice(
                 text, finish, ids, index, delta=False, first=True, logprobs=logprobs

@@ -13,6 +13,7 @@ given as it (JSON has no -Infinity), as vLLM does.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 from jaxdd.decoding.report import TokenLogprob
@@ -20,26 +21,32 @@ from jaxdd.weights.tokenizer import TextTokenizer
 
 COMPLETION_FIELDS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 FLOOR = -9999.0
+SPELLINGS = 1 << 16  # single-id spellings memoized: the ids in use, not a whole vocabulary
 
 
 def finite(logprob: float) -> float:
     return max(logprob, FLOOR)
 
 
+@functools.lru_cache(maxsize=SPELLINGS)
+def spelled(tokenizer: TextTokenizer, token: int) -> str:
+    """``token`` as ``tokenizer`` decodes it alone (each top id of each token is spelled)."""
+    return tokenizer.decode([token])
+
+
 class ChoiceLogprobs:
-    """One choice's logprobs: ``add`` (``add_prompt``) gives the part of new (prompt) tokens
-    and keeps it for ``whole``."""
+    """One choice's logprobs: ``add`` (``add_prompt``) gives the part of new (prompt) tokens;
+    ``joined`` makes one of parts."""
 
     def __init__(self, tokenizer: TextTokenizer | None, kind: Literal["completion", "chat"]):
         self.tokenizer = tokenizer
         self.chat = kind == "chat"
         self.offset = 0  # text_offset of the next token
-        self.parts: list[dict] = []
 
     def spell(self, token: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token}"
-        return self.tokenizer.decode([token])
+        return spelled(self.tokenizer, token)
 
     def add(self, tokens: list[int], entries: list[TokenLogprob | None]) -> dict:
         """The part of ``tokens`` (``entries``: one each; None for a prompt's first token)."""
@@ -56,16 +63,11 @@ class ChoiceLogprobs:
                 part["top_logprobs"].append(None if entry is None else self._top(text, entry))
                 part["text_offset"].append(self.offset)
                 self.offset += len(text)
-        self.parts.append(part)
         return part
 
     def add_prompt(self, prompt: list[int], entries: list[TokenLogprob]) -> dict:
         """The echoed prompt's part (``entries``: its tokens' after the first)."""
         return self.add(prompt, [None, *entries])
-
-    def whole(self) -> dict:
-        """Every part so far, joined: the non-streamed choice's logprobs."""
-        return self.joined(self.parts)
 
     def joined(self, parts: list[dict]) -> dict:
         """``parts`` as one, in their order."""
@@ -77,8 +79,8 @@ class ChoiceLogprobs:
         the top ones best first (OpenAI's up to logprobs + 1); two spelled alike: the best."""
         top = {text: finite(entry.logprob)}
         for token, logprob in entry.top:
-            spelled = self.spell(token)
-            top[spelled] = max(top.get(spelled, FLOOR), finite(logprob))
+            other = self.spell(token)
+            top[other] = max(top.get(other, FLOOR), finite(logprob))
         return top
 
     def _chat_entry(self, token: int, entry: TokenLogprob) -> dict:

@@ -15,8 +15,10 @@ from starlette.testclient import TestClient
 import jaxdd
 from jaxdd.cli import DEMO, model_stop_ids
 from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.decoding.report import TokenLogprob
 from jaxdd.decoding.rows import RowPool
 from jaxdd.serve.app import Server, create_app
+from jaxdd.serve.logprobs import ChoiceLogprobs
 from jaxdd.serve.metrics import Metrics
 from jaxdd.serve.scheduler import Scheduler
 from jaxdd.weights.tokenizer import load_tokenizer
@@ -95,6 +97,26 @@ def check_completion(logprobs: dict, tokenizer, tokens: list[int], entries, k: i
             spelled[text] = max(spelled.get(text, -np.inf), logprob)
         assert list(top) == list(spelled)
         np.testing.assert_allclose(list(top.values()), list(spelled.values()), atol=ATOL)
+
+
+class Spelling:
+    """A tokenizer that spells ids 1 and 2 alike and counts its decodes."""
+
+    def __init__(self):
+        self.decoded = []
+
+    def decode(self, ids: list[int]) -> str:
+        self.decoded.append(ids)
+        return {1: "a", 2: "a"}.get(ids[0], str(ids[0]))
+
+
+def test_spellings_are_memoized_and_alike_ones_keep_the_best():
+    tokenizer = Spelling()
+    entry = TokenLogprob(-3.0, [(2, -0.5), (7, -1.0), (1, -3.0)])
+    for _ in range(2):  # two choices of a request
+        part = ChoiceLogprobs(tokenizer, "completion").add([1, 1], [entry, entry])
+        assert part["top_logprobs"] == [{"a": -0.5, "7": -1.0}] * 2
+    assert sorted(tokenizer.decoded) == [[1], [2], [7]]  # each id decoded once
 
 
 def test_nothing_compiles_while_serving_logprobs(served):
