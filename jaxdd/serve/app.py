@@ -118,10 +118,10 @@ def create_app(server: Server) -> FastAPI:
             message = f"best_of: only best_of == n ({body.n}) is served, got {body.best_of}"
             raise APIError(400, message, param="best_of")
         asked = Asked(check_logprobs(server, body.logprobs, "logprobs"), body.echo)
-        echoes = [p if isinstance(p, str) else spell(server, p) for p in body.prompts()]
-        return await generate(
-            server, "completion", body, prompts, request, asked, echoes if body.echo else None
-        )
+        echoes = None
+        if body.echo:
+            echoes = [p if isinstance(p, str) else spell(server, p) for p in body.prompts()]
+        return await generate(server, "completion", body, prompts, request, asked, echoes)
 
     @app.post("/v1/chat/completions")
     async def chat(body: protocol.ChatRequest, request: Request):

@@ -201,6 +201,19 @@ def test_each_prompt_form_is_served(client, prompt):
     assert passes_every_check(response), response.text
 
 
+def test_token_prompts_are_decoded_only_to_echo(pool, monkeypatch):
+    tokenizer = load_tokenizer(DEMO / "target")
+    decoded = []
+    monkeypatch.setattr(tokenizer, "decode", lambda ids: decoded.append(list(ids)) or "")
+    scheduler = Scheduler(pool, Metrics(pool.block), max_waiting=1)
+    client = TestClient(create_app(Server(scheduler, tokenizer, "kimi-mini", [0], None, None)))
+    body = {"prompt": [[5, 6], [7]], "max_tokens": 2}
+    assert passes_every_check(client.post("/v1/completions", json=body))
+    assert decoded == []
+    assert passes_every_check(client.post("/v1/completions", json={**body, "echo": True}))
+    assert decoded == [[5, 6], [7]]
+
+
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
