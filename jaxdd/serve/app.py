@@ -3,7 +3,8 @@ Server-Sent Events for streams, OpenAI error bodies.
 
 Every request is checked before it is queued (a 400 names the field); past ``--max-waiting`` it
 gets a 429. Logprobs (up to ``--max-logprobs`` top ones) and a completion's ``echo`` are shaped by
-``jaxdd.serve.logprobs``; ``echo`` with ``max_tokens`` 0 scores the prompt alone. A request is one
+``jaxdd.serve.logprobs``; ``echo`` with ``max_tokens`` 0 scores the prompt alone, or without
+logprobs is answered by the HTTP side alone (nothing to compute). A request is one
 row per prompt of a batch and per sample (``n``), all queued together (or none), each its own
 choice. A stream whose client goes away cancels its rows (the generator is closed), and so does a
 non-streaming request whose client disconnects (polled while it waits), so they are free for the
@@ -24,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jaxdd.decoding.checks import MAX_STOP_TOKENS
+from jaxdd.decoding.checks import MAX_STOP_TOKENS, check_tokens
 from jaxdd.decoding.requests import RowRequest
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.errors import InputError
@@ -220,23 +221,40 @@ def make_job(
     seed = secrets.randbelow(2**32) if body.seed is None else (body.seed + draw) % 2**32
     sampling = Sampling(body.temperature, body.top_p, max(body.top_k, 0), seed)
     if max_tokens == 0 and not asked.echo:
-        message = "max_tokens: 0 is served only with echo (the prompt scored alone)"
+        message = "max_tokens: 0 is served only with echo (the prompt alone, scored with logprobs)"
         raise APIError(400, message, param="max_tokens")
-    # the prompt's logprobs when they are echoed, and for no new token (nothing else to compute)
-    score = asked.echo and (asked.logprobs is not None or max_tokens == 0)
-    logprobs = asked.logprobs
-    if score and logprobs is None:
-        logprobs = check_logprobs(server, 0, "max_tokens")  # computed, not returned
+    score = asked.echo and asked.logprobs is not None  # the echoed prompt's logprobs
+    request = RowRequest(prompt, max_tokens, stop_ids, sampling, asked.logprobs, score)
+    if not computed(request):
+        check_echoed(server, prompt)
+        return Job(request, deliver)
     try:
-        request = server.scheduler.check(
-            RowRequest(prompt, max_tokens, stop_ids, sampling, logprobs, score)
-        )
+        request = server.scheduler.check(request)
     except InputError as error:
         refused = "too_long" if server.scheduler.too_long(prompt, max_tokens) else "invalid"
         param = API_PARAMS.get(error.field, error.field)
         raise APIError(400, str(error), param=param, refused=refused) from None
     timeouts = [t for t in (body.timeout, server.request_timeout) if t is not None]
     return Job(request, deliver, timeout=min(timeouts) if timeouts else None)
+
+
+def computed(request: RowRequest) -> bool:
+    """Whether the rows have anything to compute for ``request`` (else its answer is its echoed
+    prompt alone)."""
+    return request.max_new_tokens > 0 or request.score_prompt
+
+
+def check_echoed(server: Server, prompt: list[int]) -> None:
+    """A prompt answered without the rows: its ids in the model's vocabulary, its length within
+    ``--max-len`` (APIError 400 otherwise)."""
+    try:
+        check_tokens([prompt], server.scheduler.pool.decoder.config.vocab_size)
+    except InputError as error:
+        raise APIError(400, str(error), param="prompt") from None
+    limit = server.scheduler.max_len
+    if len(prompt) > limit:
+        message = f"prompt: {len(prompt)} tokens, more than --max-len {limit}"
+        raise APIError(400, message, param="prompt", refused="too_long")
 
 
 async def generate(
@@ -279,7 +297,11 @@ async def generate(
     choices = Choices(server, kind, jobs, body.stop_strings(), prompt_tokens, request.state, asked)
     if echoes is not None:
         choices.echo([echo for echo in echoes for _ in range(body.n)])
-    submit(server, jobs)
+    if computed(jobs[0].request):  # alike in each row of a request
+        submit(server, jobs)
+    else:
+        for job in jobs:
+            job.deliver(Event([], finish="length"))
     request_id = protocol.new_id("chatcmpl" if kind == "chat" else "cmpl")
     if body.stream:
         chunks = stream(server, kind, body, choices, events, request_id)
