@@ -119,10 +119,7 @@ def create_app(server: Server) -> FastAPI:
             message = f"best_of: only best_of == n ({body.n}) is served, got {body.best_of}"
             raise APIError(400, message, param="best_of")
         asked = Asked(check_logprobs(server, body.logprobs, "logprobs"), body.echo)
-        echoes = None
-        if body.echo:
-            echoes = [p if isinstance(p, str) else spell(server, p) for p in body.prompts()]
-        return await generate(server, "completion", body, prompts, request, asked, echoes)
+        return await generate(server, "completion", body, prompts, request, asked)
 
     @app.post("/v1/chat/completions")
     async def chat(body: protocol.ChatRequest, request: Request):
@@ -171,8 +168,11 @@ def check_logprobs(server: Server, asked: int | None, param: str) -> int | None:
     return asked
 
 
-def spell(server: Server, prompt: list[int]) -> str:
-    """A prompt of ids as text, to echo it ("" without a tokenizer, as its outputs are)."""
+def echo_text(server: Server, prompt: str | list[int]) -> str:
+    """A prompt as it is echoed: its text, a prompt of ids decoded ("" without a tokenizer, as
+    its outputs are)."""
+    if isinstance(prompt, str):
+        return prompt
     return "" if server.tokenizer is None else server.tokenizer.decode(prompt)
 
 
@@ -264,11 +264,10 @@ async def generate(
     prompts: list[list[int]],
     request: Request,
     asked: Asked,
-    echoes: list[str] | None = None,
 ):
     """Answer a request: each prompt's ``n`` rows, submitted together, each its own choice (index
-    prompt * n + draw), streamed or whole; with ``echoes`` (``asked.echo``), each prompt's text
-    first."""
+    prompt * n + draw), streamed or whole; with ``asked.echo`` (a completion's), each prompt's
+    text first."""
     loop = asyncio.get_running_loop()
     events = asyncio.Queue()
     rows = len(prompts) * body.n
@@ -295,8 +294,8 @@ async def generate(
     ]
     prompt_tokens = sum(map(len, prompts))
     choices = Choices(server, kind, jobs, body.stop_strings(), prompt_tokens, request.state, asked)
-    if echoes is not None:
-        choices.echo([echo for echo in echoes for _ in range(body.n)])
+    if asked.echo:  # spelled once its ids are checked
+        choices.echo([echo_text(server, p) for p in body.prompts() for _ in range(body.n)])
     if computed(jobs[0].request):  # alike in each row of a request
         submit(server, jobs)
     else:
@@ -329,8 +328,8 @@ async def generate(
     for index, (text, output) in enumerate(zip(texts, choices.outputs, strict=True)):
         ids = output.token_ids if body.return_token_ids else None
         finish = choices.finishes[index]
-        shape = choices.logprobs[index]
-        logprobs = None if shape is None else shape.joined(parts[index])
+        choice_logprobs = choices.logprobs[index]
+        logprobs = None if choice_logprobs is None else choice_logprobs.joined(parts[index])
         if kind == "chat":
             choice = protocol.chat_choice(
                 text, finish, ids, index, delta=False, first=True, logprobs=logprobs
@@ -405,16 +404,16 @@ class Choices:
         self.state.usage = (self.prompt_tokens, self.completion_tokens)
         echo = self.echoes[index]
         self.echoes[index] = None  # sent with this event
-        shape = self.logprobs[index]
-        if shape is None:
+        choice_logprobs = self.logprobs[index]
+        if choice_logprobs is None:
             return (echo or "") + delta, None
         parts = []
         if echo is not None and event.prompt_logprobs is not None:
             prompt = self.jobs[index].request.prompt
-            parts.append(shape.add_prompt(prompt, event.prompt_logprobs))
+            parts.append(choice_logprobs.add_prompt(prompt, event.prompt_logprobs))
         new = output.token_ids[before:]  # a stop string may end the output inside the event
-        parts.append(shape.add(new, (event.logprobs or [])[: len(new)]))
-        return (echo or "") + delta, shape.joined(parts)
+        parts.append(choice_logprobs.add(new, (event.logprobs or [])[: len(new)]))
+        return (echo or "") + delta, choice_logprobs.joined(parts)
 
     @property
     def completion_tokens(self) -> int:

@@ -214,6 +214,9 @@ def test_token_prompts_are_decoded_only_to_echo(pool, monkeypatch):
     assert decoded == []
     assert passes_every_check(client.post("/v1/completions", json={**body, "echo": True}))
     assert decoded == [[5, 6], [7]]
+    outside = {"prompt": [[5], [4096]], "echo": True, "max_tokens": 2}
+    assert client.post("/v1/completions", json=outside).status_code == 400
+    assert decoded == [[5, 6], [7]]  # a prompt is decoded once its ids are checked
 
 
 @pytest.mark.parametrize("stream", [False, True])
