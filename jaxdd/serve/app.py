@@ -3,7 +3,8 @@ Server-Sent Events for streams, OpenAI error bodies.
 
 Every request is checked before it is queued (a 400 names the field); past ``--max-waiting`` it
 gets a 429. Logprobs (up to ``--max-logprobs`` top ones) and a completion's ``echo`` are shaped by
-``jaxdd.serve.logprobs``; ``echo`` with ``max_tokens`` 0 scores the prompt alone. A request is one
+``jaxdd.serve.logprobs``; ``echo`` with ``max_tokens`` 0 scores the prompt alone, or without
+logprobs is answered by the HTTP side alone (nothing to compute). A request is one
 row per prompt of a batch and per sample (``n``), all queued together (or none), each its own
 choice. A stream whose client goes away cancels its rows (the generator is closed), and so does a
 non-streaming request whose client disconnects (polled while it waits), so they are free for the
@@ -24,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jaxdd.decoding.checks import MAX_STOP_TOKENS
+from jaxdd.decoding.checks import MAX_STOP_TOKENS, check_tokens
 from jaxdd.decoding.requests import RowRequest
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.errors import InputError
@@ -118,10 +119,7 @@ def create_app(server: Server) -> FastAPI:
             message = f"best_of: only best_of == n ({body.n}) is served, got {body.best_of}"
             raise APIError(400, message, param="best_of")
         asked = Asked(check_logprobs(server, body.logprobs, "logprobs"), body.echo)
-        echoes = [p if isinstance(p, str) else spell(server, p) for p in body.prompts()]
-        return await generate(
-            server, "completion", body, prompts, request, asked, echoes if body.echo else None
-        )
+        return await generate(server, "completion", body, prompts, request, asked)
 
     @app.post("/v1/chat/completions")
     async def chat(body: protocol.ChatRequest, request: Request):
@@ -170,8 +168,11 @@ def check_logprobs(server: Server, asked: int | None, param: str) -> int | None:
     return asked
 
 
-def spell(server: Server, prompt: list[int]) -> str:
-    """A prompt of ids as text, to echo it ("" without a tokenizer, as its outputs are)."""
+def echo_text(server: Server, prompt: str | list[int]) -> str:
+    """A prompt as it is echoed: its text, a prompt of ids decoded ("" without a tokenizer, as
+    its outputs are)."""
+    if isinstance(prompt, str):
+        return prompt
     return "" if server.tokenizer is None else server.tokenizer.decode(prompt)
 
 
@@ -220,23 +221,40 @@ def make_job(
     seed = secrets.randbelow(2**32) if body.seed is None else (body.seed + draw) % 2**32
     sampling = Sampling(body.temperature, body.top_p, max(body.top_k, 0), seed)
     if max_tokens == 0 and not asked.echo:
-        message = "max_tokens: 0 is served only with echo (the prompt scored alone)"
+        message = "max_tokens: 0 is served only with echo (the prompt alone, scored with logprobs)"
         raise APIError(400, message, param="max_tokens")
-    # the prompt's logprobs when they are echoed, and for no new token (nothing else to compute)
-    score = asked.echo and (asked.logprobs is not None or max_tokens == 0)
-    logprobs = asked.logprobs
-    if score and logprobs is None:
-        logprobs = check_logprobs(server, 0, "max_tokens")  # computed, not returned
+    score = asked.echo and asked.logprobs is not None  # the echoed prompt's logprobs
+    request = RowRequest(prompt, max_tokens, stop_ids, sampling, asked.logprobs, score)
+    if not computed(request):
+        check_echoed(server, prompt)
+        return Job(request, deliver)
     try:
-        request = server.scheduler.check(
-            RowRequest(prompt, max_tokens, stop_ids, sampling, logprobs, score)
-        )
+        request = server.scheduler.check(request)
     except InputError as error:
         refused = "too_long" if server.scheduler.too_long(prompt, max_tokens) else "invalid"
         param = API_PARAMS.get(error.field, error.field)
         raise APIError(400, str(error), param=param, refused=refused) from None
     timeouts = [t for t in (body.timeout, server.request_timeout) if t is not None]
     return Job(request, deliver, timeout=min(timeouts) if timeouts else None)
+
+
+def computed(request: RowRequest) -> bool:
+    """Whether the rows have anything to compute for ``request`` (else its answer is its echoed
+    prompt alone)."""
+    return request.max_new_tokens > 0 or request.score_prompt
+
+
+def check_echoed(server: Server, prompt: list[int]) -> None:
+    """A prompt answered without the rows: its ids in the model's vocabulary, its length within
+    ``--max-len`` (APIError 400 otherwise)."""
+    try:
+        check_tokens([prompt], server.scheduler.pool.decoder.config.vocab_size)
+    except InputError as error:
+        raise APIError(400, str(error), param="prompt") from None
+    limit = server.scheduler.max_len
+    if len(prompt) > limit:
+        message = f"prompt: {len(prompt)} tokens, more than --max-len {limit}"
+        raise APIError(400, message, param="prompt", refused="too_long")
 
 
 async def generate(
@@ -246,11 +264,10 @@ async def generate(
     prompts: list[list[int]],
     request: Request,
     asked: Asked,
-    echoes: list[str] | None = None,
 ):
     """Answer a request: each prompt's ``n`` rows, submitted together, each its own choice (index
-    prompt * n + draw), streamed or whole; with ``echoes`` (``asked.echo``), each prompt's text
-    first."""
+    prompt * n + draw), streamed or whole; with ``asked.echo`` (a completion's), each prompt's
+    text first."""
     loop = asyncio.get_running_loop()
     events = asyncio.Queue()
     rows = len(prompts) * body.n
@@ -277,9 +294,13 @@ async def generate(
     ]
     prompt_tokens = sum(map(len, prompts))
     choices = Choices(server, kind, jobs, body.stop_strings(), prompt_tokens, request.state, asked)
-    if echoes is not None:
-        choices.echo([echo for echo in echoes for _ in range(body.n)])
-    submit(server, jobs)
+    if asked.echo:  # spelled once its ids are checked
+        choices.echo([echo_text(server, p) for p in body.prompts() for _ in range(body.n)])
+    if computed(jobs[0].request):  # alike in each row of a request
+        submit(server, jobs)
+    else:
+        for job in jobs:
+            job.deliver(Event([], finish="length"))
     request_id = protocol.new_id("chatcmpl" if kind == "chat" else "cmpl")
     if body.stream:
         chunks = stream(server, kind, body, choices, events, request_id)
@@ -288,6 +309,7 @@ async def generate(
         )
     watcher = asyncio.create_task(watch_disconnect(request, events))
     texts = [""] * len(jobs)
+    parts: list[list[dict]] = [[] for _ in jobs]  # each choice's logprobs, as they come
     try:
         while not choices.done:
             item = await events.get()
@@ -295,7 +317,10 @@ async def generate(
                 choices.end("abort")
                 return Response(status_code=499)
             index, event = item
-            texts[index] += choices.take(index, event)[0]
+            text, logprobs = choices.take(index, event)
+            texts[index] += text
+            if logprobs is not None:
+                parts[index].append(logprobs)
     finally:
         choices.end("error")  # rows left when a sibling's error ended the request
         watcher.cancel()
@@ -303,8 +328,8 @@ async def generate(
     for index, (text, output) in enumerate(zip(texts, choices.outputs, strict=True)):
         ids = output.token_ids if body.return_token_ids else None
         finish = choices.finishes[index]
-        shape = choices.logprobs[index]
-        logprobs = None if shape is None else shape.whole()
+        choice_logprobs = choices.logprobs[index]
+        logprobs = None if choice_logprobs is None else choice_logprobs.joined(parts[index])
         if kind == "chat":
             choice = protocol.chat_choice(
                 text, finish, ids, index, delta=False, first=True, logprobs=logprobs
@@ -379,16 +404,16 @@ class Choices:
         self.state.usage = (self.prompt_tokens, self.completion_tokens)
         echo = self.echoes[index]
         self.echoes[index] = None  # sent with this event
-        shape = self.logprobs[index]
-        if shape is None:
+        choice_logprobs = self.logprobs[index]
+        if choice_logprobs is None:
             return (echo or "") + delta, None
         parts = []
         if echo is not None and event.prompt_logprobs is not None:
             prompt = self.jobs[index].request.prompt
-            parts.append(shape.add_prompt(prompt, event.prompt_logprobs, echo))
+            parts.append(choice_logprobs.add_prompt(prompt, event.prompt_logprobs))
         new = output.token_ids[before:]  # a stop string may end the output inside the event
-        parts.append(shape.add(new, (event.logprobs or [])[: len(new)]))
-        return (echo or "") + delta, shape.joined(parts)
+        parts.append(choice_logprobs.add(new, (event.logprobs or [])[: len(new)]))
+        return (echo or "") + delta, choice_logprobs.joined(parts)
 
     @property
     def completion_tokens(self) -> int:

@@ -70,7 +70,7 @@ class SamplingFields(Fields):
     """What both endpoints take besides the prompt."""
 
     model: str | None = None
-    # 0: no new token, only with a completion's echo (the prompt scored alone)
+    # 0: no new token, only with a completion's echo (the prompt alone)
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)  # OpenAI's newer name for max_tokens
     # OpenAI's default and range; 0 is greedy

@@ -5,7 +5,9 @@ that passes every check is answered 503 "compiling" at the queue."""
 
 from __future__ import annotations
 
+import json
 import typing
+from operator import itemgetter
 
 import pytest
 from openai.types import completion_create_params
@@ -199,6 +201,57 @@ def test_max_completion_tokens_limits_a_completion(client):
 def test_each_prompt_form_is_served(client, prompt):
     response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
     assert passes_every_check(response), response.text
+
+
+def test_token_prompts_are_decoded_only_to_echo(pool, monkeypatch):
+    tokenizer = load_tokenizer(DEMO / "target")
+    decoded = []
+    monkeypatch.setattr(tokenizer, "decode", lambda ids: decoded.append(list(ids)) or "")
+    scheduler = Scheduler(pool, Metrics(pool.block), max_waiting=1)
+    client = TestClient(create_app(Server(scheduler, tokenizer, "kimi-mini", [0], None, None)))
+    body = {"prompt": [[5, 6], [7]], "max_tokens": 2}
+    assert passes_every_check(client.post("/v1/completions", json=body))
+    assert decoded == []
+    assert passes_every_check(client.post("/v1/completions", json={**body, "echo": True}))
+    assert decoded == [[5, 6], [7]]
+    outside = {"prompt": [[5], [4096]], "echo": True, "max_tokens": 2}
+    assert client.post("/v1/completions", json=outside).status_code == 400
+    assert decoded == [[5, 6], [7]]  # a prompt is decoded once its ids are checked
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("prompt", ["def f(x):", [[5, 6, 7], [40, 41]]], ids=str)
+def test_echo_of_no_token_without_logprobs_needs_no_rows(client, prompt, stream):
+    """Nothing to compute: answered though the scheduler never became ready."""
+    tokenizer = load_tokenizer(DEMO / "target")
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    n = 2 // len(prompts)  # rows within --max-batch 2
+    body = {"prompt": prompt, "echo": True, "max_tokens": 0, "n": n, "stream": stream}
+    body["stream_options"] = {"include_usage": True} if stream else None
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line[6:7] == "{"]
+        choices = sorted((c for chunk in chunks for c in chunk["choices"]), key=itemgetter("index"))
+        usage = chunks[-1]["usage"]
+    else:
+        choices, usage = response.json()["choices"], response.json()["usage"]
+    texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+    assert [c["text"] for c in choices] == [text for text in texts for _ in range(n)]
+    assert {c["finish_reason"] for c in choices} == {"length"}
+    assert all(c["logprobs"] is None for c in choices)
+    tokens = sum(len(tokenizer.encode(p) if isinstance(p, str) else p) for p in prompts)
+    assert usage == {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [({"prompt": [[5], [4096]]}, "vocabulary"), ({"prompt": [5] * 65}, "more than --max-len 64")],
+)
+def test_an_echo_needing_no_rows_is_checked(client, body, words):
+    response = client.post("/v1/completions", json={**body, "echo": True, "max_tokens": 0})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "prompt" and words in error["message"]
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,10 @@ from starlette.testclient import TestClient
 import jaxdd
 from jaxdd.cli import DEMO, model_stop_ids
 from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.decoding.report import TokenLogprob
 from jaxdd.decoding.rows import RowPool
 from jaxdd.serve.app import Server, create_app
+from jaxdd.serve.logprobs import ChoiceLogprobs
 from jaxdd.serve.metrics import Metrics
 from jaxdd.serve.scheduler import Scheduler
 from jaxdd.weights.tokenizer import load_tokenizer
@@ -78,22 +80,43 @@ def generated(served, prompt: list[int], max_tokens: int, score: bool = False):
 
 def check_completion(logprobs: dict, tokenizer, tokens: list[int], entries, k: int) -> None:
     """OpenAI's completion logprobs of ``tokens`` equal the decoder's ``entries`` (None: a
-    prompt's first token), the top k spelled."""
+    prompt's first token): each top the token itself, then the top k, spelled."""
     assert logprobs["tokens"] == [tokenizer.decode([t]) for t in tokens]
     offsets = np.cumsum([0, *map(len, logprobs["tokens"][:-1])]).tolist()
     assert logprobs["text_offset"] == offsets
-    for value, top, entry in zip(
-        logprobs["token_logprobs"], logprobs["top_logprobs"], entries, strict=True
+    for token, value, top, entry in zip(
+        tokens, logprobs["token_logprobs"], logprobs["top_logprobs"], entries, strict=True
     ):
         if entry is None:
             assert value is None and top is None
             continue
         assert value == pytest.approx(entry.logprob, abs=ATOL)
-        spelled = {}
-        for token, logprob in entry.top[:k]:
-            spelled.setdefault(tokenizer.decode([token]), logprob)
+        spelled = {tokenizer.decode([token]): entry.logprob}
+        for other, logprob in entry.top[:k]:
+            text = tokenizer.decode([other])
+            spelled[text] = max(spelled.get(text, -np.inf), logprob)
         assert list(top) == list(spelled)
         np.testing.assert_allclose(list(top.values()), list(spelled.values()), atol=ATOL)
+
+
+class Spelling:
+    """A tokenizer that spells ids 1 and 2 alike and counts its decodes."""
+
+    def __init__(self):
+        self.decoded = []
+
+    def decode(self, ids: list[int]) -> str:
+        self.decoded.append(ids)
+        return {1: "a", 2: "a"}.get(ids[0], str(ids[0]))
+
+
+def test_spellings_are_memoized_and_alike_ones_keep_the_best():
+    tokenizer = Spelling()
+    entry = TokenLogprob(-3.0, [(2, -0.5), (7, -1.0), (1, -3.0)])
+    for _ in range(2):  # two choices of a request
+        part = ChoiceLogprobs(tokenizer, "completion").add([1, 1], [entry, entry])
+        assert part["top_logprobs"] == [{"a": -0.5, "7": -1.0}] * 2
+    assert sorted(tokenizer.decoded) == [[1], [2], [7]]  # each id decoded once
 
 
 def test_nothing_compiles_while_serving_logprobs(served):
@@ -126,6 +149,23 @@ def test_completion_logprobs_equal_the_decoders(served):
     assert plain["choices"][0]["token_ids"] == expected.tokens  # asking changed no token
 
 
+def test_completion_top_logprobs_hold_the_token_itself(served):
+    """OpenAI's "up to logprobs + 1": logprobs 0 gives each token's own, and a sampled token
+    outside the top one is in its own top too."""
+    client, *_ = served
+    body = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 2.0, "seed": 3}
+    alone = post(client, "/v1/completions", {**body, "logprobs": 0})["choices"][0]["logprobs"]
+    assert alone["top_logprobs"] == [
+        {text: value} for text, value in zip(alone["tokens"], alone["token_logprobs"], strict=True)
+    ]
+    one = post(client, "/v1/completions", {**body, "logprobs": 1})["choices"][0]["logprobs"]
+    assert one["tokens"] == alone["tokens"]  # asking for more changed no token
+    triples = zip(one["tokens"], one["token_logprobs"], one["top_logprobs"], strict=True)
+    for text, value, top in triples:
+        assert next(iter(top)) == text and top[text] >= value and len(top) <= 2
+    assert any(len(top) == 2 for top in one["top_logprobs"])  # sampled past the top one
+
+
 @pytest.mark.parametrize("max_tokens", [0, 1])
 def test_echo_scores_prompts_as_lm_eval_asks(served, max_tokens):
     """lm-eval's loglikelihood request: a batch of id lists, echo, logprobs 1, max_tokens 0 (or
@@ -142,6 +182,19 @@ def test_echo_scores_prompts_as_lm_eval_asks(served, max_tokens):
         entries = [None, *expected.prompt_logprobs, *expected.logprobs[:max_tokens]]
         check_completion(choice["logprobs"], tokenizer, tokens, entries, 1)
     assert response["usage"]["completion_tokens"] == max_tokens * len(PROMPTS)
+
+
+def test_echo_offsets_count_the_spellings_of_cut_characters(served):
+    """A prompt whose tokens cut UTF-8 characters (each piece spelled U+FFFD): every offset,
+    the new tokens' too, counts the pieces' spellings, not the echoed text's characters."""
+    client, _, tokenizer, _, _ = served
+    prompt = tokenizer.encode('x = "é漢"')
+    assert len(tokenizer.decode(prompt)) < sum(len(tokenizer.decode([t])) for t in prompt)
+    body = {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 4, "temperature": 0}
+    logprobs = post(client, "/v1/completions", body)["choices"][0]["logprobs"]
+    tokens = logprobs["tokens"]
+    assert len(tokens) > len(prompt)
+    assert logprobs["text_offset"] == np.cumsum([0, *map(len, tokens[:-1])]).tolist()
 
 
 def test_echo_without_logprobs_and_of_a_text(served):
