@@ -248,7 +248,7 @@ def check_echoed(server: Server, prompt: list[int]) -> None:
     """A prompt answered without the rows: its ids in the model's vocabulary, its length within
     ``--max-len`` (APIError 400 otherwise)."""
     try:
-        check_tokens([prompt], server.scheduler.pool.decoder.config.vocab_size)
+        check_tokens([prompt], server.scheduler.vocab_size)
     except InputError as error:
         raise APIError(400, str(error), param="prompt") from None
     limit = server.scheduler.max_len
@@ -296,11 +296,7 @@ async def generate(
     choices = Choices(server, kind, jobs, body.stop_strings(), prompt_tokens, request.state, asked)
     if asked.echo:  # spelled once its ids are checked
         choices.echo([echo_text(server, p) for p in body.prompts() for _ in range(body.n)])
-    if computed(jobs[0].request):  # alike in each row of a request
-        submit(server, jobs)
-    else:
-        for job in jobs:
-            job.deliver(Event([], finish="length"))
+    submit(server, jobs)
     request_id = protocol.new_id("chatcmpl" if kind == "chat" else "cmpl")
     if body.stream:
         chunks = stream(server, kind, body, choices, events, request_id)
@@ -341,8 +337,14 @@ async def generate(
 
 
 def submit(server: Server, jobs: list[Job]) -> None:
-    """Queue every row of a request, or none (its rows already queued are cancelled)."""
+    """Queue every row of a request, or none (its rows already queued are cancelled); a request
+    with nothing to compute (its echo alone) is answered at once, if the server admits any."""
     try:
+        if not computed(jobs[0].request):  # alike in each row of a request
+            server.scheduler.accepting()
+            for job in jobs:
+                job.deliver(Event([], finish="length"))
+            return
         for job in jobs:
             server.scheduler.submit(job)
     except QueueFull as error:

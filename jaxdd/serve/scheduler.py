@@ -165,13 +165,22 @@ class Scheduler:
             self._drain_deadline = time.monotonic() + timeout
             self._wake.notify()
 
+    @property
+    def vocab_size(self) -> int:
+        return self.pool.decoder.config.vocab_size
+
+    def accepting(self) -> None:
+        """Raise ``NotReady`` unless requests are admitted now (compiled, not failed, not
+        draining)."""
+        if not self.ready.is_set() or self.failure is not None:
+            raise NotReady(self.failure or "the server is still compiling")
+        if self._drain_deadline is not None:
+            raise NotReady("the server is shutting down")
+
     def submit(self, job: Job) -> None:
         """Queue a request, or raise ``NotReady`` / ``QueueFull`` at once."""
         with self._wake:
-            if not self.ready.is_set() or self.failure is not None:
-                raise NotReady(self.failure or "the server is still compiling")
-            if self._drain_deadline is not None:
-                raise NotReady("the server is shutting down")
+            self.accepting()
             waiting = len(self._waiting) - self._free
             if waiting >= self.max_waiting:
                 raise QueueFull(

@@ -221,14 +221,20 @@ def test_token_prompts_are_decoded_only_to_echo(pool, monkeypatch):
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("prompt", ["def f(x):", [[5, 6, 7], [40, 41]]], ids=str)
-def test_echo_of_no_token_without_logprobs_needs_no_rows(client, prompt, stream):
-    """Nothing to compute: answered though the scheduler never became ready."""
+def test_echo_of_no_token_without_logprobs_needs_no_rows(pool, client, prompt, stream):
+    """Nothing to compute: answered by a server whose scheduler is ready but whose decode thread
+    never runs (so not by the rows); refused like any request while it is not ready."""
     tokenizer = load_tokenizer(DEMO / "target")
     prompts = [prompt] if isinstance(prompt, str) else prompt
     n = 2 // len(prompts)  # rows within --max-batch 2
     body = {"prompt": prompt, "echo": True, "max_tokens": 0, "n": n, "stream": stream}
     body["stream_options"] = {"include_usage": True} if stream else None
-    response = client.post("/v1/completions", json=body)
+    compiling = client.post("/v1/completions", json=body)
+    assert compiling.status_code == 503 and compiling.json()["error"]["code"] == "not_ready"
+    scheduler = Scheduler(pool, Metrics(pool.block), max_waiting=1)
+    scheduler.ready.set()
+    server = Server(scheduler, tokenizer, "kimi-mini", [0], None, None)
+    response = TestClient(create_app(server)).post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     if stream:
         chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line[6:7] == "{"]
