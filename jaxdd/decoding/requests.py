@@ -1,5 +1,6 @@
 """What a pool of rows takes and gives (``jaxdd.decoding.rows``): a checked request, the pool's
-fixed shape, a row's update after a collect, and what the pool needs of its decoder."""
+fixed shape, a row's update after a collect, what the pool needs of its decoder, and requests
+as a prefill's host arrays."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 from typing import Any, Protocol
 
 import jax
+import numpy as np
 
 from jaxdd.config import KimiConfig
 from jaxdd.decoding.report import RoundTrace, TokenLogprob
@@ -75,3 +77,19 @@ class RowUpdate:
     owner: Any = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+
+
+def pad_requests(
+    requests: list[RowRequest], rows: int, length: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The prefill's host inputs for ``requests`` in the first of ``rows``
+    rows, prompts padded to ``length``: (tokens, prompt_len, seeds). Padding
+    rows hold one token (their requests' length ends them at once)."""
+    tokens = np.zeros((rows, length), np.int32)
+    prompt_len = np.ones((rows,), np.int32)
+    seeds = np.zeros((rows,), np.uint32)
+    for i, request in enumerate(requests):
+        tokens[i, : len(request.prompt)] = request.prompt
+        prompt_len[i] = len(request.prompt)
+        seeds[i] = request.sampling.seed
+    return tokens, prompt_len, seeds

@@ -11,8 +11,9 @@ the sampled round, whose greedy rows still decode greedily (their distributions 
 the cheaper greedy round, run while every active row is greedy (the tokens are the same). A tier
 is the first 1, 4, 16, ... rows or all of them; a round runs over the fewest that hold every busy
 row (requests take the lowest free row), so a lightly loaded pool pays for the rows it uses.
-With ``logprobs`` = k > 0 every round reports each emitted token's logprob and top-k (one
-executable whatever a request asks for); a request gets its own top ``RowRequest.logprobs``.
+With ``logprobs`` = k > 0 a round reports each emitted token's logprob and top-k while a busy
+row asked (one executable whatever a request asks for); a request gets its own top
+``RowRequest.logprobs``.
 
 A request admitted alone is prefilled on its own (batch 1, at its prompt bucket) and copied into
 a free row in the same jitted call, the row index traced and the state donated, so admitting
@@ -47,7 +48,7 @@ from jaxdd.decoding.checks import (
     check_tokens,
 )
 from jaxdd.decoding.report import RoundReport
-from jaxdd.decoding.requests import Decoder, RowRequest, RowShape, RowUpdate
+from jaxdd.decoding.requests import Decoder, RowRequest, RowShape, RowUpdate, pad_requests
 from jaxdd.decoding.rounds import (
     DecodeState,
     ModelPair,
@@ -114,22 +115,6 @@ def front_round(
     few rows are busy, a round costs what their number does, not the pool's."""
     new, report = decode_round(spec, models, *front((state, settings), rows))
     return put_front(state, new), report
-
-
-def pad_requests(
-    requests: list[RowRequest], rows: int, length: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The prefill's host inputs for ``requests`` in the first of ``rows``
-    rows, prompts padded to ``length``: (tokens, prompt_len, seeds). Padding
-    rows hold one token (their requests' length ends them at once)."""
-    tokens = np.zeros((rows, length), np.int32)
-    prompt_len = np.ones((rows,), np.int32)
-    seeds = np.zeros((rows,), np.uint32)
-    for i, request in enumerate(requests):
-        tokens[i, : len(request.prompt)] = request.prompt
-        prompt_len[i] = len(request.prompt)
-        seeds[i] = request.sampling.seed
-    return tokens, prompt_len, seeds
 
 
 class RowPool:

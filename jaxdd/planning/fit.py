@@ -158,22 +158,27 @@ def plan(
             _shard_bytes(x) for x in jax.tree.leaves(laid.target_cache)
         )
     if account is not None:
-        draft = 0 if o.method == "ar" else block
         # the compiled round is the runtime's, its latent rows replicated
-        floor = round_traffic(
-            o.method,
-            tokens,
-            config,
-            model_bytes,
-            o.max_len,
-            devices,
-            o.moe,
-            draft,
-            batch=o.batch,
-        )
+        floor = _round_traffic(o, config, drafter_config, model_bytes, devices, "replicated")
         shape["compiled_traffic"] = _against_floor(account, floor)
     saved = replicated_cache - per_device["target_cache"]
     return shape | _verdict(per_device, compiled, where, stored, saved)
+
+
+def _round_traffic(
+    o: PlanOptions,
+    config: KimiConfig,
+    drafter_config: DrafterConfig,
+    model_bytes: ModelBytes,
+    devices: int,
+    layout: CacheLayout,
+) -> dict[str, Any]:
+    """``round_traffic`` of the plan's round: its method, block, budget, context and batch."""
+    block = 1 if o.method == "ar" else drafter_config.block_size
+    tokens = verified_tokens(o.method, block, o.budget)
+    draft = 0 if o.method == "ar" else block
+    args = (o.method, tokens, config, model_bytes, o.max_len, devices, o.moe, draft, layout)
+    return round_traffic(*args, o.batch)
 
 
 def _cache_layouts(
@@ -196,24 +201,9 @@ def _cache_layouts(
     slot = slot_bytes(config, drafter_config, mesh, _shard_bytes)
     capacity = {name: cache_capacity(free, slot, devices, name) for name in LAYOUTS}
     hardware = named_hardware(where.name)
-    block = 1 if o.method == "ar" else drafter_config.block_size
-    tokens = verified_tokens(o.method, block, o.budget)
-    draft = 0 if o.method == "ar" else block
     floors = {
         name: floor_seconds(
-            round_traffic(
-                o.method,
-                tokens,
-                config,
-                model_bytes,
-                o.max_len,
-                devices,
-                o.moe,
-                draft,
-                name,
-                o.batch,
-            ),
-            hardware,
+            _round_traffic(o, config, drafter_config, model_bytes, devices, name), hardware
         )["round_s"]
         for name in LAYOUTS
         if hardware is not None

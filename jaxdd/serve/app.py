@@ -271,11 +271,10 @@ async def generate(
     loop = asyncio.get_running_loop()
     events = asyncio.Queue()
     rows = len(prompts) * body.n
-    limit = server.scheduler.rows + server.scheduler.max_waiting
-    if body.n > server.scheduler.rows:
-        message = (
-            f"n: at most --max-batch {server.scheduler.rows} rows decode at once, got {body.n}"
-        )
+    most = server.scheduler.rows
+    limit = most + server.scheduler.max_waiting
+    if body.n > most:
+        message = f"n: at most --max-batch {most} rows decode at once, got {body.n}"
         raise APIError(400, message, param="n")
     if rows > limit:
         message = (
