@@ -286,7 +286,7 @@ class SpeculativeDecoder:
         sampled: bool = False,
         trace: int = 0,
         tree_logits: TreeLogits = "scaled",
-        logprobs: int = 0,
+        top_logprobs: int = 0,
     ) -> RoundSpec:
         """The static description of a round on this decoder's backend and attention."""
         return RoundSpec(
@@ -299,7 +299,7 @@ class SpeculativeDecoder:
             sampled=sampled,
             trace=trace,
             tree_logits=tree_logits,
-            logprobs=logprobs,
+            top_logprobs=top_logprobs,
         )
 
     def start(
@@ -366,7 +366,7 @@ class SpeculativeDecoder:
             sampled=sampled,
             trace=options.trace_topk,
             tree_logits=options.tree_logits,
-            logprobs=options.logprobs,
+            top_logprobs=options.logprobs,
         )
         rows = bucket(n, minimum=1)
         return requests, RowShape(spec, spec, rows, max(max_lengths), longest, slots, (rows,))

@@ -21,7 +21,7 @@ at the first stop token, as z-lab ``dflash.model.dflash_generate`` does. Each st
 a ``jax.named_scope``, so profiles and the compiled HLO attribute time to it. The host
 reads back one small array per round: the emitted tokens (``RoundReport``).
 
-With ``RoundSpec.logprobs`` = k > 0 a round also reports each emitted token's log-probability
+With ``RoundSpec.top_logprobs`` = k > 0 a round also reports each emitted token's log-probability
 and its position's top-k under the verify's target distribution BEFORE temperature and cut-offs
 (vLLM's default): a log-softmax and a top-k of the emitted positions' logits, choosing no token,
 run only while a row asked for them (``jaxdd.decoding.scores``).
@@ -73,8 +73,8 @@ class RoundSpec:
     trace: int = 0
     # sampled DDTree: the tree from the draft logits at the temperature, or raw
     tree_logits: TreeLogits = "scaled"
-    # > 0: also report each emitted token's logprob and the top-``logprobs`` at its position
-    logprobs: int = 0
+    # > 0: also report each emitted token's logprob and the top-``top_logprobs`` at its position
+    top_logprobs: int = 0
 
     @property
     def width(self) -> int:
@@ -299,11 +299,11 @@ def _scores(
     settings: RowSettings,
     at: jax.Array | None = None,
 ) -> Scores | None:
-    """With ``spec.logprobs``, ``round_logprobs`` of ``tokens`` chosen at ``logits``'s positions
+    """With ``spec.top_logprobs``, ``round_logprobs`` of ``tokens`` chosen at ``logits``'s positions
     (``at``, or its first ones); None without."""
-    if not spec.logprobs:
+    if not spec.top_logprobs:
         return None
-    return round_logprobs(logits, tokens, spec.logprobs, settings.wants_logprobs, at)
+    return round_logprobs(logits, tokens, spec.top_logprobs, settings.wants_logprobs, at)
 
 
 def _forward_options(spec: RoundSpec) -> dict:
@@ -443,9 +443,9 @@ def prefill(
     token, and cache the drafter context: (the decode state for rounds of ``spec``, with caches
     of ``slots`` slots placed on ``mesh`` if given; a report as a round's, the first token
     produced). A row is done at once if that token is a stop token or its length allows no more.
-    With ``spec.logprobs`` the report has the first token's logprobs; with ``score`` too those of
-    prompt positions 1 .. padded length - 1 (from the target's logits at every position, which
-    only a scored prefill computes).
+    With ``spec.top_logprobs`` the report has the first token's logprobs; with ``score`` too
+    those of prompt positions 1 .. padded length - 1 (from the target's logits at every position,
+    which only a scored prefill computes).
 
     The empty state is made here rather than passed in: made outside, its many eager dispatches cost
     host time on every prefill."""
@@ -480,7 +480,7 @@ def prefill(
     emitted = jnp.zeros((b, spec.width), jnp.int32).at[:, 0].set(first)
     scores = None
     prompt_scores = None
-    if spec.logprobs:
+    if spec.top_logprobs:
         # the report's logprob columns are a round's: the first token's, then unused positions
         first_scores = _scores(spec, last_logits, first[:, None], settings)
         unused = spec.width - 1
@@ -488,7 +488,7 @@ def prefill(
             jnp.pad(x, [(0, 0), (0, unused)] + [(0, 0)] * (x.ndim - 2)) for x in first_scores
         )
     if score:
-        prompt_scores = prompt_logprobs(target, out.hidden, tokens, spec.logprobs, spec.backend)
+        prompt_scores = prompt_logprobs(target, out.hidden, tokens, spec.top_logprobs, spec.backend)
     report = RoundReport.encode(
         emitted, jnp.ones((b,), jnp.int32), stopped, logprobs=scores, prompt_logprobs=prompt_scores
     )

@@ -5,13 +5,13 @@ server admits requests one by one between rounds; a batch is admitted all at onc
 (one prefill for every row, ``admit_all``) and stepped until every row is done.
 
 Every shape is fixed when the pool is made (``RowShape``): ``rows`` rows, one cache size for all
-(from ``max_len``), one prefill per prompt bucket up to ``max_prompt`` (with ``logprobs`` > 0, a
+(from ``max_len``), one prefill per prompt bucket up to ``max_prompt`` (with ``max_logprobs`` > 0, a
 scoring one too, for requests that ask for their prompt's logprobs), and two rounds per tier:
 the sampled round, whose greedy rows still decode greedily (their distributions are one-hot), and
 the cheaper greedy round, run while every active row is greedy (the tokens are the same). A tier
 is the first 1, 4, 16, ... rows or all of them; a round runs over the fewest that hold every busy
 row (requests take the lowest free row), so a lightly loaded pool pays for the rows it uses.
-With ``logprobs`` = k > 0 a round reports each emitted token's logprob and top-k while a busy
+With ``max_logprobs`` = k > 0 a round reports each emitted token's logprob and top-k while a busy
 row asked (one executable whatever a request asks for); a request gets its own top
 ``RowRequest.logprobs``.
 
@@ -80,7 +80,7 @@ class _Report(NamedTuple):
 
     report: jax.Array
     trace: int
-    logprobs: int
+    top_logprobs: int
     scored: int
     holders: list[tuple[int, int, _Row]]
 
@@ -131,11 +131,11 @@ class RowPool:
         max_prompt: int | None = None,
         block_size: int | None = None,
         budget: int | None = None,
-        logprobs: int = 0,
+        max_logprobs: int = 0,
     ):
         """A serving pool: rows admitted one by one, a sampled and a greedy round per tier
-        (``logprobs`` > 0: each reporting logprobs, requests asking for at most that many top
-        ones)."""
+        (``max_logprobs`` > 0: each reporting logprobs, requests asking for at most that many
+        top ones)."""
         config = decoder.config
         if rows < 1:
             raise InputError.at("rows", f"must be >= 1, got {rows}")
@@ -151,9 +151,9 @@ class RowPool:
         block, budget = check_round_options(
             method, has_drafter, drafter_block, block_size, budget, None
         )
-        if not isinstance(logprobs, int) or logprobs < 0:
-            raise InputError.at("logprobs", f"must be an integer >= 0, got {logprobs!r}")
-        options = {"block": block, "budget": budget, "logprobs": logprobs}
+        if not isinstance(max_logprobs, int) or max_logprobs < 0:
+            raise InputError.at("max_logprobs", f"must be an integer >= 0, got {max_logprobs!r}")
+        options = {"block": block, "budget": budget, "top_logprobs": max_logprobs}
         spec = decoder.round_spec(method, sampled=True, **options)
         greedy_spec = decoder.round_spec(method, sampled=False, **options)
         # Rounds over the first 1, 4, 16, ... rows and over all: requests take the
@@ -232,9 +232,9 @@ class RowPool:
             raise InputError.at(
                 "prompt", f"{len(prompt)} tokens, this server admits at most {self.max_prompt}"
             )
-        most = self.spec.logprobs
+        most = self.spec.top_logprobs
         if logprobs is not None and not most:
-            raise InputError.at("logprobs", "this pool computes none (made with logprobs=0)")
+            raise InputError.at("logprobs", "this pool computes none (made with max_logprobs=0)")
         if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= most):
             raise InputError.at("logprobs", f"must be an integer in [0, {most}], got {logprobs!r}")
         if score_prompt and logprobs is None:
@@ -282,7 +282,7 @@ class RowPool:
         self.state, report = prefill_row(*args)
         scored = padded - 1 if request.score_prompt else 0
         holders = [(row, 0, self.table.holder(row))]
-        self._prefilled.append(_Report(report, 0, self.spec.logprobs, scored, holders))
+        self._prefilled.append(_Report(report, 0, self.spec.top_logprobs, scored, holders))
         return row
 
     def admit_all(self, requests: list[RowRequest]) -> None:
@@ -305,7 +305,7 @@ class RowPool:
         self.state, report = prefill(*args, score)
         holders = [(row, row, e) for row, e in self.table.items()]
         scored = padded - 1 if score else 0
-        self._prefilled.append(_Report(report, 0, self.spec.logprobs, scored, holders))
+        self._prefilled.append(_Report(report, 0, self.spec.top_logprobs, scored, holders))
 
     def _hold(self, request: RowRequest, owner: Any = None) -> int:
         """A free row for ``request`` (its settings reach the device with the next round)."""
@@ -382,7 +382,7 @@ class RowPool:
             self.state, report = front_round(spec, self.models, self.state, self.settings, tier)
         trace = spec.trace if spec.method != "ar" else 0
         holders = [(row, row, e) for row, e in self.table.items()]
-        own = _Report(report, trace, spec.logprobs, 0, holders)
+        own = _Report(report, trace, spec.top_logprobs, 0, holders)
         self._in_flight.append([*self._prefilled, own])
         self._prefilled = []
 
@@ -396,8 +396,8 @@ class RowPool:
             reports = self._prefilled
             self._prefilled = []
         updates: dict[int, RowUpdate] = {}
-        for device_report, trace, logprobs, scored, holders in reports:
-            report = RoundReport.decode(device_report, self.width, trace, logprobs, scored)
+        for device_report, trace, top_logprobs, scored, holders in reports:
+            report = RoundReport.decode(device_report, self.width, trace, top_logprobs, scored)
             for row, index, entry in holders:
                 # released, or already finished by an earlier report
                 if self.table.holder(row) is not entry:
@@ -476,7 +476,7 @@ class RowPool:
         """Compile every executable the pool will run: each prompt bucket's prefill (and with
         logprobs its scoring prefill) and each tier's sampled and greedy rounds (twice each, so a
         second call finds what the first left: shardings and layouts settle after one)."""
-        scoring = (False, True) if self.spec.logprobs else (False,)
+        scoring = (False, True) if self.spec.top_logprobs else (False,)
         for _ in range(2):
             for padded, score in itertools.product(self.buckets, scoring):
                 prompt = [1] * min(padded, self.max_prompt)

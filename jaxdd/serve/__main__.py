@@ -10,13 +10,13 @@ completions, streamed or not) with continuous batching of speculative rounds.
 Start-up: the flags are checked and the port is bound before anything loads (a port in use is one
 line, exit 2); then it compiles every shape it will run (each prompt bucket's prefill up to
 --max-prompt, and its scoring prefill unless --max-logprobs 0; each tier's rounds), and once GET
-/health answers 200 it prints "serving ... on ...".
+/health answers 200 it prints "serving ... on ...". Until then SIGTERM or Ctrl-C ends it at once
+(one line, exit 143 / 130); afterwards they drain.
 
 Logprobs (``logprobs`` on completions, ``logprobs`` / ``top_logprobs`` on chat, up to
 --max-logprobs top ones, default 20) are the target's distribution before temperature and
-cut-offs; with --max-logprobs > 0 every round computes them at the emitted positions (the tokens
-are the same), and completions' ``echo`` with ``max_tokens`` 0 scores a prompt alone.
-Until then SIGTERM or Ctrl-C ends it at once (one line, exit 143 / 130); afterwards they drain.
+cut-offs; a round computes them at the emitted positions while a request asked (the tokens are
+the same), and completions' ``echo`` with ``max_tokens`` 0 scores a prompt alone.
 
 GET /metrics has Prometheus metrics under ``jaxdd:``, vLLM's names: tokens, rounds, latencies, and
 jaxdd:request_success_total{finished_reason=stop|length|abort|timeout|error} (abort: the client left
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             "block_size": args.block_size,
             "budget": args.budget,
             "max_prompt": args.max_prompt,
-            "logprobs": args.max_logprobs,
+            "max_logprobs": args.max_logprobs,
         }
         pool = RowPool(SpeculativeDecoder(target, drafter), method=method, rows=args.max_batch,
                        max_len=args.max_len, **options)  # fmt: skip

@@ -129,7 +129,7 @@ class Scheduler:
     @property
     def max_logprobs(self) -> int:
         """Top logprobs a request may ask for per token (``--max-logprobs``; 0: no logprobs)."""
-        return self.pool.spec.logprobs
+        return self.pool.spec.top_logprobs
 
     def check(self, request: RowRequest) -> RowRequest:
         """The request as the rows will run it, checked once before it is queued (``InputError``

@@ -114,7 +114,7 @@ def test_only_asking_rows_pay_and_get_theirs(models):
     logprob columns stay zero (skipped); a prompt scored alone whose next token would be a stop
     token ends by its length (that token was never produced)."""
     ref_target, _, decoder = models
-    pool = RowPool(decoder, method="dflash", rows=2, max_len=64, max_prompt=16, logprobs=K)
+    pool = RowPool(decoder, method="dflash", rows=2, max_len=64, max_prompt=16, max_logprobs=K)
     quiet = pool.admit(RowRequest(PROMPT[:5], 12, []))
     asking = pool.admit(RowRequest(PROMPT, 6, [], logprobs=K))
     got = {quiet: [], asking: []}

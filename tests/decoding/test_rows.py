@@ -113,7 +113,7 @@ def test_requests_past_the_pool_are_refused(decoder):
         pool.check(RowRequest([1, 4096], 2, [0], jaxdd.Sampling()))
     with pytest.raises(InputError, match="logprobs: this pool computes none"):
         pool.check(RowRequest([1, 2], 2, [0], jaxdd.Sampling(), logprobs=0))
-    scoring = RowPool(decoder, method="dflash", rows=1, max_len=40, max_prompt=16, logprobs=2)
+    scoring = RowPool(decoder, method="dflash", rows=1, max_len=40, max_prompt=16, max_logprobs=2)
     with pytest.raises(InputError, match=r"logprobs: must be an integer in \[0, 2\], got 3"):
         scoring.check(RowRequest([1, 2], 2, [0], jaxdd.Sampling(), logprobs=3))
     with pytest.raises(InputError, match="max_tokens: must be an integer >= 1, got 0"):
@@ -128,7 +128,7 @@ def test_requests_done_by_their_prefill_need_no_round(decoder):
     """A prompt scored alone and a request for one token end with their prefill's report: the
     pool needs no round for them (the server collects without dispatching one), only for a
     request that wants more."""
-    pool = RowPool(decoder, method="dflash", rows=2, max_len=40, max_prompt=16, logprobs=2)
+    pool = RowPool(decoder, method="dflash", rows=2, max_len=40, max_prompt=16, max_logprobs=2)
     scored = pool.admit(RowRequest([5, 6, 7], 0, [], logprobs=0, score_prompt=True))
     one = pool.admit(RowRequest([8, 9], 1, []))
     assert pool.busy and not pool.needs_round()

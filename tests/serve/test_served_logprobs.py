@@ -36,7 +36,7 @@ def served():
     tokenizer = load_tokenizer(DEMO / "target")
     pool = RowPool(
         SpeculativeDecoder(target, drafter), method="dflash", rows=2, max_len=64, max_prompt=32,
-        logprobs=K,
+        max_logprobs=K,
     )  # fmt: skip
     scheduler = Scheduler(pool, Metrics(pool.block), max_waiting=8)
     stops = model_stop_ids(target.config, tokenizer)
