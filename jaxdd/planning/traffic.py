@@ -61,10 +61,13 @@ def slowest_device_experts(
     """EP: the expected distinct local experts of the device that has the most
     (the round waits for it), for uniform routing; sampled with a fixed seed."""
     rng = np.random.default_rng(0)
-    chosen = np.argsort(rng.random((samples, tokens, experts), np.float32), axis=-1)[..., :top_k]
-    used = np.zeros((samples, experts), bool)
-    np.put_along_axis(used, chosen.reshape(samples, -1), True, axis=1)
-    return float(used.reshape(samples, devices, -1).sum(-1).max(-1).mean())
+    most = []
+    for _ in range(samples):  # one round's routing at a time: a large batch's fits in memory
+        chosen = np.argsort(rng.random((tokens, experts), np.float32), axis=-1)[:, :top_k]
+        used = np.zeros((experts,), bool)
+        used[chosen.ravel()] = True
+        most.append(used.reshape(devices, -1).sum(-1).max())
+    return float(np.mean(most))
 
 
 @dataclasses.dataclass(frozen=True)
