@@ -23,8 +23,7 @@ reads back one small array per round: the emitted tokens (``RoundReport``).
 
 With ``RoundSpec.top_logprobs`` = k > 0 a round also reports each emitted token's log-probability
 and its position's top-k under the verify's target distribution BEFORE temperature and cut-offs
-(vLLM's default): a log-softmax and a top-k of the emitted positions' logits, choosing no token,
-run only while a row asked for them (``jaxdd.decoding.scores``).
+(vLLM's default): a log-softmax and a top-k of the emitted positions' logits, choosing no token.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from jaxdd.decoding.sampling import (
     seed_keys,
     split_keys,
 )
-from jaxdd.decoding.scores import Scores, prompt_logprobs, round_logprobs
+from jaxdd.decoding.scores import Scores, token_logprobs
 from jaxdd.decoding.tree import accept_path, build_tree
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget
@@ -108,7 +107,6 @@ class RowSettings:
     max_length: jax.Array  # [rows] int32: prompt length + max_new_tokens
     stop_ids: jax.Array  # [rows, MAX_STOP_TOKENS] int32, -1 padded
     sampling: SamplingArrays
-    wants_logprobs: jax.Array  # [rows] bool: the row's request asked for logprobs
 
 
 @struct.dataclass
@@ -190,7 +188,7 @@ def _ar_step(spec: RoundSpec, target: KimiTarget, state: DecodeState, settings: 
     with jax.named_scope("accept"):
         token, rng = _choose(spec, logits[:, 0], settings.sampling, state.rng)
     with jax.named_scope("commit"):
-        scores = _scores(spec, logits, token[:, None], settings)
+        scores = _scores(spec, logits, token[:, None])
         return _commit(
             state, token[:, None], jnp.zeros_like(token), cache, None, None, rng, settings, scores
         )
@@ -232,7 +230,7 @@ def _dflash_round(
     with jax.named_scope("commit"):
         trace = {"draft_topk": jax.lax.top_k(logits, spec.trace)[1]} if spec.trace else {}
         # emitted token i was chosen at chain position i
-        scores = _scores(spec, target_logits, emitted, settings)
+        scores = _scores(spec, target_logits, emitted)
         return _commit(
             state, emitted, accepted, cache, features, draft_cache, rng, settings, scores, **trace
         )
@@ -285,25 +283,19 @@ def _ddtree_round(
                 "draft_topk": jax.lax.top_k(logits, spec.trace)[1],
                 "tree": (tree_tokens, tree_parents),
             }
-        # the path's nodes only: the rest of the tree emits nothing
-        scores = _scores(spec, target_logits, emitted, settings, path)
+        scores = None
+        if spec.top_logprobs:  # the path's nodes only: the rest of the tree emits nothing
+            path_logits = jnp.take_along_axis(target_logits, path[:, :, None], axis=1)
+            scores = _scores(spec, path_logits, emitted)
         return _commit(
             state, emitted, accepted, cache, context, draft_cache, rng, settings, scores, **trace
         )
 
 
-def _scores(
-    spec: RoundSpec,
-    logits: jax.Array,
-    tokens: jax.Array,
-    settings: RowSettings,
-    at: jax.Array | None = None,
-) -> Scores | None:
-    """With ``spec.top_logprobs``, ``round_logprobs`` of ``tokens`` chosen at ``logits``'s positions
-    (``at``, or its first ones); None without."""
-    if not spec.top_logprobs:
-        return None
-    return round_logprobs(logits, tokens, spec.top_logprobs, settings.wants_logprobs, at)
+def _scores(spec: RoundSpec, logits: jax.Array, tokens: jax.Array) -> Scores | None:
+    """With ``spec.top_logprobs``, ``token_logprobs`` of ``tokens`` chosen at ``logits``'s
+    positions; None without."""
+    return token_logprobs(logits, tokens, spec.top_logprobs) if spec.top_logprobs else None
 
 
 def _forward_options(spec: RoundSpec) -> dict:
@@ -482,13 +474,15 @@ def prefill(
     prompt_scores = None
     if spec.top_logprobs:
         # the report's logprob columns are a round's: the first token's, then unused positions
-        first_scores = _scores(spec, last_logits, first[:, None], settings)
+        first_scores = _scores(spec, last_logits, first[:, None])
         unused = spec.width - 1
         scores = tuple(
             jnp.pad(x, [(0, 0), (0, unused)] + [(0, 0)] * (x.ndim - 2)) for x in first_scores
         )
     if score:
-        prompt_scores = prompt_logprobs(target, out.hidden, tokens, spec.top_logprobs, spec.backend)
+        # position i's logits choose token i + 1
+        all_logits = target.logits(out.hidden[:, :-1], spec.backend)
+        prompt_scores = token_logprobs(all_logits, tokens[:, 1:], spec.top_logprobs)
     report = RoundReport.encode(
         emitted, jnp.ones((b,), jnp.int32), stopped, logprobs=scores, prompt_logprobs=prompt_scores
     )

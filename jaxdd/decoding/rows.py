@@ -11,8 +11,8 @@ the sampled round, whose greedy rows still decode greedily (their distributions 
 the cheaper greedy round, run while every active row is greedy (the tokens are the same). A tier
 is the first 1, 4, 16, ... rows or all of them; a round runs over the fewest that hold every busy
 row (requests take the lowest free row), so a lightly loaded pool pays for the rows it uses.
-With ``max_logprobs`` = k > 0 a round reports each emitted token's logprob and top-k while a busy
-row asked (one executable whatever a request asks for); a request gets its own top
+With ``max_logprobs`` = k > 0 every round reports each emitted token's logprob and top-k
+(one executable whatever a request asks for); a request gets its own top
 ``RowRequest.logprobs``.
 
 A request admitted alone is prefilled on its own (batch 1, at its prompt bucket) and copied into
@@ -193,8 +193,6 @@ class RowPool:
         self._max_length = np.full((self.rows,), 2, np.int32)
         self._stop_ids = np.full((self.rows, MAX_STOP_TOKENS), -1, np.int32)
         self._sampling = [GREEDY] * self.rows
-        # cleared as a row leaves: a round computes logprobs only while one is set
-        self._wants_logprobs = np.zeros((self.rows,), bool)
         self.settings: RowSettings | None = None  # the device copy, made when a round needs it
         self.state: DecodeState | None = None
         self.table: RowTable[_Row] = RowTable(self.rows)  # which request holds each row
@@ -317,35 +315,23 @@ class RowPool:
         self._max_length[row] = len(request.prompt) + request.max_new_tokens
         self._stop_ids[row] = stops
         self._sampling[row] = request.sampling
-        self._wants_logprobs[row] = request.logprobs is not None
         self.settings = None
         return row
-
-    def _leave(self, row: int | None = None) -> None:
-        """Free ``row`` (None: every row) in the table and in the rounds' logprobs flags."""
-        rows = slice(None) if row is None else row
-        if self._wants_logprobs[rows].any():
-            self._wants_logprobs[rows] = False
-            self.settings = None
-        if row is None:
-            self.table.clear()
-        else:
-            self.table.release(row)
 
     def release(self, row: int) -> None:
         """Free a row (a cancelled request): its device row keeps
         running until a new request overwrites it, which costs nothing
         extra (the round's shape is fixed) and touches no other row."""
-        self._leave(row)
+        self.table.release(row)
 
     def release_all(self) -> None:
         """Free every row (their requests failed); rounds in flight still finish."""
-        self._leave()
+        self.table.clear()
 
     def reset(self) -> None:
         """Every row free in a fresh state, nothing in flight: after a fault,
         the old state may have been donated to a call that never returned."""
-        self._leave()
+        self.table.clear()
         self._prefilled.clear()
         self._in_flight.clear()
         self.state = self._empty_state()
@@ -438,7 +424,7 @@ class RowPool:
                     prompt_scores,
                 )
                 if finish is not None:
-                    self._leave(row)
+                    self.table.release(row)
         return updates
 
     def discard(self) -> None:
@@ -455,9 +441,7 @@ class RowPool:
     def _host_settings(self, rows: slice = slice(None)) -> RowSettings:
         """The per-row settings of ``rows`` as host arrays."""
         sampling = SamplingArrays.of(self._sampling[rows])
-        return RowSettings(
-            self._max_length[rows], self._stop_ids[rows], sampling, self._wants_logprobs[rows]
-        )
+        return RowSettings(self._max_length[rows], self._stop_ids[rows], sampling)
 
     def _empty_state(self) -> DecodeState:
         """Every row done (nothing to decode) until a request is inserted."""

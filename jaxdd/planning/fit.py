@@ -441,7 +441,6 @@ def _abstract_requests(
         max_length=jax.ShapeDtypeStruct((batch,), jnp.int32),
         stop_ids=jax.ShapeDtypeStruct((batch, MAX_STOP_TOKENS), jnp.int32),
         sampling=jax.eval_shape(lambda: SamplingArrays.of([sampling] * batch)),
-        wants_logprobs=jax.ShapeDtypeStruct((batch,), bool),
     )
     spec = decoder.round_spec(
         method, block, budget if method == "ddtree" else None, sampled=sampled

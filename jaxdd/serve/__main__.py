@@ -15,8 +15,8 @@ line, exit 2); then it compiles every shape it will run (each prompt bucket's pr
 
 Logprobs (``logprobs`` on completions, ``logprobs`` / ``top_logprobs`` on chat, up to
 --max-logprobs top ones, default 20) are the target's distribution before temperature and
-cut-offs; a round computes them at the emitted positions while a request asked (the tokens are
-the same), and completions' ``echo`` with ``max_tokens`` 0 scores a prompt alone.
+cut-offs; with --max-logprobs > 0 every round computes them at the emitted positions (the
+tokens are the same), and completions' ``echo`` with ``max_tokens`` 0 scores a prompt alone.
 
 GET /metrics has Prometheus metrics under ``jaxdd:``, vLLM's names: tokens, rounds, latencies, and
 jaxdd:request_success_total{finished_reason=stop|length|abort|timeout|error} (abort: the client left

@@ -4,18 +4,15 @@ transformers over prompt + output, fp32); asking for them changes no token."""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 import jaxdd
-from jaxdd.decoding import scores
 from jaxdd.decoding.report import Logprobs, RoundReport
 from jaxdd.decoding.requests import RowRequest
 from jaxdd.decoding.rows import RowPool
 from jaxdd.decoding.sampling import GREEDY
-from jaxdd.decoding.scores import token_logprobs
 
 PROMPT = [5, 17, 3, 250, 9, 1, 77, 200, 4, 4, 91]
 MAX_NEW = 20
@@ -108,11 +105,10 @@ def test_the_report_carries_floats_exactly():
     assert RoundReport.decode(encoded[:, : width + 2], width).logprobs is None
 
 
-def test_only_asking_rows_pay_and_get_theirs(models):
-    """A pool's rounds compute logprobs while some row asked: a row that asked beside one that
-    did not gets the plain forward's values, the other none; with no row asking, a round's
-    logprob columns stay zero (skipped); a prompt scored alone whose next token would be a stop
-    token ends by its length (that token was never produced)."""
+def test_only_asking_rows_get_theirs(models):
+    """A row that asked for logprobs beside one that did not gets the plain forward's values, the
+    other none; a prompt scored alone whose next token would be a stop token ends by its length
+    (that token was never produced)."""
     ref_target, _, decoder = models
     pool = RowPool(decoder, method="dflash", rows=2, max_len=64, max_prompt=16, max_logprobs=K)
     quiet = pool.admit(RowRequest(PROMPT[:5], 12, []))
@@ -130,32 +126,8 @@ def test_only_asking_rows_pay_and_get_theirs(models):
             break
     reference = reference_logprobs(ref_target, PROMPT + got[asking])
     assert_matches(scores, reference[len(PROMPT) - 1 : -1], got[asking], K)
-    alone = pool.admit(RowRequest(PROMPT[:5], 8, []))
-    pool.dispatch()
-    device_report = pool._in_flight[-1][-1].report
-    report = RoundReport.decode(np.asarray(device_report), pool.width, 0, K)
-    assert not report.logprobs.top.any() and not report.logprobs.chosen.any()
-    pool.collect()
-    pool.release(alone)
     first = decoder.generate(PROMPT, max_new_tokens=1, stop_token_ids=[]).tokens[0]
     pool.admit(RowRequest(PROMPT, 0, [first], logprobs=K, score_prompt=True))
     (update,) = pool.step().values()
     assert update.tokens == [] and update.finish == "length" and not update.first
     assert_matches(update.prompt_logprobs, reference[: len(PROMPT) - 1], PROMPT[1:], K)
-
-
-@pytest.mark.parametrize("chunk", [1, 3, 64])
-def test_a_prompt_is_scored_in_chunks(models, monkeypatch, chunk):
-    """A scored prefill's log-softmax covers PROMPT_CHUNK positions at a time: any chunk size,
-    dividing the prompt or not, gives what one pass over all its logits gives."""
-    _, _, decoder = models
-    target = decoder.target.model
-    rng = np.random.default_rng(chunk)
-    hidden = jnp.asarray(rng.standard_normal((2, 11, target.config.hidden_size)), jnp.float32)
-    tokens = jnp.asarray(rng.integers(0, target.config.vocab_size, (2, 11)), jnp.int32)
-    whole = token_logprobs(target.logits(hidden[:, :-1]), tokens[:, 1:], K)
-    monkeypatch.setattr(scores, "PROMPT_CHUNK", chunk)
-    chunked = scores.prompt_logprobs(target, hidden, tokens, K, None)
-    for got, want in zip(chunked, whole, strict=True):
-        assert got.shape == want.shape
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
