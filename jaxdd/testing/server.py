@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -59,19 +59,24 @@ class ServerProcess:
         return {"rss_mb": rss, "threads": threads, "fds": fds}
 
     def wait_until(self, condition, seconds: float, poll: float = 0.05) -> bool:
-        """Poll ``condition()`` until true or ``seconds`` pass; whether it became true."""
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            if condition():
-                return True
-            time.sleep(poll)
-        return bool(condition())
+        """``wait_until`` (the module's)."""
+        return wait_until(condition, seconds, poll)
 
     def exit_code(self, seconds: float) -> int | None:
         """The exit status once the process ends within ``seconds``, else None (it still runs)."""
         with contextlib.suppress(subprocess.TimeoutExpired):
             return self.process.wait(seconds)
         return None
+
+
+def wait_until(condition: Callable[[], object], seconds: float, poll: float = 0.05) -> bool:
+    """Poll ``condition()`` until true or ``seconds`` pass; whether it became true."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(poll)
+    return bool(condition())
 
 
 @contextlib.contextmanager

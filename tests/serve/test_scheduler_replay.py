@@ -62,6 +62,9 @@ class FakePool:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    def needs_round(self) -> bool:
+        return bool(self.active)  # here every token, the first too, comes from a round
+
     def dispatch(self) -> None:
         self.dispatches += 1
         self.log.append(("dispatch", tuple(sorted(self.active))))

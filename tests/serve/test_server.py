@@ -19,7 +19,7 @@ import numpy as np
 import openai
 import pytest
 
-from jaxdd.testing.server import START_SECONDS, complete, running_server
+from jaxdd.testing.server import START_SECONDS, complete, running_server, wait_until
 
 ROWS, WAITING, MAX_LEN, MAX_PROMPT = 4, 4, 512, 32
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
@@ -255,10 +255,12 @@ def test_a_key_is_wanted_and_each_request_logged(server, log):
         stream_options={"include_usage": True},
     )
     streamed = [chunk.usage for chunk in stream if chunk.usage][-1].completion_tokens
+    # a stream's line is written once its last chunk is sent, maybe after the client read it
+    said = f" POST /v1/completions 200 tokens 2+{streamed} "
+    assert wait_until(lambda: said in log.read_text(), 30)
     lines = [line for line in log.read_text().splitlines() if line.startswith("jaxdd: access:")]
     assert any(" POST /v1/completions 401 tokens - " in line for line in lines)
     assert any(f" POST /v1/completions 200 tokens 3+{whole} " in line for line in lines)
-    assert any(f" POST /v1/completions 200 tokens 2+{streamed} " in line for line in lines)
     assert any(" GET /health 200 " in line for line in lines)
 
 
