@@ -8,6 +8,10 @@ rows, runs an online softmax over the prefix in blocks (no mask but the length),
 tree tail with the ancestor mask, and writes the latent-space output; the caller applies the
 value up-projection. The latent and rope operands stay apart (two dots), never concatenated.
 
+With ``with_lse`` every form also returns each query row's log-sum-exp, so that attentions over
+disjoint shares of the cache (each device's share a committed prefix of its own) merge exactly;
+a row that sees no key (no share and no tree token) then gives out 0 and lse ``NEG``.
+
 The caller passes the backend's choices (``jaxdd.runtime.backend.Backend.kernel_options``):
 ``interpret=True`` on CPU; Triton compiler parameters on GPU (block sizes are powers of two,
 as Triton needs). TPUs get the form in ``tree_attention_tpu.py`` (the same online-softmax
@@ -27,15 +31,26 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.tuned_block_sizes import block_sizes, dtype_class, gpu_device
 
-NEG = -1e30  # finite: a fully masked block must not produce (-inf) - (-inf)
+NEG = -1e30  # finite: neither a fully masked block nor a merge of lse may meet (-inf) - (-inf)
 
 
 def tree_attention_reference(
-    q_latent, q_rope, cache_latent, cache_rope, length, tail_latent, tail_rope, tail_mask, scale
+    q_latent,
+    q_rope,
+    cache_latent,
+    cache_rope,
+    length,
+    tail_latent,
+    tail_rope,
+    tail_mask,
+    scale,
+    with_lse: bool = False,
 ):
     """Plain jnp: q_latent [B,T,H,r], q_rope [B,T,H,dr]; cache
     [B,S,r|dr]; length [B]; tail [B,T,r|dr]; tail_mask [B,T,T] bool.
-    Returns the attention output in latent space [B,T,H,r] (fp32)."""
+    Returns the attention output in latent space [B,T,H,r] (fp32); ``with_lse``: ``(out, lse)``,
+    lse [B,T,H] fp32 the natural log of the sum of exp(scale * score) over the visible keys.
+    A row that sees no key (``with_lse`` only) gives out 0 and lse ``NEG``."""
     f32 = jnp.float32
     keys_latent = jnp.concatenate([cache_latent, tail_latent], axis=1).astype(f32)
     keys_rope = jnp.concatenate([cache_rope, tail_rope], axis=1).astype(f32)
@@ -45,8 +60,14 @@ def tree_attention_reference(
     mask = jnp.concatenate(
         [jnp.broadcast_to(prefix, tail_mask.shape[:2] + prefix.shape[-1:]), tail_mask], -1
     )
-    probs = jax.nn.softmax(jnp.where(mask[:, None], scores * scale, -jnp.inf), axis=-1)
-    return jnp.einsum("bhts,bsr->bthr", probs, keys_latent)
+    logits = jnp.where(mask[:, None], scores * scale, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if not with_lse:
+        return jnp.einsum("bhts,bsr->bthr", probs, keys_latent)
+    seen = mask.any(-1)[:, None]  # [B,1,T]
+    probs = jnp.where(seen[..., None], probs, 0.0)  # a row that sees nothing: 0/0 in softmax
+    lse = jnp.where(seen, jax.nn.logsumexp(logits, axis=-1), NEG)
+    return jnp.einsum("bhts,bsr->bthr", probs, keys_latent), lse.transpose(0, 2, 1)
 
 
 def online_softmax_step(carry, q_lat, q_rope, latent, rope, visible, scale: float):
@@ -71,6 +92,12 @@ def online_softmax_step(carry, q_lat, q_rope, latent, rope, visible, scale: floa
     return acc, m_new, correction * total + p.sum(-1, keepdims=True)
 
 
+def log_sum_exp(m: jax.Array, total: jax.Array) -> jax.Array:
+    """The log-sum-exp [rows, 1] of the running softmax's final (max, sum); ``NEG`` where a row
+    saw no key (its max is ``NEG``, its sum 0)."""
+    return jnp.where(total == 0, NEG, m + jnp.log(total))
+
+
 def _kernel(
     length_ref,
     q_lat_ref,
@@ -81,7 +108,7 @@ def _kernel(
     tr_ref,
     mask_ref,
     o_ref,
-    *,
+    *lse_ref,  # with_lse: the log-sum-exp's output
     scale,
     block_k,
     tail_k,
@@ -111,8 +138,10 @@ def _kernel(
         )
 
     carry = jax.lax.fori_loop(0, pl.cdiv(length, block_k), prefix_block, init)
-    acc, _, total = jax.lax.fori_loop(0, t_ref.shape[0] // tail_k, tail_block, carry)
+    acc, m, total = jax.lax.fori_loop(0, t_ref.shape[0] // tail_k, tail_block, carry)
     o_ref[...] = (acc / jnp.where(total == 0, 1.0, total)).astype(o_ref.dtype)
+    if lse_ref:
+        lse_ref[0][...] = log_sum_exp(m, total)
 
 
 def pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
@@ -126,6 +155,11 @@ def query_rows(x: jax.Array, padded_rows: int) -> jax.Array:
     row per (token, head), token-major, zero-padded."""
     b, t, h, d = x.shape
     return pad_to(x.reshape(b, t * h, d), 1, padded_rows)
+
+
+def token_rows(x: jax.Array, tokens: int, heads: int) -> jax.Array:
+    """``query_rows`` undone: [B, padded_rows, d] -> [B, T, H, d]."""
+    return x[:, : tokens * heads].reshape(x.shape[0], tokens, heads, x.shape[-1])
 
 
 def row_mask(tail_mask: jax.Array, heads: int, padded_rows: int, tail: int, dtype) -> jax.Array:
@@ -148,6 +182,7 @@ def _pow2(n: int) -> int:
         "interpret",
         "compiler_params",
         "shared_memory",
+        "with_lse",
     ),
 )
 def tree_attention(
@@ -165,8 +200,9 @@ def tree_attention(
     interpret: bool = False,
     compiler_params: Any = None,
     shared_memory: int | None = None,
-):
-    """The Pallas kernel; same arguments and result as ``tree_attention_reference``; ``interpret``
+    with_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The Pallas kernel; same arguments and results as ``tree_attention_reference``; ``interpret``
     and ``compiler_params`` as the backend chooses (``Backend.kernel_options``). ``block_q`` query
     rows (token x head) per program, keys in blocks of ``block_k``; None takes them from the tuning
     table (``pallas_kernels.tuned_block_sizes``) for the GPU of ``shared_memory`` bytes per block
@@ -199,9 +235,14 @@ def tree_attention(
     def by_rows(width):
         return pl.BlockSpec((None, block_q, width), lambda i, j: (i, j, 0))
 
-    out = pl.pallas_call(
+    out_shape = jax.ShapeDtypeStruct((b, padded_rows, r), jnp.float32)
+    out_specs = by_rows(r)
+    if with_lse:
+        out_shape = (out_shape, jax.ShapeDtypeStruct((b, padded_rows, 1), jnp.float32))
+        out_specs = (out_specs, by_rows(1))
+    result = pl.pallas_call(
         functools.partial(_kernel, scale=scale, block_k=block_k, tail_k=min(block_k, tail)),
-        out_shape=jax.ShapeDtypeStruct((b, padded_rows, r), jnp.float32),
+        out_shape=out_shape,
         grid=(b, padded_rows // block_q),
         in_specs=[
             pl.BlockSpec((None, 1), lambda i, j: (i, 0)),
@@ -213,7 +254,7 @@ def tree_attention(
             full((tail, dr)),
             by_rows(tail),
         ],
-        out_specs=by_rows(r),
+        out_specs=out_specs,
         interpret=interpret,
         compiler_params=compiler_params,
         name="mla_tree_attention",
@@ -227,4 +268,7 @@ def tree_attention(
         tail_rope,
         mask,
     )
-    return out[:, :rows].reshape(b, t, h, r)
+    if not with_lse:
+        return token_rows(result, t, h)
+    out, lse = result
+    return token_rows(out, t, h), token_rows(lse, t, h)[..., 0]

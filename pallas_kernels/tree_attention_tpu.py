@@ -21,7 +21,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tree_attention import NEG, online_softmax_step, pad_to, query_rows, row_mask
+from pallas_kernels.tree_attention import (
+    NEG,
+    log_sum_exp,
+    online_softmax_step,
+    pad_to,
+    query_rows,
+    row_mask,
+    token_rows,
+)
 from pallas_kernels.tuned_block_sizes import block_sizes
 
 LANES = 128
@@ -58,12 +66,10 @@ def _kernel(
     tr_ref,
     mask_ref,
     o_ref,
-    acc_ref,
-    m_ref,
-    sum_ref,
-    *,
+    *refs,  # with_lse: the log-sum-exp's output; then the scratch: acc, max, sum
     scale,
 ):
+    *lse_ref, acc_ref, m_ref, sum_ref = refs
     block_k = c_ref.shape[0]
     k = pl.program_id(2)
     length = length_ref[pl.program_id(0)]
@@ -95,9 +101,11 @@ def _kernel(
             step(t_ref[keys, :], tr_ref[keys, :], mask_ref[:, keys] != 0)
         total = sum_ref[...]
         o_ref[...] = (acc_ref[...] / jnp.where(total == 0, 1.0, total)).astype(o_ref.dtype)
+        if lse_ref:
+            lse_ref[0][...] = log_sum_exp(m_ref[...], total)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "vmem_limit_bytes"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "vmem_limit_bytes", "with_lse"))
 def tree_attention_tpu(
     q_latent,
     q_rope,
@@ -110,8 +118,9 @@ def tree_attention_tpu(
     scale: float,
     interpret: Any = False,
     vmem_limit_bytes: int | None = None,
-):
-    """Same arguments and result as ``tree_attention_reference``; ``interpret``: False to compile
+    with_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Same arguments and results as ``tree_attention_reference``; ``interpret``: False to compile
     with Mosaic, or ``pltpu.InterpretParams()`` for Pallas' TPU interpreter (TPU semantics on any
     host). ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (default: the chip's); a compile over it
     fails with the VMEM the kernel needs (``benchmarks/kernel_compiles.py`` reads it from there)."""
@@ -121,7 +130,6 @@ def tree_attention_tpu(
     tiles = tpu_tiles(t, h, slots)
     bq = tiles.block_q
     bk = tiles.block_k
-    rows = t * h
     padded_rows = tiles.row_blocks * bq
 
     mask = row_mask(tail_mask, h, padded_rows, tiles.tail, jnp.int32)  # int32: TPU tiles of 8 rows
@@ -153,17 +161,20 @@ def tree_attention_tpu(
             whole(tiles.tail, dr),
             by_rows(tiles.tail),
         ],
-        out_specs=by_rows(r),
+        out_specs=(by_rows(r), by_rows(1)) if with_lse else by_rows(r),
         scratch_shapes=[
             pltpu.VMEM((bq, r), jnp.float32),
             pltpu.VMEM((bq, 1), jnp.float32),
             pltpu.VMEM((bq, 1), jnp.float32),
         ],
     )
-    out = pl.pallas_call(
+    out_shape = jax.ShapeDtypeStruct((b, padded_rows, r), jnp.float32)
+    if with_lse:
+        out_shape = (out_shape, jax.ShapeDtypeStruct((b, padded_rows, 1), jnp.float32))
+    result = pl.pallas_call(
         functools.partial(_kernel, scale=scale),
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((b, padded_rows, r), jnp.float32),
+        out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=vmem_limit_bytes,
@@ -180,4 +191,7 @@ def tree_attention_tpu(
         pad_to(tail_rope, 1, tiles.tail),
         mask,
     )
-    return out[:, :rows].reshape(b, t, h, r)
+    if not with_lse:
+        return token_rows(result, t, h)
+    out, lse = result
+    return token_rows(out, t, h), token_rows(lse, t, h)[..., 0]

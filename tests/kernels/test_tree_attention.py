@@ -3,6 +3,8 @@ CPU; a GPU twin when present), and inside the model and the DDTree decoder."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +15,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxdd.runtime.backend import Backend
 from jaxdd.testing.profiles import examples
-from jaxdd.testing.reference import random_tree_parents, tree_depths_and_mask
-from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
+from jaxdd.testing.reference import random_tree_parents, rel_err, tree_depths_and_mask
+from pallas_kernels.tree_attention import NEG, tree_attention, tree_attention_reference
 from pallas_kernels.tree_attention_tpu import tpu_tiles, tree_attention_tpu
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -101,6 +103,113 @@ def test_tpu_form_empty_and_full_prefix():
         expected = tree_attention_reference(*args, 0.3)
         actual = tree_attention_tpu(*args, scale=0.3, interpret=pltpu.InterpretParams())
         np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=2e-5)
+
+
+def without_tree(args, batch_row: int, length: int) -> list:
+    """``args`` as a device that does not own the new rows sees them at ``batch_row``:
+    no tree token visible, ``length`` committed rows of its own (0: nothing to see)."""
+    args = list(args)
+    args[4] = args[4].at[batch_row].set(length)
+    args[7] = args[7].at[batch_row].set(False)
+    return args
+
+
+def check_lse(actual, expected, plain, dtype) -> None:
+    """``actual`` (out, lse) against the reference's; its out bit for bit the plain call's."""
+    out, lse = (np.asarray(x) for x in actual)
+    np.testing.assert_array_equal(out, np.asarray(plain))
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    np.testing.assert_allclose(out, np.asarray(expected[0]), atol=TOLERANCE[dtype], rtol=0)
+    # bf16 operands too: their scores are exact products summed in fp32
+    tolerance = TOLERANCE["float32"]
+    np.testing.assert_allclose(lse, np.asarray(expected[1]), atol=tolerance, rtol=tolerance)
+
+
+@settings(max_examples=examples(8), deadline=None)
+@given(
+    shape=st.sampled_from(SHAPES),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+    seed=st.integers(0, 10**6),
+    tree=st.sampled_from(["owned", "elsewhere", "elsewhere-no-cache"]),
+)
+def test_kernel_lse_interpreted_matches_reference(shape, dtype, seed, tree):
+    """with_lse: the output as without it, and each row's log-sum-exp; the first batch row's
+    tree tokens on another device (its rows see the cache alone, or nothing)."""
+    args = inputs(shape, dtype, seed)
+    if tree != "owned":
+        args = without_tree(args, 0, 0 if tree == "elsewhere-no-cache" else int(args[4][0]))
+    scale = shape[3] ** -0.5
+    expected = tree_attention_reference(*args, scale, with_lse=True)
+    kernel = functools.partial(tree_attention, scale=scale, block_q=16, block_k=16, interpret=True)
+    check_lse(kernel(*args, with_lse=True), expected, kernel(*args), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", TPU_SHAPES[:2], ids=["3-blocks", "under-a-block"])
+def test_tpu_form_lse_matches_reference(shape, dtype):
+    """The TPU form's log-sum-exp, the last batch row's tree tokens on another device."""
+    args = inputs(shape, dtype, seed=sum(shape))
+    args = without_tree(args, shape[0] - 1, int(args[4][-1]) // 2)
+    scale = shape[3] ** -0.5
+    expected = tree_attention_reference(*args, scale, with_lse=True)
+    kernel = functools.partial(tree_attention_tpu, scale=scale, interpret=pltpu.InterpretParams())
+    check_lse(kernel(*args, with_lse=True), expected, kernel(*args), dtype)
+
+
+FORMS = {
+    "reference": tree_attention_reference,
+    "gpu": functools.partial(tree_attention, block_q=16, block_k=16, interpret=True),
+    "tpu": functools.partial(tree_attention_tpu, interpret=pltpu.InterpretParams()),
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_rows_that_see_nothing_give_zero_and_neg(form):
+    """A device with no cache rows of its own and not the tree's: out 0, lse NEG, no NaN."""
+    args = without_tree(inputs((2, 9, 2, 32, 8, 128), "float32", 2), 1, 0)
+    out, lse = FORMS[form](*args, scale=0.3, with_lse=True)
+    assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all()
+    assert (np.asarray(out[1]) == 0).all() and (np.asarray(lse[1]) == NEG).all()
+    assert (np.asarray(lse[0]) > NEG / 2).all()
+
+
+def dealt_over_two_devices(args) -> list[list]:
+    """The cache dealt row by row over two devices (row i to device i % 2): each one's share is
+    a committed prefix of half the slots; the tree tokens are device 0's alone."""
+    halves = []
+    for device in (0, 1):
+        half = list(args)
+        half[2], half[3] = args[2][:, device::2], args[3][:, device::2]
+        half[4] = (args[4] + 1 - device) // 2
+        if device:
+            half[7] = jnp.zeros_like(args[7])
+        halves.append(half)
+    return halves
+
+
+def merge(parts) -> tuple[jax.Array, jax.Array]:
+    """Partial attentions (out [B,T,H,r], lse [B,T,H]) merged exactly by their log-sum-exps."""
+    lse = jnp.stack([part_lse for _, part_lse in parts])
+    top = lse.max(0)
+    weights = jnp.exp(lse - top)
+    total = weights.sum(0)
+    out = sum(w[..., None] * part_out for w, (part_out, _) in zip(weights, parts, strict=True))
+    return out / total[..., None], top + jnp.log(total)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_halves_of_a_cache_merged_by_lse_give_the_whole(form):
+    """Two devices' partial attentions over their shares of one cache, merged by
+    lse, equal the attention over the whole cache: lengths 0 and 1 leave device
+    1 nothing to see, an odd length gives device 0 one row more."""
+    args = list(inputs((3, 9, 2, 32, 8, 512), "float32", 3))
+    args[4] = jnp.array([0, 1, 301], jnp.int32)
+    whole = FORMS[form](*args, scale=0.3, with_lse=True)
+    merged = merge(
+        [FORMS[form](*half, scale=0.3, with_lse=True) for half in dealt_over_two_devices(args)]
+    )
+    for got, want in zip(merged, whole, strict=True):
+        assert rel_err(np.asarray(got), np.asarray(want)) < 1e-5
 
 
 def test_tpu_tiles_are_lane_aligned_and_do_not_grow_with_the_cache():
