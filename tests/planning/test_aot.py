@@ -70,28 +70,47 @@ def test_rounds_compile_for_the_target(tiny_plan_configs, target, method, sample
 
 # (tree tokens, heads per device, cache slots)
 KIMI_KERNEL_SHAPES = [(17, 8, 4096), (257, 64, 131072)]
+KERNEL_TARGETS = ["v5e:2x2", "v5p:2x2x2", "v6e:2x2", "h200", "rtx-pro-6000"]
 
 
-@pytest.mark.parametrize(
-    ("tokens", "heads", "slots"), KIMI_KERNEL_SHAPES, ids=["17x8x4k", "257x64x128k"]
-)
-@pytest.mark.parametrize("target", ["v5e:2x2", "v5p:2x2x2", "v6e:2x2", "h200", "rtx-pro-6000"])
-def test_kernel_compiles_at_kimi_sizes(target, tokens, heads, slots):
-    """Kimi's latent sizes (512 + 64, bf16) with the form and tiles each platform gets:
-    Mosaic streams the cache through VMEM (the GPU form's whole-cache block failed at 16k
-    slots there), Triton reads it through pointers; 128k slots compile for every chip."""
-    where = find_machine(target, 1)
+def kimi_kernel_args(where, tokens: int, heads: int, slots: int) -> list[jax.ShapeDtypeStruct]:
+    """The kernel's arguments at Kimi's latent sizes (512 + 64, bf16) on where's first device."""
     device = jax.sharding.SingleDeviceSharding(where.devices[0])
     spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=device)
     t, h = tokens, heads
     shapes = [(1, t, h, 512), (1, t, h, 64), (1, slots, 512), (1, slots, 64)]
     args = [spec(s) for s in shapes] + [spec((1,), jnp.int32), spec((1, t, 512)), spec((1, t, 64))]
-    args.append(spec((1, t, t), jnp.bool_))
+    return [*args, spec((1, t, t), jnp.bool_)]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "heads", "slots"), KIMI_KERNEL_SHAPES, ids=["17x8x4k", "257x64x128k"]
+)
+@pytest.mark.parametrize("target", KERNEL_TARGETS)
+def test_kernel_compiles_at_kimi_sizes(target, tokens, heads, slots):
+    """Kimi's latent sizes (512 + 64, bf16) with the form and tiles each platform gets:
+    Mosaic streams the cache through VMEM (the GPU form's whole-cache block failed at 16k
+    slots there), Triton reads it through pointers; 128k slots compile for every chip."""
+    where = find_machine(target, 1)
+    args = kimi_kernel_args(where, tokens, heads, slots)
     kernel = jax.jit(functools.partial(where.backend.tree_attention(), scale=0.1))
     compiled = kernel.lower(*args).compile(compiler_options=where.compiler_options)
     assert compiled.memory_analysis() is not None
     if where.platform == "tpu":
         assert "mla_tree_attention_tpu" in kernel.lower(*args).as_text()
+
+
+@pytest.mark.parametrize("target", KERNEL_TARGETS)
+def test_kernel_with_lse_compiles_at_kimi_sizes(target):
+    """with_lse, each query row's log-sum-exp leaves the kernel too (a block one lane
+    wide): Mosaic and Triton compile it for a 257-token tree over 64 heads."""
+    where = find_machine(target, 1)
+    args = kimi_kernel_args(where, 257, 64, 4096)
+    kernel = jax.jit(functools.partial(where.backend.tree_attention(), scale=0.1, with_lse=True))
+    compiled = kernel.lower(*args).compile(compiler_options=where.compiler_options)
+    out, lse = compiled.out_info
+    assert out.shape == (1, 257, 64, 512) and lse.shape == (1, 257, 64)
+    assert lse.dtype == jnp.float32 and compiled.memory_analysis() is not None
 
 
 def test_a_round_over_the_chips_memory_is_refused_by_the_compiler(tiny_plan_configs):
