@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxdd.cache.layout import CacheView
+from jaxdd.cache.stripes import Stripes
 from jaxdd.config import KimiConfig
 
 
@@ -27,14 +28,26 @@ class LatentCache:
     latent: tuple[jax.Array, ...]  # per layer [batch, slots, kv_lora_rank]
     rope: tuple[jax.Array, ...]  # per layer [batch, slots, qk_rope_head_dim]
     length: jax.Array  # [batch] int32: committed tokens per row
+    # None: every device holds every row; else how the rows are dealt over the devices
+    stripes: Stripes | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
-    def zeros(cls, config: KimiConfig, batch: int, slots: int, dtype: jnp.dtype) -> LatentCache:
+    def zeros(
+        cls,
+        config: KimiConfig,
+        batch: int,
+        slots: int,
+        dtype: jnp.dtype,
+        stripes: Stripes | None = None,
+    ) -> LatentCache:
+        if stripes is not None and slots % stripes.unit:
+            raise ValueError(f"slots: a striped cache needs a multiple of {stripes.unit}: {slots}")
         layers = range(config.num_hidden_layers)
         return cls(
             latent=tuple(jnp.zeros((batch, slots, config.kv_lora_rank), dtype) for _ in layers),
             rope=tuple(jnp.zeros((batch, slots, config.qk_rope_head_dim), dtype) for _ in layers),
             length=jnp.zeros((batch,), jnp.int32),
+            stripes=stripes,
         )
 
     @property
@@ -48,7 +61,7 @@ class LatentCache:
     @property
     def view(self) -> CacheView:
         """Where this cache's forwards read and write."""
-        return CacheView(self.length)
+        return CacheView(self.length, stripes=self.stripes)
 
     def commit(self, count: jax.Array) -> LatentCache:
         """``count`` [batch] more tokens committed (the rows a forward wrote)."""
@@ -63,6 +76,10 @@ class LatentCache:
     def fill(self, prompt: LatentCache, length: jax.Array) -> LatentCache:
         """This (empty) cache holding the rows of ``prompt``, a cache of the prompts' own
         padded length, with ``length`` [batch] of them committed (a prefill's result)."""
-        first = lambda full, rows: full.at[:, : prompt.slots].set(rows)  # a prefill starts at 0
+        if self.stripes is None:
+            first = lambda full, rows: full.at[:, : prompt.slots].set(rows)  # a prefill starts at 0
+        else:
+            start = jnp.zeros_like(length)
+            first = lambda full, rows: self.stripes.write(full, rows, start)
         latent, rope = jax.tree.map(first, (self.latent, self.rope), (prompt.latent, prompt.rope))
         return self.replace(latent=latent, rope=rope, length=length)

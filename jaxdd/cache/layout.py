@@ -8,11 +8,14 @@ write, compaction and row placement of a decode state is computed here.
 from __future__ import annotations
 
 import functools
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+if TYPE_CHECKING:
+    from jaxdd.cache.stripes import Stripes
 
 # ``write_rows``: one in-place update per sequence up to this batch, a scatter beyond
 MAX_UNROLLED_BATCH = 8
@@ -23,10 +26,13 @@ Tree = TypeVar("Tree")
 @struct.dataclass
 class CacheView:
     """Where a forward reads and writes each row's cache: it reads the committed
-    slots (below ``length``) and writes its T new rows at ``length .. length + T - 1``."""
+    slots (below ``length``) and writes its T new rows at ``length .. length + T - 1``.
+    With ``stripes`` the buffers are striped over the devices: slot ``i`` is not position ``i``,
+    and only the striped attention reads them (``stripes.local_length``)."""
 
     length: jax.Array  # [batch] int32: committed tokens per row
     axis: int = struct.field(pytree_node=False, default=1)  # the slot axis of the buffers
+    stripes: Stripes | None = struct.field(pytree_node=False, default=None)
 
     def committed(self, slots: int, extra: jax.Array | None = None) -> jax.Array:
         """[batch, slots] bool: the committed slots (and ``extra`` [batch] more after them)."""
@@ -47,6 +53,8 @@ class CacheView:
 
     def write(self, buffer: jax.Array, rows: jax.Array) -> jax.Array:
         """``buffer`` with the new ``rows`` [batch, ..., T, ...] in their slots."""
+        if self.stripes is not None:
+            return self.stripes.write(buffer, rows, self.length)
         return write_rows(buffer, rows, self.length, self.axis)
 
     def gather(self, buffer: jax.Array, path: jax.Array) -> jax.Array:
@@ -55,6 +63,9 @@ class CacheView:
         matters (a path's node indices are): row j is read before slot j is written."""
         if self.axis != 1:
             raise ValueError(f"gather: slots on axis 1 only, this view's are on {self.axis}")
+        if self.stripes is not None:
+            picked = self.stripes.read(buffer, self.length[:, None] + path)
+            return self.stripes.write(buffer, picked, self.length)
         picked = jnp.take_along_axis(buffer, (self.length[:, None] + path)[:, :, None], axis=1)
         return write_rows(buffer, picked, self.length)
 

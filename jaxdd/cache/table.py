@@ -28,11 +28,12 @@ def cache_slots(needed: int) -> int:
     return -(-bucket(needed, per_octave=CACHE_BUCKETS_PER_OCTAVE) // CACHE_ALIGN) * CACHE_ALIGN
 
 
-def row_slots(padded_prompt: int, max_len: int, round_tokens: int) -> int:
+def row_slots(padded_prompt: int, max_len: int, round_tokens: int, unit: int = 1) -> int:
     """Slots per row for requests of up to ``max_len`` tokens: a padded prompt's rows, or the
     longest request's plus the rows a round writes past its committed tokens before it keeps
-    some (``round_tokens``: a draft block, or the tokens a verify writes)."""
-    return cache_slots(max(padded_prompt, max_len + round_tokens))
+    some (``round_tokens``: a draft block, or the tokens a verify writes); a multiple of
+    ``unit`` (a striped cache's page on every device)."""
+    return -(-cache_slots(max(padded_prompt, max_len + round_tokens)) // unit) * unit
 
 
 class RowTable(Generic[Holder]):

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxdd.cache import row_slots
+from jaxdd.cache.stripes import LAYOUTS, CacheLayout, Stripes
 from jaxdd.decoding.checks import (
     check_lengths,
     check_round_options,
@@ -138,6 +139,8 @@ class SpeculativeDecoder:
     ``attention`` picks the verify attention: ``absorbed`` (XLA), ``pallas``
     (the tree-attention kernel, interpreted on CPU), or ``auto``: as the
     backend of the target's devices prefers (``jaxdd.runtime.backend``).
+    ``cache_layout``: the latent cache ``replicated`` on every device of the target's mesh or
+    ``striped`` over them (``jaxdd.cache.stripes``; one device holds it whole either way).
     """
 
     def __init__(
@@ -146,7 +149,12 @@ class SpeculativeDecoder:
         drafter: DFlashDrafter | None = None,
         attention: AttentionChoice = "auto",
         backend: Backend | None = None,
+        cache_layout: CacheLayout = "replicated",
     ):
+        if cache_layout not in LAYOUTS:
+            raise InputError.at(
+                "cache_layout", f"expected one of {', '.join(LAYOUTS)}, got {cache_layout!r}"
+            )
         if attention not in ATTENTION_CHOICES:
             raise InputError.at(
                 "attention", f"expected 'auto', 'absorbed' or 'pallas', got {attention!r}"
@@ -159,6 +167,14 @@ class SpeculativeDecoder:
         self.attention = self.backend.attention(attention)
         # set when the models were placed with jaxdd.runtime.sharding.shard_module
         self.mesh = mesh_of(target.model)
+        self.stripes = None
+        if cache_layout == "striped" and self.mesh is not None:
+            if self.attention != "absorbed":
+                raise InputError.at(
+                    "cache_layout",
+                    f"a striped cache runs the absorbed attention, not {self.attention!r}",
+                )
+            self.stripes = Stripes(self.mesh)
         self._working_memory: dict[tuple, int] = {}  # compiled rounds' temporaries, by round shape
         target_structure, target_weights = split_module(target.model)
         self._target_only = ModelPair(
@@ -300,6 +316,7 @@ class SpeculativeDecoder:
             trace=trace,
             tree_logits=tree_logits,
             top_logprobs=top_logprobs,
+            stripes=self.stripes,
         )
 
     def start(
@@ -356,7 +373,8 @@ class SpeculativeDecoder:
         # Prompts in eighth octaves, multiples of 16, the cache in quarter octaves: a prefill's cost
         # grows with its padded length and a round's with its slots, and each new shape compiles.
         longest = max(len(p) for p in checked)
-        slots = row_slots(prompt_bucket(longest), max(max_lengths), max(block, verify_width))
+        unit = 1 if self.stripes is None else self.stripes.unit
+        slots = row_slots(prompt_bucket(longest), max(max_lengths), max(block, verify_width), unit)
         sampled = any(not s.greedy for s in settings)
         spec = self.round_spec(
             method,

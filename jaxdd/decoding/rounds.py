@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxdd.cache import DraftCache, LatentCache
+from jaxdd.cache.stripes import SLOTS, Stripes
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.report import RoundReport
 from jaxdd.decoding.sampling import (
@@ -74,6 +75,7 @@ class RoundSpec:
     tree_logits: TreeLogits = "scaled"
     # > 0: also report each emitted token's logprob and the top-``top_logprobs`` at its position
     top_logprobs: int = 0
+    stripes: Stripes | None = None  # how the latent cache is striped (None: replicated)
 
     @property
     def width(self) -> int:
@@ -132,6 +134,7 @@ class DecodeState:
         block: int,
         dtype: jnp.dtype,
         rng: jax.Array,
+        stripes: Stripes | None = None,
     ) -> DecodeState:
         """The state before the prefill: empty caches (and drafter context, with a drafter)."""
         drafter = {}
@@ -143,7 +146,7 @@ class DecodeState:
                 "context_count": jnp.zeros((batch,), jnp.int32),
             }
         return cls(
-            target_cache=LatentCache.zeros(config, batch, slots, dtype),
+            target_cache=LatentCache.zeros(config, batch, slots, dtype, stripes),
             bonus=jnp.zeros((batch,), jnp.int32),
             done=jnp.zeros((batch,), bool),
             rng=rng,
@@ -152,9 +155,16 @@ class DecodeState:
 
 
 def state_shardings(state: DecodeState, mesh: jax.sharding.Mesh) -> DecodeState:
-    """Where a decode state lives on a mesh: the latent rows replicated (every
-    head reads them), the drafter's K/V split by KV heads, the rest replicated."""
+    """Where a decode state lives on a mesh: the latent rows replicated (every head reads
+    them) or split along their slots (striped), the drafter's K/V split by KV heads, the rest
+    replicated."""
     shardings = jax.tree.map(lambda x: cache_sharding(x.shape, (None,) * x.ndim, mesh), state)
+    cache = state.target_cache
+    if cache.stripes is not None:
+        striped = [jax.sharding.NamedSharding(mesh, SLOTS) for _ in cache.latent]
+        shardings = shardings.replace(
+            target_cache=shardings.target_cache.replace(latent=tuple(striped), rope=tuple(striped))
+        )
     if state.draft_cache is None:
         return shardings
     kv_axes = (None, "kv_heads", None, None)
@@ -445,7 +455,14 @@ def prefill(
     b, t = tokens.shape
     drafter_config = None if drafter is None else drafter.config
     state = DecodeState.empty(
-        target.config, drafter_config, b, slots, spec.block, target.dtype, seed_keys(seeds)
+        target.config,
+        drafter_config,
+        b,
+        slots,
+        spec.block,
+        target.dtype,
+        seed_keys(seeds),
+        spec.stripes,
     )
     taps = () if drafter is None else drafter.config.target_layer_ids
     positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))

@@ -160,7 +160,8 @@ class RowPool:
         # lowest free row, so the round runs over the rows up to the highest busy one.
         tiers = tuple(sorted({4**i for i in range(rows.bit_length()) if 4**i < rows} | {rows}))
         round_tokens = max(block, verified_tokens(method, block, budget))
-        slots = row_slots(prompt_bucket(max_prompt), max_len, round_tokens)
+        unit = 1 if spec.stripes is None else spec.stripes.unit
+        slots = row_slots(prompt_bucket(max_prompt), max_len, round_tokens, unit)
         shape = RowShape(spec, greedy_spec, rows, max_len, max_prompt, slots, tiers)
         self._setup(decoder, shape)
         self.state = self._empty_state()
@@ -450,7 +451,14 @@ class RowPool:
         seeds = jnp.zeros((self.rows,), jnp.uint32)
         dtype = self.decoder.target.model.dtype
         state = DecodeState.empty(
-            config, drafter, self.rows, self.slots, self.spec.block, dtype, seed_keys(seeds)
+            config,
+            drafter,
+            self.rows,
+            self.slots,
+            self.spec.block,
+            dtype,
+            seed_keys(seeds),
+            self.spec.stripes,
         )
         state = state.replace(done=jnp.ones((self.rows,), bool))
         mesh = self.decoder.mesh

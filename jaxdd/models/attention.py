@@ -13,11 +13,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdd.cache import CacheView
+from jaxdd.cache.stripes import SLOTS
 from jaxdd.config import KimiConfig
 from jaxdd.models.layers import RMSNorm, apply_rope, linear, param, project_heads, unmerged
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.sharding import AXIS, Placeable, partition_spec
 from jaxdd.types import Attention
+
+
+F32 = {"preferred_element_type": jnp.float32}  # partial sums cross the devices in float32
 
 
 def _write_after(value: jax.Array, rows: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
@@ -152,6 +156,8 @@ class MLAttention(nnx.Module, Placeable):
         """The committed cache and the new rows as two sets of keys joined
         for one softmax, the new rows written afterwards: written first, a
         one-token step makes XLA:CPU copy each layer's whole cache."""
+        if inputs.view.stripes is not None:
+            return self._striped(inputs)
         q_pe = inputs.q_pe
         latent = inputs.latent
         k_pe = inputs.k_pe
@@ -177,6 +183,64 @@ class MLAttention(nnx.Module, Placeable):
         out_latent += jnp.einsum("bur,bhtu->bthr", latent, probs[..., slots:])
         out = _per_head(out_latent, self.v_up[...], kernels)
         rows = _write_after(out_latent, (latent, k_pe))
+        return out, tuple(map(inputs.view.write, inputs.cache_rows, rows))
+
+    def _striped(self, inputs: AttentionInputs):
+        """The absorbed form over a cache striped over the devices (``jaxdd.cache.stripes``):
+        each device attends, for all heads, over its own pages (device 0 over the new rows too),
+        the softmax's max and sum are taken across the devices, so every probability is the
+        one-device one, and the partial outputs are summed in float32 into each device's heads.
+        """
+        stripes = inputs.view.stripes
+        heads = self.config.num_attention_heads
+        split = partition_spec((heads,), ("heads",), stripes.mesh, "tp")[0] is not None
+        dtype = self.k_up.dtype
+        q_latent = jnp.einsum("bthk,hnk->bthn", inputs.q_nope, self.k_up[...])
+        f32 = jnp.float32
+
+        def attend(q_latent, q_pe, cache_latent, cache_rope, length, latent, k_pe, visible):
+            device = jax.lax.axis_index(AXIS)
+            slots = cache_latent.shape[1]
+            committed = stripes.local_length(length, device)
+            scores = jnp.concatenate(
+                [
+                    jnp.einsum("bthr,bsr->bhts", q_latent, cache_latent)
+                    + jnp.einsum("bthd,bsd->bhts", q_pe, cache_rope),
+                    jnp.einsum("bthr,bur->bhtu", q_latent, latent)
+                    + jnp.einsum("bthd,bud->bhtu", q_pe, k_pe),
+                ],
+                axis=-1,
+            )
+            mine = jnp.arange(slots)[None, None, :] < committed[:, None, None]
+            mask = jnp.concatenate(
+                [jnp.broadcast_to(mine, (*visible.shape[:2], slots)), visible & (device == 0)], -1
+            )
+            scores = (scores * self.config.softmax_scale).astype(f32)
+            scores = jnp.where(mask[:, None], scores, -jnp.inf)
+            # finite: every token sees itself on device 0
+            top = jax.lax.pmax(scores.max(-1, keepdims=True), AXIS)
+            exp = jnp.exp(scores - top)
+            probs = (exp / jax.lax.psum(exp.sum(-1, keepdims=True), AXIS)).astype(dtype)
+            out = jnp.einsum("bsk,bhts->bthk", cache_latent, probs[..., :slots], **F32)
+            out += jnp.einsum("bur,bhtu->bthr", latent, probs[..., slots:], **F32)
+            if split:
+                return jax.lax.psum_scatter(out, AXIS, scatter_dimension=2, tiled=True)
+            return jax.lax.psum(out, AXIS)
+
+        whole = jax.sharding.PartitionSpec()
+        out_spec = jax.sharding.PartitionSpec(None, None, AXIS) if split else whole
+        specs = (whole, whole, SLOTS, SLOTS, *(whole,) * 4)
+        out_latent = stripes.per_device(attend, specs, out_spec)(
+            q_latent,
+            inputs.q_pe,
+            *inputs.cache_rows,
+            inputs.view.length,
+            inputs.latent,
+            inputs.k_pe,
+            inputs.visible,
+        ).astype(dtype)
+        out = jnp.einsum("bthr,hdr->bthd", out_latent, self.v_up[...])
+        rows = _write_after(out_latent, (inputs.latent, inputs.k_pe))
         return out, tuple(map(inputs.view.write, inputs.cache_rows, rows))
 
     def _pallas(self, inputs: AttentionInputs):
