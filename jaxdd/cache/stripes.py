@@ -94,3 +94,17 @@ class Stripes:
             return jax.lax.psum(jnp.where(mine, picked, 0), AXIS)
 
         return self.per_device(local, (SLOTS, WHOLE), WHOLE)(buffer, positions)
+
+    def merge(self, out: jax.Array, lse: jax.Array, split_heads: bool) -> jax.Array:
+        """Per device: the attention of all the devices' keys from each one's ``out`` [B, T, H,
+        r] and log-sum-exp ``lse`` [B, T, H] over its own, in float32; with ``split_heads`` each
+        device keeps its block of the heads (one reduce-scatter), else all of them."""
+        weight = jnp.exp(lse - jax.lax.pmax(lse, AXIS))  # 0 for a device that saw nothing
+        weighted = out * weight[..., None]
+        if split_heads:
+            total = jax.lax.psum_scatter(weight, AXIS, scatter_dimension=2, tiled=True)
+            weighted = jax.lax.psum_scatter(weighted, AXIS, scatter_dimension=2, tiled=True)
+        else:
+            total = jax.lax.psum(weight, AXIS)
+            weighted = jax.lax.psum(weighted, AXIS)
+        return weighted / total[..., None]

@@ -169,11 +169,6 @@ class SpeculativeDecoder:
         self.mesh = mesh_of(target.model)
         self.stripes = None
         if cache_layout == "striped" and self.mesh is not None:
-            if self.attention != "absorbed":
-                raise InputError.at(
-                    "cache_layout",
-                    f"a striped cache runs the absorbed attention, not {self.attention!r}",
-                )
             self.stripes = Stripes(self.mesh)
         self._working_memory: dict[tuple, int] = {}  # compiled rounds' temporaries, by round shape
         target_structure, target_weights = split_module(target.model)

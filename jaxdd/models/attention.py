@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from types import ModuleType
 
 import jax
@@ -20,8 +21,8 @@ from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.sharding import AXIS, Placeable, partition_spec
 from jaxdd.types import Attention
 
-
-F32 = {"preferred_element_type": jnp.float32}  # partial sums cross the devices in float32
+# a device's partial output leaves it in float32, to be merged with the others'
+F32 = {"preferred_element_type": jnp.float32}
 
 
 def _write_after(value: jax.Array, rows: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
@@ -157,7 +158,7 @@ class MLAttention(nnx.Module, Placeable):
         for one softmax, the new rows written afterwards: written first, a
         one-token step makes XLA:CPU copy each layer's whole cache."""
         if inputs.view.stripes is not None:
-            return self._striped(inputs)
+            return self._striped(inputs, self._absorbed_local)
         q_pe = inputs.q_pe
         latent = inputs.latent
         k_pe = inputs.k_pe
@@ -185,47 +186,30 @@ class MLAttention(nnx.Module, Placeable):
         rows = _write_after(out_latent, (latent, k_pe))
         return out, tuple(map(inputs.view.write, inputs.cache_rows, rows))
 
-    def _striped(self, inputs: AttentionInputs):
-        """The absorbed form over a cache striped over the devices (``jaxdd.cache.stripes``):
-        each device attends, for all heads, over its own pages (device 0 over the new rows too),
-        the softmax's max and sum are taken across the devices, so every probability is the
-        one-device one, and the partial outputs are summed in float32 into each device's heads.
-        """
+    def _striped(self, inputs: AttentionInputs, attend_local: Callable) -> tuple:
+        """Attention over a cache striped over the devices (``jaxdd.cache.stripes``): each
+        device runs ``attend_local`` (an ``_absorbed_local`` or the Pallas kernel's signature,
+        returning (out, log-sum-exp)) for all heads over its own pages, device 0 over the new
+        rows too, and the partial outputs merge by their log-sum-exp into each device's heads."""
         stripes = inputs.view.stripes
         heads = self.config.num_attention_heads
         split = partition_spec((heads,), ("heads",), stripes.mesh, "tp")[0] is not None
-        dtype = self.k_up.dtype
         q_latent = jnp.einsum("bthk,hnk->bthn", inputs.q_nope, self.k_up[...])
-        f32 = jnp.float32
 
         def attend(q_latent, q_pe, cache_latent, cache_rope, length, latent, k_pe, visible):
             device = jax.lax.axis_index(AXIS)
-            slots = cache_latent.shape[1]
-            committed = stripes.local_length(length, device)
-            scores = jnp.concatenate(
-                [
-                    jnp.einsum("bthr,bsr->bhts", q_latent, cache_latent)
-                    + jnp.einsum("bthd,bsd->bhts", q_pe, cache_rope),
-                    jnp.einsum("bthr,bur->bhtu", q_latent, latent)
-                    + jnp.einsum("bthd,bud->bhtu", q_pe, k_pe),
-                ],
-                axis=-1,
+            local = stripes.local_length(length, device)
+            out, lse = attend_local(
+                q_latent,
+                q_pe,
+                cache_latent,
+                cache_rope,
+                local,
+                latent,
+                k_pe,
+                visible & (device == 0),
             )
-            mine = jnp.arange(slots)[None, None, :] < committed[:, None, None]
-            mask = jnp.concatenate(
-                [jnp.broadcast_to(mine, (*visible.shape[:2], slots)), visible & (device == 0)], -1
-            )
-            scores = (scores * self.config.softmax_scale).astype(f32)
-            scores = jnp.where(mask[:, None], scores, -jnp.inf)
-            # finite: every token sees itself on device 0
-            top = jax.lax.pmax(scores.max(-1, keepdims=True), AXIS)
-            exp = jnp.exp(scores - top)
-            probs = (exp / jax.lax.psum(exp.sum(-1, keepdims=True), AXIS)).astype(dtype)
-            out = jnp.einsum("bsk,bhts->bthk", cache_latent, probs[..., :slots], **F32)
-            out += jnp.einsum("bur,bhtu->bthr", latent, probs[..., slots:], **F32)
-            if split:
-                return jax.lax.psum_scatter(out, AXIS, scatter_dimension=2, tiled=True)
-            return jax.lax.psum(out, AXIS)
+            return stripes.merge(out, lse, split)
 
         whole = jax.sharding.PartitionSpec()
         out_spec = jax.sharding.PartitionSpec(None, None, AXIS) if split else whole
@@ -238,16 +222,50 @@ class MLAttention(nnx.Module, Placeable):
             inputs.latent,
             inputs.k_pe,
             inputs.visible,
-        ).astype(dtype)
+        ).astype(inputs.q_pe.dtype)
         out = jnp.einsum("bthr,hdr->bthd", out_latent, self.v_up[...])
         rows = _write_after(out_latent, (inputs.latent, inputs.k_pe))
         return out, tuple(map(inputs.view.write, inputs.cache_rows, rows))
 
+    def _absorbed_local(
+        self, q_latent, q_pe, cache_latent, cache_rope, length, latent, k_pe, visible
+    ):
+        """The absorbed attention of a cache whose first ``length`` slots are committed, as the
+        kernel's ``with_lse`` form: (out [B,T,H,r] fp32, log-sum-exp [B,T,H]); a token that sees
+        nothing gives 0 and -inf. Scores and probabilities in the dtypes of ``_softmax``."""
+        slots = cache_latent.shape[1]
+        scores = jnp.concatenate(
+            [
+                jnp.einsum("bthr,bsr->bhts", q_latent, cache_latent)
+                + jnp.einsum("bthd,bsd->bhts", q_pe, cache_rope),
+                jnp.einsum("bthr,bur->bhtu", q_latent, latent)
+                + jnp.einsum("bthd,bud->bhtu", q_pe, k_pe),
+            ],
+            axis=-1,
+        )
+        committed = jnp.arange(slots)[None, None, :] < length[:, None, None]
+        mask = jnp.concatenate(
+            [jnp.broadcast_to(committed, (*visible.shape[:2], slots)), visible], -1
+        )
+        scores = (scores * self.config.softmax_scale).astype(jnp.float32)
+        scores = jnp.where(mask[:, None], scores, -jnp.inf)
+        top = scores.max(-1, keepdims=True)
+        top = jnp.where(jnp.isfinite(top), top, 0.0)
+        exp = jnp.exp(scores - top)
+        total = exp.sum(-1, keepdims=True)
+        probs = (exp / jnp.where(total > 0, total, 1.0)).astype(self.k_up.dtype)
+        out = jnp.einsum("bsk,bhts->bthk", cache_latent, probs[..., :slots], **F32)
+        out += jnp.einsum("bur,bhtu->bthr", latent, probs[..., slots:], **F32)
+        lse = (top + jnp.log(total))[..., 0]  # [B, H, T]
+        return out, lse.transpose(0, 2, 1)
+
     def _pallas(self, inputs: AttentionInputs):
         """The absorbed form with the attention itself in the Pallas tree-attention kernel."""
         c = self.config
-        q_latent = jnp.einsum("bthd,hrd->bthr", inputs.q_nope, self.k_up[...])
         kernel = functools.partial(inputs.backend.tree_attention(), scale=c.softmax_scale)
+        if inputs.view.stripes is not None:
+            return self._striped(inputs, functools.partial(kernel, with_lse=True))
+        q_latent = jnp.einsum("bthd,hrd->bthr", inputs.q_nope, self.k_up[...])
 
         def attend(q_latent, q_pe, cache_latent, cache_rope, length, latent, k_pe, visible):
             # The committed rows only (slots < length): the kernel reads the cache as it was, and
