@@ -31,11 +31,9 @@ import jaxdd
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.runtime.sharding import make_mesh, shard_module
 from jaxdd.testing.benchmark import timed, write_result
-from jaxdd.testing.reference import TINY_K2, drafter_config, save_random_pair
+from jaxdd.testing.reference import SHARDABLE_DRAFTER, SHARDABLE_K2, save_random_pair
 
 RESULTS = Path(__file__).parent / "results" / "sharding.json"
-TARGET = TINY_K2 | dict(num_attention_heads=8, num_key_value_heads=8, moe_intermediate_size=64)
-DRAFTER = drafter_config(num_attention_heads=8, num_key_value_heads=8, head_dim=8)
 METHODS = {"ar": {}, "dflash": {}, "ddtree": {"budget": 16}}
 
 
@@ -55,7 +53,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
-        target_dir, drafter_dir = save_random_pair(Path(directory), TARGET, DRAFTER, seed=0)
+        pair = (Path(directory), SHARDABLE_K2, SHARDABLE_DRAFTER)
+        target_dir, drafter_dir = save_random_pair(*pair, seed=0)
         prompt = np.random.default_rng(0).integers(0, 250, 24).tolist()
         rows, reference = {}, None
         for placement in ("1 device", "8 devices tp", "8 devices ep"):

@@ -164,6 +164,13 @@ def drafter_config(block_size: int = 8, yarn: bool = False, **overrides) -> dict
     return config | overrides
 
 
+# 8 heads and 16 experts of width 64, so that 8 devices split heads, experts (ep) and expert width
+SHARDABLE_K2 = TINY_K2 | dict(
+    num_attention_heads=8, num_key_value_heads=8, moe_intermediate_size=64
+)
+SHARDABLE_DRAFTER = drafter_config(num_attention_heads=8, num_key_value_heads=8, head_dim=8)
+
+
 def hf_drafter(config: dict, seed: int):
     from dflash.model import DFlashDraftModel
     from transformers import Qwen3Config

@@ -19,13 +19,14 @@ from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.runtime.compile_time import compile_clock
 from jaxdd.runtime.sharding import make_mesh, shard_module
 from jaxdd.testing.hf_layouts import write_k2_instruct_fp8, write_k25_int4
-from jaxdd.testing.reference import TINY_K2, drafter_config, rel_err, save_random_pair
+from jaxdd.testing.reference import (
+    SHARDABLE_DRAFTER,
+    SHARDABLE_K2,
+    rel_err,
+    save_random_pair,
+)
 from jaxdd.weights.hf_reader import HFCheckpoint, load_hf_target
 
-# 8 heads and 16 experts of width 64 so that 8 devices
-# split heads, experts (ep) and expert width (tp).
-SHARDABLE = TINY_K2 | dict(num_attention_heads=8, num_key_value_heads=8, moe_intermediate_size=64)
-DRAFTER = drafter_config(num_attention_heads=8, num_key_value_heads=8, head_dim=8)
 PROMPT = [5, 17, 3, 250, 9, 1, 77]
 METHODS = {"ar": {}, "dflash": {}, "ddtree": {"budget": 12}}
 
@@ -33,7 +34,7 @@ METHODS = {"ar": {}, "dflash": {}, "ddtree": {"budget": 12}}
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharding")
-    save_random_pair(root, SHARDABLE, DRAFTER, seed=7)
+    save_random_pair(root, SHARDABLE_K2, SHARDABLE_DRAFTER, seed=7)
     write_k25_int4(root / "target", root / "int4")
     write_k2_instruct_fp8(root / "target", root / "fp8")
     return root
@@ -130,9 +131,8 @@ def test_int4_experts_expert_parallel(checkpoints, single_device):
     dec = decoder(checkpoints, "int4", mode="ep")
     gate = dec.target.model.layers[1].mlp.gate
     assert gate.packed[...].sharding.spec == P("model", None, None)
-    assert (
-        gate.packed[...].addressable_shards[0].data.shape[0] == SHARDABLE["n_routed_experts"] // 8
-    )
+    experts = SHARDABLE_K2["n_routed_experts"]
+    assert gate.packed[...].addressable_shards[0].data.shape[0] == experts // 8
     assert generate(dec) == single_device["int4"]
 
 

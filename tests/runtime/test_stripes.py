@@ -1,0 +1,148 @@
+"""The latent cache striped over 8 simulated CPU devices (decode context parallelism): pages
+dealt as ``jaxdd.cache.stripes`` says, rows written and read where they live, and the tokens of
+one device for every round kind, both attention forms and sampled rows."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxdd
+from jaxdd.cache.layout import write_rows
+from jaxdd.cache.stripes import SLOTS, Stripes
+from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.decoding.sampling import Sampling
+from jaxdd.errors import InputError
+from jaxdd.runtime.compile_time import compile_clock
+from jaxdd.runtime.sharding import make_mesh
+from jaxdd.testing.profiles import examples
+from jaxdd.testing.reference import SHARDABLE_DRAFTER, SHARDABLE_K2, save_random_pair
+
+PROMPT = [(7 * i + 3) % 250 for i in range(41)]
+# short pages, so that a short context spans every device (the runtime's pages hold 64 tokens)
+PAGE = 4
+
+
+def dealt(positions: np.ndarray, page: int, devices: int) -> tuple[np.ndarray, np.ndarray]:
+    """The dealing written out: each position's device and its index among that device's."""
+    owner = (positions // page) % devices
+    index = np.zeros_like(positions)
+    for device in range(devices):
+        mine = owner == device
+        index[mine] = np.arange(mine.sum())
+    return owner, index
+
+
+@given(
+    devices=st.sampled_from([1, 2, 4, 8]),
+    page=st.sampled_from([1, 4, 64]),
+    length=st.integers(0, 2000),
+)
+@settings(max_examples=examples(40), deadline=None)
+def test_each_device_holds_its_pages_in_order(devices, page, length):
+    stripes = Stripes(make_mesh(devices), page)
+    positions = np.arange(length + 3 * page)
+    owner, index = dealt(positions, page, devices)
+    slots = len(positions)
+    for device in range(devices):
+        found = np.asarray(stripes.local_slot(jnp.asarray(positions), device, slots))
+        np.testing.assert_array_equal(found, np.where(owner == device, index, slots))
+        committed = int(stripes.local_length(jnp.int32(length), device))
+        assert committed == ((owner == device) & (positions < length)).sum()
+
+
+@pytest.fixture(scope="module")
+def stripes() -> Stripes:
+    return Stripes(make_mesh(8), PAGE)
+
+
+def test_rows_are_written_and_read_where_they_live(stripes):
+    rng = np.random.default_rng(5)
+    slots, width = 6 * stripes.unit, 3
+    buffer = jax.device_put(
+        jnp.asarray(rng.normal(size=(2, slots, width)), jnp.float32),
+        jax.sharding.NamedSharding(stripes.mesh, SLOTS),
+    )
+    flat = np.asarray(buffer)  # what the buffer holds, by slot
+    by_position = np.zeros_like(flat)  # what it holds, by position
+    owner, index = dealt(np.arange(slots), PAGE, 8)
+    block = slots // 8
+    by_position[:] = flat[:, owner * block + index]
+    start = jnp.array([13, 150], jnp.int32)
+    rows = jnp.asarray(rng.normal(size=(2, 21, width)), jnp.float32)
+    written = stripes.write(buffer, rows, start)
+    expected = write_rows(jnp.asarray(by_position), rows, start)
+    back = stripes.read(written, jnp.broadcast_to(jnp.arange(slots), (2, slots)))
+    np.testing.assert_array_equal(back, expected)
+    # each device's block holds its own positions' rows, in order
+    np.testing.assert_array_equal(np.asarray(written)[:, owner * block + index], expected)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stripes")
+    save_random_pair(root, SHARDABLE_K2, SHARDABLE_DRAFTER, seed=11)
+    return root
+
+
+def decoder(checkpoints, devices: int, **options) -> SpeculativeDecoder:
+    pair = jaxdd.load_pair(checkpoints / "target", checkpoints / "drafter", "float32", devices)
+    return SpeculativeDecoder(*pair, **options)
+
+
+ROUNDS = {
+    "ar": {"method": "ar"},
+    "dflash": {"method": "dflash"},
+    "ddtree": {"method": "ddtree", "budget": 12},
+    "sampled ddtree": {"method": "ddtree", "budget": 12, "sampling": Sampling(0.9, seed=4)},
+    "sampled dflash": {"method": "dflash", "sampling": Sampling(0.7, top_k=20, seed=9)},
+}
+
+
+def generate(dec: SpeculativeDecoder, names, prompt=PROMPT) -> dict:
+    results = {}
+    for name in names:
+        out = dec.generate(prompt, max_new_tokens=30, stop_token_ids=[], **ROUNDS[name])
+        results[name] = (out.tokens, out.acceptance_lengths)
+    return results
+
+
+@pytest.fixture(scope="module")
+def one_device(checkpoints):
+    return generate(decoder(checkpoints, 1), ROUNDS)
+
+
+@pytest.mark.parametrize("page", [PAGE, None])
+def test_striped_gives_the_tokens_of_one_device(checkpoints, one_device, page):
+    dec = decoder(checkpoints, 8, cache_layout="striped")
+    if page is not None:
+        dec.stripes = Stripes(dec.mesh, page)  # the prompt then spans every device's pages
+    assert generate(dec, ROUNDS) == one_device
+    with compile_clock() as compiles:
+        generate(dec, ["ddtree"], PROMPT[::-1])  # the same shapes: nothing new to compile
+    assert compiles.count == 0
+
+
+def test_striped_cache_is_split_along_its_slots(checkpoints):
+    dec = decoder(checkpoints, 8, cache_layout="striped")
+    pool, state = dec.start([PROMPT], max_new_tokens=8)
+    latent = state.target_cache.latent[0]
+    assert latent.sharding.spec == SLOTS
+    assert latent.addressable_shards[0].data.shape[1] == latent.shape[1] // 8
+    assert state.target_cache.stripes == dec.stripes
+
+
+def test_the_kernel_form_merges_the_same(checkpoints, one_device):
+    dec = decoder(checkpoints, 8, cache_layout="striped", attention="pallas")
+    dec.stripes = Stripes(dec.mesh, PAGE)
+    names = ["ddtree", "sampled dflash"]
+    assert generate(dec, names) == {name: one_device[name] for name in names}
+
+
+def test_an_unknown_layout_names_the_field(checkpoints):
+    with pytest.raises(InputError, match="cache_layout"):
+        decoder(checkpoints, 1, cache_layout="sharded")
