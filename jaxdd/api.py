@@ -28,7 +28,7 @@ from jaxdd.models.target import KimiTarget
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.jit_state import split_module
 from jaxdd.runtime.sharding import Placement, abstract_shardings, make_mesh, place
-from jaxdd.types import Attention, Method, MoeMode
+from jaxdd.types import Attention, CacheLayout, Method, MoeMode
 from jaxdd.weights.checkpoint import (
     abstract_model,
     cast_model,
@@ -228,6 +228,7 @@ class Target:
         max_children: int | None = None,
         sampling: Sampling = GREEDY,
         on_tokens: Callable[[list[int]], None] | None = None,
+        cache_layout: CacheLayout = "replicated",
     ) -> Generation:
         """Generation: ``dflash`` when a drafter is given, else ``ar``; ``ddtree``
         with a node ``budget`` (see ``SpeculativeDecoder.generate_batch``). Greedy
@@ -236,10 +237,11 @@ class Target:
         Returns the new tokens, the tokens produced per round and timings.
         Stops at ``stop_token_ids`` (default: the config's EOS ids; ``[]``
         for none) or after ``max_new_tokens``. ``on_tokens(new_tokens)``
-        is called as tokens are accepted (to stream them).
+        is called as tokens are accepted (to stream them). ``cache_layout``: the latent cache
+        on a mesh, ``replicated`` or ``striped`` over its devices.
         """
         stream = None if on_tokens is None else (lambda request, tokens: on_tokens(tokens))
-        return SpeculativeDecoder(self, drafter).generate(
+        return SpeculativeDecoder(self, drafter, cache_layout=cache_layout).generate(
             prompt_ids,
             sampling=sampling,
             on_tokens=stream,

@@ -29,7 +29,7 @@ from jaxdd.errors import CheckpointError, ConfigError, InputError
 from jaxdd.runtime.distributed import join
 from jaxdd.runtime.host import PLATFORMS, available_memory
 from jaxdd.runtime.startup import end_now
-from jaxdd.types import METHODS, MOE_MODES
+from jaxdd.types import LAYOUTS, METHODS, MOE_MODES
 
 # 130 and 141: the shell's codes for SIGINT and SIGPIPE
 USAGE = 2
@@ -175,6 +175,13 @@ def add_device_flags(parser: argparse.ArgumentParser) -> None:
         "traffic per round, "
         "python -m jaxdd.plan --traffic) or place whole experts (ep)",
     )
+    parser.add_argument(
+        "--cache-layout",
+        choices=LAYOUTS,
+        help="with several devices, keep the MLA latent cache whole on each (replicated, the "
+        "default) or deal its pages over them, each attending over its own (striped: each "
+        "device reads 1/N of the context; python -m jaxdd.plan says which is faster)",
+    )
     hosts = parser.add_argument_group(
         "several hosts (one process each; not needed where JAX finds the job itself)"
     )
@@ -212,8 +219,9 @@ def start_job(args: argparse.Namespace, platform: str) -> int:
         raise Refusal(
             f"--devices {devices}: {'this host' if processes == 1 else 'the job'} has {len(found)}"
         )
-    if args.moe is not None and devices == 1:
-        raise Refusal("--moe applies to several devices (--devices N)")
+    for flag, value in (("--moe", args.moe), ("--cache-layout", args.cache_layout)):
+        if value is not None and devices == 1:
+            raise Refusal(f"{flag} applies to several devices (--devices N)")
     return devices
 
 

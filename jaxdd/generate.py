@@ -254,6 +254,7 @@ def run(argv: list[str] | None) -> int:
             budget=args.budget,
             sampling=jaxdd.Sampling(args.temperature, args.top_p, args.top_k, args.seed),
             on_tokens=stream,
+            cache_layout=args.cache_layout or "replicated",
         )
     except (jaxdd.CheckpointError, jaxdd.ConfigError, jaxdd.InputError) as error:
         if stream is not None:

@@ -15,6 +15,8 @@ Platform = Literal["cpu", "gpu", "tpu"]
 # ``jaxdd.models.moe``
 Dispatch = Literal["dense", "gathered", "grouped", "scan", "skipping", "tiled"]
 TreeLogits = Literal["scaled", "raw"]  # what a sampled DDTree round builds its tree from
+# the MLA latent cache on a mesh: whole on every device, or its pages dealt over them
+CacheLayout = Literal["striped", "replicated"]
 
 METHODS: tuple[Method, ...] = get_args(Method)
 ATTENTIONS: tuple[Attention, ...] = get_args(Attention)
@@ -22,6 +24,7 @@ ATTENTION_CHOICES: tuple[AttentionChoice, ...] = get_args(AttentionChoice)
 MOE_MODES: tuple[MoeMode, ...] = get_args(MoeMode)
 DISPATCHES: tuple[Dispatch, ...] = get_args(Dispatch)
 TREE_LOGITS: tuple[TreeLogits, ...] = get_args(TreeLogits)
+LAYOUTS: tuple[CacheLayout, ...] = get_args(CacheLayout)
 
 
 def verified_tokens(method: Method, block: int, budget: int | None) -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +23,6 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxdd.runtime.sharding import AXIS
 
 PAGE_TOKENS = 64
-CacheLayout = Literal["striped", "replicated"]
-LAYOUTS: tuple[CacheLayout, ...] = get_args(CacheLayout)
 
 SLOTS = PartitionSpec(None, AXIS)  # a [batch, slots, ...] buffer split along its slots
 WHOLE = PartitionSpec()

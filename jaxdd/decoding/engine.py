@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jaxdd.cache import row_slots
-from jaxdd.cache.stripes import LAYOUTS, CacheLayout, Stripes
+from jaxdd.cache.stripes import Stripes
 from jaxdd.decoding.checks import (
     check_lengths,
     check_round_options,
@@ -38,7 +38,15 @@ from jaxdd.runtime.buckets import bucket, prompt_bucket
 from jaxdd.runtime.compile_time import compile_clock
 from jaxdd.runtime.jit_state import split_module
 from jaxdd.runtime.sharding import mesh_of
-from jaxdd.types import ATTENTION_CHOICES, AttentionChoice, Method, TreeLogits, verified_tokens
+from jaxdd.types import (
+    ATTENTION_CHOICES,
+    LAYOUTS,
+    AttentionChoice,
+    CacheLayout,
+    Method,
+    TreeLogits,
+    verified_tokens,
+)
 
 # A DDTree round past this many nodes per drafted position gets a note: deeper candidates are rarely
 # accepted (tau per budget: benchmarks/README.md, "HumanEval"), each costs verify work.

@@ -157,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
             "max_prompt": args.max_prompt,
             "max_logprobs": args.max_logprobs,
         }
-        pool = RowPool(SpeculativeDecoder(target, drafter), method=method, rows=args.max_batch,
-                       max_len=args.max_len, **options)  # fmt: skip
+        decoder = SpeculativeDecoder(
+            target, drafter, cache_layout=args.cache_layout or "replicated"
+        )
+        pool = RowPool(decoder, method=method, rows=args.max_batch, max_len=args.max_len, **options)
     except (jaxdd.CheckpointError, jaxdd.ConfigError, jaxdd.InputError) as error:
         print(f"jaxdd: {error}", file=sys.stderr)
         return 2

@@ -383,9 +383,9 @@ def test_rounds_past_memory_are_refused_and_oversized_ones_noted(checkpoints, ca
 
 
 def test_devices_and_moe_flags_shard_the_pair(checkpoints, capsys):
-    """`--devices 8 --moe ep|tp` (the suite's 8 simulated CPU devices) gives
-    one device's tokens (DFlash in EP, DDTree in TP); more devices than the
-    host has, or --moe on one device, is one line and exit code 2."""
+    """`--devices 8 --moe ep|tp` (the suite's 8 simulated CPU devices) gives one device's tokens
+    (DFlash in EP, DDTree in TP, DDTree with the latent cache striped); more devices than the
+    host has, or --moe or --cache-layout on one device, is one line and exit code 2."""
     _, target, drafter = checkpoints
     common = [
         "--checkpoint",
@@ -398,18 +398,22 @@ def test_devices_and_moe_flags_shard_the_pair(checkpoints, capsys):
         "0",
     ]
     common += ["--max-new-tokens", "12"]
-    for method, moe in (
-        (["--method", "dflash"], "ep"),
-        (["--method", "ddtree", "--budget", "6"], "tp"),
+    ddtree = ["--method", "ddtree", "--budget", "6"]
+    for method, placement in (
+        (["--method", "dflash"], ["--moe", "ep"]),
+        (ddtree, ["--moe", "tp"]),
+        (ddtree, ["--cache-layout", "striped"]),
     ):
         alone = run_json(capsys, *common, *method)["output_ids"]
-        assert (
-            run_json(capsys, *common, *method, "--devices", "8", "--moe", moe)["output_ids"]
-            == alone
-        )
+        sharded = run_json(capsys, *common, *method, "--devices", "8", *placement)
+        assert sharded["output_ids"] == alone
     for flags, message in [
         (["--devices", "16"], "jaxdd: --devices 16: this host has 8\n"),
         (["--moe", "ep"], "jaxdd: --moe applies to several devices (--devices N)\n"),
+        (
+            ["--cache-layout", "striped"],
+            "jaxdd: --cache-layout applies to several devices (--devices N)\n",
+        ),
     ]:
         assert main([*common, *flags]) == 2
         assert capsys.readouterr().err == message

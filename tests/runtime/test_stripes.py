@@ -129,7 +129,7 @@ def test_striped_gives_the_tokens_of_one_device(checkpoints, one_device, page):
 
 def test_striped_cache_is_split_along_its_slots(checkpoints):
     dec = decoder(checkpoints, 8, cache_layout="striped")
-    pool, state = dec.start([PROMPT], max_new_tokens=8)
+    _, state = dec.start([PROMPT], max_new_tokens=8)
     latent = state.target_cache.latent[0]
     assert latent.sharding.spec == SLOTS
     assert latent.addressable_shards[0].data.shape[1] == latent.shape[1] // 8
