@@ -15,6 +15,8 @@ import jaxdd
 from jaxdd.cache.layout import write_rows
 from jaxdd.cache.stripes import SLOTS, Stripes
 from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.decoding.requests import RowRequest
+from jaxdd.decoding.rows import RowPool
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.errors import InputError
 from jaxdd.runtime.compile_time import compile_clock
@@ -146,3 +148,35 @@ def test_the_kernel_form_merges_the_same(checkpoints, one_device):
 def test_an_unknown_layout_names_the_field(checkpoints):
     with pytest.raises(InputError, match="cache_layout"):
         decoder(checkpoints, 1, cache_layout="sharded")
+
+
+def test_a_striped_pool_serves_rows_admitted_between_rounds(checkpoints):
+    """The server's pool on the striped cache: requests admitted while others decode (rows at
+    other lengths, so other devices' pages) give one device's tokens, and nothing compiles."""
+    dec = decoder(checkpoints, 8, cache_layout="striped")
+    dec.stripes = Stripes(dec.mesh, PAGE)
+    pool = RowPool(dec, method="ddtree", budget=12, rows=2, max_len=96, max_prompt=48)
+    pool.warm_up()
+    requests = [
+        RowRequest(PROMPT, 20, [], Sampling()),
+        RowRequest(PROMPT[5:30], 25, [], Sampling(0.8, seed=2)),
+        RowRequest(PROMPT[::2], 15, [], Sampling()),
+    ]
+    outputs, owner = {}, {}
+    with compile_clock() as compiles:
+        for round_ in range(200):  # bounded: every request ends within its max_tokens rounds
+            if requests and pool.free_rows() and round_ % 3 == 0:
+                owner[pool.admit(pool.check(requests[0]))] = len(outputs)
+                outputs[len(outputs)] = (requests.pop(0), [])
+            elif not requests and not pool.busy:
+                break
+            for row, update in pool.step().items():
+                outputs[owner[row]][1].extend(update.tokens)
+    assert compiles.count == 0 and not requests
+    alone = decoder(checkpoints, 1)
+    for request, tokens in outputs.values():
+        options = {"max_new_tokens": request.max_new_tokens, "sampling": request.sampling}
+        expected = alone.generate(
+            request.prompt, method="ddtree", budget=12, stop_token_ids=[], **options
+        )
+        assert tokens == expected.tokens
