@@ -17,9 +17,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdd.cache.layout import CacheView
-from jaxdd.cache.stripes import Stripes
+from jaxdd.cache.stripes import SLOTS, Stripes
 from jaxdd.config import KimiConfig
 
 
@@ -57,6 +58,15 @@ class LatentCache:
     @property
     def slots(self) -> int:
         return self.latent[0].shape[1]
+
+    def shardings(self, mesh: Mesh) -> LatentCache:
+        """Where this cache lives on ``mesh``: every buffer whole on each device, or split
+        along its slots when striped; ``length`` on every device."""
+        whole = NamedSharding(mesh, PartitionSpec())
+        buffer = NamedSharding(mesh, SLOTS) if self.stripes is not None else whole
+        return self.replace(
+            latent=(buffer,) * len(self.latent), rope=(buffer,) * len(self.rope), length=whole
+        )
 
     @property
     def view(self) -> CacheView:

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxdd.cache import DraftCache, LatentCache
-from jaxdd.cache.stripes import SLOTS, Stripes
+from jaxdd.cache.stripes import Stripes
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.report import RoundReport
 from jaxdd.decoding.sampling import (
@@ -159,12 +159,7 @@ def state_shardings(state: DecodeState, mesh: jax.sharding.Mesh) -> DecodeState:
     them) or split along their slots (striped), the drafter's K/V split by KV heads, the rest
     replicated."""
     shardings = jax.tree.map(lambda x: cache_sharding(x.shape, (None,) * x.ndim, mesh), state)
-    cache = state.target_cache
-    if cache.stripes is not None:
-        striped = [jax.sharding.NamedSharding(mesh, SLOTS) for _ in cache.latent]
-        shardings = shardings.replace(
-            target_cache=shardings.target_cache.replace(latent=tuple(striped), rope=tuple(striped))
-        )
+    shardings = shardings.replace(target_cache=state.target_cache.shardings(mesh))
     if state.draft_cache is None:
         return shardings
     kv_axes = (None, "kv_heads", None, None)
@@ -454,16 +449,8 @@ def prefill(
     target, drafter = models.merge()
     b, t = tokens.shape
     drafter_config = None if drafter is None else drafter.config
-    state = DecodeState.empty(
-        target.config,
-        drafter_config,
-        b,
-        slots,
-        spec.block,
-        target.dtype,
-        seed_keys(seeds),
-        spec.stripes,
-    )
+    configs, sizes = (target.config, drafter_config), (b, slots, spec.block)
+    state = DecodeState.empty(*configs, *sizes, target.dtype, seed_keys(seeds), spec.stripes)
     taps = () if drafter is None else drafter.config.target_layer_ids
     positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
     visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))

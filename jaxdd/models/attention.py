@@ -81,6 +81,13 @@ class AttentionInputs:
     visible: jax.Array  # [B, T, T] bool: may new token i attend to new token j
     backend: Backend
 
+    def kernel_operands(self, q_latent: jax.Array) -> tuple[jax.Array, ...]:
+        """The tree-attention kernel's array operands (``tree_attention_reference``'s), for
+        queries ``q_latent`` [B, T, heads, kv_lora_rank]."""
+        latent, rope = self.cache_rows
+        rows = (latent, rope, self.view.length, self.latent, self.k_pe, self.visible)
+        return (q_latent, self.q_pe, *rows)
+
 
 class MLAttention(nnx.Module, Placeable):
     """Multi-head latent attention. K/V live in the cache
@@ -214,15 +221,8 @@ class MLAttention(nnx.Module, Placeable):
         whole = jax.sharding.PartitionSpec()
         out_spec = jax.sharding.PartitionSpec(None, None, AXIS) if split else whole
         specs = (whole, whole, SLOTS, SLOTS, *(whole,) * 4)
-        out_latent = stripes.per_device(attend, specs, out_spec)(
-            q_latent,
-            inputs.q_pe,
-            *inputs.cache_rows,
-            inputs.view.length,
-            inputs.latent,
-            inputs.k_pe,
-            inputs.visible,
-        ).astype(inputs.q_pe.dtype)
+        attend = stripes.per_device(attend, specs, out_spec)
+        out_latent = attend(*inputs.kernel_operands(q_latent)).astype(inputs.q_pe.dtype)
         out = jnp.einsum("bthr,hdr->bthd", out_latent, self.v_up[...])
         rows = _write_after(out_latent, (inputs.latent, inputs.k_pe))
         return out, tuple(map(inputs.view.write, inputs.cache_rows, rows))
@@ -287,15 +287,7 @@ class MLAttention(nnx.Module, Placeable):
             attend = jax.shard_map(
                 attend, mesh=mesh, in_specs=specs, out_specs=(heads, whole, whole), check_vma=False
             )
-        out_latent, *rows = attend(
-            q_latent,
-            inputs.q_pe,
-            *inputs.cache_rows,
-            inputs.view.length,
-            inputs.latent,
-            inputs.k_pe,
-            inputs.visible,
-        )
+        out_latent, *rows = attend(*inputs.kernel_operands(q_latent))
         out = jnp.einsum("bthr,hdr->bthd", out_latent.astype(inputs.q_pe.dtype), self.v_up[...])
         return out, tuple(map(inputs.view.write, inputs.cache_rows, rows))
 
