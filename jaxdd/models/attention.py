@@ -243,7 +243,7 @@ class MLAttention(nnx.Module, Placeable):
             ],
             axis=-1,
         )
-        committed = jnp.arange(slots)[None, None, :] < length[:, None, None]
+        committed = CacheView(length).committed(slots)[:, None, :]  # its own slots, in order
         mask = jnp.concatenate(
             [jnp.broadcast_to(committed, (*visible.shape[:2], slots)), visible], -1
         )
