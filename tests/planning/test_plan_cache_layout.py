@@ -262,7 +262,7 @@ def test_the_verdict_follows_the_layout(tiny_plan_configs, monkeypatch):
     assert rows["drafter_cache"] == per_device["drafter_cache"]
     assert rows["total"] == sum(v for k, v in rows.items() if k != "total") <= memory
     assert striped["fits"] and "\nfits cpu" in report(striped)
-    assert "(striped over 8 devices: its page in 8)" in report(striped)
+    assert "(striped over 8 devices: one page in 8 on each)" in report(striped)
     default = results[None]
     held = results["replicated"]["cache_capacity"]["replicated"]["tokens"]
     assert default["cache_layout"] == "striped"
