@@ -1,27 +1,31 @@
 """What the real targets' compiled rounds move: Kimi K2.6 + its DFlash drafter (full
 width), each round compiled deviceless for H200, RTX PRO 6000 and TPU v5p
 (``jaxdd.plan``), its HLO traffic account (``jaxdd.compiled_traffic``) against the floor
-(``jaxdd.planning.traffic``), and the tokens/s each predicts with the demo pair's tau.
+(``jaxdd.planning.traffic``) of the same latent cache layout, and the tokens/s each predicts
+with the demo pair's tau.
 
     JAX_PLATFORMS=cpu python benchmarks/compiled_traffic.py [--layers 3] [--hardware h200 ...]
-        [--method ar ...]
+        [--method ar ...] [--max-len 131072] [--cache-layout striped] [--greedy-only]
 
-TP8 over 8 devices, 8k tokens of context, batch 1; AR, DFlash (block 8) and DDTree
+TP8 over 8 devices, 8k tokens of context by default, batch 1; AR, DFlash (block 8) and DDTree
 (budget 16) rounds, greedy, and the sampled DDTree round. Each round compiles in its
 own process, one at a time (a full-width compile takes a minute and several GB).
-Merges its rows into benchmarks/results/compiled_traffic_<layers>l.json by (hardware,
-round), so the rows of rounds not compiled this run stay, and prints the table.
+Merges its rows into benchmarks/results/compiled_traffic_<layers>l_<context>k_<layout>.json
+by (hardware, round), so the rows of rounds not compiled this run stay, and prints the table
+and its README rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from jaxdd.cache.stripes import LAYOUTS, CacheLayout
 from jaxdd.planning.hardware import named_hardware
 from jaxdd.planning.traffic import DEMO_TAU
 from jaxdd.testing.benchmark import write_result
@@ -33,7 +37,20 @@ ROUNDS = (("ar", False), ("dflash", False), ("ddtree", False), ("ddtree", True))
 BUDGET = 16
 
 
-def compile_round(hardware: str, method: str, sampled: bool, layers: int | None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """The context the rounds are compiled at, and their latent cache's layout."""
+
+    max_len: int
+    layout: CacheLayout
+
+    def results(self, layers: int) -> Path:
+        return RESULTS / f"compiled_traffic_{layers}l_{self.max_len // 1024}k_{self.layout}.json"
+
+
+def compile_round(
+    hardware: str, method: str, sampled: bool, layers: int | None, context: Context
+) -> dict:
     """``jaxdd.plan --json`` for one round, in a fresh
     process (its memory goes back when it ends)."""
     command = [
@@ -59,7 +76,9 @@ def compile_round(hardware: str, method: str, sampled: bool, layers: int | None)
         "--budget",
         str(BUDGET),
         "--max-len",
-        "8192",
+        str(context.max_len),
+        "--cache-layout",
+        context.layout,
     ]
     command += (
         ["--json"] + (["--sampled"] if sampled else []) + ([f"--layers={layers}"] if layers else [])
@@ -73,7 +92,7 @@ def compile_round(hardware: str, method: str, sampled: bool, layers: int | None)
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
         return {
-            "error": done.stderr.strip().splitlines()[-1]
+            "error": done.stderr.strip().splitlines()[-1][:300]
             if done.stderr.strip()
             else f"exit {done.returncode}"
         }
@@ -82,13 +101,16 @@ def compile_round(hardware: str, method: str, sampled: bool, layers: int | None)
 
 def row(result: dict, hardware: str, method: str, sampled: bool) -> dict:
     """One table row: floor and compiled bytes, their ratio, and tokens/s at each
-    (memory bytes / bandwidth plus the floor's link time, with the demo pair's tau)."""
+    (memory bytes / bandwidth plus the floor's link time, all-reduces and a striped round's
+    merge, with the demo pair's tau)."""
     chip = named_hardware(hardware)
     account = result["compiled_traffic"]
     floor = account["floor"]
-    link_s = floor["allreduce_bytes"] / chip.link + floor["allreduces"] * chip.collective_latency
+    sent = floor["allreduce_bytes"] + floor["merge_bytes"]
+    collectives = floor["allreduces"] + floor["merge_collectives"]
+    link_s = sent / chip.link + collectives * chip.collective_latency
     tau = DEMO_TAU[method][BUDGET] if method == "ddtree" else DEMO_TAU[method]
-    floor_s = (account["floor_bytes"] - 2 * floor["allreduce_bytes"]) / chip.bandwidth + link_s
+    floor_s = (account["floor_bytes"] - 2 * sent) / chip.bandwidth + link_s
     compiled_s = (account["bytes"] - account["collective_bytes"]) / chip.bandwidth + link_s
     return {
         "hardware": hardware,
@@ -130,13 +152,17 @@ def main() -> None:
     )
     parser.add_argument("--hardware", nargs="+", default=list(HARDWARE))
     parser.add_argument("--method", nargs="+", default=["ar", "dflash", "ddtree"])
+    parser.add_argument("--greedy", action="store_true", help="skip the sampled DDTree round")
+    parser.add_argument("--max-len", type=int, default=8192, help="tokens of context")
+    parser.add_argument("--cache-layout", choices=LAYOUTS, default="replicated")
     args = parser.parse_args()
+    context = Context(args.max_len, args.cache_layout)
     rows, failures = [], []
     for hardware in args.hardware:
         for method, sampled in ROUNDS:
-            if method not in args.method:
+            if method not in args.method or (sampled and args.greedy):
                 continue
-            result = compile_round(hardware, method, sampled, args.layers or None)
+            result = compile_round(hardware, method, sampled, args.layers or None, context)
             if "error" in result or "compiled_traffic" not in result:
                 failures.append(
                     {"hardware": hardware, "round": method, "sampled": sampled, **result}
@@ -166,7 +192,7 @@ def main() -> None:
                 f"{sampled['compiled_bytes'] / greedy['compiled_bytes']:.3f}"
             )
     layers = args.layers or 61
-    path = RESULTS / f"compiled_traffic_{layers}l.json"
+    path = context.results(layers)
     previous = json.loads(path.read_text()) if path.exists() else {}
     # a round compiled now replaces its old row or failure
     attempted = {round_key(e) for e in rows + failures}
@@ -176,11 +202,39 @@ def main() -> None:
         "layers": layers,
         "devices": 8,
         "moe": "tp",
-        "max_len": 8192,
+        "max_len": context.max_len,
+        "cache_layout": context.layout,
         "budget": BUDGET,
         "rows": rows,
     }
     write_result(path, report | {"failures": failures})
+    print("\n".join(readme_rows(rows, failures, context)))
+
+
+def readme_rows(rows: list[dict], failures: list[dict], context: Context) -> list[str]:
+    """The README's table rows: per hardware, compiled bytes / floor of each round (or why its
+    compile failed) and the sampled / greedy DDTree bytes."""
+    lines = []
+    for hardware in dict.fromkeys(e["hardware"] for e in rows + failures):
+        ratios = {r["round"]: r for r in rows if r["hardware"] == hardware}
+        failed = {round_key(f)[1]: f for f in failures if f["hardware"] == hardware}
+        cells = []
+        for method in ("ar", "dflash", "ddtree"):
+            if method in ratios:
+                cells.append(f"{ratios[method]['ratio']:.2f}x")
+            else:
+                cells.append(
+                    f"failed: {failed[method].get('error', 'did not fit')}"
+                    if method in failed
+                    else "-"
+                )
+        pair = [ratios.get(name) for name in ("ddtree sampled", "ddtree")]
+        cells.append(
+            "-" if None in pair else f"{pair[0]['compiled_bytes'] / pair[1]['compiled_bytes']:.3f}"
+        )
+        name = f"{named_hardware(hardware).name}, {context.max_len // 1024}k, {context.layout}"
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    return lines
 
 
 if __name__ == "__main__":

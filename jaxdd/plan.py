@@ -14,8 +14,9 @@ name (``v5p:2x2x2``), deviceless (``jaxdd.planning.aot``). Reports per device: w
 stored (INT4 or FP8 routed experts included), caches (the target's MLA latent rows and
 the drafter's K/V), the compiler's temporaries, the total, and whether it fits the
 device's memory. ``--layers`` keeps the full width but fewer layers (for quick checks).
-``--cache-layout`` accounts the target's latent cache replicated on every device or striped
-over them (``jaxdd.planning.cache_layout``), and both layouts' capacity in context tokens.
+``--cache-layout`` lays the target's latent cache out replicated on every device or striped
+over them (``jaxdd.planning.cache_layout``) in the account and the compiled round, and reports
+both layouts' capacity in context tokens.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import dataclasses
 import json
 
 from jaxdd import cli
+from jaxdd.cache.stripes import LAYOUTS
 from jaxdd.errors import ConfigError, InputError
 from jaxdd.planning.aot import names
-from jaxdd.planning.cache_layout import LAYOUTS
 from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.planning.report import report
 from jaxdd.types import ATTENTION_CHOICES, METHODS, MOE_MODES

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Literal, get_args
 
+from jaxdd.cache.stripes import LAYOUTS, PAGE_TOKENS, CacheLayout
 from jaxdd.config import KimiConfig
 from jaxdd.planning.hardware import Hardware
 
-PAGE_TOKENS = 64
-CacheLayout = Literal["striped", "replicated"]
-LAYOUTS: tuple[CacheLayout, ...] = get_args(CacheLayout)
 BF16 = 2
 # partial outputs and log-sum-exps cross the link in float32, so the
 # merge is the one-device attention up to float32 rounding
@@ -34,15 +31,6 @@ GATHER_SCATTER = "all-gather + reduce-scatter"
 def latent_row_bytes(config: KimiConfig) -> int:
     """One token's latent rows over all layers (kv_lora_rank + rope values, bf16)."""
     return (config.kv_lora_rank + config.qk_rope_head_dim) * BF16 * config.num_hidden_layers
-
-
-def slots_held(slots: int, devices: int, layout: CacheLayout) -> int:
-    """Cache slots of one row the busiest device stores: all of them replicated; striped,
-    its whole pages of the row's ``slots`` dealt round-robin (ceil(1 / devices) of them)."""
-    if layout == "replicated":
-        return slots
-    pages = -(-slots // PAGE_TOKENS)
-    return -(-pages // devices) * PAGE_TOKENS
 
 
 def tokens_read(context: int, devices: int, layout: CacheLayout) -> int:

@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
+from jaxdd.cache.stripes import PAGE_TOKENS, CacheLayout, Stripes
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.rounds import DecodeState, state_shardings
-from jaxdd.planning.cache_layout import PAGE_TOKENS, CacheLayout
 
 
 def abstract_state(
@@ -26,11 +26,13 @@ def abstract_state(
     slots: int,
     block: int,
     mesh: jax.sharding.Mesh,
+    stripes: Stripes | None = None,
 ) -> DecodeState:
-    """The decode state before a prefill as sharded ShapeDtypeStructs (nothing allocated)."""
+    """The decode state before a prefill as sharded ShapeDtypeStructs (nothing allocated), its
+    latent cache striped by ``stripes`` (None: replicated)."""
     rng = jax.ShapeDtypeStruct((batch, 2), jnp.uint32)
     empty = lambda rng: DecodeState.empty(
-        config, drafter_config, batch, slots, block, jnp.bfloat16, rng
+        config, drafter_config, batch, slots, block, jnp.bfloat16, rng, stripes
     )
     state = jax.eval_shape(empty, rng)
     shardings = state_shardings(state, mesh)

@@ -4,11 +4,12 @@ target + drafter fit a machine's devices, and how are the bytes spread?
 Both models are built abstractly (shapes and shardings only, nothing allocated) on the machine's
 devices (this host's CPUs, or compile-only GPUs and TPUs from ``jaxdd.planning.aot``), and the round
 ``jaxdd.generate`` would run there (the attention form and MoE dispatch the machine's platform
-picks) is compiled ahead of time by the machine's own compiler. The result holds per device the
-weights as stored, the caches, the compiler's temporaries and the verdict, the traffic floor of
-every round (``jaxdd.planning.traffic``) for the latent cache replicated and striped
-(``cache_layout``), the context each layout's pages hold (``capacity``) and what the compiled
-round moves (``compiled_traffic``).
+picks, its latent cache in the plan's layout) is compiled ahead of time by the machine's own
+compiler. The result holds per device the weights as stored, the caches, the compiler's
+temporaries and the verdict, the traffic floor of every round (``jaxdd.planning.traffic``) for
+the latent cache replicated and striped (``cache_layout``), the context each layout's pages hold
+(``capacity``) and what the compiled round moves (``compiled_traffic``) against the floor of its
+layout.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import numpy as np
 from flax import nnx
 
 from jaxdd.api import Target
-from jaxdd.cache import cache_slots
+from jaxdd.cache import row_slots
+from jaxdd.cache.stripes import LAYOUTS, PAGE_TOKENS, CacheLayout
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.checks import MAX_STOP_TOKENS
 from jaxdd.decoding.engine import RoundBatch, SpeculativeDecoder
@@ -38,13 +40,7 @@ from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.moe import MoE
 from jaxdd.models.target import KimiTarget
 from jaxdd.planning.aot import Machine, find_machine
-from jaxdd.planning.cache_layout import (
-    LAYOUTS,
-    PAGE_TOKENS,
-    CacheLayout,
-    choose_layout,
-    slots_held,
-)
+from jaxdd.planning.cache_layout import LayoutChoice, choose_layout
 from jaxdd.planning.capacity import abstract_state, cache_capacity, slot_bytes
 from jaxdd.planning.compiled_traffic import compiled_traffic
 from jaxdd.planning.hardware import named_hardware
@@ -100,8 +96,9 @@ def plan(
     config_path: str | Path, drafter_config_path: str | Path, options: PlanOptions = PlanOptions()
 ) -> dict:
     """Compile one round (DDTree at ``budget`` by default) of the full-size pair ahead of time
-    for the options' hardware and count its bytes per device, with the traffic account of AR /
-    DFlash / DDTree rounds at ``max_len`` tokens of context (``jaxdd.planning.traffic``)."""
+    for the options' hardware, its latent cache in the plan's layout, and count its bytes per
+    device, with the traffic account of AR / DFlash / DDTree rounds at ``max_len`` tokens of
+    context (``jaxdd.planning.traffic``)."""
     o = options
     raw = read_json(config_path, ConfigError, "config file")
     config, drafter_config = _model_configs(raw, drafter_config_path, o.layers)
@@ -109,14 +106,32 @@ def plan(
     where = find_machine(o.hardware, o.devices)
     mesh = make_mesh(len(where.devices), where.devices)
     form = where.backend.attention(o.attention)
-    decoder, per_device, stored = _abstract_decoder(
-        config, drafter_config, experts, mesh, o.moe, jnp.bfloat16, form
+    models, per_device, stored = _abstract_models(
+        config, drafter_config, experts, mesh, o.moe, jnp.bfloat16
     )
     block = 1 if o.method == "ar" else drafter_config.block_size
     tokens = verified_tokens(o.method, block, o.budget)
-    slots = cache_slots(o.max_len + tokens)
-    model_bytes = ModelBytes.of(decoder.target.model, decoder.drafter, _shard_bytes)
+    model_bytes = ModelBytes.of(*models, _shard_bytes)
     devices = len(where.devices)
+
+    def layouts(activations: int | None, chosen: LayoutChoice | None = None) -> dict[str, Any]:
+        """The latent cache's layout (``chosen``, else the plan's choice), its rounds and
+        capacity (``_cache_layouts``), after ``activations`` bytes of compiled temporaries."""
+        return _cache_layouts(
+            o, config, drafter_config, model_bytes, where, mesh, per_device, activations, chosen
+        )
+
+    def decoder_in(layout: CacheLayout) -> tuple[SpeculativeDecoder, int]:
+        """The decoder whose latent cache is laid out so, and its cache slots per row."""
+        decoder = SpeculativeDecoder(
+            Target(models[0]), models[1], attention=form, cache_layout=layout
+        )
+        unit = 1 if decoder.stripes is None else decoder.stripes.unit
+        # sized as the runtime sizes a row for requests of up to ``max_len`` tokens
+        return decoder, row_slots(0, o.max_len, max(block, tokens), unit)
+
+    accounted = layouts(None)
+    decoder, slots = decoder_in(accounted["cache_layout"])
     shape = {
         "config": str(config_path),
         "layers": config.num_hidden_layers,
@@ -131,38 +146,35 @@ def plan(
         "cache_slots": slots,
         "batch": o.batch,
         "attention": form,
-        "dispatch": _dispatch(decoder.target.model, tokens * o.batch, devices, o.moe, where),
+        "dispatch": _dispatch(models[0], tokens * o.batch, devices, o.moe, where),
     }
-
-    def layouts(activations: int | None) -> dict[str, Any]:
-        """The latent cache's layout, its rounds and capacity (``_cache_layouts``), after
-        ``activations`` bytes of compiled temporaries (None: not compiled)."""
-        return _cache_layouts(
-            o, config, drafter_config, model_bytes, where, mesh, per_device, activations
-        )
-
     if not o.compile_round:
-        return shape | layouts(None)
-    round_shape = (o.method, block, o.budget, o.batch, slots, o.sampled)
-    round_batch, state = _abstract_requests(decoder, mesh, config, drafter_config, *round_shape)
-    per_device["target_cache"] = sum(_shard_bytes(x) for x in jax.tree.leaves(state.target_cache))
-    per_device["drafter_cache"] = sum(_shard_bytes(x) for x in jax.tree.leaves(state.draft_cache))
-    compiled, account = _compile(decoder, round_batch, state, where, form)
+        return shape | accounted
+
+    def compiled_in(decoder: SpeculativeDecoder, slots: int) -> tuple[Any, dict, dict | None]:
+        """The round's decode state, its compile's analysis and its traffic account."""
+        round_shape = (o.method, block, o.budget, o.batch, slots, o.sampled)
+        round_batch, state = _abstract_requests(decoder, mesh, config, drafter_config, *round_shape)
+        return state, *_compile(decoder, round_batch, state, where, form)
+
+    state, compiled, account = compiled_in(decoder, slots)
+    checked = layouts(compiled["temp_bytes"])
+    if checked["cache_layout"] != accounted["cache_layout"]:
+        # the round's temporaries leave only the other layout holding the batch
+        decoder, shape["cache_slots"] = decoder_in(checked["cache_layout"])
+        state, compiled, account = compiled_in(decoder, shape["cache_slots"])
+        choice = LayoutChoice(checked["cache_layout"], checked["cache_layout_reason"])
+        checked = layouts(compiled["temp_bytes"], choice)
+    shape |= checked
+    for name, cache in (("target_cache", state.target_cache), ("drafter_cache", state.draft_cache)):
+        per_device[name] = sum(_shard_bytes(x) for x in jax.tree.leaves(cache))
     per_device["temporaries"] = compiled["temp_bytes"]
-    shape |= layouts(compiled["temp_bytes"])
-    replicated_cache = per_device["target_cache"]
-    if shape["cache_layout"] == "striped":
-        held = slots_held(slots, devices, "striped")
-        laid = abstract_state(config, drafter_config, o.batch, held, block, mesh)
-        per_device["target_cache"] = sum(
-            _shard_bytes(x) for x in jax.tree.leaves(laid.target_cache)
-        )
     if account is not None:
-        # the compiled round is the runtime's, its latent rows replicated
-        floor = _round_traffic(o, config, drafter_config, model_bytes, devices, "replicated")
+        floor = _round_traffic(
+            o, config, drafter_config, model_bytes, devices, shape["cache_layout"]
+        )
         shape["compiled_traffic"] = _against_floor(account, floor)
-    saved = replicated_cache - per_device["target_cache"]
-    return shape | _verdict(per_device, compiled, where, stored, saved)
+    return shape | _verdict(per_device, compiled, where, stored)
 
 
 def _round_traffic(
@@ -190,11 +202,12 @@ def _cache_layouts(
     mesh: jax.sharding.Mesh,
     per_device: dict[str, int],
     activations: int | None,
+    chosen: LayoutChoice | None = None,
 ) -> dict[str, Any]:
-    """The traffic account of the latent cache's layout (``--cache-layout``, or the faster
-    floor of the plan's round at its batch on its hardware), both layouts' rounds, and the
-    context tokens each holds in the memory left after the weights and (when compiled) the
-    temporaries."""
+    """The traffic account of the latent cache's layout (``chosen``, else ``--cache-layout``,
+    else the faster floor of the plan's round at its batch on its hardware), both layouts'
+    rounds, and the context tokens each holds in the memory left after the weights and (when
+    compiled) the temporaries."""
     devices = len(where.devices)
     weights = per_device["target_weights"] + per_device["drafter_weights"]
     free = where.memory - weights - (activations or 0)
@@ -212,7 +225,7 @@ def _cache_layouts(
     if o.batch > 1:
         round_name += f" (batch {o.batch})"
     held = {name: c["tokens"] for name, c in capacity.items()}
-    choice = choose_layout(
+    choice = chosen or choose_layout(
         o.cache_layout, floors, held, o.batch * o.max_len, hardware, devices, round_name
     )
     by_layout = {
@@ -259,15 +272,20 @@ def _model_configs(
 
 
 def _against_floor(account: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
-    """What the compiled round moves, next to the traffic floor of the same round."""
-    # reads, and all-reduces sent + received
-    floor_bytes = floor["read_total"] + 2 * floor["allreduce_bytes"]
+    """What the compiled round moves, next to the traffic floor of the same round (its layout's:
+    a striped round's merge is the scheme that sends the fewest bytes)."""
+    merge = min(
+        floor.get("merges", {}).values(),
+        key=lambda cost: cost["bytes"],
+        default={"bytes": 0, "collectives": 0},
+    )
+    # reads, and all-reduces and the merge sent + received
+    floor_bytes = floor["read_total"] + 2 * (floor["allreduce_bytes"] + merge["bytes"])
+    keys = ("weights", "experts", "kv", "drafter", "allreduce_bytes", "allreduces")
     return account | {
         "floor_bytes": round(floor_bytes),
-        "floor": {
-            k: round(floor[k])
-            for k in ("weights", "experts", "kv", "drafter", "allreduce_bytes", "allreduces")
-        },
+        "floor": {k: round(floor[k]) for k in keys}
+        | {"merge_bytes": round(merge["bytes"]), "merge_collectives": merge["collectives"]},
         "ratio": round(account["bytes"] / floor_bytes, 3),
     }
 
@@ -277,13 +295,11 @@ def _verdict(
     compiled: dict[str, Any],
     where: Machine,
     stored: int,
-    saved: int,
 ) -> dict[str, Any]:
-    """The per-device byte total in the plan's cache layout and whether it fits the machine's
-    memory; ``saved``: the latent cache bytes striping takes off each device."""
-    # the compiler's figure where it ran out counts the round it compiled: replicated rows
+    """The per-device byte total of the compiled round and whether it fits the machine's
+    memory (the compiler's own figure where it ran out)."""
     used = compiled.get("used_bytes")
-    total = sum(per_device.values()) if used is None else used - saved
+    total = sum(per_device.values()) if used is None else used
     return {
         "per_device_bytes": per_device | {"total": total},
         "compiled": compiled,
@@ -397,12 +413,10 @@ def _from_pallas(error: BaseException) -> bool:
     return any(w in text for w in words) or any("/pallas/" in f.filename for f in frames)
 
 
-def _abstract_decoder(
-    config, drafter_config, experts, mesh: jax.sharding.Mesh, moe: str, dtype, attention: str
-):
-    """A decoder over abstract models placed on a mesh (shapes and
-    shardings only, nothing allocated), the bytes of parameters each
-    device holds, and the bytes stored on all devices together."""
+def _abstract_models(config, drafter_config, experts, mesh: jax.sharding.Mesh, moe: str, dtype):
+    """The target and drafter as abstract models placed on a mesh (shapes and shardings only,
+    nothing allocated), the bytes of parameters each device holds, and the bytes stored on all
+    devices together."""
 
     def abstract(make) -> tuple[nnx.Module, int, int]:
         module = nnx.eval_shape(make)
@@ -425,17 +439,16 @@ def _abstract_decoder(
     drafter, drafter_bytes, drafter_stored = abstract(
         lambda: DFlashDrafter(drafter_config, dtype, rngs=nnx.Rngs(0))
     )
-    decoder = SpeculativeDecoder(Target(target), drafter, attention=attention)
     per_device = {"target_weights": target_bytes, "drafter_weights": drafter_bytes}
-    return decoder, per_device, {"target": target_stored, "drafter": drafter_stored}
+    return (target, drafter), per_device, {"target": target_stored, "drafter": drafter_stored}
 
 
 def _abstract_requests(
     decoder, mesh, config, drafter_config, method, block, budget, batch, slots, sampled
 ):
-    """A request plan for one round and the decode
-    state it runs on, as sharded ShapeDtypeStructs."""
-    state = abstract_state(config, drafter_config, batch, slots, block, mesh)
+    """A request plan for one round and the decode state it runs on, its latent cache laid
+    out as the decoder's, as sharded ShapeDtypeStructs."""
+    state = abstract_state(config, drafter_config, batch, slots, block, mesh, decoder.stripes)
     sampling = Sampling(temperature=1.0) if sampled else GREEDY
     settings = RowSettings(
         max_length=jax.ShapeDtypeStruct((batch,), jnp.int32),

@@ -42,7 +42,7 @@ def report(result: dict[str, Any]) -> str:
     notes = {}
     if result["cache_layout"] == "striped":
         devices = result["devices"]
-        notes["target_cache"] = f" (striped over {devices} devices: the busiest one's pages)"
+        notes["target_cache"] = f" (striped over {devices} devices: one page in {devices} on each)"
     lines += [
         f"  {name:<16} {value / GB:9.2f} GB{notes.get(name, '')}"
         for name, value in result["per_device_bytes"].items()

@@ -23,12 +23,12 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxdd.cache.stripes import CacheLayout
 from jaxdd.config import KimiConfig
 from jaxdd.models.quant import ExpertWeights
 from jaxdd.models.target import KimiTarget
 from jaxdd.planning.cache_layout import (
     BF16,
-    CacheLayout,
     cheapest_merge,
     latent_row_bytes,
     link_seconds,

@@ -7,22 +7,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from jaxdd.cache.stripes import LAYOUTS, PAGE_TOKENS, CacheLayout
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.errors import InputError
 from jaxdd.planning import fit
 from jaxdd.planning.cache_layout import (
     ALL_TO_ALL,
     GATHER_SCATTER,
-    LAYOUTS,
-    PAGE_TOKENS,
-    CacheLayout,
     choose_layout,
     latent_row_bytes,
     merge_costs,
@@ -195,16 +192,56 @@ def test_command_line_json_and_a_bad_layout():
         assert line.startswith(f"jaxdd: argument {flag}: invalid choice: '{value}'")
 
 
+TINY_ROUND = PlanOptions("cpu", 8, method="ar", batch=4, max_len=4096)
+
+
+@functools.cache
+def tiny_plan(configs: tuple, layout: CacheLayout) -> dict:
+    """The tiny pair's AR round, 4 rows of 4096 tokens on 8 CPU devices, compiled in ``layout``."""
+    return plan(*configs, dataclasses.replace(TINY_ROUND, cache_layout=layout))
+
+
+def cache_reads(result: dict, buffers: str) -> list[int]:
+    """Per layer, the compiled round's reads of the target's ``latent`` or ``rope`` rows."""
+    reads = result["compiled_traffic"]["by_weight"]
+    return [reads[f"state.target_cache.{buffers}[{i}]"] for i in range(result["layers"])]
+
+
+def test_the_striped_round_holds_and_reads_a_device_share_of_the_cache(tiny_plan_configs):
+    """The plan compiles the round in its layout: striped, the state's latent buffers are split
+    along slots (a multiple of a page per device), so a device stores an eighth of the rows
+    and its attention reads only those (at most twice: the absorbed form's scores and values
+    on XLA:CPU), against the striped floor: an eighth of the cache, plus the merge."""
+    replicated, striped = (tiny_plan(tiny_plan_configs, name) for name in LAYOUTS[::-1])
+    slots = striped["cache_slots"]
+    assert slots % (8 * PAGE_TOKENS) == 0 and slots >= replicated["cache_slots"] >= 4096 + 1
+    length = 4 * 4  # the rows' int32 lengths, replicated
+    cache = replicated["per_device_bytes"]["target_cache"] - length
+    share = cache * slots / replicated["cache_slots"] / 8
+    assert striped["per_device_bytes"]["target_cache"] - length == share
+    for buffers in ("latent", "rope"):
+        whole = cache_reads(replicated, buffers)
+        for read, full in zip(cache_reads(striped, buffers), whole, strict=True):
+            assert full / 8 <= read <= 2 * full / 8
+    floors = [r["compiled_traffic"]["floor"] for r in (replicated, striped)]
+    assert floors[1]["kv"] == floors[0]["kv"] / 8
+    assert floors[0]["merge_bytes"] == 0 < floors[1]["merge_bytes"]
+    assert floors[1]["merge_collectives"] == 2 * replicated["layers"]  # the all-to-all's
+    account = striped["compiled_traffic"]
+    assert account["ratio"] == round(account["bytes"] / account["floor_bytes"], 3)
+    assert account["bytes"] < replicated["compiled_traffic"]["bytes"] / 2
+
+
 def test_the_verdict_follows_the_layout(tiny_plan_configs, monkeypatch):
     """A batch whose replicated latent rows overflow each device's memory but whose striped
-    pages fit: striped holds the busiest device's whole pages (ceil(1/8) of each row's, the
-    drafter's K/V as it was) and fits, replicated does not, and the default picks striped."""
-    options = PlanOptions("cpu", 8, method="ar", batch=4, max_len=4096)
-    replicated = plan(*tiny_plan_configs, dataclasses.replace(options, cache_layout="replicated"))
+    pages fit: striped holds its eighth of each row (the drafter's K/V as it was) and fits,
+    replicated does not. The default: both hold the batch in the memory after the weights, so
+    it compiles the replicated round, whose temporaries leave only striped holding it: it
+    compiles the striped round too and reports that one."""
+    replicated = tiny_plan(tiny_plan_configs, "replicated")
     per_device = replicated["per_device_bytes"]
-    cache = per_device["target_cache"]
     # between the replicated total and the striped one (an eighth of the cache)
-    memory = per_device["total"] - cache / 2
+    memory = per_device["total"] - per_device["target_cache"] / 2
     real = fit.find_machine
     monkeypatch.setattr(
         fit,
@@ -212,30 +249,26 @@ def test_the_verdict_follows_the_layout(tiny_plan_configs, monkeypatch):
         lambda *a: dataclasses.replace(real(*a), memory=memory),
     )
     results = {
-        layout: plan(*tiny_plan_configs, dataclasses.replace(options, cache_layout=layout))
+        layout: plan(*tiny_plan_configs, dataclasses.replace(TINY_ROUND, cache_layout=layout))
         for layout in (*LAYOUTS, None)
     }
     assert not results["replicated"]["fits"]
     assert results["replicated"]["per_device_bytes"] == per_device
     assert "does not fit cpu" in report(results["replicated"])
     striped = results["striped"]
-    slots = striped["cache_slots"]
-    pages = math.ceil(slots / PAGE_TOKENS)
-    held = math.ceil(pages / 8) * PAGE_TOKENS
-    assert held < slots
     rows = striped["per_device_bytes"]
-    length = 4 * 4  # the rows' int32 lengths, replicated
-    assert rows["target_cache"] - length == (cache - length) * held / slots
+    assert rows == tiny_plan(tiny_plan_configs, "striped")["per_device_bytes"]
+    assert striped["cache_slots"] == replicated["cache_slots"]  # 5120: whole pages on every device
     assert rows["drafter_cache"] == per_device["drafter_cache"]
     assert rows["total"] == sum(v for k, v in rows.items() if k != "total") <= memory
     assert striped["fits"] and "\nfits cpu" in report(striped)
-    assert "(striped over 8 devices: the busiest one's pages)" in report(striped)
+    assert "(striped over 8 devices: one page in 8 on each)" in report(striped)
     default = results[None]
-    assert (
-        default["cache_layout"] == "striped"
-        and "replicated rows hold" in (default["cache_layout_reason"])
-    )
+    held = results["replicated"]["cache_capacity"]["replicated"]["tokens"]
+    assert default["cache_layout"] == "striped"
+    assert f"replicated rows hold {held:,} context tokens" in default["cache_layout_reason"]
     assert default["fits"] and default["per_device_bytes"] == rows
+    assert default["cache_capacity"]["activations_bytes"] == rows["temporaries"]
 
 
 def test_the_default_weighs_the_floors_at_the_plans_batch():
