@@ -25,10 +25,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jaxdd.cache.stripes import LAYOUTS, CacheLayout
 from jaxdd.planning.hardware import named_hardware
 from jaxdd.planning.traffic import DEMO_TAU
 from jaxdd.testing.benchmark import write_result
+from jaxdd.types import LAYOUTS, CacheLayout
 
 RESULTS = Path(__file__).parent / "results"
 FIXTURES = Path(__file__).parent.parent / "tests" / "fixtures"

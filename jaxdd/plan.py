@@ -25,12 +25,11 @@ import dataclasses
 import json
 
 from jaxdd import cli
-from jaxdd.cache.stripes import LAYOUTS
 from jaxdd.errors import ConfigError, InputError
 from jaxdd.planning.aot import names
 from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.planning.report import report
-from jaxdd.types import ATTENTION_CHOICES, METHODS, MOE_MODES
+from jaxdd.types import ATTENTION_CHOICES, LAYOUTS, METHODS, MOE_MODES
 
 
 def main(argv: list[str] | None = None) -> int:

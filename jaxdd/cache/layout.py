@@ -8,19 +8,24 @@ write, compaction and row placement of a decode state is computed here.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-if TYPE_CHECKING:
-    from jaxdd.cache.stripes import Stripes
-
 # ``write_rows``: one in-place update per sequence up to this batch, a scatter beyond
 MAX_UNROLLED_BATCH = 8
 
 Tree = TypeVar("Tree")
+
+
+class Dealt(Protocol):
+    """Rows dealt over devices (``jaxdd.cache.stripes.Stripes``): they move them."""
+
+    def write(self, buffer: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array: ...
+
+    def read(self, buffer: jax.Array, positions: jax.Array) -> jax.Array: ...
 
 
 @struct.dataclass
@@ -32,7 +37,7 @@ class CacheView:
 
     length: jax.Array  # [batch] int32: committed tokens per row
     axis: int = struct.field(pytree_node=False, default=1)  # the slot axis of the buffers
-    stripes: Stripes | None = struct.field(pytree_node=False, default=None)
+    stripes: Dealt | None = struct.field(pytree_node=False, default=None)
 
     def committed(self, slots: int, extra: jax.Array | None = None) -> jax.Array:
         """[batch, slots] bool: the committed slots (and ``extra`` [batch] more after them)."""

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxdd.cache.layout import CacheView
 from jaxdd.runtime.sharding import AXIS
 
 PAGE_TOKENS = 64
@@ -50,6 +51,10 @@ class Stripes:
         pages, rest = jnp.divmod(length, self.page)
         whole = jnp.maximum(pages - device + self.devices - 1, 0) // self.devices
         return whole * self.page + jnp.where(pages % self.devices == device, rest, 0)
+
+    def local_view(self, length: jax.Array, device: jax.Array) -> CacheView:
+        """What ``device``'s block of a buffer holds: ``local_length`` committed slots."""
+        return CacheView(self.local_length(length, device))
 
     def local_slot(self, positions: jax.Array, device: jax.Array, slots: int) -> jax.Array:
         """Where ``device`` keeps the rows of ``positions``: the index in its ``slots`` slots,

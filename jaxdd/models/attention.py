@@ -195,9 +195,10 @@ class MLAttention(nnx.Module, Placeable):
 
     def _striped(self, inputs: AttentionInputs, attend_local: Callable) -> tuple:
         """Attention over a cache striped over the devices (``jaxdd.cache.stripes``): each
-        device runs ``attend_local`` (an ``_absorbed_local`` or the Pallas kernel's signature,
-        returning (out, log-sum-exp)) for all heads over its own pages, device 0 over the new
-        rows too, and the partial outputs merge by their log-sum-exp into each device's heads."""
+        device runs ``attend_local`` (``_absorbed_local``'s signature: its own pages' view in
+        place of the kernel's length; (out, log-sum-exp)) for all heads over its own pages,
+        device 0 over the new rows too, and the partials merge by their log-sum-exp into each
+        device's heads."""
         stripes = inputs.view.stripes
         heads = self.config.num_attention_heads
         split = partition_spec((heads,), ("heads",), stripes.mesh, "tp")[0] is not None
@@ -205,7 +206,7 @@ class MLAttention(nnx.Module, Placeable):
 
         def attend(q_latent, q_pe, cache_latent, cache_rope, length, latent, k_pe, visible):
             device = jax.lax.axis_index(AXIS)
-            local = stripes.local_length(length, device)
+            local = stripes.local_view(length, device)
             out, lse = attend_local(
                 q_latent,
                 q_pe,
@@ -228,9 +229,9 @@ class MLAttention(nnx.Module, Placeable):
         return out, tuple(map(inputs.view.write, inputs.cache_rows, rows))
 
     def _absorbed_local(
-        self, q_latent, q_pe, cache_latent, cache_rope, length, latent, k_pe, visible
+        self, q_latent, q_pe, cache_latent, cache_rope, view, latent, k_pe, visible
     ):
-        """The absorbed attention of a cache whose first ``length`` slots are committed, as the
+        """The absorbed attention of a cache whose committed slots ``view`` says, as the
         kernel's ``with_lse`` form: (out [B,T,H,r] fp32, log-sum-exp [B,T,H]); a token that sees
         nothing gives 0 and -inf. Scores and probabilities in the dtypes of ``_softmax``."""
         slots = cache_latent.shape[1]
@@ -243,7 +244,7 @@ class MLAttention(nnx.Module, Placeable):
             ],
             axis=-1,
         )
-        committed = CacheView(length).committed(slots)[:, None, :]  # its own slots, in order
+        committed = view.committed(slots)[:, None, :]
         mask = jnp.concatenate(
             [jnp.broadcast_to(committed, (*visible.shape[:2], slots)), visible], -1
         )
@@ -264,7 +265,12 @@ class MLAttention(nnx.Module, Placeable):
         c = self.config
         kernel = functools.partial(inputs.backend.tree_attention(), scale=c.softmax_scale)
         if inputs.view.stripes is not None:
-            return self._striped(inputs, functools.partial(kernel, with_lse=True))
+
+            def attend_local(q_latent, q_pe, cache_latent, cache_rope, view, *new_rows):
+                operands = (q_latent, q_pe, cache_latent, cache_rope, view.length, *new_rows)
+                return kernel(*operands, with_lse=True)
+
+            return self._striped(inputs, attend_local)
         q_latent = jnp.einsum("bthd,hrd->bthr", inputs.q_nope, self.k_up[...])
 
         def attend(q_latent, q_pe, cache_latent, cache_rope, length, latent, k_pe, visible):

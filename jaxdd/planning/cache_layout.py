@@ -16,9 +16,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from jaxdd.cache.stripes import LAYOUTS, PAGE_TOKENS, CacheLayout
+from jaxdd.cache.stripes import PAGE_TOKENS
 from jaxdd.config import KimiConfig
 from jaxdd.planning.hardware import Hardware
+from jaxdd.types import LAYOUTS, CacheLayout
 
 BF16 = 2
 # partial outputs and log-sum-exps cross the link in float32, so the

@@ -14,9 +14,10 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxdd.cache.stripes import PAGE_TOKENS, CacheLayout, Stripes
+from jaxdd.cache.stripes import PAGE_TOKENS, Stripes
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.rounds import DecodeState, state_shardings
+from jaxdd.types import CacheLayout
 
 
 def abstract_state(

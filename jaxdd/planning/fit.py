@@ -29,7 +29,7 @@ from flax import nnx
 
 from jaxdd.api import Target
 from jaxdd.cache import row_slots
-from jaxdd.cache.stripes import LAYOUTS, PAGE_TOKENS, CacheLayout
+from jaxdd.cache.stripes import PAGE_TOKENS
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.checks import MAX_STOP_TOKENS
 from jaxdd.decoding.engine import RoundBatch, SpeculativeDecoder
@@ -48,9 +48,11 @@ from jaxdd.planning.traffic import ModelBytes, floor_seconds, round_traffic, tra
 from jaxdd.runtime.sharding import make_mesh, param_shardings, place
 from jaxdd.types import (
     ATTENTION_CHOICES,
+    LAYOUTS,
     METHODS,
     MOE_MODES,
     AttentionChoice,
+    CacheLayout,
     Method,
     MoeMode,
     verified_tokens,

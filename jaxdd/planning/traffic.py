@@ -23,7 +23,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxdd.cache.stripes import CacheLayout
 from jaxdd.config import KimiConfig
 from jaxdd.models.quant import ExpertWeights
 from jaxdd.models.target import KimiTarget
@@ -36,7 +35,7 @@ from jaxdd.planning.cache_layout import (
     tokens_read,
 )
 from jaxdd.planning.hardware import GPUS, Hardware
-from jaxdd.types import verified_tokens
+from jaxdd.types import CacheLayout, verified_tokens
 
 # The demo pair's HumanEval tau (CPU, greedy, block
 # 8; benchmarks/README.md): tokens per verify round.

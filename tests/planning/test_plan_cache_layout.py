@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxdd.cache.stripes import LAYOUTS, PAGE_TOKENS, CacheLayout
+from jaxdd.cache.stripes import PAGE_TOKENS
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.errors import InputError
 from jaxdd.planning import fit
@@ -30,6 +30,7 @@ from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.planning.hardware import GPUS
 from jaxdd.planning.report import merge_report, report
 from jaxdd.planning.traffic import ModelBytes, format_table, round_traffic, sent_bytes
+from jaxdd.types import LAYOUTS, CacheLayout
 
 FIXTURES = "tests/fixtures/"
 CONFIGS = (FIXTURES + "kimi_k25_config.json", FIXTURES + "kimi_k26_dflash_config.json")
