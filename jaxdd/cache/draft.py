@@ -2,7 +2,9 @@
 
 One buffer per layer, updated in place under donation (as ``jaxdd.cache.latent``). Heads come
 before slots, as the drafter's attention matmuls read them: stored [batch, slots, kv_heads,
-head_dim], XLA:CPU transposes every layer's whole cache in every round.
+head_dim], XLA:CPU transposes every layer's whole cache in every round. A decode state's is a
+pool of pages [pages, kv_heads, page, head_dim] under the same page tables as the target's
+latent pool (a request's page j holds the same positions in both).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxdd.cache.layout import CacheView
+from jaxdd.cache.layout import CacheView, Pool
+from jaxdd.cache.pages import PAGE_TOKENS, null_table
 from jaxdd.config import DrafterConfig
 
 SLOT_AXIS = 2  # of the [batch, kv_heads, slots, head_dim] buffers
@@ -19,12 +22,15 @@ SLOT_AXIS = 2  # of the [batch, kv_heads, slots, head_dim] buffers
 
 @struct.dataclass
 class DraftCache:
-    keys: tuple[jax.Array, ...]  # per layer [batch, kv_heads, slots, head_dim] (normed and rotated)
-    values: tuple[jax.Array, ...]  # per layer [batch, kv_heads, slots, head_dim]
+    # per layer [batch, kv_heads, slots, head_dim] (normed and rotated), or a Pool of pages
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]  # per layer, as ``keys``
     length: jax.Array  # [batch] int32: context tokens cached
+    pages: jax.Array | None = None  # [batch, row_pages] int32: each row's page table (a pool)
 
     @classmethod
     def zeros(cls, config: DrafterConfig, batch: int, slots: int, dtype: jnp.dtype) -> DraftCache:
+        """A cache of ``slots`` rows of its own per sequence."""
         shape = (batch, config.num_key_value_heads, slots, config.head_dim)
         layers = range(config.num_hidden_layers)
         return cls(
@@ -33,14 +39,40 @@ class DraftCache:
             length=jnp.zeros((batch,), jnp.int32),
         )
 
+    @classmethod
+    def pooled(
+        cls,
+        config: DrafterConfig,
+        batch: int,
+        row_pages: int,
+        pool_pages: int,
+        dtype: jnp.dtype,
+        page: int = PAGE_TOKENS,
+        devices: int = 1,
+    ) -> DraftCache:
+        """A pool of ``pool_pages`` pages of ``page`` tokens for ``batch`` rows of ``row_pages``
+        pages, every table null, its null pages those of a pool split over ``devices`` (the
+        target's pool, whose page ids it shares)."""
+        shape = (pool_pages, config.num_key_value_heads, page, config.head_dim)
+        pool = lambda: Pool(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
+        return cls(
+            keys=pool(),
+            values=pool(),
+            length=jnp.zeros((batch,), jnp.int32),
+            pages=jnp.asarray(null_table(batch, row_pages, pool_pages, devices)),
+        )
+
     @property
     def slots(self) -> int:
-        return self.keys[0].shape[SLOT_AXIS]
+        """Slots per row: its buffer's, or its table's pages'."""
+        if self.pages is None:
+            return self.keys[0].shape[SLOT_AXIS]
+        return self.pages.shape[1] * self.keys[0].shape[SLOT_AXIS]
 
     @property
     def view(self) -> CacheView:
         """Where this cache's forwards read and write."""
-        return CacheView(self.length, SLOT_AXIS)
+        return CacheView(self.length, self.pages, SLOT_AXIS)
 
     def visible(self, block_len: jax.Array) -> jax.Array:
         """[batch, slots]: what a drafted block sees: the context and its first ``block_len``."""

@@ -6,6 +6,10 @@ latent ``c_kv`` (kv_lora_rank values) and the rotated rope key ``k_pe``
 per-head cache. Shapes never change, so one compiled step serves every round; ``length``
 says how many tokens of each row are committed (visible to later tokens).
 
+A decode state's cache is a pool of pages shared by its rows, read and written through each
+row's page table (``jaxdd.cache.layout``); a prompt's cache, filled once and copied into the
+pool, is the prompt's own rows.
+
 Every layer's rows are a buffer of their own (a tuple, not one stacked array): a jitted round with
 the state donated then writes each layer's new rows in place. With one ``[layers, ...]`` array,
 writing layer i's rows (``cache.at[i].set(...)``) while attention reads them makes XLA copy the
@@ -19,59 +23,83 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdd.cache.layout import CacheView
-from jaxdd.cache.stripes import SLOTS, Stripes
+from jaxdd.cache.layout import CacheView, Pool
+from jaxdd.cache.pages import null_table
+from jaxdd.cache.stripes import PAGES, Stripes, paging
 from jaxdd.config import KimiConfig
 
 
 @struct.dataclass
 class LatentCache:
-    latent: tuple[jax.Array, ...]  # per layer [batch, slots, kv_lora_rank]
-    rope: tuple[jax.Array, ...]  # per layer [batch, slots, qk_rope_head_dim]
+    # per layer: a prompt's rows [batch, slots, kv_lora_rank], or a Pool of [pages, page, ..]
+    latent: tuple[jax.Array, ...]
+    rope: tuple[jax.Array, ...]  # per layer [batch, slots | (pages, page), qk_rope_head_dim]
     length: jax.Array  # [batch] int32: committed tokens per row
-    # None: every device holds every row; else how the rows are dealt over the devices
+    pages: jax.Array | None = None  # [batch, row_pages] int32: each row's page table (a pool)
+    # None: every device holds every page; else how the pages are dealt over the devices
     stripes: Stripes | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
-    def zeros(
-        cls,
-        config: KimiConfig,
-        batch: int,
-        slots: int,
-        dtype: jnp.dtype,
-        stripes: Stripes | None = None,
-    ) -> LatentCache:
-        if stripes is not None and slots % stripes.unit:
-            raise ValueError(f"slots: a striped cache needs a multiple of {stripes.unit}: {slots}")
+    def zeros(cls, config: KimiConfig, batch: int, slots: int, dtype: jnp.dtype) -> LatentCache:
+        """A cache of ``slots`` rows of its own per sequence (a prompt's)."""
         layers = range(config.num_hidden_layers)
         return cls(
             latent=tuple(jnp.zeros((batch, slots, config.kv_lora_rank), dtype) for _ in layers),
             rope=tuple(jnp.zeros((batch, slots, config.qk_rope_head_dim), dtype) for _ in layers),
             length=jnp.zeros((batch,), jnp.int32),
+        )
+
+    @classmethod
+    def pooled(
+        cls,
+        config: KimiConfig,
+        batch: int,
+        row_pages: int,
+        pool_pages: int,
+        dtype: jnp.dtype,
+        stripes: Stripes | None = None,
+    ) -> LatentCache:
+        """A pool of ``pool_pages`` pages for ``batch`` rows of ``row_pages`` pages, every
+        table null (``jaxdd.cache.pages``); ``stripes``: the pages dealt over the devices."""
+        page, devices = paging(stripes)
+        pool = lambda width: Pool(
+            jnp.zeros((pool_pages, page, width), dtype) for _ in range(config.num_hidden_layers)
+        )
+        return cls(
+            latent=pool(config.kv_lora_rank),
+            rope=pool(config.qk_rope_head_dim),
+            length=jnp.zeros((batch,), jnp.int32),
+            pages=jnp.asarray(null_table(batch, row_pages, pool_pages, devices)),
             stripes=stripes,
         )
 
     @property
     def batch(self) -> int:
-        return self.latent[0].shape[0]
+        return self.length.shape[0]
 
     @property
     def slots(self) -> int:
-        return self.latent[0].shape[1]
+        """Slots per row: its buffer's, or its table's pages'."""
+        if self.pages is None:
+            return self.latent[0].shape[1]
+        return self.pages.shape[1] * self.latent[0].shape[1]
 
     def shardings(self, mesh: Mesh) -> LatentCache:
-        """Where this cache lives on ``mesh``: every buffer whole on each device, or split
-        along its slots when striped; ``length`` on every device."""
+        """Where this cache lives on ``mesh``: every buffer whole on each device, or a pool
+        split along its pages when striped; ``length`` and the tables on every device."""
         whole = NamedSharding(mesh, PartitionSpec())
-        buffer = NamedSharding(mesh, SLOTS) if self.stripes is not None else whole
+        buffer = NamedSharding(mesh, PAGES) if self.stripes is not None else whole
         return self.replace(
-            latent=(buffer,) * len(self.latent), rope=(buffer,) * len(self.rope), length=whole
+            latent=Pool((buffer,) * len(self.latent)),
+            rope=Pool((buffer,) * len(self.rope)),
+            length=whole,
+            pages=None if self.pages is None else whole,
         )
 
     @property
     def view(self) -> CacheView:
         """Where this cache's forwards read and write."""
-        return CacheView(self.length, stripes=self.stripes)
+        return CacheView(self.length, self.pages, stripes=self.stripes)
 
     def commit(self, count: jax.Array) -> LatentCache:
         """``count`` [batch] more tokens committed (the rows a forward wrote)."""
@@ -81,15 +109,14 @@ class LatentCache:
         """The new rows ``path`` [batch, P] of each row moved to its first P new slots,
         all layers: an accepted tree path becomes what the next ``commit`` keeps."""
         move = lambda buffer: self.view.gather(buffer, path)
-        return self.replace(latent=tuple(map(move, self.latent)), rope=tuple(map(move, self.rope)))
+        return self.replace(latent=Pool(map(move, self.latent)), rope=Pool(map(move, self.rope)))
 
     def fill(self, prompt: LatentCache, length: jax.Array) -> LatentCache:
-        """This (empty) cache holding the rows of ``prompt``, a cache of the prompts' own
-        padded length, with ``length`` [batch] of them committed (a prefill's result)."""
-        if self.stripes is None:
-            first = lambda full, rows: full.at[:, : prompt.slots].set(rows)  # a prefill starts at 0
-        else:
-            start = jnp.zeros_like(length)
-            first = lambda full, rows: self.stripes.write(full, rows, start)
-        latent, rope = jax.tree.map(first, (self.latent, self.rope), (prompt.latent, prompt.rope))
-        return self.replace(latent=latent, rope=rope, length=length)
+        """This cache's rows (empty, their pages in their tables) holding the rows of
+        ``prompt``, a cache of the prompts' own padded length, with ``length`` [batch] of them
+        committed (a prefill's result)."""
+        start = self.view.replace(length=jnp.zeros_like(length))
+        latent, rope = jax.tree.map(
+            start.write, (tuple(self.latent), tuple(self.rope)), (prompt.latent, prompt.rope)
+        )
+        return self.replace(latent=Pool(latent), rope=Pool(rope), length=length)

@@ -3,11 +3,18 @@
 A row's committed tokens sit in slots ``0 .. length - 1`` of its buffers; a forward's new tokens
 are written from slot ``length`` on, and only moving ``length`` commits them. Every read mask,
 write, compaction and row placement of a decode state is computed here.
+
+A buffer is either a row's own (``[batch, ..., slots, ...]``: a prompt's cache) or a pool of
+pages shared by all rows (``[pages, ..., page, ...]``, the page in place of the slots), read and
+written through each row's page table: slot ``s`` of row ``b`` is slot ``s % page`` of page
+``pages[b, s // page]``. A table's unused entries name a null page, which absorbs the writes
+past a row's pages and is never read as committed.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 import jax
@@ -21,23 +28,60 @@ Tree = TypeVar("Tree")
 
 
 class Dealt(Protocol):
-    """Rows dealt over devices (``jaxdd.cache.stripes.Stripes``): they move them."""
+    """Pages dealt over devices (``jaxdd.cache.stripes.Stripes``): they move their rows."""
 
-    def write(self, buffer: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array: ...
+    def write(
+        self, pool: jax.Array, pages: jax.Array, rows: jax.Array, start: jax.Array
+    ) -> jax.Array: ...
 
-    def read(self, buffer: jax.Array, positions: jax.Array) -> jax.Array: ...
+    def read(self, pool: jax.Array, pages: jax.Array, positions: jax.Array) -> jax.Array: ...
+
+
+class Pool(tuple):
+    """A cache's per-layer buffers of pages, shared by all rows: row placement (``front``,
+    ``put_rows``) leaves them whole."""
+
+
+jax.tree_util.register_pytree_node(Pool, lambda pool: (tuple(pool), None), lambda _, c: Pool(c))
 
 
 @struct.dataclass
 class CacheView:
     """Where a forward reads and writes each row's cache: it reads the committed
     slots (below ``length``) and writes its T new rows at ``length .. length + T - 1``.
-    With ``stripes`` the buffers are striped over the devices: slot ``i`` is not position ``i``,
-    and only the striped attention reads them (``stripes.local_length``)."""
+    With ``pages`` the buffers are pools of pages read through that table (``read``); with
+    ``stripes`` too the pools' pages are dealt over the devices, and only the striped attention
+    reads them (``stripes.local_length``)."""
 
     length: jax.Array  # [batch] int32: committed tokens per row
-    axis: int = struct.field(pytree_node=False, default=1)  # the slot axis of the buffers
+    pages: jax.Array | None = None  # [batch, row_pages] int32: each row's page table
+    axis: int = struct.field(pytree_node=False, default=1)  # the slot axis of a row's buffers
     stripes: Dealt | None = struct.field(pytree_node=False, default=None)
+
+    def read(self, buffer: jax.Array) -> jax.Array:
+        """Each row's slots [batch, ..., row_pages * page, ...] of ``buffer`` (a pool's pages
+        gathered in the order of the rows' tables; a row's own buffer as it is)."""
+        if self.pages is None:
+            return buffer
+        rows = jnp.moveaxis(buffer[self.pages], 1, self.axis)  # [batch, .., pages, page, ..]
+        shape = rows.shape
+        return rows.reshape(*shape[: self.axis], -1, *shape[self.axis + 2 :])
+
+    def locate(self, positions: jax.Array, page: int) -> tuple[jax.Array, jax.Array]:
+        """(page, slot in it) of each row's ``positions`` [batch, P] in a pool of pages of
+        ``page`` slots: page 0, the null page, past the table."""
+        index = positions // page
+        inside = index < self.pages.shape[1]
+        found = jnp.take_along_axis(self.pages, jnp.minimum(index, self.pages.shape[1] - 1), 1)
+        return jnp.where(inside, found, 0), positions % page
+
+    def _page_write(self, pool: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
+        """``pool`` with ``rows`` [batch, ..., T, ...] at positions ``start[b] ..``."""
+        positions = start[:, None] + jnp.arange(rows.shape[self.axis])[None, :]
+        page, slot = self.locate(positions, pool.shape[self.axis])
+        return pool.at[page_index(page, slot, pool.shape[1 : self.axis])].set(
+            rows.astype(pool.dtype)
+        )
 
     def committed(self, slots: int, extra: jax.Array | None = None) -> jax.Array:
         """[batch, slots] bool: the committed slots (and ``extra`` [batch] more after them)."""
@@ -59,7 +103,9 @@ class CacheView:
     def write(self, buffer: jax.Array, rows: jax.Array) -> jax.Array:
         """``buffer`` with the new ``rows`` [batch, ..., T, ...] in their slots."""
         if self.stripes is not None:
-            return self.stripes.write(buffer, rows, self.length)
+            return self.stripes.write(buffer, self.pages, rows, self.length)
+        if self.pages is not None:
+            return self._page_write(buffer, rows, self.length)
         return write_rows(buffer, rows, self.length, self.axis)
 
     def gather(self, buffer: jax.Array, path: jax.Array) -> jax.Array:
@@ -68,15 +114,31 @@ class CacheView:
         matters (a path's node indices are): row j is read before slot j is written."""
         if self.axis != 1:
             raise ValueError(f"gather: slots on axis 1 only, this view's are on {self.axis}")
+        positions = self.length[:, None] + path
         if self.stripes is not None:
-            picked = self.stripes.read(buffer, self.length[:, None] + path)
-            return self.stripes.write(buffer, picked, self.length)
-        picked = jnp.take_along_axis(buffer, (self.length[:, None] + path)[:, :, None], axis=1)
+            picked = self.stripes.read(buffer, self.pages, positions)
+            return self.stripes.write(buffer, self.pages, picked, self.length)
+        if self.pages is not None:
+            page, slot = self.locate(positions, buffer.shape[1])
+            return self._page_write(buffer, buffer[page, slot], self.length)
+        picked = jnp.take_along_axis(buffer, positions[:, :, None], axis=1)
         return write_rows(buffer, picked, self.length)
 
     def commit(self, count: jax.Array) -> CacheView:
         """The view after ``count`` [batch] more tokens are committed."""
         return self.replace(length=self.length + count)
+
+
+def page_index(page: jax.Array, slot: jax.Array, between: tuple[int, ...]) -> tuple:
+    """The index of a pool [pages, *between, page, ...] whose result is laid out as a row's
+    buffer [batch, *between, T, ...], for each row's pages and slots [batch, T]."""
+    n = len(between)
+    spread = lambda x: x.reshape(x.shape[0], *(1,) * n, x.shape[1])
+    dims = [
+        jnp.arange(d).reshape(1, *(d if i == j else 1 for j in range(n)), 1)
+        for i, d in enumerate(between)
+    ]
+    return (spread(page), *dims, spread(slot))
 
 
 def write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array, axis: int = 1) -> jax.Array:
@@ -99,19 +161,34 @@ def write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array, axis: int =
     return buffer
 
 
-def put_row(batch: Tree, one: Tree, row: jax.Array) -> Tree:
-    """``batch`` (every leaf [rows, ...]) with row ``row`` replaced by ``one``'s single row."""
-    return jax.tree.map(
-        lambda rows, new: jax.lax.dynamic_update_slice_in_dim(rows, new, row, axis=0), batch, one
-    )
+def _per_row(fn: Callable, *trees: Tree) -> Tree:
+    """``fn`` over the leaves of ``trees`` that have a row axis; a ``Pool`` is taken from the
+    last tree (a part's, after it ran)."""
+    pooled = lambda *leaves: leaves[-1] if isinstance(leaves[0], Pool) else fn(*leaves)
+    return jax.tree.map(pooled, *trees, is_leaf=lambda x: isinstance(x, Pool))
+
+
+def take_rows(batch: Tree, rows: jax.Array) -> Tree:
+    """The rows ``rows`` [n] of every leaf (the pools whole)."""
+    return _per_row(lambda x: x[rows], batch)
+
+
+def put_rows(batch: Tree, part: Tree, rows: jax.Array) -> Tree:
+    """``batch`` with rows ``rows`` [n] replaced by ``part``'s (as ``take_rows`` took them)."""
+    return _per_row(lambda full, new: full.at[rows].set(new), batch, part)
+
+
+def clear_rows(batch: Tree) -> Tree:
+    """``batch`` with every row's leaves zero (the pools as they are)."""
+    return _per_row(jnp.zeros_like, batch)
 
 
 def front(batch: Tree, rows: int) -> Tree:
-    """The first ``rows`` rows of every leaf."""
-    return jax.tree.map(lambda x: x[:rows], batch)
+    """The first ``rows`` rows of every leaf (the pools whole)."""
+    return _per_row(lambda x: x[:rows], batch)
 
 
 def put_front(batch: Tree, part: Tree) -> Tree:
     """``batch`` with its first rows replaced by ``part``'s (as ``front`` took them)."""
     update = lambda full, new: jax.lax.dynamic_update_slice_in_dim(full, new, 0, axis=0)
-    return jax.tree.map(update, batch, part)
+    return _per_row(update, batch, part)

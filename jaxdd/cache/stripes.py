@@ -1,11 +1,11 @@
 """The target's latent cache striped over the devices (decode context parallelism).
 
 Replicated, every device stores every latent row and reads all of them in every round. Striped,
-a row's tokens are cut into pages of ``PAGE_TOKENS`` dealt round-robin over the devices: page j
-of a row lives on device ``j % devices``. Each device's share of a buffer is the slot axis' own
-block under a ``NamedSharding`` (device d holds slots ``d * S / devices ..``), in which its pages
-sit in order, so a device's committed rows are a prefix of its block (``local_length``) and the
-attention over them is the one-device attention with a shorter length.
+the pool of pages is split over the devices (device d holds pages ``d * P / devices ..``, the
+first of them its null page) and a row's page j is one of device ``j % devices``'s
+(``jaxdd.cache.pages`` deals them so), so a device's pages of a row, in table order, hold a
+prefix of its share of the row's tokens (``local_length``), and the attention over them is the
+one-device attention over a shorter table.
 
 Every function here that moves rows runs per device (``shard_map``): a device writes the rows
 whose pages it owns and drops the rest, so no row crosses the link but those a reader asks for.
@@ -21,17 +21,21 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxdd.cache.layout import CacheView
+from jaxdd.cache.pages import PAGE_TOKENS
 from jaxdd.runtime.sharding import AXIS
 
-PAGE_TOKENS = 64
-
-SLOTS = PartitionSpec(None, AXIS)  # a [batch, slots, ...] buffer split along its slots
+PAGES = PartitionSpec(AXIS)  # a pool [pages, page, ...] split along its pages
 WHOLE = PartitionSpec()
+
+
+def paging(stripes: Stripes | None) -> tuple[int, int]:
+    """(tokens per page, devices the pool is split over) of a cache striped by ``stripes``."""
+    return (PAGE_TOKENS, 1) if stripes is None else (stripes.page, stripes.devices)
 
 
 @dataclasses.dataclass(frozen=True)
 class Stripes:
-    """How a striped cache's rows are dealt over ``mesh``'s devices: pages of ``page`` tokens."""
+    """How a striped cache's pages are dealt over ``mesh``'s devices: pages of ``page`` tokens."""
 
     mesh: Mesh
     page: int = PAGE_TOKENS
@@ -42,7 +46,7 @@ class Stripes:
 
     @property
     def unit(self) -> int:
-        """Slots come in multiples of this: one page on every device."""
+        """A row's slots come in multiples of this: one page on every device."""
         return self.page * self.devices
 
     def local_length(self, length: jax.Array, device: jax.Array) -> jax.Array:
@@ -52,17 +56,27 @@ class Stripes:
         whole = jnp.maximum(pages - device + self.devices - 1, 0) // self.devices
         return whole * self.page + jnp.where(pages % self.devices == device, rest, 0)
 
-    def local_view(self, length: jax.Array, device: jax.Array) -> CacheView:
-        """What ``device``'s block of a buffer holds: ``local_length`` committed slots."""
-        return CacheView(self.local_length(length, device))
+    def local_view(self, view: CacheView, device: jax.Array, pool_pages: int) -> CacheView:
+        """What ``device`` reads of ``view``'s rows: its ``local_length`` committed slots in its
+        own pages (pages ``device``, ``device + devices``, ... of each table), numbered in its
+        share of ``pool_pages`` pages."""
+        batch, row_pages = view.pages.shape
+        dealt = view.pages.reshape(batch, row_pages // self.devices, self.devices)
+        own = jnp.take(dealt, device, axis=2) - device * pool_pages
+        return CacheView(self.local_length(view.length, device), own)
 
-    def local_slot(self, positions: jax.Array, device: jax.Array, slots: int) -> jax.Array:
-        """Where ``device`` keeps the rows of ``positions``: the index in its ``slots`` slots,
-        or ``slots`` (out of bounds, so dropped by a write) for a position not its own."""
-        page = positions // self.page
-        index = (page // self.devices) * self.page + positions % self.page
-        mine = (page % self.devices == device) & (positions >= 0) & (index < slots)
-        return jnp.where(mine, index, slots)
+    def _local_page(
+        self, pages: jax.Array, positions: jax.Array, device: jax.Array, pool_pages: int
+    ) -> tuple[jax.Array, jax.Array]:
+        """(page in ``device``'s share of ``pool_pages``, slot in it) of each row's
+        ``positions`` [batch, P]; ``pool_pages`` (out of bounds, so dropped by a write) for a
+        position not its own."""
+        index = positions // self.page
+        inside = (index < pages.shape[1]) & (positions >= 0)
+        found = jnp.take_along_axis(pages, jnp.clip(index, 0, pages.shape[1] - 1), 1)
+        local = found - device * pool_pages
+        mine = inside & (index % self.devices == device)
+        return jnp.where(mine, local, pool_pages), positions % self.page
 
     def per_device(self, fn: Callable, in_specs: tuple, out_specs) -> Callable:
         """``fn`` run on every device of the mesh on its share of the operands."""
@@ -70,32 +84,31 @@ class Stripes:
             fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
         )
 
-    def write(self, buffer: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
-        """``buffer`` [batch, slots, ...] with ``rows`` [batch, T, ...] at positions
-        ``start[b] ..``: each device writes those of its pages."""
+    def write(
+        self, pool: jax.Array, pages: jax.Array, rows: jax.Array, start: jax.Array
+    ) -> jax.Array:
+        """``pool`` [pages, page, ...] with ``rows`` [batch, T, ...] at positions ``start[b] ..``
+        of the rows whose tables are ``pages``: each device writes those of its pages."""
 
-        def local(buffer, rows, start):
-            device = jax.lax.axis_index(AXIS)
+        def local(pool, pages, rows, start):
             positions = start[:, None] + jnp.arange(rows.shape[1])[None, :]
-            index = self.local_slot(positions, device, buffer.shape[1])
-            batch = jnp.arange(buffer.shape[0])[:, None]
-            return buffer.at[batch, index].set(rows.astype(buffer.dtype), mode="drop")
+            at = self._local_page(pages, positions, jax.lax.axis_index(AXIS), pool.shape[0])
+            return pool.at[at].set(rows.astype(pool.dtype), mode="drop")
 
-        return self.per_device(local, (SLOTS, WHOLE, WHOLE), SLOTS)(buffer, rows, start)
+        return self.per_device(local, (PAGES, WHOLE, WHOLE, WHOLE), PAGES)(pool, pages, rows, start)
 
-    def read(self, buffer: jax.Array, positions: jax.Array) -> jax.Array:
-        """The rows [batch, P, ...] at ``positions`` [batch, P], on every device (each is read
-        where it lives and summed with the others' zeros, so it arrives exact)."""
+    def read(self, pool: jax.Array, pages: jax.Array, positions: jax.Array) -> jax.Array:
+        """The rows [batch, P, ...] at ``positions`` [batch, P] of the rows whose tables are
+        ``pages``, on every device (each is read where it lives and summed with the others'
+        zeros, so it arrives exact)."""
 
-        def local(buffer, positions):
-            index = self.local_slot(positions, jax.lax.axis_index(AXIS), buffer.shape[1])
-            mine = (index < buffer.shape[1]).reshape(*index.shape, *(1,) * (buffer.ndim - 2))
-            picked = jnp.take_along_axis(
-                buffer, jnp.minimum(index, buffer.shape[1] - 1)[..., None], axis=1
-            )
+        def local(pool, pages, positions):
+            page, slot = self._local_page(pages, positions, jax.lax.axis_index(AXIS), pool.shape[0])
+            mine = (page < pool.shape[0]).reshape(*page.shape, *(1,) * (pool.ndim - 2))
+            picked = pool[jnp.minimum(page, pool.shape[0] - 1), slot]
             return jax.lax.psum(jnp.where(mine, picked, 0), AXIS)
 
-        return self.per_device(local, (SLOTS, WHOLE), WHOLE)(buffer, positions)
+        return self.per_device(local, (PAGES, WHOLE, WHOLE), WHOLE)(pool, pages, positions)
 
     def merge(self, out: jax.Array, lse: jax.Array, split_heads: bool) -> jax.Array:
         """Per device: the attention of all the devices' keys from each one's ``out`` [B, T, H,

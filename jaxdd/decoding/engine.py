@@ -16,7 +16,8 @@ import jax
 import numpy as np
 
 from jaxdd.cache import row_slots
-from jaxdd.cache.stripes import Stripes
+from jaxdd.cache.pages import pool_pages
+from jaxdd.cache.stripes import Stripes, paging
 from jaxdd.decoding.checks import (
     check_lengths,
     check_round_options,
@@ -376,8 +377,9 @@ class SpeculativeDecoder:
         # Prompts in eighth octaves, multiples of 16, the cache in quarter octaves: a prefill's cost
         # grows with its padded length and a round's with its slots, and each new shape compiles.
         longest = max(len(p) for p in checked)
-        unit = 1 if self.stripes is None else self.stripes.unit
-        slots = row_slots(prompt_bucket(longest), max(max_lengths), max(block, verify_width), unit)
+        page, devices = paging(self.stripes)
+        round_tokens = max(block, verify_width)
+        slots = row_slots(prompt_bucket(longest), max(max_lengths), round_tokens, page * devices)
         sampled = any(not s.greedy for s in settings)
         spec = self.round_spec(
             method,
@@ -390,7 +392,9 @@ class SpeculativeDecoder:
             top_logprobs=options.logprobs,
         )
         rows = bucket(n, minimum=1)
-        return requests, RowShape(spec, spec, rows, max(max_lengths), longest, slots, (rows,))
+        pages = pool_pages(rows * slots, page, devices)  # every row's slots: one size per bucket
+        shape = RowShape(spec, spec, rows, max(max_lengths), longest, slots, (rows,), pages)
+        return requests, shape
 
     def _check_round_size(self, plan: RoundBatch, state: DecodeState) -> None:
         """Compile the round (``step`` then reuses it) and refuse it, naming the option

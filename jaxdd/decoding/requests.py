@@ -10,12 +10,13 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from jaxdd.cache.stripes import paging
 from jaxdd.config import KimiConfig
 from jaxdd.decoding.report import RoundTrace, TokenLogprob
 from jaxdd.decoding.rounds import ModelPair, RoundSpec
 from jaxdd.decoding.sampling import GREEDY, Sampling
 from jaxdd.models.drafter import DFlashDrafter
-from jaxdd.types import Method
+from jaxdd.types import Method, verified_tokens
 
 
 class Decoder(Protocol):
@@ -56,8 +57,27 @@ class RowShape:
     rows: int
     max_len: int  # prompt + new tokens, per request
     max_prompt: int
-    slots: int
+    slots: int  # per row: the most a request's tokens and a round's writes reach
     tiers: tuple[int, ...]  # the row counts a round runs over: the fewest that hold every busy row
+    pool_pages: int  # the cache's pages, shared by the rows (``jaxdd.cache.pages``)
+
+    @property
+    def page(self) -> int:
+        return paging(self.spec.stripes)[0]
+
+    @property
+    def row_pages(self) -> int:
+        return self.slots // self.page
+
+    @property
+    def round_tokens(self) -> int:
+        """Slots a round writes past a row's committed tokens: a draft block, or a verify's."""
+        spec = self.spec
+        return max(spec.block, verified_tokens(spec.method, spec.block, spec.budget))
+
+    def reach(self, request: RowRequest) -> int:
+        """The slots ``request``'s row can write: its tokens and a round's past the last."""
+        return min(len(request.prompt) + request.max_new_tokens + self.round_tokens, self.slots)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxdd.cache import DraftCache, LatentCache
-from jaxdd.cache.stripes import Stripes
+from jaxdd.cache.layout import clear_rows
+from jaxdd.cache.stripes import Stripes, paging
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.report import RoundReport
 from jaxdd.decoding.sampling import (
@@ -109,6 +110,9 @@ class RowSettings:
     max_length: jax.Array  # [rows] int32: prompt length + max_new_tokens
     stop_ids: jax.Array  # [rows, MAX_STOP_TOKENS] int32, -1 padded
     sampling: SamplingArrays
+    # [rows, row_pages] int32: the pages each row holds (``jaxdd.cache.pages``), read by both
+    # caches; the host's tables, so a row given back reaches no page from the next round on
+    pages: jax.Array
 
 
 @struct.dataclass
@@ -130,28 +134,39 @@ class DecodeState:
         config: KimiConfig,
         drafter_config: DrafterConfig | None,
         batch: int,
-        slots: int,
+        row_pages: int,
+        pool_pages: int,
         block: int,
         dtype: jnp.dtype,
         rng: jax.Array,
         stripes: Stripes | None = None,
     ) -> DecodeState:
-        """The state before the prefill: empty caches (and drafter context, with a drafter)."""
+        """The state before the prefill: empty pools of ``pool_pages`` pages for ``batch`` rows
+        of up to ``row_pages`` pages (and drafter context, with a drafter)."""
         drafter = {}
         if drafter_config is not None:
             features = len(drafter_config.target_layer_ids) * config.hidden_size
             drafter = {
-                "draft_cache": DraftCache.zeros(drafter_config, batch, slots, dtype),
+                "draft_cache": DraftCache.pooled(
+                    drafter_config, batch, row_pages, pool_pages, dtype, *paging(stripes)
+                ),
                 "context": jnp.zeros((batch, block, features), dtype),
                 "context_count": jnp.zeros((batch,), jnp.int32),
             }
         return cls(
-            target_cache=LatentCache.zeros(config, batch, slots, dtype, stripes),
+            target_cache=LatentCache.pooled(config, batch, row_pages, pool_pages, dtype, stripes),
             bonus=jnp.zeros((batch,), jnp.int32),
             done=jnp.zeros((batch,), bool),
             rng=rng,
             **drafter,
         )
+
+    def with_pages(self, pages: jax.Array) -> DecodeState:
+        """Both caches reading and writing through the page tables ``pages``."""
+        state = self.replace(target_cache=self.target_cache.replace(pages=pages))
+        if self.draft_cache is None:
+            return state
+        return state.replace(draft_cache=self.draft_cache.replace(pages=pages))
 
 
 def state_shardings(state: DecodeState, mesh: jax.sharding.Mesh) -> DecodeState:
@@ -180,6 +195,7 @@ def decode_round(
     round's report, ``RoundReport.encode``: with ``trace`` the drafter's top-k
     per draft position and for DDTree the tree's tokens and parents)."""
     target, drafter = models.merge()
+    state = state.with_pages(settings.pages)
     if spec.method == "ar":
         return _ar_step(spec, target, state, settings)
     return (_dflash_round if spec.method == "dflash" else _ddtree_round)(
@@ -424,33 +440,29 @@ def _commit(
     return new_state, RoundReport.encode(emitted, produced, stopped, draft_topk, tree, scores)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "slots", "mesh", "score"))
+@functools.partial(jax.jit, static_argnames=("spec", "mesh", "score"), donate_argnames=("state",))
 def prefill(
     spec: RoundSpec,
     models: ModelPair,
+    state: DecodeState,
     tokens: jax.Array,
     prompt_len: jax.Array,
     settings: RowSettings,
     seeds: jax.Array,
-    slots: int,
     mesh: jax.sharding.Mesh | None,
     score: bool = False,
 ) -> tuple[DecodeState, jax.Array]:
-    """Run the (padded) prompts, commit ``prompt_len`` tokens per row, choose each row's first
-    token, and cache the drafter context: (the decode state for rounds of ``spec``, with caches
-    of ``slots`` slots placed on ``mesh`` if given; a report as a round's, the first token
-    produced). A row is done at once if that token is a stop token or its length allows no more.
-    With ``spec.top_logprobs`` the report has the first token's logprobs; with ``score`` too
-    those of prompt positions 1 .. padded length - 1 (from the target's logits at every position,
-    which only a scored prefill computes).
-
-    The empty state is made here rather than passed in: made outside, its many eager dispatches cost
-    host time on every prefill."""
+    """Run the (padded) prompts into the rows of ``state`` (the rows they take, each holding the
+    pages of its table in ``settings``; whatever they held before is dropped), commit
+    ``prompt_len`` tokens per row, choose each row's first token, and cache the drafter context:
+    (the state for rounds of ``spec``, placed on ``mesh`` if given; a report as a round's, the
+    first token produced). A row is done at once if that token is a stop token or its length
+    allows no more. With ``spec.top_logprobs`` the report has the first token's logprobs; with
+    ``score`` too those of prompt positions 1 .. padded length - 1 (from the target's logits at
+    every position, which only a scored prefill computes)."""
     target, drafter = models.merge()
     b, t = tokens.shape
-    drafter_config = None if drafter is None else drafter.config
-    configs, sizes = (target.config, drafter_config), (b, slots, spec.block)
-    state = DecodeState.empty(*configs, *sizes, target.dtype, seed_keys(seeds), spec.stripes)
+    state = clear_rows(state).replace(rng=seed_keys(seeds)).with_pages(settings.pages)
     taps = () if drafter is None else drafter.config.target_layer_ids
     positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
     visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))

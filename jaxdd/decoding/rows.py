@@ -40,7 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdd.cache import RowTable, row_slots
-from jaxdd.cache.layout import front, put_front, put_row
+from jaxdd.cache.layout import front, put_front, put_rows, take_rows
+from jaxdd.cache.pages import PageTable, pool_pages
+from jaxdd.cache.stripes import paging
 from jaxdd.decoding.checks import (
     MAX_STOP_TOKENS,
     check_round_options,
@@ -85,9 +87,7 @@ class _Report(NamedTuple):
     holders: list[tuple[int, int, _Row]]
 
 
-@functools.partial(
-    jax.jit, static_argnames=("spec", "slots", "mesh", "score"), donate_argnames=("state",)
-)
+@functools.partial(jax.jit, static_argnames=("spec", "mesh", "score"), donate_argnames=("state",))
 def prefill_row(
     spec: RoundSpec,
     models: ModelPair,
@@ -97,14 +97,15 @@ def prefill_row(
     prompt_len: jax.Array,
     settings: RowSettings,
     seeds: jax.Array,
-    slots: int,
     mesh: jax.sharding.Mesh | None,
     score: bool = False,
 ) -> tuple[DecodeState, jax.Array]:
-    """``prefill`` one request (``score``: and its prompt's logprobs) and put it in row
-    ``row`` of ``state`` (in place: the state is donated): (state, the prefill's report)."""
-    new, report = prefill(spec, models, tokens, prompt_len, settings, seeds, slots, mesh, score)
-    return put_row(state, new, row), report
+    """``prefill`` one request (``score``: and its prompt's logprobs) into row ``row`` of
+    ``state`` (in place: the state is donated): (state, the prefill's report)."""
+    rows = row[None]
+    part = take_rows(state, rows)
+    new, report = prefill(spec, models, part, tokens, prompt_len, settings, seeds, mesh, score)
+    return put_rows(state, new, rows), report
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "rows"), donate_argnames=("state",))
@@ -132,10 +133,12 @@ class RowPool:
         block_size: int | None = None,
         budget: int | None = None,
         max_logprobs: int = 0,
+        cache_tokens: int | None = None,
     ):
         """A serving pool: rows admitted one by one, a sampled and a greedy round per tier
         (``max_logprobs`` > 0: each reporting logprobs, requests asking for at most that many
-        top ones)."""
+        top ones), the rows' caches in a pool of pages holding ``cache_tokens`` tokens (default:
+        every row's ``max_len``)."""
         config = decoder.config
         if rows < 1:
             raise InputError.at("rows", f"must be >= 1, got {rows}")
@@ -160,9 +163,19 @@ class RowPool:
         # lowest free row, so the round runs over the rows up to the highest busy one.
         tiers = tuple(sorted({4**i for i in range(rows.bit_length()) if 4**i < rows} | {rows}))
         round_tokens = max(block, verified_tokens(method, block, budget))
-        unit = 1 if spec.stripes is None else spec.stripes.unit
-        slots = row_slots(prompt_bucket(max_prompt), max_len, round_tokens, unit)
-        shape = RowShape(spec, greedy_spec, rows, max_len, max_prompt, slots, tiers)
+        page, devices = paging(spec.stripes)
+        slots = row_slots(prompt_bucket(max_prompt), max_len, round_tokens, page * devices)
+        least = min(max_len + round_tokens, slots)  # one request of max_len fits
+        if cache_tokens is None:
+            cache_tokens = rows * slots
+        elif not isinstance(cache_tokens, int) or cache_tokens < least:
+            raise InputError.at(
+                "cache_tokens",
+                f"must hold one request of max_len {max_len} and a round ({least} tokens), "
+                f"got {cache_tokens!r}",
+            )
+        pages = pool_pages(cache_tokens, page, devices)
+        shape = RowShape(spec, greedy_spec, rows, max_len, max_prompt, slots, tiers, pages)
         self._setup(decoder, shape)
         self.state = self._empty_state()
 
@@ -197,6 +210,9 @@ class RowPool:
         self.settings: RowSettings | None = None  # the device copy, made when a round needs it
         self.state: DecodeState | None = None
         self.table: RowTable[_Row] = RowTable(self.rows)  # which request holds each row
+        page, devices = paging(self.spec.stripes)
+        # which pages each row holds
+        self.pages = PageTable(self.rows, shape.row_pages, shape.pool_pages, devices, page)
         # Reports not yet read: the prefills since the last dispatch,
         # and per round dispatched those before it and its own.
         self._prefilled: list[_Report] = []
@@ -250,6 +266,12 @@ class RowPool:
                 f"--max-len {self.max_len}",
             )
         check_stop_ids(request.stop_ids, self.decoder.config)
+        if not self.pages.could_fit(self.shape.reach(request)):
+            raise InputError.at(
+                "max_tokens",
+                f"{max_new_tokens} after a prompt of {len(prompt)} tokens needs more cache than "
+                f"the server's --cache-tokens {self.pages.usable * self.pages.page} hold",
+            )
         if not isinstance(request.sampling, Sampling):
             raise InputError.at("sampling", "expected a jaxdd.Sampling")
         return dataclasses.replace(request, prompt=list(prompt), stop_ids=list(request.stop_ids))
@@ -274,7 +296,6 @@ class RowPool:
             prompt_len,
             one,
             seeds,
-            self.slots,
             mesh,
             request.score_prompt,
         )
@@ -300,7 +321,8 @@ class RowPool:
         self.settings = jax.device_put(self._host_settings())
         mesh = self.decoder.mesh
         score = any(r.score_prompt for r in requests)
-        args = (self.spec, self.models, tokens, prompt_len, self.settings, seeds, self.slots, mesh)
+        state = self._empty_state()
+        args = (self.spec, self.models, state, tokens, prompt_len, self.settings, seeds, mesh)
         self.state, report = prefill(*args, score)
         holders = [(row, row, e) for row, e in self.table.items()]
         scored = padded - 1 if score else 0
@@ -310,7 +332,10 @@ class RowPool:
         """A free row for ``request`` (its settings reach the device with the next round)."""
         scored = len(request.prompt) if request.score_prompt else 0
         entry = _Row(request.max_new_tokens, owner, 0, request.logprobs, scored)
+        if not self.pages.fits(self.shape.reach(request)):
+            raise InputError.at("cache_tokens", "no free pages: admit what admissible() allows")
         row = self.table.take(entry)
+        self.pages.take(row, self.shape.reach(request))
         stops = np.full((MAX_STOP_TOKENS,), -1, np.int32)
         stops[: len(request.stop_ids)] = request.stop_ids
         self._max_length[row] = len(request.prompt) + request.max_new_tokens
@@ -322,17 +347,31 @@ class RowPool:
     def release(self, row: int) -> None:
         """Free a row (a cancelled request): its device row keeps
         running until a new request overwrites it, which costs nothing
-        extra (the round's shape is fixed) and touches no other row."""
+        extra (the round's shape is fixed) and touches no other row: its pages are free again
+        and from the next round on it reaches none."""
         self.table.release(row)
+        self.pages.release(row)
+        self.settings = None
 
     def release_all(self) -> None:
         """Free every row (their requests failed); rounds in flight still finish."""
         self.table.clear()
+        self.pages.clear()
+        self.settings = None
+
+    def admissible(self, requests: list[RowRequest], release: tuple[int, ...] = ()) -> int:
+        """How many of ``requests`` (checked), in order, find a free row and their pages once
+        ``release``'s rows are free: admission waits for pages as for rows."""
+        busy = {row for row, _ in self.table.items()}
+        rows = len(self.free_rows()) + len(set(release) & busy)
+        reaches = [self.shape.reach(r) for r in requests[:rows]]
+        return self.pages.admissible(reaches, release)
 
     def reset(self) -> None:
         """Every row free in a fresh state, nothing in flight: after a fault,
         the old state may have been donated to a call that never returned."""
         self.table.clear()
+        self.pages.clear()
         self._prefilled.clear()
         self._in_flight.clear()
         self.state = self._empty_state()
@@ -425,7 +464,7 @@ class RowPool:
                     prompt_scores,
                 )
                 if finish is not None:
-                    self.table.release(row)
+                    self.release(row)
         return updates
 
     def discard(self) -> None:
@@ -442,7 +481,8 @@ class RowPool:
     def _host_settings(self, rows: slice = slice(None)) -> RowSettings:
         """The per-row settings of ``rows`` as host arrays."""
         sampling = SamplingArrays.of(self._sampling[rows])
-        return RowSettings(self._max_length[rows], self._stop_ids[rows], sampling)
+        pages = self.pages.table[rows].copy()
+        return RowSettings(self._max_length[rows], self._stop_ids[rows], sampling, pages)
 
     def _empty_state(self) -> DecodeState:
         """Every row done (nothing to decode) until a request is inserted."""
@@ -454,7 +494,8 @@ class RowPool:
             config,
             drafter,
             self.rows,
-            self.slots,
+            self.shape.row_pages,
+            self.shape.pool_pages,
             self.spec.block,
             dtype,
             seed_keys(seeds),

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdd.cache import CacheView
-from jaxdd.cache.stripes import SLOTS
+from jaxdd.cache.stripes import PAGES
 from jaxdd.config import KimiConfig
 from jaxdd.models.layers import RMSNorm, apply_rope, linear, param, project_heads, unmerged
 from jaxdd.runtime.backend import Backend
@@ -76,7 +76,8 @@ class AttentionInputs:
     q_pe: jax.Array  # [B, T, heads, qk_rope_head_dim], rotated
     latent: jax.Array  # [B, T, kv_lora_rank]: the new tokens' normed latent rows
     k_pe: jax.Array  # [B, T, qk_rope_head_dim]: their rotated rope keys
-    cache_rows: tuple[jax.Array, jax.Array]  # this layer's latent [B, S, r] and rope [B, S, dr]
+    # this layer's latent and rope buffers: rows [B, S, r | dr] or pools of pages
+    cache_rows: tuple[jax.Array, jax.Array]
     view: CacheView
     visible: jax.Array  # [B, T, T] bool: may new token i attend to new token j
     backend: Backend
@@ -84,7 +85,7 @@ class AttentionInputs:
     def kernel_operands(self, q_latent: jax.Array) -> tuple[jax.Array, ...]:
         """The tree-attention kernel's array operands (``tree_attention_reference``'s), for
         queries ``q_latent`` [B, T, heads, kv_lora_rank]."""
-        latent, rope = self.cache_rows
+        latent, rope = map(self.view.read, self.cache_rows)
         rows = (latent, rope, self.view.length, self.latent, self.k_pe, self.visible)
         return (q_latent, self.q_pe, *rows)
 
@@ -172,7 +173,7 @@ class MLAttention(nnx.Module, Placeable):
         visible = inputs.visible
         kernels = inputs.backend.decode_kernels(q_pe.shape[0] * q_pe.shape[1])
         q_latent = _per_head(inputs.q_nope, self.k_up[...], kernels)
-        cache_latent, cache_rope = inputs.cache_rows
+        cache_latent, cache_rope = map(inputs.view.read, inputs.cache_rows)
         slots = cache_latent.shape[1]
         committed = jnp.broadcast_to(
             inputs.view.committed(slots)[:, None, :], (*visible.shape[:2], slots)
@@ -204,14 +205,14 @@ class MLAttention(nnx.Module, Placeable):
         split = partition_spec((heads,), ("heads",), stripes.mesh, "tp")[0] is not None
         q_latent = jnp.einsum("bthk,hnk->bthn", inputs.q_nope, self.k_up[...])
 
-        def attend(q_latent, q_pe, cache_latent, cache_rope, length, latent, k_pe, visible):
+        def attend(q_latent, q_pe, pool_latent, pool_rope, view, latent, k_pe, visible):
             device = jax.lax.axis_index(AXIS)
-            local = stripes.local_view(length, device)
+            local = stripes.local_view(view, device, pool_latent.shape[0])
             out, lse = attend_local(
                 q_latent,
                 q_pe,
-                cache_latent,
-                cache_rope,
+                local.read(pool_latent),
+                local.read(pool_rope),
                 local,
                 latent,
                 k_pe,
@@ -221,9 +222,11 @@ class MLAttention(nnx.Module, Placeable):
 
         whole = jax.sharding.PartitionSpec()
         out_spec = jax.sharding.PartitionSpec(None, None, AXIS) if split else whole
-        specs = (whole, whole, SLOTS, SLOTS, *(whole,) * 4)
+        specs = (whole, whole, PAGES, PAGES, whole, *(whole,) * 3)
         attend = stripes.per_device(attend, specs, out_spec)
-        out_latent = attend(*inputs.kernel_operands(q_latent)).astype(inputs.q_pe.dtype)
+        operands = (q_latent, inputs.q_pe, *inputs.cache_rows, inputs.view)
+        out_latent = attend(*operands, inputs.latent, inputs.k_pe, inputs.visible)
+        out_latent = out_latent.astype(inputs.q_pe.dtype)
         out = jnp.einsum("bthr,hdr->bthd", out_latent, self.v_up[...])
         rows = _write_after(out_latent, (inputs.latent, inputs.k_pe))
         return out, tuple(map(inputs.view.write, inputs.cache_rows, rows))
@@ -301,8 +304,8 @@ class MLAttention(nnx.Module, Placeable):
         """HF's formulation: the latents expanded into
         per-head keys and values, the rows written first."""
         c = self.config
-        rows = (inputs.latent, inputs.k_pe)
-        keys_latent, keys_rope = map(inputs.view.write, inputs.cache_rows, rows)  # [B, S, r | dr]
+        written = tuple(map(inputs.view.write, inputs.cache_rows, (inputs.latent, inputs.k_pe)))
+        keys_latent, keys_rope = map(inputs.view.read, written)  # [B, S, r | dr]
         k_nope = jnp.einsum("bsr,hrd->bshd", keys_latent, self.k_up[...])
         values = jnp.einsum("bsr,hdr->bshd", keys_latent, self.v_up[...])
         # One score matmul over the [nope | rope] channels, as HF concatenates them: on XLA:CPU two
@@ -316,7 +319,7 @@ class MLAttention(nnx.Module, Placeable):
         # every layer's mask is the same computation: XLA computes it once
         mask = inputs.view.mask(inputs.visible, keys.shape[1])
         out = jnp.einsum("bhts,bshd->bthd", self._softmax(scores, mask), values)
-        return out, (keys_latent, keys_rope)
+        return out, written
 
     def _softmax(self, scores: jax.Array, mask: jax.Array) -> jax.Array:
         # HF: scale in the activation dtype, softmax in

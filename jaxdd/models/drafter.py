@@ -74,8 +74,8 @@ class DraftAttention(nnx.Module):
     def __call__(
         self, x, cos_sin, cached: tuple[jax.Array, jax.Array], view: CacheView, mask: jax.Array
     ):
-        """x [B,T,D]; cached keys/values [B,kv,S,hd] holding the context ``view``
-        reads; mask [B,S]: the slots the block sees. Returns the output [B,T,D]
+        """x [B,T,D]; cached keys/values (rows [B,kv,S,hd] or pools of pages) holding the
+        context ``view`` reads; mask [B,S]: the slots the block sees. Returns the output [B,T,D]
         and the keys/values with the block's rows in them.
 
         The block's K/V are written where ``view`` writes new rows, so attention runs over
@@ -88,7 +88,8 @@ class DraftAttention(nnx.Module):
         q = self.q_norm(jnp.einsum("btd,dnh->btnh", *unmerged(x, self.q_proj[...])))
         q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleaved=False)
         k, v = self.keys_values(x, cos, sin)
-        keys, values = map(view.write, cached, (k, v))
+        written = tuple(map(view.write, cached, (k, v)))
+        keys, values = map(view.read, written)
         b, t = x.shape[:2]
         groups = c.num_attention_heads // c.num_key_value_heads
         q = q.reshape(b, t, c.num_key_value_heads, groups, c.head_dim)
@@ -100,7 +101,7 @@ class DraftAttention(nnx.Module):
         out = jnp.einsum("bksh,bkgts->btkgh", values, probs).reshape(
             b, t, c.num_attention_heads, c.head_dim
         )
-        return project_heads(out, self.o_proj[...]), (keys, values)
+        return project_heads(out, self.o_proj[...]), written
 
 
 class DraftLayer(nnx.Module):
@@ -149,7 +150,8 @@ class DFlashDrafter(nnx.Module):
             keys.append(cache.view.write(cached_keys, k))
             values.append(cache.view.write(cached_values, v))
         committed = cache.view.commit(count).length
-        return cache.replace(keys=tuple(keys), values=tuple(values), length=committed)
+        kind = type(cache.keys)
+        return cache.replace(keys=kind(keys), values=kind(values), length=committed)
 
     def __call__(
         self, embeds: jax.Array, positions: jax.Array, cache: DraftCache, block_len: jax.Array
@@ -173,7 +175,8 @@ class DFlashDrafter(nnx.Module):
             x, (layer_keys, layer_values) = layer(x, cos_sin, cached, cache.view, visible)
             keys.append(layer_keys)
             values.append(layer_values)
-        return self.norm(x), cache.replace(keys=tuple(keys), values=tuple(values))
+        kind = type(cache.keys)
+        return self.norm(x), cache.replace(keys=kind(keys), values=kind(values))
 
     def draft_logits(self, target, cache: DraftCache, bonus, start, block_len, block: int):
         """Draft logits [B, block-1, V] for positions start+1 ..: one forward over ``[bonus,

@@ -143,7 +143,8 @@ class KimiTarget(nnx.Module, Placeable):
                 tapped.append(x)
         by_layer = dict(zip(sorted(set(taps)), tapped, strict=True))
         tap_out = jnp.concatenate([by_layer[i] for i in taps], axis=-1) if taps else None
-        new_cache = cache.replace(latent=tuple(latent_cache), rope=tuple(rope_cache))
+        kind = type(cache.latent)  # a prompt's tuple or a Pool
+        new_cache = cache.replace(latent=kind(latent_cache), rope=kind(rope_cache))
         return TargetOutput(self.final_norm(x), tap_out, new_cache)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:

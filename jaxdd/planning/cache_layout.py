@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from jaxdd.cache.stripes import PAGE_TOKENS
+from jaxdd.cache.pages import PAGE_TOKENS
 from jaxdd.config import KimiConfig
 from jaxdd.planning.hardware import Hardware
 from jaxdd.types import LAYOUTS, CacheLayout

@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxdd.cache.stripes import PAGE_TOKENS, Stripes
+from jaxdd.cache.pages import PAGE_TOKENS
+from jaxdd.cache.stripes import Stripes
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.rounds import DecodeState, state_shardings
 from jaxdd.types import CacheLayout

@@ -29,7 +29,7 @@ from flax import nnx
 
 from jaxdd.api import Target
 from jaxdd.cache import row_slots
-from jaxdd.cache.stripes import PAGE_TOKENS
+from jaxdd.cache.pages import PAGE_TOKENS
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.checks import MAX_STOP_TOKENS
 from jaxdd.decoding.engine import RoundBatch, SpeculativeDecoder

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxdd.cache.stripes import PAGE_TOKENS
+from jaxdd.cache.pages import PAGE_TOKENS
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.errors import InputError
 from jaxdd.planning import fit
