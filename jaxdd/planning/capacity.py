@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxdd.cache.pages import PAGE_TOKENS
-from jaxdd.cache.stripes import Stripes
+from jaxdd.cache.pages import PAGE_TOKENS, pool_pages
+from jaxdd.cache.stripes import Stripes, paging
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.rounds import DecodeState, state_shardings
 from jaxdd.types import CacheLayout
@@ -30,11 +30,14 @@ def abstract_state(
     mesh: jax.sharding.Mesh,
     stripes: Stripes | None = None,
 ) -> DecodeState:
-    """The decode state before a prefill as sharded ShapeDtypeStructs (nothing allocated), its
-    latent cache striped by ``stripes`` (None: replicated)."""
+    """The decode state before a prefill as sharded ShapeDtypeStructs (nothing allocated): a
+    pool of pages holding ``batch`` rows of ``slots`` slots, its latent cache striped by
+    ``stripes`` (None: replicated)."""
     rng = jax.ShapeDtypeStruct((batch, 2), jnp.uint32)
+    page, devices = paging(stripes)
+    pages = (slots // page, pool_pages(batch * slots, page, devices))
     empty = lambda rng: DecodeState.empty(
-        config, drafter_config, batch, slots, block, jnp.bfloat16, rng, stripes
+        config, drafter_config, batch, *pages, block, jnp.bfloat16, rng, stripes
     )
     state = jax.eval_shape(empty, rng)
     shardings = state_shardings(state, mesh)

@@ -30,6 +30,7 @@ from flax import nnx
 from jaxdd.api import Target
 from jaxdd.cache import row_slots
 from jaxdd.cache.pages import PAGE_TOKENS
+from jaxdd.cache.stripes import paging
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.checks import MAX_STOP_TOKENS
 from jaxdd.decoding.engine import RoundBatch, SpeculativeDecoder
@@ -128,9 +129,9 @@ def plan(
         decoder = SpeculativeDecoder(
             Target(models[0]), models[1], attention=form, cache_layout=layout
         )
-        unit = 1 if decoder.stripes is None else decoder.stripes.unit
+        page, devices = paging(decoder.stripes)
         # sized as the runtime sizes a row for requests of up to ``max_len`` tokens
-        return decoder, row_slots(0, o.max_len, max(block, tokens), unit)
+        return decoder, row_slots(0, o.max_len, max(block, tokens), page * devices)
 
     accounted = layouts(None)
     decoder, slots = decoder_in(accounted["cache_layout"])
@@ -456,6 +457,7 @@ def _abstract_requests(
         max_length=jax.ShapeDtypeStruct((batch,), jnp.int32),
         stop_ids=jax.ShapeDtypeStruct((batch, MAX_STOP_TOKENS), jnp.int32),
         sampling=jax.eval_shape(lambda: SamplingArrays.of([sampling] * batch)),
+        pages=jax.ShapeDtypeStruct(state.target_cache.pages.shape, jnp.int32),
     )
     spec = decoder.round_spec(
         method, block, budget if method == "ddtree" else None, sampled=sampled

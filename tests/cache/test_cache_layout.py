@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from transformers import DeepseekV3Config
 
 from jaxdd.cache import CacheView, DraftCache, LatentCache, RowTable, cache_slots, row_slots
-from jaxdd.cache.layout import front, put_front, put_row, write_rows
+from jaxdd.cache.layout import Pool, front, put_front, put_rows, take_rows, write_rows
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.errors import InputError
 from jaxdd.testing.profiles import examples
@@ -44,7 +44,7 @@ def test_write_rows_puts_each_sequence_at_its_start(batch, rows, heads, seed):
     expected = np.moveaxis(expected, 1, axis)
     written = write_rows(jnp.asarray(buffer), jnp.asarray(new), jnp.asarray(start), axis)
     np.testing.assert_array_equal(np.asarray(written), expected)
-    view = CacheView(jnp.asarray(start), axis)
+    view = CacheView(jnp.asarray(start), axis=axis)
     np.testing.assert_array_equal(np.asarray(view.write(jnp.asarray(buffer), new)), expected)
 
 
@@ -107,18 +107,21 @@ def test_a_drafted_block_sees_the_context_and_its_own_first_rows():
 
 
 def test_rows_are_placed_and_read_back_by_index():
-    batch = {"a": jnp.zeros((4, 3)), "b": jnp.zeros((4,), jnp.int32)}
-    one = {"a": jnp.ones((1, 3)), "b": jnp.full((1,), 7, jnp.int32)}
-    placed = put_row(batch, one, jnp.int32(2))
+    pool = Pool((jnp.arange(6.0),))  # no row axis: placement leaves it whole
+    batch = {"a": jnp.zeros((4, 3)), "b": jnp.zeros((4,), jnp.int32), "pool": pool}
+    one = {"a": jnp.ones((1, 3)), "b": jnp.full((1,), 7, jnp.int32), "pool": Pool((pool[0] + 1,))}
+    placed = put_rows(batch, one, jnp.asarray([2]))
     np.testing.assert_array_equal(np.asarray(placed["b"]), [0, 0, 7, 0])
+    np.testing.assert_array_equal(placed["pool"][0], pool[0] + 1)  # the part's, after it ran
+    assert take_rows(placed, jnp.asarray([2, 0]))["b"].tolist() == [7, 0]
     part = front(placed, 3)
-    assert part["a"].shape == (3, 3)
+    assert part["a"].shape == (3, 3) and part["pool"][0].shape == (6,)
     back = put_front(batch, jax_tree_plus_one(part))
     np.testing.assert_array_equal(np.asarray(back["b"]), [1, 1, 8, 0])
 
 
 def jax_tree_plus_one(tree):
-    return {k: v + 1 for k, v in tree.items()}
+    return {k: v if isinstance(v, Pool) else v + 1 for k, v in tree.items()}
 
 
 def test_the_table_gives_the_lowest_free_row_and_takes_it_back():

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxdd
-from jaxdd.cache.layout import write_rows
-from jaxdd.cache.stripes import SLOTS, Stripes
+from jaxdd.cache.layout import CacheView, write_rows
+from jaxdd.cache.pages import PageTable, null_table, pool_pages
+from jaxdd.cache.stripes import PAGES, Stripes
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.requests import RowRequest
 from jaxdd.decoding.rows import RowPool
@@ -29,14 +30,14 @@ PROMPT = [(7 * i + 3) % 250 for i in range(41)]
 PAGE = 4
 
 
-def dealt(positions: np.ndarray, page: int, devices: int) -> tuple[np.ndarray, np.ndarray]:
-    """The dealing written out: each position's device and its index among that device's."""
-    owner = (positions // page) % devices
-    index = np.zeros_like(positions)
-    for device in range(devices):
-        mine = owner == device
-        index[mine] = np.arange(mine.sum())
-    return owner, index
+def table(rows: int, tokens: list[int], page: int, devices: int, row_pages: int):
+    """Page tables of ``rows`` rows of ``row_pages`` pages, row i holding ``tokens[i]`` slots,
+    as the runtime deals them, and the pool's pages."""
+    pool = pool_pages(rows * row_pages * page, page, devices)
+    pages = PageTable(rows, row_pages, pool, devices, page)
+    for row, n in enumerate(tokens):
+        pages.take(row, n)
+    return pages.table, pool
 
 
 @given(
@@ -47,13 +48,18 @@ def dealt(positions: np.ndarray, page: int, devices: int) -> tuple[np.ndarray, n
 @settings(max_examples=examples(40), deadline=None)
 def test_each_device_holds_its_pages_in_order(devices, page, length):
     stripes = Stripes(make_mesh(devices), page)
-    positions = np.arange(length + 3 * page)
-    owner, index = dealt(positions, page, devices)
-    slots = len(positions)
+    row_pages = -(-(length + 1) // stripes.unit) * devices
+    pages, pool = table(1, [length + 1], page, devices, row_pages)
+    share = pool // devices
+    view = CacheView(jnp.asarray([length], jnp.int32), jnp.asarray(pages))
+    positions = np.arange(row_pages * page)
+    owner = (positions // page) % devices
     for device in range(devices):
-        found = np.asarray(stripes.local_slot(jnp.asarray(positions), device, slots))
-        np.testing.assert_array_equal(found, np.where(owner == device, index, slots))
-        committed = int(stripes.local_length(jnp.int32(length), device))
+        local = stripes.local_view(view, device, share)
+        own = np.asarray(local.pages)[0]
+        np.testing.assert_array_equal(own, pages[0, device::devices] - device * share)
+        assert ((own >= 0) & (own < share)).all()
+        committed = int(local.length[0])
         assert committed == ((owner == device) & (positions < length)).sum()
 
 
@@ -64,24 +70,30 @@ def stripes() -> Stripes:
 
 def test_rows_are_written_and_read_where_they_live(stripes):
     rng = np.random.default_rng(5)
-    slots, width = 6 * stripes.unit, 3
-    buffer = jax.device_put(
-        jnp.asarray(rng.normal(size=(2, slots, width)), jnp.float32),
-        jax.sharding.NamedSharding(stripes.mesh, SLOTS),
+    row_pages, width = 6 * 8, 3
+    pages, pool_size = table(2, [170, 120], PAGE, 8, row_pages)
+    pool = jax.device_put(
+        jnp.asarray(rng.normal(size=(pool_size, PAGE, width)), jnp.float32),
+        jax.sharding.NamedSharding(stripes.mesh, PAGES),
     )
-    flat = np.asarray(buffer)  # what the buffer holds, by slot
-    by_position = np.zeros_like(flat)  # what it holds, by position
-    owner, index = dealt(np.arange(slots), PAGE, 8)
-    block = slots // 8
-    by_position[:] = flat[:, owner * block + index]
-    start = jnp.array([13, 150], jnp.int32)
+    by_position = np.asarray(pool)[pages].reshape(2, -1, width)  # each row's slots, in order
+    start = jnp.array([13, 99], jnp.int32)
     rows = jnp.asarray(rng.normal(size=(2, 21, width)), jnp.float32)
-    written = stripes.write(buffer, rows, start)
-    expected = write_rows(jnp.asarray(by_position), rows, start)
-    back = stripes.read(written, jnp.broadcast_to(jnp.arange(slots), (2, slots)))
-    np.testing.assert_array_equal(back, expected)
-    # each device's block holds its own positions' rows, in order
-    np.testing.assert_array_equal(np.asarray(written)[:, owner * block + index], expected)
+    written = stripes.write(pool, jnp.asarray(pages), rows, start)
+    expected = np.asarray(write_rows(jnp.asarray(by_position), rows, start))
+    slots = row_pages * PAGE
+    back = stripes.read(
+        written, jnp.asarray(pages), jnp.broadcast_to(jnp.arange(slots), (2, slots))
+    )
+    taken = (pages != null_table(2, row_pages, pool_size, 8))[:, :, None]
+    held = np.repeat(taken, PAGE, axis=2).reshape(2, -1)  # a null page's rows are anyone's
+    np.testing.assert_array_equal(np.asarray(back)[held], expected[held])
+    # each page is where the table says, on the device that owns it
+    np.testing.assert_array_equal(
+        np.asarray(written)[pages].reshape(2, -1, width)[held], expected[held]
+    )
+    share = pool_size // 8
+    assert all((pages[:, j] // share == j % 8).all() for j in range(row_pages))
 
 
 @pytest.fixture(scope="module")
@@ -129,12 +141,12 @@ def test_striped_gives_the_tokens_of_one_device(checkpoints, one_device, page):
     assert compiles.count == 0
 
 
-def test_striped_cache_is_split_along_its_slots(checkpoints):
+def test_striped_cache_is_split_along_its_pages(checkpoints):
     dec = decoder(checkpoints, 8, cache_layout="striped")
     _, state = dec.start([PROMPT], max_new_tokens=8)
     latent = state.target_cache.latent[0]
-    assert latent.sharding.spec == SLOTS
-    assert latent.addressable_shards[0].data.shape[1] == latent.shape[1] // 8
+    assert latent.sharding.spec == PAGES
+    assert latent.addressable_shards[0].data.shape[0] == latent.shape[0] // 8
     assert state.target_cache.stripes == dec.stripes
 
 

@@ -1,0 +1,87 @@
+"""The paged cache: the host's page tables (every page held once, dealt over the devices'
+shares, given back whole) and the device's reads and writes through them, which must equal
+those of a row's own buffer."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxdd.cache.layout import CacheView, write_rows
+from jaxdd.cache.pages import PageTable, null_table, pages_for, pool_pages
+from jaxdd.errors import InputError
+from jaxdd.testing.profiles import examples
+
+
+def check_invariants(pages: PageTable) -> None:
+    """Free + held = usable; no page held twice or null; row page j in share j % devices."""
+    nulls = null_table(1, pages.row_pages, pages.pool_pages, pages.devices)[0]
+    held = [p for row in range(pages.rows) for p in pages.table[row] if p not in nulls]
+    assert len(held) == len(set(held)) == pages.held
+    assert pages.free + pages.held == pages.usable
+    for j in range(pages.row_pages):
+        assert (pages.table[:, j] // pages.share == j % pages.devices).all()
+
+
+@given(
+    devices=st.sampled_from([1, 2, 8]),
+    page=st.sampled_from([4, 64]),
+    extra=st.integers(1, 40),
+    ops=st.lists(st.tuples(st.booleans(), st.integers(0, 5), st.integers(1, 700)), max_size=60),
+)
+@settings(max_examples=examples(60), deadline=None)
+def test_every_page_is_held_once_and_given_back(devices, page, extra, ops):
+    rows, row_pages = 6, -(-700 // (page * devices)) * devices
+    pool = pool_pages(extra * page, page, devices)
+    pages = PageTable(rows, row_pages, pool, devices, page)
+    for take, row, tokens in ops:
+        if take and row not in pages._held:
+            before = pages.free
+            # the admission check is exactly whether the take succeeds
+            if pages.admissible([tokens]) == 1:
+                pages.take(row, tokens)
+                assert before - pages.free == pages_for(tokens, page)
+            else:
+                with pytest.raises(InputError, match="cache_tokens"):
+                    pages.take(row, tokens)
+        else:
+            pages.release(row)
+        check_invariants(pages)
+    pages.clear()
+    assert pages.free == pages.usable and pages.held == 0
+
+
+def test_admission_counts_the_pages_released_rows_give_back():
+    pages = PageTable(4, 4, pool_pages(8 * 64), page=64)  # 8 pages and the null one
+    pages.take(0, 256)
+    pages.take(1, 192)
+    assert pages.free == 1 and not pages.fits(128) and pages.fits(64)
+    assert pages.admissible([64, 64]) == 1  # in order: the second waits
+    assert pages.admissible([128], release=(1,)) == 1
+    assert pages.admissible([128, 256], release=(0,)) == 1
+    assert pages.admissible([128, 192], release=(0,)) == 2
+    assert not pages.could_fit(5 * 64) and pages.could_fit(4 * 64)
+
+
+@pytest.mark.parametrize("axis", [1, 2])
+def test_paged_reads_and_writes_equal_a_rows_own_buffer(axis):
+    rng = np.random.default_rng(3)
+    page, row_pages, pool = 4, 5, 16
+    shape = (pool, page, 3) if axis == 1 else (pool, 2, page, 3)
+    buffer = jnp.asarray(rng.normal(size=shape), jnp.float32)
+    pages = jnp.asarray(rng.permutation(np.arange(1, pool))[: 2 * row_pages].reshape(2, -1))
+    view = CacheView(jnp.asarray([3, 9], jnp.int32), pages, axis=axis)
+    own = view.read(buffer)  # each row's slots
+    assert own.shape[axis] == row_pages * page
+    width = 6
+    rows_shape = (2, width, 3) if axis == 1 else (2, 2, width, 3)
+    rows = jnp.asarray(rng.normal(size=rows_shape), jnp.float32)
+    written = view.read(view.write(buffer, rows))
+    np.testing.assert_array_equal(written, write_rows(own, rows, view.length, axis))
+    if axis == 1:  # an accepted path moved to the first new slots, as in a row's own buffer
+        path = jnp.asarray([[0, 2, 5], [1, 3, 4]])
+        moved = view.read(view.gather(buffer, path))
+        np.testing.assert_array_equal(moved, CacheView(view.length).gather(own, path))
