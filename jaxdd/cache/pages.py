@@ -58,7 +58,9 @@ class PageTable:
         self.table = null_table(rows, row_pages, pool_pages, devices)
         self._nulls = self.table[0].copy()
         # each share's free pages, the lowest on top
-        self._free = [list(range((d + 1) * self.share - 1, d * self.share, -1)) for d in range(devices)]
+        self._free = [
+            list(range((d + 1) * self.share - 1, d * self.share, -1)) for d in range(devices)
+        ]
         self._held: dict[int, int] = {}  # row -> pages it holds
 
     @property

@@ -182,8 +182,9 @@ def state_shardings(state: DecodeState, mesh: jax.sharding.Mesh) -> DecodeState:
         [cache_sharding(x.shape, kv_axes, mesh) for x in xs]
         for xs in (state.draft_cache.keys, state.draft_cache.values)
     )
+    kind = type(state.draft_cache.keys)  # a Pool of pages
     return shardings.replace(
-        draft_cache=shardings.draft_cache.replace(keys=tuple(keys), values=tuple(values))
+        draft_cache=shardings.draft_cache.replace(keys=kind(keys), values=kind(values))
     )
 
 

@@ -231,6 +231,16 @@ class RowPool:
         return [(row, entry.owner) for row, entry in self.table.items()]
 
     @property
+    def cache_tokens(self) -> int:
+        """Tokens the pool of pages holds for requests."""
+        return self.pages.usable * self.pages.page
+
+    @property
+    def cache_usage(self) -> float:
+        """The fraction of the pool's pages that requests hold."""
+        return self.pages.held / self.pages.usable
+
+    @property
     def busy(self) -> int:
         """Rows held by a request."""
         return len(self.table)

@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-prompt", type=positive, help="prompt tokens per request (default: --max-len - 1)"
     )
     parser.add_argument(
+        "--cache-tokens",
+        type=positive,
+        help="context tokens the pool of cache pages holds for all requests; a request holds "
+        "the pages its prompt and max_tokens reach, and waits while they are taken (default: "
+        "--max-batch x --max-len)",
+    )
+    parser.add_argument(
         "--max-logprobs",
         type=non_negative,
         default=20,
@@ -156,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             "budget": args.budget,
             "max_prompt": args.max_prompt,
             "max_logprobs": args.max_logprobs,
+            "cache_tokens": args.cache_tokens,
         }
         decoder = SpeculativeDecoder(
             target, drafter, cache_layout=args.cache_layout or "replicated"
@@ -181,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                     args.api_key, args.access_log)  # fmt: skip
     scheduler.start()  # compiles in its thread while the HTTP side already answers /health with 503
     shape = (
-        f"{method}, {args.max_batch} rows, {pool.slots} cache slots, prompt buckets {pool.buckets}"
+        f"{method}, {args.max_batch} rows, a cache of {pool.cache_tokens} tokens in pages of "
+        f"{pool.pages.page}, prompt buckets {pool.buckets}"
     )
     try:
         app = create_app(server)

@@ -47,6 +47,14 @@ class Metrics:
         self.waiting = Gauge(
             name("num_requests_waiting"), "Requests queued for a row", registry=registry
         )
+        self.cache_capacity = Gauge(
+            name("cache_capacity_tokens"),
+            "Context tokens the pool of cache pages holds (--cache-tokens)",
+            registry=registry,
+        )
+        self.cache_usage = Gauge(
+            name("kv_cache_usage_perc"), "Fraction of the cache's pages held", registry=registry
+        )
         self.generation_tokens = Counter(
             name("generation_tokens"), "Tokens generated", registry=registry
         )

@@ -102,6 +102,7 @@ class Scheduler:
         self._waiting: collections.deque[Job] = collections.deque()
         # rows free after the last admission: requests taking them do not count as waiting
         self._free = pool.rows
+        metrics.cache_capacity.set(pool.cache_tokens)
         self._wake = threading.Condition()
         self._stopping = threading.Event()
         self.ready = threading.Event()
@@ -222,19 +223,19 @@ class Scheduler:
         if self._fault is not None:
             return Decisions(reset=True)
         now = time.monotonic()
-        release = [row for row, job in self.pool.owners() if self._ends(job, now)]
+        release = tuple(row for row, job in self.pool.owners() if self._ends(job, now))
         # one step under the lock: a request submitted meanwhile sees the rows these take
         with self._wake:
             self._waiting = collections.deque(
                 job for job in self._waiting if not self._ends(job, now)
             )
             free = len(self.pool.free_rows()) + len(release)
-            self._admitting = [
-                self._waiting.popleft() for _ in range(min(free, len(self._waiting)))
-            ]
+            # in order, while each finds a row and its pages: the rest wait
+            admissible = self.pool.admissible([job.request for job in self._waiting], release)
+            self._admitting = [self._waiting.popleft() for _ in range(admissible)]
             self._free = free - len(self._admitting)
             self.metrics.waiting.set(len(self._waiting))
-        return Decisions(release=tuple(release), admit=tuple(j.request for j in self._admitting))
+        return Decisions(release=release, admit=tuple(j.request for j in self._admitting))
 
     def _ends(self, job: Job, now: float) -> bool:
         """Whether a running or waiting request ends before this step: cancelled,
@@ -260,7 +261,7 @@ class Scheduler:
         if not self.channel.leads:  # process 0 answers them
             self._admitting = [Job(request, _nowhere) for request in decisions.admit]
         self._count_free()
-        self.metrics.running.set(self.pool.busy)
+        self._observe_rows()
         if self._guarded(self._admit) and (self.pool.busy or self.pool.in_flight):
             self._guarded(self._round)
 
@@ -292,6 +293,10 @@ class Scheduler:
         self.pool.reset()
         self._count_free()
 
+    def _observe_rows(self) -> None:
+        self.metrics.running.set(self.pool.busy)
+        self.metrics.cache_usage.set(self.pool.cache_usage)
+
     def _count_free(self) -> None:
         with self._wake:
             self._free = len(self.pool.free_rows()) - len(self._admitting)
@@ -304,7 +309,7 @@ class Scheduler:
             self.pool.admit(job.request, owner=job)
             self._admitting.pop(0)
             self.metrics.prompt_tokens.inc(len(job.request.prompt))
-        self.metrics.running.set(self.pool.busy)
+        self._observe_rows()
 
     def _round(self) -> None:
         """Dispatch a round, then hand out the previous one's
@@ -326,7 +331,7 @@ class Scheduler:
                 self.metrics.acceptance.observe(drafted)
             self._hand(job, update)
         self._count_free()
-        self.metrics.running.set(self.pool.busy)
+        self._observe_rows()
 
     def _hand(self, job: Job, update: RowUpdate) -> None:
         now = time.monotonic()

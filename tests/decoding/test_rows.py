@@ -139,3 +139,41 @@ def test_requests_done_by_their_prefill_need_no_round(decoder):
     assert [e.logprob is not None for e in updates[scored].prompt_logprobs] == [True, True]
     pool.admit(RowRequest([8, 9], 3, []))
     assert pool.needs_round()
+
+
+def test_a_pool_of_pages_holds_short_requests_beside_a_long_one(decoder):
+    """A pool of cache pages for 16 short requests and one of ``max_len``, where rows of fixed
+    size would need 17 x ``max_len``: all 17 decode side by side to what they give alone; an 18th
+    waits for pages (a row is free) until requests end and give theirs back, then decodes too."""
+    rng = np.random.default_rng(12)
+    max_len = 256
+    long = RowRequest(rng.integers(1, 4096, 12).tolist(), max_len - 12, [], jaxdd.Sampling())
+    short = [
+        RowRequest(rng.integers(1, 4096, 10).tolist(), 6, [], jaxdd.Sampling(0.8, seed=i))
+        for i in range(17)
+    ]
+    options = {"method": "dflash", "rows": 18, "max_len": max_len, "max_prompt": 16}
+    reach = max_len + decoder.drafter.config.block_size
+    page = 64
+    pages = 16 + -(-reach // page)  # a page per short request and the long one's
+    pool = RowPool(decoder, cache_tokens=pages * page, **options)
+    assert pool.cache_tokens == pages * page < 17 * pool.slots
+    pool.warm_up()
+    assert pool.admissible([long, *short]) == 17  # the 18th finds a row but no page
+    owner = {pool.admit(pool.check(r)): i for i, r in enumerate([long, *short[:16]])}
+    assert pool.cache_usage == 1.0 and pool.free_rows()
+    outputs = {i: [] for i in range(18)}
+    waiting = short[16:]
+    for _ in range(300):  # bounded: every request ends within its max_tokens rounds
+        if waiting and pool.admissible(waiting):
+            owner[pool.admit(pool.check(waiting.pop()))] = 17
+        if not pool.busy:
+            break
+        for row, update in pool.step().items():
+            outputs[owner[row]].extend(update.tokens)
+    assert not pool.busy and not waiting and pool.cache_usage == 0.0
+    for i, request in enumerate([long, *short]):
+        if i in (0, 1, 16, 17):  # the long one, the 18th and two short ones
+            options = {"max_new_tokens": request.max_new_tokens, "sampling": request.sampling}
+            alone = decoder.generate(request.prompt, method="dflash", stop_token_ids=[], **options)
+            assert outputs[i] == alone.tokens, i

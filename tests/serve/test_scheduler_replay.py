@@ -24,6 +24,7 @@ class FakePool:
     would see is logged. ``faulty``: the dispatches (counted from 1) that raise."""
 
     method, block, budget = "dflash", 4, None
+    cache_tokens, cache_usage = 64 * ROWS, 0.0  # a row's worth of pages each: rows decide
 
     def __init__(self, faulty: frozenset[int] = frozenset()):
         self.rows, self.faulty, self.dispatches = ROWS, faulty, 0
@@ -36,6 +37,9 @@ class FakePool:
 
     def free_rows(self) -> list[int]:
         return [row for row in range(self.rows) if row not in self.active]
+
+    def admissible(self, requests: list[RowRequest], release: tuple[int, ...] = ()) -> int:
+        return min(len(self.free_rows()) + len(set(release) & set(self.active)), len(requests))
 
     def admit(self, request: RowRequest, owner=None) -> int:
         row = self.free_rows()[0]
