@@ -114,9 +114,11 @@ def _kernel(
     @pl.when(k * block_k < length)
     def _prefix():
         visible = (k * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)) < length
-        # the step's pages in slot order: one block of keys, one lane-dense softmax step
-        keys = [jnp.concatenate([ref[...] for ref in refs], 0) for refs in (c_refs, cr_refs)]
-        step(*keys, visible) if parts > 1 else step(c_refs[0][...], cr_refs[0][...], visible)
+        if parts == 1:
+            step(c_refs[0][...], cr_refs[0][...], visible)
+        else:  # the step's pages in slot order: one block of keys, one lane-dense softmax step
+            keys = [jnp.concatenate([ref[...] for ref in refs], 0) for refs in (c_refs, cr_refs)]
+            step(*keys, visible)
 
     @pl.when(k == pl.num_programs(2) - 1)
     def _tail_and_output():
