@@ -8,6 +8,13 @@ rows, runs an online softmax over the prefix in blocks (no mask but the length),
 tree tail with the ancestor mask, and writes the latent-space output; the caller applies the
 value up-projection. The latent and rope operands stay apart (two dots), never concatenated.
 
+With ``pages`` every form reads the committed rows from pools of pages instead: the cache operands
+are pools [pages, page, r | dr] shared by all rows and ``pages`` [B, row_pages] int32 is each
+row's page table (slot s of row b is slot s % page of page ``pages[b, s // page]``); the kernels
+read each key block through the table (a block never spans two pages), so no row is gathered
+into a contiguous copy first, and no slot at or past ``length`` is ever read but in the last
+live block's page.
+
 With ``with_lse`` every form also returns each query row's log-sum-exp, so that attentions over
 disjoint shares of the cache (each device's share a committed prefix of its own) merge exactly;
 a row that sees no key (no share and no tree token) then gives out 0 and lse ``NEG``.
@@ -23,6 +30,7 @@ Mosaic GPU compiles its kernel (benchmarks/README.md, "The kernel's forms").
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -45,13 +53,17 @@ def tree_attention_reference(
     tail_mask,
     scale,
     with_lse: bool = False,
+    pages: jax.Array | None = None,
 ):
     """Plain jnp: q_latent [B,T,H,r], q_rope [B,T,H,dr]; cache
-    [B,S,r|dr]; length [B]; tail [B,T,r|dr]; tail_mask [B,T,T] bool.
+    [B,S,r|dr]; length [B]; tail [B,T,r|dr]; tail_mask [B,T,T] bool;
+    ``pages`` [B, row_pages]: the cache is pools [P, page, r|dr], gathered here first.
     Returns the attention output in latent space [B,T,H,r] (fp32); ``with_lse``: ``(out, lse)``,
     lse [B,T,H] fp32 the natural log of the sum of exp(scale * score) over the visible keys.
     A row that sees no key (``with_lse`` only) gives out 0 and lse ``NEG``."""
     f32 = jnp.float32
+    if pages is not None:
+        cache_latent, cache_rope = (gather_pages(c, pages) for c in (cache_latent, cache_rope))
     keys_latent = jnp.concatenate([cache_latent, tail_latent], axis=1).astype(f32)
     keys_rope = jnp.concatenate([cache_rope, tail_rope], axis=1).astype(f32)
     scores = jnp.einsum("bthr,bsr->bhts", q_latent.astype(f32), keys_latent)
@@ -68,6 +80,25 @@ def tree_attention_reference(
     probs = jnp.where(seen[..., None], probs, 0.0)  # a row that sees nothing: 0/0 in softmax
     lse = jnp.where(seen, jax.nn.logsumexp(logits, axis=-1), NEG)
     return jnp.einsum("bhts,bsr->bthr", probs, keys_latent), lse.transpose(0, 2, 1)
+
+
+def gather_pages(pool: jax.Array, pages: jax.Array) -> jax.Array:
+    """Each row's slots [B, row_pages * page, d] of a pool [P, page, d] through its table."""
+    rows = pool[pages]  # [B, row_pages, page, d]
+    return rows.reshape(pages.shape[0], -1, pool.shape[-1])
+
+
+def check_pages(cache_latent: jax.Array, cache_rope: jax.Array, pages: jax.Array) -> int:
+    """The page size of pools ``cache_latent`` [P, page, r] and ``cache_rope`` [P, page, dr]
+    read through tables ``pages`` [B, row_pages] int; a ValueError names a mismatch."""
+    if cache_latent.ndim != 3 or cache_latent.shape[:2] != cache_rope.shape[:2]:
+        raise ValueError(
+            f"pools of pages [P, page, r] and [P, page, dr] expected, got latent"
+            f" {cache_latent.shape} and rope {cache_rope.shape}"
+        )
+    if pages.ndim != 2 or not jnp.issubdtype(pages.dtype, jnp.integer):
+        raise ValueError(f"page tables [B, row_pages] int expected, got {pages.dtype}{pages.shape}")
+    return cache_latent.shape[1]
 
 
 def online_softmax_step(carry, q_lat, q_rope, latent, rope, visible, scale: float):
@@ -100,29 +131,41 @@ def log_sum_exp(m: jax.Array, total: jax.Array) -> jax.Array:
 
 def _kernel(
     length_ref,
-    q_lat_ref,
-    q_rope_ref,
-    c_ref,
-    cr_ref,
-    t_ref,
-    tr_ref,
-    mask_ref,
-    o_ref,
-    *lse_ref,  # with_lse: the log-sum-exp's output
+    *refs,  # paged: the row's page table first; with_lse: the log-sum-exp's output last
     scale,
     block_k,
     tail_k,
+    paged,
 ):
+    if paged:
+        pages_ref, *refs = refs
+    q_lat_ref, q_rope_ref, c_ref, cr_ref, t_ref, tr_ref, mask_ref, o_ref, *lse_ref = refs
     q_lat = q_lat_ref[...]  # [bq, r]
     q_rope = q_rope_ref[...]  # [bq, dr]
     rows = q_lat.shape[0]
     update = functools.partial(online_softmax_step, q_lat=q_lat, q_rope=q_rope, scale=scale)
     length = length_ref[0]
+    blocks = pl.cdiv(length, block_k)
+
+    def cache_block(i):
+        """Key block i's (latent, rope): a slice of the row, or of a page through the table."""
+        if not paged:
+            block = pl.ds(i * block_k, block_k)
+            return c_ref[block, :], cr_ref[block, :]
+        page = c_ref.shape[1]
+        slot = i * block_k
+        # lax's truncating div and rem: jnp's floor forms do not lower to Triton (slot >= 0)
+        at = (pages_ref[jax.lax.div(slot, page)], pl.ds(jax.lax.rem(slot, page), block_k))
+        where = (*at, slice(None))
+        return c_ref[where], cr_ref[where]
+
+    if paged:  # a length past the table must not walk past it
+        blocks = jnp.minimum(blocks, pages_ref.shape[0] * c_ref.shape[1] // block_k)
 
     def prefix_block(i, carry):
-        block = pl.ds(i * block_k, block_k)
         visible = (i * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)) < length
-        return update(carry, latent=c_ref[block, :], rope=cr_ref[block, :], visible=visible)
+        latent, rope = cache_block(i)
+        return update(carry, latent=latent, rope=rope, visible=visible)
 
     init = (
         jnp.zeros((rows, q_lat.shape[1]), jnp.float32),
@@ -137,7 +180,7 @@ def _kernel(
             carry, latent=t_ref[block, :], rope=tr_ref[block, :], visible=mask_ref[:, block] != 0
         )
 
-    carry = jax.lax.fori_loop(0, pl.cdiv(length, block_k), prefix_block, init)
+    carry = jax.lax.fori_loop(0, blocks, prefix_block, init)
     acc, m, total = jax.lax.fori_loop(0, t_ref.shape[0] // tail_k, tail_block, carry)
     o_ref[...] = (acc / jnp.where(total == 0, 1.0, total)).astype(o_ref.dtype)
     if lse_ref:
@@ -201,26 +244,40 @@ def tree_attention(
     compiler_params: Any = None,
     shared_memory: int | None = None,
     with_lse: bool = False,
+    pages: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The Pallas kernel; same arguments and results as ``tree_attention_reference``; ``interpret``
     and ``compiler_params`` as the backend chooses (``Backend.kernel_options``). ``block_q`` query
     rows (token x head) per program, keys in blocks of ``block_k``; None takes them from the tuning
     table (``pallas_kernels.tuned_block_sizes``) for the GPU of ``shared_memory`` bytes per block
-    (its opt-in limit) and the cache's dtype."""
+    (its opt-in limit) and the cache's dtype. With ``pages`` the key block is a power of two
+    dividing the page (the largest up to ``block_k``), its page id loaded from the row's table."""
     b, t, h, r = q_latent.shape
     dr = q_rope.shape[-1]
-    slots = cache_latent.shape[1]
     rows = t * h
     device = gpu_device(shared_memory)
     tuned = block_sizes("tree_attention", device, dtype_class(cache_latent.dtype))
+
+    def full(shape):
+        return pl.BlockSpec((None, *shape), lambda i, j: (i, *(0,) * len(shape)))
+
     if block_k is None:
         block_k = tuned["block_k"]
     if block_q is None:
         enough = b * rows >= tuned["block_q"] * tuned["programs"]
         block_q = tuned["block_q"] if enough else tuned["few_programs_block_q"]
-    block_k = min(block_k, slots)
-    if slots % block_k:
-        raise ValueError(f"cache slots {slots} must be a multiple of block_k {block_k}")
+    if pages is None:
+        slots = cache_latent.shape[1]
+        block_k = min(block_k, slots)
+        if slots % block_k:
+            raise ValueError(f"cache slots {slots} must be a multiple of block_k {block_k}")
+        cache_spec = lambda width: full((cache_latent.shape[1], width))
+    else:
+        page = check_pages(cache_latent, cache_rope, pages)
+        # Triton's loads are powers of two, and a block must not span two pages
+        block_k = math.gcd(1 << (block_k.bit_length() - 1), page)
+        pool = cache_latent.shape[0]
+        cache_spec = lambda width: pl.BlockSpec((pool, page, width), lambda i, j: (0, 0, 0))
     tail = _pow2(t)  # pad the tail to a power of two; padded keys are masked out
     block_q = min(block_q, _pow2(rows))
     padded_rows = pl.cdiv(rows, block_q) * block_q
@@ -228,9 +285,6 @@ def tree_attention(
     mask = row_mask(tail_mask, h, padded_rows, tail, jnp.int8)
     tail_latent = pad_to(tail_latent, 1, tail)
     tail_rope = pad_to(tail_rope, 1, tail)
-
-    def full(shape):
-        return pl.BlockSpec((None, *shape), lambda i, j: (i, *(0,) * len(shape)))
 
     def by_rows(width):
         return pl.BlockSpec((None, block_q, width), lambda i, j: (i, j, 0))
@@ -240,16 +294,22 @@ def tree_attention(
     if with_lse:
         out_shape = (out_shape, jax.ShapeDtypeStruct((b, padded_rows, 1), jnp.float32))
         out_specs = (out_specs, by_rows(1))
+    paged = pages is not None
+    table = [full((pages.shape[1],))] if paged else []
+    kernel = functools.partial(
+        _kernel, scale=scale, block_k=block_k, tail_k=min(block_k, tail), paged=paged
+    )
     result = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, block_k=block_k, tail_k=min(block_k, tail)),
+        kernel,
         out_shape=out_shape,
         grid=(b, padded_rows // block_q),
         in_specs=[
-            pl.BlockSpec((None, 1), lambda i, j: (i, 0)),
+            full((1,)),
+            *table,
             by_rows(r),
             by_rows(dr),
-            full((slots, r)),
-            full((slots, dr)),
+            cache_spec(r),
+            cache_spec(dr),
             full((tail, r)),
             full((tail, dr)),
             by_rows(tail),
@@ -257,9 +317,10 @@ def tree_attention(
         out_specs=out_specs,
         interpret=interpret,
         compiler_params=compiler_params,
-        name="mla_tree_attention",
+        name="mla_tree_attention_paged" if paged else "mla_tree_attention",
     )(
         length.astype(jnp.int32)[:, None],
+        *([pages.astype(jnp.int32)] if paged else []),
         query_rows(q_latent, padded_rows),
         query_rows(q_rope, padded_rows),
         cache_latent,

@@ -9,11 +9,18 @@ cache is bounded by HBM, not VMEM. The running softmax state lives in VMEM scrat
 past ``length`` no block is computed, and the index map repeats the last live block so that none is
 fetched either. The tree tail (ancestor-masked) runs in the last key step. Blocks are TPU-shaped:
 keys in multiples of 128 lanes, the mask's key axis padded to 128, query rows in multiples of 32.
+
+Over pools of pages (``pages``) the page tables are scalar-prefetched into SMEM beside the lengths,
+as in ragged paged attention, and the cache operands' index maps read each block's page from
+there: a key step takes ``per_step`` pages (each the same pool passed as its own operand, so
+Pallas pipelines every page's copy), concatenated into one block of keys; pages larger than the
+key block are read in sub-blocks of it.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -23,6 +30,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.tree_attention import (
     NEG,
+    check_pages,
     log_sum_exp,
     online_softmax_step,
     pad_to,
@@ -34,6 +42,7 @@ from pallas_kernels.tuned_block_sizes import block_sizes
 
 LANES = 128
 ROW_ALIGN = 32  # sublane tiles: 8 rows of fp32, 16 of bf16; 32 suits both
+MAX_PAGES_PER_STEP = 8  # each page is two more pipelined operands, double-buffered in VMEM
 
 
 class TpuTiles(NamedTuple):
@@ -56,21 +65,34 @@ def tpu_tiles(tokens: int, heads: int, slots: int) -> TpuTiles:
     return TpuTiles(block_q, block_k, pl.cdiv(tokens, LANES) * LANES, pl.cdiv(rows, block_q))
 
 
+class PagedTiles(NamedTuple):
+    """How the paged form reads a row's pages: key steps of ``per_step`` blocks of ``unit`` slots,
+    each inside one page."""
+
+    unit: int
+    per_step: int
+
+
+def paged_tiles(page: int) -> PagedTiles:
+    """The paged form's key blocks for pages of ``page`` slots: the tuned key block's worth of
+    whole pages per step (at most ``MAX_PAGES_PER_STEP``), or sub-blocks of a larger page."""
+    block_k = block_sizes("tree_attention_tpu")["block_k"]
+    if page >= block_k:
+        return PagedTiles(math.gcd(block_k, page), 1)
+    return PagedTiles(page, max(1, min(MAX_PAGES_PER_STEP, block_k // page)))
+
+
 def _kernel(
-    length_ref,
-    q_lat_ref,
-    q_rope_ref,
-    c_ref,
-    cr_ref,
-    t_ref,
-    tr_ref,
-    mask_ref,
-    o_ref,
-    *refs,  # with_lse: the log-sum-exp's output; then the scratch: acc, max, sum
+    *refs,  # scalars, inputs, outputs (with_lse: the log-sum-exp last) and the scratch
     scale,
+    parts,
+    scalars,
 ):
-    *lse_ref, acc_ref, m_ref, sum_ref = refs
-    block_k = c_ref.shape[0]
+    length_ref = refs[0]
+    q_lat_ref, q_rope_ref, *refs = refs[scalars:]
+    c_refs, cr_refs = refs[:parts], refs[parts : 2 * parts]
+    t_ref, tr_ref, mask_ref, o_ref, *lse_ref, acc_ref, m_ref, sum_ref = refs[2 * parts :]
+    block_k = parts * c_refs[0].shape[0]
     k = pl.program_id(2)
     length = length_ref[pl.program_id(0)]
 
@@ -92,7 +114,11 @@ def _kernel(
     @pl.when(k * block_k < length)
     def _prefix():
         visible = (k * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)) < length
-        step(c_ref[...], cr_ref[...], visible)
+        if parts == 1:
+            step(c_refs[0][...], cr_refs[0][...], visible)
+        else:  # the step's pages in slot order: one block of keys, one lane-dense softmax step
+            keys = [jnp.concatenate([ref[...] for ref in refs], 0) for refs in (c_refs, cr_refs)]
+            step(*keys, visible)
 
     @pl.when(k == pl.num_programs(2) - 1)
     def _tail_and_output():
@@ -119,44 +145,68 @@ def tree_attention_tpu(
     interpret: Any = False,
     vmem_limit_bytes: int | None = None,
     with_lse: bool = False,
+    pages: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Same arguments and results as ``tree_attention_reference``; ``interpret``: False to compile
     with Mosaic, or ``pltpu.InterpretParams()`` for Pallas' TPU interpreter (TPU semantics on any
     host). ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (default: the chip's); a compile over it
-    fails with the VMEM the kernel needs (``benchmarks/kernel_compiles.py`` reads it from there)."""
+    fails with the VMEM the kernel needs (``benchmarks/kernel_compiles.py`` reads it from there).
+    ``pages``: the cache is pools of pages read through these tables (``paged_tiles``)."""
     b, t, h, r = q_latent.shape
     dr = q_rope.shape[-1]
-    slots = cache_latent.shape[1]
-    tiles = tpu_tiles(t, h, slots)
+    length = length.astype(jnp.int32)
+    if pages is None:
+        slots = cache_latent.shape[1]
+        tiles = tpu_tiles(t, h, slots)
+        unit, parts, steps = tiles.block_k, 1, slots // tiles.block_k
+        scalars = (length,)
+    else:
+        page = check_pages(cache_latent, cache_rope, pages)
+        row_pages = pages.shape[1]
+        tiles = tpu_tiles(t, h, row_pages * page)
+        unit, parts = paged_tiles(page)
+        steps = pl.cdiv(row_pages * page // unit, parts)
+        # keys past the table: none, as in the reference's gather; the table flat in SMEM
+        scalars = (jnp.minimum(length, row_pages * page), pages.astype(jnp.int32).reshape(-1))
     bq = tiles.block_q
-    bk = tiles.block_k
     padded_rows = tiles.row_blocks * bq
 
     mask = row_mask(tail_mask, h, padded_rows, tiles.tail, jnp.int32)  # int32: TPU tiles of 8 rows
 
     # past the committed rows, the last live block again: no new fetch
-    def live_block(i, k, length_ref):
-        return jnp.minimum(k, jnp.maximum(pl.cdiv(length_ref[i], bk) - 1, 0))
+    def live_block(i, block, length_ref):
+        return jnp.minimum(block, jnp.maximum(pl.cdiv(length_ref[i], unit) - 1, 0))
 
     def by_rows(width):
-        return pl.BlockSpec((None, bq, width), lambda i, j, k, length_ref: (i, j, 0))
+        return pl.BlockSpec((None, bq, width), lambda i, j, k, *_: (i, j, 0))
 
     def cache(width):
         return pl.BlockSpec(
-            (None, bk, width), lambda i, j, k, length_ref: (i, live_block(i, k, length_ref), 0)
+            (None, unit, width), lambda i, j, k, length_ref: (i, live_block(i, k, length_ref), 0)
         )
 
-    def whole(rows_, width):
-        return pl.BlockSpec((None, rows_, width), lambda i, j, k, length_ref: (i, 0, 0))
+    def paged_cache(width, part):
+        def index(i, j, k, length_ref, pages_ref):
+            slot = live_block(i, k * parts + part, length_ref) * unit
+            at = jax.lax.div(slot, page)  # lax's truncating forms: slot >= 0
+            return pages_ref[i * row_pages + at], jax.lax.div(slot - at * page, unit), 0
 
+        return pl.BlockSpec((None, unit, width), index)
+
+    def whole(rows_, width):
+        return pl.BlockSpec((None, rows_, width), lambda i, j, k, *_: (i, 0, 0))
+
+    if pages is None:
+        caches = [cache(r), cache(dr)]
+    else:
+        caches = [paged_cache(width, part) for width in (r, dr) for part in range(parts)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
-        grid=(b, tiles.row_blocks, slots // bk),
+        num_scalar_prefetch=len(scalars),
+        grid=(b, tiles.row_blocks, steps),
         in_specs=[
             by_rows(r),
             by_rows(dr),
-            cache(r),
-            cache(dr),
+            *caches,
             whole(tiles.tail, r),
             whole(tiles.tail, dr),
             by_rows(tiles.tail),
@@ -172,7 +222,7 @@ def tree_attention_tpu(
     if with_lse:
         out_shape = (out_shape, jax.ShapeDtypeStruct((b, padded_rows, 1), jnp.float32))
     result = pl.pallas_call(
-        functools.partial(_kernel, scale=scale),
+        functools.partial(_kernel, scale=scale, parts=parts, scalars=len(scalars)),
         grid_spec=grid_spec,
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
@@ -180,13 +230,13 @@ def tree_attention_tpu(
             vmem_limit_bytes=vmem_limit_bytes,
         ),
         interpret=interpret,
-        name="mla_tree_attention_tpu",
+        name="mla_tree_attention_tpu" if pages is None else "mla_tree_attention_tpu_paged",
     )(
-        length.astype(jnp.int32),
+        *scalars,
         query_rows(q_latent, padded_rows),
         query_rows(q_rope, padded_rows),
-        cache_latent,
-        cache_rope,
+        *[cache_latent] * parts,
+        *[cache_rope] * parts,
         pad_to(tail_latent, 1, tiles.tail),
         pad_to(tail_rope, 1, tiles.tail),
         mask,

@@ -17,7 +17,7 @@ from jaxdd.runtime.backend import Backend
 from jaxdd.testing.profiles import examples
 from jaxdd.testing.reference import random_tree_parents, rel_err, tree_depths_and_mask
 from pallas_kernels.tree_attention import NEG, tree_attention, tree_attention_reference
-from pallas_kernels.tree_attention_tpu import tpu_tiles, tree_attention_tpu
+from pallas_kernels.tree_attention_tpu import paged_tiles, tpu_tiles, tree_attention_tpu
 
 ON_GPU = jax.default_backend() == "gpu"
 # (batch, tree tokens, heads, latent, rope, cache slots); GPU lowering wants dims >= 16
@@ -224,6 +224,108 @@ def test_tpu_tiles_are_lane_aligned_and_do_not_grow_with_the_cache():
         and large.block_q % 32 == 0
     )
     assert tpu_tiles(9, 4, 64).block_k == 64  # a cache under one block is one block
+
+
+def paged_inputs(shape, dtype, seed, tree: str = "owned") -> tuple[list, jax.Array]:
+    """Random operands over a pool of pages, and the page tables: each row's live pages (those
+    below its length) shuffled over the pool, its other entries the shared null page 0 (random
+    rows too). Lengths on a page edge (the whole table among them), mid-page, any, and one row's 0
+    (even seeds) or mid-page in the last page (odd); ``tree`` not "owned": the first row's tree
+    tokens on another device (nothing of the tree visible)."""
+    b, t, h, r, dr, page, row_pages = shape
+    rng = np.random.default_rng(seed)
+    slots = row_pages * page
+    edge = page * rng.integers(1, row_pages + 1, b)
+    length = np.choose(
+        rng.integers(0, 3, b), [edge, edge - rng.integers(1, page, b), rng.integers(0, slots, b)]
+    )
+    length[rng.integers(b)] = (0, slots - page // 2)[seed % 2]  # an empty row, or a mid-page end
+    args = list(inputs((b, t, h, r, dr, t), dtype, seed))  # its caches replaced below
+    if tree != "owned":
+        args[7] = args[7].at[0].set(False)
+    pool = 1 + b * row_pages
+    table = rng.permutation(np.arange(1, pool)).reshape(b, row_pages)
+    table[np.arange(row_pages)[None, :] * page >= length[:, None]] = 0
+    args[2] = jnp.asarray(rng.standard_normal((pool, page, r)), dtype)
+    args[3] = jnp.asarray(rng.standard_normal((pool, page, dr)), dtype)
+    args[4] = jnp.asarray(length, jnp.int32)
+    return args, jnp.asarray(table, jnp.int32)
+
+
+def check_paged(kernel, shape, dtype, seed, with_lse: bool, tree: str = "owned") -> None:
+    """``kernel`` over pages against the reference over pages, and that against
+    the reference over the rows gathered into contiguous caches."""
+    args, pages = paged_inputs(shape, dtype, seed, tree)
+    scale = shape[3] ** -0.5
+    expected = tree_attention_reference(*args, scale, with_lse=with_lse, pages=pages)
+    rows = [x[pages].reshape(shape[0], -1, x.shape[-1]) for x in args[2:4]]
+    contiguous = tree_attention_reference(*args[:2], *rows, *args[4:], scale, with_lse=with_lse)
+    for got, want in zip(jax.tree.leaves(expected), jax.tree.leaves(contiguous), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    actual = kernel(*args, scale=scale, with_lse=with_lse, pages=pages)
+    if with_lse:
+        check_lse(actual, expected, dtype)
+    else:
+        np.testing.assert_allclose(
+            np.asarray(actual), np.asarray(expected), atol=TOLERANCE[dtype], rtol=0
+        )
+
+
+# (batch, tree tokens, heads, latent, rope, page, row pages, block_k): key blocks of a page,
+# two blocks per page, block_k over the page (one block a page), a one-token tree
+PAGED_SHAPES = [
+    (2, 9, 4, 32, 8, 16, 5, 16),
+    (3, 5, 2, 32, 8, 32, 3, 16),
+    (2, 17, 2, 64, 16, 16, 4, 64),
+    (1, 1, 2, 32, 8, 64, 2, 32),
+]
+
+
+@settings(max_examples=examples(8), deadline=None)
+@given(
+    shape=st.sampled_from(PAGED_SHAPES),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+    seed=st.integers(0, 10**6),
+    with_lse=st.booleans(),
+    tree=st.sampled_from(["owned", "elsewhere"]),
+)
+def test_paged_kernel_interpreted_matches_reference(shape, dtype, seed, with_lse, tree):
+    """The GPU form over pools of pages (interpreted), each key block's page read from the table."""
+    *shape, block_k = shape
+    kernel = functools.partial(tree_attention, block_q=16, block_k=block_k, interpret=True)
+    check_paged(kernel, tuple(shape), dtype, seed, with_lse, tree)
+
+
+# TPU form: 8 pages of 16 per key step over a table of 10 (the last step past the table), one
+# row of 3 pages of 64 (a step of 8 pages, 5 past the table), pages of 1024 read in blocks of 512
+TPU_PAGED_SHAPES = [
+    (2, 9, 4, 64, 16, 16, 10),
+    (3, 9, 2, 32, 8, 64, 3),
+    (2, 5, 2, 32, 8, 1024, 2),
+]
+
+
+@pytest.mark.parametrize("with_lse", [False, True], ids=["out", "lse"])
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    list(zip(TPU_PAGED_SHAPES, ["float32", "bfloat16", "float32"], strict=True)),
+    ids=["pages-of-16", "pages-of-64", "pages-of-1024"],
+)
+def test_tpu_paged_form_in_the_tpu_interpreter_matches_reference(shape, dtype, with_lse):
+    """The Mosaic form over pools of pages, the tables scalar-prefetched, in Pallas' TPU
+    interpreter: steps of several pages, steps past the table, pages split into blocks."""
+    assert paged_tiles(16) == (16, 8) and paged_tiles(1024) == (512, 1)
+    kernel = functools.partial(tree_attention_tpu, interpret=pltpu.InterpretParams())
+    tree = "elsewhere" if with_lse else "owned"
+    check_paged(kernel, shape, dtype, sum(shape) + with_lse, with_lse, tree)
+
+
+def test_pages_must_be_pools_and_tables():
+    args, pages = paged_inputs((1, 5, 2, 32, 8, 16, 2), "float32", 0)
+    with pytest.raises(ValueError, match="pools of pages"):
+        tree_attention(*args[:2], args[2], args[3][:, :8], *args[4:], scale=0.3, pages=pages)
+    with pytest.raises(ValueError, match="page tables"):
+        tree_attention_tpu(*args, scale=0.3, pages=pages[0])
 
 
 @pytest.mark.gpu

@@ -113,6 +113,45 @@ def test_kernel_with_lse_compiles_at_kimi_sizes(target):
     assert lse.dtype == jnp.float32 and compiled.memory_analysis() is not None
 
 
+def paged_kernel_args(where, batch: int, tokens: int, heads: int, slots: int, page: int) -> list:
+    """``kimi_kernel_args`` for ``batch`` rows of ``slots`` over one pool of 64-slot pages (and
+    the null page), then the page tables."""
+    device = jax.sharding.SingleDeviceSharding(where.devices[0])
+    spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=device)
+    b, t, h, row_pages = batch, tokens, heads, slots // page
+    pool = 1 + b * row_pages
+    shapes = [(b, t, h, 512), (b, t, h, 64), (pool, page, 512), (pool, page, 64)]
+    args = [spec(s) for s in shapes] + [spec((b,), jnp.int32), spec((b, t, 512)), spec((b, t, 64))]
+    return [*args, spec((b, t, t), jnp.bool_), spec((b, row_pages), jnp.int32)]
+
+
+@pytest.mark.parametrize(
+    ("batch", "tokens", "heads", "slots", "with_lse"),
+    [(2, 17, 8, 4096, False), (1, 257, 64, 131072, True)],
+    ids=["2x17x8x4k", "257x64x128k-lse"],
+)
+@pytest.mark.parametrize("target", KERNEL_TARGETS)
+def test_paged_kernel_compiles_at_kimi_sizes(target, batch, tokens, heads, slots, with_lse):
+    """The kernel over a pool of 64-slot pages (a 128k-slot row: a table of 2048 pages) with the
+    form and tiles each platform gets: Mosaic reads the tables from SMEM in its index maps,
+    Triton loads each page id inside its key loop."""
+    where = find_machine(target, 1)
+    *args, pages = paged_kernel_args(where, batch, tokens, heads, slots, 64)
+    kernel = jax.jit(
+        lambda *a, pages: where.backend.tree_attention()(
+            *a, scale=0.1, with_lse=with_lse, pages=pages
+        )
+    )
+    lowered = kernel.lower(*args, pages=pages)
+    compiled = lowered.compile(compiler_options=where.compiler_options)
+    assert compiled.memory_analysis() is not None
+    out = compiled.out_info[0] if with_lse else compiled.out_info
+    assert out.shape == (batch, tokens, heads, 512)
+    tpu = where.platform == "tpu"
+    names = ["mla_tree_attention_tpu_paged"] if tpu else ["mla_tree_attention_paged", "triton"]
+    assert all(name in lowered.as_text() for name in names)
+
+
 def test_a_round_over_the_chips_memory_is_refused_by_the_compiler(tiny_plan_configs):
     """32M cache slots on one 16 GB v5e chip: XLA:TPU refuses the program inside
     the compile, and the plan reports what the compiler said it needs."""
