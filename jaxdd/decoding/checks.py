@@ -4,9 +4,13 @@ it. Each failure is an ``InputError`` naming the field and the limit."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jaxdd.config import KimiConfig
+from jaxdd.decoding.requests import RowRequest, RowShape
+from jaxdd.decoding.sampling import Sampling
 from jaxdd.errors import InputError
 from jaxdd.types import METHODS, TREE_LOGITS, TreeLogits
 
@@ -154,3 +158,39 @@ def check_stop_ids(stop_token_ids: list[int] | None, config: KimiConfig) -> list
             "stop_token_ids", f"{outside[0]} outside the vocabulary [0, {config.vocab_size})"
         )
     return stops
+
+
+def check_row_request(
+    request: RowRequest, shape: RowShape, config: KimiConfig, cache_holds: bool
+) -> RowRequest:
+    """``request`` checked for a pool of ``shape`` whose pages hold it when all are free (or
+    not: ``cache_holds``), its lists copied: ``InputError`` naming what in it the pool cannot
+    run."""
+    prompt = request.prompt
+    max_new_tokens = request.max_new_tokens
+    logprobs = request.logprobs
+    score_prompt = request.score_prompt
+    check_tokens([prompt], config.vocab_size)
+    if len(prompt) > shape.max_prompt:
+        raise InputError.at(
+            "prompt", f"{len(prompt)} tokens, this server admits at most {shape.max_prompt}"
+        )
+    most = shape.spec.top_logprobs
+    if logprobs is not None and not most:
+        raise InputError.at("logprobs", "this pool computes none (made with max_logprobs=0)")
+    if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= most):
+        raise InputError.at("logprobs", f"must be an integer in [0, {most}], got {logprobs!r}")
+    if score_prompt and logprobs is None:
+        raise InputError.at("logprobs", "scoring the prompt needs logprobs")
+    least = 0 if score_prompt else 1
+    if not isinstance(max_new_tokens, int) or max_new_tokens < least:
+        raise InputError.at("max_tokens", f"must be an integer >= {least}, got {max_new_tokens!r}")
+    after = f"{max_new_tokens} after a prompt of {len(prompt)} tokens"
+    if len(prompt) + max_new_tokens > shape.max_len:
+        raise InputError.at("max_tokens", f"{after} exceeds the server's --max-len {shape.max_len}")
+    check_stop_ids(request.stop_ids, config)
+    if not cache_holds:
+        raise InputError.at("max_tokens", f"{after} needs more cache than --cache-tokens hold")
+    if not isinstance(request.sampling, Sampling):
+        raise InputError.at("sampling", "expected a jaxdd.Sampling")
+    return dataclasses.replace(request, prompt=list(prompt), stop_ids=list(request.stop_ids))

@@ -36,7 +36,6 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxdd.cache import DraftCache, LatentCache
-from jaxdd.cache.layout import clear_rows
 from jaxdd.cache.stripes import Stripes, paging
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.report import RoundReport
@@ -45,7 +44,6 @@ from jaxdd.decoding.sampling import (
     argmax,
     filtered_probs,
     sample,
-    seed_keys,
     split_keys,
 )
 from jaxdd.decoding.scores import Scores, token_logprobs
@@ -208,9 +206,9 @@ def _ar_step(spec: RoundSpec, target: KimiTarget, state: DecodeState, settings: 
     with jax.named_scope("verify"):
         logits, _, cache = _verify_chain(spec, target, state.target_cache, state.bonus[:, None], ())
     with jax.named_scope("accept"):
-        token, rng = _choose(spec, logits[:, 0], settings.sampling, state.rng)
+        token, rng = choose(spec, logits[:, 0], settings.sampling, state.rng)
     with jax.named_scope("commit"):
-        scores = _scores(spec, logits, token[:, None])
+        scores = round_scores(spec, logits, token[:, None])
         return _commit(
             state, token[:, None], jnp.zeros_like(token), cache, None, None, rng, settings, scores
         )
@@ -252,7 +250,7 @@ def _dflash_round(
     with jax.named_scope("commit"):
         trace = {"draft_topk": jax.lax.top_k(logits, spec.trace)[1]} if spec.trace else {}
         # emitted token i was chosen at chain position i
-        scores = _scores(spec, target_logits, emitted)
+        scores = round_scores(spec, target_logits, emitted)
         return _commit(
             state, emitted, accepted, cache, features, draft_cache, rng, settings, scores, **trace
         )
@@ -289,7 +287,7 @@ def _ddtree_round(
         )
         target_logits = target.logits(out.hidden, spec.backend)
     with jax.named_scope("accept"):
-        choice, rng = _choose(spec, target_logits, settings.sampling, state.rng)
+        choice, rng = choose(spec, target_logits, settings.sampling, state.rng)
         path, accepted = accept_path(tree, choice, spec.block - 1)
         # the target's choices along the path: drafts + bonus
         emitted = jnp.take_along_axis(choice, path, axis=1)
@@ -308,13 +306,13 @@ def _ddtree_round(
         scores = None
         if spec.top_logprobs:  # the path's nodes only: the rest of the tree emits nothing
             path_logits = jnp.take_along_axis(target_logits, path[:, :, None], axis=1)
-            scores = _scores(spec, path_logits, emitted)
+            scores = round_scores(spec, path_logits, emitted)
         return _commit(
             state, emitted, accepted, cache, context, draft_cache, rng, settings, scores, **trace
         )
 
 
-def _scores(spec: RoundSpec, logits: jax.Array, tokens: jax.Array) -> Scores | None:
+def round_scores(spec: RoundSpec, logits: jax.Array, tokens: jax.Array) -> Scores | None:
     """With ``spec.top_logprobs``, ``token_logprobs`` of ``tokens`` chosen at ``logits``'s
     positions; None without."""
     return token_logprobs(logits, tokens, spec.top_logprobs) if spec.top_logprobs else None
@@ -351,7 +349,7 @@ def _verify_chain(
     return target.logits(out.hidden, spec.backend), out.taps, out.cache
 
 
-def _choose(spec: RoundSpec, logits: jax.Array, sampling: SamplingArrays, rng: jax.Array):
+def choose(spec: RoundSpec, logits: jax.Array, sampling: SamplingArrays, rng: jax.Array):
     """The target's token per position (argmax, or a sample from
     the filtered distribution) and the advanced random streams."""
     if not spec.sampled:
@@ -439,68 +437,3 @@ def _commit(
         context_count=None if context is None else produced,
     )
     return new_state, RoundReport.encode(emitted, produced, stopped, draft_topk, tree, scores)
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "mesh", "score"), donate_argnames=("state",))
-def prefill(
-    spec: RoundSpec,
-    models: ModelPair,
-    state: DecodeState,
-    tokens: jax.Array,
-    prompt_len: jax.Array,
-    settings: RowSettings,
-    seeds: jax.Array,
-    mesh: jax.sharding.Mesh | None,
-    score: bool = False,
-) -> tuple[DecodeState, jax.Array]:
-    """Run the (padded) prompts into the rows of ``state`` (the rows they take, each holding the
-    pages of its table in ``settings``; whatever they held before is dropped), commit
-    ``prompt_len`` tokens per row, choose each row's first token, and cache the drafter context:
-    (the state for rounds of ``spec``, placed on ``mesh`` if given; a report as a round's, the
-    first token produced). A row is done at once if that token is a stop token or its length
-    allows no more. With ``spec.top_logprobs`` the report has the first token's logprobs; with
-    ``score`` too those of prompt positions 1 .. padded length - 1 (from the target's logits at
-    every position, which only a scored prefill computes)."""
-    target, drafter = models.merge()
-    b, t = tokens.shape
-    state = clear_rows(state).replace(rng=seed_keys(seeds)).with_pages(settings.pages)
-    taps = () if drafter is None else drafter.config.target_layer_ids
-    positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
-    visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    # The cache is empty: the prompt attends over a cache of its own length, whose rows then
-    # fill the state's, instead of over every slot (less attention by the slots' padding).
-    prompt_cache = LatentCache.zeros(target.config, b, t, target.dtype)
-    out = target(
-        tokens, positions, prompt_cache, visible, taps=taps, attention="naive", backend=spec.backend
-    )
-    cache = state.target_cache.fill(out.cache, prompt_len)
-    last = jnp.take_along_axis(out.hidden, (prompt_len - 1)[:, None, None], axis=1)
-    last_logits = target.logits(last, spec.backend)
-    first, rng = _choose(spec, last_logits[:, 0], settings.sampling, state.rng)
-    done = (first[:, None] == settings.stop_ids).any(-1) | (prompt_len + 1 >= settings.max_length)
-    state = state.replace(target_cache=cache, bonus=first, rng=rng, done=done)
-    if drafter is not None:
-        state = state.replace(
-            draft_cache=drafter.inject(state.draft_cache, out.taps, positions, prompt_len)
-        )
-    if mesh is not None:
-        state = jax.lax.with_sharding_constraint(state, state_shardings(state, mesh))
-    stopped = (first[:, None] == settings.stop_ids).any(-1)
-    emitted = jnp.zeros((b, spec.width), jnp.int32).at[:, 0].set(first)
-    scores = None
-    prompt_scores = None
-    if spec.top_logprobs:
-        # the report's logprob columns are a round's: the first token's, then unused positions
-        first_scores = _scores(spec, last_logits, first[:, None])
-        unused = spec.width - 1
-        scores = tuple(
-            jnp.pad(x, [(0, 0), (0, unused)] + [(0, 0)] * (x.ndim - 2)) for x in first_scores
-        )
-    if score:
-        # position i's logits choose token i + 1
-        all_logits = target.logits(out.hidden[:, :-1], spec.backend)
-        prompt_scores = token_logprobs(all_logits, tokens[:, 1:], spec.top_logprobs)
-    report = RoundReport.encode(
-        emitted, jnp.ones((b,), jnp.int32), stopped, logprobs=scores, prompt_logprobs=prompt_scores
-    )
-    return state, report

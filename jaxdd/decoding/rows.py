@@ -40,15 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdd.cache import RowTable, row_slots
-from jaxdd.cache.layout import front, put_front, put_rows, take_rows
+from jaxdd.cache.layout import front, put_front
 from jaxdd.cache.pages import PageTable, pool_pages
 from jaxdd.cache.stripes import paging
-from jaxdd.decoding.checks import (
-    MAX_STOP_TOKENS,
-    check_round_options,
-    check_stop_ids,
-    check_tokens,
-)
+from jaxdd.decoding.checks import MAX_STOP_TOKENS, check_round_options, check_row_request
+from jaxdd.decoding.prefill import prefill, prefill_row
 from jaxdd.decoding.report import RoundReport
 from jaxdd.decoding.requests import Decoder, RowRequest, RowShape, RowUpdate, pad_requests
 from jaxdd.decoding.rounds import (
@@ -57,10 +53,9 @@ from jaxdd.decoding.rounds import (
     RoundSpec,
     RowSettings,
     decode_round,
-    prefill,
     state_shardings,
 )
-from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays, seed_keys
+from jaxdd.decoding.sampling import GREEDY, SamplingArrays, seed_keys
 from jaxdd.errors import InputError
 from jaxdd.runtime.buckets import prompt_bucket
 from jaxdd.types import Method, verified_tokens
@@ -85,27 +80,6 @@ class _Report(NamedTuple):
     top_logprobs: int
     scored: int
     holders: list[tuple[int, int, _Row]]
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "mesh", "score"), donate_argnames=("state",))
-def prefill_row(
-    spec: RoundSpec,
-    models: ModelPair,
-    state: DecodeState,
-    row: jax.Array,
-    tokens: jax.Array,
-    prompt_len: jax.Array,
-    settings: RowSettings,
-    seeds: jax.Array,
-    mesh: jax.sharding.Mesh | None,
-    score: bool = False,
-) -> tuple[DecodeState, jax.Array]:
-    """``prefill`` one request (``score``: and its prompt's logprobs) into row ``row`` of
-    ``state`` (in place: the state is donated): (state, the prefill's report)."""
-    rows = row[None]
-    part = take_rows(state, rows)
-    new, report = prefill(spec, models, part, tokens, prompt_len, settings, seeds, mesh, score)
-    return put_rows(state, new, rows), report
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "rows"), donate_argnames=("state",))
@@ -248,43 +222,10 @@ class RowPool:
     def check(self, request: RowRequest) -> RowRequest:
         """``request`` checked (its lists copied): ``InputError`` naming what in it this pool
         cannot run."""
-        prompt = request.prompt
-        max_new_tokens = request.max_new_tokens
-        logprobs = request.logprobs
-        score_prompt = request.score_prompt
-        check_tokens([prompt], self.decoder.config.vocab_size)
-        if len(prompt) > self.max_prompt:
-            raise InputError.at(
-                "prompt", f"{len(prompt)} tokens, this server admits at most {self.max_prompt}"
-            )
-        most = self.spec.top_logprobs
-        if logprobs is not None and not most:
-            raise InputError.at("logprobs", "this pool computes none (made with max_logprobs=0)")
-        if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= most):
-            raise InputError.at("logprobs", f"must be an integer in [0, {most}], got {logprobs!r}")
-        if score_prompt and logprobs is None:
-            raise InputError.at("logprobs", "scoring the prompt needs logprobs")
-        least = 0 if score_prompt else 1
-        if not isinstance(max_new_tokens, int) or max_new_tokens < least:
-            raise InputError.at(
-                "max_tokens", f"must be an integer >= {least}, got {max_new_tokens!r}"
-            )
-        if len(prompt) + max_new_tokens > self.max_len:
-            raise InputError.at(
-                "max_tokens",
-                f"{max_new_tokens} after a prompt of {len(prompt)} tokens exceeds the server's "
-                f"--max-len {self.max_len}",
-            )
-        check_stop_ids(request.stop_ids, self.decoder.config)
-        if not self.pages.could_fit(self.shape.reach(request)):
-            raise InputError.at(
-                "max_tokens",
-                f"{max_new_tokens} after a prompt of {len(prompt)} tokens needs more cache than "
-                f"the server's --cache-tokens {self.pages.usable * self.pages.page} hold",
-            )
-        if not isinstance(request.sampling, Sampling):
-            raise InputError.at("sampling", "expected a jaxdd.Sampling")
-        return dataclasses.replace(request, prompt=list(prompt), stop_ids=list(request.stop_ids))
+        cache_tokens = (
+            self.cache_tokens if self.pages.could_fit(self.shape.reach(request)) else None
+        )
+        return check_row_request(request, self.shape, self.decoder.config, cache_tokens)
 
     def admit(self, request: RowRequest, owner: Any = None) -> int:
         """Prefill a request (checked by ``check``) alone into a free row, without waiting for

@@ -83,11 +83,11 @@ class AttentionInputs:
     backend: Backend
 
     def kernel_operands(self, q_latent: jax.Array) -> tuple[jax.Array, ...]:
-        """The tree-attention kernel's array operands (``tree_attention_reference``'s), for
-        queries ``q_latent`` [B, T, heads, kv_lora_rank]."""
-        latent, rope = map(self.view.read, self.cache_rows)
+        """The tree-attention kernel's array operands (``tree_attention_reference``'s, the
+        page tables last), for queries ``q_latent`` [B, T, heads, kv_lora_rank]."""
+        latent, rope = self.cache_rows
         rows = (latent, rope, self.view.length, self.latent, self.k_pe, self.visible)
-        return (q_latent, self.q_pe, *rows)
+        return (q_latent, self.q_pe, *rows, self.view.pages)
 
 
 class MLAttention(nnx.Module, Placeable):
@@ -196,8 +196,8 @@ class MLAttention(nnx.Module, Placeable):
 
     def _striped(self, inputs: AttentionInputs, attend_local: Callable) -> tuple:
         """Attention over a cache striped over the devices (``jaxdd.cache.stripes``): each
-        device runs ``attend_local`` (``_absorbed_local``'s signature: its own pages' view in
-        place of the kernel's length; (out, log-sum-exp)) for all heads over its own pages,
+        device runs ``attend_local`` (``_absorbed_local``'s signature: its pools and its own
+        pages' view in place of the kernel's length; (out, log-sum-exp)) for all heads over them,
         device 0 over the new rows too, and the partials merge by their log-sum-exp into each
         device's heads."""
         stripes = inputs.view.stripes
@@ -211,8 +211,8 @@ class MLAttention(nnx.Module, Placeable):
             out, lse = attend_local(
                 q_latent,
                 q_pe,
-                local.read(pool_latent),
-                local.read(pool_rope),
+                pool_latent,
+                pool_rope,
                 local,
                 latent,
                 k_pe,
@@ -231,12 +231,11 @@ class MLAttention(nnx.Module, Placeable):
         rows = _write_after(out_latent, (inputs.latent, inputs.k_pe))
         return out, tuple(map(inputs.view.write, inputs.cache_rows, rows))
 
-    def _absorbed_local(
-        self, q_latent, q_pe, cache_latent, cache_rope, view, latent, k_pe, visible
-    ):
-        """The absorbed attention of a cache whose committed slots ``view`` says, as the
-        kernel's ``with_lse`` form: (out [B,T,H,r] fp32, log-sum-exp [B,T,H]); a token that sees
-        nothing gives 0 and -inf. Scores and probabilities in the dtypes of ``_softmax``."""
+    def _absorbed_local(self, q_latent, q_pe, pool_latent, pool_rope, view, latent, k_pe, visible):
+        """The absorbed attention of the pools' rows whose committed slots ``view`` says, as
+        the kernel's ``with_lse`` form: (out [B,T,H,r] fp32, log-sum-exp [B,T,H]); a token that
+        sees nothing gives 0 and -inf. Scores and probabilities in the dtypes of ``_softmax``."""
+        cache_latent, cache_rope = view.read(pool_latent), view.read(pool_rope)
         slots = cache_latent.shape[1]
         scores = jnp.concatenate(
             [
@@ -269,18 +268,20 @@ class MLAttention(nnx.Module, Placeable):
         kernel = functools.partial(inputs.backend.tree_attention(), scale=c.softmax_scale)
         if inputs.view.stripes is not None:
 
-            def attend_local(q_latent, q_pe, cache_latent, cache_rope, view, *new_rows):
-                operands = (q_latent, q_pe, cache_latent, cache_rope, view.length, *new_rows)
-                return kernel(*operands, with_lse=True)
+            def attend_local(q_latent, q_pe, pool_latent, pool_rope, view, *new_rows):
+                operands = (q_latent, q_pe, pool_latent, pool_rope, view.length, *new_rows)
+                return kernel(*operands, with_lse=True, pages=view.pages)
 
             return self._striped(inputs, attend_local)
         q_latent = jnp.einsum("bthd,hrd->bthr", inputs.q_nope, self.k_up[...])
 
-        def attend(q_latent, q_pe, cache_latent, cache_rope, length, latent, k_pe, visible):
-            # The committed rows only (slots < length): the kernel reads the cache as it was, and
-            # the new rows, made to depend on its output (else XLA:GPU may schedule their write
-            # first, into a copy of the cache), are written after it in place.
-            out = kernel(q_latent, q_pe, cache_latent, cache_rope, length, latent, k_pe, visible)
+        def attend(q_latent, q_pe, pool_latent, pool_rope, length, latent, k_pe, visible, pages):
+            # The committed rows only (slots < length), read through the page tables: the kernel
+            # reads the cache as it was, and the new rows, made to depend on its output (else
+            # XLA:GPU may schedule their write first, into a copy of the cache), are written
+            # after it in place.
+            operands = (q_latent, q_pe, pool_latent, pool_rope, length, latent, k_pe, visible)
+            out = kernel(*operands, pages=pages)
             return out, *_write_after(out, (latent, k_pe))
 
         if self.placement is not None and self.placement[0].size > 1:
@@ -291,7 +292,7 @@ class MLAttention(nnx.Module, Placeable):
             split = partition_spec((c.num_attention_heads,), ("heads",), *self.placement)[0]
             whole = jax.sharding.PartitionSpec()
             heads = jax.sharding.PartitionSpec(None, None, AXIS) if split else whole
-            specs = (heads, heads, *(whole,) * 6)
+            specs = (heads, heads, *(whole,) * 7)
             mesh = self.placement[0]
             attend = jax.shard_map(
                 attend, mesh=mesh, in_specs=specs, out_specs=(heads, whole, whole), check_vma=False

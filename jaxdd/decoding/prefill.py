@@ -1,0 +1,111 @@
+"""The prefill: the prompts run through the target into rows of a decode state, their first
+tokens chosen and the drafter's context cached; alone into one row of a running state
+(``prefill_row``, a request admitted between rounds) or into all rows of an empty one."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxdd.cache import LatentCache
+from jaxdd.cache.layout import clear_rows, put_rows, take_rows
+from jaxdd.decoding.report import RoundReport
+from jaxdd.decoding.rounds import (
+    DecodeState,
+    ModelPair,
+    RoundSpec,
+    RowSettings,
+    choose,
+    round_scores,
+    state_shardings,
+)
+from jaxdd.decoding.sampling import seed_keys
+from jaxdd.decoding.scores import token_logprobs
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "mesh", "score"), donate_argnames=("state",))
+def prefill(
+    spec: RoundSpec,
+    models: ModelPair,
+    state: DecodeState,
+    tokens: jax.Array,
+    prompt_len: jax.Array,
+    settings: RowSettings,
+    seeds: jax.Array,
+    mesh: jax.sharding.Mesh | None,
+    score: bool = False,
+) -> tuple[DecodeState, jax.Array]:
+    """Run the (padded) prompts into the rows of ``state`` (the rows they take, each holding the
+    pages of its table in ``settings``; whatever they held before is dropped), commit
+    ``prompt_len`` tokens per row, choose each row's first token, and cache the drafter context:
+    (the state for rounds of ``spec``, placed on ``mesh`` if given; a report as a round's, the
+    first token produced). A row is done at once if that token is a stop token or its length
+    allows no more. With ``spec.top_logprobs`` the report has the first token's logprobs; with
+    ``score`` too those of prompt positions 1 .. padded length - 1 (from the target's logits at
+    every position, which only a scored prefill computes)."""
+    target, drafter = models.merge()
+    b, t = tokens.shape
+    state = clear_rows(state).replace(rng=seed_keys(seeds)).with_pages(settings.pages)
+    taps = () if drafter is None else drafter.config.target_layer_ids
+    positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
+    visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    # The cache is empty: the prompt attends over a cache of its own length, whose rows then
+    # fill the state's, instead of over every slot (less attention by the slots' padding).
+    prompt_cache = LatentCache.zeros(target.config, b, t, target.dtype)
+    out = target(
+        tokens, positions, prompt_cache, visible, taps=taps, attention="naive", backend=spec.backend
+    )
+    cache = state.target_cache.fill(out.cache, prompt_len)
+    last = jnp.take_along_axis(out.hidden, (prompt_len - 1)[:, None, None], axis=1)
+    last_logits = target.logits(last, spec.backend)
+    first, rng = choose(spec, last_logits[:, 0], settings.sampling, state.rng)
+    done = (first[:, None] == settings.stop_ids).any(-1) | (prompt_len + 1 >= settings.max_length)
+    state = state.replace(target_cache=cache, bonus=first, rng=rng, done=done)
+    if drafter is not None:
+        state = state.replace(
+            draft_cache=drafter.inject(state.draft_cache, out.taps, positions, prompt_len)
+        )
+    if mesh is not None:
+        state = jax.lax.with_sharding_constraint(state, state_shardings(state, mesh))
+    stopped = (first[:, None] == settings.stop_ids).any(-1)
+    emitted = jnp.zeros((b, spec.width), jnp.int32).at[:, 0].set(first)
+    scores = None
+    prompt_scores = None
+    if spec.top_logprobs:
+        # the report's logprob columns are a round's: the first token's, then unused positions
+        first_scores = round_scores(spec, last_logits, first[:, None])
+        unused = spec.width - 1
+        scores = tuple(
+            jnp.pad(x, [(0, 0), (0, unused)] + [(0, 0)] * (x.ndim - 2)) for x in first_scores
+        )
+    if score:
+        # position i's logits choose token i + 1
+        all_logits = target.logits(out.hidden[:, :-1], spec.backend)
+        prompt_scores = token_logprobs(all_logits, tokens[:, 1:], spec.top_logprobs)
+    report = RoundReport.encode(
+        emitted, jnp.ones((b,), jnp.int32), stopped, logprobs=scores, prompt_logprobs=prompt_scores
+    )
+    return state, report
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "mesh", "score"), donate_argnames=("state",))
+def prefill_row(
+    spec: RoundSpec,
+    models: ModelPair,
+    state: DecodeState,
+    row: jax.Array,
+    tokens: jax.Array,
+    prompt_len: jax.Array,
+    settings: RowSettings,
+    seeds: jax.Array,
+    mesh: jax.sharding.Mesh | None,
+    score: bool = False,
+) -> tuple[DecodeState, jax.Array]:
+    """``prefill`` one request (``score``: and its prompt's logprobs) into row ``row`` of
+    ``state`` (in place: the state is donated): (state, the prefill's report)."""
+    rows = row[None]
+    part = take_rows(state, rows)
+    new, report = prefill(spec, models, part, tokens, prompt_len, settings, seeds, mesh, score)
+    return put_rows(state, new, rows), report
