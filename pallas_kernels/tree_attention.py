@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -216,6 +217,43 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def out_shapes(b: int, padded_rows: int, r: int, with_lse: bool) -> Any:
+    """The kernel's outputs by query row: out [B, rows, r] (and lse [B, rows, 1]), float32."""
+    out = jax.ShapeDtypeStruct((b, padded_rows, r), jnp.float32)
+    return (out, jax.ShapeDtypeStruct((b, padded_rows, 1), jnp.float32)) if with_lse else out
+
+
+def token_outputs(result: Any, t: int, h: int, with_lse: bool) -> Any:
+    """``out_shapes``' rows back by token and head: out [B, T, H, r] (and lse [B, T, H])."""
+    if not with_lse:
+        return token_rows(result, t, h)
+    out, lse = result
+    return token_rows(out, t, h), token_rows(lse, t, h)[..., 0]
+
+
+def _full(shape: tuple[int, ...]) -> pl.BlockSpec:
+    """A row's whole operand in every program."""
+    return pl.BlockSpec((None, *shape), lambda i, j: (i, *(0,) * len(shape)))
+
+
+def _key_blocks(
+    cache_latent: jax.Array, cache_rope: jax.Array, pages: jax.Array | None, block_k: int
+) -> tuple[int, Callable[[int], pl.BlockSpec]]:
+    """The key block (``block_k``, or with ``pages`` the largest power of two up to it that
+    divides the page) and the cache operands' BlockSpec by width."""
+    if pages is None:
+        slots = cache_latent.shape[1]
+        block_k = min(block_k, slots)
+        if slots % block_k:
+            raise ValueError(f"cache slots {slots} must be a multiple of block_k {block_k}")
+        return block_k, lambda width: _full((slots, width))
+    page = check_pages(cache_latent, cache_rope, pages)
+    # Triton's loads are powers of two, and a block must not span two pages
+    block_k = math.gcd(1 << (block_k.bit_length() - 1), page)
+    pool = cache_latent.shape[0]
+    return block_k, lambda width: pl.BlockSpec((pool, page, width), lambda i, j: (0, 0, 0))
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -258,26 +296,10 @@ def tree_attention(
     device = gpu_device(shared_memory)
     tuned = block_sizes("tree_attention", device, dtype_class(cache_latent.dtype))
 
-    def full(shape):
-        return pl.BlockSpec((None, *shape), lambda i, j: (i, *(0,) * len(shape)))
-
-    if block_k is None:
-        block_k = tuned["block_k"]
     if block_q is None:
         enough = b * rows >= tuned["block_q"] * tuned["programs"]
         block_q = tuned["block_q"] if enough else tuned["few_programs_block_q"]
-    if pages is None:
-        slots = cache_latent.shape[1]
-        block_k = min(block_k, slots)
-        if slots % block_k:
-            raise ValueError(f"cache slots {slots} must be a multiple of block_k {block_k}")
-        cache_spec = lambda width: full((cache_latent.shape[1], width))
-    else:
-        page = check_pages(cache_latent, cache_rope, pages)
-        # Triton's loads are powers of two, and a block must not span two pages
-        block_k = math.gcd(1 << (block_k.bit_length() - 1), page)
-        pool = cache_latent.shape[0]
-        cache_spec = lambda width: pl.BlockSpec((pool, page, width), lambda i, j: (0, 0, 0))
+    block_k, cache_spec = _key_blocks(cache_latent, cache_rope, pages, block_k or tuned["block_k"])
     tail = _pow2(t)  # pad the tail to a power of two; padded keys are masked out
     block_q = min(block_q, _pow2(rows))
     padded_rows = pl.cdiv(rows, block_q) * block_q
@@ -289,29 +311,25 @@ def tree_attention(
     def by_rows(width):
         return pl.BlockSpec((None, block_q, width), lambda i, j: (i, j, 0))
 
-    out_shape = jax.ShapeDtypeStruct((b, padded_rows, r), jnp.float32)
-    out_specs = by_rows(r)
-    if with_lse:
-        out_shape = (out_shape, jax.ShapeDtypeStruct((b, padded_rows, 1), jnp.float32))
-        out_specs = (out_specs, by_rows(1))
+    out_specs = (by_rows(r), by_rows(1)) if with_lse else by_rows(r)
     paged = pages is not None
-    table = [full((pages.shape[1],))] if paged else []
+    table = [_full((pages.shape[1],))] if paged else []
     kernel = functools.partial(
         _kernel, scale=scale, block_k=block_k, tail_k=min(block_k, tail), paged=paged
     )
     result = pl.pallas_call(
         kernel,
-        out_shape=out_shape,
+        out_shape=out_shapes(b, padded_rows, r, with_lse),
         grid=(b, padded_rows // block_q),
         in_specs=[
-            full((1,)),
+            _full((1,)),
             *table,
             by_rows(r),
             by_rows(dr),
             cache_spec(r),
             cache_spec(dr),
-            full((tail, r)),
-            full((tail, dr)),
+            _full((tail, r)),
+            _full((tail, dr)),
             by_rows(tail),
         ],
         out_specs=out_specs,
@@ -329,7 +347,4 @@ def tree_attention(
         tail_rope,
         mask,
     )
-    if not with_lse:
-        return token_rows(result, t, h)
-    out, lse = result
-    return token_rows(out, t, h), token_rows(lse, t, h)[..., 0]
+    return token_outputs(result, t, h, with_lse)

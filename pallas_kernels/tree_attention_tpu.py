@@ -33,10 +33,11 @@ from pallas_kernels.tree_attention import (
     check_pages,
     log_sum_exp,
     online_softmax_step,
+    out_shapes,
     pad_to,
     query_rows,
     row_mask,
-    token_rows,
+    token_outputs,
 )
 from pallas_kernels.tuned_block_sizes import block_sizes
 
@@ -131,6 +132,33 @@ def _kernel(
             lse_ref[0][...] = log_sum_exp(m_ref[...], total)
 
 
+def _cache_specs(
+    widths: tuple[int, ...], unit: int, parts: int, paging: tuple[int, int] | None
+) -> list[pl.BlockSpec]:
+    """The cache operands' blocks of ``unit`` rows: one operand per width, its k-th block the
+    k-th of the row's cache; or with ``paging`` (page, pages per row) ``parts`` operands per
+    width, part p of step k reading block k * parts + p of the row's slots from its page."""
+
+    # past the committed rows, the last live block again: no new fetch
+    def live_block(i, block, length_ref):
+        return jnp.minimum(block, jnp.maximum(pl.cdiv(length_ref[i], unit) - 1, 0))
+
+    if paging is None:
+        index = lambda i, j, k, length_ref: (i, live_block(i, k, length_ref), 0)
+        return [pl.BlockSpec((None, unit, width), index) for width in widths]
+    page, row_pages = paging
+
+    def paged(width, part):
+        def index(i, j, k, length_ref, pages_ref):
+            slot = live_block(i, k * parts + part, length_ref) * unit
+            at = jax.lax.div(slot, page)  # lax's truncating forms: slot >= 0
+            return pages_ref[i * row_pages + at], jax.lax.div(slot - at * page, unit), 0
+
+        return pl.BlockSpec((None, unit, width), index)
+
+    return [paged(width, part) for width in widths for part in range(parts)]
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "vmem_limit_bytes", "with_lse"))
 def tree_attention_tpu(
     q_latent,
@@ -173,33 +201,14 @@ def tree_attention_tpu(
 
     mask = row_mask(tail_mask, h, padded_rows, tiles.tail, jnp.int32)  # int32: TPU tiles of 8 rows
 
-    # past the committed rows, the last live block again: no new fetch
-    def live_block(i, block, length_ref):
-        return jnp.minimum(block, jnp.maximum(pl.cdiv(length_ref[i], unit) - 1, 0))
-
     def by_rows(width):
         return pl.BlockSpec((None, bq, width), lambda i, j, k, *_: (i, j, 0))
-
-    def cache(width):
-        return pl.BlockSpec(
-            (None, unit, width), lambda i, j, k, length_ref: (i, live_block(i, k, length_ref), 0)
-        )
-
-    def paged_cache(width, part):
-        def index(i, j, k, length_ref, pages_ref):
-            slot = live_block(i, k * parts + part, length_ref) * unit
-            at = jax.lax.div(slot, page)  # lax's truncating forms: slot >= 0
-            return pages_ref[i * row_pages + at], jax.lax.div(slot - at * page, unit), 0
-
-        return pl.BlockSpec((None, unit, width), index)
 
     def whole(rows_, width):
         return pl.BlockSpec((None, rows_, width), lambda i, j, k, *_: (i, 0, 0))
 
-    if pages is None:
-        caches = [cache(r), cache(dr)]
-    else:
-        caches = [paged_cache(width, part) for width in (r, dr) for part in range(parts)]
+    paging = None if pages is None else (page, row_pages)
+    caches = _cache_specs((r, dr), unit, parts, paging)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
         grid=(b, tiles.row_blocks, steps),
@@ -218,13 +227,10 @@ def tree_attention_tpu(
             pltpu.VMEM((bq, 1), jnp.float32),
         ],
     )
-    out_shape = jax.ShapeDtypeStruct((b, padded_rows, r), jnp.float32)
-    if with_lse:
-        out_shape = (out_shape, jax.ShapeDtypeStruct((b, padded_rows, 1), jnp.float32))
     result = pl.pallas_call(
         functools.partial(_kernel, scale=scale, parts=parts, scalars=len(scalars)),
         grid_spec=grid_spec,
-        out_shape=out_shape,
+        out_shape=out_shapes(b, padded_rows, r, with_lse),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=vmem_limit_bytes,
@@ -241,7 +247,4 @@ def tree_attention_tpu(
         pad_to(tail_rope, 1, tiles.tail),
         mask,
     )
-    if not with_lse:
-        return token_rows(result, t, h)
-    out, lse = result
-    return token_rows(out, t, h), token_rows(lse, t, h)[..., 0]
+    return token_outputs(result, t, h, with_lse)

@@ -109,3 +109,26 @@ def prefill_row(
     part = take_rows(state, rows)
     new, report = prefill(spec, models, part, tokens, prompt_len, settings, seeds, mesh, score)
     return put_rows(state, new, rows), report
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "pages", "mesh", "score"))
+def prefill_new(
+    spec: RoundSpec,
+    models: ModelPair,
+    tokens: jax.Array,
+    prompt_len: jax.Array,
+    settings: RowSettings,
+    seeds: jax.Array,
+    pages: tuple[int, int],
+    mesh: jax.sharding.Mesh | None,
+    score: bool = False,
+) -> tuple[DecodeState, jax.Array]:
+    """``prefill`` into every row of a new state, of ``pages`` (pages per row, pages of the
+    pool), made inside the jit: made outside, its many eager dispatches cost host time on every
+    batch."""
+    target, drafter = models.merge()
+    drafter_config = None if drafter is None else drafter.config
+    rows = tokens.shape[0]
+    sizes = (rows, *pages, spec.block, target.dtype, seed_keys(seeds), spec.stripes)
+    state = DecodeState.empty(target.config, drafter_config, *sizes)
+    return prefill(spec, models, state, tokens, prompt_len, settings, seeds, mesh, score)

@@ -44,7 +44,7 @@ from jaxdd.cache.layout import front, put_front
 from jaxdd.cache.pages import PageTable, pool_pages
 from jaxdd.cache.stripes import paging
 from jaxdd.decoding.checks import MAX_STOP_TOKENS, check_round_options, check_row_request
-from jaxdd.decoding.prefill import prefill, prefill_row
+from jaxdd.decoding.prefill import prefill_new, prefill_row
 from jaxdd.decoding.report import RoundReport
 from jaxdd.decoding.requests import Decoder, RowRequest, RowShape, RowUpdate, pad_requests
 from jaxdd.decoding.rounds import (
@@ -272,9 +272,9 @@ class RowPool:
         self.settings = jax.device_put(self._host_settings())
         mesh = self.decoder.mesh
         score = any(r.score_prompt for r in requests)
-        state = self._empty_state()
-        args = (self.spec, self.models, state, tokens, prompt_len, self.settings, seeds, mesh)
-        self.state, report = prefill(*args, score)
+        pages = (self.shape.row_pages, self.shape.pool_pages)
+        args = (self.spec, self.models, tokens, prompt_len, self.settings, seeds, pages, mesh)
+        self.state, report = prefill_new(*args, score)
         holders = [(row, row, e) for row, e in self.table.items()]
         scored = padded - 1 if score else 0
         self._prefilled.append(_Report(report, 0, self.spec.top_logprobs, scored, holders))
