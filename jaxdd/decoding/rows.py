@@ -4,16 +4,17 @@ batching and ``SpeculativeDecoder.generate_batch`` (the CLI) both run on it: the
 server admits requests one by one between rounds; a batch is admitted all at once
 (one prefill for every row, ``admit_all``) and stepped until every row is done.
 
-Every shape is fixed when the pool is made (``RowShape``): ``rows`` rows, one cache size for all
-(from ``max_len``), one prefill per prompt bucket up to ``max_prompt`` (with ``max_logprobs`` > 0, a
-scoring one too, for requests that ask for their prompt's logprobs), and two rounds per tier:
-the sampled round, whose greedy rows still decode greedily (their distributions are one-hot), and
-the cheaper greedy round, run while every active row is greedy (the tokens are the same). A tier
-is the first 1, 4, 16, ... rows or all of them; a round runs over the fewest that hold every busy
-row (requests take the lowest free row), so a lightly loaded pool pays for the rows it uses.
-With ``max_logprobs`` = k > 0 every round reports each emitted token's logprob and top-k
-(one executable whatever a request asks for); a request gets its own top
-``RowRequest.logprobs``.
+Every shape is fixed when the pool is made (``RowShape``): ``rows`` rows, one page table size for
+all (from ``max_len``) over a pool of ``cache_tokens`` in pages (a request holds those its prompt
+and ``max_new_tokens`` reach, and waits for them: ``admissible``), one prefill per prompt bucket up
+to ``max_prompt`` (with ``max_logprobs`` > 0, a scoring one too, for requests that ask for their
+prompt's logprobs), and two rounds per tier: the sampled round, whose greedy rows still decode
+greedily (their distributions are one-hot), and the cheaper greedy round, run while every active row
+is greedy (the tokens are the same). A tier is the first 1, 4, 16, ... rows or all of them; a round
+runs over the fewest that hold every busy row (requests take the lowest free row), so a lightly
+loaded pool pays for the rows it uses. With ``max_logprobs`` = k > 0 every round reports each
+emitted token's logprob and top-k (one executable whatever a request asks for); a request gets its
+own top ``RowRequest.logprobs``.
 
 A request admitted alone is prefilled on its own (batch 1, at its prompt bucket) and copied into
 a free row in the same jitted call, the row index traced and the state donated, so admitting
