@@ -150,7 +150,7 @@ def ar_stepper(target: jaxdd.Target) -> tuple[Callable[[], object], int]:
         holder["state"], report = decoder.step(plan, holder["state"])
         return report
 
-    return step, state.target_cache.latent[0].shape[1]
+    return step, state.target_cache.slots
 
 
 def verify_ms(target: jaxdd.Target, repeats: int, slots: int) -> float:

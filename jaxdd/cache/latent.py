@@ -89,9 +89,10 @@ class LatentCache:
         split along its pages when striped; ``length`` and the tables on every device."""
         whole = NamedSharding(mesh, PartitionSpec())
         buffer = NamedSharding(mesh, PAGES) if self.stripes is not None else whole
+        kind = type(self.latent)
         return self.replace(
-            latent=Pool((buffer,) * len(self.latent)),
-            rope=Pool((buffer,) * len(self.rope)),
+            latent=kind((buffer,) * len(self.latent)),
+            rope=kind((buffer,) * len(self.rope)),
             length=whole,
             pages=None if self.pages is None else whole,
         )
@@ -109,7 +110,8 @@ class LatentCache:
         """The new rows ``path`` [batch, P] of each row moved to its first P new slots,
         all layers: an accepted tree path becomes what the next ``commit`` keeps."""
         move = lambda buffer: self.view.gather(buffer, path)
-        return self.replace(latent=Pool(map(move, self.latent)), rope=Pool(map(move, self.rope)))
+        kind = type(self.latent)  # a Pool of pages, or a prompt's rows
+        return self.replace(latent=kind(map(move, self.latent)), rope=kind(map(move, self.rope)))
 
     def fill(self, prompt: LatentCache, length: jax.Array) -> LatentCache:
         """This cache's rows (empty, their pages in their tables) holding the rows of
@@ -119,4 +121,5 @@ class LatentCache:
         latent, rope = jax.tree.map(
             start.write, (tuple(self.latent), tuple(self.rope)), (prompt.latent, prompt.rope)
         )
-        return self.replace(latent=Pool(latent), rope=Pool(rope), length=length)
+        kind = type(self.latent)
+        return self.replace(latent=kind(latent), rope=kind(rope), length=length)

@@ -98,11 +98,6 @@ class PageTable:
         """Whether a request reaching ``tokens`` slots finds its pages free now."""
         return self.admissible([tokens]) == 1
 
-    def could_fit(self, tokens: int) -> bool:
-        """Whether a request reaching ``tokens`` slots fits the pool at all (when all is free)."""
-        pages = pages_for(tokens, self.page)
-        return pages <= self.row_pages and max(self._needs(pages)) <= self.share - 1
-
     def take(self, row: int, tokens: int) -> None:
         """Row ``row`` (holding nothing) takes the pages of its first ``tokens`` slots."""
         if row in self._held or not self.fits(tokens):

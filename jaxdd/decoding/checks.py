@@ -160,12 +160,9 @@ def check_stop_ids(stop_token_ids: list[int] | None, config: KimiConfig) -> list
     return stops
 
 
-def check_row_request(
-    request: RowRequest, shape: RowShape, config: KimiConfig, cache_holds: bool
-) -> RowRequest:
-    """``request`` checked for a pool of ``shape`` whose pages hold it when all are free (or
-    not: ``cache_holds``), its lists copied: ``InputError`` naming what in it the pool cannot
-    run."""
+def check_row_request(request: RowRequest, shape: RowShape, config: KimiConfig) -> RowRequest:
+    """``request`` checked for a pool of ``shape`` (its lists copied): ``InputError`` naming
+    what in it the pool cannot run."""
     prompt = request.prompt
     max_new_tokens = request.max_new_tokens
     logprobs = request.logprobs
@@ -189,8 +186,6 @@ def check_row_request(
     if len(prompt) + max_new_tokens > shape.max_len:
         raise InputError.at("max_tokens", f"{after} exceeds the server's --max-len {shape.max_len}")
     check_stop_ids(request.stop_ids, config)
-    if not cache_holds:
-        raise InputError.at("max_tokens", f"{after} needs more cache than --cache-tokens hold")
     if not isinstance(request.sampling, Sampling):
         raise InputError.at("sampling", "expected a jaxdd.Sampling")
     return dataclasses.replace(request, prompt=list(prompt), stop_ids=list(request.stop_ids))

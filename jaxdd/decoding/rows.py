@@ -140,7 +140,7 @@ class RowPool:
         round_tokens = max(block, verified_tokens(method, block, budget))
         page, devices = paging(spec.stripes)
         slots = row_slots(prompt_bucket(max_prompt), max_len, round_tokens, page * devices)
-        least = min(max_len + round_tokens, slots)  # one request of max_len fits
+        least = min(max_len + round_tokens, slots)  # one request of max_len: none waits forever
         if cache_tokens is None:
             cache_tokens = rows * slots
         elif not isinstance(cache_tokens, int) or cache_tokens < least:
@@ -222,11 +222,9 @@ class RowPool:
 
     def check(self, request: RowRequest) -> RowRequest:
         """``request`` checked (its lists copied): ``InputError`` naming what in it this pool
-        cannot run."""
-        cache_tokens = (
-            self.cache_tokens if self.pages.could_fit(self.shape.reach(request)) else None
-        )
-        return check_row_request(request, self.shape, self.decoder.config, cache_tokens)
+        cannot run. One the pool admits finds its pages once enough are free (the pool holds a
+        request of ``max_len``)."""
+        return check_row_request(request, self.shape, self.decoder.config)
 
     def admit(self, request: RowRequest, owner: Any = None) -> int:
         """Prefill a request (checked by ``check``) alone into a free row, without waiting for
