@@ -59,7 +59,9 @@ def slot_bytes(
     def caches(slots: int) -> dict[str, int]:
         state = abstract_state(config, drafter_config, 1, slots, 1, mesh)
         total = lambda tree: sum(shard_bytes(x) for x in jax.tree.leaves(tree))
-        return {"latent": total(state.target_cache), "drafter": total(state.draft_cache)}
+        # the pools: a row's page table is 4 bytes a page, not a slot's
+        caches = state.target_cache.replace(pages=None), state.draft_cache.replace(pages=None)
+        return {"latent": total(caches[0]), "drafter": total(caches[1])}
 
     # two sizes, so what does not grow with the slots (lengths) cancels
     small, large = caches(PAGE_TOKENS), caches(2 * PAGE_TOKENS)

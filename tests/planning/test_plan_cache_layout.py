@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxdd.cache.pages import PAGE_TOKENS
+from jaxdd.cache.pages import PAGE_TOKENS, pool_pages
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.errors import InputError
 from jaxdd.planning import fit
@@ -216,10 +216,12 @@ def test_the_striped_round_holds_and_reads_a_device_share_of_the_cache(tiny_plan
     replicated, striped = (tiny_plan(tiny_plan_configs, name) for name in LAYOUTS[::-1])
     slots = striped["cache_slots"]
     assert slots % (8 * PAGE_TOKENS) == 0 and slots >= replicated["cache_slots"] >= 4096 + 1
-    length = 4 * 4  # the rows' int32 lengths, replicated
-    cache = replicated["per_device_bytes"]["target_cache"] - length
-    share = cache * slots / replicated["cache_slots"] / 8
-    assert striped["per_device_bytes"]["target_cache"] - length == share
+    # the rows' int32 lengths and page tables, replicated
+    rows = lambda result: 4 * 4 + 4 * 4 * result["cache_slots"] // PAGE_TOKENS
+    pool = lambda result, devices: pool_pages(4 * result["cache_slots"], PAGE_TOKENS, devices)
+    cache = replicated["per_device_bytes"]["target_cache"] - rows(replicated)
+    share = cache / pool(replicated, 1) * pool(striped, 8) / 8  # its pages, a null one among them
+    assert striped["per_device_bytes"]["target_cache"] - rows(striped) == share
     for buffers in ("latent", "rope"):
         whole = cache_reads(replicated, buffers)
         for read, full in zip(cache_reads(striped, buffers), whole, strict=True):
@@ -260,7 +262,11 @@ def test_the_verdict_follows_the_layout(tiny_plan_configs, monkeypatch):
     rows = striped["per_device_bytes"]
     assert rows == tiny_plan(tiny_plan_configs, "striped")["per_device_bytes"]
     assert striped["cache_slots"] == replicated["cache_slots"]  # 5120: whole pages on every device
-    assert rows["drafter_cache"] == per_device["drafter_cache"]
+    # the drafter's K/V as it was, but for a null page in each device's share of the pool
+    table = 4 * 4 + 4 * 4 * replicated["cache_slots"] // PAGE_TOKENS
+    pool = pool_pages(4 * replicated["cache_slots"], PAGE_TOKENS)
+    per_page = (per_device["drafter_cache"] - table) / pool
+    assert rows["drafter_cache"] - per_device["drafter_cache"] == 7 * per_page
     assert rows["total"] == sum(v for k, v in rows.items() if k != "total") <= memory
     assert striped["fits"] and "\nfits cpu" in report(striped)
     assert "(striped over 8 devices: one page in 8 on each)" in report(striped)
