@@ -44,11 +44,6 @@ class Stripes:
     def devices(self) -> int:
         return self.mesh.shape[AXIS]
 
-    @property
-    def unit(self) -> int:
-        """A row's slots come in multiples of this: one page on every device."""
-        return self.page * self.devices
-
     def local_length(self, length: jax.Array, device: jax.Array) -> jax.Array:
         """How many of ``device``'s slots hold committed rows when ``length`` tokens are:
         its whole pages among the first ``length // page``, and the partial page if its."""

@@ -48,7 +48,7 @@ def table(rows: int, tokens: list[int], page: int, devices: int, row_pages: int)
 @settings(max_examples=examples(40), deadline=None)
 def test_each_device_holds_its_pages_in_order(devices, page, length):
     stripes = Stripes(make_mesh(devices), page)
-    row_pages = -(-(length + 1) // stripes.unit) * devices
+    row_pages = -(-(length + 1) // (page * devices)) * devices
     pages, pool = table(1, [length + 1], page, devices, row_pages)
     share = pool // devices
     view = CacheView(jnp.asarray([length], jnp.int32), jnp.asarray(pages))
