@@ -33,7 +33,7 @@ def test_two_processes_give_one_process_tokens(one_process):
     expected, converted = one_process
     # Each host reads its part; EP from the HF checkpoint
     # runs in test_generate_cli_across_two_processes.
-    result = start_job({"tp:hf": DEMO, "ep:jaxdd": converted})
+    result = start_job({"tp:hf": DEMO, "ep:jaxdd": converted}, timeout=START_SECONDS)
     assert result == {"tp:hf": expected, "ep:jaxdd": expected}
 
 
