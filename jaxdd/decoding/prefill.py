@@ -1,6 +1,7 @@
 """The prefill: the prompts run through the target into rows of a decode state, their first
 tokens chosen and the drafter's context cached; alone into one row of a running state
-(``prefill_row``, a request admitted between rounds) or into all rows of an empty one."""
+(``prefill_row``, a request admitted between rounds), into all rows of an empty one, or after
+the cached pages a request starts with (``prefill_after``: the rest of its prompt only)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from jaxdd.decoding.rounds import (
 )
 from jaxdd.decoding.sampling import seed_keys
 from jaxdd.decoding.scores import token_logprobs
+from jaxdd.models.drafter import DFlashDrafter
+from jaxdd.models.target import KimiTarget, TargetOutput
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "mesh", "score"), donate_argnames=("state",))
@@ -47,29 +50,69 @@ def prefill(
     every position, which only a scored prefill computes)."""
     target, drafter = models.merge()
     b, t = tokens.shape
-    state = clear_rows(state).replace(rng=seed_keys(seeds)).with_pages(settings.pages)
-    taps = () if drafter is None else drafter.config.target_layer_ids
+    state = _fresh(state, settings, seeds)
     positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
-    visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     # The cache is empty: the prompt attends over a cache of its own length, whose rows then
     # fill the state's, instead of over every slot (less attention by the slots' padding).
     prompt_cache = LatentCache.zeros(target.config, b, t, target.dtype)
     out = target(
-        tokens, positions, prompt_cache, visible, taps=taps, attention="naive", backend=spec.backend
+        tokens,
+        positions,
+        prompt_cache,
+        _causal(b, t),
+        taps=_taps(drafter),
+        attention="naive",
+        backend=spec.backend,
     )
     cache = state.target_cache.fill(out.cache, prompt_len)
-    last = jnp.take_along_axis(out.hidden, (prompt_len - 1)[:, None, None], axis=1)
+    scored = tokens if score else None
+    return _first_token(
+        spec, target, drafter, state, out, cache, positions, prompt_len, settings, mesh, scored
+    )
+
+
+def _fresh(state: DecodeState, settings: RowSettings, seeds: jax.Array) -> DecodeState:
+    """``state``'s rows emptied for new requests: their seeds' streams, their page tables."""
+    return clear_rows(state).replace(rng=seed_keys(seeds)).with_pages(settings.pages)
+
+
+def _causal(b: int, t: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+
+
+def _taps(drafter: DFlashDrafter | None) -> tuple[int, ...]:
+    return () if drafter is None else drafter.config.target_layer_ids
+
+
+def _first_token(
+    spec: RoundSpec,
+    target: KimiTarget,
+    drafter: DFlashDrafter | None,
+    state: DecodeState,
+    out: TargetOutput,
+    cache: LatentCache,
+    positions: jax.Array,
+    count: jax.Array,
+    settings: RowSettings,
+    mesh: jax.sharding.Mesh | None,
+    scored: jax.Array | None = None,
+) -> tuple[DecodeState, jax.Array]:
+    """After a forward ``out`` over ``count`` [b] new prompt tokens at ``positions``, whose rows
+    ``cache`` holds: each row's first token chosen, the drafter's context cached, the report
+    (with ``scored``, the prompt tokens, their logprobs too)."""
+    b = count.shape[0]
+    last = jnp.take_along_axis(out.hidden, (count - 1)[:, None, None], axis=1)
     last_logits = target.logits(last, spec.backend)
     first, rng = choose(spec, last_logits[:, 0], settings.sampling, state.rng)
-    done = (first[:, None] == settings.stop_ids).any(-1) | (prompt_len + 1 >= settings.max_length)
+    stopped = (first[:, None] == settings.stop_ids).any(-1)
+    done = stopped | (cache.length + 1 >= settings.max_length)
     state = state.replace(target_cache=cache, bonus=first, rng=rng, done=done)
     if drafter is not None:
         state = state.replace(
-            draft_cache=drafter.inject(state.draft_cache, out.taps, positions, prompt_len)
+            draft_cache=drafter.inject(state.draft_cache, out.taps, positions, count)
         )
     if mesh is not None:
         state = jax.lax.with_sharding_constraint(state, state_shardings(state, mesh))
-    stopped = (first[:, None] == settings.stop_ids).any(-1)
     emitted = jnp.zeros((b, spec.width), jnp.int32).at[:, 0].set(first)
     scores = None
     prompt_scores = None
@@ -80,10 +123,10 @@ def prefill(
         scores = tuple(
             jnp.pad(x, [(0, 0), (0, unused)] + [(0, 0)] * (x.ndim - 2)) for x in first_scores
         )
-    if score:
+    if scored is not None:
         # position i's logits choose token i + 1
         all_logits = target.logits(out.hidden[:, :-1], spec.backend)
-        prompt_scores = token_logprobs(all_logits, tokens[:, 1:], spec.top_logprobs)
+        prompt_scores = token_logprobs(all_logits, scored[:, 1:], spec.top_logprobs)
     report = RoundReport.encode(
         emitted, jnp.ones((b,), jnp.int32), stopped, logprobs=scores, prompt_logprobs=prompt_scores
     )
@@ -108,6 +151,48 @@ def prefill_row(
     rows = row[None]
     part = take_rows(state, rows)
     new, report = prefill(spec, models, part, tokens, prompt_len, settings, seeds, mesh, score)
+    return put_rows(state, new, rows), report
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "mesh"), donate_argnames=("state",))
+def prefill_after(
+    spec: RoundSpec,
+    models: ModelPair,
+    state: DecodeState,
+    row: jax.Array,
+    tokens: jax.Array,
+    start: jax.Array,
+    count: jax.Array,
+    settings: RowSettings,
+    seeds: jax.Array,
+    mesh: jax.sharding.Mesh | None,
+) -> tuple[DecodeState, jax.Array]:
+    """``prefill_row`` for a request whose pages hold its first ``start`` tokens already (both
+    caches: a prefix cache hit): only the rest, ``tokens`` [1, T] of which ``count`` [1] are
+    real, runs, at positions ``start`` .., attending over the cached rows and each other as the
+    verify of a chain does."""
+    target, drafter = models.merge()
+    rows = row[None]
+    part = _fresh(take_rows(state, rows), settings, seeds)
+    committed = jnp.broadcast_to(start, (1,))
+    part = part.replace(target_cache=part.target_cache.replace(length=committed))
+    if drafter is not None:
+        part = part.replace(draft_cache=part.draft_cache.replace(length=committed))
+    t = tokens.shape[1]
+    positions = committed[:, None] + jnp.arange(t)[None, :]
+    out = target(
+        tokens,
+        positions,
+        part.target_cache,
+        _causal(1, t),
+        taps=_taps(drafter),
+        attention=spec.attention,
+        backend=spec.backend,
+    )
+    cache = out.cache.commit(count)
+    new, report = _first_token(
+        spec, target, drafter, part, out, cache, positions, count, settings, mesh
+    )
     return put_rows(state, new, rows), report
 
 

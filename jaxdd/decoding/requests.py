@@ -87,7 +87,8 @@ class RowUpdate:
     it ends why ("stop" or "length"), with a trace the round's (``RoundTrace``), the
     tokens its request has now, and that request's owner (as given to ``admit``). If
     the request asked, ``logprobs`` has an entry per new token and ``prompt_logprobs``
-    (in the request's first update) one per prompt token after the first."""
+    (in the request's first update) one per prompt token after the first. ``cached``: the
+    prompt tokens its row found in the prefix cache."""
 
     tokens: list[int]
     finish: str | None = None
@@ -97,6 +98,7 @@ class RowUpdate:
     owner: Any = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    cached: int = 0
 
 
 def pad_requests(

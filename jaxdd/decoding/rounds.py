@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxdd.cache import DraftCache, LatentCache
+from jaxdd.cache.layout import front, put_front
 from jaxdd.cache.stripes import Stripes, paging
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.report import RoundReport
@@ -200,6 +201,16 @@ def decode_round(
     return (_dflash_round if spec.method == "dflash" else _ddtree_round)(
         spec, target, drafter, state, settings
     )
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "rows"), donate_argnames=("state",))
+def front_round(
+    spec: RoundSpec, models: ModelPair, state: DecodeState, settings: RowSettings, rows: int
+) -> tuple[DecodeState, jax.Array]:
+    """``decode_round`` on the first ``rows`` rows only (the rest unchanged): while
+    few rows are busy, a round costs what their number does, not the pool's."""
+    new, report = decode_round(spec, models, *front((state, settings), rows))
+    return put_front(state, new), report
 
 
 def _ar_step(spec: RoundSpec, target: KimiTarget, state: DecodeState, settings: RowSettings):

@@ -14,7 +14,8 @@ is greedy (the tokens are the same). A tier is the first 1, 4, 16, ... rows or a
 runs over the fewest that hold every busy row (requests take the lowest free row), so a lightly
 loaded pool pays for the rows it uses. With ``max_logprobs`` = k > 0 every round reports each
 emitted token's logprob and top-k (one executable whatever a request asks for); a request gets its
-own top ``RowRequest.logprobs``.
+own top ``RowRequest.logprobs``. With the prefix cache, a request whose prompt starts with the
+pages of an earlier one's committed tokens holds those pages and prefills only the rest.
 
 A request admitted alone is prefilled on its own (batch 1, at its prompt bucket) and copied into
 a free row in the same jitted call, the row index traced and the state donated, so admitting
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 from typing import Any, NamedTuple
 
@@ -41,19 +41,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdd.cache import RowTable, row_slots
-from jaxdd.cache.layout import front, put_front
 from jaxdd.cache.pages import PageTable, pool_pages
 from jaxdd.cache.stripes import paging
 from jaxdd.decoding.checks import MAX_STOP_TOKENS, check_round_options, check_row_request
-from jaxdd.decoding.prefill import prefill_new, prefill_row
+from jaxdd.decoding.prefill import prefill_after, prefill_new, prefill_row
 from jaxdd.decoding.report import RoundReport
 from jaxdd.decoding.requests import Decoder, RowRequest, RowShape, RowUpdate, pad_requests
 from jaxdd.decoding.rounds import (
     DecodeState,
-    ModelPair,
     RoundSpec,
     RowSettings,
     decode_round,
+    front_round,
     state_shardings,
 )
 from jaxdd.decoding.sampling import GREEDY, SamplingArrays, seed_keys
@@ -69,12 +68,14 @@ class _Row:
     produced: int = 0
     logprobs: int | None = None  # the request's top-k (None: no logprobs)
     scored_prompt: int = 0  # the prompt's length if it is scored, else 0
+    prompt: list[int] = dataclasses.field(default_factory=list)
+    output: list[int] = dataclasses.field(default_factory=list)  # the tokens collected
+    cached: int = 0  # prompt tokens found in the prefix cache
 
 
 class _Report(NamedTuple):
-    """A device report, its top-k trace width and logprobs' top-k, the prompt positions it
-    scored, and for each row it was run for (row, its line in the report, the request holding
-    it)."""
+    """A device report, its top-k trace width and logprobs' top-k, the prompt positions it scored,
+    and for each row it was run for (row, its line in the report, the request holding it)."""
 
     report: jax.Array
     trace: int
@@ -83,19 +84,8 @@ class _Report(NamedTuple):
     holders: list[tuple[int, int, _Row]]
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "rows"), donate_argnames=("state",))
-def front_round(
-    spec: RoundSpec, models: ModelPair, state: DecodeState, settings: RowSettings, rows: int
-) -> tuple[DecodeState, jax.Array]:
-    """``decode_round`` on the first ``rows`` rows only (the rest unchanged): while
-    few rows are busy, a round costs what their number does, not the pool's."""
-    new, report = decode_round(spec, models, *front((state, settings), rows))
-    return put_front(state, new), report
-
-
 class RowPool:
-    """``rows`` decode rows of one method; ``admit`` a
-    request into a free row, ``step`` one round for all."""
+    """``rows`` decode rows of one method: ``admit`` a request into a free row, ``step`` a round."""
 
     def __init__(
         self,
@@ -109,11 +99,13 @@ class RowPool:
         budget: int | None = None,
         max_logprobs: int = 0,
         cache_tokens: int | None = None,
+        prefix_cache: bool = False,
     ):
         """A serving pool: rows admitted one by one, a sampled and a greedy round per tier
         (``max_logprobs`` > 0: each reporting logprobs, requests asking for at most that many
         top ones), the rows' caches in a pool of pages holding ``cache_tokens`` tokens (default:
-        every row's ``max_len``)."""
+        every row's ``max_len``); with ``prefix_cache``, the pages of ended requests kept for
+        prompts that start with their tokens (``jaxdd.cache.pages``)."""
         config = decoder.config
         if rows < 1:
             raise InputError.at("rows", f"must be >= 1, got {rows}")
@@ -151,7 +143,7 @@ class RowPool:
             )
         pages = pool_pages(cache_tokens, page, devices)
         shape = RowShape(spec, greedy_spec, rows, max_len, max_prompt, slots, tiers, pages)
-        self._setup(decoder, shape)
+        self._setup(decoder, shape, prefix_cache)
         self.state = self._empty_state()
 
     @classmethod
@@ -161,7 +153,7 @@ class RowPool:
         pool._setup(decoder, shape)
         return pool
 
-    def _setup(self, decoder: Decoder, shape: RowShape) -> None:
+    def _setup(self, decoder: Decoder, shape: RowShape, prefix_cache: bool = False) -> None:
         self.decoder = decoder
         self.shape = shape
         self.rows = shape.rows
@@ -186,8 +178,10 @@ class RowPool:
         self.state: DecodeState | None = None
         self.table: RowTable[_Row] = RowTable(self.rows)  # which request holds each row
         page, devices = paging(self.spec.stripes)
-        # which pages each row holds
-        self.pages = PageTable(self.rows, shape.row_pages, shape.pool_pages, devices, page)
+        # which pages each row holds, and which the prefix cache keeps
+        self.pages = PageTable(
+            self.rows, shape.row_pages, shape.pool_pages, devices, page, prefix_cache
+        )
         # Reports not yet read: the prefills since the last dispatch,
         # and per round dispatched those before it and its own.
         self._prefilled: list[_Report] = []
@@ -230,30 +224,32 @@ class RowPool:
         """Prefill a request (checked by ``check``) alone into a free row, without waiting for
         it: its row. Its first token comes with the next round's tokens (``collect``), in an
         update that names ``owner``."""
-        padded = prompt_bucket(len(request.prompt))
-        tokens, prompt_len, seeds = pad_requests([request], 1, padded)
         if self.state is None:
             self.state = self._empty_state()
         row = self._hold(request, owner)
-        one = self._host_settings(slice(row, row + 1))
-        mesh = self.decoder.mesh
-        args = (
-            self.spec,
-            self.models,
-            self.state,
-            np.int32(row),
-            tokens,
-            prompt_len,
-            one,
-            seeds,
-            mesh,
-            request.score_prompt,
+        entry = self.table.holder(row)
+        report = self._prefill(row, request, entry.cached or None)
+        if self.pages.prefix is not None:
+            self.pages.insert(row, request.prompt)  # its rows are in both caches once prefilled
+        scored = prompt_bucket(len(request.prompt)) - 1 if request.score_prompt else 0
+        self._prefilled.append(
+            _Report(report, 0, self.spec.top_logprobs, scored, [(row, 0, entry)])
         )
-        self.state, report = prefill_row(*args)
-        scored = padded - 1 if request.score_prompt else 0
-        holders = [(row, 0, self.table.holder(row))]
-        self._prefilled.append(_Report(report, 0, self.spec.top_logprobs, scored, holders))
         return row
+
+    def _prefill(self, row: int, request: RowRequest, after: int | None = None) -> jax.Array:
+        """Dispatch ``request``'s prefill into ``row``: all of it, or (``after`` not None) the
+        tokens after its first ``after``, whose rows the row's pages hold: the report."""
+        one = self._host_settings(slice(row, row + 1))
+        rest = dataclasses.replace(request, prompt=request.prompt[after or 0 :])
+        tokens, count, seeds = pad_requests([rest], 1, prompt_bucket(len(rest.prompt)))
+        mesh = self.decoder.mesh
+        args = (self.spec, self.models, self.state, np.int32(row), tokens)
+        if after is None:
+            self.state, report = prefill_row(*args, count, one, seeds, mesh, request.score_prompt)
+        else:
+            self.state, report = prefill_after(*args, np.int32(after), count, one, seeds, mesh)
+        return report
 
     def admit_all(self, requests: list[RowRequest]) -> None:
         """Prefill ``requests`` (checked) together into rows 0, 1, ... of a pool
@@ -281,11 +277,12 @@ class RowPool:
     def _hold(self, request: RowRequest, owner: Any = None) -> int:
         """A free row for ``request`` (its settings reach the device with the next round)."""
         scored = len(request.prompt) if request.score_prompt else 0
-        entry = _Row(request.max_new_tokens, owner, 0, request.logprobs, scored)
-        if not self.pages.fits(self.shape.reach(request)):
+        entry = _Row(request.max_new_tokens, owner, 0, request.logprobs, scored, request.prompt)
+        reach, prompt = self.shape.reach(request), self._cacheable(request)
+        if not self.pages.fits(reach, prompt):
             raise InputError.at("cache_tokens", "no free pages: admit what admissible() allows")
         row = self.table.take(entry)
-        self.pages.take(row, self.shape.reach(request))
+        entry.cached = self.pages.take(row, reach, prompt)
         stops = np.full((MAX_STOP_TOKENS,), -1, np.int32)
         stops[: len(request.stop_ids)] = request.stop_ids
         self._max_length[row] = len(request.prompt) + request.max_new_tokens
@@ -298,10 +295,27 @@ class RowPool:
         """Free a row (a cancelled request): its device row keeps
         running until a new request overwrites it, which costs nothing
         extra (the round's shape is fixed) and touches no other row: its pages are free again
-        and from the next round on it reaches none."""
+        (the prefix cache keeps those of its committed tokens) and from the next round on it
+        reaches none."""
+        entry = self.table.holder(row)
+        if entry is not None:
+            self.pages.insert(row, self._committed(entry))
         self.table.release(row)
         self.pages.release(row)
         self.settings = None
+
+    def _committed(self, entry: _Row) -> list[int]:
+        """The tokens whose rows both caches hold for certain: the prompt, and what the rounds
+        committed (the newest token is in neither) less the last round's, whose context the
+        drafter caches only in the next round."""
+        lag = 0 if self.method == "ar" else self.width
+        kept = max(len(entry.prompt), len(entry.prompt) + entry.produced - 1 - lag)
+        return (entry.prompt + entry.output)[:kept]
+
+    def _cacheable(self, request: RowRequest) -> list[int] | None:
+        """The prompt the prefix cache may serve, None for one whose every position's logits
+        are asked for (a scoring prefill computes them all)."""
+        return None if request.score_prompt else request.prompt
 
     def release_all(self) -> None:
         """Free every row (their requests failed); rounds in flight still finish."""
@@ -315,7 +329,8 @@ class RowPool:
         busy = {row for row, _ in self.table.items()}
         rows = len(self.free_rows()) + len(set(release) & busy)
         reaches = [self.shape.reach(r) for r in requests[:rows]]
-        return self.pages.admissible(reaches, release)
+        prompts = [self._cacheable(r) for r in requests[:rows]]
+        return self.pages.admissible(reaches, release, prompts)
 
     def reset(self) -> None:
         """Every row free in a fresh state, nothing in flight: after a fault,
@@ -383,15 +398,12 @@ class RowPool:
                 tokens = emitted[: entry.max_new_tokens - entry.produced]
                 first = entry.produced == 0 and bool(tokens)
                 entry.produced += len(tokens)
+                entry.output += tokens
                 # a stop token cut off by the length is not the reason it ended
                 stopped = bool(report.stopped[index]) and len(tokens) == len(emitted)
-                finish = (
-                    "stop"
-                    if stopped
-                    else "length"
-                    if entry.produced >= entry.max_new_tokens
-                    else None
-                )
+                finish = "stop" if stopped else None
+                if not stopped and entry.produced >= entry.max_new_tokens:
+                    finish = "length"
                 scores, prompt_scores = report.scores(
                     index, len(tokens), entry.logprobs, entry.scored_prompt
                 )
@@ -412,6 +424,7 @@ class RowPool:
                     entry.owner,
                     scores,
                     prompt_scores,
+                    entry.cached,
                 )
                 if finish is not None:
                     self.release(row)
@@ -457,18 +470,27 @@ class RowPool:
 
     def warm_up(self) -> None:
         """Compile every executable the pool will run: each prompt bucket's prefill (and with
-        logprobs its scoring prefill) and each tier's sampled and greedy rounds (twice each, so a
-        second call finds what the first left: shardings and layouts settle after one)."""
+        logprobs its scoring prefill; with the prefix cache, the prefill after a hit) and each
+        tier's sampled and greedy rounds (twice each, so a second call finds what the first left:
+        shardings and layouts settle after one). The prefix cache starts empty after it."""
         scoring = (False, True) if self.spec.top_logprobs else (False,)
+        page = self.pages.page
+        after_hit = self.max_prompt - page if self.pages.prefix is not None else 0
+        rests = sorted({min(b, after_hit) for b in self.buckets if after_hit > 0})
         for _ in range(2):
             for padded, score in itertools.product(self.buckets, scoring):
                 prompt = [1] * min(padded, self.max_prompt)
                 logprobs = 0 if score else None
                 self.admit(RowRequest(prompt, 1, [], GREEDY, logprobs, score))
                 self.step()  # the first token ends it
+            for rest in rests:  # twice: the second finds its first page cached
+                for _ in range(2):
+                    self.admit(RowRequest([2] * (page + rest), 1, [], GREEDY))
+                    self.step()
             row = self.admit(RowRequest([1], min(self.width + 1, self.max_len - 1), [], GREEDY))
             for spec in (self.spec, self.greedy_spec):
                 for tier in self.tiers:
                     self._run_round(spec, tier)
                     self.collect()
             self.release(row)
+        self.pages.clear()

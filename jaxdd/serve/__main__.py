@@ -90,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch x --max-len)",
     )
     parser.add_argument(
+        "--prefix-cache",
+        choices=["on", "off"],
+        default="on",
+        help="keep the cache pages of ended requests for prompts that start with their tokens "
+        "(target and drafter; conversations resent in full prefill only what is new)",
+    )
+    parser.add_argument(
         "--max-logprobs",
         type=non_negative,
         default=20,
@@ -164,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_prompt": args.max_prompt,
             "max_logprobs": args.max_logprobs,
             "cache_tokens": args.cache_tokens,
+            "prefix_cache": args.prefix_cache == "on",
         }
         decoder = SpeculativeDecoder(
             target, drafter, cache_layout=args.cache_layout or "replicated"
@@ -190,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     scheduler.start()  # compiles in its thread while the HTTP side already answers /health with 503
     shape = (
         f"{method}, {args.max_batch} rows, a cache of {pool.cache_tokens} tokens in pages of "
-        f"{pool.pages.page}, prompt buckets {pool.buckets}"
+        f"{pool.pages.page}, prefix cache {args.prefix_cache}, prompt buckets {pool.buckets}"
     )
     try:
         app = create_app(server)

@@ -1,15 +1,13 @@
-"""The HTTP side: FastAPI routes for the OpenAI endpoints,
-Server-Sent Events for streams, OpenAI error bodies.
+"""The HTTP side: FastAPI routes for the OpenAI endpoints, SSE streams, OpenAI error bodies.
 
 Every request is checked before it is queued (a 400 names the field); past ``--max-waiting`` it
 gets a 429. Logprobs (up to ``--max-logprobs`` top ones) and a completion's ``echo`` are shaped by
 ``jaxdd.serve.logprobs``; ``echo`` with ``max_tokens`` 0 scores the prompt alone, or without
-logprobs is answered by the HTTP side alone (nothing to compute). A request is one
-row per prompt of a batch and per sample (``n``), all queued together (or none), each its own
-choice. A stream whose client goes away cancels its rows (the generator is closed), and so does a
-non-streaming request whose client disconnects (polled while it waits), so they are free for the
-next round. Each refusal and each row's end (``take``, the client leaving: "abort", or a sibling's
-error) is counted in the metrics.
+logprobs is answered by the HTTP side alone. A request is one row per prompt of a batch and per
+sample (``n``), all queued together (or none), each its own choice. A stream whose client goes
+away cancels its rows (the generator is closed), and so does a non-streaming request whose client
+disconnects (polled while it waits). Each refusal and each row's end (``take``, the client
+leaving: "abort", a sibling's error) is counted in the metrics; usage counts cached prompt tokens.
 """
 
 from __future__ import annotations
@@ -421,7 +419,9 @@ class Choices:
         return sum(len(output.token_ids) for output in self.outputs)
 
     def usage(self) -> dict:
-        return protocol.usage(self.prompt_tokens, self.completion_tokens)
+        return protocol.usage(
+            self.prompt_tokens, self.completion_tokens, sum(j.cached for j in self.jobs)
+        )
 
     def end(self, reason: str) -> None:
         """Cancel every row; count those that had not finished as ending for ``reason``."""

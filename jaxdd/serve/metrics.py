@@ -59,7 +59,15 @@ class Metrics:
             name("generation_tokens"), "Tokens generated", registry=registry
         )
         self.prompt_tokens = Counter(
-            name("prompt_tokens"), "Prompt tokens prefilled", registry=registry
+            name("prompt_tokens"), "Prompt tokens admitted (cached ones too)", registry=registry
+        )
+        self.prefix_queries = Counter(
+            name("prefix_cache_queries"),
+            "Prompt tokens looked up in the prefix cache",
+            registry=registry,
+        )
+        self.prefix_hits = Counter(
+            name("prefix_cache_hits"), "Prompt tokens found in the prefix cache", registry=registry
         )
         self.drafts = Counter(
             name("spec_decode_num_drafts"), "Speculative rounds, per request", registry=registry

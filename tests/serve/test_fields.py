@@ -247,7 +247,12 @@ def test_echo_of_no_token_without_logprobs_needs_no_rows(pool, client, prompt, s
     assert {c["finish_reason"] for c in choices} == {"length"}
     assert all(c["logprobs"] is None for c in choices)
     tokens = sum(len(tokenizer.encode(p) if isinstance(p, str) else p) for p in prompts)
-    assert usage == {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}
+    assert usage == {
+        "prompt_tokens": tokens,
+        "completion_tokens": 0,
+        "total_tokens": tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 @pytest.mark.parametrize(

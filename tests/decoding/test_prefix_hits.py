@@ -1,0 +1,72 @@
+"""The prefix cache in a RowPool: a conversation's next turn (its history resent and a new
+message) finds the pages of the last turn's prompt and output cached, target and drafter alike,
+prefills only the rest, and decodes to what its full prompt gives alone, greedy and seeded
+sampled, with the same acceptance per round as without the hit; nothing compiles after
+warm-up, and every page is free or cached again once the requests end."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jaxdd
+from jaxdd.cli import DEMO
+from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.decoding.requests import RowRequest
+from jaxdd.decoding.rows import RowPool
+from jaxdd.runtime.compile_time import compile_clock
+
+OPTIONS = {"rows": 2, "max_len": 256, "max_prompt": 192}
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return SpeculativeDecoder(*jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32"))
+
+
+def run(pool: RowPool, request: RowRequest) -> tuple[list[int], list[int], int]:
+    """``request`` alone through ``pool``: its tokens, how many each update brought, and the
+    prompt tokens it found cached."""
+    pool.admit(pool.check(request))
+    tokens, sizes, cached = [], [], 0
+    for _ in range(request.max_new_tokens + 1):  # bounded: a round brings one token or more
+        if not pool.busy:
+            break
+        for update in pool.step().values():
+            tokens += update.tokens
+            sizes.append(len(update.tokens))
+            cached += update.cached if update.first else 0
+    return tokens, sizes, cached
+
+
+@pytest.mark.parametrize(
+    ("method", "sampling"),
+    [("dflash", jaxdd.Sampling()), ("ddtree", jaxdd.Sampling(0.8, 0.95, 0, 7))],
+)
+def test_the_next_turn_hits_and_decodes_as_alone(decoder, method, sampling):
+    rng = np.random.default_rng(5)
+    options = {"method": method, **OPTIONS, **({"budget": 12} if method == "ddtree" else {})}
+    cached = RowPool(decoder, prefix_cache=True, **options)
+    plain = RowPool(decoder, **options)
+    with compile_clock() as warm:
+        cached.warm_up()
+    assert warm.count > 0  # the prefill after a hit is among what warm-up compiles
+    assert cached.pages.cached == 0  # warm-up leaves nothing behind
+    first = RowRequest(rng.integers(1, 4096, 70).tolist(), 80, [], sampling)
+    with compile_clock() as clock:
+        said, _, none = run(cached, first)
+        history = first.prompt + said + rng.integers(1, 4096, 20).tolist()
+        second = RowRequest(history, 24, [], sampling)
+        hit, sizes, found = run(cached, second)
+    assert clock.count == 0 and len(said) == 80
+    # two pages: the first turn's prompt and its output but the last round's (the drafter's lag)
+    assert none == 0 and found == 128
+    miss, plain_sizes, _ = run(plain, second)
+    alone = decoder.generate(
+        history, method=method, max_new_tokens=24, stop_token_ids=[], sampling=sampling,
+        **({"budget": 12} if method == "ddtree" else {}),
+    )  # fmt: skip
+    assert hit == miss == alone.tokens
+    assert sizes == plain_sizes  # the drafter's context was restored with the target's
+    assert not cached.busy and cached.pages.held == 0
+    assert cached.pages.free + cached.pages.cached == cached.pages.usable

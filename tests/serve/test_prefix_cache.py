@@ -1,0 +1,38 @@
+"""The server's prefix cache (on by default), through the real ``openai`` client: a
+conversation's second turn resends the first turn's prompt and answer; it finds their pages
+cached, says so in ``usage.prompt_tokens_details.cached_tokens`` and in vLLM's metrics, and
+decodes to what its full prompt gives alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import openai
+import pytest
+
+from jaxdd.testing.server import complete, running_server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("prefix_cache") / "server.log"
+    args = ["--max-batch", "2", "--max-len", "256", "--max-prompt", "192", "--dtype", "float32"]
+    with running_server(args, log) as process:
+        yield process
+
+
+def test_a_second_turn_reuses_the_first_and_decodes_as_alone(server, reference):
+    run, _ = reference
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=120, max_retries=0)
+    rng = np.random.default_rng(21)
+    first = {"prompt": rng.integers(1, 4096, 70).tolist(), "max_tokens": 80, "temperature": 0.0}
+    said, _, _, usage = complete(client, first)
+    assert said == run(first["prompt"], 80) and len(said) == 80
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    history = first["prompt"] + said + rng.integers(1, 4096, 20).tolist()
+    second = {"prompt": history, "max_tokens": 24, "temperature": 0.7, "seed": 3, "stream": True}
+    ids, _, _, usage = complete(client, second)
+    assert ids == run(history, 24, 0.7, 3)
+    # two pages of 64: the first prompt and the answer but its last round (the drafter's lag)
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 128}
+    assert server.metric("prefix_cache_queries_total") == 70 + len(history)
+    assert server.metric("prefix_cache_hits_total") == 128
