@@ -8,11 +8,15 @@ import dataclasses
 
 import numpy as np
 
+from jaxdd.cache import row_slots
+from jaxdd.cache.pages import pool_pages
+from jaxdd.cache.stripes import paging
 from jaxdd.config import KimiConfig
-from jaxdd.decoding.requests import RowRequest, RowShape
+from jaxdd.decoding.requests import Decoder, RowRequest, RowShape
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.errors import InputError
-from jaxdd.types import METHODS, TREE_LOGITS, TreeLogits
+from jaxdd.runtime.buckets import prompt_bucket
+from jaxdd.types import METHODS, TREE_LOGITS, Method, TreeLogits, verified_tokens
 
 # stop ids are padded to this many so their number never changes a compiled shape
 MAX_STOP_TOKENS = 16
@@ -189,3 +193,59 @@ def check_row_request(request: RowRequest, shape: RowShape, config: KimiConfig) 
     if not isinstance(request.sampling, Sampling):
         raise InputError.at("sampling", "expected a jaxdd.Sampling")
     return dataclasses.replace(request, prompt=list(prompt), stop_ids=list(request.stop_ids))
+
+
+def pool_shape(
+    decoder: Decoder,
+    method: Method,
+    rows: int,
+    max_len: int,
+    max_prompt: int | None,
+    block_size: int | None,
+    budget: int | None,
+    max_logprobs: int,
+    cache_tokens: int | None,
+    prefill_chunk: int | None,
+) -> RowShape:
+    """A ``RowPool``'s shape from its options, each checked (``InputError`` naming it)."""
+    config = decoder.config
+    if rows < 1:
+        raise InputError.at("rows", f"must be >= 1, got {rows}")
+    if not 2 <= max_len <= config.max_position_embeddings:
+        raise InputError.at(
+            "max_len", f"must be in [2, {config.max_position_embeddings}], got {max_len}"
+        )
+    max_prompt = max_len - 1 if max_prompt is None else max_prompt
+    if not 1 <= max_prompt < max_len:
+        raise InputError.at("max_prompt", f"must be in [1, max_len), got {max_prompt}")
+    drafter_block = None if decoder.drafter is None else decoder.drafter.config.block_size
+    has_drafter = decoder.drafter is not None
+    block, budget = check_round_options(
+        method, has_drafter, drafter_block, block_size, budget, None
+    )
+    if prefill_chunk is not None and not 1 <= prefill_chunk <= max_prompt:
+        raise InputError.at(
+            "prefill_chunk", f"must be in [1, max_prompt {max_prompt}], got {prefill_chunk}"
+        )
+    if not isinstance(max_logprobs, int) or max_logprobs < 0:
+        raise InputError.at("max_logprobs", f"must be an integer >= 0, got {max_logprobs!r}")
+    options = {"block": block, "budget": budget, "top_logprobs": max_logprobs}
+    spec = decoder.round_spec(method, sampled=True, **options)
+    greedy_spec = decoder.round_spec(method, sampled=False, **options)
+    # Rounds over the first 1, 4, 16, ... rows and over all: requests take the
+    # lowest free row, so the round runs over the rows up to the highest busy one.
+    tiers = tuple(sorted({4**i for i in range(rows.bit_length()) if 4**i < rows} | {rows}))
+    round_tokens = max(block, verified_tokens(method, block, budget))
+    page, devices = paging(spec.stripes)
+    slots = row_slots(prompt_bucket(max_prompt), max_len, round_tokens, page * devices)
+    least = min(max_len + round_tokens, slots)  # one request of max_len: none waits forever
+    if cache_tokens is None:
+        cache_tokens = rows * slots
+    elif not isinstance(cache_tokens, int) or cache_tokens < least:
+        raise InputError.at(
+            "cache_tokens",
+            f"must hold one request of max_len {max_len} and a round ({least} tokens), "
+            f"got {cache_tokens!r}",
+        )
+    pages = pool_pages(cache_tokens, page, devices)
+    return RowShape(spec, greedy_spec, rows, max_len, max_prompt, slots, tiers, pages)

@@ -161,16 +161,18 @@ def prefill_after(
     state: DecodeState,
     row: jax.Array,
     tokens: jax.Array,
-    start: jax.Array,
     count: jax.Array,
     settings: RowSettings,
     seeds: jax.Array,
     mesh: jax.sharding.Mesh | None,
+    start: jax.Array,
+    last: jax.Array,
 ) -> tuple[DecodeState, jax.Array]:
     """``prefill_row`` for a request whose pages hold its first ``start`` tokens already (both
-    caches: a prefix cache hit): only the rest, ``tokens`` [1, T] of which ``count`` [1] are
-    real, runs, at positions ``start`` .., attending over the cached rows and each other as the
-    verify of a chain does."""
+    caches: a prefix cache hit, or the chunks before): only ``tokens`` [1, T], of which ``count``
+    [1] are real, run, at positions ``start`` .., attending over the cached rows and each other
+    as the verify of a chain does. Unless ``last`` (the prompt's end), the row stays done: the
+    rounds until its last chunk leave it as it is."""
     target, drafter = models.merge()
     rows = row[None]
     part = _fresh(take_rows(state, rows), settings, seeds)
@@ -193,7 +195,7 @@ def prefill_after(
     new, report = _first_token(
         spec, target, drafter, part, out, cache, positions, count, settings, mesh
     )
-    return put_rows(state, new, rows), report
+    return put_rows(state, new.replace(done=new.done | ~last), rows), report
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "pages", "mesh", "score"))

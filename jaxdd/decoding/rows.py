@@ -40,10 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdd.cache import RowTable, row_slots
-from jaxdd.cache.pages import PageTable, pool_pages
+from jaxdd.cache import RowTable
+from jaxdd.cache.pages import PageTable
 from jaxdd.cache.stripes import paging
-from jaxdd.decoding.checks import MAX_STOP_TOKENS, check_round_options, check_row_request
+from jaxdd.decoding.checks import MAX_STOP_TOKENS, check_row_request, pool_shape
 from jaxdd.decoding.prefill import prefill_after, prefill_new, prefill_row
 from jaxdd.decoding.report import RoundReport
 from jaxdd.decoding.requests import Decoder, RowRequest, RowShape, RowUpdate, pad_requests
@@ -58,7 +58,7 @@ from jaxdd.decoding.rounds import (
 from jaxdd.decoding.sampling import GREEDY, SamplingArrays, seed_keys
 from jaxdd.errors import InputError
 from jaxdd.runtime.buckets import prompt_bucket
-from jaxdd.types import Method, verified_tokens
+from jaxdd.types import Method
 
 
 @dataclasses.dataclass
@@ -68,9 +68,11 @@ class _Row:
     produced: int = 0
     logprobs: int | None = None  # the request's top-k (None: no logprobs)
     scored_prompt: int = 0  # the prompt's length if it is scored, else 0
-    prompt: list[int] = dataclasses.field(default_factory=list)
+    request: RowRequest | None = None
     output: list[int] = dataclasses.field(default_factory=list)  # the tokens collected
     cached: int = 0  # prompt tokens found in the prefix cache
+    chunked: bool = False  # prefilled in chunks of ``prefill_chunk`` tokens
+    next: int | None = None  # where its next prefill part starts (None: prefilled)
 
 
 class _Report(NamedTuple):
@@ -100,50 +102,18 @@ class RowPool:
         max_logprobs: int = 0,
         cache_tokens: int | None = None,
         prefix_cache: bool = False,
+        prefill_chunk: int | None = None,
     ):
         """A serving pool: rows admitted one by one, a sampled and a greedy round per tier
         (``max_logprobs`` > 0: each reporting logprobs, requests asking for at most that many
         top ones), the rows' caches in a pool of pages holding ``cache_tokens`` tokens (default:
         every row's ``max_len``); with ``prefix_cache``, the pages of ended requests kept for
-        prompts that start with their tokens (``jaxdd.cache.pages``)."""
-        config = decoder.config
-        if rows < 1:
-            raise InputError.at("rows", f"must be >= 1, got {rows}")
-        if not 2 <= max_len <= config.max_position_embeddings:
-            raise InputError.at(
-                "max_len", f"must be in [2, {config.max_position_embeddings}], got {max_len}"
-            )
-        max_prompt = max_len - 1 if max_prompt is None else max_prompt
-        if not 1 <= max_prompt < max_len:
-            raise InputError.at("max_prompt", f"must be in [1, max_len), got {max_prompt}")
-        drafter_block = None if decoder.drafter is None else decoder.drafter.config.block_size
-        has_drafter = decoder.drafter is not None
-        block, budget = check_round_options(
-            method, has_drafter, drafter_block, block_size, budget, None
-        )
-        if not isinstance(max_logprobs, int) or max_logprobs < 0:
-            raise InputError.at("max_logprobs", f"must be an integer >= 0, got {max_logprobs!r}")
-        options = {"block": block, "budget": budget, "top_logprobs": max_logprobs}
-        spec = decoder.round_spec(method, sampled=True, **options)
-        greedy_spec = decoder.round_spec(method, sampled=False, **options)
-        # Rounds over the first 1, 4, 16, ... rows and over all: requests take the
-        # lowest free row, so the round runs over the rows up to the highest busy one.
-        tiers = tuple(sorted({4**i for i in range(rows.bit_length()) if 4**i < rows} | {rows}))
-        round_tokens = max(block, verified_tokens(method, block, budget))
-        page, devices = paging(spec.stripes)
-        slots = row_slots(prompt_bucket(max_prompt), max_len, round_tokens, page * devices)
-        least = min(max_len + round_tokens, slots)  # one request of max_len: none waits forever
-        if cache_tokens is None:
-            cache_tokens = rows * slots
-        elif not isinstance(cache_tokens, int) or cache_tokens < least:
-            raise InputError.at(
-                "cache_tokens",
-                f"must hold one request of max_len {max_len} and a round ({least} tokens), "
-                f"got {cache_tokens!r}",
-            )
-        pages = pool_pages(cache_tokens, page, devices)
-        shape = RowShape(spec, greedy_spec, rows, max_len, max_prompt, slots, tiers, pages)
+        prompts that start with their tokens (``jaxdd.cache.pages``); with ``prefill_chunk``, a
+        prompt longer than that prefilled a chunk per round (the other rows decode meanwhile)."""
+        options = (max_prompt, block_size, budget, max_logprobs, cache_tokens, prefill_chunk)
+        shape = pool_shape(decoder, method, rows, max_len, *options)
         self._setup(decoder, shape, prefix_cache)
+        self.prefill_chunk = prefill_chunk
         self.state = self._empty_state()
 
     @classmethod
@@ -156,6 +126,7 @@ class RowPool:
     def _setup(self, decoder: Decoder, shape: RowShape, prefix_cache: bool = False) -> None:
         self.decoder = decoder
         self.shape = shape
+        self.prefill_chunk: int | None = None
         self.rows = shape.rows
         self.max_len = shape.max_len
         self.max_prompt = shape.max_prompt
@@ -205,6 +176,11 @@ class RowPool:
         return self.pages.usable * self.pages.page
 
     @property
+    def prefix_cache(self) -> bool:
+        """Whether ended requests' pages are kept for prompts that start with their tokens."""
+        return self.pages.prefix is not None
+
+    @property
     def cache_usage(self) -> float:
         """The fraction of the pool's pages that requests hold."""
         return self.pages.held / self.pages.usable
@@ -227,29 +203,34 @@ class RowPool:
         if self.state is None:
             self.state = self._empty_state()
         row = self._hold(request, owner)
-        entry = self.table.holder(row)
-        report = self._prefill(row, request, entry.cached or None)
-        if self.pages.prefix is not None:
-            self.pages.insert(row, request.prompt)  # its rows are in both caches once prefilled
-        scored = prompt_bucket(len(request.prompt)) - 1 if request.score_prompt else 0
-        self._prefilled.append(
-            _Report(report, 0, self.spec.top_logprobs, scored, [(row, 0, entry)])
-        )
+        self._prefill_next(row, self.table.holder(row))
         return row
 
-    def _prefill(self, row: int, request: RowRequest, after: int | None = None) -> jax.Array:
-        """Dispatch ``request``'s prefill into ``row``: all of it, or (``after`` not None) the
-        tokens after its first ``after``, whose rows the row's pages hold: the report."""
+    def _prefill_next(self, row: int, entry: _Row) -> None:
+        """Dispatch the next part of ``row``'s prefill: its whole prompt, the rest after its cached
+        pages, or the next chunk (each padded to one length: one executable); once the last part
+        is dispatched, its report brings the first token."""
+        request, start = entry.request, entry.next
+        end = len(request.prompt)
+        if entry.chunked:
+            end = min(end, start + self.prefill_chunk)
+        padded = prompt_bucket(self.prefill_chunk if entry.chunked else end - start)
+        part = dataclasses.replace(request, prompt=request.prompt[start:end])
+        tokens, count, seeds = pad_requests([part], 1, padded)
         one = self._host_settings(slice(row, row + 1))
-        rest = dataclasses.replace(request, prompt=request.prompt[after or 0 :])
-        tokens, count, seeds = pad_requests([rest], 1, prompt_bucket(len(rest.prompt)))
         mesh = self.decoder.mesh
-        args = (self.spec, self.models, self.state, np.int32(row), tokens)
-        if after is None:
-            self.state, report = prefill_row(*args, count, one, seeds, mesh, request.score_prompt)
+        args = (self.spec, self.models, self.state, np.int32(row), tokens, count, one, seeds, mesh)
+        last = end == len(request.prompt)
+        if start == 0 and last:
+            self.state, report = prefill_row(*args, request.score_prompt)
         else:
-            self.state, report = prefill_after(*args, np.int32(after), count, one, seeds, mesh)
-        return report
+            self.state, report = prefill_after(*args, np.int32(start), np.bool_(last))
+        entry.next = None if last else end
+        if last:
+            self.pages.insert(row, request.prompt)  # its rows are in both caches once prefilled
+            scored = padded - 1 if request.score_prompt else 0
+            holders = [(row, 0, entry)]
+            self._prefilled.append(_Report(report, 0, self.spec.top_logprobs, scored, holders))
 
     def admit_all(self, requests: list[RowRequest]) -> None:
         """Prefill ``requests`` (checked) together into rows 0, 1, ... of a pool
@@ -277,12 +258,14 @@ class RowPool:
     def _hold(self, request: RowRequest, owner: Any = None) -> int:
         """A free row for ``request`` (its settings reach the device with the next round)."""
         scored = len(request.prompt) if request.score_prompt else 0
-        entry = _Row(request.max_new_tokens, owner, 0, request.logprobs, scored, request.prompt)
+        entry = _Row(request.max_new_tokens, owner, 0, request.logprobs, scored, request)
         reach, prompt = self.shape.reach(request), self._cacheable(request)
         if not self.pages.fits(reach, prompt):
             raise InputError.at("cache_tokens", "no free pages: admit what admissible() allows")
         row = self.table.take(entry)
-        entry.cached = self.pages.take(row, reach, prompt)
+        entry.cached = entry.next = self.pages.take(row, reach, prompt)
+        rest = len(request.prompt) - entry.cached
+        entry.chunked = prompt is not None and rest > (self.prefill_chunk or rest)
         stops = np.full((MAX_STOP_TOKENS,), -1, np.int32)
         stops[: len(request.stop_ids)] = request.stop_ids
         self._max_length[row] = len(request.prompt) + request.max_new_tokens
@@ -308,13 +291,16 @@ class RowPool:
         """The tokens whose rows both caches hold for certain: the prompt, and what the rounds
         committed (the newest token is in neither) less the last round's, whose context the
         drafter caches only in the next round."""
+        prompt = entry.request.prompt
+        if entry.next is not None:  # still prefilling: the parts dispatched
+            return prompt[: entry.next]
         lag = 0 if self.method == "ar" else self.width
-        kept = max(len(entry.prompt), len(entry.prompt) + entry.produced - 1 - lag)
-        return (entry.prompt + entry.output)[:kept]
+        kept = max(len(prompt), len(prompt) + entry.produced - 1 - lag)
+        return (prompt + entry.output)[:kept]
 
     def _cacheable(self, request: RowRequest) -> list[int] | None:
-        """The prompt the prefix cache may serve, None for one whose every position's logits
-        are asked for (a scoring prefill computes them all)."""
+        """The prompt the prefix cache may serve (and chunks), None for one whose every
+        position's logits are asked for (a scoring prefill computes them all at once)."""
         return None if request.score_prompt else request.prompt
 
     def release_all(self) -> None:
@@ -355,11 +341,18 @@ class RowPool:
     def needs_round(self) -> bool:
         """Whether a busy row wants more than its prefill's first token (else ``collect`` alone
         ends every row: a prompt scored alone, a request for one token)."""
-        return any(e.max_new_tokens > max(e.produced, 1) for _, e in self.table.items())
+        return any(
+            e.next is not None or e.max_new_tokens > max(e.produced, 1)
+            for _, e in self.table.items()
+        )
 
     def dispatch(self) -> None:
         """Start one round for every row without waiting for it: the greedy
-        round while every active row is greedy, else the sampled one."""
+        round while every active row is greedy, else the sampled one; before it, the next chunk of
+        each row still prefilling."""
+        for row, entry in self.table.items():
+            if entry.next is not None:
+                self._prefill_next(row, entry)
         sampled = any(not self._sampling[row].greedy for row, _ in self.table.items())
         tier = next(t for t in self.tiers if t > self.table.highest())
         self._run_round(self.spec if sampled else self.greedy_spec, tier)
@@ -372,7 +365,7 @@ class RowPool:
         else:
             self.state, report = front_round(spec, self.models, self.state, self.settings, tier)
         trace = spec.trace if spec.method != "ar" else 0
-        holders = [(row, row, e) for row, e in self.table.items()]
+        holders = [(row, row, e) for row, e in self.table.items() if e.next is None]
         own = _Report(report, trace, spec.top_logprobs, 0, holders)
         self._in_flight.append([*self._prefilled, own])
         self._prefilled = []
@@ -470,23 +463,27 @@ class RowPool:
 
     def warm_up(self) -> None:
         """Compile every executable the pool will run: each prompt bucket's prefill (and with
-        logprobs its scoring prefill; with the prefix cache, the prefill after a hit) and each
-        tier's sampled and greedy rounds (twice each, so a second call finds what the first left:
-        shardings and layouts settle after one). The prefix cache starts empty after it."""
+        logprobs its scoring prefill; with the prefix cache, the prefill after a hit; with chunks,
+        a chunk's) and each tier's sampled and greedy rounds (twice each, so a second call finds
+        what the first left: shardings and layouts settle after one). The prefix cache starts
+        empty after it."""
         scoring = (False, True) if self.spec.top_logprobs else (False,)
-        page = self.pages.page
-        after_hit = self.max_prompt - page if self.pages.prefix is not None else 0
-        rests = sorted({min(b, after_hit) for b in self.buckets if after_hit > 0})
+        page, chunk = self.pages.page, self.prefill_chunk or self.max_prompt
+        after_hit = self.max_prompt - page if self.prefix_cache else 0
+        # twice each: the second finds the first's pages cached, or one past a chunk
+        again = [[2] * (page + min(b, after_hit)) for b in self.buckets if after_hit > 0]
+        again += [[3] * (chunk + 1)] if chunk < self.max_prompt else []
         for _ in range(2):
             for padded, score in itertools.product(self.buckets, scoring):
                 prompt = [1] * min(padded, self.max_prompt)
                 logprobs = 0 if score else None
                 self.admit(RowRequest(prompt, 1, [], GREEDY, logprobs, score))
                 self.step()  # the first token ends it
-            for rest in rests:  # twice: the second finds its first page cached
-                for _ in range(2):
-                    self.admit(RowRequest([2] * (page + rest), 1, [], GREEDY))
-                    self.step()
+            for prompt, _ in itertools.product(again, range(2)):
+                self.admit(RowRequest(prompt, 1, [], GREEDY))
+                for _ in range(len(prompt) + 1):  # a chunk per round
+                    if self.busy:
+                        self.step()
             row = self.admit(RowRequest([1], min(self.width + 1, self.max_len - 1), [], GREEDY))
             for spec in (self.spec, self.greedy_spec):
                 for tier in self.tiers:

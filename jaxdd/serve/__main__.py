@@ -97,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(target and drafter; conversations resent in full prefill only what is new)",
     )
     parser.add_argument(
+        "--prefill-chunk",
+        type=positive,
+        metavar="TOKENS",
+        help="prefill a longer prompt this many tokens per round, the other requests decoding "
+        "between its chunks (default: a prompt whole, between two rounds)",
+    )
+    parser.add_argument(
         "--max-logprobs",
         type=non_negative,
         default=20,
@@ -172,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_logprobs": args.max_logprobs,
             "cache_tokens": args.cache_tokens,
             "prefix_cache": args.prefix_cache == "on",
+            "prefill_chunk": args.prefill_chunk,
         }
         decoder = SpeculativeDecoder(
             target, drafter, cache_layout=args.cache_layout or "replicated"

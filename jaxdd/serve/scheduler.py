@@ -341,7 +341,7 @@ class Scheduler:
             job.first_tokens = len(update.tokens)
             job.cached = update.cached
             self.metrics.ttft.observe(now - job.arrived)
-            if self.pool.pages.prefix is not None:
+            if self.pool.prefix_cache:
                 self.metrics.prefix_queries.inc(len(job.request.prompt))
                 self.metrics.prefix_hits.inc(update.cached)
         self.metrics.generation_tokens.inc(len(update.tokens))

@@ -106,7 +106,7 @@ def test_pages_are_free_cached_or_held_and_hits_hold_their_tokens(devices, page,
             prompts = [model.conversations[c][:n] for c, n in waiting]
             reaches = [min(SEQUENCE, n + 40) for _, n in waiting]
             admitted = model.pages.admissible(reaches, prompts=prompts)
-            for i, (row, (conversation, prompt)) in enumerate(zip(free, waiting)):
+            for i, (row, (conversation, prompt)) in enumerate(zip(free, waiting, strict=True)):
                 if i == admitted:
                     break
                 assert model.pages.fits(reaches[i], prompts[i])

@@ -23,7 +23,7 @@ class FakePool:
     first with its prefill's), a row ends at its length; every call that a device
     would see is logged. ``faulty``: the dispatches (counted from 1) that raise."""
 
-    method, block, budget = "dflash", 4, None
+    method, block, budget, prefix_cache = "dflash", 4, None, False
     cache_tokens, cache_usage = 64 * ROWS, 0.0  # a row's worth of pages each: rows decide
 
     def __init__(self, faulty: frozenset[int] = frozenset()):

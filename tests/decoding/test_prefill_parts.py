@@ -1,8 +1,9 @@
-"""The prefix cache in a RowPool: a conversation's next turn (its history resent and a new
-message) finds the pages of the last turn's prompt and output cached, target and drafter alike,
-prefills only the rest, and decodes to what its full prompt gives alone, greedy and seeded
-sampled, with the same acceptance per round as without the hit; nothing compiles after
-warm-up, and every page is free or cached again once the requests end."""
+"""A prompt prefilled in parts in a RowPool. The prefix cache: a conversation's next turn (its
+history resent and a new message) finds the pages of the last turn's prompt and output cached,
+target and drafter alike, prefills only the rest, and decodes to what its full prompt gives
+alone, greedy and seeded sampled, with the same acceptance per round as without the hit. Chunks:
+a long prompt prefilled a chunk per round while another request decodes between them, both as
+alone. Nothing compiles after warm-up; every page is free or cached again once requests end."""
 
 from __future__ import annotations
 
@@ -70,3 +71,29 @@ def test_the_next_turn_hits_and_decodes_as_alone(decoder, method, sampling):
     assert sizes == plain_sizes  # the drafter's context was restored with the target's
     assert not cached.busy and cached.pages.held == 0
     assert cached.pages.free + cached.pages.cached == cached.pages.usable
+
+
+def test_a_prompt_in_chunks_lets_the_others_decode_between_them(decoder):
+    rng = np.random.default_rng(8)
+    pool = RowPool(decoder, method="dflash", prefill_chunk=32, **OPTIONS)
+    pool.warm_up()
+    decoding = RowRequest(rng.integers(1, 4096, 10).tolist(), 60, [], jaxdd.Sampling(0.8, seed=3))
+    long = RowRequest(rng.integers(1, 4096, 150).tolist(), 20, [], jaxdd.Sampling())
+    outputs, between = {0: [], 1: []}, []
+    with compile_clock() as clock:
+        owner = {pool.admit(pool.check(decoding)): 0}
+        owner[pool.admit(pool.check(long))] = 1  # its first chunk
+        for _ in range(100):  # bounded: both end within their max_tokens rounds
+            if not pool.busy:
+                break
+            updates = {owner[row]: update for row, update in pool.step().items()}
+            if not outputs[1]:  # a chunk per round: the other request's tokens meanwhile
+                between.append(len(updates[0].tokens) if 0 in updates else 0)
+            for i, update in updates.items():
+                outputs[i] += update.tokens
+    assert clock.count == 0 and not pool.busy
+    assert len(between) == 4 and all(between)  # 5 chunks of 32: the last brings its first token
+    for i, request in enumerate([decoding, long]):
+        options = {"max_new_tokens": request.max_new_tokens, "sampling": request.sampling}
+        alone = decoder.generate(request.prompt, method="dflash", stop_token_ids=[], **options)
+        assert outputs[i] == alone.tokens, i
