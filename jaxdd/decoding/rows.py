@@ -203,7 +203,9 @@ class RowPool:
         if self.state is None:
             self.state = self._empty_state()
         row = self._hold(request, owner)
-        self._prefill_next(row, self.table.holder(row))
+        entry = self.table.holder(row)
+        entry.next = entry.cached
+        self._prefill_next(row, entry)
         return row
 
     def _prefill_next(self, row: int, entry: _Row) -> None:
@@ -263,7 +265,7 @@ class RowPool:
         if not self.pages.fits(reach, prompt):
             raise InputError.at("cache_tokens", "no free pages: admit what admissible() allows")
         row = self.table.take(entry)
-        entry.cached = entry.next = self.pages.take(row, reach, prompt)
+        entry.cached = self.pages.take(row, reach, prompt)
         rest = len(request.prompt) - entry.cached
         entry.chunked = prompt is not None and rest > (self.prefill_chunk or rest)
         stops = np.full((MAX_STOP_TOKENS,), -1, np.int32)
@@ -470,18 +472,19 @@ class RowPool:
         scoring = (False, True) if self.spec.top_logprobs else (False,)
         page, chunk = self.pages.page, self.prefill_chunk or self.max_prompt
         after_hit = self.max_prompt - page if self.prefix_cache else 0
-        # twice each: the second finds the first's pages cached, or one past a chunk
+        requests = []
+        for i, (n, score) in enumerate(itertools.product(self.buckets, scoring)):
+            prompt = [4 + i] + [1] * (min(n, self.max_prompt) - 1)  # none finds another's pages
+            requests.append(RowRequest(prompt, 1, [], GREEDY, 0 if score else None, score))
+        # twice each: the second finds the first's pages cached, or runs past a chunk
         again = [[2] * (page + min(b, after_hit)) for b in self.buckets if after_hit > 0]
         again += [[3] * (chunk + 1)] if chunk < self.max_prompt else []
+        requests += [RowRequest(prompt, 1, [], GREEDY) for prompt in again for _ in range(2)]
         for _ in range(2):
-            for padded, score in itertools.product(self.buckets, scoring):
-                prompt = [1] * min(padded, self.max_prompt)
-                logprobs = 0 if score else None
-                self.admit(RowRequest(prompt, 1, [], GREEDY, logprobs, score))
-                self.step()  # the first token ends it
-            for prompt, _ in itertools.product(again, range(2)):
-                self.admit(RowRequest(prompt, 1, [], GREEDY))
-                for _ in range(len(prompt) + 1):  # a chunk per round
+            for request in requests:
+                self.admit(request)
+                # the first token ends it; a prompt in chunks takes a round each
+                for _ in range(len(request.prompt) + 1):
                     if self.busy:
                         self.step()
             row = self.admit(RowRequest([1], min(self.width + 1, self.max_len - 1), [], GREEDY))
@@ -490,4 +493,4 @@ class RowPool:
                     self._run_round(spec, tier)
                     self.collect()
             self.release(row)
-        self.pages.clear()
+            self.pages.clear()  # each pass prefills whole what it prefilled whole before
