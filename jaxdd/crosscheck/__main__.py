@@ -15,7 +15,8 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    # bad arguments in one line, the subcommands' too (they take the parser's class)
+    parser = cli.OneLineParser(
         prog="python -m jaxdd.crosscheck", description=usage.split("\n\n")[0]
     )
     commands = parser.add_subparsers(dest="command", required=True)

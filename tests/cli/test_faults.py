@@ -251,6 +251,8 @@ def test_plan_names_hardware_and_unknown_xla_flags_are_one_line():
     flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_no_such_flag=1"}
     for argv in (PLAN, [*GENERATE, *QUICK], [*SERVE, "--port", str(free_port())]):
         assert one_line(run(argv, flags)) == "jaxdd: XLA_FLAGS: unknown flag --xla_no_such_flag=1\n"
+    crosscheck = [sys.executable, "-m", "jaxdd.crosscheck", "dump", "--method", "xyz"]
+    assert one_line(run(crosscheck)).startswith("jaxdd: argument --method: invalid choice: 'xyz'")
 
 
 def test_broken_pipe_is_quiet_libtpu_never_speaks_and_compiles_are_cached(tmp_path):
