@@ -2,19 +2,24 @@
 clients and overload, then whether anything crashed, hung or grew.
 
     python benchmarks/serve_soak.py [--requests 2000] [--seconds 900] [--clients 10]
-                                    [--max-tokens 64]
+                                    [--max-tokens 64] [--conversations 0.3] [--fault-every 150]
 
-Starts ``python -m jaxdd.serve`` on the bundled pair (4 rows, 4 waiting: 10 clients overload it) and
-sends ``--requests`` completions from ``--clients`` threads, stopping early after ``--seconds``.
+Starts ``python -m jaxdd.serve`` on the bundled pair (4 rows, 4 waiting: 10 clients overload it)
+and sends ``--requests`` completions from ``--clients`` threads, stopping early after ``--seconds``.
 Each request is, by its own seed: bad (``--bad``, one of many malformed or out-of-range bodies: a
 4xx with an error body is "rejected"), a client that vanishes (``--disconnect``: a stream closed
 after its first chunk, or a read timeout), or a normal one (streamed or not, greedy or sampled,
-token ids or text). Served means a 200 with a finish reason (and ``[DONE]`` for a stream); refused
-is a 429; failed is anything else (a 5xx, a wrong status, a stream without its end); a hang is a
-request still unanswered after ``--hang-seconds``; a crash is the server process exiting. Every few
-seconds it samples the server's RSS, threads, open files and ``compiles_total``; growth is measured
-from the end of the warm-up (the first ``--warm-up`` requests) to the end, with the server idle both
-times. Writes benchmarks/results/serve_soak.json and serve_soak.png (``--name`` for another stem).
+token ids or text; ``--conversations`` of them a turn of one of a few conversations, a prompt
+starting with another's, so the prefix cache hits, evicts and is reset under all of this). Every
+``--fault-every`` requests a round faults (``JAXDD_SERVE_FAULTS``): the requests it held get a 500
+naming the engine fault ("faulted") and the pool starts afresh. Served means a 200 with a finish
+reason (and ``[DONE]`` for a stream); refused is a 429; failed is anything else (a 5xx, a wrong
+status, a stream without its end); a hang is a request still unanswered after ``--hang-seconds``;
+a crash is the server process exiting. Every few seconds it samples the server's RSS, threads, open
+files, ``compiles_total`` and cache pages (free + cached + held must be the pool in every sample,
+none held when idle: else ``page_invariant_broken``); growth is measured from the end of the
+warm-up (the first ``--warm-up`` requests) to the end, with the server idle both times. Writes
+benchmarks/results/serve_soak.json and serve_soak.png (``--name`` for another stem).
 """
 
 from __future__ import annotations
@@ -34,11 +39,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import httpx
 import numpy as np
 
+from jaxdd.cache.stripes import PAGE_TOKENS
+from jaxdd.serve.faults import ENV as FAULTS
 from jaxdd.testing.benchmark import write_result
 from jaxdd.testing.server import running_server
 
 RESULTS = Path(__file__).parent / "results"
-ROWS, WAITING, MAX_LEN, MAX_PROMPT = 4, 4, 256, 32
+ROWS, WAITING, MAX_LEN, MAX_PROMPT = 4, 4, 320, 160
+SHORT = 32  # the longest prompt of a request that is not a conversation's turn
 WORDS = [
     "the",
     "quick",
@@ -87,6 +95,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--disconnect", type=float, default=0.1, help="share of clients that vanish"
     )
+    parser.add_argument(
+        "--conversations", type=float, default=0.3, help="share of normal requests that are turns"
+    )
+    parser.add_argument(
+        "--fault-every", type=int, default=150, help="a round faults every this many requests"
+    )
     parser.add_argument("--warm-up", type=int, default=200, help="requests before the baseline")
     parser.add_argument(
         "--hang-seconds", type=float, default=120.0, help="a request unanswered this long hangs"
@@ -108,6 +122,8 @@ class Load:
         self.problems: list[str] = []
         self.done = 0
         self.lock = threading.Lock()
+        rng = np.random.default_rng(args.seed)
+        self.chats = [rng.integers(1, 4096, MAX_PROMPT).tolist() for _ in range(4)]
 
     def record(self, outcome: str, detail: str = "") -> None:
         with self.lock:
@@ -117,6 +133,9 @@ class Load:
                 self.problems.append(detail)
 
     def send(self, i: int) -> None:
+        if self.args.fault_every and i % self.args.fault_every == self.args.fault_every // 2:
+            with httpx.Client(base_url=self.url, timeout=30) as client:
+                client.post("/debug/fault", json={"rounds": 1})
         rng = np.random.default_rng([self.args.seed, i])
         draw = rng.random()
         timeout = httpx.Timeout(self.args.hang_seconds, connect=30)
@@ -134,8 +153,12 @@ class Load:
             self.record("failed", f"request {i}: {type(error).__name__}: {error}")
 
     def body(self, rng: np.random.Generator) -> dict:
-        if rng.random() < 0.5:
-            prompt = rng.integers(1, 4096, size=int(rng.integers(1, MAX_PROMPT + 1))).tolist()
+        if rng.random() < self.args.conversations:  # a turn: an earlier turn's tokens and more
+            chat = self.chats[int(rng.integers(0, len(self.chats)))]
+            prompt = chat[: int(rng.integers(PAGE_TOKENS, MAX_PROMPT - 8))]
+            prompt += rng.integers(1, 4096, size=int(rng.integers(1, 8))).tolist()
+        elif rng.random() < 0.5:
+            prompt = rng.integers(1, 4096, size=int(rng.integers(1, SHORT + 1))).tolist()
         else:
             prompt = " ".join(rng.choice(WORDS, size=int(rng.integers(1, 12))))
         sampled = rng.random() < 0.5
@@ -149,7 +172,11 @@ class Load:
             if response.status_code == 429:
                 return "refused", ""
             if response.status_code != 200:
-                return "failed", f"{response.status_code}: {response.read()[:200]!r}"
+                text = response.read()[:200]
+                faulted = response.status_code == 500 and b"engine fault" in text
+                return (
+                    ("faulted", "") if faulted else ("failed", f"{response.status_code}: {text!r}")
+                )
             if not body["stream"]:
                 finish = json.loads(response.read())["choices"][0]["finish_reason"]
                 return (
@@ -167,6 +194,8 @@ class Load:
         ]
         if lines and lines[-1] == "data: [DONE]" and finish in (["stop"], ["length"]):
             return "served", ""
+        if lines and lines[-1] == "data: [DONE]" and "engine fault" in lines[-2]:
+            return "faulted", ""
         return "failed", f"stream ended {lines[-2:]!r}"
 
     def bad(self, client: httpx.Client, rng: np.random.Generator) -> tuple[str, str]:
@@ -220,9 +249,13 @@ def sampler(
             return
         try:
             sample = {**server.usage(), "compiles": server.metric("compiles_total")}
+            sample |= {s: server.metric(f'cache_pages{{state="{s}"}}') for s in PAGE_STATES}
         except (OSError, httpx.HTTPError, KeyError):
             continue
         samples.append({"t": round(time.monotonic() - start, 2), "done": load.done, **sample})
+
+
+PAGE_STATES = ("free", "cached", "held")
 
 
 def idle_snapshot(server) -> dict:
@@ -235,7 +268,8 @@ def idle_snapshot(server) -> dict:
         60,
         0.2,
     )
-    return {**server.usage(), "compiles": server.metric("compiles_total")}
+    pages = {s: server.metric(f'cache_pages{{state="{s}"}}') for s in PAGE_STATES}
+    return {**server.usage(), "compiles": server.metric("compiles_total"), **pages}
 
 
 def run_load(load: Load, first: int, count: int, clients: int, deadline: float) -> None:
@@ -284,7 +318,7 @@ def main() -> None:
     shape += ["--max-prompt", str(MAX_PROMPT)]
     with (
         tempfile.TemporaryDirectory() as folder,
-        running_server(shape, Path(folder) / "server.log") as server,
+        running_server(shape, Path(folder) / "server.log", {FAULTS: "1"}) as server,
     ):
         load, samples, crashed, stop = Load(args, server.url), [], [], threading.Event()
         watch = threading.Thread(
@@ -301,6 +335,11 @@ def main() -> None:
             run_load(load, warm, args.requests - warm, args.clients, deadline)
             final = idle_snapshot(server) if server.process.poll() is None else None
             health = httpx.get(f"{server.url}/health", timeout=10).status_code if final else None
+            pool, hits = None, None
+            if final:
+                pool = server.metric("cache_capacity_tokens") // PAGE_TOKENS
+                queries = max(1.0, server.metric("prefix_cache_queries_total"))
+                hits = server.metric("prefix_cache_hits_total") / queries
         finally:
             stop.set()
             watch.join(30)
@@ -309,6 +348,11 @@ def main() -> None:
             f"--{key.replace('_', '-')} {value}" for key, value in vars(args).items()
         )
         after = [s for s in samples if s["done"] >= warm_done]
+        # every sample's pages add up to the pool (and none is held once idle)
+        broken = None
+        if final:
+            broken = sum(sum(x[state] for state in PAGE_STATES) != pool for x in samples)
+            broken += bool(final["held"])
         report = {
             "command": f"python benchmarks/serve_soak.py {command}",
             "server": {
@@ -321,6 +365,8 @@ def main() -> None:
             "seconds": round(elapsed, 1),
             "outcomes": dict(load.outcomes),
             "crashes": len(crashed),
+            "page_invariant_broken": broken,
+            "prefix_cache_hit_rate": hits,
             "hangs": load.outcomes["hung"],
             "health_after": health,
             "baseline_after_warm_up": baseline,

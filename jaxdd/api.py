@@ -229,6 +229,7 @@ class Target:
         sampling: Sampling = GREEDY,
         on_tokens: Callable[[list[int]], None] | None = None,
         cache_layout: CacheLayout = "replicated",
+        prefill_chunk: int | None = None,
     ) -> Generation:
         """Generation: ``dflash`` when a drafter is given, else ``ar``; ``ddtree``
         with a node ``budget`` (see ``SpeculativeDecoder.generate_batch``). Greedy
@@ -238,7 +239,8 @@ class Target:
         Stops at ``stop_token_ids`` (default: the config's EOS ids; ``[]``
         for none) or after ``max_new_tokens``. ``on_tokens(new_tokens)``
         is called as tokens are accepted (to stream them). ``cache_layout``: the latent cache
-        on a mesh, ``replicated`` or ``striped`` over its devices.
+        on a mesh, ``replicated`` or ``striped`` over its devices. ``prefill_chunk``: a longer
+        prompt is prefilled that many tokens at a time (the same tokens).
         """
         stream = None if on_tokens is None else (lambda request, tokens: on_tokens(tokens))
         return SpeculativeDecoder(self, drafter, cache_layout=cache_layout).generate(
@@ -251,6 +253,7 @@ class Target:
             block_size=block_size,
             budget=budget,
             max_children=max_children,
+            prefill_chunk=prefill_chunk,
         )
 
     def logits(self, token_ids, attention: Attention | None = None) -> np.ndarray:

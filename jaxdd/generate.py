@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--system", help="system message for the chat template")
     parser.add_argument(
+        "--prefill-chunk",
+        type=positive,
+        metavar="TOKENS",
+        help="prefill a longer prompt this many tokens at a time (the activations of one chunk; "
+        "the same tokens; default: whole)",
+    )
+    parser.add_argument(
         "--dtype",
         choices=["auto", "bfloat16", "float32"],
         default="auto",
@@ -255,6 +262,7 @@ def run(argv: list[str] | None) -> int:
             sampling=jaxdd.Sampling(args.temperature, args.top_p, args.top_k, args.seed),
             on_tokens=stream,
             cache_layout=args.cache_layout or "replicated",
+            prefill_chunk=args.prefill_chunk,
         )
     except (jaxdd.CheckpointError, jaxdd.ConfigError, jaxdd.InputError) as error:
         if stream is not None:

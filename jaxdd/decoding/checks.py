@@ -248,4 +248,6 @@ def pool_shape(
             f"got {cache_tokens!r}",
         )
     pages = pool_pages(cache_tokens, page, devices)
-    return RowShape(spec, greedy_spec, rows, max_len, max_prompt, slots, tiers, pages)
+    return RowShape(
+        spec, greedy_spec, rows, max_len, max_prompt, slots, tiers, pages, prefill_chunk
+    )

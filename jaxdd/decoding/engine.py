@@ -109,9 +109,13 @@ class GenerateOptions:
     tree_logits: TreeLogits = "scaled"
     logprobs: int = 0  # > 0: each new token's logprob and this many top ones
     score_prompt: bool = False  # with logprobs: the prompt's too
+    prefill_chunk: int | None = None  # a longer prompt prefilled this many tokens a call
 
     def __post_init__(self):
         check_tree_logits(self.tree_logits)
+        chunk = self.prefill_chunk
+        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+            raise InputError.at("prefill_chunk", f"must be an integer >= 1, got {chunk!r}")
         for name in ("trace_topk", "logprobs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
@@ -229,8 +233,10 @@ class SpeculativeDecoder:
         (and DDTree trees) in the results. ``logprobs`` > 0 records each new token's logprob and
         top ``logprobs`` under the target's distribution before temperature and cut-offs (the
         tokens are the same), ``score_prompt`` each prompt token's after the first too.
-        ``on_tokens(request, new_tokens)`` is called as tokens are accepted (the first one after
-        the prefill, then each round's), e.g. to stream text. The options may come as one
+        ``prefill_chunk``: a prompt longer than that is prefilled that many tokens per call (the
+        activations of one chunk, not the prompt's; the same tokens). ``on_tokens(request,
+        new_tokens)`` is called as tokens are accepted (the first one after the prefill, then each
+        round's), e.g. to stream text. The options may come as one
         ``GenerateOptions`` (``options``) or as its fields by keyword.
         """
         emit = on_tokens or (lambda request, tokens: None)
@@ -393,7 +399,8 @@ class SpeculativeDecoder:
         )
         rows = bucket(n, minimum=1)
         pages = pool_pages(rows * slots, page, devices)  # every row's slots: one size per bucket
-        shape = RowShape(spec, spec, rows, max(max_lengths), longest, slots, (rows,), pages)
+        chunk = options.prefill_chunk
+        shape = RowShape(spec, spec, rows, max(max_lengths), longest, slots, (rows,), pages, chunk)
         return requests, shape
 
     def _check_round_size(self, plan: RoundBatch, state: DecodeState) -> None:

@@ -5,6 +5,7 @@ as a prefill's host arrays."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Protocol
 
 import jax
@@ -16,6 +17,7 @@ from jaxdd.decoding.report import RoundTrace, TokenLogprob
 from jaxdd.decoding.rounds import ModelPair, RoundSpec
 from jaxdd.decoding.sampling import GREEDY, Sampling
 from jaxdd.models.drafter import DFlashDrafter
+from jaxdd.runtime.buckets import prompt_bucket
 from jaxdd.types import Method, verified_tokens
 
 
@@ -60,6 +62,7 @@ class RowShape:
     slots: int  # per row: the most a request's tokens and a round's writes reach
     tiers: tuple[int, ...]  # the row counts a round runs over: the fewest that hold every busy row
     pool_pages: int  # the cache's pages, shared by the rows (``jaxdd.cache.pages``)
+    prefill_chunk: int | None = None  # a longer prompt is prefilled in parts of this many tokens
 
     @property
     def page(self) -> int:
@@ -78,6 +81,28 @@ class RowShape:
     def reach(self, request: RowRequest) -> int:
         """The slots ``request``'s row can write: its tokens and a round's past the last."""
         return min(len(request.prompt) + request.max_new_tokens + self.round_tokens, self.slots)
+
+    def buckets(self) -> list[int]:
+        """The lengths a prompt (or the rest of one after a hit) is padded to."""
+        return sorted({prompt_bucket(n) for n in range(1, self.max_prompt + 1)})
+
+    def warm_up_requests(self, prefix_cache: bool) -> list[RowRequest]:
+        """Greedy one-token requests that, admitted in turn, run every prefill a pool of this
+        shape runs: each bucket's whole prompt (and with logprobs its scoring one); with the
+        prefix cache, a page cached and then after it a rest of each bucket's size (each rest its
+        own: no longer hit); with chunks, a prompt past one."""
+        scoring = (False, True) if self.spec.top_logprobs else (False,)
+        requests = []
+        for i, (n, score) in enumerate(itertools.product(self.buckets(), scoring)):
+            prompt = [4 + i] + [1] * (min(n, self.max_prompt) - 1)  # none finds another's pages
+            requests.append(RowRequest(prompt, 1, [], GREEDY, 0 if score else None, score))
+        hit, after_hit, again = [2] * self.page, self.max_prompt - self.page, []
+        if prefix_cache and after_hit > 0:
+            rests = [[5 + i] * min(b, after_hit) for i, b in enumerate(self.buckets())]
+            again = [[*hit, 3]] + [hit + rest for rest in rests]
+        chunk = self.prefill_chunk or self.max_prompt
+        again += [[3] * (chunk + 1)] if chunk < self.max_prompt else []
+        return requests + [RowRequest(prompt, 1, [], GREEDY) for prompt in again]
 
 
 @dataclasses.dataclass(frozen=True)

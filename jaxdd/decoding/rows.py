@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 from typing import Any, NamedTuple
 
 import jax
@@ -113,7 +112,6 @@ class RowPool:
         options = (max_prompt, block_size, budget, max_logprobs, cache_tokens, prefill_chunk)
         shape = pool_shape(decoder, method, rows, max_len, *options)
         self._setup(decoder, shape, prefix_cache)
-        self.prefill_chunk = prefill_chunk
         self.state = self._empty_state()
 
     @classmethod
@@ -126,7 +124,7 @@ class RowPool:
     def _setup(self, decoder: Decoder, shape: RowShape, prefix_cache: bool = False) -> None:
         self.decoder = decoder
         self.shape = shape
-        self.prefill_chunk: int | None = None
+        self.prefill_chunk = shape.prefill_chunk
         self.rows = shape.rows
         self.max_len = shape.max_len
         self.max_prompt = shape.max_prompt
@@ -138,7 +136,6 @@ class RowPool:
         self.block = shape.spec.block
         self.budget = shape.spec.budget
         self.models = decoder.models_for(self.spec)
-        self.buckets = sorted({prompt_bucket(n) for n in range(1, self.max_prompt + 1)})
         # Host copies of the per-row settings; the device copy is replaced whole at
         # the first round after admissions (a few hundred bytes), free rows keep their
         # last request's settings: a done row changes nothing whatever they say.
@@ -237,11 +234,20 @@ class RowPool:
     def admit_all(self, requests: list[RowRequest]) -> None:
         """Prefill ``requests`` (checked) together into rows 0, 1, ... of a pool
         made by ``of_shape``, in one call at the longest prompt's bucket, the rest
-        of the rows padding; their first tokens come with the next ``collect``."""
+        of the rows padding (or, if the shape has a ``prefill_chunk`` shorter than a prompt, each
+        alone, chunk after chunk: nothing decodes until all are in); their first tokens come with
+        the next ``collect``."""
         if self.state is not None or len(requests) > self.rows:
             raise InputError.at(
                 "requests", f"admit_all takes at most {self.rows} requests into a new pool"
             )
+        if max(len(r.prompt) for r in requests) > (self.prefill_chunk or self.max_prompt):
+            for request in requests:
+                row = self.admit(request)
+                while (entry := self.table.holder(row)).next is not None:
+                    self._prefill_next(row, entry)
+            self.settings = jax.device_put(self._host_settings())
+            return
         padded = prompt_bucket(max(len(r.prompt) for r in requests))
         tokens, prompt_len, seeds = pad_requests(requests, self.rows, padded)
         for request in requests:
@@ -469,17 +475,7 @@ class RowPool:
         a chunk's) and each tier's sampled and greedy rounds (twice each, so a second call finds
         what the first left: shardings and layouts settle after one). The prefix cache starts
         empty after it."""
-        scoring = (False, True) if self.spec.top_logprobs else (False,)
-        page, chunk = self.pages.page, self.prefill_chunk or self.max_prompt
-        after_hit = self.max_prompt - page if self.prefix_cache else 0
-        requests = []
-        for i, (n, score) in enumerate(itertools.product(self.buckets, scoring)):
-            prompt = [4 + i] + [1] * (min(n, self.max_prompt) - 1)  # none finds another's pages
-            requests.append(RowRequest(prompt, 1, [], GREEDY, 0 if score else None, score))
-        # twice each: the second finds the first's pages cached, or runs past a chunk
-        again = [[2] * (page + min(b, after_hit)) for b in self.buckets if after_hit > 0]
-        again += [[3] * (chunk + 1)] if chunk < self.max_prompt else []
-        requests += [RowRequest(prompt, 1, [], GREEDY) for prompt in again for _ in range(2)]
+        requests = self.shape.warm_up_requests(self.prefix_cache)
         for _ in range(2):
             for request in requests:
                 self.admit(request)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 from jaxdd.runtime.compile_time import BACKEND_COMPILE
 
@@ -33,6 +34,25 @@ FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
 REFUSALS = ("invalid", "too_long", "queue_full", "draining", "not_ready", "unauthorized")
 
 
+class PageCounts:
+    """``jaxdd:cache_pages{state}``: the pool's pages free, cached (kept for prompts, no row
+    holding them) and held by rows, from one snapshot the decode thread sets after each step
+    (a scrape never sees a step half done; the three add up to the pool)."""
+
+    STATES = ("free", "cached", "held")
+
+    def __init__(self):
+        self.counts = (0, 0, 0)
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "jaxdd:cache_pages", self.__doc__.split(":")[0], labels=["state"]
+        )
+        for state, count in zip(self.STATES, self.counts, strict=True):
+            family.add_metric([state], count)
+        yield family
+
+
 class Metrics:
     """One registry per server (tests start several in a
     process); compiles are counted from ``watch_compiles``."""
@@ -55,6 +75,8 @@ class Metrics:
         self.cache_usage = Gauge(
             name("kv_cache_usage_perc"), "Fraction of the cache's pages held", registry=registry
         )
+        self.pages = PageCounts()
+        registry.register(self.pages)
         self.generation_tokens = Counter(
             name("generation_tokens"), "Tokens generated", registry=registry
         )

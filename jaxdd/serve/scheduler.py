@@ -196,6 +196,7 @@ class Scheduler:
         try:
             self.metrics.watch_compiles()
             self.pool.warm_up()
+            self._observe_rows()
             self.ready.set()
             while not (decisions := self.channel.share(self._decide)).stop:
                 self._carry_out(decisions)
@@ -297,6 +298,8 @@ class Scheduler:
     def _observe_rows(self) -> None:
         self.metrics.running.set(self.pool.busy)
         self.metrics.cache_usage.set(self.pool.cache_usage)
+        pages = self.pool.pages
+        self.metrics.pages.counts = (pages.free, pages.cached, pages.held)
 
     def _count_free(self) -> None:
         with self._wake:

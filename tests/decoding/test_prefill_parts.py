@@ -3,7 +3,8 @@ history resent and a new message) finds the pages of the last turn's prompt and 
 target and drafter alike, prefills only the rest, and decodes to what its full prompt gives
 alone, greedy and seeded sampled, with the same acceptance per round as without the hit. Chunks:
 a long prompt prefilled a chunk per round while another request decodes between them, both as
-alone. Nothing compiles after warm-up; every page is free or cached again once requests end."""
+alone; ``generate`` with chunks gives the tokens of a whole prefill. Nothing compiles after
+warm-up; every page is free or cached again once requests end."""
 
 from __future__ import annotations
 
@@ -59,7 +60,10 @@ def test_the_next_turn_hits_and_decodes_as_alone(decoder, method, sampling):
         history = first.prompt + said + rng.integers(1, 4096, 20).tolist()
         second = RowRequest(history, 24, [], sampling)
         hit, sizes, found = run(cached, second)
-    assert clock.count == 0 and len(said) == 80
+        # the first prompt's first page found, and a rest of more than a page after it
+        other = RowRequest(first.prompt + rng.integers(1, 4096, 100).tolist(), 2, [], sampling)
+        _, _, found_other = run(cached, other)
+    assert clock.count == 0 and len(said) == 80 and found_other == 64
     # two pages: the first turn's prompt and its output but the last round's (the drafter's lag)
     assert none == 0 and found == 128
     miss, plain_sizes, _ = run(plain, second)
@@ -97,3 +101,21 @@ def test_a_prompt_in_chunks_lets_the_others_decode_between_them(decoder):
         options = {"max_new_tokens": request.max_new_tokens, "sampling": request.sampling}
         alone = decoder.generate(request.prompt, method="dflash", stop_token_ids=[], **options)
         assert outputs[i] == alone.tokens, i
+
+
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_generate_prefills_in_chunks_to_the_same_tokens(decoder, method):
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(1, 4096, n).tolist() for n in (100, 7)]  # one chunked, one whole
+    options = {
+        "method": method,
+        "max_new_tokens": [20, 12],
+        "sampling": [jaxdd.Sampling(), jaxdd.Sampling(0.9, 0.9, 0, 11)],
+        "stop_token_ids": [],
+        **({"budget": 6} if method == "ddtree" else {}),
+    }
+    chunked = decoder.generate_batch(prompts, prefill_chunk=32, **options)
+    whole = decoder.generate_batch(prompts, **options)
+    for a, b in zip(chunked, whole, strict=True):
+        assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
+    assert len(chunked[0].tokens) == 20

@@ -1,7 +1,7 @@
 """The server's prefix cache (on by default), through the real ``openai`` client: a
 conversation's second turn resends the first turn's prompt and answer; it finds their pages
 cached, says so in ``usage.prompt_tokens_details.cached_tokens`` and in vLLM's metrics, and
-decodes to what its full prompt gives alone."""
+decodes to what its full prompt gives alone; ``jaxdd:cache_pages`` then counts the pages kept."""
 
 from __future__ import annotations
 
@@ -36,3 +36,8 @@ def test_a_second_turn_reuses_the_first_and_decodes_as_alone(server, reference):
     assert usage["prompt_tokens_details"] == {"cached_tokens": 128}
     assert server.metric("prefix_cache_queries_total") == 70 + len(history)
     assert server.metric("prefix_cache_hits_total") == 128
+    # idle: none held; cached, the two pages found (the second turn's 170 + 23 committed tokens
+    # less the drafter's lag fill no third), the rest free
+    pool = server.metric("cache_capacity_tokens") // 64
+    pages = {s: server.metric(f'cache_pages{{state="{s}"}}') for s in ("free", "cached", "held")}
+    assert pages == {"free": pool - 2, "cached": 2, "held": 0}

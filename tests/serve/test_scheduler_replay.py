@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import types
 
 from jaxdd.decoding.requests import RowRequest, RowUpdate
 from jaxdd.decoding.sampling import Sampling
@@ -31,6 +32,11 @@ class FakePool:
         self.active: dict[int, list] = {}  # row -> [max new tokens, produced, owner]
         self.log: list[tuple] = []
         self._in_flight: collections.deque[dict] = collections.deque()
+
+    @property
+    def pages(self) -> types.SimpleNamespace:  # a page per row
+        busy = len(self.active)
+        return types.SimpleNamespace(free=self.rows - busy, cached=0, held=busy)
 
     def warm_up(self) -> None:
         self.log.append(("warm_up",))
