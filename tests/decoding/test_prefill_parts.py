@@ -17,6 +17,7 @@ from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.requests import RowRequest
 from jaxdd.decoding.rows import RowPool
 from jaxdd.runtime.compile_time import compile_clock
+from jaxdd.testing.pools import run_alone
 
 OPTIONS = {"rows": 2, "max_len": 256, "max_prompt": 192}
 
@@ -24,21 +25,6 @@ OPTIONS = {"rows": 2, "max_len": 256, "max_prompt": 192}
 @pytest.fixture(scope="module")
 def decoder():
     return SpeculativeDecoder(*jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32"))
-
-
-def run(pool: RowPool, request: RowRequest) -> tuple[list[int], list[int], int]:
-    """``request`` alone through ``pool``: its tokens, how many each update brought, and the
-    prompt tokens it found cached."""
-    pool.admit(pool.check(request))
-    tokens, sizes, cached = [], [], 0
-    for _ in range(request.max_new_tokens + 1):  # bounded: a round brings one token or more
-        if not pool.busy:
-            break
-        for update in pool.step().values():
-            tokens += update.tokens
-            sizes.append(len(update.tokens))
-            cached += update.cached if update.first else 0
-    return tokens, sizes, cached
 
 
 @pytest.mark.parametrize(
@@ -56,17 +42,17 @@ def test_the_next_turn_hits_and_decodes_as_alone(decoder, method, sampling):
     assert cached.pages.cached == 0  # warm-up leaves nothing behind
     first = RowRequest(rng.integers(1, 4096, 70).tolist(), 80, [], sampling)
     with compile_clock() as clock:
-        said, _, none = run(cached, first)
+        said, _, none = run_alone(cached, first)
         history = first.prompt + said + rng.integers(1, 4096, 20).tolist()
         second = RowRequest(history, 24, [], sampling)
-        hit, sizes, found = run(cached, second)
+        hit, sizes, found = run_alone(cached, second)
         # the first prompt's first page found, and a rest of more than a page after it
         other = RowRequest(first.prompt + rng.integers(1, 4096, 100).tolist(), 2, [], sampling)
-        _, _, found_other = run(cached, other)
+        _, _, found_other = run_alone(cached, other)
     assert clock.count == 0 and len(said) == 80 and found_other == 64
     # two pages: the first turn's prompt and its output but the last round's (the drafter's lag)
     assert none == 0 and found == 128
-    miss, plain_sizes, _ = run(plain, second)
+    miss, plain_sizes, _ = run_alone(plain, second)
     alone = decoder.generate(
         history, method=method, max_new_tokens=24, stop_token_ids=[], sampling=sampling,
         **({"budget": 12} if method == "ddtree" else {}),

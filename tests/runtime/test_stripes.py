@@ -22,6 +22,7 @@ from jaxdd.decoding.sampling import Sampling
 from jaxdd.errors import InputError
 from jaxdd.runtime.compile_time import compile_clock
 from jaxdd.runtime.sharding import make_mesh
+from jaxdd.testing.pools import run_alone
 from jaxdd.testing.profiles import examples
 from jaxdd.testing.reference import SHARDABLE_DRAFTER, SHARDABLE_K2, save_random_pair
 
@@ -192,3 +193,27 @@ def test_a_striped_pool_serves_rows_admitted_between_rounds(checkpoints):
             request.prompt, method="ddtree", budget=12, stop_token_ids=[], **options
         )
         assert tokens == expected.tokens
+
+
+def test_a_striped_prefix_cache_hit_gives_one_devices_tokens(checkpoints):
+    """A conversation's second turn on the striped cache finds the first turn's pages, dealt over
+    every device (pages of 4 tokens), prefills only the rest and decodes to one device's tokens
+    for its full prompt; nothing compiles after warm-up."""
+    dec = decoder(checkpoints, 8, cache_layout="striped")
+    dec.stripes = Stripes(dec.mesh, PAGE)
+    pool = RowPool(dec, method="dflash", rows=2, max_len=112, max_prompt=80, prefix_cache=True)
+    pool.warm_up()
+    first = RowRequest(PROMPT, 20, [], Sampling())
+    sampling = Sampling(0.8, seed=3)
+    with compile_clock() as compiles:
+        said, _, none = run_alone(pool, first)
+        history = PROMPT + said + [5, 9, 2, 7]  # resent with a new message
+        answer, _, found = run_alone(pool, RowRequest(history, 16, [], sampling))
+    assert compiles.count == 0 and len(said) == 20
+    # the first turn's prompt and answer (less the newest token and the drafter's lag of a
+    # round), in whole pages of 4
+    assert none == 0 and found == (len(PROMPT) + 19 - pool.width) // PAGE * PAGE
+    alone = decoder(checkpoints, 1).generate(
+        history, method="dflash", max_new_tokens=16, stop_token_ids=[], sampling=sampling
+    )
+    assert answer == alone.tokens
