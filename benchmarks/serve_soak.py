@@ -47,6 +47,7 @@ from jaxdd.testing.server import running_server
 RESULTS = Path(__file__).parent / "results"
 ROWS, WAITING, MAX_LEN, MAX_PROMPT = 4, 4, 320, 160
 SHORT = 32  # the longest prompt of a request that is not a conversation's turn
+PAGE_STATES = ("free", "cached", "held")
 WORDS = [
     "the",
     "quick",
@@ -68,7 +69,7 @@ BAD = [  # bodies a careless or hostile client sends
     {"prompt": [1, 2], "temperature": 9},
     {"prompt": [1, 2], "top_p": 0},
     {"prompt": [1, 2], "top_k": -7},
-    {"prompt": [1, 2], "n": 4},
+    {"prompt": [1, 2], "n": ROWS + 1},
     {"prompt": [1, 2**40]},
     {"prompt": [1, 4096]},
     {"prompt": [-3]},
@@ -248,14 +249,17 @@ def sampler(
             crashed.append(server.process.returncode)
             return
         try:
-            sample = {**server.usage(), "compiles": server.metric("compiles_total")}
-            sample |= {s: server.metric(f'cache_pages{{state="{s}"}}') for s in PAGE_STATES}
+            sample = {**server.usage(), **scrape(server)}
         except (OSError, httpx.HTTPError, KeyError):
             continue
         samples.append({"t": round(time.monotonic() - start, 2), "done": load.done, **sample})
 
 
-PAGE_STATES = ("free", "cached", "held")
+def scrape(server) -> dict:
+    """Compiles and the cache's pages by state, from one scrape (they add up to the pool)."""
+    names = ["compiles_total", *(f'cache_pages{{state="{s}"}}' for s in PAGE_STATES)]
+    values = list(server.metrics(*names).values())
+    return {"compiles": values[0], **dict(zip(PAGE_STATES, values[1:], strict=True))}
 
 
 def idle_snapshot(server) -> dict:
@@ -268,8 +272,7 @@ def idle_snapshot(server) -> dict:
         60,
         0.2,
     )
-    pages = {s: server.metric(f'cache_pages{{state="{s}"}}') for s in PAGE_STATES}
-    return {**server.usage(), "compiles": server.metric("compiles_total"), **pages}
+    return {**server.usage(), **scrape(server)}
 
 
 def run_load(load: Load, first: int, count: int, clients: int, deadline: float) -> None:

@@ -44,11 +44,19 @@ class ServerProcess:
         return self.process.pid
 
     def metric(self, name: str) -> float:
+        return self.metrics(name)[name]
+
+    def metrics(self, *names: str) -> dict[str, float]:
+        """``jaxdd:`` metrics by name (labels included: ``cache_pages{state="free"}``), all from
+        one scrape, so they belong to one moment."""
         text = httpx.get(f"{self.url}/metrics", timeout=30).text
-        found = re.search(rf"^jaxdd:{re.escape(name)} (\S+)$", text, re.MULTILINE)
-        if not found:
-            raise KeyError(f"no metric jaxdd:{name}")
-        return float(found.group(1))
+        values = {}
+        for name in names:
+            found = re.search(rf"^jaxdd:{re.escape(name)} (\S+)$", text, re.MULTILINE)
+            if not found:
+                raise KeyError(f"no metric jaxdd:{name}")
+            values[name] = float(found.group(1))
+        return values
 
     def usage(self) -> dict:
         """Resident memory (MB), threads and open file descriptors of the server process, now."""
