@@ -42,7 +42,7 @@ from jaxdd.models.moe import MoE
 from jaxdd.models.target import KimiTarget
 from jaxdd.planning.aot import Machine, find_machine
 from jaxdd.planning.cache_layout import LayoutChoice, choose_layout
-from jaxdd.planning.capacity import abstract_state, cache_capacity, slot_bytes
+from jaxdd.planning.capacity import abstract_state, cache_capacity, shard_bytes, slot_bytes
 from jaxdd.planning.compiled_traffic import compiled_traffic
 from jaxdd.planning.hardware import named_hardware
 from jaxdd.planning.traffic import ModelBytes, floor_seconds, round_traffic, traffic_table
@@ -114,7 +114,7 @@ def plan(
     )
     block = 1 if o.method == "ar" else drafter_config.block_size
     tokens = verified_tokens(o.method, block, o.budget)
-    model_bytes = ModelBytes.of(*models, _shard_bytes)
+    model_bytes = ModelBytes.of(*models, shard_bytes)
     devices = len(where.devices)
 
     def layouts(activations: int | None, chosen: LayoutChoice | None = None) -> dict[str, Any]:
@@ -170,7 +170,7 @@ def plan(
         checked = layouts(compiled["temp_bytes"], choice)
     shape |= checked
     for name, cache in (("target_cache", state.target_cache), ("drafter_cache", state.draft_cache)):
-        per_device[name] = sum(_shard_bytes(x) for x in jax.tree.leaves(cache))
+        per_device[name] = sum(shard_bytes(x) for x in jax.tree.leaves(cache))
     per_device["temporaries"] = compiled["temp_bytes"]
     if account is not None:
         floor = _round_traffic(
@@ -214,7 +214,7 @@ def _cache_layouts(
     devices = len(where.devices)
     weights = per_device["target_weights"] + per_device["drafter_weights"]
     free = where.memory - weights - (activations or 0)
-    slot = slot_bytes(config, drafter_config, mesh, _shard_bytes)
+    slot = slot_bytes(config, drafter_config, mesh)
     capacity = {name: cache_capacity(free, slot, devices, name) for name in LAYOUTS}
     hardware = named_hardware(where.name)
     floors = {
@@ -434,7 +434,7 @@ def _abstract_models(config, drafter_config, experts, mesh: jax.sharding.Mesh, m
         )
         nnx.update(module, placed)
         leaves = jax.tree.leaves(placed)
-        return module, sum(_shard_bytes(x) for x in leaves), sum(_bytes(x) for x in leaves)
+        return module, sum(shard_bytes(x) for x in leaves), sum(_bytes(x) for x in leaves)
 
     target, target_bytes, target_stored = abstract(
         lambda: KimiTarget(config, dtype, experts=experts, rngs=nnx.Rngs(0))
@@ -463,11 +463,6 @@ def _abstract_requests(
         method, block, budget if method == "ddtree" else None, sampled=sampled
     )
     return RoundBatch(spec, batch, [1] * batch, settings), state
-
-
-def _shard_bytes(x) -> int:
-    """Bytes of one device's shard of an abstract array."""
-    return _bytes(x, x.sharding.shard_shape(x.shape))
 
 
 def _bytes(x, shape: tuple[int, ...] | None = None) -> int:

@@ -193,10 +193,10 @@ class Backend:
         return kernels.dense_matvec if kernels else None
 
     @staticmethod
-    def free_bytes(devices: Iterable[Any]) -> int | None:
+    def free_bytes(devices: Iterable[Any], host: bool = True) -> int | None:
         """What one of ``devices`` can still allocate: its allocator's limit less what
-        is in use (GPU, TPU), or this host's available memory shared among its devices
-        (CPU: XLA:CPU allocates from host memory); None where neither is known."""
+        is in use (GPU, TPU), or with ``host`` this host's available memory shared among its
+        devices (CPU: XLA:CPU allocates from host memory); None where neither is known."""
         devices = list(devices)
         stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
         if stats and "bytes_limit" in stats:
@@ -204,7 +204,7 @@ class Backend:
                 d.memory_stats()["bytes_limit"] - d.memory_stats().get("bytes_in_use", 0)
                 for d in devices
             )
-        available = available_memory()
+        available = available_memory() if host else None
         return None if available is None else available // len(devices)
 
     def kernel_options(self) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from jaxdd.cli import DEMO, non_negative, positive, print_note
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.rows import RowPool
 from jaxdd.errors import checkpoint_directory
+from jaxdd.planning.capacity import device_cache_tokens
 from jaxdd.runtime.backend import Backend
 from jaxdd.serve import faults, lifecycle
 from jaxdd.serve.app import Server, create_app
@@ -87,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive,
         help="context tokens the pool of cache pages holds for all requests; a request holds "
         "the pages its prompt and max_tokens reach, and waits while they are taken (default: "
-        "--max-batch x --max-len)",
+        "what 90%% of the memory the weights leave on GPUs and TPUs holds; on CPU, --max-batch x "
+        "--max-len)",
     )
     parser.add_argument(
         "--prefix-cache",
@@ -177,13 +179,13 @@ def main(argv: list[str] | None = None) -> int:
             "budget": args.budget,
             "max_prompt": args.max_prompt,
             "max_logprobs": args.max_logprobs,
-            "cache_tokens": args.cache_tokens,
             "prefix_cache": args.prefix_cache == "on",
             "prefill_chunk": args.prefill_chunk,
         }
         decoder = SpeculativeDecoder(
             target, drafter, cache_layout=args.cache_layout or "replicated"
         )
+        options["cache_tokens"] = args.cache_tokens or device_cache_tokens(decoder)
         pool = RowPool(decoder, method=method, rows=args.max_batch, max_len=args.max_len, **options)
     except (jaxdd.CheckpointError, jaxdd.ConfigError, jaxdd.InputError) as error:
         print(f"jaxdd: {error}", file=sys.stderr)
