@@ -1,0 +1,68 @@
+"""The server's pool of pages under the real ``openai`` client: 21 pages (1,344 tokens) serve 16
+short requests beside one of ``--max-len``, where rows of fixed size would need 17 x
+``--max-len``; an 18th finds a free row but no page, waits, and starts once a request has ended
+and given its page back. Every request decodes to what it gives alone."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import numpy as np
+import openai
+import pytest
+
+from jaxdd.testing.server import running_server, wait_until
+
+MAX_LEN, PAGE = 256, 64
+SHORT = 16  # prompt 10 + 46 tokens + a round's 8 reach one page each
+POOL = SHORT + -(-(MAX_LEN + 8) // PAGE)  # and the long one's pages: 21
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("server_pages") / "server.log"
+    args = ["--max-batch", str(SHORT + 2), "--max-len", str(MAX_LEN), "--max-prompt", "16"]
+    args += ["--cache-tokens", str(POOL * PAGE), "--max-logprobs", "0", "--dtype", "float32"]
+    with running_server(args, log) as process:
+        yield process
+
+
+def ids(client: openai.OpenAI, request: dict) -> list[int]:
+    response = client.completions.create(
+        model="kimi-mini", extra_body={"return_token_ids": True}, **request
+    )
+    return response.choices[0].token_ids
+
+
+def scrape(server, running: int, waiting: int) -> bool:
+    """Whether one scrape finds ``running`` requests in rows, ``waiting`` queued, every page
+    held."""
+    now = server.metrics("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+    return list(now.values()) == [running, waiting, 1.0]
+
+
+def test_short_requests_beside_a_long_one_and_one_waiting_for_pages(server, reference):
+    run, _ = reference
+    assert server.metric("cache_capacity_tokens") == POOL * PAGE < (SHORT + 1) * MAX_LEN
+    rng = np.random.default_rng(31)
+    long = {"prompt": rng.integers(1, 4096, 12).tolist(), "max_tokens": MAX_LEN - 12}
+    long["temperature"] = 0.0
+    # sampled at T=1: fewer tokens a round than greedy, so they hold their pages longer
+    short = [
+        {"prompt": rng.integers(1, 4096, 10).tolist(), "max_tokens": 46, "seed": i}
+        | {"temperature": 1.0}
+        for i in range(SHORT + 1)
+    ]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=300, max_retries=0)
+    with concurrent.futures.ThreadPoolExecutor(SHORT + 2) as workers:
+        running = [workers.submit(ids, client, r) for r in [long, *short[:SHORT]]]
+        # all 17 running, every page held, a row still free; then the 18th waits for a page
+        assert wait_until(lambda: scrape(server, SHORT + 1, 0), 300)
+        waiting = workers.submit(ids, client, short[SHORT])
+        assert wait_until(lambda: scrape(server, SHORT + 1, 1), 120)
+        results = [f.result(timeout=600) for f in [*running, waiting]]
+    for i in (0, 1, SHORT, SHORT + 1):  # the long one, two short ones and the 18th
+        request = [long, *short][i]
+        options = (request["temperature"], request.get("seed", 0))
+        assert results[i] == run(request["prompt"], request["max_tokens"], *options), i
+    assert wait_until(lambda: server.metric("kv_cache_usage_perc") == 0.0, 60)
