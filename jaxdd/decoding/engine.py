@@ -234,10 +234,10 @@ class SpeculativeDecoder:
         top ``logprobs`` under the target's distribution before temperature and cut-offs (the
         tokens are the same), ``score_prompt`` each prompt token's after the first too.
         ``prefill_chunk``: a prompt longer than that is prefilled that many tokens per call (the
-        activations of one chunk, not the prompt's; the same tokens). ``on_tokens(request,
-        new_tokens)`` is called as tokens are accepted (the first one after the prefill, then each
-        round's), e.g. to stream text. The options may come as one
-        ``GenerateOptions`` (``options``) or as its fields by keyword.
+        activations of one chunk, not the prompt's; the same tokens), unless it is scored (whole:
+        every position's logits at once). ``on_tokens(request, new_tokens)`` is called as tokens
+        are accepted (the first one after the prefill, then each round's), e.g. to stream text.
+        The options may come as one ``GenerateOptions`` (``options``) or as its fields by keyword.
         """
         emit = on_tokens or (lambda request, tokens: None)
         with compile_clock() as clock:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -144,6 +145,7 @@ class RowPool:
         self._sampling = [GREEDY] * self.rows
         self.settings: RowSettings | None = None  # the device copy, made when a round needs it
         self.state: DecodeState | None = None
+        self._make_state: Callable[[], DecodeState] | None = None
         self.table: RowTable[_Row] = RowTable(self.rows)  # which request holds each row
         page, devices = paging(self.spec.stripes)
         # which pages each row holds, and which the prefix cache keeps
@@ -333,6 +335,7 @@ class RowPool:
         self.pages.clear()
         self._prefilled.clear()
         self._in_flight.clear()
+        self.state = None  # the old buffers go before the new ones come
         self.state = self._empty_state()
         self.settings = None
 
@@ -449,25 +452,25 @@ class RowPool:
         return RowSettings(self._max_length[rows], self._stop_ids[rows], sampling, pages)
 
     def _empty_state(self) -> DecodeState:
-        """Every row done (nothing to decode) until a request is inserted."""
-        config = self.decoder.config
-        drafter = None if self.spec.method == "ar" else self.decoder.drafter.config
-        seeds = jnp.zeros((self.rows,), jnp.uint32)
-        dtype = self.decoder.target.model.dtype
-        state = DecodeState.empty(
-            config,
-            drafter,
-            self.rows,
-            self.shape.row_pages,
-            self.shape.pool_pages,
-            self.spec.block,
-            dtype,
-            seed_keys(seeds),
-            self.spec.stripes,
-        )
-        state = state.replace(done=jnp.ones((self.rows,), bool))
-        mesh = self.decoder.mesh
-        return jax.device_put(state, state_shardings(state, mesh)) if mesh is not None else state
+        """Every row done (nothing to decode) until a request is inserted, made in one jitted
+        call straight into its shardings (no device holds more than its share of the pool, even
+        for a moment), compiled once per pool: a reset runs it again."""
+        if self._make_state is None:
+            drafter = None if self.spec.method == "ar" else self.decoder.drafter.config
+            sizes = (self.rows, self.shape.row_pages, self.shape.pool_pages, self.spec.block)
+            dtype, stripes = self.decoder.target.model.dtype, self.spec.stripes
+
+            def empty() -> DecodeState:
+                keys = seed_keys(jnp.zeros((self.rows,), jnp.uint32))
+                state = DecodeState.empty(
+                    self.decoder.config, drafter, *sizes, dtype, keys, stripes
+                )
+                return state.replace(done=jnp.ones((self.rows,), bool))
+
+            mesh = self.decoder.mesh
+            placed = None if mesh is None else state_shardings(jax.eval_shape(empty), mesh)
+            self._make_state = jax.jit(empty, out_shardings=placed)
+        return self._make_state()
 
     def warm_up(self) -> None:
         """Compile every executable the pool will run: each prompt bucket's prefill (and with

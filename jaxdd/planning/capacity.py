@@ -20,9 +20,14 @@ from jax.experimental import multihost_utils
 from jaxdd.cache.pages import PAGE_TOKENS, pool_pages
 from jaxdd.cache.stripes import Stripes, paging
 from jaxdd.config import DrafterConfig, KimiConfig
+from jaxdd.decoding.checks import MAX_STOP_TOKENS
 from jaxdd.decoding.engine import SpeculativeDecoder
-from jaxdd.decoding.rounds import DecodeState, state_shardings
+from jaxdd.decoding.prefill import prefill_after, prefill_row
+from jaxdd.decoding.requests import RowShape
+from jaxdd.decoding.rounds import DecodeState, RowSettings, decode_round, state_shardings
+from jaxdd.decoding.sampling import GREEDY, SamplingArrays
 from jaxdd.runtime.backend import Backend
+from jaxdd.runtime.buckets import prompt_bucket
 from jaxdd.runtime.sharding import make_mesh
 from jaxdd.types import CacheLayout
 
@@ -101,37 +106,61 @@ def cache_capacity(
     }
 
 
-def fitting_cache_tokens(
-    config: KimiConfig,
-    drafter_config: DrafterConfig | None,
-    mesh: jax.sharding.Mesh,
-    stripes: Stripes | None,
-    dtype: jnp.dtype,
-    free: int,
-) -> int:
-    """The context tokens (whole pages) that ``CACHE_MEMORY_FRACTION`` of ``free`` bytes per
-    device hold for the target's latent cache, in ``stripes``' layout (None: replicated), and
-    the drafter's context K/V, less the null pages (a page on each device: one group of pages)."""
-    slot = slot_bytes(config, drafter_config, mesh, dtype)
-    layout = "striped" if stripes is not None else "replicated"
-    devices = mesh.devices.size
-    held = cache_capacity(free * CACHE_MEMORY_FRACTION, slot, devices, layout)["tokens"]
-    return max(0, int(held) - (devices if stripes is not None else 1) * PAGE_TOKENS)
+def pool_temporaries(decoder: SpeculativeDecoder, shape: RowShape) -> int:
+    """The most temporary bytes a device needs for the biggest of a pool's executables: the
+    prefill of its longest part (the largest prompt bucket; with chunks and no scoring, a
+    chunk), whole and after cached pages, and its sampled round over every row. Compiled ahead
+    of time for a pool of the rows' own size: the temporaries do not grow with the pool (a row's
+    pages are gathered from it, and it is written in place)."""
+    spec, rows, mesh = shape.spec, shape.rows, decoder.mesh
+    drafter = None if spec.method == "ar" else decoder.drafter.config
+    dtype = decoder.target.model.dtype
+    state = abstract_state(
+        decoder.config, drafter, rows, shape.slots, spec.block,
+        mesh or make_mesh(1, jax.local_devices()[:1]), decoder.stripes, dtype,
+    )  # fmt: skip
+    scoring = bool(spec.top_logprobs)  # a scored prompt is prefilled whole
+    longest = min(shape.max_prompt, (not scoring and shape.prefill_chunk) or shape.max_prompt)
+    ints = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)
+    settings = lambda n: RowSettings(
+        ints(n), ints(n, MAX_STOP_TOKENS), jax.eval_shape(lambda: SamplingArrays.of([GREEDY] * n)),
+        ints(n, shape.row_pages),
+    )  # fmt: skip
+    models, flag = decoder.models_for(spec), jax.ShapeDtypeStruct((), jnp.bool_)
+    seeds = jax.ShapeDtypeStruct((1,), jnp.uint32)
+    one = (ints(1, prompt_bucket(longest)), ints(1), settings(1), seeds)
+    lowered = [
+        prefill_row.lower(spec, models, state, ints(), *one, mesh, scoring),
+        prefill_after.lower(spec, models, state, ints(), *one, mesh, ints(), flag),
+        decode_round.lower(spec, models, state, settings(rows)),
+    ]
+    return max(x.compile().memory_analysis().temp_size_in_bytes for x in lowered)
 
 
-def device_cache_tokens(decoder: SpeculativeDecoder) -> int | None:
-    """The context tokens a server's pool of pages holds by default: ``fitting_cache_tokens`` of
-    what its devices' allocators still have once the weights are loaded, the least over the
-    processes (each runs the same pool); None where the allocators report no limit (CPU, whose
-    devices share the host's memory with everything else)."""
+def device_cache_tokens(
+    decoder: SpeculativeDecoder, shape: RowShape, prefix_cache: bool
+) -> int | None:
+    """The context tokens a server's pool of pages of ``shape`` holds by default: what
+    ``CACHE_MEMORY_FRACTION`` of its devices' free memory (the weights loaded) holds less the
+    pool's temporaries (``pool_temporaries``), in whole groups of pages less the null pages, the
+    least over the processes (each runs the same pool); without the ``prefix_cache`` no more
+    than every row full. None where the allocators report no limit (CPU, whose devices share the
+    host's memory with everything else)."""
     mesh = decoder.mesh or make_mesh(1, jax.local_devices()[:1])
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    free = Backend.free_bytes(local, host=False)
-    if free is None:
-        return None
-    dtype = decoder.target.model.dtype
-    drafter = decoder.drafter.config if decoder.drafter is not None else None
-    tokens = fitting_cache_tokens(decoder.config, drafter, mesh, decoder.stripes, dtype, free)
+    free = Backend.free_bytes(local, host=False) if local else None
+    tokens = -1  # not known here
+    if free is not None:
+        budget = free * CACHE_MEMORY_FRACTION - pool_temporaries(decoder, shape)
+        drafter = decoder.drafter.config if shape.spec.method != "ar" else None
+        slot = slot_bytes(decoder.config, drafter, mesh, decoder.target.model.dtype)
+        layout = "striped" if decoder.stripes is not None else "replicated"
+        group = mesh.devices.size if decoder.stripes is not None else 1
+        held = cache_capacity(budget, slot, mesh.devices.size, layout)["tokens"]
+        tokens = max(0, int(held) - group * PAGE_TOKENS)  # a group's pages are the null ones
+        if not prefix_cache:
+            tokens = min(tokens, shape.rows * shape.slots)  # a row holds no more than its slots
     if jax.process_count() > 1:
-        tokens = int(multihost_utils.process_allgather(np.int64(tokens)).min())
-    return tokens
+        known = [t for t in multihost_utils.process_allgather(np.int64(tokens)).tolist() if t >= 0]
+        tokens = min(known, default=-1)
+    return None if tokens < 0 else tokens

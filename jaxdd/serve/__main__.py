@@ -45,6 +45,7 @@ import jax
 import jaxdd
 from jaxdd import cli
 from jaxdd.cli import DEMO, non_negative, positive, print_note
+from jaxdd.decoding.checks import pool_shape
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.rows import RowPool
 from jaxdd.errors import checkpoint_directory
@@ -55,6 +56,7 @@ from jaxdd.serve.app import Server, create_app
 from jaxdd.serve.decisions import Broadcast, Local
 from jaxdd.serve.metrics import Metrics
 from jaxdd.serve.scheduler import Scheduler
+from jaxdd.types import Method
 from jaxdd.weights.tokenizer import load_tokenizer
 
 
@@ -88,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive,
         help="context tokens the pool of cache pages holds for all requests; a request holds "
         "the pages its prompt and max_tokens reach, and waits while they are taken (default: "
-        "what 90%% of the memory the weights leave on GPUs and TPUs holds; on CPU, --max-batch x "
-        "--max-len)",
+        "on GPUs and TPUs, what 90%% of the memory the weights leave holds after the pool's "
+        "compiled temporaries; on CPU, every row at --max-len)",
     )
     parser.add_argument(
         "--prefix-cache",
@@ -147,6 +149,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def make_pool(args: argparse.Namespace, decoder: SpeculativeDecoder, method: Method) -> RowPool:
+    """The server's pool of rows; without --cache-tokens, on GPUs and TPUs, its pages what the
+    devices' memory the weights and the pool's temporaries leave holds."""
+    rows, prefix = args.max_batch, args.prefix_cache == "on"
+    asked = (args.max_prompt, args.block_size, args.budget, args.max_logprobs)
+    fitted = None
+    if args.cache_tokens is None:
+        shape = pool_shape(decoder, method, rows, args.max_len, *asked, None, args.prefill_chunk)
+        fitted = device_cache_tokens(decoder, shape, prefix)
+    try:
+        return RowPool(
+            decoder,
+            method=method,
+            rows=rows,
+            max_len=args.max_len,
+            max_prompt=args.max_prompt,
+            block_size=args.block_size,
+            budget=args.budget,
+            max_logprobs=args.max_logprobs,
+            cache_tokens=args.cache_tokens or fitted,
+            prefix_cache=prefix,
+            prefill_chunk=args.prefill_chunk,
+        )
+    except jaxdd.InputError as error:
+        if fitted is None:
+            raise
+        note = "the default: what the devices' memory holds; set --cache-tokens or lower --max-len"
+        raise jaxdd.InputError(f"{error} ({note})") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     start_up = lifecycle.StartUp()  # first: until the scheduler is ready a signal ends the process
     parser = build_parser()
@@ -174,19 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         target, drafter = jaxdd.load_pair(
             checkpoint, drafter_path, dtype, devices, args.moe or "tp"
         )
-        options = {
-            "block_size": args.block_size,
-            "budget": args.budget,
-            "max_prompt": args.max_prompt,
-            "max_logprobs": args.max_logprobs,
-            "prefix_cache": args.prefix_cache == "on",
-            "prefill_chunk": args.prefill_chunk,
-        }
         decoder = SpeculativeDecoder(
             target, drafter, cache_layout=args.cache_layout or "replicated"
         )
-        options["cache_tokens"] = args.cache_tokens or device_cache_tokens(decoder)
-        pool = RowPool(decoder, method=method, rows=args.max_batch, max_len=args.max_len, **options)
+        pool = make_pool(args, decoder, method)
     except (jaxdd.CheckpointError, jaxdd.ConfigError, jaxdd.InputError) as error:
         print(f"jaxdd: {error}", file=sys.stderr)
         return 2

@@ -45,9 +45,8 @@ class PageCounts:
         self.counts = (0, 0, 0)
 
     def collect(self):
-        family = GaugeMetricFamily(
-            "jaxdd:cache_pages", self.__doc__.split(":")[0], labels=["state"]
-        )
+        about = "The cache's pages: free, cached (kept for prompts, no row holding them), held"
+        family = GaugeMetricFamily("jaxdd:cache_pages", about, labels=["state"])
         for state, count in zip(self.STATES, self.counts, strict=True):
             family.add_metric([state], count)
         yield family

@@ -323,7 +323,9 @@ class Scheduler:
             self.pool.dispatch()
             if self.pool.in_flight < 2:
                 return
-        for update in self.pool.collect().values():
+        updates = self.pool.collect()
+        self._observe_rows()  # before the tokens go out: a client that has its end sees it counted
+        for update in updates.values():
             job = update.owner
             # the round's tokens: the accepted drafts and a bonus (none for a prompt scored alone)
             drafted = len(update.tokens) - update.first
@@ -335,7 +337,6 @@ class Scheduler:
                 self.metrics.acceptance.observe(drafted)
             self._hand(job, update)
         self._count_free()
-        self._observe_rows()
 
     def _hand(self, job: Job, update: RowUpdate) -> None:
         now = time.monotonic()

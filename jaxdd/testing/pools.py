@@ -11,11 +11,13 @@ def run_alone(pool: RowPool, request: RowRequest) -> tuple[list[int], list[int],
     prompt tokens it found cached."""
     pool.admit(pool.check(request))
     tokens, sizes, cached = [], [], 0
-    for _ in range(request.max_new_tokens + 1):  # bounded: a round brings one token or more
+    # bounded: a round brings a token or more, or a chunk of the prompt
+    for _ in range(request.max_new_tokens + len(request.prompt) + 1):
         if not pool.busy:
             break
         for update in pool.step().values():
             tokens += update.tokens
             sizes.append(len(update.tokens))
             cached += update.cached if update.first else 0
+    assert not pool.busy, "a request outlived its rounds"
     return tokens, sizes, cached

@@ -55,33 +55,36 @@ operation = st.one_of(
 )
 
 
-@given(seed=st.integers(0, 2**16), ops=st.lists(operation, max_size=40))
-@settings(max_examples=examples(12), deadline=None)
-def test_pages_add_up_and_hits_decode_as_misses(pool, seed, ops):
+def drive(pool: RowPool, seed: int, ops: list[tuple]) -> tuple[int, int]:
+    """Run ``ops`` on ``pool``, checking the pages after each: the prompt tokens found cached,
+    and how often a hit's tokens were compared with a miss's for the same prompt."""
     pool.reset()
     rng = np.random.default_rng(seed)
     histories = [rng.integers(1, 4096, 40).tolist() for _ in range(CONVERSATIONS)]
-    said: dict[tuple[int, ...], list[int]] = {}  # each prompt's tokens, hit or miss
-    running: dict[int, tuple[int, list[int]]] = {}  # owner -> (conversation, tokens so far)
-    hits = 0
+    said: dict[tuple[int, ...], tuple[list[int], int]] = {}  # a prompt's tokens, its hit
+    running: dict[int, tuple[int, list[int], list[int], int]] = {}  # conversation, prompt, ...
+    hits = compared = 0  # tokens found cached; a hit's tokens compared with a miss's
     for number, op in enumerate(ops):
         if op[0] == "admit":
             _, conversation, answer = op
             request = pool.check(RowRequest(histories[conversation], answer, [], jaxdd.Sampling()))
             if pool.admissible([request]) == 1:
                 pool.admit(request, owner=number)
-                running[number] = (conversation, [])
+                running[number] = (conversation, request.prompt, [], 0)
         elif op[0] == "round" and pool.busy:
             for update in pool.step().values():
-                conversation, tokens = running[update.owner]
+                conversation, prompt, tokens, cached = running[update.owner]
                 tokens += update.tokens
-                hits += update.cached if update.first else 0
+                if update.first:
+                    hits += update.cached
+                    cached = update.cached
+                    running[update.owner] = (conversation, prompt, tokens, cached)
                 if update.finish is None:
                     continue
-                prompt = histories[conversation]
-                before = said.setdefault(tuple(prompt), tokens)
+                before, before_cached = said.setdefault(tuple(prompt), (tokens, cached))
                 shorter = min(len(before), len(tokens))
                 assert before[:shorter] == tokens[:shorter]  # greedy: a hit decodes as a miss
+                compared += bool(before_cached) != bool(cached)
                 history = [*prompt, *tokens, *rng.integers(1, 4096, 8).tolist()]
                 histories[conversation] = history[-MAX_PROMPT:]  # a new turn (or a new chat)
                 del running[update.owner]
@@ -101,3 +104,19 @@ def test_pages_add_up_and_hits_decode_as_misses(pool, seed, ops):
             running.clear()
         check_pages(pool)
     assert hits % pool.pages.page == 0
+    return hits, compared
+
+
+@given(seed=st.integers(0, 2**16), ops=st.lists(operation, max_size=40))
+@settings(max_examples=examples(12), deadline=None)
+def test_pages_add_up_and_hits_decode_as_misses(pool, seed, ops):
+    drive(pool, seed, ops)
+
+
+def test_a_hit_is_compared_with_a_miss(pool):
+    """One run the checks above see a hit in: a second turn of 72 tokens (its prompt's first
+    page cached once its last chunk is dispatched) admitted twice, a miss and then a hit."""
+    turn = [("admit", 0, 24)]
+    ops = turn + [("round",)] * 30 + turn + [("round",)] + turn + [("round",)] * 40
+    hits, compared = drive(pool, 3, ops)
+    assert hits == 64 and compared == 1

@@ -14,7 +14,7 @@ import pytest
 from jaxdd.testing.server import running_server, wait_until
 
 MAX_LEN, PAGE = 256, 64
-SHORT = 16  # prompt 10 + 46 tokens + a round's 8 reach one page each
+SHORT = 16  # prompt 4 + 52 tokens + a round's 8 reach one page each
 POOL = SHORT + -(-(MAX_LEN + 8) // PAGE)  # and the long one's pages: 21
 
 
@@ -49,7 +49,7 @@ def test_short_requests_beside_a_long_one_and_one_waiting_for_pages(server, refe
     long["temperature"] = 0.0
     # sampled at T=1: fewer tokens a round than greedy, so they hold their pages longer
     short = [
-        {"prompt": rng.integers(1, 4096, 10).tolist(), "max_tokens": 46, "seed": i}
+        {"prompt": rng.integers(1, 4096, 4).tolist(), "max_tokens": 52, "seed": i}
         | {"temperature": 1.0}
         for i in range(SHORT + 1)
     ]
