@@ -1,7 +1,10 @@
 """The server's pool of pages under the real ``openai`` client: 21 pages (1,344 tokens) serve 16
 short requests beside one of ``--max-len``, where rows of fixed size would need 17 x
 ``--max-len``; an 18th finds a free row but no page, waits, and starts once a request has ended
-and given its page back. Every request decodes to what it gives alone."""
+and given its page back. The greedy ones (the long one, the 18th) decode to what they give alone;
+the 16 sampled at T=1 are each served (a draw within rounding of a boundary may go either way
+in another batch size, so they are not compared token for token here: tests/decoding/test_rows.py
+and tests/serve/test_server.py compare seeded rows)."""
 
 from __future__ import annotations
 
@@ -51,18 +54,18 @@ def test_short_requests_beside_a_long_one_and_one_waiting_for_pages(server, refe
     short = [
         {"prompt": rng.integers(1, 4096, 4).tolist(), "max_tokens": 52, "seed": i}
         | {"temperature": 1.0}
-        for i in range(SHORT + 1)
+        for i in range(SHORT)
     ]
+    last = {"prompt": rng.integers(1, 4096, 4).tolist(), "max_tokens": 52, "temperature": 0.0}
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=300, max_retries=0)
     with concurrent.futures.ThreadPoolExecutor(SHORT + 2) as workers:
-        running = [workers.submit(ids, client, r) for r in [long, *short[:SHORT]]]
+        running = [workers.submit(ids, client, r) for r in [long, *short]]
         # all 17 running, every page held, a row still free; then the 18th waits for a page
         assert wait_until(lambda: scrape(server, SHORT + 1, 0), 300)
-        waiting = workers.submit(ids, client, short[SHORT])
+        waiting = workers.submit(ids, client, last)
         assert wait_until(lambda: scrape(server, SHORT + 1, 1), 120)
         results = [f.result(timeout=600) for f in [*running, waiting]]
-    for i in (0, 1, SHORT, SHORT + 1):  # the long one, two short ones and the 18th
-        request = [long, *short][i]
-        options = (request["temperature"], request.get("seed", 0))
-        assert results[i] == run(request["prompt"], request["max_tokens"], *options), i
+    assert results[0] == run(long["prompt"], long["max_tokens"])
+    assert results[-1] == run(last["prompt"], last["max_tokens"])
+    assert all(0 < len(r) <= 52 for r in results[1:-1])  # the sampled ones each served
     assert wait_until(lambda: server.metric("kv_cache_usage_perc") == 0.0, 60)
