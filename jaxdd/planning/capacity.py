@@ -25,14 +25,14 @@ from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.prefill import prefill_after, prefill_row
 from jaxdd.decoding.requests import RowShape
 from jaxdd.decoding.rounds import DecodeState, RowSettings, decode_round, state_shardings
-from jaxdd.decoding.sampling import GREEDY, SamplingArrays
+from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.buckets import prompt_bucket
 from jaxdd.runtime.sharding import make_mesh
 from jaxdd.types import CacheLayout
 
-# of the memory the weights leave on a device, the share a server's pool of pages takes by
-# default: the rest for a round's temporaries (vLLM's gpu_memory_utilization is 0.9 of it all)
+# of the memory the weights leave on a device, the share a server's pool of pages and its
+# executables' temporaries take by default (vLLM's gpu_memory_utilization is 0.9 of it all)
 CACHE_MEMORY_FRACTION = 0.9
 
 
@@ -60,6 +60,13 @@ def abstract_state(
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
     )
+
+
+def abstract_settings(rows: int, row_pages: int, sampling: Sampling = GREEDY) -> RowSettings:
+    """``rows`` rows' settings for a round or a prefill, all sampled so, as ShapeDtypeStructs."""
+    ints = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)
+    sampled = jax.eval_shape(lambda: SamplingArrays.of([sampling] * rows))
+    return RowSettings(ints(rows), ints(rows, MAX_STOP_TOKENS), sampled, ints(rows, row_pages))
 
 
 def shard_bytes(x: jax.ShapeDtypeStruct) -> int:
@@ -122,10 +129,7 @@ def pool_temporaries(decoder: SpeculativeDecoder, shape: RowShape) -> int:
     scoring = bool(spec.top_logprobs)  # a scored prompt is prefilled whole
     longest = min(shape.max_prompt, (not scoring and shape.prefill_chunk) or shape.max_prompt)
     ints = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)
-    settings = lambda n: RowSettings(
-        ints(n), ints(n, MAX_STOP_TOKENS), jax.eval_shape(lambda: SamplingArrays.of([GREEDY] * n)),
-        ints(n, shape.row_pages),
-    )  # fmt: skip
+    settings = lambda n: abstract_settings(n, shape.row_pages)
     models, flag = decoder.models_for(spec), jax.ShapeDtypeStruct((), jnp.bool_)
     seeds = jax.ShapeDtypeStruct((1,), jnp.uint32)
     one = (ints(1, prompt_bucket(longest)), ints(1), settings(1), seeds)

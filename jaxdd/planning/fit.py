@@ -32,17 +32,21 @@ from jaxdd.cache import row_slots
 from jaxdd.cache.pages import PAGE_TOKENS
 from jaxdd.cache.stripes import paging
 from jaxdd.config import DrafterConfig, KimiConfig
-from jaxdd.decoding.checks import MAX_STOP_TOKENS
 from jaxdd.decoding.engine import RoundBatch, SpeculativeDecoder
-from jaxdd.decoding.rounds import RowSettings
-from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays
+from jaxdd.decoding.sampling import GREEDY, Sampling
 from jaxdd.errors import ConfigError, InputError, read_json
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.moe import MoE
 from jaxdd.models.target import KimiTarget
 from jaxdd.planning.aot import Machine, find_machine
 from jaxdd.planning.cache_layout import LayoutChoice, choose_layout
-from jaxdd.planning.capacity import abstract_state, cache_capacity, shard_bytes, slot_bytes
+from jaxdd.planning.capacity import (
+    abstract_settings,
+    abstract_state,
+    cache_capacity,
+    shard_bytes,
+    slot_bytes,
+)
 from jaxdd.planning.compiled_traffic import compiled_traffic
 from jaxdd.planning.hardware import named_hardware
 from jaxdd.planning.traffic import ModelBytes, floor_seconds, round_traffic, traffic_table
@@ -453,12 +457,7 @@ def _abstract_requests(
     out as the decoder's, as sharded ShapeDtypeStructs."""
     state = abstract_state(config, drafter_config, batch, slots, block, mesh, decoder.stripes)
     sampling = Sampling(temperature=1.0) if sampled else GREEDY
-    settings = RowSettings(
-        max_length=jax.ShapeDtypeStruct((batch,), jnp.int32),
-        stop_ids=jax.ShapeDtypeStruct((batch, MAX_STOP_TOKENS), jnp.int32),
-        sampling=jax.eval_shape(lambda: SamplingArrays.of([sampling] * batch)),
-        pages=jax.ShapeDtypeStruct(state.target_cache.pages.shape, jnp.int32),
-    )
+    settings = abstract_settings(batch, state.target_cache.pages.shape[-1], sampling)
     spec = decoder.round_spec(
         method, block, budget if method == "ddtree" else None, sampled=sampled
     )
