@@ -178,9 +178,10 @@ def add_device_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache-layout",
         choices=LAYOUTS,
-        help="with several devices, keep the MLA latent cache whole on each (replicated, the "
-        "default) or deal its pages over them, each attending over its own (striped: each "
-        "device reads 1/N of the context; python -m jaxdd.plan says which is faster)",
+        help="with several devices, keep the MLA latent cache whole on each (replicated) or "
+        "deal its pages over them, each attending over its own (striped: each device reads 1/N "
+        "of the context); default: the layout python -m jaxdd.plan finds faster on these "
+        "devices (replicated on one device or devices it has no model of)",
     )
     hosts = parser.add_argument_group(
         "several hosts (one process each; not needed where JAX finds the job itself)"

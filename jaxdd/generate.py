@@ -29,6 +29,7 @@ import jaxdd
 from jaxdd import cli
 from jaxdd.cli import DEMO, parse_ids, positive, print_note
 from jaxdd.decoding.engine import Generation
+from jaxdd.planning.default_layout import default_layout
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.distributed import disagreeing_processes
 from jaxdd.weights.tokenizer import IncrementalDecoder, TextTokenizer, load_tokenizer
@@ -261,7 +262,14 @@ def run(argv: list[str] | None) -> int:
             budget=args.budget,
             sampling=jaxdd.Sampling(args.temperature, args.top_p, args.top_k, args.seed),
             on_tokens=stream,
-            cache_layout=args.cache_layout or "replicated",
+            cache_layout=args.cache_layout
+            or default_layout(
+                target.model,
+                drafter,
+                method,
+                len(prompt_ids) + args.max_new_tokens,
+                budget=args.budget,
+            ).layout,
             prefill_chunk=args.prefill_chunk,
         )
     except (jaxdd.CheckpointError, jaxdd.ConfigError, jaxdd.InputError) as error:

@@ -159,6 +159,48 @@ def _cache_specs(
     return [paged(width, part) for width in widths for part in range(parts)]
 
 
+def declared_bytes(
+    batch: int,
+    tiles: TpuTiles,
+    keys: tuple[int, int, int, int],
+    widths: tuple[int, int],
+    itemsizes: tuple[int, int],
+) -> int:
+    """What the kernel moves between HBM and VMEM over its grid when all of a row's blocks are
+    live (the most: past ``length`` no new block is fetched). ``keys`` (blocks, unit, parts,
+    steps): part p of key step k reads a row's block min(k * parts + p, blocks - 1) of ``unit``
+    slots, fetched when it differs from the part's previous block, so once per row block, or
+    once per row where it never changes. Per row block its query rows, mask and output; per row
+    the tree tail. ``widths`` (r, dr); ``itemsizes`` of the queries and tail, and of the cache."""
+    blocks, unit, parts, steps = keys
+    fetched = 0
+    for part in range(parts):
+        distinct = len({min(k * parts + part, blocks - 1) for k in range(steps)})
+        fetched += distinct if distinct == 1 else distinct * tiles.row_blocks
+    rows = batch * tiles.row_blocks * tiles.block_q
+    inputs, cache = itemsizes
+    width = sum(widths)
+    queries = rows * (width * inputs + tiles.tail * 4)  # the mask in int32
+    outputs = rows * (widths[0] + 1) * 4  # out and lse in fp32 (lse or not: a bound)
+    tail = batch * tiles.tail * width * inputs
+    return queries + outputs + tail + batch * fetched * unit * width * cache
+
+
+def _cost(
+    batch: int, tiles: TpuTiles, keys: tuple[int, int, int, int], widths, queries, cache
+) -> pl.CostEstimate:
+    """The kernel's CostEstimate: its dots and exponentials over every slot, and
+    ``declared_bytes``."""
+    rows = batch * tiles.row_blocks * tiles.block_q
+    scores = rows * (keys[0] * keys[1] + tiles.tail)
+    itemsizes = (queries.dtype.itemsize, cache.dtype.itemsize)
+    return pl.CostEstimate(
+        flops=2 * scores * (2 * widths[0] + widths[1]),
+        transcendentals=scores,
+        bytes_accessed=declared_bytes(batch, tiles, keys, widths, itemsizes),
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "vmem_limit_bytes", "with_lse"))
 def tree_attention_tpu(
     q_latent,
@@ -184,18 +226,19 @@ def tree_attention_tpu(
     dr = q_rope.shape[-1]
     length = length.astype(jnp.int32)
     if pages is None:
-        slots = cache_latent.shape[1]
-        tiles = tpu_tiles(t, h, slots)
-        unit, parts, steps = tiles.block_k, 1, slots // tiles.block_k
+        row_slots = cache_latent.shape[1]
+        tiles = tpu_tiles(t, h, row_slots)
+        unit, parts, steps = tiles.block_k, 1, row_slots // tiles.block_k
         scalars = (length,)
     else:
         page = check_pages(cache_latent, cache_rope, pages)
         row_pages = pages.shape[1]
-        tiles = tpu_tiles(t, h, row_pages * page)
+        row_slots = row_pages * page
+        tiles = tpu_tiles(t, h, row_slots)
         unit, parts = paged_tiles(page)
-        steps = pl.cdiv(row_pages * page // unit, parts)
+        steps = pl.cdiv(row_slots // unit, parts)
         # keys past the table: none, as in the reference's gather; the table flat in SMEM
-        scalars = (jnp.minimum(length, row_pages * page), pages.astype(jnp.int32).reshape(-1))
+        scalars = (jnp.minimum(length, row_slots), pages.astype(jnp.int32).reshape(-1))
     bq = tiles.block_q
     padded_rows = tiles.row_blocks * bq
 
@@ -221,11 +264,8 @@ def tree_attention_tpu(
             by_rows(tiles.tail),
         ],
         out_specs=(by_rows(r), by_rows(1)) if with_lse else by_rows(r),
-        scratch_shapes=[
-            pltpu.VMEM((bq, r), jnp.float32),
-            pltpu.VMEM((bq, 1), jnp.float32),
-            pltpu.VMEM((bq, 1), jnp.float32),
-        ],
+        # the running softmax: accumulator, max, sum
+        scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in ((bq, r), (bq, 1), (bq, 1))],
     )
     result = pl.pallas_call(
         functools.partial(_kernel, scale=scale, parts=parts, scalars=len(scalars)),
@@ -234,6 +274,10 @@ def tree_attention_tpu(
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=vmem_limit_bytes,
+        ),
+        # what it moves, not its operands: a pool passed once per part is read once
+        cost_estimate=_cost(
+            b, tiles, (row_slots // unit, unit, parts, steps), (r, dr), q_latent, cache_latent
         ),
         interpret=interpret,
         name="mla_tree_attention_tpu" if pages is None else "mla_tree_attention_tpu_paged",

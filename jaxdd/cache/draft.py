@@ -73,7 +73,3 @@ class DraftCache:
     def view(self) -> CacheView:
         """Where this cache's forwards read and write."""
         return CacheView(self.length, self.pages, SLOT_AXIS)
-
-    def visible(self, block_len: jax.Array) -> jax.Array:
-        """[batch, slots]: what a drafted block sees: the context and its first ``block_len``."""
-        return self.view.committed(self.slots, extra=block_len)

@@ -233,7 +233,7 @@ def _dflash_round(
     one-hot distributions make it the greedy rule); otherwise the argmax chain."""
     block_len = jnp.clip(settings.max_length - state.target_cache.length, 1, spec.block)
     with jax.named_scope("draft"):
-        logits, draft_cache = _draft(drafter, target, state, block_len, spec.block)
+        logits, draft_cache = _draft(spec, drafter, target, state, block_len)
     rng = state.rng
     with jax.named_scope("build"):
         if spec.sampled:
@@ -278,7 +278,7 @@ def _ddtree_round(
     start = state.target_cache.length
     block_len = jnp.clip(settings.max_length - start, 1, spec.block)
     with jax.named_scope("draft"):
-        logits, draft_cache = _draft(drafter, target, state, block_len, spec.block)
+        logits, draft_cache = _draft(spec, drafter, target, state, block_len)
     with jax.named_scope("build"):
         tree_logits = logits
         if spec.sampled and spec.tree_logits == "scaled":
@@ -334,14 +334,22 @@ def _forward_options(spec: RoundSpec) -> dict:
 
 
 def _draft(
-    drafter: DFlashDrafter, target: KimiTarget, state: DecodeState, block_len: jax.Array, block: int
+    spec: RoundSpec,
+    drafter: DFlashDrafter,
+    target: KimiTarget,
+    state: DecodeState,
+    block_len: jax.Array,
 ):
     """Cache the drafter K/V of the tokens committed last round (the last ``context_count``
-    positions), then draft: (logits [B, block - 1, V], drafter cache)."""
+    positions), then draft: (logits [B, block - 1, V], drafter cache). With the verify's
+    ``pallas`` form the drafter's attention runs in the tree-attention kernel too."""
     start = state.target_cache.length
-    positions = (start - state.context_count)[:, None] + jnp.arange(block)[None, :]
+    positions = (start - state.context_count)[:, None] + jnp.arange(spec.block)[None, :]
     draft_cache = drafter.inject(state.draft_cache, state.context, positions, state.context_count)
-    return drafter.draft_logits(target, draft_cache, state.bonus, start, block_len, block)
+    kernel = spec.backend.tree_attention() if spec.attention == "pallas" else None
+    return drafter.draft_logits(
+        target, draft_cache, state.bonus, start, block_len, spec.block, kernel
+    )
 
 
 def _verify_chain(

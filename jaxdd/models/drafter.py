@@ -6,13 +6,20 @@ tapped hidden states of committed tokens enter as extra keys and values ("KV inj
 ``hidden_norm(fc(features))`` is projected by each layer's k/v projections (no input_layernorm on
 it) and cached once, at the tokens' absolute positions. Block queries attend to all cached context
 and to the whole block (non-causal); the block's own K/V is never committed to the cache.
+
+Given the tree-attention kernel (``kernel``: the verify's ``pallas`` form), the block's attention
+runs in it: the context K/V read once through the page tables, with no scores in device memory
+(XLA gathers a row's pages and writes every layer's scores and probabilities).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from jaxdd.cache import CacheView, DraftCache
 from jaxdd.config import DrafterConfig
@@ -26,12 +33,14 @@ from jaxdd.models.layers import (
     rope_frequencies,
     unmerged,
 )
+from jaxdd.runtime.sharding import AXIS, Placeable, partition_spec
 
 
-class DraftAttention(nnx.Module):
+class DraftAttention(nnx.Module, Placeable):
     def __init__(self, config: DrafterConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         c = config
         self.config = c
+        self.placement = None  # (mesh, mode) once placed by ``jaxdd.runtime.sharding.shard_module``
         self.q_proj = param(
             rngs,
             (c.hidden_size, c.num_attention_heads, c.head_dim),
@@ -72,24 +81,35 @@ class DraftAttention(nnx.Module):
         return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
     def __call__(
-        self, x, cos_sin, cached: tuple[jax.Array, jax.Array], view: CacheView, mask: jax.Array
-    ):
+        self,
+        x: jax.Array,
+        cos_sin: tuple[jax.Array, jax.Array],
+        cached: tuple[jax.Array, jax.Array],
+        view: CacheView,
+        block_len: jax.Array,
+        kernel: Callable | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """x [B,T,D]; cached keys/values (rows [B,kv,S,hd] or pools of pages) holding the
-        context ``view`` reads; mask [B,S]: the slots the block sees. Returns the output [B,T,D]
-        and the keys/values with the block's rows in them.
+        context ``view`` reads; the block sees it and its own first ``block_len`` [B] tokens.
+        Returns the output [B,T,D] and the keys/values, with the block's rows in them unless
+        ``kernel`` (the tree-attention kernel) attends.
 
-        The block's K/V are written where ``view`` writes new rows, so attention runs over
-        the cache alone (no concatenated copy of it per layer). They are never committed:
-        the view does not move, the slots stay hidden from later blocks beyond their own,
-        and the next context injection overwrites them.
+        Without the kernel the block's K/V are written where ``view`` writes new rows, so
+        attention runs over the cache alone (no concatenated copy of it per layer). They are
+        never committed: the view does not move, the slots stay hidden from later blocks beyond
+        their own, and the next context injection overwrites them.
         """
         c = self.config
         cos, sin = cos_sin
         q = self.q_norm(jnp.einsum("btd,dnh->btnh", *unmerged(x, self.q_proj[...])))
         q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleaved=False)
         k, v = self.keys_values(x, cos, sin)
+        if kernel is not None:
+            out = self._kernel_attention(kernel, q, k, v, cached, view, block_len)
+            return project_heads(out.astype(x.dtype), self.o_proj[...]), cached
         written = tuple(map(view.write, cached, (k, v)))
         keys, values = map(view.read, written)
+        mask = view.committed(keys.shape[view.axis], extra=block_len)
         b, t = x.shape[:2]
         groups = c.num_attention_heads // c.num_key_value_heads
         q = q.reshape(b, t, c.num_key_value_heads, groups, c.head_dim)
@@ -103,6 +123,55 @@ class DraftAttention(nnx.Module):
         )
         return project_heads(out, self.o_proj[...]), written
 
+    def _kernel_attention(self, kernel, q, k, v, cached, view: CacheView, block_len) -> jax.Array:
+        """The block's attention [B,T,heads,hd] (fp32) in the tree-attention kernel, per device
+        on its KV heads. The kernel is MLA's (scores q_latent . latent + q_rope . rope, values
+        the latent): keys go in as its rope operand, values as its latent one, and zero latent
+        queries leave the scores q . k. Each KV head is a row of its own (a pool's KV heads
+        fold into its pages at no copy: page p of head j is page p * kv + j)."""
+
+        def attend(q, k, v, keys, values, length, block_len, pages):
+            b, t, heads, hd = q.shape  # this device's heads
+            kv = k.shape[1]
+            q = q.reshape(b, t, kv, heads // kv, hd).transpose(0, 2, 1, 3, 4)
+            q = q.reshape(b * kv, t, heads // kv, hd)
+            fold = lambda x: x.reshape(b * kv, *x.shape[2:])  # [B, kv, ..] -> [B * kv, ..]
+            if pages is None:
+                keys, values = map(fold, (keys, values))
+            else:
+                keys, values = (x.reshape(-1, *x.shape[2:]) for x in (keys, values))
+                pages = fold(pages[:, None] * kv + jnp.arange(kv)[None, :, None])
+            tail = jnp.arange(t)[None, None, :] < block_len[:, None, None]
+            out = kernel(
+                jnp.zeros_like(q),
+                q,
+                values,
+                keys,
+                jnp.repeat(length, kv),
+                fold(v),
+                fold(k),
+                jnp.repeat(jnp.broadcast_to(tail, (b, t, t)), kv, axis=0),
+                scale=hd**-0.5,
+                pages=pages,
+            )
+            out = out.reshape(b, kv, t, heads // kv, hd).transpose(0, 2, 1, 3, 4)
+            return out.reshape(b, t, heads, hd)
+
+        operands = (q, k, v, *cached, view.length, block_len, view.pages)
+        if self.placement is None or self.placement[0].size == 1:
+            return attend(*operands)
+        # a Pallas kernel is opaque to XLA's partitioner: each device runs it on its KV heads
+        # (all of them where the mesh does not split the KV heads)
+        mesh = self.placement[0]
+        c = self.config
+        split = partition_spec((c.num_key_value_heads,), ("kv_heads",), mesh, "tp")[0]
+        whole = PartitionSpec()
+        by_heads = PartitionSpec(None, AXIS) if split else whole
+        q_spec = PartitionSpec(None, None, AXIS) if split else whole
+        specs = (q_spec, by_heads, by_heads, by_heads, by_heads, whole, whole, whole)
+        attend = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)
+        return attend(*operands)
+
 
 class DraftLayer(nnx.Module):
     def __init__(self, config: DrafterConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
@@ -111,8 +180,8 @@ class DraftLayer(nnx.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype, rngs)
 
-    def __call__(self, x, cos_sin, cached, view: CacheView, mask):
-        attn, cached = self.attn(self.attn_norm(x), cos_sin, cached, view, mask)
+    def __call__(self, x, cos_sin, cached, view: CacheView, block_len, kernel=None):
+        attn, cached = self.attn(self.attn_norm(x), cos_sin, cached, view, block_len, kernel)
         x = x + attn
         return x + self.mlp(self.mlp_norm(x)), cached
 
@@ -154,17 +223,20 @@ class DFlashDrafter(nnx.Module):
         return cache.replace(keys=kind(keys), values=kind(values), length=committed)
 
     def __call__(
-        self, embeds: jax.Array, positions: jax.Array, cache: DraftCache, block_len: jax.Array
+        self,
+        embeds: jax.Array,
+        positions: jax.Array,
+        cache: DraftCache,
+        block_len: jax.Array,
+        kernel: Callable | None = None,
     ) -> tuple[jax.Array, DraftCache]:
         """Final-normed hidden states [B,T,D] for the block embeddings
-        [B,T,D] at positions [B,T], and the cache with the block's K/V in
-        the uncommitted slots after the context (see ``DraftAttention``).
+        [B,T,D] at positions [B,T], and the cache (without ``kernel``: with the block's K/V in
+        the uncommitted slots after the context, see ``DraftAttention``).
 
         Block keys at index >= block_len [B] are hidden (the
         reference drafts a shorter block near max length).
         """
-        # context, then block
-        visible = cache.visible(block_len)
         cos_sin = self._cos_sin(positions)
         x = embeds.astype(self.dtype)
         keys = []
@@ -172,16 +244,19 @@ class DFlashDrafter(nnx.Module):
         for layer, cached in zip(
             self.layers, zip(cache.keys, cache.values, strict=True), strict=True
         ):
-            x, (layer_keys, layer_values) = layer(x, cos_sin, cached, cache.view, visible)
+            x, (layer_keys, layer_values) = layer(x, cos_sin, cached, cache.view, block_len, kernel)
             keys.append(layer_keys)
             values.append(layer_values)
         kind = type(cache.keys)
         return self.norm(x), cache.replace(keys=kind(keys), values=kind(values))
 
-    def draft_logits(self, target, cache: DraftCache, bonus, start, block_len, block: int):
+    def draft_logits(
+        self, target, cache: DraftCache, bonus, start, block_len, block: int, kernel=None
+    ):
         """Draft logits [B, block-1, V] for positions start+1 ..: one forward over ``[bonus,
-        MASK x (block-1)]``, and the cache as that forward left it (keep it: its extra rows
-        are uncommitted, and reusing the buffer lets a donated round write in place).
+        MASK x (block-1)]`` (its attention in ``kernel`` if given), and the cache as that
+        forward left it (keep it: its extra rows are uncommitted, and reusing the buffer lets a
+        donated round write in place).
 
         The block is embedded with the target's embedding and read out through its lm_head.
         """
@@ -189,7 +264,8 @@ class DFlashDrafter(nnx.Module):
         masks = jnp.full((bonus.shape[0], block - 1), c.mask_token_id, jnp.int32)
         noise = jnp.concatenate([bonus[:, None], masks], axis=1)
         embeds = target.embed_tokens(noise) * c.input_embedding_scale
-        hidden, cache = self(embeds, start[:, None] + jnp.arange(block)[None, :], cache, block_len)
+        positions = start[:, None] + jnp.arange(block)[None, :]
+        hidden, cache = self(embeds, positions, cache, block_len, kernel)
         logits = target.logits(hidden[:, 1:]) * c.output_multiplier
         if c.final_logit_softcapping is not None:
             logits = jnp.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping

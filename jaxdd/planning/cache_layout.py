@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from jaxdd.cache.pages import PAGE_TOKENS
 from jaxdd.config import KimiConfig
 from jaxdd.planning.hardware import Hardware
-from jaxdd.types import LAYOUTS, CacheLayout
+from jaxdd.types import LAYOUTS, CacheLayout, Method
 
 BF16 = 2
 # partial outputs and log-sum-exps cross the link in float32, so the
@@ -90,6 +90,12 @@ class LayoutChoice:
 
     layout: CacheLayout
     reason: str
+
+
+def round_name(method: Method, budget: int, batch: int) -> str:
+    """How a plan names its round: AR, DFlash or DDTree-``budget``, and its batch above 1."""
+    name = {"ar": "AR", "dflash": "DFlash", "ddtree": f"DDTree-{budget}"}[method]
+    return name + (f" (batch {batch})" if batch > 1 else "")
 
 
 def choose_layout(

@@ -39,7 +39,7 @@ from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.moe import MoE
 from jaxdd.models.target import KimiTarget
 from jaxdd.planning.aot import Machine, find_machine
-from jaxdd.planning.cache_layout import LayoutChoice, choose_layout
+from jaxdd.planning.cache_layout import LayoutChoice, choose_layout, round_name
 from jaxdd.planning.capacity import (
     abstract_settings,
     abstract_state,
@@ -228,12 +228,15 @@ def _cache_layouts(
         for name in LAYOUTS
         if hardware is not None
     }
-    round_name = {"ar": "AR", "dflash": "DFlash", "ddtree": f"DDTree-{o.budget}"}[o.method]
-    if o.batch > 1:
-        round_name += f" (batch {o.batch})"
     held = {name: c["tokens"] for name, c in capacity.items()}
     choice = chosen or choose_layout(
-        o.cache_layout, floors, held, o.batch * o.max_len, hardware, devices, round_name
+        o.cache_layout,
+        floors,
+        held,
+        o.batch * o.max_len,
+        hardware,
+        devices,
+        round_name(o.method, o.budget, o.batch),
     )
     by_layout = {
         name: traffic_table(

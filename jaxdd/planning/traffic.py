@@ -3,7 +3,8 @@ and the tokens/s a tau curve predicts: the account behind "decode is bound by th
 
 A round verifies T tokens (AR 1, DFlash its block, DDTree budget + 1). Each device reads its
 shard of every non-expert weight once (the lm_head twice in a speculative round: the drafts'
-logits and the verify's), the drafter's shard, the routed experts that some token chose (a layer
+logits and the verify's), the drafter's shard and its context K/V (its KV heads' share), the routed
+experts that some token chose (a layer
 of E experts, top k, sees E (1 - (1 - k/E)^T) distinct experts for T uniformly routed tokens:
 trees change the calculus, the bytes grow with the budget long before the FLOPs matter), and the
 KV rows: the MLA latent cache replicated, every device reads all of it; striped, its share, and
@@ -24,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxdd.config import KimiConfig
+from jaxdd.models.drafter import DraftAttention
 from jaxdd.models.quant import ExpertWeights
 from jaxdd.models.target import KimiTarget
 from jaxdd.planning.cache_layout import (
@@ -82,12 +84,15 @@ class ModelBytes:
     moe_layers: int
     dense_layers: int
     drafter_layers: int
+    drafter_kv: int  # one context token's drafter K/V here, all layers
 
     @classmethod
-    def of(cls, target: KimiTarget, drafter: nnx.Module, shard_bytes) -> ModelBytes:
-        """From modules whose parameters are (abstract) arrays;
+    def of(cls, target: KimiTarget, drafter: nnx.Module | None, shard_bytes) -> ModelBytes:
+        """From modules whose parameters are (abstract) arrays (no drafter: none of its bytes);
         ``shard_bytes(array)`` gives one device's bytes."""
-        params = lambda module: jax.tree.leaves(nnx.state(module, nnx.Param))
+        params = lambda module: (
+            jax.tree.leaves(nnx.state(module, nnx.Param)) if module is not None else []
+        )
         experts = sum(
             shard_bytes(getattr(m, name).get_value())
             for _, m in nnx.iter_modules(target)
@@ -97,6 +102,10 @@ class ModelBytes:
         embed = target.embed.get_value()
         c = target.config
         moe_layers = c.num_hidden_layers - c.first_k_dense_replace
+        # the K/V projections' output width here: the cache holds their dtype
+        modules = nnx.iter_modules(drafter) if drafter is not None else []
+        attention = [m for _, m in modules if isinstance(m, DraftAttention)]
+        projections = sum(shard_bytes(m.k_proj.get_value()) for m in attention) * 2  # K and V
         return cls(
             non_expert=sum(shard_bytes(x) for x in params(target)) - experts - shard_bytes(embed),
             lm_head=shard_bytes(target.lm_head.get_value()),
@@ -105,7 +114,8 @@ class ModelBytes:
             drafter=sum(shard_bytes(x) for x in params(drafter)),
             moe_layers=moe_layers,
             dense_layers=c.first_k_dense_replace,
-            drafter_layers=drafter.config.num_hidden_layers,
+            drafter_layers=len(attention),
+            drafter_kv=projections // drafter.config.hidden_size if attention else 0,
         )
 
 
@@ -142,6 +152,7 @@ def round_traffic(
         "experts": model.moe_layers * local * per_expert,
         "kv": latent,
         "drafter": (model.drafter + model.lm_head) if speculative else 0,
+        "drafter_kv": batch * context * model.drafter_kv if speculative else 0,
     }
     # All-reduces of [T, hidden]: attention and MLP outputs of every layer,
     # the routed psum and the shared expert of MoE layers, the embedding's

@@ -50,6 +50,7 @@ from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.rows import RowPool
 from jaxdd.errors import checkpoint_directory
 from jaxdd.planning.capacity import device_cache_tokens
+from jaxdd.planning.default_layout import default_layout
 from jaxdd.runtime.backend import Backend
 from jaxdd.serve import faults, lifecycle
 from jaxdd.serve.app import Server, create_app
@@ -206,9 +207,13 @@ def main(argv: list[str] | None = None) -> int:
         target, drafter = jaxdd.load_pair(
             checkpoint, drafter_path, dtype, devices, args.moe or "tp"
         )
-        decoder = SpeculativeDecoder(
-            target, drafter, cache_layout=args.cache_layout or "replicated"
+        layout = (
+            args.cache_layout
+            or default_layout(
+                target.model, drafter, method, args.max_len, args.max_batch, args.budget
+            ).layout
         )
+        decoder = SpeculativeDecoder(target, drafter, cache_layout=layout)
         pool = make_pool(args, decoder, method)
     except (jaxdd.CheckpointError, jaxdd.ConfigError, jaxdd.InputError) as error:
         print(f"jaxdd: {error}", file=sys.stderr)
@@ -231,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     scheduler.start()  # compiles in its thread while the HTTP side already answers /health with 503
     shape = (
         f"{method}, {args.max_batch} rows, a cache of {pool.cache_tokens} tokens in pages of "
-        f"{pool.pages.page}, prefix cache {args.prefix_cache}, "
+        f"{pool.pages.page}, {layout}, prefix cache {args.prefix_cache}, "
         f"prompt buckets {pool.shape.buckets()}"
     )
     try:

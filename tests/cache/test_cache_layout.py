@@ -101,7 +101,7 @@ def test_fill_puts_a_prompt_cache_first_and_commits_its_length():
 def test_a_drafted_block_sees_the_context_and_its_own_first_rows():
     cache = DraftCache.zeros(DRAFTER, 2, 8, jnp.float32)
     cache = cache.replace(length=jnp.asarray([2, 5], jnp.int32))
-    visible = np.asarray(cache.visible(jnp.asarray([3, 1], jnp.int32)))
+    visible = np.asarray(cache.view.committed(cache.slots, extra=jnp.asarray([3, 1], jnp.int32)))
     np.testing.assert_array_equal(visible.sum(1), [5, 6])
     assert cache.view.axis == 2
 

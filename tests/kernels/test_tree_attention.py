@@ -17,7 +17,14 @@ from jaxdd.runtime.backend import Backend
 from jaxdd.testing.profiles import examples
 from jaxdd.testing.reference import random_tree_parents, rel_err, tree_depths_and_mask
 from pallas_kernels.tree_attention import NEG, tree_attention, tree_attention_reference
-from pallas_kernels.tree_attention_tpu import paged_tiles, tpu_tiles, tree_attention_tpu
+from pallas_kernels.block_traffic import grid_bytes
+from pallas_kernels.tree_attention_tpu import (
+    _cache_specs,
+    declared_bytes,
+    paged_tiles,
+    tpu_tiles,
+    tree_attention_tpu,
+)
 
 ON_GPU = jax.default_backend() == "gpu"
 # (batch, tree tokens, heads, latent, rope, cache slots); GPU lowering wants dims >= 16
@@ -224,6 +231,39 @@ def test_tpu_tiles_are_lane_aligned_and_do_not_grow_with_the_cache():
         and large.block_q % 32 == 0
     )
     assert tpu_tiles(9, 4, 64).block_k == 64  # a cache under one block is one block
+
+
+@pytest.mark.parametrize(
+    ("heads", "paging"),
+    [(8, None), (8, (16, 6)), (8, (512, 3)), (64, None), (64, (16, 40)), (64, (512, 1))],
+    ids=["rows", "pages", "big pages", "row blocks", "row blocks, pages", "row blocks, a page"],
+)
+def test_tpu_form_declares_what_its_blocks_move_with_every_slot_live(heads, paging):
+    """``declared_bytes`` (the kernel's CostEstimate, which the compiled-traffic account counts)
+    against the fetches of its own BlockSpecs over its grid (``block_traffic``), every slot live
+    and every page distinct (the pool, passed once per part, is not read once per part)."""
+    b, t, h, r, dr = 2, 17, heads, 32, 16
+    slots = 1024 if paging is None else paging[0] * paging[1]
+    tiles = tpu_tiles(t, h, slots)
+    if paging is None:
+        unit, parts, steps = tiles.block_k, 1, slots // tiles.block_k
+        scalars = (np.full(b, slots),)
+    else:
+        unit, parts = paged_tiles(paging[0])
+        steps = -(-slots // unit // parts)
+        scalars = (np.full(b, slots), np.arange(b * paging[1]))
+    rows = lambda width, dtype: ((None, tiles.block_q, width), lambda i, j, k, *_: (i, j, 0), dtype)
+    whole = lambda width: ((None, tiles.tail, width), lambda i, j, k, *_: (i, 0, 0), np.float32)
+    caches = [
+        (spec.block_shape, spec.index_map, np.float32)
+        for spec in _cache_specs((r, dr), unit, parts, paging)
+    ]
+    blockings = [rows(r, np.float32), rows(dr, np.float32), *caches, whole(r), whole(dr)]
+    blockings += [rows(tiles.tail, np.int32), rows(r, np.float32), rows(1, np.float32)]
+    moved = grid_bytes((b, tiles.row_blocks, steps), blockings, scalars)
+    keys = (slots // unit, unit, parts, steps)
+    assert declared_bytes(b, tiles, keys, (r, dr), (4, 4)) == moved
+    assert (tiles.row_blocks > 1) == (heads == 64)
 
 
 def paged_inputs(shape, dtype, seed, tree: str = "owned") -> tuple[list, jax.Array]:

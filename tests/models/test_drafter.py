@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from jax.experimental.pallas import tpu as pltpu
 from transformers import DynamicCache
 
 from jaxdd.cache import DraftCache
@@ -13,8 +16,17 @@ from jaxdd.config import DrafterConfig, default_target_layer_ids
 from jaxdd.errors import ConfigError
 from jaxdd.testing.reference import drafter_config, hf_drafter, rel_err
 from jaxdd.weights.hf_reader import load_hf_drafter
+from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.tree_attention_tpu import tree_attention_tpu
 
 TOL = 1e-5
+# the tree-attention kernel's forms, interpreted: the drafter's attention in them (the verify's
+# ``pallas`` form) against the reference too
+KERNELS = {
+    "xla": None,
+    "gpu form": functools.partial(tree_attention, interpret=True),
+    "tpu form": functools.partial(tree_attention_tpu, interpret=pltpu.InterpretParams()),
+}
 
 
 @pytest.fixture(scope="module", params=["rope", "yarn"])
@@ -42,15 +54,26 @@ def reference_step(reference, cache, features, embeds, start):
     return hidden
 
 
-def test_rounds_of_context_injection(pair):
+def context_cache(config: DrafterConfig, paged: bool) -> DraftCache:
+    """64 slots of one row: its own buffer, or 4 pages of 16 out of order in a pool of 9."""
+    if not paged:
+        return DraftCache.zeros(config, 1, 64, jnp.float32)
+    pool = DraftCache.pooled(config, 1, 4, 9, jnp.float32, page=16)
+    return pool.replace(pages=jnp.asarray([[7, 2, 5, 3]], jnp.int32))
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["rows", "pages"])
+@pytest.mark.parametrize("form", KERNELS)
+def test_rounds_of_context_injection(pair, form, paged):
     """Prompt context, then two rounds of newly committed context: same
-    hidden states as the reference. The cache carried from round to round is
-    the one drafting returned, whose uncommitted block rows must not leak."""
+    hidden states as the reference, in every attention form, over a row's buffer or pages.
+    The cache carried from round to round is the one drafting returned, whose uncommitted
+    block rows must not leak."""
     reference, drafter = pair
     rng = np.random.default_rng(0)
     block, width = 8, 2 * 64
     cache_ref = DynamicCache(config=reference.config)
-    cache = DraftCache.zeros(drafter.config, 1, 64, jnp.float32)
+    cache = context_cache(drafter.config, paged)
     start = 0
     for ctx in (7, 3, 5):
         features = rng.standard_normal((1, ctx, width)).astype(np.float32)
@@ -59,14 +82,16 @@ def test_rounds_of_context_injection(pair):
         expected = reference_step(reference, cache_ref, features, embeds, start)
         positions = jnp.arange(start - ctx, start)[None]
         cache = drafter.inject(cache, jnp.asarray(features), positions, jnp.array([ctx]))
+        positions = (start + jnp.arange(block))[None]
         hidden, cache = drafter(
-            jnp.asarray(embeds), (start + jnp.arange(block))[None], cache, jnp.array([block])
+            jnp.asarray(embeds), positions, cache, jnp.array([block]), KERNELS[form]
         )
         assert rel_err(hidden, expected) < TOL
     assert int(cache.length[0]) == start
 
 
-def test_short_block_hides_the_rest(pair):
+@pytest.mark.parametrize("form", KERNELS)
+def test_short_block_hides_the_rest(pair, form):
     """Near max length the reference drafts a shorter
     block; masking the tail of a full block is the same."""
     reference, drafter = pair
@@ -82,7 +107,8 @@ def test_short_block_hides_the_rest(pair):
         jnp.arange(6)[None],
         jnp.array([6]),
     )
-    hidden, _ = drafter(jnp.asarray(embeds), (6 + jnp.arange(8))[None], cache, jnp.array([3]))
+    positions = (6 + jnp.arange(8))[None]
+    hidden, _ = drafter(jnp.asarray(embeds), positions, cache, jnp.array([3]), KERNELS[form])
     assert rel_err(hidden[:, :3], expected) < TOL
 
 

@@ -294,7 +294,7 @@ def test_the_default_weighs_the_floors_at_the_plans_batch():
 
 def test_a_batchs_round_reads_the_weights_once_and_each_rows_cache():
     config = KimiConfig.from_json_file(CONFIGS[0])
-    model = ModelBytes(1000, 10, 7, 5000, 300, 60, 1, 1)
+    model = ModelBytes(1000, 10, 7, 5000, 300, 60, 1, 1, 3)
     rounds = {
         batch: round_traffic("dflash", 9, config, model, 4096, 8, "tp", 8, "striped", batch)
         for batch in (1, 3)
@@ -302,6 +302,7 @@ def test_a_batchs_round_reads_the_weights_once_and_each_rows_cache():
     one, three = rounds[1], rounds[3]
     assert three["kv"] == 3 * one["kv"] == 3 * tokens_read(4096, 8, "striped") * 70272
     assert three["drafter"] == one["drafter"]
+    assert three["drafter_kv"] == 3 * one["drafter_kv"] == 3 * 4096 * 3
     assert three["weights"] - one["weights"] == 2 * 9 * 7
     assert three["allreduce_bytes"] == 3 * one["allreduce_bytes"]
     assert three["allreduces"] == one["allreduces"]

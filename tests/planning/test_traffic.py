@@ -4,8 +4,10 @@ experts, bytes per round, and the plan's table."""
 from __future__ import annotations
 
 import itertools
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -65,7 +67,12 @@ def test_plan_traffic_table():
         "ddtree 64",
     ]
     ar = rows[0]
-    assert ar["experts_read"] == pytest.approx(8) and ar["drafter"] == 0
+    assert ar["experts_read"] == pytest.approx(8) and ar["drafter"] == ar["drafter_kv"] == 0
+    # the drafter reads its context's K/V: per token, its 8 KV heads of 128 over 8 devices,
+    # K and V in bf16, in each of its layers
+    drafter = json.loads(Path(configs[1]).read_text())
+    per_token = drafter["num_hidden_layers"] * 2 * (8 // 8) * 128 * 2
+    assert all(row["drafter_kv"] == result["max_len"] * per_token for row in rows[1:])
     trees = rows[2:]
     assert all(a["read_total"] < b["read_total"] for a, b in itertools.pairwise(trees))
     for row in rows:

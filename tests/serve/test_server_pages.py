@@ -47,6 +47,10 @@ def scrape(server, running: int, waiting: int) -> bool:
 def test_short_requests_beside_a_long_one_and_one_waiting_for_pages(server, reference):
     run, _ = reference
     assert server.metric("cache_capacity_tokens") == POOL * PAGE < (SHORT + 1) * MAX_LEN
+    # the start-up line names the pool and the layout chosen (one device: replicated)
+    assert (
+        f"a cache of {POOL * PAGE} tokens in pages of {PAGE}, replicated," in server.log.read_text()
+    )
     rng = np.random.default_rng(31)
     long = {"prompt": rng.integers(1, 4096, 12).tolist(), "max_tokens": MAX_LEN - 12}
     long["temperature"] = 0.0
