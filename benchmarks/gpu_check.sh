@@ -2,7 +2,8 @@
 # One short device check for a session that has a GPU (CI has none). Three stages, each under its own time limit
 # so that a slow one cannot take the others' results with it; logs and JSON go to $OUT (or benchmarks/results/):
 #   1. the Pallas tree-attention kernel compiled for the GPU against its jnp reference (tests marked gpu), and
-#      DDTree decoding through the compiled kernel against plain XLA and AR (same tokens);
+#      DDTree decoding through the compiled kernel against plain XLA and AR (same tokens); the drafter's attention
+#      through it against z-lab's drafter;
 #   2. kernel vs XLA timings at Kimi-like verify shapes (latent 512, rope 64; caches up to 128k slots) ->
 #      gpu_kernel.json; the DDTree round through the kernel vs XLA (demo pair, same tokens) -> gpu_round.json;
 #   3. the HumanEval benchmark (AR, DFlash, DDTree; PyTorch dflash_generate on CUDA), fp32 with full-precision
@@ -27,6 +28,9 @@ $PY -c 'import flax, sys; sys.exit(not flax.__version__.startswith("0.12"))' || 
 echo "== 1. kernel on GPU vs reference; DDTree through the kernel"
 timeout 150 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_tree_attention.py -k "gpu or ddtree_with_the_kernel" -rs 2>&1 \
   | tee "$OUT/gpu_tests.log"
+# the drafter's attention through the compiled kernel (rows and pages) against z-lab's drafter
+timeout 120 $PY -m pytest -q -p no:cacheprovider tests/models/test_drafter.py -k "compiled" -rs 2>&1 \
+  | tee -a "$OUT/gpu_tests.log"
 
 echo "== 2. kernel vs XLA at Kimi-like shapes, a few block configurations"
 timeout 170 $PY - "$OUT" <<'PY' 2>&1 | tee "$OUT/gpu_kernel.log"

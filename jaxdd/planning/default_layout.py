@@ -21,7 +21,6 @@ from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.sharding import mesh_of
 from jaxdd.types import LAYOUTS, Method, verified_tokens
 
-
 # what jax.Device.device_kind says on each TPU chip of ``TPUS`` (as JAX's own tests read it)
 TPU_KINDS = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p"}
 TPU_KINDS |= {"TPU v6 lite": "v6e", "TPU v6e": "v6e"}

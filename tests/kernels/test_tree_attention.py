@@ -16,8 +16,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxdd.runtime.backend import Backend
 from jaxdd.testing.profiles import examples
 from jaxdd.testing.reference import random_tree_parents, rel_err, tree_depths_and_mask
-from pallas_kernels.tree_attention import NEG, tree_attention, tree_attention_reference
 from pallas_kernels.block_traffic import grid_bytes
+from pallas_kernels.tree_attention import NEG, tree_attention, tree_attention_reference
 from pallas_kernels.tree_attention_tpu import (
     _cache_specs,
     declared_bytes,

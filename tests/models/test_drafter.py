@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,19 +15,26 @@ from transformers import DynamicCache
 from jaxdd.cache import DraftCache
 from jaxdd.config import DrafterConfig, default_target_layer_ids
 from jaxdd.errors import ConfigError
+from jaxdd.runtime.backend import Backend
 from jaxdd.testing.reference import drafter_config, hf_drafter, rel_err
 from jaxdd.weights.hf_reader import load_hf_drafter
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_tpu import tree_attention_tpu
 
 TOL = 1e-5
-# the tree-attention kernel's forms, interpreted: the drafter's attention in them (the verify's
-# ``pallas`` form) against the reference too
+ON_GPU = jax.default_backend() == "gpu"
+# the tree-attention kernel's forms, interpreted (compiled too on a GPU): the drafter's attention
+# in them (the verify's ``pallas`` form) against the reference too
 KERNELS = {
-    "xla": None,
-    "gpu form": functools.partial(tree_attention, interpret=True),
-    "tpu form": functools.partial(tree_attention_tpu, interpret=pltpu.InterpretParams()),
+    "xla": lambda: None,
+    "gpu form": lambda: functools.partial(tree_attention, interpret=True),
+    "tpu form": lambda: functools.partial(tree_attention_tpu, interpret=pltpu.InterpretParams()),
+    "gpu form compiled": lambda: Backend.local().tree_attention(),
 }
+FORMS = [
+    *list(KERNELS)[:3],
+    pytest.param("gpu form compiled", marks=pytest.mark.skipif(not ON_GPU, reason="needs a GPU")),
+]
 
 
 @pytest.fixture(scope="module", params=["rope", "yarn"])
@@ -63,7 +71,7 @@ def context_cache(config: DrafterConfig, paged: bool) -> DraftCache:
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["rows", "pages"])
-@pytest.mark.parametrize("form", KERNELS)
+@pytest.mark.parametrize("form", FORMS)
 def test_rounds_of_context_injection(pair, form, paged):
     """Prompt context, then two rounds of newly committed context: same
     hidden states as the reference, in every attention form, over a row's buffer or pages.
@@ -84,13 +92,13 @@ def test_rounds_of_context_injection(pair, form, paged):
         cache = drafter.inject(cache, jnp.asarray(features), positions, jnp.array([ctx]))
         positions = (start + jnp.arange(block))[None]
         hidden, cache = drafter(
-            jnp.asarray(embeds), positions, cache, jnp.array([block]), KERNELS[form]
+            jnp.asarray(embeds), positions, cache, jnp.array([block]), KERNELS[form]()
         )
         assert rel_err(hidden, expected) < TOL
     assert int(cache.length[0]) == start
 
 
-@pytest.mark.parametrize("form", KERNELS)
+@pytest.mark.parametrize("form", FORMS)
 def test_short_block_hides_the_rest(pair, form):
     """Near max length the reference drafts a shorter
     block; masking the tail of a full block is the same."""
@@ -108,7 +116,7 @@ def test_short_block_hides_the_rest(pair, form):
         jnp.array([6]),
     )
     positions = (6 + jnp.arange(8))[None]
-    hidden, _ = drafter(jnp.asarray(embeds), positions, cache, jnp.array([3]), KERNELS[form])
+    hidden, _ = drafter(jnp.asarray(embeds), positions, cache, jnp.array([3]), KERNELS[form]())
     assert rel_err(hidden[:, :3], expected) < TOL
 
 
