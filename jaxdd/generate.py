@@ -268,6 +268,7 @@ def run(argv: list[str] | None) -> int:
                 drafter,
                 method,
                 len(prompt_ids) + args.max_new_tokens,
+                block=args.block_size,
                 budget=args.budget,
             ).layout,
             prefill_chunk=args.prefill_chunk,

@@ -251,8 +251,15 @@ class DFlashDrafter(nnx.Module):
         return self.norm(x), cache.replace(keys=kind(keys), values=kind(values))
 
     def draft_logits(
-        self, target, cache: DraftCache, bonus, start, block_len, block: int, kernel=None
-    ):
+        self,
+        target,
+        cache: DraftCache,
+        bonus: jax.Array,
+        start: jax.Array,
+        block_len: jax.Array,
+        block: int,
+        kernel: Callable | None = None,
+    ) -> tuple[jax.Array, DraftCache]:
         """Draft logits [B, block-1, V] for positions start+1 ..: one forward over ``[bonus,
         MASK x (block-1)]`` (its attention in ``kernel`` if given), and the cache as that
         forward left it (keep it: its extra rows are uncommitted, and reusing the buffer lets a

@@ -141,30 +141,37 @@ def pool_temporaries(decoder: SpeculativeDecoder, shape: RowShape) -> int:
     return max(x.compile().memory_analysis().temp_size_in_bytes for x in lowered)
 
 
+def least_free_bytes(mesh: jax.sharding.Mesh) -> int | None:
+    """What one of ``mesh``'s devices can still allocate: this process's devices' allocators, the
+    least over the processes (every process calls it: an allgather), None where none reports a
+    limit (CPU, whose devices share the host's memory with everything else)."""
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    free = Backend.free_bytes(local, host=False) if local else None
+    if jax.process_count() > 1:
+        every = multihost_utils.process_allgather(np.int64(-1 if free is None else free))
+        free = min((f for f in every.tolist() if f >= 0), default=None)
+    return free
+
+
 def device_cache_tokens(
     decoder: SpeculativeDecoder, shape: RowShape, prefix_cache: bool
 ) -> int | None:
     """The context tokens a server's pool of pages of ``shape`` holds by default: what
-    ``CACHE_MEMORY_FRACTION`` of its devices' free memory (the weights loaded) holds less the
-    pool's temporaries (``pool_temporaries``), in whole groups of pages less the null pages, the
-    least over the processes (each runs the same pool); without the ``prefix_cache`` no more
-    than every row full. None where the allocators report no limit (CPU, whose devices share the
-    host's memory with everything else)."""
+    ``CACHE_MEMORY_FRACTION`` of its devices' free memory (the weights loaded; the least over
+    the processes, which all run the same pool) holds less the pool's temporaries
+    (``pool_temporaries``), in whole groups of pages less the null pages; without the
+    ``prefix_cache`` no more than every row full. None where the allocators report no limit."""
     mesh = decoder.mesh or make_mesh(1, jax.local_devices()[:1])
-    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    free = Backend.free_bytes(local, host=False) if local else None
-    tokens = -1  # not known here
-    if free is not None:
-        budget = free * CACHE_MEMORY_FRACTION - pool_temporaries(decoder, shape)
-        drafter = decoder.drafter.config if shape.spec.method != "ar" else None
-        slot = slot_bytes(decoder.config, drafter, mesh, decoder.target.model.dtype)
-        layout = "striped" if decoder.stripes is not None else "replicated"
-        group = mesh.devices.size if decoder.stripes is not None else 1
-        held = cache_capacity(budget, slot, mesh.devices.size, layout)["tokens"]
-        tokens = max(0, int(held) - group * PAGE_TOKENS)  # a group's pages are the null ones
-        if not prefix_cache:
-            tokens = min(tokens, shape.rows * shape.slots)  # a row holds no more than its slots
-    if jax.process_count() > 1:
-        known = [t for t in multihost_utils.process_allgather(np.int64(tokens)).tolist() if t >= 0]
-        tokens = min(known, default=-1)
-    return None if tokens < 0 else tokens
+    free = least_free_bytes(mesh)
+    if free is None:
+        return None
+    budget = free * CACHE_MEMORY_FRACTION - pool_temporaries(decoder, shape)
+    drafter = decoder.drafter.config if shape.spec.method != "ar" else None
+    slot = slot_bytes(decoder.config, drafter, mesh, decoder.target.model.dtype)
+    layout = "striped" if decoder.stripes is not None else "replicated"
+    group = mesh.devices.size if decoder.stripes is not None else 1
+    held = cache_capacity(budget, slot, mesh.devices.size, layout)["tokens"]
+    tokens = max(0, int(held) - group * PAGE_TOKENS)  # a group's pages are the null ones
+    if not prefix_cache:
+        tokens = min(tokens, shape.rows * shape.slots)  # a row holds no more than its slots
+    return tokens

@@ -291,7 +291,7 @@ def _against_floor(account: dict[str, Any], floor: dict[str, Any]) -> dict[str, 
     )
     # reads, and all-reduces and the merge sent + received
     floor_bytes = floor["read_total"] + 2 * (floor["allreduce_bytes"] + merge["bytes"])
-    keys = ("weights", "experts", "kv", "drafter", "allreduce_bytes", "allreduces")
+    keys = ("weights", "experts", "kv", "drafter", "drafter_kv", "allreduce_bytes", "allreduces")
     return account | {
         "floor_bytes": round(floor_bytes),
         "floor": {k: round(floor[k]) for k in keys}

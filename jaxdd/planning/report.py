@@ -138,6 +138,7 @@ def traffic_report(account: dict[str, Any], top: int = 10) -> list[str]:
         "experts": "experts",
         "kv": "caches",
         "drafter": "drafter + lm_head again",
+        "drafter_kv": "drafter's context K/V",
     }
     lines = [
         f"compiled traffic per device: {account['bytes'] / GB:.3f} GB, "

@@ -3,9 +3,9 @@ and the tokens/s a tau curve predicts: the account behind "decode is bound by th
 
 A round verifies T tokens (AR 1, DFlash its block, DDTree budget + 1). Each device reads its
 shard of every non-expert weight once (the lm_head twice in a speculative round: the drafts'
-logits and the verify's), the drafter's shard and its context K/V (its KV heads' share), the routed
-experts that some token chose (a layer
-of E experts, top k, sees E (1 - (1 - k/E)^T) distinct experts for T uniformly routed tokens:
+logits and the verify's), the drafter's shard and the context K/V of its KV heads there, the
+routed experts that some token chose (a layer of E experts, top k, sees E (1 - (1 - k/E)^T)
+distinct experts for T uniformly routed tokens:
 trees change the calculus, the bytes grow with the budget long before the FLOPs matter), and the
 KV rows: the MLA latent cache replicated, every device reads all of it; striped, its share, and
 it runs the merge's collectives (``jaxdd.planning.cache_layout``). It sends one all-reduce of

@@ -207,11 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         target, drafter = jaxdd.load_pair(
             checkpoint, drafter_path, dtype, devices, args.moe or "tp"
         )
+        round_shape = (args.max_batch, args.block_size, args.budget)
         layout = (
             args.cache_layout
-            or default_layout(
-                target.model, drafter, method, args.max_len, args.max_batch, args.budget
-            ).layout
+            or default_layout(target.model, drafter, method, args.max_len, *round_shape).layout
         )
         decoder = SpeculativeDecoder(target, drafter, cache_layout=layout)
         pool = make_pool(args, decoder, method)

@@ -41,8 +41,10 @@ class OracleDrafter(nnx.Module):
     def inject(self, cache, features, positions, count):
         return self.drafter.inject(cache, features, positions, count)
 
-    def draft_logits(self, target, cache, bonus, start, block_len, block):
-        logits, cache = self.drafter.draft_logits(target, cache, bonus, start, block_len, block)
+    def draft_logits(self, target, cache, bonus, start, block_len, block, kernel=None):
+        logits, cache = self.drafter.draft_logits(
+            target, cache, bonus, start, block_len, block, kernel
+        )
         positions = start[:, None] + jnp.arange(1, block)[None, :]
         lifted = jnp.max(logits, axis=-1, keepdims=True) + self.lift
         truth = jax.nn.one_hot(self.greedy[...][positions], logits.shape[-1], dtype=bool)

@@ -16,6 +16,7 @@ from jaxdd.cache import DraftCache
 from jaxdd.config import DrafterConfig, default_target_layer_ids
 from jaxdd.errors import ConfigError
 from jaxdd.runtime.backend import Backend
+from jaxdd.runtime.sharding import make_mesh
 from jaxdd.testing.reference import drafter_config, hf_drafter, rel_err
 from jaxdd.weights.hf_reader import load_hf_drafter
 from pallas_kernels.tree_attention import tree_attention
@@ -42,7 +43,7 @@ def pair(request, tmp_path_factory):
     reference = hf_drafter(drafter_config(yarn=request.param == "yarn"), seed=2)
     directory = tmp_path_factory.mktemp(request.param)
     reference.save_pretrained(directory)
-    return reference, load_hf_drafter(directory, jnp.float32)
+    return reference, load_hf_drafter(directory, jnp.float32), directory
 
 
 def reference_step(reference, cache, features, embeds, start):
@@ -77,7 +78,7 @@ def test_rounds_of_context_injection(pair, form, paged):
     hidden states as the reference, in every attention form, over a row's buffer or pages.
     The cache carried from round to round is the one drafting returned, whose uncommitted
     block rows must not leak."""
-    reference, drafter = pair
+    reference, drafter, _ = pair
     rng = np.random.default_rng(0)
     block, width = 8, 2 * 64
     cache_ref = DynamicCache(config=reference.config)
@@ -102,7 +103,7 @@ def test_rounds_of_context_injection(pair, form, paged):
 def test_short_block_hides_the_rest(pair, form):
     """Near max length the reference drafts a shorter
     block; masking the tail of a full block is the same."""
-    reference, drafter = pair
+    reference, drafter, _ = pair
     rng = np.random.default_rng(1)
     features = rng.standard_normal((1, 6, 128)).astype(np.float32)
     embeds = rng.standard_normal((1, 8, 64)).astype(np.float32)
@@ -118,6 +119,27 @@ def test_short_block_hides_the_rest(pair, form):
     positions = (6 + jnp.arange(8))[None]
     hidden, _ = drafter(jnp.asarray(embeds), positions, cache, jnp.array([3]), KERNELS[form]())
     assert rel_err(hidden[:, :3], expected) < TOL
+
+
+@pytest.mark.parametrize("devices", [1, 2, 8])
+def test_the_kernel_attends_as_xla_over_rows_of_pages(pair, devices):
+    """Two rows of other context lengths and block lengths over shuffled pages: the drafter's
+    attention in the kernel gives XLA's hidden states on one device, per device on its KV heads
+    (2 devices: one of the 2 each) and whole on every device (8: the 2 heads do not split)."""
+    _, _, directory = pair
+    mesh = make_mesh(devices)
+    drafter = load_hf_drafter(directory, jnp.float32, None if devices == 1 else (mesh, "tp"))
+    rng = np.random.default_rng(devices)
+    cache = DraftCache.pooled(drafter.config, 2, 4, 9, jnp.float32, page=16)
+    cache = cache.replace(pages=jnp.asarray([[7, 2, 5, 3], [1, 4, 6, 8]], jnp.int32))
+    features = jnp.asarray(rng.standard_normal((2, 20, 128)), jnp.float32)
+    cache = drafter.inject(cache, features, jnp.arange(20)[None].repeat(2, 0), jnp.array([20, 13]))
+    embeds = jnp.asarray(rng.standard_normal((2, 8, 64)), jnp.float32)
+    positions = cache.length[:, None] + jnp.arange(8)[None]
+    block_len = jnp.array([8, 3])
+    kernel = functools.partial(tree_attention, interpret=True)
+    expected, _ = drafter(embeds, positions, cache, block_len)
+    assert rel_err(drafter(embeds, positions, cache, block_len, kernel)[0], expected) < TOL
 
 
 def test_config_fields():

@@ -7,8 +7,10 @@ import pytest
 
 import jaxdd
 from jaxdd.planning import default_layout as layouts
+from jaxdd.planning.capacity import CACHE_MEMORY_FRACTION, slot_bytes
 from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.planning.hardware import GPUS
+from jaxdd.runtime.sharding import mesh_of
 from jaxdd.testing.reference import SHARDABLE_DRAFTER, SHARDABLE_K2, save_random_pair
 
 
@@ -54,3 +56,20 @@ def test_on_named_hardware_the_run_takes_the_plans_layout(pair, monkeypatch):
         assert (run.layout, run.reason) == (planned["cache_layout"], planned["cache_layout_reason"])
         chosen.add(run.layout)
     assert chosen == {"replicated", "striped"}
+
+
+def test_the_runs_own_round_and_memory_decide(pair, monkeypatch):
+    """Without a budget the round weighed is the one the run takes (block - 1 nodes), not the
+    plan's default of 64; where only striped pages hold the rows in the devices' free memory,
+    striped whatever the floors (the allocators' least over the processes)."""
+    _, (target, drafter) = pair
+    monkeypatch.setattr(layouts, "hardware_of", lambda device: GPUS["h200"])
+    block = drafter.config.block_size
+    run = layouts.default_layout(target.model, drafter, "ddtree", 4096)
+    assert f"DDTree-{block - 1} floor on 8 x H200" in run.reason
+    slot = slot_bytes(target.config, drafter.config, mesh_of(target.model), target.dtype)
+    # room for 4096 tokens striped, not replicated
+    free = 4096 * (slot["latent"] / 8 + slot["drafter"]) / CACHE_MEMORY_FRACTION * 1.01
+    monkeypatch.setattr(layouts, "least_free_bytes", lambda mesh: free)
+    tight = layouts.default_layout(target.model, drafter, "ddtree", 4096)
+    assert tight.layout == "striped" and tight.reason.startswith("replicated rows hold")
