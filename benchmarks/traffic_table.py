@@ -89,6 +89,7 @@ def demo_routing(prompts: int = 16) -> dict:
 
 CONTEXTS = (8192, 32768, 131072)
 CAPACITY_ROUND = {"method": "ddtree", "budget": 16, "max_len": 131072}
+FP8 = "the drafter's K/V in fp8, after the compiled round's temporaries"
 
 
 def main() -> None:
@@ -105,10 +106,12 @@ def main() -> None:
             for layout, rows in result["traffic_by_layout"].items():
                 runs.append({"moe": moe, "context": context, "layout": layout, "rows": rows})
     compiled = plan(config, drafter, PlanOptions("rtx-pro-6000", 8, **CAPACITY_ROUND))
+    fp8 = plan(config, drafter, PlanOptions("rtx-pro-6000", 8, **CAPACITY_ROUND, drafter_kv="fp8"))
     capacity = {
         "weights only": result["cache_capacity"],
         "after the compiled round's temporaries": compiled["cache_capacity"],
-        "compiled_round": CAPACITY_ROUND | {"fits": compiled["fits"]},
+        FP8: fp8["cache_capacity"],
+        "compiled_round": CAPACITY_ROUND | {"fits": compiled["fits"], "fits_fp8": fp8["fits"]},
     }
     hardware = {key: dataclasses.asdict(gpu) for key, gpu in GPUS.items()}
     routing = demo_routing()
@@ -172,7 +175,8 @@ def print_table(runs: list[dict]) -> None:
 
 def print_goals(runs: list[dict], capacity: dict) -> None:
     """Issue 52's account goals on 8 x RTX PRO 6000, TP, batch 1: GB read per
-    device by AR and DDTree-16 per context and layout, and the capacity."""
+    device by AR and DDTree-16 per context and layout, and the capacity (against today's
+    replicated rows: the drafter's K/V in the models' dtype, after the round's temporaries)."""
     for run in runs:
         if run["moe"] != "tp":
             continue
@@ -183,13 +187,14 @@ def print_goals(runs: list[dict], capacity: dict) -> None:
             f"tp {run['context'] // 1024}k {run['layout']}: AR {read['ar']:.3f} GB, "
             f"DDTree-16 {read['ddtree 16']:.3f} GB per device; merge collectives {collectives}"
         )
-    for name in ("weights only", "after the compiled round's temporaries"):
+    today = capacity["after the compiled round's temporaries"]["replicated"]["tokens"]
+    for name in ("weights only", "after the compiled round's temporaries", FP8):
         held = capacity[name]
         ratio = held["striped"]["tokens"] / max(held["replicated"]["tokens"], 1)
         print(
             f"capacity ({name}, {held['free_bytes'] / 1e9:.2f} GB free): replicated "
             f"{held['replicated']['tokens']:,}, striped {held['striped']['tokens']:,} tokens "
-            f"({ratio:.2f}x)"
+            f"({ratio:.2f}x; {held['striped']['tokens'] / max(today, 1):.2f}x today's rows)"
         )
 
 

@@ -28,7 +28,7 @@ from jaxdd.models.target import KimiTarget
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.jit_state import split_module
 from jaxdd.runtime.sharding import Placement, abstract_shardings, make_mesh, place
-from jaxdd.types import Attention, CacheLayout, Method, MoeMode
+from jaxdd.types import Attention, CacheLayout, DrafterKV, Method, MoeMode
 from jaxdd.weights.checkpoint import (
     abstract_model,
     cast_model,
@@ -229,6 +229,7 @@ class Target:
         sampling: Sampling = GREEDY,
         on_tokens: Callable[[list[int]], None] | None = None,
         cache_layout: CacheLayout = "replicated",
+        drafter_kv: DrafterKV = "model",
         prefill_chunk: int | None = None,
     ) -> Generation:
         """Generation: ``dflash`` when a drafter is given, else ``ar``; ``ddtree``
@@ -239,11 +240,15 @@ class Target:
         Stops at ``stop_token_ids`` (default: the config's EOS ids; ``[]``
         for none) or after ``max_new_tokens``. ``on_tokens(new_tokens)``
         is called as tokens are accepted (to stream them). ``cache_layout``: the latent cache
-        on a mesh, ``replicated`` or ``striped`` over its devices. ``prefill_chunk``: a longer
-        prompt is prefilled that many tokens at a time (the same tokens).
+        on a mesh, ``replicated`` or ``striped`` over its devices. ``drafter_kv``: the drafter's
+        context K/V in the models' dtype or ``fp8`` (the same tokens). ``prefill_chunk``: a
+        longer prompt is prefilled that many tokens at a time (the same tokens).
         """
         stream = None if on_tokens is None else (lambda request, tokens: on_tokens(tokens))
-        return SpeculativeDecoder(self, drafter, cache_layout=cache_layout).generate(
+        decoder = SpeculativeDecoder(
+            self, drafter, cache_layout=cache_layout, drafter_kv=drafter_kv
+        )
+        return decoder.generate(
             prompt_ids,
             sampling=sampling,
             on_tokens=stream,

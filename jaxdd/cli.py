@@ -29,7 +29,7 @@ from jaxdd.errors import CheckpointError, ConfigError, InputError
 from jaxdd.runtime.distributed import join
 from jaxdd.runtime.host import PLATFORMS, available_memory
 from jaxdd.runtime.startup import end_now
-from jaxdd.types import LAYOUTS, METHODS, MOE_MODES
+from jaxdd.types import DRAFTER_KVS, LAYOUTS, METHODS, MOE_MODES
 
 # 130 and 141: the shell's codes for SIGINT and SIGPIPE
 USAGE = 2
@@ -182,6 +182,14 @@ def add_device_flags(parser: argparse.ArgumentParser) -> None:
         "deal its pages over them, each attending over its own (striped: each device reads 1/N "
         "of the context); default: the layout python -m jaxdd.plan finds faster on these "
         "devices (replicated on one device or devices it has no model of)",
+    )
+    parser.add_argument(
+        "--drafter-kv",
+        choices=DRAFTER_KVS,
+        default="model",
+        help="store the drafter's context K/V in the models' dtype (model) or in 8-bit floats "
+        "(fp8: half its bytes, so more context per device; the drafts may change, the tokens "
+        "do not)",
     )
     hosts = parser.add_argument_group(
         "several hosts (one process each; not needed where JAX finds the job itself)"

@@ -270,7 +270,9 @@ def run(argv: list[str] | None) -> int:
                 len(prompt_ids) + args.max_new_tokens,
                 block=args.block_size,
                 budget=args.budget,
+                drafter_kv=args.drafter_kv,
             ).layout,
+            drafter_kv=args.drafter_kv,
             prefill_chunk=args.prefill_chunk,
         )
     except (jaxdd.CheckpointError, jaxdd.ConfigError, jaxdd.InputError) as error:

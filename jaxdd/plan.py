@@ -3,7 +3,8 @@ drafter fit a target's devices, and how are the bytes spread?
 
     python -m jaxdd.plan --config CONFIG.json --drafter-config DRAFTER.json \\
         --hardware rtx-pro-6000 --devices 8 --moe tp|ep --budget 64 --max-len 8192 --batch 1 \\
-        [--method ddtree] [--sampled] [--layers N] [--cache-layout striped|replicated] [--json]
+        [--method ddtree] [--sampled] [--layers N] [--cache-layout striped|replicated] \\
+        [--drafter-kv model|fp8] [--json]
 
 Builds both models abstractly (shapes and shardings only, nothing allocated), lowers the
 round ``jaxdd.generate`` would run on the target (its attention form and MoE dispatch,
@@ -16,7 +17,8 @@ the drafter's K/V), the compiler's temporaries, the total, and whether it fits t
 device's memory. ``--layers`` keeps the full width but fewer layers (for quick checks).
 ``--cache-layout`` lays the target's latent cache out replicated on every device or striped
 over them (``jaxdd.planning.cache_layout``) in the account and the compiled round, and reports
-both layouts' capacity in context tokens.
+both layouts' capacity in context tokens; ``--drafter-kv fp8`` stores the drafter's K/V in 8-bit
+floats there (half its bytes per token).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from jaxdd.errors import ConfigError, InputError
 from jaxdd.planning.aot import names
 from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.planning.report import report
-from jaxdd.types import ATTENTION_CHOICES, LAYOUTS, METHODS, MOE_MODES
+from jaxdd.types import ATTENTION_CHOICES, DRAFTER_KVS, LAYOUTS, METHODS, MOE_MODES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=LAYOUTS,
         help="the target's latent cache under TP: striped (pages dealt over the devices) or "
         "replicated (default: the faster floor of the round for the hardware and context)",
+    )
+    parser.add_argument(
+        "--drafter-kv",
+        choices=DRAFTER_KVS,
+        default="model",
+        help="the drafter's context K/V in the models' dtype or in 8-bit floats (fp8)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)

@@ -17,6 +17,8 @@ Dispatch = Literal["dense", "gathered", "grouped", "scan", "skipping", "tiled"]
 TreeLogits = Literal["scaled", "raw"]  # what a sampled DDTree round builds its tree from
 # the MLA latent cache on a mesh: whole on every device, or its pages dealt over them
 CacheLayout = Literal["striped", "replicated"]
+# the drafter's context K/V: in the models' dtype, or 8-bit floats (e4m3; drafts only)
+DrafterKV = Literal["model", "fp8"]
 
 METHODS: tuple[Method, ...] = get_args(Method)
 ATTENTIONS: tuple[Attention, ...] = get_args(Attention)
@@ -25,6 +27,7 @@ MOE_MODES: tuple[MoeMode, ...] = get_args(MoeMode)
 DISPATCHES: tuple[Dispatch, ...] = get_args(Dispatch)
 TREE_LOGITS: tuple[TreeLogits, ...] = get_args(TreeLogits)
 LAYOUTS: tuple[CacheLayout, ...] = get_args(CacheLayout)
+DRAFTER_KVS: tuple[DrafterKV, ...] = get_args(DrafterKV)
 
 
 def verified_tokens(method: Method, block: int, budget: int | None) -> int:

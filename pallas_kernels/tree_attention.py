@@ -110,8 +110,10 @@ def online_softmax_step(carry, q_lat, q_rope, latent, rope, visible, scale: floa
     Operands enter the dots in their own dtype with fp32 accumulation (bf16 x bf16
     products are exact in fp32, and the tensor cores / MXU take bf16); the softmax
     runs in fp32 and the probabilities meet the values in the values' dtype, as in
-    flash attention. fp32 inputs stay fp32 throughout (Triton's IEEE dot)."""
+    flash attention. fp32 inputs stay fp32 throughout (Triton's IEEE dot). A cache stored
+    narrower than the queries (8-bit floats) is widened to their dtype block by block."""
     acc, m, total = carry
+    latent, rope = latent.astype(q_lat.dtype), rope.astype(q_rope.dtype)
     scores = jnp.dot(q_lat, latent.T, preferred_element_type=jnp.float32)
     scores += jnp.dot(q_rope, rope.T, preferred_element_type=jnp.float32)
     scores = jnp.where(visible, scores * scale, NEG)

@@ -4,7 +4,9 @@ One buffer per layer, updated in place under donation (as ``jaxdd.cache.latent``
 before slots, as the drafter's attention matmuls read them: stored [batch, slots, kv_heads,
 head_dim], XLA:CPU transposes every layer's whole cache in every round. A decode state's is a
 pool of pages [pages, kv_heads, page, head_dim] under the same page tables as the target's
-latent pool (a request's page j holds the same positions in both).
+latent pool (a request's page j holds the same positions in both), in the models' dtype or
+in 8-bit floats (``DrafterKV``): the drafts read it, the target's verify does not, so the
+tokens stay the target's either way.
 """
 
 from __future__ import annotations
@@ -16,8 +18,15 @@ from flax import struct
 from jaxdd.cache.layout import CacheView, Pool
 from jaxdd.cache.pages import PAGE_TOKENS, null_table
 from jaxdd.config import DrafterConfig
+from jaxdd.types import DrafterKV
 
 SLOT_AXIS = 2  # of the [batch, kv_heads, slots, head_dim] buffers
+KV_DTYPES = {"fp8": jnp.dtype(jnp.float8_e4m3fn)}  # e4m3: the mantissa bits K/V need most
+
+
+def kv_dtype(choice: DrafterKV, dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype the drafter's context K/V is stored in, for models in ``dtype``."""
+    return KV_DTYPES.get(choice, jnp.dtype(dtype))
 
 
 @struct.dataclass

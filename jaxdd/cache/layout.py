@@ -80,7 +80,7 @@ class CacheView:
         positions = start[:, None] + jnp.arange(rows.shape[self.axis])[None, :]
         page, slot = self.locate(positions, pool.shape[self.axis])
         return pool.at[page_index(page, slot, pool.shape[1 : self.axis])].set(
-            rows.astype(pool.dtype)
+            stored(rows, pool.dtype)
         )
 
     def committed(self, slots: int, extra: jax.Array | None = None) -> jax.Array:
@@ -141,6 +141,15 @@ def page_index(page: jax.Array, slot: jax.Array, between: tuple[int, ...]) -> tu
     return (spread(page), *dims, spread(slot))
 
 
+def stored(rows: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """``rows`` in a buffer's ``dtype``; into 8-bit floats saturated at their largest value
+    (e4m3 has no infinity: a value past it would store NaN)."""
+    if jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+        bound = float(jnp.finfo(dtype).max)
+        rows = jnp.clip(rows, -bound, bound)
+    return rows.astype(dtype)
+
+
 def write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array, axis: int = 1) -> jax.Array:
     """Write rows [batch, ..., T, ...] into buffer [batch, ..., slots, ...] at
     slots start[b] .. start[b] + T - 1 of ``axis`` (the slot axis of both).
@@ -149,7 +158,7 @@ def write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array, axis: int =
     on the host. Small batches write each sequence with its own in-place update: vmapped,
     the update becomes a scatter, which XLA:CPU runs as a select over the whole buffer.
     """
-    rows = rows.astype(buffer.dtype)
+    rows = stored(rows, buffer.dtype)
     if buffer.shape[0] > MAX_UNROLLED_BATCH:
         update = functools.partial(jax.lax.dynamic_update_slice_in_dim, axis=axis - 1)
         return jax.vmap(update)(buffer, rows, start)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxdd.cache.layout import CacheView
+from jaxdd.cache.layout import CacheView, stored
 from jaxdd.cache.pages import PAGE_TOKENS
 from jaxdd.runtime.sharding import AXIS
 
@@ -88,7 +88,7 @@ class Stripes:
         def local(pool, pages, rows, start):
             positions = start[:, None] + jnp.arange(rows.shape[1])[None, :]
             at = self._local_page(pages, positions, jax.lax.axis_index(AXIS), pool.shape[0])
-            return pool.at[at].set(rows.astype(pool.dtype), mode="drop")
+            return pool.at[at].set(stored(rows, pool.dtype), mode="drop")
 
         return self.per_device(local, (PAGES, WHOLE, WHOLE, WHOLE), PAGES)(pool, pages, rows, start)
 

@@ -41,9 +41,11 @@ from jaxdd.runtime.jit_state import split_module
 from jaxdd.runtime.sharding import mesh_of
 from jaxdd.types import (
     ATTENTION_CHOICES,
+    DRAFTER_KVS,
     LAYOUTS,
     AttentionChoice,
     CacheLayout,
+    DrafterKV,
     Method,
     TreeLogits,
     verified_tokens,
@@ -154,6 +156,8 @@ class SpeculativeDecoder:
     backend of the target's devices prefers (``jaxdd.runtime.backend``).
     ``cache_layout``: the latent cache ``replicated`` on every device of the target's mesh or
     ``striped`` over them (``jaxdd.cache.stripes``; one device holds it whole either way).
+    ``drafter_kv``: the drafter's context K/V in the models' dtype or in ``fp8`` (half the
+    bytes; only the drafts change, the tokens stay the target's).
     """
 
     def __init__(
@@ -163,10 +167,15 @@ class SpeculativeDecoder:
         attention: AttentionChoice = "auto",
         backend: Backend | None = None,
         cache_layout: CacheLayout = "replicated",
+        drafter_kv: DrafterKV = "model",
     ):
         if cache_layout not in LAYOUTS:
             raise InputError.at(
                 "cache_layout", f"expected one of {', '.join(LAYOUTS)}, got {cache_layout!r}"
+            )
+        if drafter_kv not in DRAFTER_KVS:
+            raise InputError.at(
+                "drafter_kv", f"expected one of {', '.join(DRAFTER_KVS)}, got {drafter_kv!r}"
             )
         if attention not in ATTENTION_CHOICES:
             raise InputError.at(
@@ -180,6 +189,7 @@ class SpeculativeDecoder:
         self.attention = self.backend.attention(attention)
         # set when the models were placed with jaxdd.runtime.sharding.shard_module
         self.mesh = mesh_of(target.model)
+        self.drafter_kv = drafter_kv
         self.stripes = None
         if cache_layout == "striped" and self.mesh is not None:
             self.stripes = Stripes(self.mesh)
@@ -327,6 +337,7 @@ class SpeculativeDecoder:
             tree_logits=tree_logits,
             top_logprobs=top_logprobs,
             stripes=self.stripes,
+            drafter_kv=self.drafter_kv,
         )
 
     def start(

@@ -216,6 +216,6 @@ def prefill_new(
     target, drafter = models.merge()
     drafter_config = None if drafter is None else drafter.config
     rows = tokens.shape[0]
-    sizes = (rows, *pages, spec.block, target.dtype, seed_keys(seeds), spec.stripes)
-    state = DecodeState.empty(target.config, drafter_config, *sizes)
+    sizes = (rows, *pages, spec.block, target.dtype, seed_keys(seeds))
+    state = DecodeState.empty(target.config, drafter_config, *sizes, spec.stripes, spec.drafter_kv)
     return prefill(spec, models, state, tokens, prompt_len, settings, seeds, mesh, score)

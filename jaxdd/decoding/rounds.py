@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxdd.cache import DraftCache, LatentCache
+from jaxdd.cache.draft import kv_dtype
 from jaxdd.cache.layout import front, put_front
 from jaxdd.cache.stripes import Stripes, paging
 from jaxdd.config import DrafterConfig, KimiConfig
@@ -54,7 +55,7 @@ from jaxdd.models.target import KimiTarget
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.jit_state import ModuleStructure
 from jaxdd.runtime.sharding import cache_sharding
-from jaxdd.types import Attention, Method, TreeLogits
+from jaxdd.types import Attention, DrafterKV, Method, TreeLogits
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,6 +77,7 @@ class RoundSpec:
     # > 0: also report each emitted token's logprob and the top-``top_logprobs`` at its position
     top_logprobs: int = 0
     stripes: Stripes | None = None  # how the latent cache is striped (None: replicated)
+    drafter_kv: DrafterKV = "model"  # the dtype the drafter's context K/V is stored in
 
     @property
     def width(self) -> int:
@@ -139,15 +141,22 @@ class DecodeState:
         dtype: jnp.dtype,
         rng: jax.Array,
         stripes: Stripes | None = None,
+        drafter_kv: DrafterKV = "model",
     ) -> DecodeState:
         """The state before the prefill: empty pools of ``pool_pages`` pages for ``batch`` rows
-        of up to ``row_pages`` pages (and drafter context, with a drafter)."""
+        of up to ``row_pages`` pages (and drafter context, with a drafter, its K/V stored as
+        ``drafter_kv`` says)."""
         drafter = {}
         if drafter_config is not None:
             features = len(drafter_config.target_layer_ids) * config.hidden_size
             drafter = {
                 "draft_cache": DraftCache.pooled(
-                    drafter_config, batch, row_pages, pool_pages, dtype, *paging(stripes)
+                    drafter_config,
+                    batch,
+                    row_pages,
+                    pool_pages,
+                    kv_dtype(drafter_kv, dtype),
+                    *paging(stripes),
                 ),
                 "context": jnp.zeros((batch, block, features), dtype),
                 "context_count": jnp.zeros((batch,), jnp.int32),

@@ -463,7 +463,7 @@ class RowPool:
             def empty() -> DecodeState:
                 keys = seed_keys(jnp.zeros((self.rows,), jnp.uint32))
                 state = DecodeState.empty(
-                    self.decoder.config, drafter, *sizes, dtype, keys, stripes
+                    self.decoder.config, drafter, *sizes, dtype, keys, stripes, self.spec.drafter_kv
                 )
                 return state.replace(done=jnp.ones((self.rows,), bool))
 

@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxdd.cache import CacheView, DraftCache
+from jaxdd.cache.layout import stored
 from jaxdd.config import DrafterConfig
 from jaxdd.models.layers import (
     MLP,
@@ -105,10 +106,12 @@ class DraftAttention(nnx.Module, Placeable):
         q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleaved=False)
         k, v = self.keys_values(x, cos, sin)
         if kernel is not None:
+            # the block's K/V as the cache stores them, as the XLA form reads them back
+            k, v = (stored(y, cached[0].dtype) for y in (k, v))
             out = self._kernel_attention(kernel, q, k, v, cached, view, block_len)
             return project_heads(out.astype(x.dtype), self.o_proj[...]), cached
         written = tuple(map(view.write, cached, (k, v)))
-        keys, values = map(view.read, written)
+        keys, values = (view.read(w).astype(q.dtype) for w in written)  # 8-bit K/V widened
         mask = view.committed(keys.shape[view.axis], extra=block_len)
         b, t = x.shape[:2]
         groups = c.num_attention_heads // c.num_key_value_heads

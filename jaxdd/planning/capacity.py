@@ -29,7 +29,7 @@ from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.buckets import prompt_bucket
 from jaxdd.runtime.sharding import make_mesh
-from jaxdd.types import CacheLayout
+from jaxdd.types import LAYOUTS, CacheLayout, DrafterKV
 
 # of the memory the weights leave on a device, the share a server's pool of pages and its
 # executables' temporaries take by default (vLLM's gpu_memory_utilization is 0.9 of it all)
@@ -45,15 +45,16 @@ def abstract_state(
     mesh: jax.sharding.Mesh,
     stripes: Stripes | None = None,
     dtype: jnp.dtype = jnp.bfloat16,
+    drafter_kv: DrafterKV = "model",
 ) -> DecodeState:
     """The decode state before a prefill as sharded ShapeDtypeStructs (nothing allocated): a
     pool of pages holding ``batch`` rows of ``slots`` slots, its latent cache striped by
-    ``stripes`` (None: replicated)."""
+    ``stripes`` (None: replicated), the drafter's K/V stored as ``drafter_kv`` says."""
     rng = jax.ShapeDtypeStruct((batch, 2), jnp.uint32)
     page, devices = paging(stripes)
     pages = (slots // page, pool_pages(batch * slots, page, devices))
     empty = lambda rng: DecodeState.empty(
-        config, drafter_config, batch, *pages, block, dtype, rng, stripes
+        config, drafter_config, batch, *pages, block, dtype, rng, stripes, drafter_kv
     )
     state = jax.eval_shape(empty, rng)
     shardings = state_shardings(state, mesh)
@@ -79,13 +80,16 @@ def slot_bytes(
     drafter_config: DrafterConfig | None,
     mesh: jax.sharding.Mesh,
     dtype: jnp.dtype = jnp.bfloat16,
+    drafter_kv: DrafterKV = "model",
 ) -> dict[str, float]:
     """Per device, the bytes one more cache slot of a row takes: ``latent`` (the target's
-    latent rows, all layers) and ``drafter`` (the drafter's context K/V, all layers; 0 without
-    a drafter), caches in ``dtype``."""
+    latent rows, all layers) and ``drafter`` (the drafter's context K/V, all layers, stored as
+    ``drafter_kv`` says; 0 without a drafter), caches in ``dtype``."""
 
     def caches(slots: int) -> dict[str, int]:
-        state = abstract_state(config, drafter_config, 1, slots, 1, mesh, dtype=dtype)
+        state = abstract_state(
+            config, drafter_config, 1, slots, 1, mesh, dtype=dtype, drafter_kv=drafter_kv
+        )
         total = lambda cache: sum(
             shard_bytes(x) for x in jax.tree.leaves(cache.replace(pages=None) if cache else [])
         )  # the pools: a row's page table is 4 bytes a page, not a slot's
@@ -113,6 +117,13 @@ def cache_capacity(
     }
 
 
+def cache_capacities(
+    free: float, slot: Mapping[str, float], devices: int
+) -> dict[CacheLayout, dict[str, float]]:
+    """``cache_capacity`` in each layout."""
+    return {layout: cache_capacity(free, slot, devices, layout) for layout in LAYOUTS}
+
+
 def pool_temporaries(decoder: SpeculativeDecoder, shape: RowShape) -> int:
     """The most temporary bytes a device needs for the biggest of a pool's executables: the
     prefill of its longest part (the largest prompt bucket; with chunks and no scoring, a
@@ -124,7 +135,7 @@ def pool_temporaries(decoder: SpeculativeDecoder, shape: RowShape) -> int:
     dtype = decoder.target.model.dtype
     state = abstract_state(
         decoder.config, drafter, rows, shape.slots, spec.block,
-        mesh or make_mesh(1, jax.local_devices()[:1]), decoder.stripes, dtype,
+        mesh or make_mesh(1, jax.local_devices()[:1]), decoder.stripes, dtype, spec.drafter_kv,
     )  # fmt: skip
     scoring = bool(spec.top_logprobs)  # a scored prompt is prefilled whole
     longest = min(shape.max_prompt, (not scoring and shape.prefill_chunk) or shape.max_prompt)
@@ -167,7 +178,7 @@ def device_cache_tokens(
         return None
     budget = free * CACHE_MEMORY_FRACTION - pool_temporaries(decoder, shape)
     drafter = decoder.drafter.config if shape.spec.method != "ar" else None
-    slot = slot_bytes(decoder.config, drafter, mesh, decoder.target.model.dtype)
+    slot = slot_bytes(decoder.config, drafter, mesh, decoder.target.model.dtype, decoder.drafter_kv)
     layout = "striped" if decoder.stripes is not None else "replicated"
     group = mesh.devices.size if decoder.stripes is not None else 1
     held = cache_capacity(budget, slot, mesh.devices.size, layout)["tokens"]

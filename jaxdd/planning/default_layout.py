@@ -14,18 +14,18 @@ import jax
 
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget
-from jaxdd.planning.cache_layout import LayoutChoice, choose_layout, round_name
+from jaxdd.planning.cache_layout import LayoutChoice, choose_layout
 from jaxdd.planning.capacity import (
     CACHE_MEMORY_FRACTION,
-    cache_capacity,
+    cache_capacities,
     least_free_bytes,
     shard_bytes,
     slot_bytes,
 )
 from jaxdd.planning.hardware import GPUS, TPUS, Hardware
-from jaxdd.planning.traffic import ModelBytes, floor_seconds, round_traffic
+from jaxdd.planning.traffic import ModelBytes, PlannedRound
 from jaxdd.runtime.sharding import mesh_of
-from jaxdd.types import LAYOUTS, Method, verified_tokens
+from jaxdd.types import LAYOUTS, DrafterKV, Method
 
 # what jax.Device.device_kind says on each TPU chip of ``TPUS`` (as JAX's own tests read it)
 TPU_KINDS = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p"}
@@ -47,11 +47,13 @@ def default_layout(
     batch: int = 1,
     block: int | None = None,
     budget: int | None = None,
+    drafter_kv: DrafterKV = "model",
 ) -> LayoutChoice:
     """The layout whose floor of a ``method`` round of ``batch`` rows at ``max_len`` tokens of
     context (``block``: default the drafter's; DDTree ``budget``: default block - 1, as the
-    rounds take them) is lower on the devices ``target`` is placed on; striped where only its
-    pages hold the rows in the devices' free memory (the least over the processes)."""
+    rounds take them; the drafter's K/V stored as ``drafter_kv`` says) is lower on the devices
+    ``target`` is placed on; striped where only its pages hold the rows in the devices' free
+    memory (the least over the processes)."""
     mesh = mesh_of(target)
     devices = 1 if mesh is None else mesh.size
     hardware = None if mesh is None else hardware_of(mesh.devices.flat[0])
@@ -59,28 +61,17 @@ def default_layout(
     if method == "ar" or drafter_config is None:
         block = 1
     block = block or drafter_config.block_size
-    budget = budget or block - 1
+    planned = PlannedRound(method, block, budget or block - 1, batch, max_len)
     needed = batch * max_len
     held = dict.fromkeys(LAYOUTS, needed)  # no memory limit known: neither layout is refused
-    name = round_name(method, budget, batch)
     if devices == 1 or hardware is None:  # nothing to weigh: the plan says why
-        return choose_layout(None, {}, held, needed, hardware, devices, name)
+        return choose_layout(None, {}, held, needed, hardware, devices, planned.name)
     free = least_free_bytes(mesh)
     if free is not None:
-        slot = slot_bytes(target.config, drafter_config, mesh, target.dtype)
-        share = CACHE_MEMORY_FRACTION * free
-        held = {lay: cache_capacity(share, slot, devices, lay)["tokens"] for lay in LAYOUTS}
-    tokens = verified_tokens(method, block, budget)
-    model = ModelBytes.of(target, drafter, shard_bytes)
+        slot = slot_bytes(target.config, drafter_config, mesh, target.dtype, drafter_kv)
+        capacities = cache_capacities(CACHE_MEMORY_FRACTION * free, slot, devices)
+        held = {layout: capacity["tokens"] for layout, capacity in capacities.items()}
+    model = ModelBytes.of(target, drafter, shard_bytes, drafter_kv)
     moe = target.placement[1] if target.placement is not None else "tp"
-    draft = 0 if method == "ar" else block
-    floors = {
-        layout: floor_seconds(
-            round_traffic(
-                method, tokens, target.config, model, max_len, devices, moe, draft, layout, batch
-            ),
-            hardware,
-        )["round_s"]
-        for layout in LAYOUTS
-    }
-    return choose_layout(None, floors, held, needed, hardware, devices, name)
+    floors = planned.floors(target.config, model, devices, moe, hardware)
+    return choose_layout(None, floors, held, needed, hardware, devices, planned.name)

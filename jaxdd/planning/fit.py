@@ -39,25 +39,27 @@ from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.moe import MoE
 from jaxdd.models.target import KimiTarget
 from jaxdd.planning.aot import Machine, find_machine
-from jaxdd.planning.cache_layout import LayoutChoice, choose_layout, round_name
+from jaxdd.planning.cache_layout import LayoutChoice, choose_layout
 from jaxdd.planning.capacity import (
     abstract_settings,
     abstract_state,
-    cache_capacity,
+    cache_capacities,
     shard_bytes,
     slot_bytes,
 )
 from jaxdd.planning.compiled_traffic import compiled_traffic
 from jaxdd.planning.hardware import named_hardware
-from jaxdd.planning.traffic import ModelBytes, floor_seconds, round_traffic, traffic_table
+from jaxdd.planning.traffic import ModelBytes, PlannedRound, traffic_table
 from jaxdd.runtime.sharding import make_mesh, param_shardings, place
 from jaxdd.types import (
     ATTENTION_CHOICES,
+    DRAFTER_KVS,
     LAYOUTS,
     METHODS,
     MOE_MODES,
     AttentionChoice,
     CacheLayout,
+    DrafterKV,
     Method,
     MoeMode,
     verified_tokens,
@@ -82,10 +84,12 @@ class PlanOptions:
     attention: AttentionChoice = "auto"
     compile_round: bool = True  # False: the traffic account only (seconds, not minutes)
     cache_layout: CacheLayout | None = None  # None: the layout with the faster floor
+    drafter_kv: DrafterKV = "model"  # the dtype the drafter's context K/V is stored in
 
     def __post_init__(self) -> None:
         choices = {"method": METHODS, "moe": MOE_MODES, "attention": ATTENTION_CHOICES}
         choices["cache_layout"] = (None, *LAYOUTS)
+        choices["drafter_kv"] = DRAFTER_KVS
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 listed = ", ".join(a for a in allowed if a is not None)
@@ -118,20 +122,20 @@ def plan(
     )
     block = 1 if o.method == "ar" else drafter_config.block_size
     tokens = verified_tokens(o.method, block, o.budget)
-    model_bytes = ModelBytes.of(*models, shard_bytes)
+    model_bytes = ModelBytes.of(*models, shard_bytes, o.drafter_kv)
     devices = len(where.devices)
+    planned = PlannedRound(o.method, block, o.budget, o.batch, o.max_len)
 
     def layouts(activations: int | None, chosen: LayoutChoice | None = None) -> dict[str, Any]:
         """The latent cache's layout (``chosen``, else the plan's choice), its rounds and
         capacity (``_cache_layouts``), after ``activations`` bytes of compiled temporaries."""
-        return _cache_layouts(
-            o, config, drafter_config, model_bytes, where, mesh, per_device, activations, chosen
-        )
+        models = (config, drafter_config, model_bytes)
+        return _cache_layouts(o, planned, *models, where, mesh, per_device, activations, chosen)
 
     def decoder_in(layout: CacheLayout) -> tuple[SpeculativeDecoder, int]:
         """The decoder whose latent cache is laid out so, and its cache slots per row."""
         decoder = SpeculativeDecoder(
-            Target(models[0]), models[1], attention=form, cache_layout=layout
+            Target(models[0]), models[1], form, cache_layout=layout, drafter_kv=o.drafter_kv
         )
         page, devices = paging(decoder.stripes)
         # sized as the runtime sizes a row for requests of up to ``max_len`` tokens
@@ -177,31 +181,14 @@ def plan(
         per_device[name] = sum(shard_bytes(x) for x in jax.tree.leaves(cache))
     per_device["temporaries"] = compiled["temp_bytes"]
     if account is not None:
-        floor = _round_traffic(
-            o, config, drafter_config, model_bytes, devices, shape["cache_layout"]
-        )
+        floor = planned.traffic(config, model_bytes, devices, o.moe, shape["cache_layout"])
         shape["compiled_traffic"] = _against_floor(account, floor)
     return shape | _verdict(per_device, compiled, where, stored)
 
 
-def _round_traffic(
-    o: PlanOptions,
-    config: KimiConfig,
-    drafter_config: DrafterConfig,
-    model_bytes: ModelBytes,
-    devices: int,
-    layout: CacheLayout,
-) -> dict[str, Any]:
-    """``round_traffic`` of the plan's round: its method, block, budget, context and batch."""
-    block = 1 if o.method == "ar" else drafter_config.block_size
-    tokens = verified_tokens(o.method, block, o.budget)
-    draft = 0 if o.method == "ar" else block
-    args = (o.method, tokens, config, model_bytes, o.max_len, devices, o.moe, draft, layout)
-    return round_traffic(*args, o.batch)
-
-
 def _cache_layouts(
     o: PlanOptions,
+    planned: PlannedRound,
     config: KimiConfig,
     drafter_config: DrafterConfig,
     model_bytes: ModelBytes,
@@ -218,25 +205,14 @@ def _cache_layouts(
     devices = len(where.devices)
     weights = per_device["target_weights"] + per_device["drafter_weights"]
     free = where.memory - weights - (activations or 0)
-    slot = slot_bytes(config, drafter_config, mesh)
-    capacity = {name: cache_capacity(free, slot, devices, name) for name in LAYOUTS}
+    slot = slot_bytes(config, drafter_config, mesh, drafter_kv=o.drafter_kv)
+    capacity = cache_capacities(free, slot, devices)
     hardware = named_hardware(where.name)
-    floors = {
-        name: floor_seconds(
-            _round_traffic(o, config, drafter_config, model_bytes, devices, name), hardware
-        )["round_s"]
-        for name in LAYOUTS
-        if hardware is not None
-    }
+    floors = planned.floors(config, model_bytes, devices, o.moe, hardware)
     held = {name: c["tokens"] for name, c in capacity.items()}
+    needed = planned.batch * planned.context
     choice = chosen or choose_layout(
-        o.cache_layout,
-        floors,
-        held,
-        o.batch * o.max_len,
-        hardware,
-        devices,
-        round_name(o.method, o.budget, o.batch),
+        o.cache_layout, floors, held, needed, hardware, devices, planned.name
     )
     by_layout = {
         name: traffic_table(
@@ -458,7 +434,8 @@ def _abstract_requests(
 ):
     """A request plan for one round and the decode state it runs on, its latent cache laid
     out as the decoder's, as sharded ShapeDtypeStructs."""
-    state = abstract_state(config, drafter_config, batch, slots, block, mesh, decoder.stripes)
+    layout = (decoder.stripes, jnp.bfloat16, decoder.drafter_kv)
+    state = abstract_state(config, drafter_config, batch, slots, block, mesh, *layout)
     sampling = Sampling(temperature=1.0) if sampled else GREEDY
     settings = abstract_settings(batch, state.target_cache.pages.shape[-1], sampling)
     spec = decoder.round_spec(

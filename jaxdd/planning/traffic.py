@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxdd.cache.draft import kv_dtype
 from jaxdd.config import KimiConfig
 from jaxdd.models.drafter import DraftAttention
 from jaxdd.models.quant import ExpertWeights
@@ -34,10 +35,11 @@ from jaxdd.planning.cache_layout import (
     latent_row_bytes,
     link_seconds,
     merge_costs,
+    round_name,
     tokens_read,
 )
 from jaxdd.planning.hardware import GPUS, Hardware
-from jaxdd.types import CacheLayout, verified_tokens
+from jaxdd.types import LAYOUTS, CacheLayout, DrafterKV, Method, verified_tokens
 
 # The demo pair's HumanEval tau (CPU, greedy, block
 # 8; benchmarks/README.md): tokens per verify round.
@@ -87,9 +89,16 @@ class ModelBytes:
     drafter_kv: int  # one context token's drafter K/V here, all layers
 
     @classmethod
-    def of(cls, target: KimiTarget, drafter: nnx.Module | None, shard_bytes) -> ModelBytes:
+    def of(
+        cls,
+        target: KimiTarget,
+        drafter: nnx.Module | None,
+        shard_bytes,
+        drafter_kv: DrafterKV = "model",
+    ) -> ModelBytes:
         """From modules whose parameters are (abstract) arrays (no drafter: none of its bytes);
-        ``shard_bytes(array)`` gives one device's bytes."""
+        ``shard_bytes(array)`` gives one device's bytes; the drafter's K/V stored as
+        ``drafter_kv`` says."""
         params = lambda module: (
             jax.tree.leaves(nnx.state(module, nnx.Param)) if module is not None else []
         )
@@ -102,10 +111,12 @@ class ModelBytes:
         embed = target.embed.get_value()
         c = target.config
         moe_layers = c.num_hidden_layers - c.first_k_dense_replace
-        # the K/V projections' output width here: the cache holds their dtype
+        # the K/V projections' output width here, in the cache's dtype
         modules = nnx.iter_modules(drafter) if drafter is not None else []
         attention = [m for _, m in modules if isinstance(m, DraftAttention)]
-        projections = sum(shard_bytes(m.k_proj.get_value()) for m in attention) * 2  # K and V
+        weights = [m.k_proj.get_value() for m in attention]
+        stored = [kv_dtype(drafter_kv, w.dtype).itemsize / w.dtype.itemsize for w in weights]
+        projections = sum(shard_bytes(w) * s for w, s in zip(weights, stored, strict=True)) * 2
         return cls(
             non_expert=sum(shard_bytes(x) for x in params(target)) - experts - shard_bytes(embed),
             lm_head=shard_bytes(target.lm_head.get_value()),
@@ -115,7 +126,7 @@ class ModelBytes:
             moe_layers=moe_layers,
             dense_layers=c.first_k_dense_replace,
             drafter_layers=len(attention),
-            drafter_kv=projections // drafter.config.hidden_size if attention else 0,
+            drafter_kv=int(projections) // drafter.config.hidden_size if attention else 0,
         )
 
 
@@ -174,6 +185,46 @@ def round_traffic(
     if layout == "striped":
         traffic["merges"] = merge_costs(config, verified, devices)
     return traffic
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedRound:
+    """A round a plan weighs: its method, the drafter's block (AR drafts none), DDTree's budget,
+    its rows and the context tokens of each."""
+
+    method: Method
+    block: int
+    budget: int | None
+    batch: int
+    context: int
+
+    @property
+    def name(self) -> str:
+        return round_name(self.method, self.budget, self.batch)
+
+    def traffic(
+        self, config: KimiConfig, model: ModelBytes, devices: int, moe: str, layout: CacheLayout
+    ) -> dict[str, Any]:
+        """Its ``round_traffic`` with the latent cache in ``layout``."""
+        block = 1 if self.method == "ar" else self.block
+        tokens = verified_tokens(self.method, block, self.budget)
+        draft = 0 if self.method == "ar" else block
+        args = (self.method, tokens, config, model, self.context, devices, moe, draft, layout)
+        return round_traffic(*args, self.batch)
+
+    def floors(
+        self,
+        config: KimiConfig,
+        model: ModelBytes,
+        devices: int,
+        moe: str,
+        hardware: Hardware | None,
+    ) -> dict[str, float]:
+        """Its floor (seconds) in each layout on ``hardware``; none without a hardware model."""
+        if hardware is None:
+            return {}
+        traffic = lambda layout: self.traffic(config, model, devices, moe, layout)
+        return {layout: floor_seconds(traffic(layout), hardware)["round_s"] for layout in LAYOUTS}
 
 
 def floor_seconds(traffic: Mapping[str, Any], hardware: Hardware) -> dict[str, Any]:

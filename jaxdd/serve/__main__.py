@@ -207,12 +207,14 @@ def main(argv: list[str] | None = None) -> int:
         target, drafter = jaxdd.load_pair(
             checkpoint, drafter_path, dtype, devices, args.moe or "tp"
         )
-        round_shape = (args.max_batch, args.block_size, args.budget)
+        round_shape = (args.max_batch, args.block_size, args.budget, args.drafter_kv)
         layout = (
             args.cache_layout
             or default_layout(target.model, drafter, method, args.max_len, *round_shape).layout
         )
-        decoder = SpeculativeDecoder(target, drafter, cache_layout=layout)
+        decoder = SpeculativeDecoder(
+            target, drafter, cache_layout=layout, drafter_kv=args.drafter_kv
+        )
         pool = make_pool(args, decoder, method)
     except (jaxdd.CheckpointError, jaxdd.ConfigError, jaxdd.InputError) as error:
         print(f"jaxdd: {error}", file=sys.stderr)

@@ -159,3 +159,25 @@ def test_config_fields():
         DrafterConfig.from_hf(drafter_config(layer_types=["sliding_attention", "full_attention"]))
     with pytest.raises(ConfigError, match="block_size: must be >= 2"):
         DrafterConfig.from_hf(drafter_config(block_size=1))
+
+
+@pytest.mark.parametrize("form", FORMS[1:])
+def test_context_k_v_in_fp8_reads_alike_in_every_form(pair, form):
+    """The context K/V stored in 8-bit floats (the block's own rounded alike): the kernel's
+    forms give the XLA form's hidden states, and those stay near the reference's (fp32 K/V)
+    but not at it (the K/V were rounded)."""
+    reference, drafter, _ = pair
+    rng = np.random.default_rng(3)
+    features = rng.standard_normal((1, 20, 128)).astype(np.float32)
+    embeds = rng.standard_normal((1, 8, 64)).astype(np.float32)
+    expected = reference_step(
+        reference, DynamicCache(config=reference.config), features, embeds, 20
+    )
+    cache = DraftCache.pooled(drafter.config, 1, 4, 9, jnp.float8_e4m3fn, page=16)
+    cache = cache.replace(pages=jnp.asarray([[7, 2, 5, 3]], jnp.int32))
+    cache = drafter.inject(cache, jnp.asarray(features), jnp.arange(20)[None], jnp.array([20]))
+    assert cache.keys[0].dtype == jnp.float8_e4m3fn
+    args = (jnp.asarray(embeds), (20 + jnp.arange(8))[None], cache, jnp.array([8]))
+    xla, _ = drafter(*args)
+    assert rel_err(drafter(*args, KERNELS[form]())[0], xla) < TOL
+    assert TOL < rel_err(xla, expected) < 0.01  # rounded, not far

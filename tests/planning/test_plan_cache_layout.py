@@ -128,6 +128,20 @@ def test_capacity_counts_whole_pages_and_the_drafter_kv_keeps_it_under_8x():
     assert f"({ratio:.2f}x: striping divides the latent rows" in report(result)
 
 
+def test_the_drafter_kv_in_fp8_takes_half_its_bytes_and_striping_passes_7x():
+    """``--drafter-kv fp8``: the drafter's K/V takes half its bytes per token, in the capacity and
+    in the floor (a DFlash round reads half its context K/V); striped, the pages hold over 7x the
+    context tokens of today's replicated rows (the drafter's K/V in bf16)."""
+    today, fp8 = k26_plan(131072), k26_plan(131072, drafter_kv="fp8")
+    slot, halved = today["cache_capacity"]["slot_bytes"], fp8["cache_capacity"]["slot_bytes"]
+    assert halved == {"latent": slot["latent"], "drafter": slot["drafter"] / 2}
+    for layout in LAYOUTS:
+        kv = [rows(result, layout)["dflash"]["drafter_kv"] for result in (today, fp8)]
+        assert kv[1] * 2 == kv[0] > 0
+    striped = fp8["cache_capacity"]["striped"]["tokens"]
+    assert striped > 7 * today["cache_capacity"]["replicated"]["tokens"]
+
+
 @pytest.mark.parametrize("devices", [2, 3, 8])
 def test_tokens_read_is_the_busiest_devices_pages(devices):
     """Pages dealt round-robin, counted one by one: the busiest device's rows."""

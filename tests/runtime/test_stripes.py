@@ -158,6 +158,16 @@ def test_the_kernel_form_merges_the_same(checkpoints, one_device):
     assert generate(dec, names) == {name: one_device[name] for name in names}
 
 
+def test_the_kernel_form_over_fp8_drafter_kv_gives_the_same_tokens(checkpoints, one_device):
+    """The drafter's K/V in fp8, attended in the kernel per device on its KV heads, the latent
+    cache striped: the target's tokens (the drafts may change, the tokens may not)."""
+    dec = decoder(checkpoints, 8, cache_layout="striped", attention="pallas", drafter_kv="fp8")
+    dec.stripes = Stripes(dec.mesh, PAGE)
+    names = ["dflash", "ddtree"]  # greedy: sampled tokens follow the drafts they were offered
+    tokens = {name: result[0] for name, result in generate(dec, names).items()}
+    assert tokens == {name: one_device[name][0] for name in names}
+
+
 def test_an_unknown_layout_names_the_field(checkpoints):
     with pytest.raises(InputError, match="cache_layout"):
         decoder(checkpoints, 1, cache_layout="sharded")
