@@ -89,9 +89,22 @@ def gather_pages(pool: jax.Array, pages: jax.Array) -> jax.Array:
     return rows.reshape(pages.shape[0], -1, pool.shape[-1])
 
 
-def check_pages(cache_latent: jax.Array, cache_rope: jax.Array, pages: jax.Array) -> int:
+def unfold_pages(pages: jax.Array, fold: int) -> jax.Array:
+    """Tables [B, row_pages] shared by ``fold`` rows each -> [B * fold, row_pages]: row ``b`` reads
+    page ``p * fold + b % fold`` where its table row ``b // fold`` names ``p`` (a pool of
+    [P, fold, page, d] seen as [P * fold, page, d], as the drafter's KV heads are)."""
+    if fold == 1:
+        return pages
+    folded = pages[:, None] * fold + jnp.arange(fold, dtype=pages.dtype)[None, :, None]
+    return folded.reshape(-1, pages.shape[1])
+
+
+def check_pages(
+    cache_latent: jax.Array, cache_rope: jax.Array, pages: jax.Array, rows: int, fold: int = 1
+) -> int:
     """The page size of pools ``cache_latent`` [P, page, r] and ``cache_rope`` [P, page, dr]
-    read through tables ``pages`` [B, row_pages] int; a ValueError names a mismatch."""
+    read by ``rows`` rows through tables ``pages`` [rows / fold, row_pages] int; a ValueError
+    names a mismatch."""
     if cache_latent.ndim != 3 or cache_latent.shape[:2] != cache_rope.shape[:2]:
         raise ValueError(
             f"pools of pages [P, page, r] and [P, page, dr] expected, got latent"
@@ -99,6 +112,8 @@ def check_pages(cache_latent: jax.Array, cache_rope: jax.Array, pages: jax.Array
         )
     if pages.ndim != 2 or not jnp.issubdtype(pages.dtype, jnp.integer):
         raise ValueError(f"page tables [B, row_pages] int expected, got {pages.dtype}{pages.shape}")
+    if pages.shape[0] * fold != rows:
+        raise ValueError(f"{pages.shape[0]} page tables, each for {fold} rows, for {rows} rows")
     return cache_latent.shape[1]
 
 
@@ -249,7 +264,7 @@ def _key_blocks(
         if slots % block_k:
             raise ValueError(f"cache slots {slots} must be a multiple of block_k {block_k}")
         return block_k, lambda width: _full((slots, width))
-    page = check_pages(cache_latent, cache_rope, pages)
+    page = cache_latent.shape[1]  # the pools as ``check_pages`` found them
     # Triton's loads are powers of two, and a block must not span two pages
     block_k = math.gcd(1 << (block_k.bit_length() - 1), page)
     pool = cache_latent.shape[0]
@@ -266,6 +281,7 @@ def _key_blocks(
         "compiler_params",
         "shared_memory",
         "with_lse",
+        "fold",
     ),
 )
 def tree_attention(
@@ -285,14 +301,19 @@ def tree_attention(
     shared_memory: int | None = None,
     with_lse: bool = False,
     pages: jax.Array | None = None,
+    fold: int = 1,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The Pallas kernel; same arguments and results as ``tree_attention_reference``; ``interpret``
     and ``compiler_params`` as the backend chooses (``Backend.kernel_options``). ``block_q`` query
     rows (token x head) per program, keys in blocks of ``block_k``; None takes them from the tuning
     table (``pallas_kernels.tuned_block_sizes``) for the GPU of ``shared_memory`` bytes per block
     (its opt-in limit) and the cache's dtype. With ``pages`` the key block is a power of two
-    dividing the page (the largest up to ``block_k``), its page id loaded from the row's table."""
+    dividing the page (the largest up to ``block_k``), its page id loaded from the row's table;
+    ``fold`` rows share each table (``unfold_pages``: here unfolded in HBM, which bounds none)."""
     b, t, h, r = q_latent.shape
+    if pages is not None:
+        check_pages(cache_latent, cache_rope, pages, b, fold)
+        pages = unfold_pages(pages, fold)
     dr = q_rope.shape[-1]
     rows = t * h
     device = gpu_device(shared_memory)

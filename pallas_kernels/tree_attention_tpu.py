@@ -133,11 +133,12 @@ def _kernel(
 
 
 def _cache_specs(
-    widths: tuple[int, ...], unit: int, parts: int, paging: tuple[int, int] | None
+    widths: tuple[int, ...], unit: int, parts: int, paging: tuple[int, int, int] | None
 ) -> list[pl.BlockSpec]:
     """The cache operands' blocks of ``unit`` rows: one operand per width, its k-th block the
-    k-th of the row's cache; or with ``paging`` (page, pages per row) ``parts`` operands per
-    width, part p of step k reading block k * parts + p of the row's slots from its page."""
+    k-th of the row's cache; or with ``paging`` (page, pages per row, rows per table)
+    ``parts`` operands per width, part p of step k reading block k * parts + p of the row's
+    slots from its page (``unfold_pages``'s, for tables shared by several rows)."""
 
     # past the committed rows, the last live block again: no new fetch
     def live_block(i, block, length_ref):
@@ -146,13 +147,15 @@ def _cache_specs(
     if paging is None:
         index = lambda i, j, k, length_ref: (i, live_block(i, k, length_ref), 0)
         return [pl.BlockSpec((None, unit, width), index) for width in widths]
-    page, row_pages = paging
+    page, row_pages, fold = paging
 
     def paged(width, part):
         def index(i, j, k, length_ref, pages_ref):
             slot = live_block(i, k * parts + part, length_ref) * unit
             at = jax.lax.div(slot, page)  # lax's truncating forms: slot >= 0
-            return pages_ref[i * row_pages + at], jax.lax.div(slot - at * page, unit), 0
+            row = jax.lax.div(i, fold)
+            pool_page = pages_ref[row * row_pages + at] * fold + (i - row * fold)
+            return pool_page, jax.lax.div(slot - at * page, unit), 0
 
         return pl.BlockSpec((None, unit, width), index)
 
@@ -201,7 +204,9 @@ def _cost(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "vmem_limit_bytes", "with_lse"))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "interpret", "vmem_limit_bytes", "with_lse", "fold")
+)
 def tree_attention_tpu(
     q_latent,
     q_rope,
@@ -216,12 +221,14 @@ def tree_attention_tpu(
     vmem_limit_bytes: int | None = None,
     with_lse: bool = False,
     pages: jax.Array | None = None,
+    fold: int = 1,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Same arguments and results as ``tree_attention_reference``; ``interpret``: False to compile
     with Mosaic, or ``pltpu.InterpretParams()`` for Pallas' TPU interpreter (TPU semantics on any
     host). ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (default: the chip's); a compile over it
     fails with the VMEM the kernel needs (``benchmarks/kernel_compiles.py`` reads it from there).
-    ``pages``: the cache is pools of pages read through these tables (``paged_tiles``)."""
+    ``pages``: the cache is pools of pages read through these tables (``paged_tiles``), each
+    shared by ``fold`` rows (``unfold_pages``; SMEM holds the shared tables, not fold x them)."""
     b, t, h, r = q_latent.shape
     dr = q_rope.shape[-1]
     length = length.astype(jnp.int32)
@@ -231,7 +238,7 @@ def tree_attention_tpu(
         unit, parts, steps = tiles.block_k, 1, row_slots // tiles.block_k
         scalars = (length,)
     else:
-        page = check_pages(cache_latent, cache_rope, pages)
+        page = check_pages(cache_latent, cache_rope, pages, b, fold)
         row_pages = pages.shape[1]
         row_slots = row_pages * page
         tiles = tpu_tiles(t, h, row_slots)
@@ -250,7 +257,7 @@ def tree_attention_tpu(
     def whole(rows_, width):
         return pl.BlockSpec((None, rows_, width), lambda i, j, k, *_: (i, 0, 0))
 
-    paging = None if pages is None else (page, row_pages)
+    paging = None if pages is None else (page, row_pages, fold)
     caches = _cache_specs((r, dr), unit, parts, paging)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),

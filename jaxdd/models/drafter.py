@@ -131,7 +131,8 @@ class DraftAttention(nnx.Module, Placeable):
         on its KV heads. The kernel is MLA's (scores q_latent . latent + q_rope . rope, values
         the latent): keys go in as its rope operand, values as its latent one, and zero latent
         queries leave the scores q . k. Each KV head is a row of its own (a pool's KV heads
-        fold into its pages at no copy: page p of head j is page p * kv + j)."""
+        fold into its pages at no copy: page p of head j is page p * kv + j, the kernel's
+        ``fold``, so its rows share their request's table)."""
 
         def attend(q, k, v, keys, values, length, block_len, pages):
             b, t, heads, hd = q.shape  # this device's heads
@@ -141,9 +142,8 @@ class DraftAttention(nnx.Module, Placeable):
             fold = lambda x: x.reshape(b * kv, *x.shape[2:])  # [B, kv, ..] -> [B * kv, ..]
             if pages is None:
                 keys, values = map(fold, (keys, values))
-            else:
+            else:  # each row's table serves its kv rows (the kernel's ``fold``)
                 keys, values = (x.reshape(-1, *x.shape[2:]) for x in (keys, values))
-                pages = fold(pages[:, None] * kv + jnp.arange(kv)[None, :, None])
             tail = jnp.arange(t)[None, None, :] < block_len[:, None, None]
             out = kernel(
                 jnp.zeros_like(q),
@@ -156,6 +156,7 @@ class DraftAttention(nnx.Module, Placeable):
                 jnp.repeat(jnp.broadcast_to(tail, (b, t, t)), kv, axis=0),
                 scale=hd**-0.5,
                 pages=pages,
+                fold=kv,
             )
             out = out.reshape(b, kv, t, heads // kv, hd).transpose(0, 2, 1, 3, 4)
             return out.reshape(b, t, heads, hd)

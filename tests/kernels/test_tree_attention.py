@@ -17,7 +17,12 @@ from jaxdd.runtime.backend import Backend
 from jaxdd.testing.profiles import examples
 from jaxdd.testing.reference import random_tree_parents, rel_err, tree_depths_and_mask
 from pallas_kernels.block_traffic import grid_bytes
-from pallas_kernels.tree_attention import NEG, tree_attention, tree_attention_reference
+from pallas_kernels.tree_attention import (
+    NEG,
+    tree_attention,
+    tree_attention_reference,
+    unfold_pages,
+)
 from pallas_kernels.tree_attention_tpu import (
     _cache_specs,
     declared_bytes,
@@ -256,7 +261,7 @@ def test_tpu_form_declares_what_its_blocks_move_with_every_slot_live(heads, pagi
     whole = lambda width: ((None, tiles.tail, width), lambda i, j, k, *_: (i, 0, 0), np.float32)
     caches = [
         (spec.block_shape, spec.index_map, np.float32)
-        for spec in _cache_specs((r, dr), unit, parts, paging)
+        for spec in _cache_specs((r, dr), unit, parts, paging and (*paging, 1))
     ]
     blockings = [rows(r, np.float32), rows(dr, np.float32), *caches, whole(r), whole(dr)]
     blockings += [rows(tiles.tail, np.int32), rows(r, np.float32), rows(1, np.float32)]
@@ -358,6 +363,52 @@ def test_tpu_paged_form_in_the_tpu_interpreter_matches_reference(shape, dtype, w
     kernel = functools.partial(tree_attention_tpu, interpret=pltpu.InterpretParams())
     tree = "elsewhere" if with_lse else "owned"
     check_paged(kernel, shape, dtype, sum(shape) + with_lse, with_lse, tree)
+
+
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        functools.partial(tree_attention, block_q=16, block_k=16, interpret=True),
+        functools.partial(tree_attention_tpu, interpret=pltpu.InterpretParams()),
+    ],
+    ids=["gpu", "tpu"],
+)
+def test_a_pool_in_fp8_is_read_as_its_values_widened(kernel):
+    """Pages stored in 8-bit floats (the drafter's K/V with ``drafter_kv="fp8"``) under bf16
+    queries: each form widens every block it reads, so it attends as over the same values in
+    bf16."""
+    args, pages = paged_inputs((2, 9, 4, 64, 16, 16, 10), "bfloat16", 5)
+    narrow = [x.astype(jnp.float8_e4m3fn) for x in args[2:4]]
+    wide = [x.astype(jnp.bfloat16) for x in narrow]
+    expected = tree_attention_reference(*args[:2], *wide, *args[4:], 0.125, pages=pages)
+    actual = kernel(*args[:2], *narrow, *args[4:], scale=0.125, pages=pages)
+    np.testing.assert_allclose(
+        np.asarray(actual), np.asarray(expected), atol=TOLERANCE["bfloat16"], rtol=0
+    )
+
+
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        functools.partial(tree_attention, block_q=16, block_k=16, interpret=True),
+        functools.partial(tree_attention_tpu, interpret=pltpu.InterpretParams()),
+    ],
+    ids=["gpu", "tpu"],
+)
+def test_rows_sharing_a_table_read_their_own_pages(kernel):
+    """``fold`` rows per table (the drafter's KV heads): row b reads page p * fold + b % fold
+    where table b // fold names p, as the reference over the unfolded tables."""
+    args, pages = paged_inputs((4, 9, 2, 32, 8, 16, 3), "float32", 7)
+    pages = pages[::2]  # 2 tables of 3 pages of a pool of 13 pages x 2 rows each
+    assert np.asarray(unfold_pages(pages, 2))[1, 0] == 2 * int(pages[0, 0]) + 1
+    pool = [jnp.concatenate([x, x[::-1]]) for x in args[2:4]]
+    expected = tree_attention_reference(
+        *args[:2], *pool, *args[4:], 0.2, pages=unfold_pages(pages, 2)
+    )
+    actual = kernel(*args[:2], *pool, *args[4:], scale=0.2, pages=pages, fold=2)
+    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="2 page tables, each for 3 rows, for 4 rows"):
+        kernel(*args[:2], *pool, *args[4:], scale=0.2, pages=pages, fold=3)
 
 
 def test_pages_must_be_pools_and_tables():
