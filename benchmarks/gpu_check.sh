@@ -3,7 +3,7 @@
 # so that a slow one cannot take the others' results with it; logs and JSON go to $OUT (or benchmarks/results/):
 #   1. the Pallas tree-attention kernel compiled for the GPU against its jnp reference (tests marked gpu), and
 #      DDTree decoding through the compiled kernel against plain XLA and AR (same tokens); the drafter's attention
-#      through it against z-lab's drafter;
+#      through it against z-lab's drafter, and over fp8 context K/V against XLA's;
 #   2. kernel vs XLA timings at Kimi-like verify shapes (latent 512, rope 64; caches up to 128k slots) ->
 #      gpu_kernel.json; the DDTree round through the kernel vs XLA (demo pair, same tokens) -> gpu_round.json;
 #   3. the HumanEval benchmark (AR, DFlash, DDTree; PyTorch dflash_generate on CUDA), fp32 with full-precision

@@ -227,10 +227,9 @@ def tree_attention_tpu(
     with Mosaic, or ``pltpu.InterpretParams()`` for Pallas' TPU interpreter (TPU semantics on any
     host). ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (default: the chip's); a compile over it
     fails with the VMEM the kernel needs (``benchmarks/kernel_compiles.py`` reads it from there).
-    ``pages``: the cache is pools of pages read through these tables (``paged_tiles``), each
-    shared by ``fold`` rows (``unfold_pages``; SMEM holds the shared tables, not fold x them)."""
-    b, t, h, r = q_latent.shape
-    dr = q_rope.shape[-1]
+    ``pages``: pools of pages read through these tables (``paged_tiles``), each ``fold`` rows'
+    (``unfold_pages``; SMEM holds them, not their unfolded copies)."""
+    (b, t, h, r), dr = q_latent.shape, q_rope.shape[-1]
     length = length.astype(jnp.int32)
     if pages is None:
         row_slots = cache_latent.shape[1]
@@ -239,8 +238,7 @@ def tree_attention_tpu(
         scalars = (length,)
     else:
         page = check_pages(cache_latent, cache_rope, pages, b, fold)
-        row_pages = pages.shape[1]
-        row_slots = row_pages * page
+        row_slots = pages.shape[1] * page
         tiles = tpu_tiles(t, h, row_slots)
         unit, parts = paged_tiles(page)
         steps = pl.cdiv(row_slots // unit, parts)
@@ -257,7 +255,7 @@ def tree_attention_tpu(
     def whole(rows_, width):
         return pl.BlockSpec((None, rows_, width), lambda i, j, k, *_: (i, 0, 0))
 
-    paging = None if pages is None else (page, row_pages, fold)
+    paging = None if pages is None else (page, pages.shape[1], fold)
     caches = _cache_specs((r, dr), unit, parts, paging)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),

@@ -365,14 +365,13 @@ def test_tpu_paged_form_in_the_tpu_interpreter_matches_reference(shape, dtype, w
     check_paged(kernel, shape, dtype, sum(shape) + with_lse, with_lse, tree)
 
 
-@pytest.mark.parametrize(
-    "kernel",
-    [
-        functools.partial(tree_attention, block_q=16, block_k=16, interpret=True),
-        functools.partial(tree_attention_tpu, interpret=pltpu.InterpretParams()),
-    ],
-    ids=["gpu", "tpu"],
-)
+INTERPRETED = {  # both forms, interpreted
+    "gpu": functools.partial(tree_attention, block_q=16, block_k=16, interpret=True),
+    "tpu": functools.partial(tree_attention_tpu, interpret=pltpu.InterpretParams()),
+}
+
+
+@pytest.mark.parametrize("kernel", INTERPRETED.values(), ids=INTERPRETED)
 def test_a_pool_in_fp8_is_read_as_its_values_widened(kernel):
     """Pages stored in 8-bit floats (the drafter's K/V with ``drafter_kv="fp8"``) under bf16
     queries: each form widens every block it reads, so it attends as over the same values in
@@ -387,14 +386,7 @@ def test_a_pool_in_fp8_is_read_as_its_values_widened(kernel):
     )
 
 
-@pytest.mark.parametrize(
-    "kernel",
-    [
-        functools.partial(tree_attention, block_q=16, block_k=16, interpret=True),
-        functools.partial(tree_attention_tpu, interpret=pltpu.InterpretParams()),
-    ],
-    ids=["gpu", "tpu"],
-)
+@pytest.mark.parametrize("kernel", INTERPRETED.values(), ids=INTERPRETED)
 def test_rows_sharing_a_table_read_their_own_pages(kernel):
     """``fold`` rows per table (the drafter's KV heads): row b reads page p * fold + b % fold
     where table b // fold names p, as the reference over the unfolded tables."""
