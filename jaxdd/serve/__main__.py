@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     scheduler.start()  # compiles in its thread while the HTTP side already answers /health with 503
     shape = (
         f"{method}, {args.max_batch} rows, a cache of {pool.cache_tokens} tokens in pages of "
-        f"{pool.pages.page}, {layout}, prefix cache {args.prefix_cache}, "
+        f"{pool.pages.page}, {layout}, the drafter's K/V in {args.drafter_kv}, "
+        f"prefix cache {args.prefix_cache}, "
         f"prompt buckets {pool.shape.buckets()}"
     )
     try:

@@ -1,7 +1,8 @@
 """The server's pool of pages under the real ``openai`` client: 21 pages (1,344 tokens) serve 16
 short requests beside one of ``--max-len``, where rows of fixed size would need 17 x
 ``--max-len``; an 18th finds a free row but no page, waits, and starts once a request has ended
-and given its page back. The greedy ones (the long one, the 18th) decode to what they give alone;
+and given its page back. The drafter's K/V are stored in fp8; the greedy ones (the long one, the
+18th) decode to what they give alone with K/V in fp32;
 the 16 sampled at T=1 are each served (a draw within rounding of a boundary may go either way
 in another batch size, so they are not compared token for token here: tests/decoding/test_rows.py
 and tests/serve/test_server.py compare seeded rows)."""
@@ -26,6 +27,7 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server_pages") / "server.log"
     args = ["--max-batch", str(SHORT + 2), "--max-len", str(MAX_LEN), "--max-prompt", "16"]
     args += ["--cache-tokens", str(POOL * PAGE), "--max-logprobs", "0", "--dtype", "float32"]
+    args += ["--drafter-kv", "fp8"]  # the drafts change, the greedy tokens may not
     with running_server(args, log) as process:
         yield process
 
@@ -47,10 +49,11 @@ def scrape(server, running: int, waiting: int) -> bool:
 def test_short_requests_beside_a_long_one_and_one_waiting_for_pages(server, reference):
     run, _ = reference
     assert server.metric("cache_capacity_tokens") == POOL * PAGE < (SHORT + 1) * MAX_LEN
-    # the start-up line names the pool and the layout chosen (one device: replicated)
-    assert (
-        f"a cache of {POOL * PAGE} tokens in pages of {PAGE}, replicated," in server.log.read_text()
-    )
+    # the start-up line names the pool, the layout chosen (one device: replicated) and the
+    # drafter's K/V
+    line = f"a cache of {POOL * PAGE} tokens in pages of {PAGE}, replicated, "
+    line += "the drafter's K/V in fp8"
+    assert line in server.log.read_text()
     rng = np.random.default_rng(31)
     long = {"prompt": rng.integers(1, 4096, 12).tolist(), "max_tokens": MAX_LEN - 12}
     long["temperature"] = 0.0
