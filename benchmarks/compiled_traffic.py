@@ -5,7 +5,8 @@ width), each round compiled deviceless for H200, RTX PRO 6000 and TPU v5p
 with the demo pair's tau.
 
     JAX_PLATFORMS=cpu python benchmarks/compiled_traffic.py [--layers 3] [--hardware h200 ...]
-        [--method ar ...] [--max-len 131072] [--cache-layout striped] [--greedy-only]
+        [--method ar ...] [--max-len 131072] [--cache-layout striped] [--greedy]
+        [--drafter-kv fp8]
 
 TP8 over 8 devices, 8k tokens of context by default, batch 1; AR, DFlash (block 8) and DDTree
 (budget 16) rounds, greedy, and the sampled DDTree round. Each round compiles in its
@@ -28,7 +29,7 @@ from pathlib import Path
 from jaxdd.planning.hardware import named_hardware
 from jaxdd.planning.traffic import DEMO_TAU
 from jaxdd.testing.benchmark import write_result
-from jaxdd.types import LAYOUTS, CacheLayout
+from jaxdd.types import DRAFTER_KVS, LAYOUTS, CacheLayout, DrafterKV
 
 RESULTS = Path(__file__).parent / "results"
 FIXTURES = Path(__file__).parent.parent / "tests" / "fixtures"
@@ -39,13 +40,17 @@ BUDGET = 16
 
 @dataclasses.dataclass(frozen=True)
 class Context:
-    """The context the rounds are compiled at, and their latent cache's layout."""
+    """The context the rounds are compiled at, their latent cache's layout and the drafter's
+    K/V dtype."""
 
     max_len: int
     layout: CacheLayout
+    drafter_kv: DrafterKV = "model"
 
     def results(self, layers: int) -> Path:
-        return RESULTS / f"compiled_traffic_{layers}l_{self.max_len // 1024}k_{self.layout}.json"
+        kv = "" if self.drafter_kv == "model" else f"_{self.drafter_kv}"
+        name = f"compiled_traffic_{layers}l_{self.max_len // 1024}k_{self.layout}{kv}.json"
+        return RESULTS / name
 
 
 def compile_round(
@@ -79,6 +84,8 @@ def compile_round(
         str(context.max_len),
         "--cache-layout",
         context.layout,
+        "--drafter-kv",
+        context.drafter_kv,
     ]
     command += (
         ["--json"] + (["--sampled"] if sampled else []) + ([f"--layers={layers}"] if layers else [])
@@ -155,8 +162,9 @@ def main() -> None:
     parser.add_argument("--greedy", action="store_true", help="skip the sampled DDTree round")
     parser.add_argument("--max-len", type=int, default=8192, help="tokens of context")
     parser.add_argument("--cache-layout", choices=LAYOUTS, default="replicated")
+    parser.add_argument("--drafter-kv", choices=DRAFTER_KVS, default="model")
     args = parser.parse_args()
-    context = Context(args.max_len, args.cache_layout)
+    context = Context(args.max_len, args.cache_layout, args.drafter_kv)
     rows, failures = [], []
     for hardware in args.hardware:
         for method, sampled in ROUNDS:
@@ -204,6 +212,7 @@ def main() -> None:
         "moe": "tp",
         "max_len": context.max_len,
         "cache_layout": context.layout,
+        "drafter_kv": context.drafter_kv,
         "budget": BUDGET,
         "rows": rows,
     }
