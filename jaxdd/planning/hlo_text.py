@@ -13,10 +13,10 @@ import dataclasses
 import math
 import re
 
-# Bits per element of HLO's primitive types (sub-byte types are stored packed).
-_BITS = {"pred": 8, "token": 0, "c64": 64, "c128": 128}
-_BITS |= {f"{k}{n}": n for k in ("s", "u", "f") for n in (2, 4, 8, 16, 32, 64)}
-_BITS |= {"bf16": 16}
+# Bits per element of HLO's primitive types (sub-byte types are stored packed); the small
+# floats name their bits first and their exponent and mantissa after (f8e4m3fn, f4e2m1fn).
+_BITS = {"pred": 8, "token": 0, "c64": 64, "c128": 128, "bf16": 16}
+_SIZED = re.compile(r"[suf](\d+)(e\d+m\d+\w*)?")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,<=]*)\](\{[^{}]*\})?")
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \((.*)\) -> .*\{$")
 _INSTRUCTION = re.compile(r"^\s*(ROOT )?%?([\w.\-]+) = (.*)$")
@@ -125,11 +125,17 @@ def _balanced(text: str) -> tuple[str, str]:
     return text, ""
 
 
+def element_bits(dtype: str) -> int | None:
+    """Bits per element of an HLO element type (None: not an array type)."""
+    sized = _SIZED.fullmatch(dtype)
+    return int(sized.group(1)) if sized else _BITS.get(dtype)
+
+
 def array_shapes(shape: str) -> list[tuple[str, tuple[int, ...], str]]:
     """(element type, dimensions, layout) of each array in a shape, tuples flattened in order."""
     arrays = []
     for dtype, dims, layout in _ARRAY.findall(shape):
-        if dtype in _BITS:
+        if element_bits(dtype) is not None:
             sizes = tuple(int(d.replace("<=", "")) for d in dims.split(",") if d)
             arrays.append((dtype, sizes, layout))
     return arrays
@@ -151,5 +157,5 @@ def shape_bytes(shape: str, element: int | None = None, anywhere: bool = False) 
     total = 0
     for dtype, dims, layout in arrays:
         if anywhere or in_device_memory(layout):
-            total += math.ceil(math.prod(dims) * _BITS[dtype] / 8)
+            total += math.ceil(math.prod(dims) * element_bits(dtype) / 8)
     return total

@@ -67,6 +67,19 @@ def test_donated_buffer_updated_in_place_moves_the_update(machine):
 
 
 @pytest.mark.parametrize("machine", MACHINES)
+def test_8_bit_floats_are_a_byte_each(machine):
+    """A [4096, 1024] table in fp8 (e4m3, as the drafter's K/V with ``drafter_kv="fp8"``)
+    widened and summed: a byte per element read, not nothing (HLO's f8e4m3fn names its width
+    first)."""
+    f = lambda table: table.astype(jnp.float32).sum(0)
+    account = jaxdd.compiled_traffic(_compile(machine, f, [((4096, 1024), jnp.float8_e4m3fn)]))
+    assert account["by_weight"]["table"] == 4096 * 1024
+    assert account["bytes"] >= 4096 * 1024
+    if machine != "cpu":  # XLA:CPU widens the table into a copy first
+        assert account["bytes"] <= 4096 * 1024 + 1024 * 4 + INDEX_SLACK
+
+
+@pytest.mark.parametrize("machine", MACHINES)
 def test_loop_counts_every_trip(machine):
     """A 10-step fori_loop of w @ x reads w (4 MB) ten times."""
 
