@@ -255,7 +255,10 @@ def _moved(
         account.collective_bytes += link
         return [], link
     if ins.opcode == "custom-call":
-        return _custom_call(account, ins, everything, _custom_call_output(ins))
+        # operands XLA:TPU prefetched on chip (VMEM): their copy-start read them from HBM
+        on_chip = {o for o in ins.operands if size(o) == 0}
+        prefetched = sum(shape_bytes(comp.instructions[o].shape, anywhere=True) for o in on_chip)
+        return _custom_call(account, ins, everything, _custom_call_output(ins), prefetched)
     if ins.opcode in _SLICING:
         out = shape_bytes(ins.shape)
         return [(ins.operands[0], out), *everything[1:]], out
@@ -385,15 +388,21 @@ def _custom_call_output(ins: Instruction) -> float:
     return shape_bytes(ins.shape)
 
 
-def _custom_call(account: _Account, ins: Instruction, everything, output: float):
+def _custom_call(
+    account: _Account, ins: Instruction, everything, output: float, prefetched: float = 0.0
+):
+    """A custom call's bytes: what it declares (a Pallas kernel's CostEstimate) less what it
+    reads of operands already on chip (``prefetched``: their copy-start counted the HBM read),
+    else its operands and output."""
     target = ins.attribute("custom_call_target") or "?"
     declared = _DECLARED.search(ins.backend_config)
     call = account.custom_calls.setdefault(target, {"count": 0, "bytes": 0.0, "counted": ""})
     call["count"] += 1
     if declared is not None:
         call["counted"] = "declared"
-        call["bytes"] += int(declared.group(1))
-        return [], float(declared.group(1))
+        moved = max(0.0, float(declared.group(1)) - prefetched)
+        call["bytes"] += moved
+        return [], moved
     call["counted"] = "defaulted"
     call["bytes"] += sum(m for _, m in everything) + output
     return everything, output

@@ -188,6 +188,31 @@ def test_pallas_kernel_counts_what_it_declares_or_its_operands(machine):
         assert call["bytes"] == account["bytes"] == 2 * 256 * 1024 * 4
 
 
+# XLA:TPU prefetching a pool into VMEM (S(1)) before a kernel that declares reading it
+PREFETCHED = """HloModule m
+
+ENTRY %main (param.0: bf16[161,64,512], param.1: f32[1,32,512]) -> f32[1,32,512] {
+  %param.0 = bf16[161,64,512]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %param.1 = f32[1,32,512]{2,1,0:T(8,128)} parameter(1)
+  %copy-start = (bf16[161,64,512]{2,1,0:T(8,128)(2,1)S(1)}, bf16[161,64,512]{2,1,0:T(8,128)(2,1)}, \
+u32[]{:S(2)}) copy-start(%param.0)
+  %copy-done = bf16[161,64,512]{2,1,0:T(8,128)(2,1)S(1)} copy-done(%copy-start)
+  ROOT %kernel = f32[1,32,512]{2,1,0:T(8,128)} custom-call(%param.1, %copy-done, %copy-done), \
+custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{"cost_estimate":\
+{"bytes_accessed":"DECLARED"}}}
+}
+"""
+
+
+def test_a_kernel_reading_a_pool_prefetched_on_chip_counts_the_prefetch_once():
+    """The copy-start reads the pool from HBM; the kernel's declared bytes less the pool (one
+    operand, passed twice) are what it moves besides: the pool counts once, not twice."""
+    pool, queries = 161 * 64 * 512 * 2, 32 * 512 * 4
+    account = jaxdd.compiled_traffic(PREFETCHED.replace("DECLARED", str(pool + 2 * queries)))
+    assert account["custom_calls"]["tpu_custom_call"]["bytes"] == 2 * queries
+    assert account["bytes"] == pool + 2 * queries
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels need a C++ compiler")
 def test_cpu_ffi_kernel_counts_its_operands_and_output():
     """A CPU FFI matvec (rows [2, 4096] fp32 times a [4096, 1024] bf16 weight)
