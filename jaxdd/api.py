@@ -241,7 +241,7 @@ class Target:
         for none) or after ``max_new_tokens``. ``on_tokens(new_tokens)``
         is called as tokens are accepted (to stream them). ``cache_layout``: the latent cache
         on a mesh, ``replicated`` or ``striped`` over its devices. ``drafter_kv``: the drafter's
-        context K/V in the models' dtype or ``fp8`` (the same tokens). ``prefill_chunk``: a
+        context K/V in the models' dtype or ``fp8`` (the same greedy tokens). ``prefill_chunk``: a
         longer prompt is prefilled that many tokens at a time (the same tokens).
         """
         stream = None if on_tokens is None else (lambda request, tokens: on_tokens(tokens))

@@ -188,8 +188,8 @@ def add_device_flags(parser: argparse.ArgumentParser) -> None:
         choices=DRAFTER_KVS,
         default="model",
         help="store the drafter's context K/V in the models' dtype (model) or in 8-bit floats "
-        "(fp8: half its bytes, so more context per device; the drafts may change, the tokens "
-        "do not)",
+        "(fp8: half its bytes, so more context per device; the drafts may change, greedy tokens "
+        "do not, sampled ones keep the target's distribution but not a seed's draws)",
     )
     hosts = parser.add_argument_group(
         "several hosts (one process each; not needed where JAX finds the job itself)"

@@ -55,15 +55,18 @@ def tree_attention_reference(
     scale,
     with_lse: bool = False,
     pages: jax.Array | None = None,
+    fold: int = 1,
 ):
     """Plain jnp: q_latent [B,T,H,r], q_rope [B,T,H,dr]; cache
     [B,S,r|dr]; length [B]; tail [B,T,r|dr]; tail_mask [B,T,T] bool;
-    ``pages`` [B, row_pages]: the cache is pools [P, page, r|dr], gathered here first.
+    ``pages`` [B / fold, row_pages]: the cache is pools [P, page, r|dr], gathered here first
+    (``fold`` rows to a table: ``unfold_pages``).
     Returns the attention output in latent space [B,T,H,r] (fp32); ``with_lse``: ``(out, lse)``,
     lse [B,T,H] fp32 the natural log of the sum of exp(scale * score) over the visible keys.
     A row that sees no key (``with_lse`` only) gives out 0 and lse ``NEG``."""
     f32 = jnp.float32
     if pages is not None:
+        pages = unfold_pages(pages, fold)
         cache_latent, cache_rope = (gather_pages(c, pages) for c in (cache_latent, cache_rope))
     keys_latent = jnp.concatenate([cache_latent, tail_latent], axis=1).astype(f32)
     keys_rope = jnp.concatenate([cache_rope, tail_rope], axis=1).astype(f32)
@@ -117,18 +120,24 @@ def check_pages(
     return cache_latent.shape[1]
 
 
+def widened(keys: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """``keys`` in ``dtype`` where they are stored narrower (the kernels compute in the
+    queries' dtype); as they are otherwise."""
+    return keys.astype(dtype) if keys.dtype.itemsize < jnp.dtype(dtype).itemsize else keys
+
+
 def online_softmax_step(carry, q_lat, q_rope, latent, rope, visible, scale: float):
     """One block of keys into the running softmax (shared by the GPU and
     TPU forms): carry = (acc [rows, r] fp32, max [rows, 1], sum [rows, 1]);
     ``visible`` [rows or 1, keys] masks scores; returns the new carry.
 
-    Operands enter the dots in their own dtype with fp32 accumulation (bf16 x bf16
-    products are exact in fp32, and the tensor cores / MXU take bf16); the softmax
-    runs in fp32 and the probabilities meet the values in the values' dtype, as in
-    flash attention. fp32 inputs stay fp32 throughout (Triton's IEEE dot). A cache stored
-    narrower than the queries (8-bit floats) is widened to their dtype block by block."""
+    Operands enter the dots in the queries' dtype with fp32 accumulation (bf16 x bf16
+    products are exact in fp32, and the tensor cores / MXU take bf16); a cache stored
+    narrower (8-bit floats) is widened to it block by block. The softmax runs in fp32 and
+    the probabilities meet the values in that dtype too, as in flash attention. fp32 inputs
+    stay fp32 throughout (Triton's IEEE dot)."""
     acc, m, total = carry
-    latent, rope = latent.astype(q_lat.dtype), rope.astype(q_rope.dtype)
+    latent, rope = widened(latent, q_lat.dtype), widened(rope, q_rope.dtype)
     scores = jnp.dot(q_lat, latent.T, preferred_element_type=jnp.float32)
     scores += jnp.dot(q_rope, rope.T, preferred_element_type=jnp.float32)
     scores = jnp.where(visible, scores * scale, NEG)
@@ -307,9 +316,10 @@ def tree_attention(
     and ``compiler_params`` as the backend chooses (``Backend.kernel_options``). ``block_q`` query
     rows (token x head) per program, keys in blocks of ``block_k``; None takes them from the tuning
     table (``pallas_kernels.tuned_block_sizes``) for the GPU of ``shared_memory`` bytes per block
-    (its opt-in limit) and the cache's dtype. With ``pages`` the key block is a power of two
-    dividing the page (the largest up to ``block_k``), its page id loaded from the row's table;
-    ``fold`` rows share each table (``unfold_pages``: here unfolded in HBM, which bounds none)."""
+    (its opt-in limit) and the dtype it computes in (the wider of the queries' and the cache's).
+    With ``pages`` the key block is a power of two dividing the page (the largest up to
+    ``block_k``), its page id loaded from the row's table; ``fold`` rows share each table
+    (``unfold_pages``; this form unfolds them in HBM, B x fold x row_pages ints)."""
     b, t, h, r = q_latent.shape
     if pages is not None:
         check_pages(cache_latent, cache_rope, pages, b, fold)
@@ -317,7 +327,8 @@ def tree_attention(
     dr = q_rope.shape[-1]
     rows = t * h
     device = gpu_device(shared_memory)
-    tuned = block_sizes("tree_attention", device, dtype_class(cache_latent.dtype))
+    computed = max(q_latent.dtype, cache_latent.dtype, key=lambda d: d.itemsize)
+    tuned = block_sizes("tree_attention", device, dtype_class(computed))
 
     if block_q is None:
         enough = b * rows >= tuned["block_q"] * tuned["programs"]

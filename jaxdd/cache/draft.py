@@ -5,8 +5,8 @@ before slots, as the drafter's attention matmuls read them: stored [batch, slots
 head_dim], XLA:CPU transposes every layer's whole cache in every round. A decode state's is a
 pool of pages [pages, kv_heads, page, head_dim] under the same page tables as the target's
 latent pool (a request's page j holds the same positions in both), in the models' dtype or
-in 8-bit floats (``DrafterKV``): the drafts read it, the target's verify does not, so the
-tokens stay the target's either way.
+in 8-bit floats (``DrafterKV``): the drafts read it, the target's verify does not, so greedy
+tokens stay the target's and sampled ones its distribution (not the same draws for a seed).
 """
 
 from __future__ import annotations
@@ -26,7 +26,11 @@ KV_DTYPES = {"fp8": jnp.dtype(jnp.float8_e4m3fn)}  # e4m3: the mantissa bits K/V
 
 def kv_dtype(choice: DrafterKV, dtype: jnp.dtype) -> jnp.dtype:
     """The dtype the drafter's context K/V is stored in, for models in ``dtype``."""
-    return KV_DTYPES.get(choice, jnp.dtype(dtype))
+    if choice == "model":
+        return jnp.dtype(dtype)
+    if choice not in KV_DTYPES:
+        raise ValueError(f"drafter_kv: expected model or one of {list(KV_DTYPES)}, got {choice!r}")
+    return KV_DTYPES[choice]
 
 
 @struct.dataclass

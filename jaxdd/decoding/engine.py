@@ -157,7 +157,8 @@ class SpeculativeDecoder:
     ``cache_layout``: the latent cache ``replicated`` on every device of the target's mesh or
     ``striped`` over them (``jaxdd.cache.stripes``; one device holds it whole either way).
     ``drafter_kv``: the drafter's context K/V in the models' dtype or in ``fp8`` (half the
-    bytes; only the drafts change, the tokens stay the target's).
+    bytes; only the drafts change: greedy tokens stay the target's, sampled ones its
+    distribution, not a seed's draws).
     """
 
     def __init__(
@@ -187,6 +188,12 @@ class SpeculativeDecoder:
         self.backend = backend or Backend.of_module(target.model)
         self.backend.prepare_host()
         self.attention = self.backend.attention(attention)
+        if drafter_kv == "fp8" and self.attention == "pallas" and not self.backend.fp8_kernels:
+            raise InputError.at(
+                "drafter_kv",
+                "fp8 K/V in the tree-attention kernel needs GPUs of compute capability 8.9 or "
+                "newer (Ada, Hopper, Blackwell); use attention='absorbed' or the models' dtype",
+            )
         # set when the models were placed with jaxdd.runtime.sharding.shard_module
         self.mesh = mesh_of(target.model)
         self.drafter_kv = drafter_kv

@@ -217,5 +217,6 @@ def prefill_new(
     drafter_config = None if drafter is None else drafter.config
     rows = tokens.shape[0]
     sizes = (rows, *pages, spec.block, target.dtype, seed_keys(seeds))
-    state = DecodeState.empty(target.config, drafter_config, *sizes, spec.stripes, spec.drafter_kv)
+    layout = {"stripes": spec.stripes, "drafter_kv": spec.drafter_kv}
+    state = DecodeState.empty(target.config, drafter_config, *sizes, **layout)
     return prefill(spec, models, state, tokens, prompt_len, settings, seeds, mesh, score)

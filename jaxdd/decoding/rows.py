@@ -458,13 +458,13 @@ class RowPool:
         if self._make_state is None:
             drafter = None if self.spec.method == "ar" else self.decoder.drafter.config
             sizes = (self.rows, self.shape.row_pages, self.shape.pool_pages, self.spec.block)
-            dtype, stripes = self.decoder.target.model.dtype, self.spec.stripes
+            dtype = self.decoder.target.model.dtype
+            layout = {"stripes": self.spec.stripes, "drafter_kv": self.spec.drafter_kv}
 
             def empty() -> DecodeState:
                 keys = seed_keys(jnp.zeros((self.rows,), jnp.uint32))
-                state = DecodeState.empty(
-                    self.decoder.config, drafter, *sizes, dtype, keys, stripes, self.spec.drafter_kv
-                )
+                config = self.decoder.config
+                state = DecodeState.empty(config, drafter, *sizes, dtype, keys, **layout)
                 return state.replace(done=jnp.ones((self.rows,), bool))
 
             mesh = self.decoder.mesh

@@ -178,7 +178,9 @@ def device_cache_tokens(
         return None
     budget = free * CACHE_MEMORY_FRACTION - pool_temporaries(decoder, shape)
     drafter = decoder.drafter.config if shape.spec.method != "ar" else None
-    slot = slot_bytes(decoder.config, drafter, mesh, decoder.target.model.dtype, decoder.drafter_kv)
+    slot = slot_bytes(
+        decoder.config, drafter, mesh, decoder.target.model.dtype, shape.spec.drafter_kv
+    )
     layout = "striped" if decoder.stripes is not None else "replicated"
     group = mesh.devices.size if decoder.stripes is not None else 1
     held = cache_capacity(budget, slot, mesh.devices.size, layout)["tokens"]

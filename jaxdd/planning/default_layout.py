@@ -57,12 +57,11 @@ def default_layout(
     mesh = mesh_of(target)
     devices = 1 if mesh is None else mesh.size
     hardware = None if mesh is None else hardware_of(mesh.devices.flat[0])
-    drafter_config = None if drafter is None else drafter.config
-    if method == "ar" or drafter_config is None:
-        block = 1
-    block = block or drafter_config.block_size
+    # AR drafts nothing and its pool holds no drafter K/V
+    drafter_config = None if drafter is None or method == "ar" else drafter.config
+    block = 1 if drafter_config is None else block or drafter_config.block_size
     planned = PlannedRound(method, block, budget or block - 1, batch, max_len)
-    needed = batch * max_len
+    needed = planned.needed
     held = dict.fromkeys(LAYOUTS, needed)  # no memory limit known: neither layout is refused
     if devices == 1 or hardware is None:  # nothing to weigh: the plan says why
         return choose_layout(None, {}, held, needed, hardware, devices, planned.name)

@@ -135,7 +135,11 @@ def plan(
     def decoder_in(layout: CacheLayout) -> tuple[SpeculativeDecoder, int]:
         """The decoder whose latent cache is laid out so, and its cache slots per row."""
         decoder = SpeculativeDecoder(
-            Target(models[0]), models[1], form, cache_layout=layout, drafter_kv=o.drafter_kv
+            Target(models[0]),
+            models[1],
+            attention=form,
+            cache_layout=layout,
+            drafter_kv=o.drafter_kv,
         )
         page, devices = paging(decoder.stripes)
         # sized as the runtime sizes a row for requests of up to ``max_len`` tokens
@@ -155,6 +159,7 @@ def plan(
         "budget": o.budget,
         "max_len": o.max_len,
         "cache_slots": slots,
+        "drafter_kv": o.drafter_kv,
         "batch": o.batch,
         "attention": form,
         "dispatch": _dispatch(models[0], tokens * o.batch, devices, o.moe, where),
@@ -205,14 +210,14 @@ def _cache_layouts(
     devices = len(where.devices)
     weights = per_device["target_weights"] + per_device["drafter_weights"]
     free = where.memory - weights - (activations or 0)
-    slot = slot_bytes(config, drafter_config, mesh, drafter_kv=o.drafter_kv)
+    drafted = None if o.method == "ar" else drafter_config  # AR's pool holds no drafter K/V
+    slot = slot_bytes(config, drafted, mesh, drafter_kv=o.drafter_kv)
     capacity = cache_capacities(free, slot, devices)
     hardware = named_hardware(where.name)
     floors = planned.floors(config, model_bytes, devices, o.moe, hardware)
     held = {name: c["tokens"] for name, c in capacity.items()}
-    needed = planned.batch * planned.context
     choice = chosen or choose_layout(
-        o.cache_layout, floors, held, needed, hardware, devices, planned.name
+        o.cache_layout, floors, held, planned.needed, hardware, devices, planned.name
     )
     by_layout = {
         name: traffic_table(
@@ -434,8 +439,9 @@ def _abstract_requests(
 ):
     """A request plan for one round and the decode state it runs on, its latent cache laid
     out as the decoder's, as sharded ShapeDtypeStructs."""
-    layout = (decoder.stripes, jnp.bfloat16, decoder.drafter_kv)
-    state = abstract_state(config, drafter_config, batch, slots, block, mesh, *layout)
+    layout = {"stripes": decoder.stripes, "drafter_kv": decoder.drafter_kv}
+    drafted = None if method == "ar" else drafter_config  # as the runtime: AR holds no drafter K/V
+    state = abstract_state(config, drafted, batch, slots, block, mesh, **layout)
     sampling = Sampling(temperature=1.0) if sampled else GREEDY
     settings = abstract_settings(batch, state.target_cache.pages.shape[-1], sampling)
     spec = decoder.round_spec(

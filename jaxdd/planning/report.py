@@ -26,7 +26,7 @@ def report(result: dict[str, Any]) -> str:
         f"{result['routed_experts']}, "
         f"{result['devices']} x {where['device_kind']} ({where['name']}), MoE {result['moe']}, "
         f"batch {result['batch']}, max length {result['max_len']} ({result['cache_slots']} "
-        f"cache slots)",
+        f"cache slots), the drafter's K/V in {result['drafter_kv']}",
         f"per round and device at {result['max_len']} tokens of context (the floor: bytes "
         f"/ bandwidth + link):",
         format_table(result["traffic"]),

@@ -17,7 +17,7 @@ compute is assumed to hide under it (a floor, not a prediction of overheads).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -39,7 +39,7 @@ from jaxdd.planning.cache_layout import (
     tokens_read,
 )
 from jaxdd.planning.hardware import GPUS, Hardware
-from jaxdd.types import LAYOUTS, CacheLayout, DrafterKV, Method, verified_tokens
+from jaxdd.types import LAYOUTS, CacheLayout, DrafterKV, Method, MoeMode, verified_tokens
 
 # The demo pair's HumanEval tau (CPU, greedy, block
 # 8; benchmarks/README.md): tokens per verify round.
@@ -93,7 +93,7 @@ class ModelBytes:
         cls,
         target: KimiTarget,
         drafter: nnx.Module | None,
-        shard_bytes,
+        shard_bytes: Callable[[Any], int],
         drafter_kv: DrafterKV = "model",
     ) -> ModelBytes:
         """From modules whose parameters are (abstract) arrays (no drafter: none of its bytes);
@@ -202,8 +202,13 @@ class PlannedRound:
     def name(self) -> str:
         return round_name(self.method, self.budget, self.batch)
 
+    @property
+    def needed(self) -> int:
+        """The context tokens its rows hold together."""
+        return self.batch * self.context
+
     def traffic(
-        self, config: KimiConfig, model: ModelBytes, devices: int, moe: str, layout: CacheLayout
+        self, config: KimiConfig, model: ModelBytes, devices: int, moe: MoeMode, layout: CacheLayout
     ) -> dict[str, Any]:
         """Its ``round_traffic`` with the latent cache in ``layout``."""
         block = 1 if self.method == "ar" else self.block
@@ -217,7 +222,7 @@ class PlannedRound:
         config: KimiConfig,
         model: ModelBytes,
         devices: int,
-        moe: str,
+        moe: MoeMode,
         hardware: Hardware | None,
     ) -> dict[str, float]:
         """Its floor (seconds) in each layout on ``hardware``; none without a hardware model."""

@@ -41,6 +41,9 @@ SHARED_MEMORY_PER_BLOCK = {
 }
 
 
+FP8_COMPUTE_CAPABILITY = (8, 9)  # Ada; Triton has no fp8e4nv before it
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """The per-platform choices; frozen and hashable,
@@ -54,6 +57,8 @@ class Backend:
     # CPU: decode's matvecs through jaxdd.runtime.cpu_kernels where it builds (False: XLA's)
     cpu_kernels: bool = True
     devices: int = 1  # how many devices the weights are placed on
+    # GPUs: whether Triton loads 8-bit floats (fp8e4nv: compute capability 8.9 and newer)
+    fp8_kernels: bool = True
 
     # MoE on CPU: tiles from this many tokens, ``skipping``
     # below (where kimi-mini's two dispatches break even).
@@ -79,7 +84,9 @@ class Backend:
         )
         shared = [SHARED_MEMORY_PER_BLOCK.get(c) for c in capabilities]
         memory = min(shared) * 1024 if shared and None not in shared else None
-        return cls(platform, memory, devices=len(set(devices)))
+        known = [tuple(map(int, c.split("."))) for c in capabilities if c]
+        fp8 = all(c >= FP8_COMPUTE_CAPABILITY for c in known)  # unknown: H200's assumed
+        return cls(platform, memory, devices=len(set(devices)), fp8_kernels=fp8)
 
     @classmethod
     def local(cls) -> Backend:

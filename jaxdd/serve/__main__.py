@@ -235,11 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(scheduler, tokenizer, name, stop_ids, chat_template, args.request_timeout,
                     args.api_key, args.access_log)  # fmt: skip
     scheduler.start()  # compiles in its thread while the HTTP side already answers /health with 503
+    drafted = pool.state.draft_cache  # None for AR
     shape = (
         f"{method}, {args.max_batch} rows, a cache of {pool.cache_tokens} tokens in pages of "
-        f"{pool.pages.page}, {layout}, the drafter's K/V in {args.drafter_kv}, "
-        f"prefix cache {args.prefix_cache}, "
-        f"prompt buckets {pool.shape.buckets()}"
+        f"{pool.pages.page}, {layout}, "
+        + (f"the drafter's K/V in {drafted.keys[0].dtype}, " if drafted is not None else "")
+        + f"prefix cache {args.prefix_cache}, prompt buckets {pool.shape.buckets()}"
     )
     try:
         app = create_app(server)

@@ -371,18 +371,20 @@ INTERPRETED = {  # both forms, interpreted
 }
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kernel", INTERPRETED.values(), ids=INTERPRETED)
-def test_a_pool_in_fp8_is_read_as_its_values_widened(kernel):
-    """Pages stored in 8-bit floats (the drafter's K/V with ``drafter_kv="fp8"``) under bf16
-    queries: each form widens every block it reads, so it attends as over the same values in
-    bf16."""
-    args, pages = paged_inputs((2, 9, 4, 64, 16, 16, 10), "bfloat16", 5)
+def test_a_pool_in_fp8_is_read_as_its_values_widened(kernel, dtype):
+    """Pages stored in 8-bit floats (the drafter's K/V with ``drafter_kv="fp8"``) under fp32 or
+    bf16 queries: each form widens every block it reads to the queries' dtype, so it attends
+    as over the same values in that dtype (the probabilities too meet the values in it: in
+    fp8 they would miss fp32's tolerance)."""
+    args, pages = paged_inputs((2, 9, 4, 64, 16, 16, 10), dtype, 5)
     narrow = [x.astype(jnp.float8_e4m3fn) for x in args[2:4]]
-    wide = [x.astype(jnp.bfloat16) for x in narrow]
+    wide = [x.astype(dtype) for x in narrow]
     expected = tree_attention_reference(*args[:2], *wide, *args[4:], 0.125, pages=pages)
     actual = kernel(*args[:2], *narrow, *args[4:], scale=0.125, pages=pages)
     np.testing.assert_allclose(
-        np.asarray(actual), np.asarray(expected), atol=TOLERANCE["bfloat16"], rtol=0
+        np.asarray(actual), np.asarray(expected), atol=TOLERANCE[dtype], rtol=0
     )
 
 
@@ -394,9 +396,7 @@ def test_rows_sharing_a_table_read_their_own_pages(kernel):
     pages = pages[::2]  # 2 tables of 3 pages of a pool of 13 pages x 2 rows each
     assert np.asarray(unfold_pages(pages, 2))[1, 0] == 2 * int(pages[0, 0]) + 1
     pool = [jnp.concatenate([x, x[::-1]]) for x in args[2:4]]
-    expected = tree_attention_reference(
-        *args[:2], *pool, *args[4:], 0.2, pages=unfold_pages(pages, 2)
-    )
+    expected = tree_attention_reference(*args[:2], *pool, *args[4:], 0.2, pages=pages, fold=2)
     actual = kernel(*args[:2], *pool, *args[4:], scale=0.2, pages=pages, fold=2)
     np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=2e-5, rtol=0)
     with pytest.raises(ValueError, match="2 page tables, each for 3 rows, for 4 rows"):

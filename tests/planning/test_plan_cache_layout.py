@@ -39,13 +39,10 @@ CLI = [sys.executable, "-m", "jaxdd.plan", "--config", CONFIGS[0], "--drafter-co
 
 @functools.cache
 def k26_plan(context: int, **options) -> dict:
-    """The full K2.6 + DFlash on 8 x RTX PRO 6000, TP, batch 1: the AR traffic account."""
-    return plan(
-        *CONFIGS,
-        PlanOptions(
-            hardware="rtx-pro-6000", method="ar", max_len=context, compile_round=False, **options
-        ),
-    )
+    """The full K2.6 + DFlash on 8 x RTX PRO 6000, TP, batch 1: the AR traffic account
+    (``options``: another round, or layout)."""
+    asked = {"hardware": "rtx-pro-6000", "method": "ar", "max_len": context} | options
+    return plan(*CONFIGS, PlanOptions(**asked, compile_round=False))
 
 
 def rows(result: dict, layout: CacheLayout) -> dict[str, dict]:
@@ -101,8 +98,10 @@ def test_asked_layout_is_accounted():
 def test_capacity_counts_whole_pages_and_the_drafter_kv_keeps_it_under_8x():
     """The decode state's own bytes per slot: K2.6's latent rows on every device, the drafter's
     K/V split over 8 devices by its 8 KV heads. The pages fit in the memory left after the
-    weights; striped holds more, but less than 8x: the drafter's share is not divided again."""
-    result = k26_plan(131072)
+    weights; striped holds more, but less than 8x: the drafter's share is not divided again.
+    An AR round's pool holds no drafter K/V (the runtime allocates none)."""
+    result = k26_plan(131072, method="dflash")
+    assert k26_plan(131072)["cache_capacity"]["slot_bytes"]["drafter"] == 0
     capacity = result["cache_capacity"]
     config = KimiConfig.from_json_file(CONFIGS[0])
     drafter = DrafterConfig.from_json_file(CONFIGS[1])
@@ -124,7 +123,7 @@ def test_capacity_counts_whole_pages_and_the_drafter_kv_keeps_it_under_8x():
     no_drafter = {"latent": slot["latent"], "drafter": 0}
     full = [cache_capacity(free, no_drafter, 8, layout)["tokens"] for layout in LAYOUTS]
     assert full[0] == pytest.approx(8 * full[1], rel=1e-3)
-    assert result["cache_capacity_tokens"] == capacity["striped"]["tokens"]
+    assert result["cache_capacity_tokens"] == capacity[result["cache_layout"]]["tokens"]
     assert f"({ratio:.2f}x: striping divides the latent rows" in report(result)
 
 
@@ -132,7 +131,8 @@ def test_the_drafter_kv_in_fp8_takes_half_its_bytes_and_striping_passes_7x():
     """``--drafter-kv fp8``: the drafter's K/V takes half its bytes per token, in the capacity and
     in the floor (a DFlash round reads half its context K/V); striped, the pages hold over 7x the
     context tokens of today's replicated rows (the drafter's K/V in bf16)."""
-    today, fp8 = k26_plan(131072), k26_plan(131072, drafter_kv="fp8")
+    today = k26_plan(131072, method="dflash")
+    fp8 = k26_plan(131072, method="dflash", drafter_kv="fp8")
     slot, halved = today["cache_capacity"]["slot_bytes"], fp8["cache_capacity"]["slot_bytes"]
     assert halved == {"latent": slot["latent"], "drafter": slot["drafter"] / 2}
     for layout in LAYOUTS:
@@ -251,7 +251,7 @@ def test_the_striped_round_holds_and_reads_a_device_share_of_the_cache(tiny_plan
 
 def test_the_verdict_follows_the_layout(tiny_plan_configs, monkeypatch):
     """A batch whose replicated latent rows overflow each device's memory but whose striped
-    pages fit: striped holds its eighth of each row (the drafter's K/V as it was) and fits,
+    pages fit: striped holds its eighth of each row (an AR round: no drafter K/V) and fits,
     replicated does not. The default: both hold the batch in the memory after the weights, so
     it compiles the replicated round, whose temporaries leave only striped holding it: it
     compiles the striped round too and reports that one."""
@@ -276,11 +276,7 @@ def test_the_verdict_follows_the_layout(tiny_plan_configs, monkeypatch):
     rows = striped["per_device_bytes"]
     assert rows == tiny_plan(tiny_plan_configs, "striped")["per_device_bytes"]
     assert striped["cache_slots"] == replicated["cache_slots"]  # 5120: whole pages on every device
-    # the drafter's K/V as it was, but for a null page in each device's share of the pool
-    table = 4 * 4 + 4 * 4 * replicated["cache_slots"] // PAGE_TOKENS
-    pool = pool_pages(4 * replicated["cache_slots"], PAGE_TOKENS)
-    per_page = (per_device["drafter_cache"] - table) / pool
-    assert rows["drafter_cache"] - per_device["drafter_cache"] == 7 * per_page
+    assert rows["drafter_cache"] == per_device["drafter_cache"] == 0  # as the runtime's AR
     assert rows["total"] == sum(v for k, v in rows.items() if k != "total") <= memory
     assert striped["fits"] and "\nfits cpu" in report(striped)
     assert "(striped over 8 devices: one page in 8 on each)" in report(striped)

@@ -163,6 +163,7 @@ def test_the_kernel_form_over_fp8_drafter_kv_gives_the_same_tokens(checkpoints, 
     cache striped: the target's tokens (the drafts may change, the tokens may not)."""
     dec = decoder(checkpoints, 8, cache_layout="striped", attention="pallas", drafter_kv="fp8")
     dec.stripes = Stripes(dec.mesh, PAGE)
+    assert dec.start([PROMPT], max_new_tokens=8)[1].draft_cache.keys[0].dtype == jnp.float8_e4m3fn
     names = ["dflash", "ddtree"]  # greedy: sampled tokens follow the drafts they were offered
     tokens = {name: result[0] for name, result in generate(dec, names).items()}
     assert tokens == {name: one_device[name][0] for name in names}

@@ -52,7 +52,7 @@ def test_short_requests_beside_a_long_one_and_one_waiting_for_pages(server, refe
     # the start-up line names the pool, the layout chosen (one device: replicated) and the
     # drafter's K/V
     line = f"a cache of {POOL * PAGE} tokens in pages of {PAGE}, replicated, "
-    line += "the drafter's K/V in fp8"
+    line += "the drafter's K/V in float8_e4m3fn"
     assert line in server.log.read_text()
     rng = np.random.default_rng(31)
     long = {"prompt": rng.integers(1, 4096, 12).tolist(), "max_tokens": MAX_LEN - 12}
