@@ -110,9 +110,10 @@ class _Account:
         for k, v in other.weights.items():
             self.weights[k] += v
         for target, call in other.custom_calls.items():
-            mine = self.custom_calls.setdefault(target, {**call, "count": 0, "bytes": 0.0})
-            mine["count"] += call["count"]
-            mine["bytes"] += call["bytes"]
+            mine = self.custom_calls.setdefault(target, {"counted": call["counted"]})
+            for key in ("count", "bytes", "on_chip"):
+                if key in call:
+                    mine[key] = mine.get(key, 0) + call[key]
         self.loops += other.loops
         self.conditionals += other.conditionals
         self.collective_bytes += other.collective_bytes
@@ -159,7 +160,8 @@ def compiled_traffic(compiled: Any, names: Mapping[str, str] | None = None) -> d
         ],
         "collective_bytes": round(account.collective_bytes),
         "custom_calls": {
-            t: c | {"bytes": round(c["bytes"])} for t, c in sorted(account.custom_calls.items())
+            t: c | {k: round(c[k]) for k in ("bytes", "on_chip") if k in c}
+            for t, c in sorted(account.custom_calls.items())
         },
         "loops": account.loops,
         "conditionals": account.conditionals,
@@ -392,8 +394,8 @@ def _custom_call(
     account: _Account, ins: Instruction, everything, output: float, prefetched: float = 0.0
 ):
     """A custom call's bytes: what it declares (a Pallas kernel's CostEstimate) less what it
-    reads of operands already on chip (``prefetched``: their copy-start counted the HBM read),
-    else its operands and output."""
+    reads of operands already on chip (``prefetched``: a copy-start counted their HBM read, or
+    XLA computed them there; listed as ``on_chip``), else its operands and output."""
     target = ins.attribute("custom_call_target") or "?"
     declared = _DECLARED.search(ins.backend_config)
     call = account.custom_calls.setdefault(target, {"count": 0, "bytes": 0.0, "counted": ""})
@@ -402,6 +404,7 @@ def _custom_call(
         call["counted"] = "declared"
         moved = max(0.0, float(declared.group(1)) - prefetched)
         call["bytes"] += moved
+        call["on_chip"] = call.get("on_chip", 0.0) + float(declared.group(1)) - moved
         return [], moved
     call["counted"] = "defaulted"
     call["bytes"] += sum(m for _, m in everything) + output

@@ -209,7 +209,8 @@ def test_a_kernel_reading_a_pool_prefetched_on_chip_counts_the_prefetch_once():
     operand, passed twice) are what it moves besides: the pool counts once, not twice."""
     pool, queries = 161 * 64 * 512 * 2, 32 * 512 * 4
     account = jaxdd.compiled_traffic(PREFETCHED.replace("DECLARED", str(pool + 2 * queries)))
-    assert account["custom_calls"]["tpu_custom_call"]["bytes"] == 2 * queries
+    call = account["custom_calls"]["tpu_custom_call"]
+    assert (call["bytes"], call["on_chip"]) == (2 * queries, pool)
     assert account["bytes"] == pool + 2 * queries
 
 
