@@ -4,9 +4,16 @@ prefix that later requests may reuse.
 A pool of ``pool_pages`` pages is split into ``devices`` equal shares (one share when the cache
 is not striped); the first page of each share is that share's null page, which no request holds:
 a row's table names it where the row holds no page, so a write there lands nowhere that is read.
-A row's page j comes from share ``j % devices`` (``jaxdd.cache.stripes`` reads it there). A
-request takes the pages its tokens can reach when it is admitted and gives them back when it
-ends: admission waits for free pages, not for free rows.
+A row's page j comes from share ``j % devices`` (``jaxdd.cache.stripes`` reads it there).
+
+A request takes pages as it grows, up to a limit (those its prompt and ``max_new_tokens`` can
+reach), and gives them back when it ends. Requests together may be promised more pages than the
+pool holds, as long as every one of them can still end: a request is admitted, and a row grows,
+only if the rows can then all end in some order, each taking the rest of its limit from what is
+free once those before it gave theirs back (Dijkstra's banker's algorithm). A row that may not
+grow waits a round (``jaxdd.decoding.rows``); some row can always grow, so none waits forever.
+Nothing is preempted: a row's cache never leaves its pages, so its tokens are those it gives
+alone.
 
 With a prefix cache, a full page of committed tokens (the target's latent rows and the drafter's
 context K/V of the same positions, one page id for both) stays behind when its request ends,
@@ -44,6 +51,22 @@ def pool_pages(tokens: int, page: int = PAGE_TOKENS, devices: int = 1) -> int:
     """The pages of a pool that holds ``tokens`` tokens of requests, its null pages included:
     as many on every device."""
     return (-(-pages_for(tokens, page) // devices) + 1) * devices
+
+
+def can_all_end(available: np.ndarray, needs: np.ndarray, returns: np.ndarray) -> bool:
+    """Whether rows needing ``needs`` [rows, shares] more pages, each giving back ``returns``
+    [rows, shares] when it ends, can all end in some order from ``available`` [shares] pages:
+    any row whose need is available ends first (it only adds to what is available)."""
+    if (needs.sum(0) <= available).all():
+        return True  # in any order
+    available, ended = available.copy(), np.zeros(len(needs), bool)
+    while not ended.all():
+        ready = ~ended & (needs <= available).all(1)
+        if not ready.any():
+            return False
+        available += returns[ready].sum(0)
+        ended |= ready
+    return True
 
 
 class PrefixIndex:
@@ -136,6 +159,7 @@ class PageTable:
             list(range((d + 1) * self.share - 1, d * self.share, -1)) for d in range(devices)
         ]
         self._held: dict[int, int] = {}  # row -> pages it holds
+        self._limit: dict[int, int] = {}  # row -> pages it may grow to
         self._refs = np.zeros((pool_pages,), np.int32)  # rows holding each page
         # each share's cached pages no row holds, the least recently used first
         self._cached = [collections.OrderedDict() for _ in range(devices)]
@@ -160,9 +184,30 @@ class PageTable:
         """Pages some row holds (a shared page once)."""
         return int(np.count_nonzero(self._refs))
 
-    def _needs(self, pages: int) -> list[int]:
-        """Pages of each share that a row of ``pages`` pages takes."""
-        return [len(range(d, pages, self.devices)) for d in range(self.devices)]
+    def _shares(self, start, end) -> np.ndarray:
+        """[..., shares]: how many of a row's pages ``start`` .. ``end`` - 1 (ints, or arrays
+        [..., 1]) each share deals: page j is share j % devices's."""
+        before = lambda n: np.maximum(-(-(n - np.arange(self.devices)) // self.devices), 0)
+        return before(np.maximum(end, start)) - before(start)
+
+    def _of_shares(self, pages: np.ndarray) -> np.ndarray:
+        """[shares]: how many of the page ids ``pages`` each share holds."""
+        return np.bincount(pages // self.share, minlength=self.devices)
+
+    def _available(self) -> np.ndarray:
+        """[shares]: pages a row may take, free or cached (a cached one is evicted)."""
+        return np.array([len(f) + len(c) for f, c in zip(self._free, self._cached, strict=True)])
+
+    def _ledger(self, rows: list[int], refs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[rows, shares] each of ``rows``'s need (its pages to come, up to its limit) and what it
+        gives back when it ends (the pages no other row holds, under ``refs``)."""
+        held = np.array([self._held[row] for row in rows], np.int64).reshape(-1, 1)
+        limit = np.array([self._limit[row] for row in rows], np.int64).reshape(-1, 1)
+        table = self.table[rows]
+        alone = (refs[table] == 1) & (np.arange(self.row_pages) < held)
+        share = table // self.share
+        returns = [(alone & (share == d)).sum(1) for d in range(self.devices)]
+        return self._shares(held, limit), np.stack(returns, axis=1)
 
     def hits(self, prompt: Sequence[int] | None) -> list[int]:
         """The cached pages a request with ``prompt`` starts with (None: it uses none); never its
@@ -176,57 +221,103 @@ class PageTable:
         reaches: list[int],
         release: tuple[int, ...] = (),
         prompts: list[Sequence[int] | None] | None = None,
+        starts: list[int] | None = None,
     ) -> int:
-        """How many requests reaching ``reaches`` slots (with ``prompts``, their cache hits
-        counted), in order, find their pages once the rows ``release`` hold theirs no more.
-        A cached page no row holds costs one page, whether a request reuses it or evicts it
-        for a new one, so the count holds whichever pages the takes evict."""
+        """How many requests that may reach ``reaches`` slots and take ``starts`` (default: all
+        of them) now (with ``prompts``, their cache hits counted), in order, can be admitted
+        once the rows ``release`` hold theirs no more: each finds its pages now, and every row
+        can still end. A cached page no row holds costs one page, whether a request reuses it or
+        evicts it for a new one, so the count holds whichever pages the takes evict."""
         prompts = prompts or [None] * len(reaches)
-        available = [len(f) + len(c) for f, c in zip(self._free, self._cached, strict=True)]
-        refs: dict[int, int] = {}
+        starts = starts or reaches
+        refs, available = self._refs.copy(), self._available()
         for row in set(release):
-            for page in self.table[row, : self._held.get(row, 0)].tolist():
-                refs[page] = refs.get(page, self._refs[page]) - 1
-                available[page // self.share] += refs[page] == 0
-        for count, (tokens, prompt) in enumerate(zip(reaches, prompts, strict=True)):
-            pages = pages_for(tokens, self.page)
-            if pages > self.row_pages:
+            ids = self.table[row, : self._held.get(row, 0)]
+            refs[ids] -= 1
+            available += self._of_shares(ids[refs[ids] == 0])
+        rows = [row for row in self._held if row not in release]
+        needs, returns = self._ledger(rows, refs)
+        admitted: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # hits, new pages, need
+        for count, (reach, start, prompt) in enumerate(zip(reaches, starts, prompts, strict=True)):
+            limit, pages = pages_for(reach, self.page), pages_for(min(start, reach), self.page)
+            if limit > self.row_pages:
                 return count
-            hits = self.hits(prompt)
-            cost = self._needs(pages)
-            for page in hits:
-                cost[page // self.share] -= refs.get(page, self._refs[page]) > 0
-            if any(c > a for c, a in zip(cost, available, strict=True)):
+            hits = np.asarray(self.hits(prompt)[:pages], np.int64)
+            cost = self._shares(0, pages) - self._of_shares(hits[refs[hits] > 0])
+            if (cost > available).any():
                 return count
-            available = [a - c for a, c in zip(available, cost, strict=True)]
-            for page in hits:
-                refs[page] = refs.get(page, self._refs[page]) + 1
+            refs[hits] += 1
+            if (refs[hits] > 1).any():  # a page a row holds is now shared: not its to give back
+                needs, returns = self._ledger(rows, refs)
+            admitted.append((hits, self._shares(len(hits), pages), self._shares(pages, limit)))
+            gives = [self._of_shares(ids[refs[ids] == 1]) + new for ids, new, _ in admitted]
+            all_needs = np.concatenate([needs, [need for _, _, need in admitted]])
+            if not can_all_end(available - cost, all_needs, np.concatenate([returns, gives])):
+                return count
+            available = available - cost
         return len(reaches)
 
-    def fits(self, tokens: int, prompt: Sequence[int] | None = None) -> bool:
-        """Whether a request reaching ``tokens`` slots finds its pages free now."""
-        return self.admissible([tokens], prompts=[prompt]) == 1
+    def fits(self, tokens: int, prompt: Sequence[int] | None = None, limit: int | None = None):
+        """Whether a request that takes ``tokens`` slots now and may reach ``limit`` (default:
+        ``tokens``) is admitted now."""
+        return self.admissible([limit or tokens], prompts=[prompt], starts=[tokens]) == 1
 
-    def take(self, row: int, tokens: int, prompt: Sequence[int] | None = None) -> int:
+    def take(
+        self, row: int, tokens: int, prompt: Sequence[int] | None = None, limit: int | None = None
+    ) -> int:
         """Row ``row`` (holding nothing) takes the pages of its first ``tokens`` slots, those
-        its ``prompt`` starts with from the cache: the tokens it found cached."""
-        if row in self._held or not self.fits(tokens, prompt):
+        its ``prompt`` starts with from the cache, and may grow to ``limit`` slots (default:
+        ``tokens``): the tokens it found cached."""
+        if row in self._held or not self.fits(tokens, prompt, limit):
             raise InputError.at("cache_tokens", f"no {pages_for(tokens, self.page)} free pages")
         hits = self.hits(prompt)
-        for j in range(pages_for(tokens, self.page)):
-            share = j % self.devices
-            if j < len(hits):
-                page = hits[j]
-                self._cached[share].pop(page, None)
-            elif self._free[share]:
+        self._held[row] = 0
+        self._limit[row] = pages_for(limit or tokens, self.page)
+        for page in hits[: pages_for(tokens, self.page)]:
+            self._cached[self._held[row] % self.devices].pop(page, None)
+            self._hold(row, page)
+        self._grow(row, pages_for(tokens, self.page))
+        return len(hits) * self.page
+
+    def grow(self, wants: dict[int, int]) -> list[int]:
+        """Each row of ``wants`` (row -> slots), in order, holds the pages of its first slots (up
+        to its limit) if taking them leaves every row able to end: the rows that may not (they
+        hold no more, and wait)."""
+        rows = list(self._held)
+        needs, returns = self._ledger(rows, self._refs)
+        available, waiting = self._available(), []
+        for row, tokens in wants.items():
+            held, pages = self._held[row], min(pages_for(tokens, self.page), self._limit[row])
+            if pages <= held:
+                continue
+            cost, i = self._shares(held, pages), rows.index(row)
+            needs[i] -= cost
+            returns[i] += cost
+            if (cost <= available).all() and can_all_end(available - cost, needs, returns):
+                available = available - cost
+                self._grow(row, pages)
+            else:
+                needs[i] += cost
+                returns[i] -= cost
+                waiting.append(row)
+        return waiting
+
+    def _grow(self, row: int, pages: int) -> None:
+        """Row ``row`` takes new pages until it holds ``pages`` (a cached one when its share has
+        no free one left: the least recently used)."""
+        while self._held[row] < pages:
+            share = self._held[row] % self.devices
+            if self._free[share]:
                 page = self._free[share].pop()
             else:
                 page, _ = self._cached[share].popitem(last=False)
                 self.prefix.drop(page)
-            self.table[row, j] = page
-            self._refs[page] += 1
-        self._held[row] = pages_for(tokens, self.page)
-        return len(hits) * self.page
+            self._hold(row, page)
+
+    def _hold(self, row: int, page: int) -> None:
+        self.table[row, self._held[row]] = page
+        self._refs[page] += 1
+        self._held[row] += 1
 
     def insert(self, row: int, tokens: Sequence[int]) -> None:
         """Cache row ``row``'s full pages of ``tokens``, its committed tokens (both caches hold
@@ -238,6 +329,7 @@ class PageTable:
     def release(self, row: int) -> None:
         """Row ``row``'s pages free again, or cached (a no-op if it holds none)."""
         pages = self._held.pop(row, 0)
+        self._limit.pop(row, None)
         for j in reversed(range(pages)):  # a prefix's later pages are evicted before it
             page = int(self.table[row, j])
             self._refs[page] -= 1

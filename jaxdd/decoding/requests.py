@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxdd.cache.stripes import paging
 from jaxdd.config import KimiConfig
 from jaxdd.decoding.report import RoundTrace, TokenLogprob
-from jaxdd.decoding.rounds import ModelPair, RoundSpec
-from jaxdd.decoding.sampling import GREEDY, Sampling
+from jaxdd.decoding.rounds import DecodeState, ModelPair, RoundSpec, state_shardings
+from jaxdd.decoding.sampling import GREEDY, Sampling, seed_keys
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.runtime.buckets import prompt_bucket
 from jaxdd.types import Method, verified_tokens
@@ -81,6 +83,29 @@ class RowShape:
     def reach(self, request: RowRequest) -> int:
         """The slots ``request``'s row can write: its tokens and a round's past the last."""
         return min(len(request.prompt) + request.max_new_tokens + self.round_tokens, self.slots)
+
+    def start(self, request: RowRequest) -> int:
+        """The slots ``request``'s row takes when admitted: its prompt and its first round's."""
+        return min(len(request.prompt) + self.round_tokens, self.reach(request))
+
+    def state_maker(self, decoder: Decoder) -> Callable[[], DecodeState]:
+        """A jitted call making this shape's decode state, every row done (nothing to decode)
+        until a request is inserted, straight into its shardings (no device holds more than its
+        share of the pool, even for a moment): compiled once per pool, a reset runs it again."""
+        spec = self.spec
+        drafter = None if spec.method == "ar" else decoder.drafter.config
+        sizes = (self.rows, self.row_pages, self.pool_pages, spec.block)
+        dtype = decoder.target.model.dtype
+        layout = {"stripes": spec.stripes, "drafter_kv": spec.drafter_kv}
+
+        def empty() -> DecodeState:
+            keys = seed_keys(jnp.zeros((self.rows,), jnp.uint32))
+            state = DecodeState.empty(decoder.config, drafter, *sizes, dtype, keys, **layout)
+            return state.replace(done=jnp.ones((self.rows,), bool))
+
+        mesh = decoder.mesh
+        placed = None if mesh is None else state_shardings(jax.eval_shape(empty), mesh)
+        return jax.jit(empty, out_shardings=placed)
 
     def buckets(self) -> list[int]:
         """The lengths a prompt (or the rest of one after a hit) is padded to."""

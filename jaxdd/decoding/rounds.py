@@ -114,6 +114,9 @@ class RowSettings:
     # [rows, row_pages] int32: the pages each row holds (``jaxdd.cache.pages``), read by both
     # caches; the host's tables, so a row given back reaches no page from the next round on
     pages: jax.Array
+    # [rows] bool: rows that wait this round for pages (their state as before it, random
+    # stream and drafter context included, so they decode on as if the round had not run)
+    paused: jax.Array
 
 
 @struct.dataclass
@@ -448,20 +451,24 @@ def _commit(
     draft_topk: jax.Array | None = None,
     tree: tuple[jax.Array, jax.Array] | None = None,
 ):
-    """Keep ``produced`` tokens per row (rows already done keep everything as
+    """Keep ``produced`` tokens per row (rows already done or paused keep everything as
     it was) and report (with ``scores``, the emitted tokens' logprobs)."""
-    start = state.target_cache.length
+    start, paused = state.target_cache.length, settings.paused
     produced, stopped, done = limit_round(
-        emitted, accepted, settings.max_length, start, settings.stop_ids, state.done
+        emitted, accepted, settings.max_length, start, settings.stop_ids, state.done | paused
     )
     last = jnp.take_along_axis(emitted, jnp.maximum(produced - 1, 0)[:, None], axis=1)[:, 0]
+    if context is not None:  # a paused row's context is cached again by the round it runs in
+        context = jnp.where(paused[:, None, None], state.context, context)
+        kept = jnp.where(paused, state.draft_cache.length, draft_cache.length)
+        draft_cache = draft_cache.replace(length=kept)
     new_state = DecodeState(
         target_cache=cache.commit(produced),
         bonus=jnp.where(produced > 0, last, state.bonus),
-        done=done,
-        rng=rng,
+        done=jnp.where(paused, state.done, done),
+        rng=jnp.where(paused[:, None], state.rng, rng),
         draft_cache=draft_cache,
         context=context,
-        context_count=None if context is None else produced,
+        context_count=None if context is None else jnp.where(paused, state.context_count, produced),
     )
     return new_state, RoundReport.encode(emitted, produced, stopped, draft_topk, tree, scores)

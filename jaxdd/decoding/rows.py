@@ -5,8 +5,10 @@ server admits requests one by one between rounds; a batch is admitted all at onc
 (one prefill for every row, ``admit_all``) and stepped until every row is done.
 
 Every shape is fixed when the pool is made (``RowShape``): ``rows`` rows, one page table size for
-all (from ``max_len``) over a pool of ``cache_tokens`` in pages (a request holds those its prompt
-and ``max_new_tokens`` reach, and waits for them: ``admissible``), one prefill per prompt bucket up
+all (from ``max_len``) over a pool of ``cache_tokens`` in pages (a request takes its prompt's and
+a round's when admitted, the next ones a round can write as it grows, up to those its
+``max_new_tokens`` reach; it is admitted, and grows, while every request can still end, or waits:
+``admissible``, ``jaxdd.cache.pages``), one prefill per prompt bucket up
 to ``max_prompt`` (with ``max_logprobs`` > 0, a scoring one too, for requests that ask for their
 prompt's logprobs), and two rounds per tier: the sampled round, whose greedy rows still decode
 greedily (their distributions are one-hot), and the cheaper greedy round, run while every active row
@@ -37,7 +39,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxdd.cache import RowTable
@@ -53,9 +54,8 @@ from jaxdd.decoding.rounds import (
     RowSettings,
     decode_round,
     front_round,
-    state_shardings,
 )
-from jaxdd.decoding.sampling import GREEDY, SamplingArrays, seed_keys
+from jaxdd.decoding.sampling import GREEDY, SamplingArrays
 from jaxdd.errors import InputError
 from jaxdd.runtime.buckets import prompt_bucket
 from jaxdd.types import Method
@@ -143,6 +143,8 @@ class RowPool:
         self._max_length = np.full((self.rows,), 2, np.int32)
         self._stop_ids = np.full((self.rows, MAX_STOP_TOKENS), -1, np.int32)
         self._sampling = [GREEDY] * self.rows
+        self._paused = np.zeros((self.rows,), bool)  # rows waiting this round for pages
+        self.paused_rounds = 0  # rounds a row waited for pages, over every row
         self.settings: RowSettings | None = None  # the device copy, made when a round needs it
         self.state: DecodeState | None = None
         self._make_state: Callable[[], DecodeState] | None = None
@@ -270,10 +272,11 @@ class RowPool:
         scored = len(request.prompt) if request.score_prompt else 0
         entry = _Row(request.max_new_tokens, owner, 0, request.logprobs, scored, request)
         reach, prompt = self.shape.reach(request), self._cacheable(request)
-        if not self.pages.fits(reach, prompt):
+        start = self.shape.start(request)
+        if not self.pages.fits(start, prompt, reach):
             raise InputError.at("cache_tokens", "no free pages: admit what admissible() allows")
         row = self.table.take(entry)
-        entry.cached = self.pages.take(row, reach, prompt)
+        entry.cached = self.pages.take(row, start, prompt, reach)
         rest = len(request.prompt) - entry.cached
         entry.chunked = prompt is not None and rest > (self.prefill_chunk or rest)
         stops = np.full((MAX_STOP_TOKENS,), -1, np.int32)
@@ -326,7 +329,8 @@ class RowPool:
         rows = len(self.free_rows()) + len(set(release) & busy)
         reaches = [self.shape.reach(r) for r in requests[:rows]]
         prompts = [self._cacheable(r) for r in requests[:rows]]
-        return self.pages.admissible(reaches, release, prompts)
+        starts = [self.shape.start(r) for r in requests[:rows]]
+        return self.pages.admissible(reaches, release, prompts, starts)
 
     def reset(self) -> None:
         """Every row free in a fresh state, nothing in flight: after a fault,
@@ -364,9 +368,24 @@ class RowPool:
         for row, entry in self.table.items():
             if entry.next is not None:
                 self._prefill_next(row, entry)
+        self._grow()
         sampled = any(not self._sampling[row].greedy for row, _ in self.table.items())
         tier = next(t for t in self.tiers if t > self.table.highest())
         self._run_round(self.spec if sampled else self.greedy_spec, tier)
+
+    def _grow(self) -> None:
+        """Each decoding row takes the pages this round can write (past its length once the rounds
+        in flight are in), oldest first, or waits this round if taking them could leave some row
+        unable to end (``PageTable.grow``): it runs paused, its state untouched."""
+        ahead = len(self._in_flight) * self.width + self.shape.round_tokens
+        length = lambda e: len(e.request.prompt) + max(e.produced - 1, 0)  # committed, known
+        wants = {row: length(e) + ahead for row, e in self.table.items() if e.next is None}
+        paused, held = np.zeros_like(self._paused), self.pages.held
+        paused[self.pages.grow(wants)] = True
+        if self.pages.held != held or (paused != self._paused).any():
+            self.settings = None  # the new tables and pauses reach the device with this round
+        self._paused = paused
+        self.paused_rounds += int(paused.sum())
 
     def _run_round(self, spec: RoundSpec, tier: int) -> None:
         if self.settings is None:
@@ -376,7 +395,8 @@ class RowPool:
         else:
             self.state, report = front_round(spec, self.models, self.state, self.settings, tier)
         trace = spec.trace if spec.method != "ar" else 0
-        holders = [(row, row, e) for row, e in self.table.items() if e.next is None]
+        running = [(row, e) for row, e in self.table.items() if not self._paused[row]]
+        holders = [(row, row, e) for row, e in running if e.next is None]
         own = _Report(report, trace, spec.top_logprobs, 0, holders)
         self._in_flight.append([*self._prefilled, own])
         self._prefilled = []
@@ -448,28 +468,13 @@ class RowPool:
     def _host_settings(self, rows: slice = slice(None)) -> RowSettings:
         """The per-row settings of ``rows`` as host arrays."""
         sampling = SamplingArrays.of(self._sampling[rows])
-        pages = self.pages.table[rows].copy()
-        return RowSettings(self._max_length[rows], self._stop_ids[rows], sampling, pages)
+        pages, paused = self.pages.table[rows].copy(), self._paused[rows].copy()
+        return RowSettings(self._max_length[rows], self._stop_ids[rows], sampling, pages, paused)
 
     def _empty_state(self) -> DecodeState:
-        """Every row done (nothing to decode) until a request is inserted, made in one jitted
-        call straight into its shardings (no device holds more than its share of the pool, even
-        for a moment), compiled once per pool: a reset runs it again."""
+        """Every row done until a request is inserted (``RowShape.state_maker``)."""
         if self._make_state is None:
-            drafter = None if self.spec.method == "ar" else self.decoder.drafter.config
-            sizes = (self.rows, self.shape.row_pages, self.shape.pool_pages, self.spec.block)
-            dtype = self.decoder.target.model.dtype
-            layout = {"stripes": self.spec.stripes, "drafter_kv": self.spec.drafter_kv}
-
-            def empty() -> DecodeState:
-                keys = seed_keys(jnp.zeros((self.rows,), jnp.uint32))
-                config = self.decoder.config
-                state = DecodeState.empty(config, drafter, *sizes, dtype, keys, **layout)
-                return state.replace(done=jnp.ones((self.rows,), bool))
-
-            mesh = self.decoder.mesh
-            placed = None if mesh is None else state_shardings(jax.eval_shape(empty), mesh)
-            self._make_state = jax.jit(empty, out_shardings=placed)
+            self._make_state = self.shape.state_maker(self.decoder)
         return self._make_state()
 
     def warm_up(self) -> None:

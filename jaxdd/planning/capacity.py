@@ -67,7 +67,10 @@ def abstract_settings(rows: int, row_pages: int, sampling: Sampling = GREEDY) ->
     """``rows`` rows' settings for a round or a prefill, all sampled so, as ShapeDtypeStructs."""
     ints = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)
     sampled = jax.eval_shape(lambda: SamplingArrays.of([sampling] * rows))
-    return RowSettings(ints(rows), ints(rows, MAX_STOP_TOKENS), sampled, ints(rows, row_pages))
+    paused = jax.ShapeDtypeStruct((rows,), jnp.bool_)
+    return RowSettings(
+        ints(rows), ints(rows, MAX_STOP_TOKENS), sampled, ints(rows, row_pages), paused
+    )
 
 
 def shard_bytes(x: jax.ShapeDtypeStruct) -> int:

@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--cache-tokens",
         type=positive,
-        help="context tokens the pool of cache pages holds for all requests; a request holds "
-        "the pages its prompt and max_tokens reach, and waits while they are taken (default: "
+        help="context tokens the pool of cache pages holds for all requests; a request takes "
+        "pages as it grows, up to those its prompt and max_tokens reach, and waits (to start, "
+        "or a round) while taking them could leave a request unable to end (default: "
         "on GPUs and TPUs, what 90%% of the memory the weights leave holds after the pool's "
         "compiled temporaries; on CPU, every row at --max-len)",
     )

@@ -74,6 +74,11 @@ class Metrics:
         self.cache_usage = Gauge(
             name("kv_cache_usage_perc"), "Fraction of the cache's pages held", registry=registry
         )
+        self.paused = Counter(
+            name("rows_paused"),
+            "Rounds a request's row ran paused, waiting for cache pages",
+            registry=registry,
+        )
         self.pages = PageCounts()
         registry.register(self.pages)
         self.generation_tokens = Counter(

@@ -320,7 +320,9 @@ class Scheduler:
         tokens while it runs (at most two in flight); rows that need no round (prompts scored
         alone) get their prefill's report without one."""
         if self.pool.needs_round():
+            paused = self.pool.paused_rounds
             self.pool.dispatch()
+            self.metrics.paused.inc(self.pool.paused_rounds - paused)
             if self.pool.in_flight < 2:
                 return
         updates = self.pool.collect()

@@ -1,8 +1,11 @@
 """The paged cache: the host's page tables (every page held once, dealt over the devices'
-shares, given back whole) and the device's reads and writes through them, which must equal
-those of a row's own buffer."""
+shares, given back whole; rows that grow a page at a time all end, however many the pool was
+promised) and the device's reads and writes through them, which must equal those of a row's own
+buffer."""
 
 from __future__ import annotations
+
+import itertools
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxdd.cache.layout import CacheView, write_rows
-from jaxdd.cache.pages import PageTable, null_table, pages_for, pool_pages
+from jaxdd.cache.pages import PageTable, can_all_end, null_table, pages_for, pool_pages
 from jaxdd.errors import InputError
 from jaxdd.testing.profiles import examples
 
@@ -65,6 +68,95 @@ def test_admission_counts_the_pages_released_rows_give_back():
     assert pages.admissible([128, 192], release=(0,)) == 2
     pages.clear()
     assert pages.admissible([4 * 64]) == 1 and pages.admissible([5 * 64]) == 0  # past a row
+
+
+def ends_in_some_order(available, needs, returns) -> bool:
+    """Whether some order of the rows has each one's need available when its turn comes."""
+    for order in itertools.permutations(range(len(needs))):
+        left = np.array(available)
+        for row in order:
+            if (needs[row] > left).any():
+                break
+            left = left + returns[row]
+        else:
+            return True
+    return False
+
+
+@given(
+    shares=st.integers(1, 3),
+    rows=st.integers(0, 5),
+    data=st.data(),
+)
+@settings(max_examples=examples(200), deadline=None)
+def test_rows_can_all_end_exactly_when_some_order_ends_them(shares, rows, data):
+    ints = lambda n: np.array(data.draw(st.lists(st.integers(0, 4), min_size=n, max_size=n)))
+    available = ints(shares)
+    needs = ints(rows * shares).reshape(rows, shares)
+    returns = ints(rows * shares).reshape(rows, shares)
+    want = ends_in_some_order(available, needs, returns)
+    assert can_all_end(available, needs, returns) == want
+
+
+def test_a_row_waits_for_a_page_that_could_leave_every_row_unable_to_end():
+    pages = PageTable(2, 3, pool_pages(4 * 4, 4), page=4)  # 4 pages
+    pages.take(0, 4, limit=12)  # a page now, up to 3
+    pages.take(1, 4, limit=12)
+    # row 0 can still end with the page it takes (it needs 1 more); then neither could with row
+    # 1's, nor with a new request's that needs one more
+    assert pages.grow({0: 8, 1: 8}) == [1] and pages.free == 1
+    assert pages.fits(4) and not pages.fits(4, limit=8)  # one that needs none may take it
+    assert pages.grow({1: 100, 0: 100}) == [1] and pages.free == 0  # up to its limit, not past
+    pages.release(0)
+    assert pages.grow({1: 12}) == [] and pages.free == 1
+
+
+@given(
+    devices=st.sampled_from([1, 2, 8]),
+    extra=st.integers(1, 24),
+    requests=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 60)), min_size=1, max_size=20),
+    steps=st.lists(st.integers(1, 3), min_size=200, max_size=200),
+)
+@settings(max_examples=examples(60), deadline=None)
+def test_rows_growing_a_few_pages_a_step_all_end(devices, extra, requests, steps):
+    """Requests (a start and more, in slots) are admitted in order while admission allows, and
+    every step each busy row asks for a few pages more until it holds its limit, then ends: in
+    every step some row grows or ends, so all of them end, however far the admitted requests'
+    limits overrun the pool."""
+    rows, page = 6, 4
+    row_pages = -(-100 // (page * devices)) * devices
+    pages = PageTable(
+        rows, row_pages, pool_pages(extra * devices * page, page, devices), devices, page
+    )
+    limits = {}
+    most = extra * devices * page  # a request the pool holds alone
+    waiting = [(min(start, most), min(start + more, most)) for start, more in requests]
+    for step in steps:
+        while (
+            waiting
+            and len(limits) < rows
+            and pages.admissible([waiting[0][1]], starts=[waiting[0][0]])
+        ):
+            start, reach = waiting.pop(0)
+            row = min(set(range(rows)) - set(limits))
+            pages.take(row, start, limit=reach)
+            limits[row] = pages_for(reach, page)
+        ended = [row for row, limit in limits.items() if pages._held[row] == limit]
+        for row in ended:
+            pages.release(row)
+            del limits[row]
+        held = {row: pages._held[row] for row in limits}
+        paused = pages.grow({row: (held[row] + step) * page for row in limits})
+        for row, limit in limits.items():
+            assert pages._held[row] == (
+                held[row] if row in paused else min(held[row] + step, limit)
+            )
+        check_invariants(pages)
+        assert ended or len(paused) < len(limits) or not limits  # some row ends or grows
+        if not waiting and not limits:
+            break
+    assert not waiting and not limits, "200 steps end every request"
+    assert pages.free == pages.usable
 
 
 @pytest.mark.parametrize("axis", [1, 2])

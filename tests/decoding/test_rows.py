@@ -58,6 +58,53 @@ def test_interleaved_ddtree_rows_equal_their_runs_alone(decoder):
         assert outputs[i] == alone.tokens, i
 
 
+def row_state(state, row: int) -> list[np.ndarray]:
+    """Row ``row``'s part of a decode state (but the pools' pages)."""
+    parts = [state.target_cache.length, state.bonus, state.done, state.rng]
+    if state.draft_cache is not None:
+        parts += [state.context, state.context_count, state.draft_cache.length]
+    return [np.asarray(part[row]) for part in parts]
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+def test_a_row_paused_for_pages_decodes_as_if_the_rounds_had_not_run(decoder, method):
+    """A row that waits for pages runs paused: every per-row part of its state (length, bonus,
+    random stream, drafter context and its cached length) is what it was, and both sampled rows
+    decode to what they give alone."""
+    rng = np.random.default_rng(6)
+    options = {"method": method, "budget": 8} if method == "ddtree" else {"method": method}
+    pool = RowPool(decoder, rows=2, max_len=80, max_prompt=16, **options)
+    requests = [
+        RowRequest(rng.integers(1, 4096, 9).tolist(), 30, [], jaxdd.Sampling(0.9, seed=i))
+        for i in range(2)
+    ]
+    outputs = {pool.admit(pool.check(r)): [] for r in requests}
+    grow, waiting = pool.pages.grow, []
+    pool.pages.grow = lambda wants: (
+        grow({r: t for r, t in wants.items() if r not in waiting})
+        + [r for r in wants if r in waiting]
+    )
+    for step in range(100):  # bounded: each request ends within 30 rounds and 3 paused
+        if not pool.busy:
+            break
+        waiting[:] = [1] if step in (2, 3, 4) else []  # as if no page were free for row 1
+        before = row_state(pool.state, 1)
+        updates = pool.step()
+        for row, update in updates.items():
+            outputs[row].extend(update.tokens)
+        if waiting:
+            assert 1 not in updates
+            for was, now in zip(before, row_state(pool.state, 1), strict=True):
+                np.testing.assert_array_equal(was, now)
+    assert pool.paused_rounds == 3 and not pool.busy
+    for row, request in enumerate(requests):
+        alone = decoder.generate(
+            request.prompt, max_new_tokens=30, stop_token_ids=[], sampling=request.sampling,
+            **options,
+        )  # fmt: skip
+        assert outputs[row] == alone.tokens, row
+
+
 def test_admissions_and_releases_while_rounds_are_in_flight(decoder):
     """Driven as the server drives it (two rounds in flight, admissions between
     them, live rows released and taken by the next request at once): a request
@@ -142,29 +189,30 @@ def test_requests_done_by_their_prefill_need_no_round(decoder):
 
 
 def test_a_pool_of_pages_holds_short_requests_beside_a_long_one(decoder):
-    """A pool of cache pages for 16 short requests and one of ``max_len``, where rows of fixed
-    size would need 17 x ``max_len``: all 17 decode side by side to what they give alone; an 18th
-    waits for pages (a row is free) until requests end and give theirs back, then decodes too."""
+    """A pool of 18 cache pages for 16 short requests and one of ``max_len``, where rows of fixed
+    size would need 17 x ``max_len`` and even their reaches 16 x 2 + 5 pages: all 17 are admitted
+    at a page each and grow a page at a time, a row that could leave some row unable to end if it
+    took one waiting a round; an 18th waits for admission (a row and a page are free) until
+    requests end and give theirs back, then decodes too. All decode to what they give alone."""
     rng = np.random.default_rng(12)
     max_len = 256
     long = RowRequest(rng.integers(1, 4096, 12).tolist(), max_len - 12, [], jaxdd.Sampling())
     short = [
-        RowRequest(rng.integers(1, 4096, 10).tolist(), 6, [], jaxdd.Sampling(0.8, seed=i))
+        RowRequest(rng.integers(1, 4096, 10).tolist(), 60, [], jaxdd.Sampling(0.8, seed=i))
         for i in range(17)
     ]
     options = {"method": "dflash", "rows": 18, "max_len": max_len, "max_prompt": 16}
-    reach = max_len + decoder.drafter.config.block_size
     page = 64
-    pages = 16 + -(-reach // page)  # a page per short request and the long one's
-    pool = RowPool(decoder, cache_tokens=pages * page, **options)
-    assert pool.cache_tokens == pages * page < 17 * pool.slots
+    pool = RowPool(decoder, cache_tokens=18 * page, **options)
+    assert pool.cache_tokens == 18 * page < 17 * pool.slots
+    assert all(pool.shape.start(r) <= page < pool.shape.reach(r) for r in (long, short[0]))
     pool.warm_up()
-    assert pool.admissible([long, *short]) == 17  # the 18th finds a row but no page
+    assert pool.admissible([long, *short]) == 17  # the 18th finds a row and a page, and waits
     owner = {pool.admit(pool.check(r)): i for i, r in enumerate([long, *short[:16]])}
-    assert pool.cache_usage == 1.0 and pool.free_rows()
+    assert pool.pages.free == 1 and pool.free_rows()
     outputs = {i: [] for i in range(18)}
     waiting = short[16:]
-    for _ in range(300):  # bounded: every request ends within its max_tokens rounds
+    for _ in range(400):  # bounded: every request ends within its max_tokens rounds
         if waiting and pool.admissible(waiting):
             owner[pool.admit(pool.check(waiting.pop()))] = 17
         if not pool.busy:
@@ -172,6 +220,7 @@ def test_a_pool_of_pages_holds_short_requests_beside_a_long_one(decoder):
         for row, update in pool.step().items():
             outputs[owner[row]].extend(update.tokens)
     assert not pool.busy and not waiting and pool.cache_usage == 0.0
+    assert pool.paused_rounds > 0  # rows waited for pages
     for i, request in enumerate([long, *short]):
         if i in (0, 1, 16, 17):  # the long one, the 18th and two short ones
             options = {"max_new_tokens": request.max_new_tokens, "sampling": request.sampling}
