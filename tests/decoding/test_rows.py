@@ -193,7 +193,8 @@ def test_a_pool_of_pages_holds_short_requests_beside_a_long_one(decoder):
     size would need 17 x ``max_len`` and even their reaches 16 x 2 + 5 pages: all 17 are admitted
     at a page each and grow a page at a time, a row that could leave some row unable to end if it
     took one waiting a round; an 18th waits for admission (a row and a page are free) until
-    requests end and give theirs back, then decodes too. All decode to what they give alone."""
+    requests end and give theirs back, and while a row waits, then decodes too. All decode to
+    what they give alone."""
     rng = np.random.default_rng(12)
     max_len = 256
     long = RowRequest(rng.integers(1, 4096, 12).tolist(), max_len - 12, [], jaxdd.Sampling())
@@ -213,6 +214,8 @@ def test_a_pool_of_pages_holds_short_requests_beside_a_long_one(decoder):
     outputs = {i: [] for i in range(18)}
     waiting = short[16:]
     for _ in range(400):  # bounded: every request ends within its max_tokens rounds
+        # none is admitted while a row waits for pages: they go to the waiting rows first
+        assert not (pool._paused.any() and pool.admissible(short))
         if waiting and pool.admissible(waiting):
             owner[pool.admit(pool.check(waiting.pop()))] = 17
         if not pool.busy:
