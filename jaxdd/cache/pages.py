@@ -260,10 +260,13 @@ class PageTable:
         of them) now (with ``prompts``, their cache hits counted), in order, can be admitted
         once the rows ``release`` hold theirs no more: each finds its pages now, and every row
         can still end. A cached page no row holds costs one page, whether a request reuses it or
-        evicts it for a new one, so the count holds whichever pages the takes evict."""
+        evicts it for a new one; a later request shares it only while the takes before could not
+        have evicted it (its share's free pages cover them: a page released now counts as cached),
+        so the count holds whichever pages the takes evict."""
         prompts = prompts or [None] * len(reaches)
         starts = starts or reaches
         refs, available = self._refs.copy(), self._available()
+        free = np.array([len(f) for f in self._free])  # of those, the ones no take evicts for
         for row in set(release):
             ids = self.table[row, : self._held.get(row, 0)]
             refs[ids] -= 1
@@ -277,8 +280,12 @@ class PageTable:
             cost = self._shares(0, pages) - self._of_shares(hits[refs[hits] > 0])
             if (cost > available).any():
                 return count
-            refs[hits] += 1
-            rows = [*rows, (hits, self._shares(len(hits), pages), self._shares(pages, limit))]
+            # held from here on: the pages rows hold, and the cached ones no take evicted yet
+            sure = hits[(refs[hits] > 0) | (free[hits // self.share] >= 0)]
+            cached = self._of_shares(sure[refs[sure] == 0])
+            free -= cost - cached  # below 0: the takes evict cached pages of that share
+            refs[sure] += 1
+            rows = [*rows, (sure, cost - cached, self._shares(pages, limit))]
             available = available - cost
             if not self._ledger(rows, refs).can_all_end(available):
                 return count
@@ -297,10 +304,10 @@ class PageTable:
         ``tokens``): the tokens it found cached."""
         if row in self._held or not self.fits(tokens, prompt, limit):
             raise InputError.at("cache_tokens", f"no {pages_for(tokens, self.page)} free pages")
-        hits = self.hits(prompt)
+        hits = self.hits(prompt)[: pages_for(tokens, self.page)]
         self._held[row] = 0
         self._limit[row] = pages_for(limit or tokens, self.page)
-        for page in hits[: pages_for(tokens, self.page)]:
+        for page in hits:
             self._cached[self._held[row] % self.devices].pop(page, None)
             self._hold(row, page)
         self._grow(row, pages_for(tokens, self.page))

@@ -32,7 +32,7 @@ class Model:
         self.rows: dict[int, tuple[list[int], int]] = {}  # row -> (its conversation, prompt)
         self.holds: dict[int, tuple[int, ...]] = {}  # page -> the tokens up to its last slot
 
-    def take(self, row: int, conversation: int, prompt: int) -> None:
+    def take(self, row: int, conversation: int, prompt: int, insert: bool = True) -> None:
         tokens = self.conversations[conversation]
         reach = min(SEQUENCE, prompt + 40)
         fits = self.pages.fits(reach, tokens[:prompt])
@@ -50,7 +50,8 @@ class Model:
                 assert self.pages._refs[page] == 1
                 self.holds[page] = upto
         self.rows[row] = (tokens, prompt)
-        self.pages.insert(row, tokens[:prompt])  # the prompt, once prefilled
+        if insert:
+            self.pages.insert(row, tokens[:prompt])  # the prompt, once prefilled
 
     def end(self, row: int, produced: int) -> None:
         if row in self.rows:
@@ -79,7 +80,11 @@ class Model:
 operation = st.one_of(
     st.tuples(st.just("take"), st.integers(0, ROWS - 1), st.integers(0, 2), st.integers(1, 160)),
     st.tuples(st.just("end"), st.integers(0, ROWS - 1), st.integers(0, 60)),
-    st.tuples(st.just("admit"), st.lists(st.tuples(st.integers(0, 2), st.integers(1, 160)))),
+    st.tuples(
+        st.just("admit"),
+        st.lists(st.tuples(st.integers(0, 2), st.integers(1, 160))),
+        st.booleans(),  # prompts prefilled in chunks: keyed only once all are admitted
+    ),
     st.tuples(st.just("reset")),
 )
 
@@ -106,11 +111,14 @@ def test_pages_are_free_cached_or_held_and_hits_hold_their_tokens(devices, page,
             prompts = [model.conversations[c][:n] for c, n in waiting]
             reaches = [min(SEQUENCE, n + 40) for _, n in waiting]
             admitted = model.pages.admissible(reaches, prompts=prompts)
+            chunked = op[2]
             for i, (row, (conversation, prompt)) in enumerate(zip(free, waiting, strict=True)):
                 if i == admitted:
                     break
                 assert model.pages.fits(reaches[i], prompts[i])
-                model.take(row, conversation, prompt)
+                model.take(row, conversation, prompt, insert=not chunked)
+            for row, (conversation, prompt) in zip(free[:admitted], waiting, strict=False):
+                model.pages.insert(row, model.conversations[conversation][:prompt])
         else:
             model.pages.clear()
             model.rows.clear()
@@ -149,3 +157,20 @@ def test_requests_admitted_together_find_their_pages_when_the_first_shares_its_p
     assert pages.take(1, 166, prompt, 67 * 64) == 0
     pages.insert(1, prompt)
     assert pages.take(2, 166, prompt, 67 * 64) == 128  # two pages shared with row 1
+
+
+def test_a_cached_page_two_requests_hit_costs_each_a_page():
+    """A take may evict the cached page a later request hits (the least recently used, when its
+    share has no free page), and a chunked prompt keys its own pages only once prefilled: a third
+    request hitting the same cached page must not count it as shared."""
+    pages = PageTable(8, 8, 8, page=4, prefix=True)  # 7 usable pages
+    for prompt in ([1, 2, 3, 4, 5], *([10 + i] * 4 + [0] for i in range(4))):
+        pages.take(0, 5, prompt)
+        pages.insert(0, prompt)
+        pages.release(0)
+    pages.take(7, 4 * pages.free)  # every page held or cached, [1, 2, 3, 4] least recent
+    requests = [([50] * 3, 4), ([1, 2, 3, 4, 6, 7, 8, 9, 9], 9), ([1, 2, 3, 4, 5], 5)]
+    admitted = pages.admissible([t for _, t in requests], prompts=[p for p, _ in requests])
+    assert admitted == 2
+    for row, (prompt, tokens) in enumerate(requests[:admitted], start=1):
+        pages.take(row, tokens, prompt)  # the second prompt not keyed yet: it comes in chunks
