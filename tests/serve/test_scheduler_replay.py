@@ -26,6 +26,7 @@ class FakePool:
 
     method, block, budget, prefix_cache = "dflash", 4, None, False
     cache_tokens, cache_usage = 64 * ROWS, 0.0  # a row's worth of pages each: rows decide
+    paused_rounds = 0  # so no row waits for pages
 
     def __init__(self, faulty: frozenset[int] = frozenset()):
         self.rows, self.faulty, self.dispatches = ROWS, faulty, 0
