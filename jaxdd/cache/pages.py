@@ -291,7 +291,9 @@ class PageTable:
                 return count
         return len(reaches)
 
-    def fits(self, tokens: int, prompt: Sequence[int] | None = None, limit: int | None = None):
+    def fits(
+        self, tokens: int, prompt: Sequence[int] | None = None, limit: int | None = None
+    ) -> bool:
         """Whether a request that takes ``tokens`` slots now and may reach ``limit`` (default:
         ``tokens``) is admitted now."""
         return self.admissible([limit or tokens], prompts=[prompt], starts=[tokens]) == 1
@@ -317,13 +319,15 @@ class PageTable:
         """Each row of ``wants`` (row -> slots), in order, holds the pages of its first slots (up
         to its limit) if taking them leaves every row able to end: the rows that may not (they
         hold no more, and wait)."""
+        pages_of = lambda row, tokens: min(pages_for(tokens, self.page), self._limit[row])
+        growing = {row: pages_of(row, t) for row, t in wants.items()}
+        growing = {row: pages for row, pages in growing.items() if pages > self._held[row]}
+        if not growing:  # most rounds: no row crosses into a new page
+            return []
         rows = list(self._held)
         ledger, available, waiting = self._ledger(self._rows(), self._refs), self._available(), []
-        for row, tokens in wants.items():
-            held, pages = self._held[row], min(pages_for(tokens, self.page), self._limit[row])
-            if pages <= held:
-                continue
-            cost, i = self._shares(held, pages), rows.index(row)
+        for row, pages in growing.items():
+            cost, i = self._shares(self._held[row], pages), rows.index(row)
             ledger.needs[i] -= cost
             ledger.returns[i] += cost
             if (cost <= available).all() and ledger.can_all_end(available - cost):
