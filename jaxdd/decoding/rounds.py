@@ -353,12 +353,12 @@ def _draft(
     block_len: jax.Array,
 ):
     """Cache the drafter K/V of the tokens committed last round (the last ``context_count``
-    positions), then draft: (logits [B, block - 1, V], drafter cache). With the verify's
-    ``pallas`` form the drafter's attention runs in the tree-attention kernel too."""
+    positions), then draft: (logits [B, block - 1, V], drafter cache). Where the verify's attention
+    runs in a kernel (``Backend.attention_kernel``) the drafter's does too."""
     start = state.target_cache.length
     positions = (start - state.context_count)[:, None] + jnp.arange(spec.block)[None, :]
     draft_cache = drafter.inject(state.draft_cache, state.context, positions, state.context_count)
-    kernel = spec.backend.tree_attention() if spec.attention == "pallas" else None
+    kernel = spec.backend.attention_kernel(spec.attention, draft_cache.pages is not None)
     return drafter.draft_logits(
         target, draft_cache, state.bonus, start, block_len, spec.block, kernel
     )

@@ -19,7 +19,7 @@ from jaxdd.config import KimiConfig
 from jaxdd.models.layers import RMSNorm, apply_rope, linear, param, project_heads, unmerged
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.sharding import AXIS, Placeable, partition_spec
-from jaxdd.types import Attention
+from jaxdd.types import ATTENTIONS, Attention
 
 # a device's partial output leaves it in float32, to be merged with the others'
 F32 = {"preferred_element_type": jnp.float32}
@@ -99,6 +99,8 @@ class MLAttention(nnx.Module, Placeable):
     (DeepSeek's decode form), so attention runs over the 512 + 64 wide rows directly. They are
     equal up to float reassociation. ``pallas`` is the absorbed form with the attention itself
     in the Pallas tree-attention kernel (``pallas_kernels.tree_attention``; interpreted on CPU).
+    On one CPU device ``absorbed`` over pools of pages runs in the C++ one
+    (``Backend.attention_kernel``).
     """
 
     def __init__(self, config: KimiConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
@@ -152,13 +154,16 @@ class MLAttention(nnx.Module, Placeable):
         latent = self.kv_a_norm(kv[..., : c.kv_lora_rank])
         k_pe = apply_rope(kv[..., c.kv_lora_rank :], cos, sin, c.rope_interleave)
 
-        forms = {"absorbed": self._absorbed, "pallas": self._pallas, "naive": self._naive}
-        if attention not in forms:
+        if attention not in ATTENTIONS:
             raise ValueError(
                 f"attention: expected 'naive', 'absorbed' or 'pallas', got {attention!r}"
             )
         inputs = AttentionInputs(q_nope, q_pe, latent, k_pe, cache_rows, view, visible, backend)
-        out, rows = forms[attention](inputs)
+        kernel = backend.attention_kernel(attention, view.pages is not None)
+        if kernel is not None:
+            out, rows = self._in_kernel(inputs, kernel)
+        else:
+            out, rows = (self._naive if attention == "naive" else self._absorbed)(inputs)
         return project_heads(out, self.o_proj[...], backend), rows
 
     def _absorbed(self, inputs: AttentionInputs):
@@ -262,10 +267,11 @@ class MLAttention(nnx.Module, Placeable):
         lse = (top + jnp.log(total))[..., 0]  # [B, H, T]
         return out, lse.transpose(0, 2, 1)
 
-    def _pallas(self, inputs: AttentionInputs):
-        """The absorbed form with the attention itself in the Pallas tree-attention kernel."""
+    def _in_kernel(self, inputs: AttentionInputs, kernel: Callable):
+        """The absorbed form with the attention itself in a tree-attention kernel
+        (``Backend.attention_kernel``)."""
         c = self.config
-        kernel = functools.partial(inputs.backend.tree_attention(), scale=c.softmax_scale)
+        kernel = functools.partial(kernel, scale=c.softmax_scale)
         if inputs.view.stripes is not None:
 
             def attend_local(q_latent, q_pe, pool_latent, pool_rope, view, *new_rows):
@@ -273,7 +279,8 @@ class MLAttention(nnx.Module, Placeable):
                 return kernel(*operands, with_lse=True, pages=view.pages)
 
             return self._striped(inputs, attend_local)
-        q_latent = jnp.einsum("bthd,hrd->bthr", inputs.q_nope, self.k_up[...])
+        kernels = inputs.backend.decode_kernels(inputs.q_pe.shape[0] * inputs.q_pe.shape[1])
+        q_latent = _per_head(inputs.q_nope, self.k_up[...], kernels)
 
         def attend(q_latent, q_pe, pool_latent, pool_rope, length, latent, k_pe, visible, pages):
             # The committed rows only (slots < length), read through the page tables: the kernel
@@ -298,7 +305,7 @@ class MLAttention(nnx.Module, Placeable):
                 attend, mesh=mesh, in_specs=specs, out_specs=(heads, whole, whole), check_vma=False
             )
         out_latent, *rows = attend(*inputs.kernel_operands(q_latent))
-        out = jnp.einsum("bthr,hdr->bthd", out_latent.astype(inputs.q_pe.dtype), self.v_up[...])
+        out = _per_head(out_latent.astype(inputs.q_pe.dtype), self.v_up[...], kernels)
         return out, tuple(map(inputs.view.write, inputs.cache_rows, rows))
 
     def _naive(self, inputs: AttentionInputs):

@@ -230,6 +230,28 @@ class Backend:
             }
         raise ValueError("the TPU form of the kernel takes no GPU options (Backend.tree_attention)")
 
+    def attention_kernel(
+        self, attention: Attention, paged: bool
+    ) -> Callable[..., jax.Array] | None:
+        """The kernel a round's attention runs in (the target's and the drafter's; the arguments of
+        ``pallas_kernels.tree_attention.tree_attention_reference``): the tree-attention kernel for
+        the ``pallas`` form (``tree_attention``); for the ``absorbed`` form over pools of pages
+        (``paged``) on one CPU device, the C++ one where it builds (``cpu_kernels``: each row's
+        committed pages read in place, where XLA:CPU gathers every page of each row's table into
+        a copy per layer); else None (XLA's einsums)."""
+        if attention == "pallas":
+            return self.tree_attention()
+        if (
+            attention == "absorbed"
+            and paged
+            and self.platform == "cpu"
+            and self.devices == 1
+            and self.cpu_kernels
+            and cpu_kernels.available()
+        ):
+            return cpu_kernels.tree_attention
+        return None
+
     def tree_attention(self) -> Callable[..., jax.Array]:
         """The tree-attention kernel for this platform, its options bound: the TPU (Mosaic)
         form on TPU, which streams the cache through VMEM; the GPU form elsewhere (Triton

@@ -11,14 +11,9 @@
 // Row dots: out[g, p, n] = x[g, p] . w[g, n] for a few rows p of x, w's rows split across XLA's threads.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
-#include <type_traits>
-#include <utility>
 #include <vector>
 
 // The table-lookup form needs AVX-512 F (512-bit permutes) with BW and VL (a masked load of 16-bit scales).
@@ -30,28 +25,15 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_kernels.h"
 #include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
 
 namespace {
 
+using namespace jaxdd;  // NOLINT: the shared helpers (cpu_kernels.h)
+
 constexpr int64_t kLanes = 8;  // INT4 values per int32 word
 constexpr int64_t kQuad = 4 * kLanes;  // inputs per 4 words: one scale covers whole quads (groups of 32k)
-
-template <typename T>
-inline T load(const void* p) {
-  T v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline float bf16_to_float(uint32_t bits) {
-  uint32_t wide = bits << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof f);
-  return f;
-}
 
 #if defined(JAXDD_TABLE_LOOKUP)
 // --- AVX-512: each weight is one lookup in its scale's 16-entry table -------------------------------------------
@@ -226,30 +208,6 @@ inline int64_t laid_out_size(int64_t words_per_row) {
 #endif
 }
 
-// Runs task(i) for i in [0, count) on the calling thread and on XLA's intra-op pool. Tasks are taken from a shared
-// counter; the caller waits only for tasks already taken, never for a pool thread to start, so a busy pool cannot
-// deadlock it (a pool thread that starts late finds nothing left and touches nothing but the counter).
-template <typename Task>
-void parallel_for(ffi::ThreadPool& pool, int64_t count, Task task) {
-  struct Shared {
-    Shared(Task task, int64_t count) : task(std::move(task)), count(count) {}
-    Task task;
-    int64_t count;
-    std::atomic<int64_t> next{0}, finished{0};
-    void work() {
-      for (int64_t i; (i = next.fetch_add(1)) < count;) {
-        task(i);
-        finished.fetch_add(1, std::memory_order_release);
-      }
-    }
-  };
-  auto shared = std::make_shared<Shared>(std::move(task), count);
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
-  shared->work();
-  while (shared->finished.load(std::memory_order_acquire) < count) std::this_thread::yield();
-}
-
 // --- Gathered INT4 matvecs ---------------------------------------------------------------------------------------
 constexpr int64_t kRowsPerTask = 64;  // output rows one task computes
 constexpr int64_t kPrefetchRows = 8;  // the hardware prefetcher alone leaves the kernel waiting on memory
@@ -310,21 +268,10 @@ ffi::Error Int4GatheredMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, 
 // XLA:CPU runs a one-row matvec on one thread (~half this host's read bandwidth). Here tasks take fixed blocks of
 // W's rows (contiguous reads), each sums its rows' products into its own partial [P, N] in row order, and the
 // partials are added in block order: the same sums whichever thread runs which block.
-typedef float Floats16 __attribute__((vector_size(16 * sizeof(float))));
+
 constexpr int64_t kDenseRowsPerTask = 128;
 constexpr int64_t kDenseTasksPerThread = 2;
 constexpr int64_t kDenseNarrow = 512;  // output columns up to which a block reads one weight row at a time
-
-inline Floats16 widen(const float* w) { return load<Floats16>(w); }
-inline Floats16 widen(const uint16_t* w) {  // bf16 -> fp32 is a shift
-  typedef uint16_t Halves16 __attribute__((vector_size(16 * sizeof(uint16_t))));
-  typedef uint32_t Words16 __attribute__((vector_size(16 * sizeof(uint32_t))));
-  return (Floats16)(__builtin_convertvector(load<Halves16>(w), Words16) << 16);
-}
-template <ffi::DataType kWeight>  // how a weight's elements are read: fp32, or bf16 as its 16 bits
-using WeightBits = std::conditional_t<kWeight == ffi::DataType::F32, float, uint16_t>;
-inline float to_float(float w) { return w; }
-inline float to_float(uint16_t w) { return bf16_to_float(w); }
 
 // partial [P, N] = x[:, begin:end] @ w[begin:end], adding each row of w in order, kRows at a time.
 template <int kRows, typename W>

@@ -1,6 +1,8 @@
 """Decode's matvecs as XLA:CPU custom calls (``cpu_kernels.cc``, XLA's FFI):
 the gathered INT4 expert matvec, the few-row dense matvec and the row dot
-(decode attention's products with weights and cache rows stored [rows, K]).
+(decode attention's products with weights and cache rows stored [rows, K]); and the
+tree-verify attention over pools of pages (``cpu_attention.cc``), which reads each row's
+committed pages in place where XLA:CPU gathers them into a copy per layer.
 
 XLA:CPU gathers the chosen experts' INT4 words, unpacks them to a dense copy and then multiplies;
 the kernel unpacks in registers as it reads (benchmarks/README.md, "Decode against its floor").
@@ -26,8 +28,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+from pallas_kernels.tree_attention import check_pages
+
+HERE = Path(__file__).parent
+SOURCES = (HERE / "cpu_kernels.cc", HERE / "cpu_attention.cc")
+HEADERS = (HERE / "cpu_kernels.h",)
 INT4_TARGET = "jaxdd_int4_gathered_matvec"
 DENSE_TARGETS = {
     jnp.dtype(jnp.float32): "jaxdd_dense_matvec_f32",
@@ -37,6 +44,7 @@ ROW_DOT_TARGETS = {
     jnp.dtype(jnp.float32): "jaxdd_row_dot_f32",
     jnp.dtype(jnp.bfloat16): "jaxdd_row_dot_bf16",
 }
+ATTENTION_TARGET = "jaxdd_tree_attention"  # caches of fp32, bf16 or float8_e4m3fn
 # the kernel's scale groups are whole 4-word half-blocks (every Kimi INT4 checkpoint: 32)
 GROUP_MULTIPLE = 32
 # No FMA contraction: the portable INT4 path's bf16 rounding
@@ -80,7 +88,8 @@ def build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
     ``-mno-avx512f`` builds the portable form on an AVX-512 host (tests)."""
     flags = (*FLAGS, "-march=native", *extra_flags, "-I", jax.ffi.include_dir())
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler, " ".join(flags), _cpu_flags(), jax.__version__):
+    code = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
+    for part in (*code, compiler, " ".join(flags), _cpu_flags(), jax.__version__):
         key.update(part if isinstance(part, bytes) else part.encode())
     library = cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if library.exists():
@@ -89,7 +98,7 @@ def build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         built = Path(scratch) / library.name
         subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", str(built)],
+            [compiler, *flags, *map(str, SOURCES), "-o", str(built)],
             check=True,
             capture_output=True,
             text=True,
@@ -118,7 +127,9 @@ def available() -> bool:
     """Whether the kernels are built and registered with XLA:CPU (once per process)."""
     library = load(compiler())
     if library is not None:
-        for target in (INT4_TARGET, *DENSE_TARGETS.values(), *ROW_DOT_TARGETS.values()):
+        tables = (DENSE_TARGETS, ROW_DOT_TARGETS)
+        singles = (INT4_TARGET, ATTENTION_TARGET)
+        for target in (*singles, *(name for table in tables for name in table.values())):
             jax.ffi.register_ffi_target(
                 target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu"
             )
@@ -163,3 +174,51 @@ def row_dot(x: jax.Array, weight: jax.Array) -> jax.Array:
     return jax.ffi.ffi_call(ROW_DOT_TARGETS[weight.dtype], out)(
         x.astype(jnp.float32), weight
     ).astype(x.dtype)
+
+
+def tree_attention(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    cache_latent: jax.Array,
+    cache_rope: jax.Array,
+    length: jax.Array,
+    tail_latent: jax.Array,
+    tail_rope: jax.Array,
+    tail_mask: jax.Array,
+    scale: float,
+    with_lse: bool = False,
+    pages: jax.Array | None = None,
+    fold: int = 1,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """``pallas_kernels.tree_attention.tree_attention_reference``'s arguments and results, in
+    fp32, each row's committed pages read in place (a cache of fp32, bf16 or e4m3 widened to fp32
+    as it is read). Without ``pages`` each row's own buffer is one page of its table. Call only
+    where ``available()``."""
+    b, t, h, r = q_latent.shape
+    if pages is None:
+        pages, fold = jnp.arange(b, dtype=jnp.int32)[:, None], 1
+    else:
+        check_pages(cache_latent, cache_rope, pages, b, fold)
+    f32 = lambda x: x.astype(jnp.float32)
+    call = jax.ffi.ffi_call(
+        ATTENTION_TARGET,
+        (
+            jax.ShapeDtypeStruct((b, t * h, r), jnp.float32),
+            jax.ShapeDtypeStruct((b, t * h), jnp.float32),
+        ),
+    )
+    out, lse = call(
+        f32(q_latent.reshape(b, t * h, r)),
+        f32(q_rope.reshape(b, t * h, -1)),
+        cache_latent,
+        cache_rope.astype(cache_latent.dtype),
+        length.astype(jnp.int32),
+        f32(tail_latent),
+        f32(tail_rope),
+        tail_mask.astype(bool),
+        pages.astype(jnp.int32),
+        scale=np.float32(scale),
+        fold=np.int64(fold),
+    )
+    out = out.reshape(b, t, h, r)
+    return (out, lse.reshape(b, t, h)) if with_lse else out

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxdd.runtime import cpu_kernels
 from jaxdd.runtime.backend import Backend
 from jaxdd.testing.profiles import examples
 from jaxdd.testing.reference import random_tree_parents, rel_err, tree_depths_and_mask
@@ -175,12 +176,20 @@ FORMS = {
     "reference": tree_attention_reference,
     "gpu": functools.partial(tree_attention, block_q=16, block_k=16, interpret=True),
     "tpu": functools.partial(tree_attention_tpu, interpret=pltpu.InterpretParams()),
+    "cpu": cpu_kernels.tree_attention,  # C++, where a compiler builds it (``needs_build``)
 }
+
+
+def needs_build(form: str) -> None:
+    """Skip the C++ form where no C++ compiler builds the CPU kernels."""
+    if form == "cpu" and not cpu_kernels.available():
+        pytest.skip("no C++ compiler builds the CPU kernels here")
 
 
 @pytest.mark.parametrize("form", FORMS)
 def test_rows_that_see_nothing_give_zero_and_neg(form):
     """A device with no cache rows of its own and not the tree's: out 0, lse NEG, no NaN."""
+    needs_build(form)
     args = without_tree(inputs((2, 9, 2, 32, 8, 128), "float32", 2), 1, 0)
     out, lse = FORMS[form](*args, scale=0.3, with_lse=True)
     assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all()
@@ -217,6 +226,7 @@ def test_halves_of_a_cache_merged_by_lse_give_the_whole(form):
     """Two devices' partial attentions over their shares of one cache, merged by
     lse, equal the attention over the whole cache: lengths 0 and 1 leave device
     1 nothing to see, an odd length gives device 0 one row more."""
+    needs_build(form)
     args = list(inputs((3, 9, 2, 32, 8, 512), "float32", 3))
     args[4] = jnp.array([0, 1, 301], jnp.int32)
     whole = FORMS[form](*args, scale=0.3, with_lse=True)
@@ -365,19 +375,53 @@ def test_tpu_paged_form_in_the_tpu_interpreter_matches_reference(shape, dtype, w
     check_paged(kernel, shape, dtype, sum(shape) + with_lse, with_lse, tree)
 
 
-INTERPRETED = {  # both forms, interpreted
+@settings(max_examples=examples(8), deadline=None)
+@given(
+    shape=st.sampled_from(PAGED_SHAPES),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+    seed=st.integers(0, 10**6),
+    with_lse=st.booleans(),
+    tree=st.sampled_from(["owned", "elsewhere"]),
+)
+def test_cpu_kernel_over_pages_matches_reference(shape, dtype, seed, with_lse, tree):
+    """The C++ form over pools of pages (``jaxdd.runtime.cpu_kernels``), jitted: pages of 16-64
+    read in blocks of up to 64 keys, rows of every length, trees of 1-17 tokens."""
+    needs_build("cpu")
+    kernel = jax.jit(cpu_kernels.tree_attention, static_argnames=("scale", "with_lse"))
+    check_paged(kernel, tuple(shape[:-1]), dtype, seed, with_lse, tree)
+
+
+@settings(max_examples=examples(8), deadline=None)
+@given(
+    shape=st.sampled_from(SHAPES),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+    seed=st.integers(0, 10**6),
+)
+def test_cpu_kernel_over_rows_matches_reference(shape, dtype, seed):
+    """The C++ form over each row's own buffer (one page of the whole row): out and lse."""
+    needs_build("cpu")
+    args = inputs(shape, dtype, seed)
+    scale = shape[3] ** -0.5
+    expected = tree_attention_reference(*args, scale, with_lse=True)
+    check_lse(cpu_kernels.tree_attention(*args, scale=scale, with_lse=True), expected, dtype)
+
+
+KERNELS = {  # the Pallas forms interpreted, and the C++ one
     "gpu": functools.partial(tree_attention, block_q=16, block_k=16, interpret=True),
     "tpu": functools.partial(tree_attention_tpu, interpret=pltpu.InterpretParams()),
+    "cpu": cpu_kernels.tree_attention,
 }
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kernel", INTERPRETED.values(), ids=INTERPRETED)
-def test_a_pool_in_fp8_is_read_as_its_values_widened(kernel, dtype):
+@pytest.mark.parametrize("form", KERNELS)
+def test_a_pool_in_fp8_is_read_as_its_values_widened(form, dtype):
     """Pages stored in 8-bit floats (the drafter's K/V with ``drafter_kv="fp8"``) under fp32 or
     bf16 queries: each form widens every block it reads to the queries' dtype, so it attends
     as over the same values in that dtype (the probabilities too meet the values in it: in
-    fp8 they would miss fp32's tolerance)."""
+    fp8 they would miss fp32's tolerance). The C++ form leaves 8-bit pools to the reference."""
+    needs_build(form)
+    kernel = KERNELS[form]
     args, pages = paged_inputs((2, 9, 4, 64, 16, 16, 10), dtype, 5)
     narrow = [x.astype(jnp.float8_e4m3fn) for x in args[2:4]]
     wide = [x.astype(dtype) for x in narrow]
@@ -388,10 +432,12 @@ def test_a_pool_in_fp8_is_read_as_its_values_widened(kernel, dtype):
     )
 
 
-@pytest.mark.parametrize("kernel", INTERPRETED.values(), ids=INTERPRETED)
-def test_rows_sharing_a_table_read_their_own_pages(kernel):
+@pytest.mark.parametrize("form", KERNELS)
+def test_rows_sharing_a_table_read_their_own_pages(form):
     """``fold`` rows per table (the drafter's KV heads): row b reads page p * fold + b % fold
     where table b // fold names p, as the reference over the unfolded tables."""
+    needs_build(form)
+    kernel = KERNELS[form]
     args, pages = paged_inputs((4, 9, 2, 32, 8, 16, 3), "float32", 7)
     pages = pages[::2]  # 2 tables of 3 pages of a pool of 13 pages x 2 rows each
     assert np.asarray(unfold_pages(pages, 2))[1, 0] == 2 * int(pages[0, 0]) + 1
