@@ -377,11 +377,14 @@ class RowPool:
 
     def _grow(self) -> None:
         """Each decoding row takes the pages this round can write (past its length once the rounds
-        in flight are in), oldest first, or waits this round if taking them could leave some row
-        unable to end (``PageTable.grow``): it runs paused, its state untouched."""
-        ahead = len(self._in_flight) * self.width + self.shape.round_tokens
+        in flight it runs in are in), oldest first, or waits this round if taking them could leave
+        some row unable to end (``PageTable.grow``): it runs paused, its state untouched."""
+        ran = collections.Counter(  # rounds in flight each request runs in (not paused)
+            id(entry) for reports in self._in_flight for _, _, entry in reports[-1].holders
+        )
         length = lambda e: len(e.request.prompt) + max(e.produced - 1, 0)  # committed, known
-        wants = {row: length(e) + ahead for row, e in self.table.items() if e.next is None}
+        ahead = lambda e: ran[id(e)] * self.width + self.shape.round_tokens
+        wants = {row: length(e) + ahead(e) for row, e in self.table.items() if e.next is None}
         paused, held = np.zeros_like(self._paused), self.pages.held
         paused[self.pages.grow(wants)] = True
         if self.pages.held != held or (paused != self._paused).any():

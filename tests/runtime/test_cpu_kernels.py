@@ -30,7 +30,7 @@ from jaxdd.models.target import KimiTarget
 from jaxdd.runtime import cpu_kernels
 from jaxdd.runtime.backend import Backend
 from jaxdd.testing.profiles import examples
-from jaxdd.testing.reference import TINY_K2
+from jaxdd.testing.reference import TINY_K2, tree_depths_and_mask
 from pallas_kernels import int4_experts
 
 pytestmark = pytest.mark.skipif(
@@ -305,4 +305,63 @@ def test_decode_attention_through_the_kernels_equals_xla():
     assert Backend("cpu").decode_kernels(batch) is cpu_kernels
     with_kernels, xla = step(Backend("cpu")), step(Backend("cpu", cpu_kernels=False))
     for ours, theirs in zip(with_kernels, xla, strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_the_attention_kernel_is_chosen_where_it_applies():
+    """The absorbed form over pools of pages on one CPU device runs in the C++ tree attention;
+    over a row's own buffers (a prompt's), on several devices, with the kernels off, or in the
+    naive form, XLA's einsums; the pallas form always in the Pallas kernel."""
+    cpu = Backend("cpu")
+    assert cpu.attention_kernel("absorbed", paged=True) is cpu_kernels.tree_attention
+    for backend, attention, paged in (
+        (cpu, "absorbed", False),
+        (cpu, "naive", True),
+        (Backend("cpu", devices=8), "absorbed", True),
+        (Backend("cpu", cpu_kernels=False), "absorbed", True),
+        (Backend("gpu"), "absorbed", True),
+    ):
+        assert backend.attention_kernel(attention, paged) is None
+    assert cpu.attention_kernel("pallas", paged=True).func is cpu.tree_attention().func
+
+
+def test_verify_over_pages_through_the_kernel_equals_xla():
+    """A tree verify (8 tokens, each seeing its ancestors) after a prefill, both over a pool of
+    pages whose tables are shuffled: the target's hidden states and the cache it writes equal
+    XLA's gathered form, and only the kernel's program calls it."""
+    batch, prompt_len, tree = 2, 70, 8
+    config = KimiConfig.from_hf(DeepseekV3Config(**TINY_K2).to_dict())
+    target = KimiTarget(config, jnp.float32, rngs=nnx.Rngs(5))
+    rng = np.random.default_rng(5)
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, prompt_len + tree)), jnp.int32)
+    depths, visible = tree_depths_and_mask(np.array([-1, 0, 0, 1, 1, 2, 3, 6]))
+    visible = jnp.asarray(np.broadcast_to(visible, (batch, tree, tree)))
+
+    def verify(backend: Backend):
+        cache = LatentCache.pooled(config, batch, 3, 7, jnp.float32)
+        cache = cache.replace(pages=jnp.array([[3, 1, 5], [2, 6, 4]], jnp.int32))
+        positions = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
+        causal = jnp.broadcast_to(
+            jnp.tril(jnp.ones((prompt_len,) * 2, bool)), (batch,) + (prompt_len,) * 2
+        )
+        prefix = target(tokens[:, :prompt_len], positions, cache, causal, backend=backend).cache
+        prefix = prefix.replace(length=jnp.array([prompt_len, prompt_len - 9], jnp.int32))
+        out = target(
+            tokens[:, prompt_len:],
+            prefix.length[:, None] + jnp.asarray(depths),
+            prefix,
+            visible,
+            backend=backend,
+        )
+        return out.hidden, out.cache
+
+    programs = {}
+    results = {}
+    for name, backend in (("kernel", Backend("cpu")), ("xla", Backend("cpu", cpu_kernels=False))):
+        programs[name] = jax.jit(verify, static_argnums=0).lower(backend).as_text()
+        results[name] = jax.jit(verify, static_argnums=0)(backend)
+    assert cpu_kernels.ATTENTION_TARGET in programs["kernel"]
+    assert cpu_kernels.ATTENTION_TARGET not in programs["xla"]
+    leaves = (jax.tree.leaves(results[name]) for name in ("kernel", "xla"))
+    for ours, theirs in zip(*leaves, strict=True):
         np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
