@@ -151,9 +151,9 @@ class SpeculativeDecoder:
     """Generation with a target and, for ``dflash`` / ``ddtree``, a
     drafter, greedy or sampled per request; compiled once per shape bucket.
 
-    ``attention`` picks the verify attention: ``absorbed`` (XLA), ``pallas``
-    (the tree-attention kernel, interpreted on CPU), or ``auto``: as the
-    backend of the target's devices prefers (``jaxdd.runtime.backend``).
+    ``attention`` picks the verify attention: ``absorbed`` (XLA; over pools of pages on one CPU
+    device the C++ tree-attention kernel), ``pallas`` (the Pallas kernel, interpreted on CPU), or
+    ``auto``: as the backend of the target's devices prefers (``jaxdd.runtime.backend``).
     ``cache_layout``: the latent cache ``replicated`` on every device of the target's mesh or
     ``striped`` over them (``jaxdd.cache.stripes``; one device holds it whole either way).
     ``drafter_kv``: the drafter's context K/V in the models' dtype or in ``fp8`` (half the

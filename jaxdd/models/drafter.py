@@ -7,9 +7,10 @@ tapped hidden states of committed tokens enter as extra keys and values ("KV inj
 it) and cached once, at the tokens' absolute positions. Block queries attend to all cached context
 and to the whole block (non-causal); the block's own K/V is never committed to the cache.
 
-Given the tree-attention kernel (``kernel``: the verify's ``pallas`` form), the block's attention
-runs in it: the context K/V read once through the page tables, with no scores in device memory
-(XLA gathers a row's pages and writes every layer's scores and probabilities).
+Given a tree-attention kernel (``kernel``: the verify's, ``Backend.attention_kernel``: the Pallas
+one, or on one CPU device the C++ one), the block's attention runs in it: the context K/V read once
+through the page tables, with no scores in memory (XLA gathers a row's pages and writes every
+layer's scores and probabilities).
 """
 
 from __future__ import annotations

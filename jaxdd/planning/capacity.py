@@ -132,7 +132,7 @@ def pool_temporaries(decoder: SpeculativeDecoder, shape: RowShape) -> int:
     prefill of its longest part (the largest prompt bucket; with chunks and no scoring, a
     chunk), whole and after cached pages, and its sampled round over every row. Compiled ahead
     of time for a pool of the rows' own size: the temporaries do not grow with the pool (a row's
-    pages are gathered from it, and it is written in place)."""
+    pages are read or gathered from it, and it is written in place)."""
     spec, rows, mesh = shape.spec, shape.rows, decoder.mesh
     drafter = None if spec.method == "ar" else decoder.drafter.config
     dtype = decoder.target.model.dtype

@@ -54,7 +54,8 @@ class Backend:
     shared_memory: int | None = None
     # CPU: the kernel form to interpret (tpu: TPU semantics)
     interpreted_kernel: Literal["gpu", "tpu"] = "gpu"
-    # CPU: decode's matvecs through jaxdd.runtime.cpu_kernels where it builds (False: XLA's)
+    # CPU: decode's matvecs and paged attention through jaxdd.runtime.cpu_kernels where it builds
+    # (False: XLA's)
     cpu_kernels: bool = True
     devices: int = 1  # how many devices the weights are placed on
     # GPUs: whether Triton loads 8-bit floats (fp8e4nv: compute capability 8.9 and newer)
@@ -112,8 +113,9 @@ class Backend:
     def attention(self, requested: Literal["auto"] | Attention) -> Attention:
         """``auto``: the Pallas tree-attention kernel on GPUs, where it is faster in bf16
         (benchmarks/README.md, "On a GPU"), and on TPUs, where XLA's absorbed attention would hold
-        every head's scores over the whole cache (64 heads x 257 tokens x 128k slots: 8.6 GB); XLA's
-        on CPU."""
+        every head's scores over the whole cache (64 heads x 257 tokens x 128k slots: 8.6 GB); the
+        absorbed form on CPU (over pools of pages on one device in the C++ kernel,
+        ``attention_kernel``)."""
         if requested != "auto" and requested not in ATTENTIONS:
             raise ValueError(
                 f"attention: expected 'auto', 'naive', 'absorbed' or 'pallas', got {requested!r}"

@@ -7,6 +7,7 @@
 // its length is read), then over the round's new rows under the ancestor mask.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -27,22 +28,19 @@ struct E4M3 {  // an 8-bit float (e4m3fn: no infinities, 0x7f and 0xff NaN), as 
   uint8_t bits;
 };
 
-// Every e4m3fn value as an fp32 (exact: 3 mantissa bits), by its bits.
-const float* e4m3_values() {
-  static const auto* values = [] {
-    auto* table = new float[256];
-    for (int bits = 0; bits < 256; ++bits) {
-      const int exponent = bits >> 3 & 15, mantissa = bits & 7;
-      const float magnitude = exponent == 15 && mantissa == 7 ? NAN
-                              : exponent == 0                 ? std::ldexp(mantissa / 8.0f, -6)
-                                                              : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
-      table[bits] = bits & 128 ? -magnitude : magnitude;
-    }
-    return table;
-  }();
+// Every e4m3fn value as an fp32 (exact: 3 mantissa bits), by its bits; built when the library loads.
+const std::array<float, 256> kE4M3 = [] {
+  std::array<float, 256> values{};
+  for (int bits = 0; bits < 256; ++bits) {
+    const int exponent = bits >> 3 & 15, mantissa = bits & 7;
+    const float magnitude = exponent == 15 && mantissa == 7 ? NAN
+                            : exponent == 0                 ? std::ldexp(mantissa / 8.0f, -6)
+                                                            : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+    values[bits] = bits & 128 ? -magnitude : magnitude;
+  }
   return values;
-}
-inline float to_float(E4M3 x) { return e4m3_values()[x.bits]; }
+}();
+inline float to_float(E4M3 x) { return kE4M3[x.bits]; }
 using jaxdd::to_float;  // fp32 and bf16 (cpu_kernels.h)
 
 // The keys of one block: ``count`` consecutive rows of a latent and a rope buffer (one page's, or the new rows).
@@ -101,7 +99,7 @@ struct Softmax {
 
   Softmax(const float* q_latent, const float* q_rope, int64_t rows, int64_t r, int64_t dr, float scale)
       : rows(rows), r(r), width(r + dr), scale(scale), q(rows * (r + dr)), acc(rows * r, 0.0f), max(rows, kNeg),
-        sum(rows, 0.0f), correction(rows), keys_t((r + dr) * kKeys), values(kKeys * r), scores(rows * kKeys) {
+        sum(rows, 0.0f), correction(rows), keys_t((r + dr) * kKeys), scores(rows * kKeys) {
     for (int64_t i = 0; i < rows; ++i) {
       std::copy_n(q_latent + i * r, r, q.data() + i * width);
       std::copy_n(q_rope + i * dr, dr, q.data() + i * width + r);
@@ -180,6 +178,7 @@ struct Softmax {
     if constexpr (std::is_same_v<W, float>) {
       value_rows(keys.latent, count);
     } else {
+      values.resize(kKeys * r);  // a narrower pool's values widened (fp32 ones are read in place)
       for (int64_t j = 0; j < count * r; ++j) values[j] = to_float(keys.latent[j]);
       value_rows(values.data(), count);
     }
@@ -213,7 +212,7 @@ struct Operands {
 template <typename W>
 void attend(ffi::ThreadPool& pool, const Operands& x) {
   const int64_t blocks = (x.m + kQueryRows - 1) / kQueryRows, heads = x.m / x.t;
-  const int64_t last_page = x.pool_pages * x.fold - 1;  // the pools seen as [P x fold, page, ..] (fold KV heads)
+  const int64_t last_page = x.pool_pages - 1;  // pools of [P x fold, page, ..] where fold KV heads share a table
   const W* latent_pool = static_cast<const W*>(x.latent);
   const W* rope_pool = static_cast<const W*>(x.rope);
   parallel_for(pool, x.b * blocks, [&](int64_t task) {
@@ -246,13 +245,18 @@ ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_latent, f
                          ffi::Buffer<ffi::PRED> tail_mask, ffi::Buffer<ffi::S32> pages, float scale, int64_t fold,
                          ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
   const auto qd = q_latent.dimensions(), rd = q_rope.dimensions(), pd = latent.dimensions();
-  const auto pr = rope.dimensions(), td = tail_latent.dimensions(), table = pages.dimensions();
-  if (qd.size() != 3 || rd.size() != 3 || pd.size() != 3 || pr.size() != 3 || td.size() != 3 || table.size() != 2 ||
-      pd[2] != qd[2] || pr[2] != rd[2] || pr[0] != pd[0] || pr[1] != pd[1] || td[1] == 0 || qd[1] % td[1] != 0 ||
-      fold < 1 || table[0] * fold != qd[0] || latent.element_type() != rope.element_type()) {
+  const auto pr = rope.dimensions(), td = tail_latent.dimensions(), tr = tail_rope.dimensions();
+  const auto md = tail_mask.dimensions(), table = pages.dimensions();
+  const bool ranks = qd.size() == 3 && rd.size() == 3 && pd.size() == 3 && pr.size() == 3 && td.size() == 3 &&
+                     tr.size() == 3 && md.size() == 3 && table.size() == 2 && length.dimensions().size() == 1;
+  if (!ranks || pd[0] == 0 || pd[2] != qd[2] || pr[0] != pd[0] || pr[1] != pd[1] || pr[2] != rd[2] ||
+      rd[0] != qd[0] || rd[1] != qd[1] || td[0] != qd[0] || td[1] == 0 || qd[1] % td[1] != 0 || td[2] != qd[2] ||
+      tr[0] != qd[0] || tr[1] != td[1] || tr[2] != rd[2] || md[0] != qd[0] || md[1] != td[1] || md[2] != td[1] ||
+      length.dimensions()[0] != qd[0] || fold < 1 || table[0] * fold != qd[0] ||
+      latent.element_type() != rope.element_type()) {
     return ffi::Error::InvalidArgument(
-        "tree attention: q [B, T x H, r | dr], pools [P, page, r | dr] of one dtype, tail [B, T, r | dr], "
-        "pages [B / fold, row_pages]");
+        "tree attention: q [B, T x H, r | dr], pools [P > 0, page, r | dr] of one dtype, length [B], "
+        "tail [B, T, r | dr], mask [B, T, T], pages [B / fold, row_pages]");
   }
   const Operands x{q_latent.typed_data(), q_rope.typed_data(), latent.untyped_data(), rope.untyped_data(),
                    length.typed_data(), tail_latent.typed_data(), tail_rope.typed_data(), tail_mask.typed_data(),

@@ -44,7 +44,8 @@ ROW_DOT_TARGETS = {
     jnp.dtype(jnp.float32): "jaxdd_row_dot_f32",
     jnp.dtype(jnp.bfloat16): "jaxdd_row_dot_bf16",
 }
-ATTENTION_TARGET = "jaxdd_tree_attention"  # caches of fp32, bf16 or float8_e4m3fn
+ATTENTION_TARGET = "jaxdd_tree_attention"
+ATTENTION_CACHE_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn)))
 # the kernel's scale groups are whole 4-word half-blocks (every Kimi INT4 checkpoint: 32)
 GROUP_MULTIPLE = 32
 # No FMA contraction: the portable INT4 path's bf16 rounding
@@ -194,6 +195,11 @@ def tree_attention(
     fp32, each row's committed pages read in place (a cache of fp32, bf16 or e4m3 widened to fp32
     as it is read). Without ``pages`` each row's own buffer is one page of its table. Call only
     where ``available()``."""
+    if cache_latent.dtype != cache_rope.dtype or cache_latent.dtype not in ATTENTION_CACHE_DTYPES:
+        raise ValueError(
+            f"tree attention: a cache of one dtype of {[d.name for d in ATTENTION_CACHE_DTYPES]}"
+            f" expected, got {cache_latent.dtype} and {cache_rope.dtype}"
+        )
     b, t, h, r = q_latent.shape
     if pages is None:
         pages, fold = jnp.arange(b, dtype=jnp.int32)[:, None], 1
@@ -211,7 +217,7 @@ def tree_attention(
         f32(q_latent.reshape(b, t * h, r)),
         f32(q_rope.reshape(b, t * h, -1)),
         cache_latent,
-        cache_rope.astype(cache_latent.dtype),
+        cache_rope,
         length.astype(jnp.int32),
         f32(tail_latent),
         f32(tail_rope),

@@ -229,3 +229,24 @@ def test_a_pool_of_pages_holds_short_requests_beside_a_long_one(decoder):
             options = {"max_new_tokens": request.max_new_tokens, "sampling": request.sampling}
             alone = decoder.generate(request.prompt, method="dflash", stop_token_ids=[], **options)
             assert outputs[i] == alone.tokens, i
+
+
+def test_a_row_asks_for_the_rounds_in_flight_it_runs_in(decoder):
+    """Before each round a row asks for the pages up to what the rounds in flight it runs in and
+    this round can write: a row admitted after two rounds were dispatched asks for its prompt and
+    one round, the row that ran in both for two rounds' width more."""
+    pool = RowPool(decoder, method="dflash", rows=2, max_len=256, max_prompt=16, cache_tokens=512)
+    pool.warm_up()
+    asked = []
+    grow = pool.pages.grow
+    pool.pages.grow = lambda wants: asked.append(dict(wants)) or grow(wants)
+    first = pool.admit(pool.check(RowRequest(list(range(1, 13)), 200, [], jaxdd.Sampling())))
+    pool.dispatch()
+    pool.dispatch()
+    second = pool.admit(pool.check(RowRequest(list(range(1, 6)), 200, [], jaxdd.Sampling())))
+    pool.dispatch()
+    one_round = pool.shape.round_tokens
+    assert asked[0] == {first: 12 + one_round}
+    assert asked[1] == {first: 12 + pool.width + one_round}
+    assert asked[2] == {first: 12 + 2 * pool.width + one_round, second: 5 + one_round}
+    pool.release_all()

@@ -375,20 +375,70 @@ def test_tpu_paged_form_in_the_tpu_interpreter_matches_reference(shape, dtype, w
     check_paged(kernel, shape, dtype, sum(shape) + with_lse, with_lse, tree)
 
 
+# the paged shapes, and widths that are not whole vectors of 16 (latent 40, rope 12)
+CPU_PAGED_SHAPES = [shape[:-1] for shape in PAGED_SHAPES] + [(2, 5, 3, 40, 12, 8, 4)]
+
+
 @settings(max_examples=examples(8), deadline=None)
 @given(
-    shape=st.sampled_from(PAGED_SHAPES),
+    shape=st.sampled_from(CPU_PAGED_SHAPES),
     dtype=st.sampled_from(["float32", "bfloat16"]),
     seed=st.integers(0, 10**6),
     with_lse=st.booleans(),
     tree=st.sampled_from(["owned", "elsewhere"]),
 )
 def test_cpu_kernel_over_pages_matches_reference(shape, dtype, seed, with_lse, tree):
-    """The C++ form over pools of pages (``jaxdd.runtime.cpu_kernels``), jitted: pages of 16-64
+    """The C++ form over pools of pages (``jaxdd.runtime.cpu_kernels``), jitted: pages of 8-64
     read in blocks of up to 64 keys, rows of every length, trees of 1-17 tokens."""
     needs_build("cpu")
     kernel = jax.jit(cpu_kernels.tree_attention, static_argnames=("scale", "with_lse"))
-    check_paged(kernel, tuple(shape[:-1]), dtype, seed, with_lse, tree)
+    check_paged(kernel, shape, dtype, seed, with_lse, tree)
+
+
+def test_cpu_kernel_reads_no_slot_past_a_rows_length():
+    """Every slot at or past each row's length and the null page hold NaN: the C++ form's output
+    is finite and equals the reference's over the clean pools (it never reads them)."""
+    needs_build("cpu")
+    args, pages = paged_inputs((3, 5, 2, 32, 8, 16, 4), "float32", 11)
+    expected = tree_attention_reference(*args, 0.3, with_lse=True, pages=pages)
+    slot = np.arange(4 * 16).reshape(4, 16)
+    live = np.zeros(args[2].shape[:2], bool)  # [pool pages, page]: the slots below some length
+    for row, length in enumerate(np.asarray(args[4])):
+        for index, page in enumerate(np.asarray(pages[row])):
+            live[page] |= (slot[index] < length) & (page != 0)
+    poisoned = [jnp.where(live[..., None], x, jnp.nan) for x in args[2:4]]
+    actual = cpu_kernels.tree_attention(
+        *args[:2], *poisoned, *args[4:], scale=0.3, with_lse=True, pages=pages
+    )
+    assert all(np.isfinite(np.asarray(x)).all() for x in actual)
+    check_lse(actual, expected, "float32")
+
+
+def test_cpu_kernel_reads_every_e4m3_value_exactly():
+    """Each row sees one key of an 8-bit pool (its length 1, no tree token): its output is that
+    key's latent, so the 256 bit patterns (NaN's two as 0) read as their exact values."""
+    needs_build("cpu")
+    bits = np.arange(256, dtype=np.uint8).reshape(16, 1, 16)
+    bits[np.isin(bits, [0x7F, 0xFF])] = 0
+    pool = jnp.asarray(np.concatenate([np.zeros_like(bits[:1]), bits]).view(jnp.float8_e4m3fn))
+    args = list(inputs((16, 2, 2, 16, 8, 2), "float32", 0))  # its caches replaced below
+    args[2], args[3] = pool, jnp.zeros((17, 1, 8), jnp.float8_e4m3fn)
+    args[4] = jnp.ones((16,), jnp.int32)
+    args[7] = jnp.zeros_like(args[7])
+    pages = jnp.arange(1, 17, dtype=jnp.int32)[:, None]
+    out = cpu_kernels.tree_attention(*args, scale=0.3, pages=pages)
+    expected = np.asarray(pool[1:, 0], np.float32)[:, None, None, :]
+    np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(expected, out.shape))
+
+
+def test_cpu_kernel_refuses_pools_of_other_dtypes():
+    needs_build("cpu")
+    args = inputs((1, 2, 2, 16, 8, 16), "float32", 0)
+    with pytest.raises(ValueError, match="a cache of one dtype"):
+        cpu_kernels.tree_attention(*args[:3], args[3].astype(jnp.bfloat16), *args[4:], scale=0.3)
+    with pytest.raises(ValueError, match="a cache of one dtype"):
+        half = [x.astype(jnp.float16) for x in args[2:4]]
+        cpu_kernels.tree_attention(*args[:2], *half, *args[4:], scale=0.3)
 
 
 @settings(max_examples=examples(8), deadline=None)
@@ -419,7 +469,7 @@ def test_a_pool_in_fp8_is_read_as_its_values_widened(form, dtype):
     """Pages stored in 8-bit floats (the drafter's K/V with ``drafter_kv="fp8"``) under fp32 or
     bf16 queries: each form widens every block it reads to the queries' dtype, so it attends
     as over the same values in that dtype (the probabilities too meet the values in it: in
-    fp8 they would miss fp32's tolerance). The C++ form leaves 8-bit pools to the reference."""
+    fp8 they would miss fp32's tolerance). The C++ form widens every block to fp32."""
     needs_build(form)
     kernel = KERNELS[form]
     args, pages = paged_inputs((2, 9, 4, 64, 16, 16, 10), dtype, 5)

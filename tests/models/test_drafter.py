@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from jaxdd.cache import DraftCache
 from jaxdd.config import DrafterConfig, default_target_layer_ids
 from jaxdd.errors import ConfigError
+from jaxdd.runtime import cpu_kernels
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.sharding import make_mesh
 from jaxdd.testing.reference import drafter_config, hf_drafter, rel_err
@@ -31,10 +32,15 @@ KERNELS = {
     "gpu form": lambda: functools.partial(tree_attention, interpret=True),
     "tpu form": lambda: functools.partial(tree_attention_tpu, interpret=pltpu.InterpretParams()),
     "gpu form compiled": lambda: Backend.local().tree_attention(),
+    "cpu kernel": lambda: cpu_kernels.tree_attention,
 }
 FORMS = [
     *list(KERNELS)[:3],
     pytest.param("gpu form compiled", marks=pytest.mark.skipif(not ON_GPU, reason="needs a GPU")),
+    pytest.param(
+        "cpu kernel",
+        marks=pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler here"),
+    ),
 ]
 
 
