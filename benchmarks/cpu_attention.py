@@ -1,6 +1,6 @@
 """A verify's attention over pools of pages on CPU: the C++ kernel against XLA's forms.
 
-    PYTHONPATH=$PWD python benchmarks/cpu_attention.py [--repeats 200]
+    PYTHONPATH=$PWD python benchmarks/cpu_attention.py [--repeats 200] [--alternations 5]
 
 One call of the attention at the demo pair's widths (4 heads, latent 64 + rope 16, fp32) over
 serve_load's pool (16 rows of 6 pages of 64 slots, tables shuffled over the pool): the C++ kernel
@@ -10,19 +10,31 @@ as the absorbed form reads a pool) and XLA over contiguous rows (the same cache 
 buffer: jaxdd before the pages). Rounds of a DFlash block (8 tokens) and of a DDTree-16 tree
 (17), rows whose committed lengths are serve_load's (uniform over 20-320 slots) or near full
 (300-384), and one row alone. Median milliseconds of each, all in one run.
+
+Then whole rounds at batch 1, where the kernel's calls are smallest: the demo pair decoding 6
+HumanEval prompts (their last 96 tokens, 48 new tokens, greedy) in AR, DFlash and DDTree-16, with
+the kernel and with XLA's absorbed form (a backend that declines the kernel), alternating in one
+process; ms per round, the median of the alternations, and whether the tokens are the same.
 Writes benchmarks/results/cpu_attention.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import statistics
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from humaneval import humaneval_prompts
 
+import jaxdd
+from jaxdd.cli import DEMO
+from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.runtime import cpu_kernels
+from jaxdd.runtime.backend import Backend
 from jaxdd.testing.benchmark import median_ms, write_result
 from pallas_kernels.tree_attention import tree_attention_reference
 
@@ -70,9 +82,57 @@ def forms(x: dict) -> dict:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class XlaAttention(Backend):
+    """The CPU backend with the absorbed form in XLA's einsums (the kernel declined)."""
+
+    def attention_kernel(self, attention, paged):
+        return None if attention == "absorbed" else super().attention_kernel(attention, paged)
+
+
+ROUNDS = {"ar": {"method": "ar"}, "dflash": {"method": "dflash"}}
+ROUNDS["ddtree-16"] = {"method": "ddtree", "budget": 16}
+
+
+def rounds(alternations: int) -> dict:
+    """ms per round at batch 1 with the kernel and with XLA, alternating in this process."""
+    target = jaxdd.load_target(DEMO / "target", "float32")
+    drafter = jaxdd.load_drafter(DEMO / "drafter", "float32")
+    sides = {"kernel": Backend("cpu"), "xla": XlaAttention("cpu")}
+    decoders = {side: SpeculativeDecoder(target, drafter, backend=b) for side, b in sides.items()}
+    prompts = humaneval_prompts(6, keep=96)
+
+    def run(decoder, options):
+        results = [
+            decoder.generate(p, max_new_tokens=48, stop_token_ids=[], **options) for p in prompts
+        ]
+        count = sum(len(r.acceptance_lengths) for r in results)
+        return 1e3 * sum(r.decode_seconds for r in results) / count, [r.tokens for r in results]
+
+    times, tokens = {}, {}
+    for i in range(alternations):
+        for side, decoder in decoders.items():
+            for name, options in ROUNDS.items():
+                if i == 0:
+                    run(decoder, options)  # compiles
+                ms, tokens[name, side] = run(decoder, options)
+                times.setdefault(name, {}).setdefault(side, []).append(round(ms, 3))
+    return {
+        name: {
+            "ms_per_round": sides_ms,
+            "kernel_over_xla": round(
+                statistics.median(sides_ms["kernel"]) / statistics.median(sides_ms["xla"]), 3
+            ),
+            "same_tokens": tokens[name, "kernel"] == tokens[name, "xla"],
+        }
+        for name, sides_ms in times.items()
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--alternations", type=int, default=5)
     args = parser.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("cpu_attention: no C++ compiler builds the CPU kernels here")
@@ -98,7 +158,9 @@ def main() -> None:
             "row_pages": ROW_PAGES,
         },
         "cases": cases,
+        "rounds_batch_1": rounds(args.alternations),
     }
+    print(report["rounds_batch_1"])
     write_result(RESULTS / "cpu_attention.json", report)
 
 

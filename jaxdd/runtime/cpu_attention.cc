@@ -20,7 +20,9 @@ namespace {
 
 using namespace jaxdd;  // NOLINT: the shared helpers (cpu_kernels.h)
 
-constexpr int64_t kQueryRows = 16;  // query rows per task
+// Query rows per task: a row's all (each task widens its row's keys once per block: more tasks, more copies), split
+// only so that every thread has a task, into blocks of kMinQueryRows or more; at most kMaxQueryRows (its scratch).
+constexpr int64_t kMinQueryRows = 16, kMaxQueryRows = 256;
 constexpr int64_t kKeys = 64;  // keys per block of the online softmax (and never two pages in one block)
 constexpr float kNeg = -1e30f;  // pallas_kernels.tree_attention.NEG: a row that sees nothing
 
@@ -211,13 +213,16 @@ struct Operands {
 
 template <typename W>
 void attend(ffi::ThreadPool& pool, const Operands& x) {
-  const int64_t blocks = (x.m + kQueryRows - 1) / kQueryRows, heads = x.m / x.t;
+  const int64_t spread = (pool.num_threads() + x.b - 1) / x.b;  // tasks per row for every thread to have one
+  const int64_t blocks =
+      std::clamp<int64_t>(spread, (x.m + kMaxQueryRows - 1) / kMaxQueryRows, (x.m + kMinQueryRows - 1) / kMinQueryRows);
+  const int64_t per_task = (x.m + blocks - 1) / blocks, heads = x.m / x.t;
   const int64_t last_page = x.pool_pages - 1;  // pools of [P x fold, page, ..] where fold KV heads share a table
   const W* latent_pool = static_cast<const W*>(x.latent);
   const W* rope_pool = static_cast<const W*>(x.rope);
   parallel_for(pool, x.b * blocks, [&](int64_t task) {
-    const int64_t row = task / blocks, first = task % blocks * kQueryRows, at_query = row * x.m + first;
-    Softmax softmax(x.q_latent + at_query * x.r, x.q_rope + at_query * x.dr, std::min(kQueryRows, x.m - first),
+    const int64_t row = task / blocks, first = task % blocks * per_task, at_query = row * x.m + first;
+    Softmax softmax(x.q_latent + at_query * x.r, x.q_rope + at_query * x.dr, std::min(per_task, x.m - first),
                     x.r, x.dr, x.scale);
     const int64_t committed = std::clamp<int64_t>(x.length[row], 0, x.row_pages * x.page);
     const int32_t* own = x.pages + row / x.fold * x.row_pages;
