@@ -214,9 +214,10 @@ struct Operands {
 template <typename W>
 void attend(ffi::ThreadPool& pool, const Operands& x) {
   const int64_t spread = (pool.num_threads() + x.b - 1) / x.b;  // tasks per row for every thread to have one
-  const int64_t blocks =
+  const int64_t split =
       std::clamp<int64_t>(spread, (x.m + kMaxQueryRows - 1) / kMaxQueryRows, (x.m + kMinQueryRows - 1) / kMinQueryRows);
-  const int64_t per_task = (x.m + blocks - 1) / blocks, heads = x.m / x.t;
+  const int64_t per_task = (x.m + split - 1) / split, blocks = (x.m + per_task - 1) / per_task;  // none empty
+  const int64_t heads = x.m / x.t;
   const int64_t last_page = x.pool_pages - 1;  // pools of [P x fold, page, ..] where fold KV heads share a table
   const W* latent_pool = static_cast<const W*>(x.latent);
   const W* rope_pool = static_cast<const W*>(x.rope);
