@@ -150,6 +150,11 @@ struct Softmax {
   template <typename W, typename Visible>
   void add(const Keys<W>& keys, Visible visible) {
     const int64_t count = keys.count, dr = width - r, vectors = (count + 15) / 16;
+    bool seen = false;  // a block no row sees (a tree's other branches, a causal chunk's later rows) is skipped
+    for (int64_t i = 0; i < rows && !seen; ++i) {
+      for (int64_t j = 0; j < count && !seen; ++j) seen = visible(i, j);
+    }
+    if (!seen) return;
     for (int64_t j = 0; j < 16 * vectors; ++j) {  // transposed, widened, zero past the block
       for (int64_t d = 0; d < r; ++d) keys_t[d * kKeys + j] = j < count ? to_float(keys.latent[j * r + d]) : 0.0f;
       for (int64_t d = 0; d < dr; ++d) {

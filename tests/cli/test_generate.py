@@ -352,11 +352,11 @@ def test_rounds_past_memory_are_refused_and_oversized_ones_noted(checkpoints, ca
         "--dtype",
         "float32",
     ]
-    assert main([*common, "--method", "ddtree", "--budget", "100000", "--max-new-tokens", "4"]) == 2
+    assert main([*common, "--method", "ddtree", "--budget", "400000", "--max-new-tokens", "4"]) == 2
     # after the "compiling ..." status line: the compile tells the size
     err = capsys.readouterr().err
     assert "Traceback" not in err and re.fullmatch(
-        r"jaxdd: the ddtree round verifies 100001 tokens per request \(budget 100000\) and "
+        r"jaxdd: the ddtree round verifies 400001 tokens per request \(budget 400000\) and "
         r"needs [\d.]+ GB of "
         r"working memory per device, [\d.]+ GB is free; lower budget",
         err.splitlines()[-1],
