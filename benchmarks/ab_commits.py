@@ -8,8 +8,10 @@ alternation in one run, so a slow spell of a shared machine hits both alike:
 
 - rounds: the bundled pair (fp32, batch 1, HumanEval prompts, no stop tokens) through
   ``SpeculativeDecoder.generate`` for AR, DFlash, DDTree-16 and seeded sampled DFlash and DDTree:
-  every token must be the same on both commits; the time per round (compiled runs excluded) is
-  compared as the ratio of the medians over the alternations;
+  every token must be the same on both commits. Each commit's process stays up, compiles every
+  run, then takes one (run, prompt) at a time, the two sides in a seeded random order: a slow
+  spell of the host lasts seconds and hits both sides of a pair alike. A run's speed is the
+  median over its pairs of head's / base's time per round;
 - serving: ``benchmarks/serve_load.py --clients 16`` of each commit (its own server), throughput
   of the continuous batching at T=0 and T=0.7.
 
@@ -22,11 +24,12 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from humaneval import humaneval_prompts
@@ -43,30 +46,31 @@ RUNS = {
     "ddtree_sampled": {"method": "ddtree", "budget": 16, "sampled": True},
 }
 # Run inside a commit's tree: only names both commits have (the public API and the engine).
-PROBE = """
-import json, sys, time
+# Compiles every (run, prompt) once, says "ready", then answers "run prompt" lines.
+WORKER = """
+import json, sys
 import jaxdd
 from jaxdd.decoding.engine import SpeculativeDecoder
-prompts, runs, max_new = json.loads(sys.stdin.read())
+prompts, runs, max_new = json.loads(sys.stdin.readline())
 demo = "jaxdd/demo/kimi-mini"
 target = jaxdd.load_target(demo + "/target", "float32")
 drafter = jaxdd.load_drafter(demo + "/drafter", "float32")
 decoder = SpeculativeDecoder(target, drafter)
-out = {}
-for name, run in runs.items():
+def go(name, i):
+    run = runs[name]
     options = {k: v for k, v in run.items() if k != "sampled"}
-    tokens, seconds, rounds = [], 0.0, 0
-    for i, prompt in enumerate(prompts):
-        sampling = jaxdd.Sampling(0.7, 0.95, 0, 100 + i) if run.get("sampled") else jaxdd.Sampling()
-        go = lambda: decoder.generate(prompt, max_new_tokens=max_new, stop_token_ids=[],
-                                      sampling=sampling, **options)
-        go()  # compiles
-        result = go()
-        tokens.append(result.tokens)
-        seconds += result.decode_seconds
-        rounds += len(result.acceptance_lengths)
-    out[name] = {"tokens": tokens, "ms_per_round": 1e3 * seconds / rounds}
-print(json.dumps(out))
+    sampling = jaxdd.Sampling(0.7, 0.95, 0, 100 + i) if run.get("sampled") else jaxdd.Sampling()
+    return decoder.generate(prompts[i], max_new_tokens=max_new, stop_token_ids=[],
+                            sampling=sampling, **options)
+for name in runs:
+    for i in range(len(prompts)):
+        go(name, i)
+print("ready", flush=True)
+for line in sys.stdin:
+    name, i = line.split()
+    result = go(name, int(i))
+    ms = 1e3 * result.decode_seconds / len(result.acceptance_lengths)
+    print(json.dumps({"tokens": result.tokens, "ms_per_round": ms}), flush=True)
 """
 
 
@@ -82,41 +86,90 @@ def worktree(commit: str) -> Iterator[Path]:
         subprocess.run([*git, "worktree", "remove", "--force", str(folder)], check=False)
 
 
-def run_in(tree: Path, args: list[str], stdin: str | None = None) -> str:
+def environment(tree: Path) -> dict[str, str]:
+    """The environment of a process that imports ``tree``'s package."""
+    return {**os.environ, "PYTHONPATH": str(tree), "TQDM_DISABLE": "1", "JAX_PLATFORMS": "cpu"}
+
+
+def run_in(tree: Path, args: list[str]) -> str:
     """``python args`` with ``tree`` as the working directory and the package it imports."""
-    env = {**os.environ, "PYTHONPATH": str(tree), "TQDM_DISABLE": "1", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
-        [sys.executable, *args], cwd=tree, env=env, input=stdin, capture_output=True, text=True
+        [sys.executable, *args], cwd=tree, env=environment(tree), capture_output=True, text=True
     )
     if done.returncode != 0:
         raise SystemExit(f"jaxdd: {tree}: {' '.join(args[:2])} failed:\n{done.stderr[-2000:]}")
     return done.stdout
 
 
+@contextlib.contextmanager
+def worker(tree: Path, setup: str) -> Iterator[Callable[[str, int], dict]]:
+    """A commit's ``WORKER`` process, compiled: ``ask(run, prompt)`` answers one generation."""
+    with tempfile.TemporaryFile("w+") as log:  # not a pipe: one nobody reads could stall it
+        process = subprocess.Popen(
+            [sys.executable, "-c", WORKER],
+            cwd=tree,
+            env=environment(tree),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+
+        def answer() -> str:
+            line = process.stdout.readline()
+            if not line:
+                log.seek(0)
+                raise SystemExit(f"jaxdd: {tree}: the worker failed:\n{log.read()[-2000:]}")
+            return line
+
+        def ask(name: str, prompt: int) -> dict:
+            process.stdin.write(f"{name} {prompt}\n")
+            process.stdin.flush()
+            return json.loads(answer())
+
+        try:
+            process.stdin.write(setup + "\n")
+            process.stdin.flush()
+            answer()  # ready
+            yield ask
+        finally:
+            process.stdin.close()
+            process.wait(timeout=60)
+
+
 def rounds(trees: dict[str, Path], prompts, alternations: int, max_new: int) -> dict:
-    """Per run: tokens equal on every side, and each side's ms per round per alternation."""
-    probe = json.dumps([prompts, RUNS, max_new])
+    """Per run: tokens equal on every side and pair, each side's ms per round per (alternation,
+    prompt), and the median of the pairs' head / base ratios."""
+    setup = json.dumps([prompts, RUNS, max_new])
     times = {side: {name: [] for name in RUNS} for side in trees}
-    tokens = {}
-    for i in range(alternations):
-        for side, tree in trees.items():
-            out = json.loads(run_in(tree, ["-c", PROBE], probe).splitlines()[-1])
-            for name, result in out.items():
-                times[side][name].append(result["ms_per_round"])
-                tokens.setdefault(name, {})[side] = result["tokens"]
-            print(
-                f"alternation {i} {side}:", {n: round(r["ms_per_round"], 2) for n, r in out.items()}
-            )
-    base, head = trees
+    same = dict.fromkeys(RUNS, True)
+    order = random.Random(0)
+    with contextlib.ExitStack() as stack:
+        ask = {side: stack.enter_context(worker(tree, setup)) for side, tree in trees.items()}
+        for i in range(alternations):
+            for name in RUNS:
+                for prompt in range(len(prompts)):
+                    answers = {s: ask[s](name, prompt) for s in order.sample(list(trees), 2)}
+                    same[name] &= len({json.dumps(a["tokens"]) for a in answers.values()}) == 1
+                    for side, answer in answers.items():
+                        times[side][name].append(answer["ms_per_round"])
+            print(f"alternation {i}:", {n: round(head_over_base(times, n), 3) for n in RUNS})
     return {
         name: {
-            "same_tokens": tokens[name][base] == tokens[name][head],
+            "same_tokens": same[name],
             **{f"{side}_ms_per_round": times[side][name] for side in trees},
-            "head_over_base": statistics.median(times[head][name])
-            / statistics.median(times[base][name]),
+            "head_over_base": head_over_base(times, name),
         }
         for name in RUNS
     }
+
+
+def head_over_base(times: dict, name: str) -> float:
+    """The median of ``name``'s paired head / base times (the sides' keys in that order)."""
+    base, head = times
+    return statistics.median(
+        h / b for h, b in zip(times[head][name], times[base][name], strict=True)
+    )
 
 
 def serving(trees: dict[str, Path], alternations: int) -> dict:
