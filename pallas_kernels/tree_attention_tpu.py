@@ -14,12 +14,14 @@ Over pools of pages (``pages``) the page tables are scalar-prefetched into SMEM 
 as in ragged paged attention, and the cache operands' index maps read each block's page from
 there: a key step takes ``per_step`` pages (each the same pool passed as its own operand, so
 Pallas pipelines every page's copy), concatenated into one block of keys; pages larger than the
-key block are read in sub-blocks of it.
+key block are read in sub-blocks of it. Tables larger than SMEM holds (256 rows of 128k slots: 2
+MiB) are read by one call per group of rows whose tables fit, each over the same pools.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -44,6 +46,9 @@ from pallas_kernels.tuned_block_sizes import block_sizes
 LANES = 128
 ROW_ALIGN = 32  # sublane tiles: 8 rows of fp32, 16 of bf16; 32 suits both
 MAX_PAGES_PER_STEP = 8  # each page is two more pipelined operands, double-buffered in VMEM
+# v5e, v5p and v6e have 1 MiB of SMEM per core; half for the tables leaves the lengths and Mosaic's
+# own scalars room
+SMEM_TABLE_BYTES = 512 * 1024
 
 
 class TpuTiles(NamedTuple):
@@ -205,7 +210,15 @@ def _cost(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "interpret", "vmem_limit_bytes", "with_lse", "fold")
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "interpret",
+        "vmem_limit_bytes",
+        "with_lse",
+        "fold",
+        "smem_table_bytes",
+    ),
 )
 def tree_attention_tpu(
     q_latent,
@@ -222,13 +235,61 @@ def tree_attention_tpu(
     with_lse: bool = False,
     pages: jax.Array | None = None,
     fold: int = 1,
+    smem_table_bytes: int = SMEM_TABLE_BYTES,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Same arguments and results as ``tree_attention_reference``; ``interpret``: False to compile
     with Mosaic, or ``pltpu.InterpretParams()`` for Pallas' TPU interpreter (TPU semantics on any
     host). ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (default: the chip's); a compile over it
     fails with the VMEM the kernel needs (``benchmarks/kernel_compiles.py`` reads it from there).
     ``pages``: pools of pages read through these tables (``paged_tiles``), each ``fold`` rows'
-    (``unfold_pages``; SMEM holds them, not their unfolded copies)."""
+    (``unfold_pages``; SMEM holds them, not their unfolded copies), at most ``smem_table_bytes``
+    of them per call (``table_groups``)."""
+    rows = (q_latent, q_rope, length, tail_latent, tail_rope, tail_mask)
+    options = dict(
+        scale=scale, interpret=interpret, vmem_limit_bytes=vmem_limit_bytes, with_lse=with_lse
+    )
+    if pages is None:
+        return _call(*rows[:2], cache_latent, cache_rope, *rows[2:], **options)
+    outputs = [
+        _call(
+            *(x[start * fold : end * fold] for x in rows[:2]),
+            cache_latent,
+            cache_rope,
+            *(x[start * fold : end * fold] for x in rows[2:]),
+            pages=pages[start:end],
+            fold=fold,
+            **options,
+        )
+        for start, end in table_groups(pages.shape, smem_table_bytes)
+    ]
+    return jax.tree.map(lambda *parts: jnp.concatenate(parts), *outputs)
+
+
+def table_groups(shape: tuple[int, int], smem_table_bytes: int) -> list[tuple[int, int]]:
+    """The (start, end) of each call's tables out of ``shape`` [tables, row_pages] int32: as
+    many per call as ``smem_table_bytes`` holds (one at least), in equal groups."""
+    tables, row_pages = shape
+    calls = -(-tables // max(1, smem_table_bytes // (4 * row_pages)))
+    return list(itertools.pairwise(i * tables // calls for i in range(calls + 1)))
+
+
+def _call(
+    q_latent,
+    q_rope,
+    cache_latent,
+    cache_rope,
+    length,
+    tail_latent,
+    tail_rope,
+    tail_mask,
+    scale: float,
+    interpret: Any,
+    vmem_limit_bytes: int | None,
+    with_lse: bool,
+    pages: jax.Array | None = None,
+    fold: int = 1,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """``tree_attention_tpu`` in one kernel call: every table in SMEM."""
     (b, t, h, r), dr = q_latent.shape, q_rope.shape[-1]
     length = length.astype(jnp.int32)
     if pages is None:

@@ -4,6 +4,7 @@ CPU; a GPU twin when present), and inside the model and the DDTree decoder."""
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ from pallas_kernels.tree_attention_tpu import (
     _cache_specs,
     declared_bytes,
     paged_tiles,
+    table_groups,
     tpu_tiles,
     tree_attention_tpu,
 )
@@ -373,6 +375,44 @@ def test_tpu_paged_form_in_the_tpu_interpreter_matches_reference(shape, dtype, w
     kernel = functools.partial(tree_attention_tpu, interpret=pltpu.InterpretParams())
     tree = "elsewhere" if with_lse else "owned"
     check_paged(kernel, shape, dtype, sum(shape) + with_lse, with_lse, tree)
+
+
+@pytest.mark.parametrize("fold", [1, 2])
+def test_tpu_paged_form_reads_tables_past_smem_in_several_calls(fold):
+    """Tables past ``smem_table_bytes`` are read by one call per group of rows (here 5 tables, 2
+    per call: groups of 1, 2 and 2), giving the results of one call over them all."""
+    args, pages = paged_inputs((5 * fold, 9, 2, 32, 8, 16, 3), "float32", 11)
+    pages = pages[::fold]
+    pool = [jnp.concatenate([x] * fold) for x in args[2:4]]  # fold x the pages the tables name
+    args = [*args[:2], *pool, *args[4:]]
+    kernel = functools.partial(
+        tree_attention_tpu,
+        scale=0.2,
+        with_lse=True,
+        pages=pages,
+        fold=fold,
+        interpret=pltpu.InterpretParams(),
+    )
+    assert table_groups(pages.shape, 2 * 3 * 4) == [(0, 1), (1, 3), (3, 5)]
+    split = kernel(*args, smem_table_bytes=2 * 3 * 4)
+    whole = kernel(*args)
+    for got, want in zip(split, whole, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    expected = tree_attention_reference(*args, 0.2, with_lse=True, pages=pages, fold=fold)
+    check_lse(split, expected, "float32")
+
+
+@settings(max_examples=examples(50), deadline=None)
+@given(tables=st.integers(1, 600), row_pages=st.integers(1, 5000), budget=st.integers(0, 2**21))
+def test_table_groups_cover_the_tables_within_the_budget(tables, row_pages, budget):
+    """Contiguous groups covering every table, as many per group as the budget holds (one at
+    least), sizes within one of each other."""
+    groups = table_groups((tables, row_pages), budget)
+    assert groups[0][0] == 0 and groups[-1][1] == tables
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
+    sizes = [end - start for start, end in groups]
+    assert max(sizes) <= max(1, budget // (4 * row_pages)) and max(sizes) - min(sizes) <= 1
+    assert min(sizes) >= 1
 
 
 # the paged shapes, and widths that are not whole vectors of 16 (latent 40, rope 12)

@@ -15,6 +15,7 @@ from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.runtime.backend import Backend
 from jaxdd.testing.reference import TINY_K2
 from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.tree_attention_tpu import SMEM_TABLE_BYTES, table_groups
 
 # (method, sampled, devices): every round sharded over 8 devices but
 # greedy DDTree, which runs on 1 (one device compiles the same program
@@ -150,6 +151,23 @@ def test_paged_kernel_compiles_at_kimi_sizes(target, batch, tokens, heads, slots
     tpu = where.platform == "tpu"
     names = ["mla_tree_attention_tpu_paged"] if tpu else ["mla_tree_attention_paged", "triton"]
     assert all(name in lowered.as_text() for name in names)
+
+
+@pytest.mark.parametrize("target", ["v5p:2x2x2"])
+def test_tables_past_smem_compile_in_several_calls(target):
+    """256 rows of 128k slots: 2 MiB of page tables, twice a TPU core's SMEM (one call that
+    prefetched them all was refused): the kernel reads them in calls whose tables fit."""
+    where = find_machine(target, 1)
+    *args, pages = paged_kernel_args(where, 256, 1, 8, 131072, 64)
+    args[2:4] = [
+        jax.ShapeDtypeStruct((4097, *x.shape[1:]), x.dtype, sharding=x.sharding) for x in args[2:4]
+    ]
+    kernel = jax.jit(lambda *a, pages: where.backend.tree_attention()(*a, scale=0.1, pages=pages))
+    lowered = kernel.lower(*args, pages=pages)
+    compiled = lowered.compile(compiler_options=where.compiler_options)
+    assert compiled.out_info.shape == (256, 1, 8, 512)
+    calls = lowered.as_text().count('name = "mla_tree_attention_tpu_paged"')
+    assert calls == len(table_groups(pages.shape, SMEM_TABLE_BYTES)) == 4
 
 
 def test_a_round_over_the_chips_memory_is_refused_by_the_compiler(tiny_plan_configs):
