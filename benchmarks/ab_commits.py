@@ -115,26 +115,33 @@ def worker(tree: Path, setup: str) -> Iterator[Callable[[str, int], dict]]:
             text=True,
         )
 
-        def answer() -> str:
+        def answer(expected: str) -> str:
+            """The worker's next line, which must start with ``expected`` (a line a commit's
+            loader printed would shift every answer after it)."""
             line = process.stdout.readline()
-            if not line:
+            if not line.startswith(expected):
                 log.seek(0)
-                raise SystemExit(f"jaxdd: {tree}: the worker failed:\n{log.read()[-2000:]}")
+                raise SystemExit(
+                    f"jaxdd: {tree}: the worker said {line[:200]!r}:\n{log.read()[-2000:]}"
+                )
             return line
 
         def ask(name: str, prompt: int) -> dict:
             process.stdin.write(f"{name} {prompt}\n")
             process.stdin.flush()
-            return json.loads(answer())
+            return json.loads(answer("{"))
 
         try:
             process.stdin.write(setup + "\n")
             process.stdin.flush()
-            answer()  # ready
+            answer("ready")
             yield ask
         finally:
             process.stdin.close()
-            process.wait(timeout=60)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
 
 
 def rounds(trees: dict[str, Path], prompts, alternations: int, max_new: int) -> dict:
@@ -153,7 +160,8 @@ def rounds(trees: dict[str, Path], prompts, alternations: int, max_new: int) -> 
                     same[name] &= len({json.dumps(a["tokens"]) for a in answers.values()}) == 1
                     for side, answer in answers.items():
                         times[side][name].append(answer["ms_per_round"])
-            print(f"alternation {i}:", {n: round(head_over_base(times, n), 3) for n in RUNS})
+            so_far = {n: round(head_over_base(times, n), 3) for n in RUNS}
+            print(f"after alternation {i}:", so_far)
     return {
         name: {
             "same_tokens": same[name],

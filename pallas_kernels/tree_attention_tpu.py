@@ -14,8 +14,8 @@ Over pools of pages (``pages``) the page tables are scalar-prefetched into SMEM 
 as in ragged paged attention, and the cache operands' index maps read each block's page from
 there: a key step takes ``per_step`` pages (each the same pool passed as its own operand, so
 Pallas pipelines every page's copy), concatenated into one block of keys; pages larger than the
-key block are read in sub-blocks of it. Tables larger than SMEM holds (256 rows of 128k slots: 2
-MiB) are read by one call per group of rows whose tables fit, each over the same pools.
+key block are read in sub-blocks of it. Tables past half of SMEM (256 rows of 128k slots: 2 MiB)
+are read by one call per group of rows whose tables fit, each over the same pools.
 """
 
 from __future__ import annotations
@@ -250,6 +250,7 @@ def tree_attention_tpu(
     )
     if pages is None:
         return _call(*rows[:2], cache_latent, cache_rope, *rows[2:], **options)
+    check_pages(cache_latent, cache_rope, pages, q_latent.shape[0], fold)  # all rows, not a group's
     outputs = [
         _call(
             *(x[start * fold : end * fold] for x in rows[:2]),
@@ -267,7 +268,7 @@ def tree_attention_tpu(
 
 def table_groups(shape: tuple[int, int], smem_table_bytes: int) -> list[tuple[int, int]]:
     """The (start, end) of each call's tables out of ``shape`` [tables, row_pages] int32: as
-    many per call as ``smem_table_bytes`` holds (one at least), in equal groups."""
+    many per call as ``smem_table_bytes`` holds (one at least), the groups' sizes within one."""
     tables, row_pages = shape
     calls = -(-tables // max(1, smem_table_bytes // (4 * row_pages)))
     return list(itertools.pairwise(i * tables // calls for i in range(calls + 1)))

@@ -396,6 +396,10 @@ def test_tpu_paged_form_reads_tables_past_smem_in_several_calls(fold):
     assert table_groups(pages.shape, 2 * 3 * 4) == [(0, 1), (1, 3), (3, 5)]
     split = kernel(*args, smem_table_bytes=2 * 3 * 4)
     whole = kernel(*args)
+    calls = lambda **options: str(
+        jax.make_jaxpr(functools.partial(kernel, **options))(*args)
+    ).count("pallas_call[")
+    assert calls(smem_table_bytes=2 * 3 * 4) == 3 and calls() == 1
     for got, want in zip(split, whole, strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     expected = tree_attention_reference(*args, 0.2, with_lse=True, pages=pages, fold=fold)
@@ -412,7 +416,7 @@ def test_table_groups_cover_the_tables_within_the_budget(tables, row_pages, budg
     assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
     sizes = [end - start for start, end in groups]
     assert max(sizes) <= max(1, budget // (4 * row_pages)) and max(sizes) - min(sizes) <= 1
-    assert min(sizes) >= 1
+    assert min(sizes) >= 1 and len(groups) == -(-tables // max(1, budget // (4 * row_pages)))
 
 
 # the paged shapes, and widths that are not whole vectors of 16 (latent 40, rope 12)
@@ -545,6 +549,13 @@ def test_pages_must_be_pools_and_tables():
         tree_attention(*args[:2], args[2], args[3][:, :8], *args[4:], scale=0.3, pages=pages)
     with pytest.raises(ValueError, match="page tables"):
         tree_attention_tpu(*args, scale=0.3, pages=pages[0])
+    with pytest.raises(ValueError, match="1 page tables, each for 1 rows, for 2 rows"):
+        tree_attention_tpu(*rows_twice(args), scale=0.3, pages=pages, smem_table_bytes=0)
+
+
+def rows_twice(args: list) -> list:
+    """``args`` with each row's operands twice (the pools as they are)."""
+    return [x if i in (2, 3) else jnp.concatenate([x, x]) for i, x in enumerate(args)]
 
 
 @pytest.mark.gpu

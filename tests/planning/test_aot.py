@@ -159,6 +159,7 @@ def test_tables_past_smem_compile_in_several_calls(target):
     prefetched them all was refused): the kernel reads them in calls whose tables fit."""
     where = find_machine(target, 1)
     *args, pages = paged_kernel_args(where, 256, 1, 8, 131072, 64)
+    # a smaller pool (the tables' size is what matters): each row's 2,048 pages would be 38 GB
     args[2:4] = [
         jax.ShapeDtypeStruct((4097, *x.shape[1:]), x.dtype, sharding=x.sharding) for x in args[2:4]
     ]
