@@ -201,6 +201,8 @@ class SpeculativeDecoder:
         if cache_layout == "striped" and self.mesh is not None:
             self.stripes = Stripes(self.mesh)
         self._working_memory: dict[tuple, int] = {}  # compiled rounds' temporaries, by round shape
+        # by pool shape, the jit making its empty state (a chunked generate makes a pool a call)
+        self._state_makers: dict[RowShape, Callable[[], DecodeState]] = {}
         target_structure, target_weights = split_module(target.model)
         self._target_only = ModelPair(
             target_weights, None, target_structure=target_structure, drafter_structure=None
@@ -437,8 +439,7 @@ class SpeculativeDecoder:
         what = (
             f"the {spec.method} round verifies {width} tokens per request ({option[spec.method]})"
         )
-        # Once per round shape: lowering again, even to
-        # a cached executable, costs more than a round.
+        # once per round shape: lowering again (even a cached executable) costs more than a round
         key = (
             spec,
             tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves((state, plan.settings))),
@@ -454,13 +455,11 @@ class SpeculativeDecoder:
                 ) from None
             self._working_memory[key] = stats.temp_size_in_bytes if stats is not None else 0
         needed = self._working_memory[key]
-        # this process's devices
-        free = Backend.free_bytes(state.bonus.sharding.addressable_devices)
+        free = Backend.free_bytes(state.bonus.sharding.addressable_devices)  # this process's
         if free is not None and needed > free:
             raise InputError(
                 f"{what} and needs {gigabytes(needed)} of working memory per device, "
-                f"{gigabytes(free)} is free; "
-                f"lower {option[spec.method].split()[0]}"
+                f"{gigabytes(free)} is free; lower {option[spec.method].split()[0]}"
             )
         trained = None if self.drafter is None else self.drafter.config.block_size
         if spec.method != "ar" and spec.block > trained:
@@ -483,6 +482,12 @@ class SpeculativeDecoder:
     def models_for(self, spec: RoundSpec) -> ModelPair:
         """The weights a round of ``spec`` reads: the target's alone for AR."""
         return self._target_only if spec.method == "ar" else self._models
+
+    def empty_state(self, shape: RowShape) -> DecodeState:
+        """A new state of ``shape``, every row done (``RowShape.state_maker``, once per shape)."""
+        if shape not in self._state_makers:
+            self._state_makers[shape] = shape.state_maker(self)
+        return self._state_makers[shape]()
 
 
 def gigabytes(n: int) -> str:

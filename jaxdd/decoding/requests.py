@@ -36,6 +36,8 @@ class Decoder(Protocol):
 
     def models_for(self, spec: RoundSpec) -> ModelPair: ...
 
+    def empty_state(self, shape: RowShape) -> DecodeState: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class RowRequest:
@@ -107,7 +109,7 @@ class RowShape:
     def state_maker(self, decoder: Decoder) -> Callable[[], DecodeState]:
         """A jitted call making this shape's decode state, every row done (nothing to decode)
         until a request is inserted, straight into its shardings (no device holds more than its
-        share of the pool, even for a moment): compiled once per pool, a reset runs it again."""
+        share of the pool, even for a moment); ``decoder.empty_state`` keeps one per shape."""
         spec = self.spec
         drafter = None if spec.method == "ar" else decoder.drafter.config
         sizes = (self.rows, self.row_pages, self.pool_pages, spec.block)

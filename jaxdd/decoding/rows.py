@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -143,7 +142,6 @@ class RowPool:
         self.paused_rounds = 0  # rounds a row waited for pages, over every row
         self.settings: RowSettings | None = None  # the device copy, made when a round needs it
         self.state: DecodeState | None = None
-        self._make_state: Callable[[], DecodeState] | None = None
         self.table: RowTable[RowEntry] = RowTable(self.rows)  # which request holds each row
         page, devices = paging(self.spec.stripes)
         # which pages each row holds, and which the prefix cache keeps
@@ -465,9 +463,7 @@ class RowPool:
 
     def _empty_state(self) -> DecodeState:
         """Every row done until a request is inserted (``RowShape.state_maker``)."""
-        if self._make_state is None:
-            self._make_state = self.shape.state_maker(self.decoder)
-        return self._make_state()
+        return self.decoder.empty_state(self.shape)
 
     def warm_up(self) -> None:
         """Compile every executable the pool will run: each prompt bucket's prefill (and with

@@ -105,3 +105,6 @@ def test_generate_prefills_in_chunks_to_the_same_tokens(decoder, method):
     for a, b in zip(chunked, whole, strict=True):
         assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
     assert len(chunked[0].tokens) == 20
+    with compile_clock() as clock:  # each call makes a pool of the same shape: its state's jit too
+        again = decoder.generate_batch(prompts, prefill_chunk=32, **options)
+    assert clock.count == 0 and [a.tokens for a in again] == [a.tokens for a in chunked]
