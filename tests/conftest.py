@@ -55,11 +55,12 @@ def near_map_limit() -> bool:
         return sum(1 for _ in maps) > int(limit.read_text()) // 2
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def drop_compiled_programs_near_map_limit():
-    """After a module, a worker past half the kernel's memory maps per process
-    drops its compiled programs: XLA:CPU maps hundreds of regions per executable,
-    and a worker that reached the limit (65530) segfaulted mid-compile."""
+    """After a test, a worker past half the kernel's memory maps per process drops its
+    compiled programs: XLA:CPU maps hundreds of regions per executable, and a worker that
+    reached the limit (65530) segfaulted mid-compile (checked after each module, one worker
+    went from under half to the limit inside tests/decoding/test_prefill_parts.py)."""
     yield
     if near_map_limit():
         jax.clear_caches()
