@@ -3,6 +3,7 @@ the real runs are ``python -m jaxdd.train.target``)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -13,7 +14,7 @@ import jaxdd
 from convert.jaxdd_to_hf import export
 from jaxdd.config import KimiConfig
 from jaxdd.models.target import KimiTarget
-from jaxdd.train.data import split, stdlib_files
+from jaxdd.train.data import split, stdlib_files, windows
 from jaxdd.train.target import KIMI_MINI, eval_loss, make_optimizer, train_step
 from jaxdd.train.tokenizer import END_OF_TEXT, MASK, save_tokenizer, train_tokenizer
 from jaxdd.weights.tokenizer import load_tokenizer
@@ -79,14 +80,13 @@ def test_drafter_training_steps_and_export_loads_in_dflash(tmp_path):
 
     from jaxdd.config import DrafterConfig
     from jaxdd.models.drafter import DFlashDrafter
+    from jaxdd.train.continuations import greedy_continuations, target_features
     from jaxdd.train.drafter import (
         drafter_eval,
         drafter_hf_config,
         drafter_step,
-        greedy_continuations,
         position_weights,
         random_anchors,
-        target_features,
     )
 
     target = KimiTarget(KimiConfig.from_hf(SMALL), jnp.float32, rngs=nnx.Rngs(0))
@@ -146,3 +146,78 @@ def test_history_plot(tmp_path):
     (tmp_path / "drafter_history.json").write_text(json.dumps(history))
     out = plot_history(tmp_path / "drafter_history.json", tmp_path / "drafter.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_resumed_from_its_last_save_equals_the_uninterrupted_run(tmp_path):
+    from jaxdd.train.resume import TrainingCheckpoints, step_rng
+
+    config = KimiConfig.from_hf(SMALL)
+    corpus = np.random.default_rng(3).integers(2, 512, 4000).astype(np.int32)
+
+    def run(model, optimizer, steps):
+        for step in steps:
+            tokens = jnp.asarray(windows(corpus, 2, 17, step_rng(7, step)))
+            train_step(model, optimizer, tokens)
+
+    def fresh(seed=0):
+        model = KimiTarget(config, jnp.float32, rngs=nnx.Rngs(seed))
+        return model, make_optimizer(model, steps=6, peak_lr=3e-3)
+
+    whole = fresh()
+    run(*whole, range(1, 7))
+    first = fresh()
+    run(*first, range(1, 4))
+    checkpoints = TrainingCheckpoints(tmp_path / "checkpoints")
+    assert checkpoints.restore(*first) == (0, None)  # nothing saved yet
+    assert not checkpoints.maybe_save(3, *first, {"step": [3]})  # minutes apart
+    assert checkpoints.maybe_save(3, *first, {"step": [3]}, force=True)
+    resumed = fresh(seed=1)  # other weights: the restore must replace them all
+    step, history = TrainingCheckpoints(tmp_path / "checkpoints").restore(*resumed)
+    assert (step, history) == (3, {"step": [3]})
+    run(*resumed, range(4, 7))
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(whole[0])), jax.tree.leaves(nnx.state(resumed[0])), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_validation_loss_by_position_bucket():
+    from jaxdd.train.target import bucket_losses, position_buckets
+
+    assert position_buckets(2048) == [(0, 127), (128, 255), (256, 511), (512, 1023), (1024, 2047)]
+    assert position_buckets(256) == [(0, 127), (128, 255)]
+    assert position_buckets(100) == [(0, 99)]
+    per_position = np.concatenate([np.full(128, 3.0), np.full(128, 2.0), np.arange(256.0)])
+    assert bucket_losses(per_position) == {"0-127": 3.0, "128-255": 2.0, "256-511": 127.5}
+
+
+def test_continuations_after_contexts_of_any_length_and_their_buckets():
+    from jaxdd.train.continuations import TrainingData, greedy_continuations, padded_length
+    from jaxdd.train.drafter import random_anchors
+
+    target = jaxdd.Target(KimiTarget(KimiConfig.from_hf(SMALL), jnp.float32, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(2, 512, n).astype(np.int32) for n in (9, 3, 6)]
+    sequences = greedy_continuations(target, prompts, 4, batch=2)
+    assert sequences.shape == (3, 13)
+    for prompt, row in zip(prompts, sequences, strict=True):
+        greedy = target.generate(prompt.tolist(), max_new_tokens=4, stop_token_ids=[]).tokens
+        n = len(prompt)
+        assert row[:n].tolist() == prompt.tolist() and row[n : n + 4].tolist() == greedy
+        assert not row[n + 4 :].any()  # padded with 0
+
+    assert [padded_length(n) for n in (1, 256, 257, 1100, 2048)] == [256, 256, 512, 2048, 2048]
+    contexts = np.array([64, 300, 100, 900])
+    data = TrainingData(
+        {"train": rng.integers(2, 512, (4, 900 + 8)).astype(np.int32)}, {"train": contexts}, 8
+    )
+    buckets = data.buckets(target.model, (0,), "train", chunk=2)
+    assert sorted(buckets) == [256, 512, 1024]
+    assert buckets[256].contexts.tolist() == [64, 100] and buckets[1024].tokens.shape == (1, 1024)
+    assert buckets[512].features.shape == (1, 512, SMALL["hidden_size"])
+    np.testing.assert_array_equal(buckets[512].tokens[0], data.tokens["train"][1, :512])
+
+    first = np.array([64, 300, 5])
+    anchors = random_anchors(rng, 3, 50, first + 8, 4, first)
+    assert (anchors >= first[:, None]).all() and (anchors <= (first + 4)[:, None]).all()
+    assert len(np.unique(anchors[0])) == 5  # every start with a whole block after it

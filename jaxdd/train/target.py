@@ -3,16 +3,22 @@
 on the stdlib corpus, with next-token cross-entropy and AdamW.
 
     python -m jaxdd.train.target OUT_DIR [--minutes 90] [--steps N] [--seed 0] [--layers 4]
+                                 [--length 256] [--batch 16] [--init HF_DIR] [--peak-lr 3e-3]
 
 Writes OUT_DIR/target (an HF-layout checkpoint: config.json + safetensors + tokenizer.json and
 tokenizer_config.json, which transformers loads too) and OUT_DIR/target_history.json (train /
-validation loss per evaluation).
+validation loss per evaluation, and validation loss by position bucket).
+
+A length curriculum is two runs: windows of 256 tokens from scratch, then ``--init`` that
+target (its weights and tokenizer) on long windows. A run saves itself under
+OUT_DIR/checkpoints every few minutes and resumes from there when started again.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import errno
+import itertools
 import tempfile
 import time
 from pathlib import Path
@@ -22,13 +28,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from tokenizers import Tokenizer
 
 from convert.jaxdd_to_hf import export
+from jaxdd import cli
+from jaxdd.api import load_target
 from jaxdd.cache import LatentCache
 from jaxdd.config import KimiConfig
 from jaxdd.models.target import KimiTarget
 from jaxdd.runtime.backend import Backend
 from jaxdd.train.data import encode_corpus, read_texts, split, stdlib_files, windows
+from jaxdd.train.resume import TrainingCheckpoints, step_rng, write_history
 from jaxdd.train.tokenizer import END_OF_TEXT, save_tokenizer, train_tokenizer
 from jaxdd.weights.checkpoint import save_target
 
@@ -70,8 +80,8 @@ KIMI_MINI = {
 }
 
 
-def causal_loss(model: KimiTarget, tokens: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy over tokens [B, T + 1]."""
+def position_losses(model: KimiTarget, tokens: jax.Array) -> jax.Array:
+    """Next-token cross-entropy [B, T] of tokens [B, T + 1]."""
     inputs = tokens[:, :-1]
     labels = tokens[:, 1:]
     b, t = inputs.shape
@@ -81,7 +91,12 @@ def causal_loss(model: KimiTarget, tokens: jax.Array) -> jax.Array:
     hidden = model(
         inputs, positions, cache, visible, attention="naive", backend=Backend.local()
     ).hidden
-    return optax.softmax_cross_entropy_with_integer_labels(model.logits(hidden), labels).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(model.logits(hidden), labels)
+
+
+def causal_loss(model: KimiTarget, tokens: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy over tokens [B, T + 1]."""
+    return position_losses(model, tokens).mean()
 
 
 def make_optimizer(model: nnx.Module, steps: int, peak_lr: float = 3e-3) -> nnx.Optimizer:
@@ -110,6 +125,28 @@ def eval_loss(model: nnx.Module, tokens: jax.Array) -> jax.Array:
     return causal_loss(model, tokens)
 
 
+@nnx.jit
+def eval_position_losses(model: nnx.Module, tokens: jax.Array) -> jax.Array:
+    """Mean cross-entropy per position [T] over the batch."""
+    return position_losses(model, tokens).mean(0)
+
+
+def position_buckets(length: int) -> list[tuple[int, int]]:
+    """[first, last] position ranges: 0-127, 128-255, then doubling up to ``length``."""
+    edges = [0, min(128, length)]
+    while edges[-1] < length:
+        edges.append(min(2 * edges[-1], length))
+    return [(a, b - 1) for a, b in itertools.pairwise(edges)]
+
+
+def bucket_losses(per_position: np.ndarray) -> dict[str, float]:
+    """{"first-last": mean loss} over ``position_buckets``."""
+    return {
+        f"{a}-{b}": round(float(per_position[a : b + 1].mean()), 4)
+        for a, b in position_buckets(len(per_position))
+    }
+
+
 def train(
     out: Path,
     minutes: float = 90.0,
@@ -118,52 +155,73 @@ def train(
     length: int = 256,
     seed: int = 0,
     layers: int = KIMI_MINI["num_hidden_layers"],
+    init: Path | None = None,
+    peak_lr: float = 3e-3,
 ) -> dict:
     """Train within ``minutes`` (or ``steps``); returns the history (also written next
-    to the checkpoint). ``layers``: decoder layers (the first dense, the rest MoE)."""
+    to the checkpoint). ``layers``: decoder layers (the first dense, the rest MoE); ``init``:
+    an HF-layout target to start from (its tokenizer too) instead of random weights."""
     out.mkdir(parents=True, exist_ok=True)
     train_files, validation_files = split(stdlib_files())
-    tokenizer = train_tokenizer(read_texts(train_files), VOCAB)
+    if init is None:
+        tokenizer = train_tokenizer(read_texts(train_files), VOCAB)
+        config = KimiConfig.from_hf({**KIMI_MINI, "num_hidden_layers": layers})
+        model = KimiTarget(config, jnp.float32, rngs=nnx.Rngs(seed))
+    else:
+        tokenizer = Tokenizer.from_file(str(init / "tokenizer.json"))
+        model = load_target(init, dtype="float32").model
+        config = model.config
     separator = tokenizer.token_to_id(END_OF_TEXT)
     train_tokens = encode_corpus(tokenizer, train_files, separator)
     validation_tokens = encode_corpus(tokenizer, validation_files, separator)
-    validation = windows(validation_tokens, 64, length + 1, np.random.default_rng(1))
-
-    config = KimiConfig.from_hf({**KIMI_MINI, "num_hidden_layers": layers})
-    model = KimiTarget(config, jnp.float32, rngs=nnx.Rngs(seed))
-    optimizer = make_optimizer(model, steps)
-    rng = np.random.default_rng(seed)
-    history = {"step": [], "train_loss": [], "validation_loss": [], "seconds": [], "tokens": []}
-    start = time.perf_counter()
+    # the same validation tokens (64 x 256, or fewer longer windows) at any length
+    validation = windows(
+        validation_tokens, max(4, 64 * 256 // length), length + 1, np.random.default_rng(1)
+    )
+    optimizer = make_optimizer(model, steps, peak_lr)
+    checkpoints = TrainingCheckpoints(out / "checkpoints")
+    done, history = checkpoints.restore(model, optimizer)
+    history = history or {
+        "step": [],
+        "train_loss": [],
+        "validation_loss": [],
+        "validation_by_position": [],
+        "seconds": [],
+        "tokens": [],
+        "init": None if init is None else str(init),
+    }
+    # the time limit counts the time of the runs this one resumes
+    start = time.perf_counter() - (history["seconds"][-1] if history["seconds"] else 0.0)
     losses = []
-    for step in range(1, steps + 1):
-        losses.append(
-            float(train_step(model, optimizer, windows(train_tokens, batch, length + 1, rng)))
-        )
+    for step in range(done + 1, steps + 1):
+        tokens = windows(train_tokens, batch, length + 1, step_rng(seed, step))
+        losses.append(float(train_step(model, optimizer, tokens)))
         elapsed = time.perf_counter() - start
-        if step % 100 == 0 or step == steps or elapsed > minutes * 60:
-            val = float(np.mean([eval_loss(model, v) for v in np.split(validation, 4)]))
-            for key, value in (
-                ("step", step),
-                ("train_loss", float(np.mean(losses))),
-                ("validation_loss", val),
-            ):
-                history[key].append(value)
+        last = step == steps or elapsed > minutes * 60
+        if step % 100 == 0 or last:
+            per_position = np.mean(
+                [eval_position_losses(model, v) for v in np.split(validation, 4)], axis=0
+            )
+            history["step"].append(step)
+            history["train_loss"].append(float(np.mean(losses)))
+            history["validation_loss"].append(float(per_position.mean()))
+            history["validation_by_position"].append(bucket_losses(per_position))
             history["seconds"].append(round(elapsed, 1))
             history["tokens"].append(step * batch * length)
             print(
-                f"step {step}: train {np.mean(losses):.3f} validation {val:.3f} "
-                f"({elapsed / 60:.1f} min)",
+                f"step {step}: train {np.mean(losses):.3f} validation {per_position.mean():.3f} "
+                f"{history['validation_by_position'][-1]} ({elapsed / 60:.1f} min)",
                 flush=True,
             )
             losses = []
-        if elapsed > minutes * 60:
+            checkpoints.maybe_save(step, model, optimizer, history, force=last)
+        if last:
             break
     # HF layout through the exporter, so transformers loads it
     with tempfile.TemporaryDirectory() as staging:
         export(save_target(model, Path(staging) / "target"), out / "target", progress=False)
     save_tokenizer(tokenizer, out / "target", config.max_position_embeddings)
-    (out / "target_history.json").write_text(json.dumps(history, indent=2))
+    write_history(out / "target_history.json", history)
     return history
 
 
@@ -176,10 +234,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=KIMI_MINI["num_hidden_layers"])
+    parser.add_argument("--length", type=int, default=256, help="tokens per training window")
+    parser.add_argument("--batch", type=int, default=16, help="windows per step")
+    parser.add_argument(
+        "--init", type=Path, help="an HF-layout target to continue (weights and tokenizer)"
+    )
+    parser.add_argument("--peak-lr", type=float, default=3e-3)
     args = parser.parse_args(argv)
-    train(args.out, args.minutes, args.steps, seed=args.seed, layers=args.layers)
+    cli.choose_platform(cpu_only=True)
+    if (args.out / "target").exists():  # a finished run's output is never overwritten
+        raise FileExistsError(
+            errno.EEXIST, "already exists; choose a new directory", args.out / "target"
+        )
+    train(
+        args.out,
+        args.minutes,
+        args.steps,
+        batch=args.batch,
+        length=args.length,
+        seed=args.seed,
+        layers=args.layers,
+        init=args.init,
+        peak_lr=args.peak_lr,
+    )
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli.run(main)
