@@ -38,7 +38,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.tuned_block_sizes import block_sizes, dtype_class, gpu_device
+from pallas_kernels.tuned_block_sizes import (
+    MULTIPROCESSORS,
+    block_sizes,
+    dtype_class,
+    gpu_device,
+    kv_splits,
+)
 
 NEG = -1e30  # finite: neither a fully masked block nor a merge of lse may meet (-inf) - (-inf)
 
@@ -156,6 +162,35 @@ def log_sum_exp(m: jax.Array, total: jax.Array) -> jax.Array:
     return jnp.where(total == 0, NEG, m + jnp.log(total))
 
 
+def merge_by_lse(
+    out: jax.Array,
+    lse: jax.Array,
+    max_over_parts: Callable[[jax.Array], jax.Array],
+    sum_over_parts: Callable[[jax.Array], jax.Array],
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Attention over disjoint parts of the keys merged exactly from each part's output
+    ``out`` [..., r] and log-sum-exp ``lse`` [...] (fp32): the one merge of pages striped over
+    devices (the reducers are collectives) and of key splits inside a kernel (an array axis).
+    ``max_over_parts`` keeps the shape; ``sum_over_parts`` may reduce or scatter the parts.
+    Returns (merged out, sum of the parts' weights, their largest lse): a part that saw nothing
+    (lse ``NEG``) weighs 0 unless no part saw anything (then every out is 0, and so is the
+    merge)."""
+    top = max_over_parts(lse)
+    weight = jnp.exp(lse - top)
+    total = sum_over_parts(weight)
+    return sum_over_parts(out * weight[..., None]) / total[..., None], total, top
+
+
+def merge_splits(out: jax.Array, lse: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """``merge_by_lse`` over an array ``axis`` of parts: (out, lse) without it; lse ``NEG``
+    where no part saw a key."""
+    merged, total, top = merge_by_lse(
+        out, lse, lambda x: x.max(axis, keepdims=True), lambda x: x.sum(axis)
+    )
+    top = top.squeeze(axis)
+    return merged, jnp.where(top <= NEG, NEG, top + jnp.log(total))
+
+
 def _kernel(
     length_ref,
     *refs,  # paged: the row's page table first; with_lse: the log-sum-exp's output last
@@ -163,6 +198,8 @@ def _kernel(
     block_k,
     tail_k,
     paged,
+    splits,
+    split_blocks,
 ):
     if paged:
         pages_ref, *refs = refs
@@ -207,8 +244,15 @@ def _kernel(
             carry, latent=t_ref[block, :], rope=tr_ref[block, :], visible=mask_ref[:, block] != 0
         )
 
-    carry = jax.lax.fori_loop(0, blocks, prefix_block, init)
-    acc, m, total = jax.lax.fori_loop(0, t_ref.shape[0] // tail_k, tail_block, carry)
+    # split-KV: program (.., .., s) takes key blocks [s, s + 1) x split_blocks, the last split
+    # the tree tail too; a split past the row's length sees the tail or nothing
+    split = pl.program_id(2)
+    first = split * split_blocks
+    live = jnp.maximum(jnp.minimum(split_blocks, blocks - first), 0)
+    # counted from 0: Triton's loop wants its bounds of one type, and a constant start is one
+    carry = jax.lax.fori_loop(0, live, lambda i, c: prefix_block(first + i, c), init)
+    tail_blocks = (split == splits - 1).astype(jnp.int32) * (t_ref.shape[0] // tail_k)
+    acc, m, total = jax.lax.fori_loop(0, tail_blocks, tail_block, carry)
     o_ref[...] = (acc / jnp.where(total == 0, 1.0, total)).astype(o_ref.dtype)
     if lse_ref:
         lse_ref[0][...] = log_sum_exp(m, total)
@@ -249,6 +293,15 @@ def out_shapes(b: int, padded_rows: int, r: int, with_lse: bool) -> Any:
     return (out, jax.ShapeDtypeStruct((b, padded_rows, 1), jnp.float32)) if with_lse else out
 
 
+def merged_splits(result: Any, splits: int, with_lse: bool) -> Any:
+    """The GPU form's outputs by split (out [B, splits, rows, r], lse [B, splits, rows, 1])
+    as ``out_shapes``: one split's as they are, more merged by their log-sum-exps."""
+    if splits == 1:
+        return tuple(x[:, 0] for x in result) if with_lse else result[:, 0]
+    out, lse = merge_splits(result[0], result[1][..., 0], axis=1)
+    return (out, lse[..., None]) if with_lse else out
+
+
 def token_outputs(result: Any, t: int, h: int, with_lse: bool) -> Any:
     """``out_shapes``' rows back by token and head: out [B, T, H, r] (and lse [B, T, H])."""
     if not with_lse:
@@ -259,7 +312,7 @@ def token_outputs(result: Any, t: int, h: int, with_lse: bool) -> Any:
 
 def _full(shape: tuple[int, ...]) -> pl.BlockSpec:
     """A row's whole operand in every program."""
-    return pl.BlockSpec((None, *shape), lambda i, j: (i, *(0,) * len(shape)))
+    return pl.BlockSpec((None, *shape), lambda i, j, s: (i, *(0,) * len(shape)))
 
 
 def _key_blocks(
@@ -277,7 +330,7 @@ def _key_blocks(
     # Triton's loads are powers of two, and a block must not span two pages
     block_k = math.gcd(1 << (block_k.bit_length() - 1), page)
     pool = cache_latent.shape[0]
-    return block_k, lambda width: pl.BlockSpec((pool, page, width), lambda i, j: (0, 0, 0))
+    return block_k, lambda width: pl.BlockSpec((pool, page, width), lambda i, j, s: (0, 0, 0))
 
 
 @functools.partial(
@@ -291,6 +344,8 @@ def _key_blocks(
         "shared_memory",
         "with_lse",
         "fold",
+        "multiprocessors",
+        "splits",
     ),
 )
 def tree_attention(
@@ -311,6 +366,8 @@ def tree_attention(
     with_lse: bool = False,
     pages: jax.Array | None = None,
     fold: int = 1,
+    multiprocessors: int | None = None,
+    splits: int | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The Pallas kernel; same arguments and results as ``tree_attention_reference``; ``interpret``
     and ``compiler_params`` as the backend chooses (``Backend.kernel_options``). ``block_q`` query
@@ -319,7 +376,10 @@ def tree_attention(
     (its opt-in limit) and the dtype it computes in (the wider of the queries' and the cache's).
     With ``pages`` the key block is a power of two dividing the page (the largest up to
     ``block_k``), its page id loaded from the row's table; ``fold`` rows share each table
-    (``unfold_pages``; this form unfolds them in HBM, B x fold x row_pages ints)."""
+    (``unfold_pages``; this form unfolds them in HBM, B x fold x row_pages ints).
+    ``splits``: programs that share each row block's keys (split-KV, whole pages each where
+    paged), their partial outputs merged by log-sum-exp (``merge_splits``); None takes
+    ``kv_splits``' count for a GPU of ``multiprocessors`` (None: the table's device's)."""
     b, t, h, r = q_latent.shape
     if pages is not None:
         check_pages(cache_latent, cache_rope, pages, b, fold)
@@ -337,24 +397,46 @@ def tree_attention(
     tail = _pow2(t)  # pad the tail to a power of two; padded keys are masked out
     block_q = min(block_q, _pow2(rows))
     padded_rows = pl.cdiv(rows, block_q) * block_q
+    paged = pages is not None
+    slots = pages.shape[1] * cache_latent.shape[1] if paged else cache_latent.shape[1]
+    if splits is None:
+        sms = multiprocessors or MULTIPROCESSORS[device]
+        splits = kv_splits(sms, b * padded_rows // block_q, slots, tuned["min_split_keys"])
+    # a split of whole pages (paged) or key blocks; splits left with no slot are dropped
+    unit = cache_latent.shape[1] if paged else block_k
+    split_blocks = pl.cdiv(pl.cdiv(slots, unit), splits) * unit // block_k
+    splits = pl.cdiv(slots // block_k, split_blocks)
 
     mask = row_mask(tail_mask, h, padded_rows, tail, jnp.int8)
     tail_latent = pad_to(tail_latent, 1, tail)
     tail_rope = pad_to(tail_rope, 1, tail)
 
     def by_rows(width):
-        return pl.BlockSpec((None, block_q, width), lambda i, j: (i, j, 0))
+        return pl.BlockSpec((None, block_q, width), lambda i, j, s: (i, j, 0))
 
-    out_specs = (by_rows(r), by_rows(1)) if with_lse else by_rows(r)
-    paged = pages is not None
+    def by_split(width):
+        return pl.BlockSpec((None, None, block_q, width), lambda i, j, s: (i, s, j, 0))
+
+    partial_lse = with_lse or splits > 1
+    out_specs = (by_split(r), by_split(1)) if partial_lse else by_split(r)
+    out_shape = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((b, splits, *x.shape[1:]), x.dtype),
+        out_shapes(b, padded_rows, r, partial_lse),
+    )
     table = [_full((pages.shape[1],))] if paged else []
     kernel = functools.partial(
-        _kernel, scale=scale, block_k=block_k, tail_k=min(block_k, tail), paged=paged
+        _kernel,
+        scale=scale,
+        block_k=block_k,
+        tail_k=min(block_k, tail),
+        paged=paged,
+        splits=splits,
+        split_blocks=split_blocks,
     )
     result = pl.pallas_call(
         kernel,
-        out_shape=out_shapes(b, padded_rows, r, with_lse),
-        grid=(b, padded_rows // block_q),
+        out_shape=out_shape,
+        grid=(b, padded_rows // block_q, splits),
         in_specs=[
             _full((1,)),
             *table,
@@ -381,4 +463,4 @@ def tree_attention(
         tail_rope,
         mask,
     )
-    return token_outputs(result, t, h, with_lse)
+    return token_outputs(merged_splits(result, splits, with_lse), t, h, with_lse)

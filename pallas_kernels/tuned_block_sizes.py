@@ -25,7 +25,9 @@ def _tiles(**sizes: int) -> Mapping[str, int]:
 
 # (kernel, device, dtype class) -> tiles. tree_attention: ``block_q`` query rows per program while
 # the batch's rows fill ``programs`` programs, else ``few_programs_block_q`` (more programs keep the
-# GPU's multiprocessors busy); keys in blocks of ``block_k``, within the shared memory per block.
+# GPU's multiprocessors busy); keys in blocks of ``block_k``, within the shared memory per block;
+# split-KV (``kv_splits``) gives each split at least ``min_split_keys`` keys, so the partial
+# output a program writes (block_q x (r + 1) fp32) stays under a tenth of the keys it reads.
 TUNED: Mapping[tuple[str, str, str], Mapping[str, int]] = MappingProxyType(
     {
         ("tree_attention", "h200", "bf16"): _tiles(
@@ -33,24 +35,28 @@ TUNED: Mapping[tuple[str, str, str], Mapping[str, int]] = MappingProxyType(
             few_programs_block_q=16,
             programs=128,
             block_k=64,
+            min_split_keys=512,
         ),
         ("tree_attention", "h200", "fp32"): _tiles(
             block_q=32,
             few_programs_block_q=16,
             programs=128,
             block_k=32,
+            min_split_keys=512,
         ),
         ("tree_attention", "rtx-pro-6000", "bf16"): _tiles(
             block_q=16,
             few_programs_block_q=16,
             programs=128,
             block_k=32,
+            min_split_keys=512,
         ),
         ("tree_attention", "rtx-pro-6000", "fp32"): _tiles(
             block_q=16,
             few_programs_block_q=16,
             programs=128,
             block_k=16,
+            min_split_keys=512,
         ),
         # query rows per program (each reads the whole cache: as many as VMEM holds), cache rows
         # per step
@@ -65,6 +71,17 @@ TUNED: Mapping[tuple[str, str, str], Mapping[str, int]] = MappingProxyType(
 )
 # whose entry a device missing from the table gets (an unknown GPU: the H200's)
 FALLBACK_DEVICE: Mapping[str, str] = MappingProxyType({"tree_attention": "h200"})
+
+
+# streaming multiprocessors of the table's GPUs, for a backend that does not say how many it has
+MULTIPROCESSORS: Mapping[str, int] = MappingProxyType({"h200": 132, "rtx-pro-6000": 188})
+
+
+def kv_splits(multiprocessors: int, programs: int, keys: int, min_split_keys: int) -> int:
+    """How many programs split each row block's keys (split-KV): FlashMLA's rule, as many as
+    leave no multiprocessor idle (``multiprocessors // programs``, at least 1), with at least
+    ``min_split_keys`` of the row's ``keys`` slots each."""
+    return max(1, min(multiprocessors // programs, keys // min_split_keys))
 
 
 def gpu_device(shared_memory: int | None) -> str:

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxdd.cache.layout import CacheView, stored
 from jaxdd.cache.pages import PAGE_TOKENS
 from jaxdd.runtime.sharding import AXIS
+from pallas_kernels.tree_attention import merge_by_lse
 
 PAGES = PartitionSpec(AXIS)  # a pool [pages, page, ...] split along its pages
 WHOLE = PartitionSpec()
@@ -109,12 +110,8 @@ class Stripes:
         """Per device: the attention of all the devices' keys from each one's ``out`` [B, T, H,
         r] and log-sum-exp ``lse`` [B, T, H] over its own, in float32; with ``split_heads`` each
         device keeps its block of the heads (one reduce-scatter), else all of them."""
-        weight = jnp.exp(lse - jax.lax.pmax(lse, AXIS))  # 0 for a device that saw nothing
-        weighted = out * weight[..., None]
         if split_heads:
-            total = jax.lax.psum_scatter(weight, AXIS, scatter_dimension=2, tiled=True)
-            weighted = jax.lax.psum_scatter(weighted, AXIS, scatter_dimension=2, tiled=True)
+            total = lambda x: jax.lax.psum_scatter(x, AXIS, scatter_dimension=2, tiled=True)
         else:
-            total = jax.lax.psum(weight, AXIS)
-            weighted = jax.lax.psum(weighted, AXIS)
-        return weighted / total[..., None]
+            total = lambda x: jax.lax.psum(x, AXIS)
+        return merge_by_lse(out, lse, lambda x: jax.lax.pmax(x, AXIS), total)[0]

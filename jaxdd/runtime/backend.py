@@ -60,6 +60,8 @@ class Backend:
     devices: int = 1  # how many devices the weights are placed on
     # GPUs: whether Triton loads 8-bit floats (fp8e4nv: compute capability 8.9 and newer)
     fp8_kernels: bool = True
+    # GPUs: streaming multiprocessors (the kernel's split-KV fills them; None: unknown, H200's)
+    multiprocessors: int | None = None
 
     # MoE on CPU: tiles from this many tokens, ``skipping``
     # below (where kimi-mini's two dispatches break even).
@@ -87,7 +89,11 @@ class Backend:
         memory = min(shared) * 1024 if shared and None not in shared else None
         known = [tuple(map(int, c.split("."))) for c in capabilities if c]
         fp8 = all(c >= FP8_COMPUTE_CAPABILITY for c in known)  # unknown: H200's assumed
-        return cls(platform, memory, devices=len(set(devices)), fp8_kernels=fp8)
+        cores = {getattr(d, "core_count", None) for d in devices} if platform == "gpu" else set()
+        sms = min(cores) if cores and None not in cores else None
+        return cls(
+            platform, memory, devices=len(set(devices)), fp8_kernels=fp8, multiprocessors=sms
+        )
 
     @classmethod
     def local(cls) -> Backend:
@@ -221,14 +227,20 @@ class Backend:
         interpreted on CPU; on GPU through Triton, not Mosaic GPU (Mosaic stages every block
         in shared memory, and a whole cache block is far over the 227 KB limit; Triton reads
         the cache through pointers), with tiles that fit the GPU's shared memory."""
-        if self.platform == "cpu":
-            return {"interpret": True, "compiler_params": None, "shared_memory": None}
+        if self.platform == "cpu":  # one program at a time: no key splits
+            return {
+                "interpret": True,
+                "compiler_params": None,
+                "shared_memory": None,
+                "multiprocessors": 1,
+            }
         if self.platform == "gpu":
             params = pltriton.CompilerParams(num_warps=block_sizes("triton")["num_warps"])
             return {
                 "interpret": False,
                 "compiler_params": params,
                 "shared_memory": self.shared_memory,
+                "multiprocessors": self.multiprocessors,
             }
         raise ValueError("the TPU form of the kernel takes no GPU options (Backend.tree_attention)")
 

@@ -33,6 +33,7 @@ from pallas_kernels.tree_attention_tpu import (
     tpu_tiles,
     tree_attention_tpu,
 )
+from pallas_kernels.tuned_block_sizes import kv_splits
 
 ON_GPU = jax.default_backend() == "gpu"
 # (batch, tree tokens, heads, latent, rope, cache slots); GPU lowering wants dims >= 16
@@ -351,6 +352,83 @@ def test_paged_kernel_interpreted_matches_reference(shape, dtype, seed, with_lse
     *shape, block_k = shape
     kernel = functools.partial(tree_attention, block_q=16, block_k=block_k, interpret=True)
     check_paged(kernel, tuple(shape), dtype, seed, with_lse, tree)
+
+
+def kernel_grid(kernel, *args, **kwargs) -> tuple[int, ...]:
+    """The launch grid of the one pallas_call ``kernel`` makes."""
+
+    def grids(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield eqn.params["grid_mapping"].grid
+            for value in eqn.params.values():
+                inner = getattr(value, "jaxpr", None)
+                if inner is not None:
+                    yield from grids(getattr(inner, "jaxpr", inner))
+
+    (grid,) = grids(jax.make_jaxpr(functools.partial(kernel, **kwargs))(*args).jaxpr)
+    return grid
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(
+    splits=st.sampled_from([1, 2, 7, 16]),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+    seed=st.integers(0, 10**6),
+    with_lse=st.booleans(),
+    paged=st.booleans(),
+    tree=st.sampled_from(["owned", "elsewhere"]),
+)
+def test_split_kv_interpreted_matches_reference(splits, dtype, seed, with_lse, paged, tree):
+    """Split-KV: each row block's keys shared by 1, 2, 7 or 16 programs (whole pages each over
+    16 pages of 16, or blocks of 16 of 256 slots), merged by log-sum-exp; the first row's length
+    of 5 leaves every split but the first without a live key."""
+    kernel = functools.partial(
+        tree_attention, block_q=16, block_k=16, interpret=True, splits=splits
+    )
+    if paged:
+        check_paged(kernel, (3, 9, 2, 32, 8, 16, 16), dtype, seed, with_lse, tree)
+        return
+    args = inputs((3, 9, 2, 32, 8, 256), dtype, seed)
+    args = without_tree(args, 0, 5) if tree != "owned" else list(args)
+    args[4] = args[4].at[0].set(5)
+    expected = tree_attention_reference(*args, 0.2, with_lse=with_lse)
+    actual = kernel(*args, scale=0.2, with_lse=with_lse)
+    if with_lse:
+        check_lse(actual, expected, dtype)
+    else:
+        np.testing.assert_allclose(
+            np.asarray(actual), np.asarray(expected), atol=TOLERANCE[dtype], rtol=0
+        )
+
+
+def test_split_kv_grid_follows_the_rule():
+    """The splits the kernel launches: FlashMLA's rule on an H200 (132 SMs) and an RTX PRO 6000
+    (188), at least ``min_split_keys`` slots each, whole pages each, empty splits dropped."""
+    assert kv_splits(132, 9, 131072, 512) == 14  # 17 tokens x 8 heads in 9 programs of 16
+    assert kv_splits(132, 33, 131072, 512) == 4  # 65 x 8
+    assert kv_splits(188, 9, 131072, 512) == 20
+    assert kv_splits(132, 514, 131072, 512) == 1  # 257 x 64: the rows fill the GPU
+    assert kv_splits(132, 9, 4096, 512) == 8  # 4k: 512 slots each at least
+    args = inputs((1, 17, 8, 32, 8, 4096), "float32", 0)
+    grid = kernel_grid(tree_attention, *args, scale=0.1, block_q=16, block_k=16, interpret=True)
+    assert grid == (1, 9, 8)
+    grid = kernel_grid(
+        tree_attention, *args, scale=0.1, block_q=16, block_k=16, interpret=True, multiprocessors=1
+    )
+    assert grid == (1, 9, 1)
+    paged, pages = paged_inputs((1, 17, 8, 32, 8, 64, 5), "float32", 0)  # 5 pages: 5 splits
+    grid = kernel_grid(
+        tree_attention,
+        *paged,
+        scale=0.1,
+        block_q=16,
+        block_k=16,
+        interpret=True,
+        pages=pages,
+        splits=7,
+    )
+    assert grid == (1, 9, 5)
 
 
 # TPU form: 8 pages of 16 per key step over a table of 10 (the last step past the table), one
