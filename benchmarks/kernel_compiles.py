@@ -7,7 +7,8 @@ Heads per device 8 and 64 (Kimi's 64 over TP8, or whole), trees of 17, 65 and 25
 tokens, caches of 4k, 32k and 128k slots. Per compile: seconds; on TPU the scoped
 VMEM the kernel needs (the least limit, ``vmem_limit_bytes``, Mosaic compiles it
 under); on GPU the shared memory per block Triton asks for (what the compile names
-when the GPU is described with less). Writes benchmarks/results/kernel_compiles.json.
+when the GPU is described with less), the launch grid's programs and the key splits among
+them (split-KV). Writes benchmarks/results/kernel_compiles.json.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import os
 import re
 import time
@@ -33,6 +35,7 @@ from jaxdd.planning.aot import GPU_COMPILER_OPTIONS, find_machine
 from jaxdd.runtime.backend import Backend
 from jaxdd.planning.hardware import GPUS
 from jaxdd.testing.benchmark import write_result
+from pallas_kernels.tree_attention import launch
 from pallas_kernels.tree_attention_tpu import tpu_tiles, tree_attention_tpu
 
 RESULTS = Path(__file__).parent / "results" / "kernel_compiles.json"
@@ -115,6 +118,19 @@ def row(target: str, tokens: int, heads: int, slots: int) -> dict:
         result["tiles"] = tpu_tiles(tokens, heads, slots)._asdict()
     else:
         result["shared_memory_bytes"] = shared_memory_requested(target, tokens, heads, slots)
+        options = where.backend.kernel_options()
+        chosen = launch(
+            1,
+            tokens * heads,
+            slots,
+            None,
+            jnp.bfloat16,
+            shared_memory=options["shared_memory"],
+            multiprocessors=options["multiprocessors"],
+        )
+        result["multiprocessors"] = options["multiprocessors"]
+        result["splits"] = chosen.splits
+        result["programs"] = math.prod(chosen.grid(1))
     return result
 
 
@@ -131,7 +147,11 @@ def main() -> None:
                     rows.append(row(target, tokens, heads, slots))
                     r = rows[-1]
                     vmem = f"{r['vmem_bytes'] / 2**20:5.2f} MiB VMEM" if "vmem_bytes" in r else ""
-                    vmem = vmem or f"{r['shared_memory_bytes'] / 2**10:5.1f} KiB shared memory"
+                    vmem = vmem or (
+                        f"{r['shared_memory_bytes'] / 2**10:5.1f} KiB shared memory, "
+                        f"{r['programs']} programs ({r['splits']} splits) on "
+                        f"{r['multiprocessors']} SMs"
+                    )
                     shape = f"{heads:>2} heads {tokens:>3} tokens {slots:>6} slots"
                     print(f"{target:>13} {shape}: {r['compile_s']:5.2f} s {vmem}")
     write_result(

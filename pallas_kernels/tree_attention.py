@@ -22,17 +22,21 @@ a row that sees no key (no share and no tree token) then gives out 0 and lse ``N
 The caller passes the backend's choices (``jaxdd.runtime.backend.Backend.kernel_options``):
 ``interpret=True`` on CPU; Triton compiler parameters on GPU (block sizes are powers of two,
 as Triton needs). TPUs get the form in ``tree_attention_tpu.py`` (the same online-softmax
-step, the cache streamed through VMEM). Pallas' Triton backend is deprecated since jax 0.11;
-a Mosaic GPU form waits for a GPU to be checked on: a deviceless compile here stops before
-Mosaic GPU compiles its kernel (benchmarks/README.md, "The kernel's forms").
+step, the cache streamed through VMEM). Where a batch's row blocks leave a GPU's
+multiprocessors idle, split-KV shares each row block's keys among several programs and merges
+their partial outputs by log-sum-exp (``launch``, ``merge_splits``).
+
+Pallas' Triton backend is deprecated since jax 0.11 (warned at every lowering; filtered here by
+its text, ``TRITON_DEPRECATION``); docs/kernels.md says where this form goes when jax drops it.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +51,10 @@ from pallas_kernels.tuned_block_sizes import (
 )
 
 NEG = -1e30  # finite: neither a fully masked block nor a merge of lse may meet (-inf) - (-inf)
+# jax >= 0.11 warns at each Triton lowering; the form has no other GPU backend to go to yet
+# (Mosaic GPU: no scalar prefetch, sm_120 unchecked; docs/kernels.md)
+TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
+warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
 
 
 def tree_attention_reference(
@@ -315,22 +323,70 @@ def _full(shape: tuple[int, ...]) -> pl.BlockSpec:
     return pl.BlockSpec((None, *shape), lambda i, j, s: (i, *(0,) * len(shape)))
 
 
-def _key_blocks(
-    cache_latent: jax.Array, cache_rope: jax.Array, pages: jax.Array | None, block_k: int
-) -> tuple[int, Callable[[int], pl.BlockSpec]]:
-    """The key block (``block_k``, or with ``pages`` the largest power of two up to it that
-    divides the page) and the cache operands' BlockSpec by width."""
-    if pages is None:
-        slots = cache_latent.shape[1]
+class Launch(NamedTuple):
+    """The GPU form's launch: ``block_q`` query rows (of ``padded_rows``) per program, keys in
+    blocks of ``block_k``, each row block's keys shared by ``splits`` programs of
+    ``split_blocks`` key blocks each."""
+
+    block_q: int
+    block_k: int
+    padded_rows: int
+    splits: int
+    split_blocks: int
+
+    def grid(self, batch: int) -> tuple[int, int, int]:
+        """Programs by (batch row, row block, key split)."""
+        return batch, self.padded_rows // self.block_q, self.splits
+
+
+def launch(
+    batch: int,
+    rows: int,
+    slots: int,
+    page: int | None,
+    dtype: Any,
+    *,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    splits: int | None = None,
+    shared_memory: int | None = None,
+    multiprocessors: int | None = None,
+) -> Launch:
+    """The launch for ``batch`` rows of ``rows`` query rows (token x head) over ``slots`` key
+    slots each (in pages of ``page``, or contiguous: None), computing in ``dtype``; what is not
+    given comes from the tuning table for the GPU of ``shared_memory`` bytes per block and
+    ``multiprocessors`` (``tree_attention``'s arguments)."""
+    device = gpu_device(shared_memory)
+    tuned = block_sizes("tree_attention", device, dtype_class(dtype))
+    if block_q is None:
+        enough = batch * rows >= tuned["block_q"] * tuned["programs"]
+        block_q = tuned["block_q"] if enough else tuned["few_programs_block_q"]
+    block_q = min(block_q, _pow2(rows))
+    padded_rows = pl.cdiv(rows, block_q) * block_q
+    block_k = block_k or tuned["block_k"]
+    if page is None:
         block_k = min(block_k, slots)
         if slots % block_k:
             raise ValueError(f"cache slots {slots} must be a multiple of block_k {block_k}")
-        return block_k, lambda width: _full((slots, width))
-    page = cache_latent.shape[1]  # the pools as ``check_pages`` found them
-    # Triton's loads are powers of two, and a block must not span two pages
-    block_k = math.gcd(1 << (block_k.bit_length() - 1), page)
-    pool = cache_latent.shape[0]
-    return block_k, lambda width: pl.BlockSpec((pool, page, width), lambda i, j, s: (0, 0, 0))
+    else:  # Triton's loads are powers of two, and a block must not span two pages
+        block_k = math.gcd(1 << (block_k.bit_length() - 1), page)
+    if splits is None:
+        sms = multiprocessors or MULTIPROCESSORS[device]
+        splits = kv_splits(sms, batch * padded_rows // block_q, slots, tuned["min_split_keys"])
+    # a split of whole pages (paged) or key blocks; splits left with no slot are dropped
+    unit = page or block_k
+    split_blocks = pl.cdiv(pl.cdiv(slots, unit), splits) * unit // block_k
+    return Launch(
+        block_q, block_k, padded_rows, pl.cdiv(slots // block_k, split_blocks), split_blocks
+    )
+
+
+def _cache_spec(cache_latent: jax.Array, paged: bool) -> Callable[[int], pl.BlockSpec]:
+    """The cache operands' BlockSpec by width: a row's whole cache, or the whole pools."""
+    if not paged:
+        return lambda width: _full((cache_latent.shape[1], width))
+    pool, page = cache_latent.shape[:2]
+    return lambda width: pl.BlockSpec((pool, page, width), lambda i, j, s: (0, 0, 0))
 
 
 @functools.partial(
@@ -385,28 +441,23 @@ def tree_attention(
         check_pages(cache_latent, cache_rope, pages, b, fold)
         pages = unfold_pages(pages, fold)
     dr = q_rope.shape[-1]
-    rows = t * h
-    device = gpu_device(shared_memory)
-    computed = max(q_latent.dtype, cache_latent.dtype, key=lambda d: d.itemsize)
-    tuned = block_sizes("tree_attention", device, dtype_class(computed))
-
-    if block_q is None:
-        enough = b * rows >= tuned["block_q"] * tuned["programs"]
-        block_q = tuned["block_q"] if enough else tuned["few_programs_block_q"]
-    block_k, cache_spec = _key_blocks(cache_latent, cache_rope, pages, block_k or tuned["block_k"])
-    tail = _pow2(t)  # pad the tail to a power of two; padded keys are masked out
-    block_q = min(block_q, _pow2(rows))
-    padded_rows = pl.cdiv(rows, block_q) * block_q
     paged = pages is not None
-    slots = pages.shape[1] * cache_latent.shape[1] if paged else cache_latent.shape[1]
-    if splits is None:
-        sms = multiprocessors or MULTIPROCESSORS[device]
-        splits = kv_splits(sms, b * padded_rows // block_q, slots, tuned["min_split_keys"])
-    # a split of whole pages (paged) or key blocks; splits left with no slot are dropped
-    unit = cache_latent.shape[1] if paged else block_k
-    split_blocks = pl.cdiv(pl.cdiv(slots, unit), splits) * unit // block_k
-    splits = pl.cdiv(slots // block_k, split_blocks)
-
+    page = cache_latent.shape[1] if paged else None
+    chosen = launch(
+        b,
+        t * h,
+        pages.shape[1] * page if paged else cache_latent.shape[1],
+        page,
+        max(q_latent.dtype, cache_latent.dtype, key=lambda d: d.itemsize),
+        block_q=block_q,
+        block_k=block_k,
+        splits=splits,
+        shared_memory=shared_memory,
+        multiprocessors=multiprocessors,
+    )
+    block_q, block_k, padded_rows, splits, _ = chosen
+    cache_spec = _cache_spec(cache_latent, paged)
+    tail = _pow2(t)  # pad the tail to a power of two; padded keys are masked out
     mask = row_mask(tail_mask, h, padded_rows, tail, jnp.int8)
     tail_latent = pad_to(tail_latent, 1, tail)
     tail_rope = pad_to(tail_rope, 1, tail)
@@ -431,12 +482,12 @@ def tree_attention(
         tail_k=min(block_k, tail),
         paged=paged,
         splits=splits,
-        split_blocks=split_blocks,
+        split_blocks=chosen.split_blocks,
     )
     result = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(b, padded_rows // block_q, splits),
+        grid=chosen.grid(b),
         in_specs=[
             _full((1,)),
             *table,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,7 @@ from jaxdd.testing.reference import random_tree_parents, rel_err, tree_depths_an
 from pallas_kernels.block_traffic import grid_bytes
 from pallas_kernels.tree_attention import (
     NEG,
+    TRITON_DEPRECATION,
     tree_attention,
     tree_attention_reference,
     unfold_pages,
@@ -682,6 +685,33 @@ def test_kernel_lowers_for_gpu_at_kimi_sizes():
     kernel = jax.jit(lambda *a: tree_attention(*a, scale=0.1, **Backend("gpu").kernel_options()))
     lowered = kernel.trace(*args).lower(lowering_platforms=("cuda",))
     assert "xla.gpu.triton" in lowered.as_text()
+
+
+def test_this_jax_lowers_the_gpu_form_through_pallas_triton():
+    """The GPU form needs Pallas' Triton backend (deprecated since jax 0.11): where a jax lacks
+    it, one line names the way out; where it warns, the warning is filtered (and only it)."""
+    try:
+        from jax.experimental.pallas import triton as pltriton
+
+        pltriton.CompilerParams(num_warps=4)
+    except (ImportError, AttributeError) as error:
+        pytest.fail(
+            f"jax {jax.__version__} has no Pallas Triton backend ({error}): move the GPU form "
+            "to jax-triton or Mosaic GPU (docs/kernels.md, 'Past Pallas-Triton')",
+            pytrace=False,
+        )
+    # a process that turns deprecations into errors: the kernel's module filters this one alone
+    # (pytest puts its own filters first, so the check runs outside it)
+    warn = "warnings.warn({!r}, DeprecationWarning)"
+    for message, code in ((TRITON_DEPRECATION + " and will be removed", 0), ("another", 1)):
+        script = f"import warnings, pallas_kernels.tree_attention; {warn.format(message)}"
+        run = subprocess.run(
+            [sys.executable, "-W", "error::DeprecationWarning", "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == code, run.stderr[-500:]
 
 
 @pytest.mark.parametrize("models", [0], indirect=True, ids=["seed0"])
