@@ -4,8 +4,8 @@
 #   1. the Pallas tree-attention kernel compiled for the GPU against its jnp reference (tests marked gpu), and
 #      DDTree decoding through the compiled kernel against plain XLA and AR (same tokens); the drafter's attention
 #      through it against z-lab's drafter, and over fp8 context K/V against XLA's;
-#   2. kernel vs XLA timings at Kimi-like verify shapes (latent 512, rope 64; caches up to 128k slots) ->
-#      gpu_kernel.json; the DDTree round through the kernel vs XLA (demo pair, same tokens) -> gpu_round.json;
+#   2. kernel vs XLA timings at Kimi-like verify shapes (latent 512, rope 64; caches up to 128k slots), the kernel
+#      with its split-KV launch (the default), without splits, and with other tiles -> gpu_kernel.json; the DDTree round through the kernel vs XLA (demo pair, same tokens) -> gpu_round.json;
 #   3. the HumanEval benchmark (AR, DFlash, DDTree; PyTorch dflash_generate on CUDA), fp32 with full-precision
 #      matmuls so that token identity is meaningful -> humaneval_gpu.json/.png. PROMPTS (40), BUDGETS (8,32) and
 #      HUMANEVAL_SECONDS (180) size it: all 164 prompts and five budgets take about 5 minutes on an H200;
@@ -32,22 +32,24 @@ timeout 150 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_tree_attenti
 timeout 120 $PY -m pytest -q -p no:cacheprovider tests/models/test_drafter.py -k "compiled" -rs 2>&1 \
   | tee -a "$OUT/gpu_tests.log"
 
-echo "== 2. kernel vs XLA at Kimi-like shapes, a few block configurations"
-timeout 170 $PY - "$OUT" <<'PY' 2>&1 | tee "$OUT/gpu_kernel.log"
+echo "== 2. kernel vs XLA at Kimi-like shapes: split-KV (default), one split, other tiles"
+timeout 240 $PY - "$OUT" <<'PY' 2>&1 | tee "$OUT/gpu_kernel.log"
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
-from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
+from pallas_kernels.tree_attention import launch, tree_attention, tree_attention_reference
 from jaxdd.runtime.backend import Backend
 from jaxdd.testing.benchmark import median_ms
 
 rows = []
 rng = np.random.default_rng(0)
 reference = jax.jit(tree_attention_reference, static_argnames="scale")
-CONFIGS = [dict(), dict(block_q=32, block_k=64), dict(block_q=16, block_k=64)]
+options = Backend.of_devices(jax.devices()[:1]).kernel_options()
+CONFIGS = [dict(), dict(splits=1), dict(block_q=16, block_k=64, splits=1)]
 for tokens, heads, slots, dtype in [(65, 64, 4096, jnp.bfloat16), (257, 64, 4096, jnp.bfloat16),
+                                    (17, 8, 32768, jnp.bfloat16), (65, 8, 32768, jnp.bfloat16),
                                     (257, 8, 32768, jnp.bfloat16), (65, 64, 4096, jnp.float32),
-                                    (65, 8, 131072, jnp.bfloat16), (257, 8, 131072, jnp.bfloat16),
-                                    (257, 64, 131072, jnp.bfloat16)]:
+                                    (17, 8, 131072, jnp.bfloat16), (65, 8, 131072, jnp.bfloat16),
+                                    (257, 8, 131072, jnp.bfloat16), (257, 64, 131072, jnp.bfloat16)]:
     r, dr = 512, 64
     def normal(*shape):
         return jnp.asarray(rng.standard_normal(shape), dtype)
@@ -57,11 +59,14 @@ for tokens, heads, slots, dtype in [(65, 64, 4096, jnp.bfloat16), (257, 64, 4096
     scale = (r + dr) ** -0.5
     with jax.default_matmul_precision("highest"):
         exact = np.asarray(reference(*args, scale=scale), np.float64)
+    chosen = launch(1, tokens * heads, slots, None, dtype, shared_memory=options["shared_memory"],
+                    multiprocessors=options["multiprocessors"])
     row = {"tokens": tokens, "heads": heads, "slots": slots, "dtype": jnp.dtype(dtype).name,
+           "splits": chosen.splits, "programs": chosen.grid(1)[1] * chosen.splits,
            "xla_ms": median_ms(lambda: reference(*args, scale=scale)), "kernel": []}
     for config in CONFIGS:
         try:
-            kernel = lambda: tree_attention(*args, scale=scale, **config, **Backend("gpu").kernel_options())
+            kernel = lambda: tree_attention(*args, scale=scale, **config, **options)
             out = np.asarray(kernel(), np.float64)
             result = {"relative_error": float(np.linalg.norm(out - exact) / np.linalg.norm(exact)),
                       "finite": bool(np.isfinite(out).all()), "ms": median_ms(kernel)}
