@@ -400,7 +400,7 @@ class SpeculativeDecoder:
             RowRequest(p.tolist(), m, stops, s, asked, options.score_prompt)
             for p, m, s in zip(checked, lengths, settings, strict=True)
         ]
-        # Prompts in eighth octaves, multiples of 16, the cache in quarter octaves: a prefill's cost
+        # Prompts and the cache in quarter octaves (prompts in multiples of 16): a prefill's cost
         # grows with its padded length and a round's with its slots, and each new shape compiles.
         longest = max(len(p) for p in checked)
         page, devices = paging(self.stripes)

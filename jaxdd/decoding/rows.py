@@ -214,7 +214,7 @@ class RowPool:
         padded = prompt_bucket(self.prefill_chunk if entry.chunked else end - start)
         part = dataclasses.replace(request, prompt=request.prompt[start:end])
         tokens, count, seeds = pad_requests([part], 1, padded)
-        one = self._host_settings(slice(row, row + 1))
+        one = self.host_settings(slice(row, row + 1))
         mesh = self.decoder.mesh
         args = (self.spec, self.models, self.state, np.int32(row), tokens, count, one, seeds, mesh)
         last = end == len(request.prompt)
@@ -244,14 +244,14 @@ class RowPool:
                 row = self.admit(request)
                 while (entry := self.table.holder(row)).next is not None:
                     self._prefill_next(row, entry)
-            self.settings = jax.device_put(self._host_settings())
+            self.settings = jax.device_put(self.host_settings())
             return
         padded = prompt_bucket(max(len(r.prompt) for r in requests))
         tokens, prompt_len, seeds = pad_requests(requests, self.rows, padded)
         for request in requests:
             self._hold(request)  # rows 0, 1, ...: the table is empty
         # the prefill and every round read them
-        self.settings = jax.device_put(self._host_settings())
+        self.settings = jax.device_put(self.host_settings())
         mesh = self.decoder.mesh
         score = any(r.score_prompt for r in requests)
         pages = (self.shape.row_pages, self.shape.pool_pages)
@@ -392,7 +392,7 @@ class RowPool:
 
     def _run_round(self, spec: RoundSpec, tier: int) -> None:
         if self.settings is None:
-            self.settings = jax.device_put(self._host_settings())
+            self.settings = jax.device_put(self.host_settings())
         if tier == self.rows:
             self.state, report = decode_round(spec, self.models, self.state, self.settings)
         else:
@@ -455,7 +455,7 @@ class RowPool:
         self.dispatch()
         return self.collect()
 
-    def _host_settings(self, rows: slice = slice(None)) -> RowSettings:
+    def host_settings(self, rows: slice = slice(None)) -> RowSettings:
         """The per-row settings of ``rows`` as host arrays."""
         sampling = SamplingArrays.of(self._sampling[rows])
         pages, paused = self.pages.table[rows].copy(), self._paused[rows].copy()

@@ -5,7 +5,9 @@ pad with the same functions."""
 from __future__ import annotations
 
 MIN_BUCKET = 16
-PROMPT_BUCKETS_PER_OCTAVE = 8
+# 4: a server warms up a prefill per bucket and kind, and each XLA:CPU program costs the process
+# hundreds of its memory maps (jaxdd/decoding/memory_maps.py); 8 a octave took its defaults past them
+PROMPT_BUCKETS_PER_OCTAVE = 4
 PROMPT_MIN_STEP = 16  # prompt sizes are multiples of this (short prompts: fewer shapes to compile)
 
 
@@ -20,5 +22,5 @@ def bucket(n: int, minimum: int = MIN_BUCKET, per_octave: int = 1, min_step: int
 
 def prompt_bucket(length: int) -> int:
     """The padded length a prompt of ``length`` tokens is
-    prefilled at (eighth octaves, multiples of 16)."""
+    prefilled at (quarter octaves, multiples of 16)."""
     return bucket(length, per_octave=PROMPT_BUCKETS_PER_OCTAVE, min_step=PROMPT_MIN_STEP)

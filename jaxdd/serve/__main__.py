@@ -47,6 +47,7 @@ from jaxdd import cli
 from jaxdd.cli import DEMO, non_negative, positive, print_note
 from jaxdd.decoding.checks import pool_shape
 from jaxdd.decoding.engine import SpeculativeDecoder
+from jaxdd.decoding.memory_maps import check_pool_maps
 from jaxdd.decoding.rows import RowPool
 from jaxdd.errors import checkpoint_directory
 from jaxdd.planning.capacity import device_cache_tokens
@@ -151,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# what shrinks a pool's set of programs (memory maps on XLA:CPU), in the server's words
+MAP_FLAGS = (
+    "lower --max-len (or --max-prompt), set --prefill-chunk, --prefix-cache off, --max-logprobs 0 "
+    "or a smaller --max-batch"
+)
+
+
 def make_pool(args: argparse.Namespace, decoder: SpeculativeDecoder, method: Method) -> RowPool:
     """The server's pool of rows; without --cache-tokens, on GPUs and TPUs, its pages what the
     devices' memory the weights and the pool's temporaries leave holds."""
@@ -217,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             target, drafter, cache_layout=layout, drafter_kv=args.drafter_kv
         )
         pool = make_pool(args, decoder, method)
+        check_pool_maps(pool, MAP_FLAGS)
     except (jaxdd.CheckpointError, jaxdd.ConfigError, jaxdd.InputError) as error:
         print(f"jaxdd: {error}", file=sys.stderr)
         return 2

@@ -118,14 +118,14 @@ def test_stop_tokens_end_generation(models):
 
 
 @given(st.integers(1, 1 << 16))
-def test_prompt_buckets_are_eighth_octaves_in_steps_of_16(n):
-    """A prompt pads to a multiple of 16, by less than 16 up to 256 tokens and
-    by less than an eighth of its length beyond: one of 8 sizes per octave."""
+def test_prompt_buckets_are_quarter_octaves_in_steps_of_16(n):
+    """A prompt pads to a multiple of 16, by less than 16 up to 128 tokens and
+    by less than a quarter of its length beyond: one of 4 sizes per octave."""
     padded = bucket(n, per_octave=PROMPT_BUCKETS_PER_OCTAVE, min_step=PROMPT_MIN_STEP)
     assert n <= padded and padded % 16 == 0
-    assert padded < n + 16 if n <= 256 else padded < 1.125 * n
+    assert padded < n + 16 if n <= 128 else padded < 1.25 * n
     octave = 1 << (padded - 1).bit_length()
-    assert padded % max(16, octave // 16) == 0  # octave/2 + j * octave/16, j = 1..8
+    assert padded % max(16, octave // 8) == 0  # octave/2 + j * octave/8, j = 1..4
     assert bucket(n) == max(16, octave)  # the default stays powers of two
 
 
