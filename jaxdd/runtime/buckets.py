@@ -5,8 +5,8 @@ pad with the same functions."""
 from __future__ import annotations
 
 MIN_BUCKET = 16
-# 4: a server warms up a prefill per bucket and kind, and each XLA:CPU program costs the process
-# hundreds of its memory maps (jaxdd/decoding/memory_maps.py); 8 a octave took its defaults past them
+# 4: a server warms up a prefill per bucket and kind, each XLA:CPU program costing hundreds of
+# the process's memory maps (jaxdd/decoding/memory_maps.py); 8 took its defaults past them
 PROMPT_BUCKETS_PER_OCTAVE = 4
 PROMPT_MIN_STEP = 16  # prompt sizes are multiples of this (short prompts: fewer shapes to compile)
 
