@@ -36,7 +36,8 @@ echo "== 2. kernel vs XLA at Kimi-like shapes: split-KV (default), one split, ot
 timeout 240 $PY - "$OUT" <<'PY' 2>&1 | tee "$OUT/gpu_kernel.log"
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
-from pallas_kernels.tree_attention import launch, tree_attention, tree_attention_reference
+from pallas_kernels.gpu_launch import launch
+from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
 from jaxdd.runtime.backend import Backend
 from jaxdd.testing.benchmark import median_ms
 

@@ -35,7 +35,7 @@ from jaxdd.planning.aot import GPU_COMPILER_OPTIONS, find_machine
 from jaxdd.runtime.backend import Backend
 from jaxdd.planning.hardware import GPUS
 from jaxdd.testing.benchmark import write_result
-from pallas_kernels.tree_attention import launch
+from pallas_kernels.gpu_launch import launch
 from pallas_kernels.tree_attention_tpu import tpu_tiles, tree_attention_tpu
 
 RESULTS = Path(__file__).parent / "results" / "kernel_compiles.json"

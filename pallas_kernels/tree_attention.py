@@ -33,24 +33,17 @@ its text, ``TRITON_DEPRECATION``); docs/kernels.md says where this form goes whe
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.tuned_block_sizes import (
-    MULTIPROCESSORS,
-    block_sizes,
-    dtype_class,
-    gpu_device,
-    kv_splits,
-)
+from pallas_kernels.gpu_launch import launch, pow2
+from pallas_kernels.online_softmax import NEG, log_sum_exp, merge_splits, online_softmax_step
 
-NEG = -1e30  # finite: neither a fully masked block nor a merge of lse may meet (-inf) - (-inf)
 # jax >= 0.11 warns at each Triton lowering; the form has no other GPU backend to go to yet
 # (Mosaic GPU: no scalar prefetch, sm_120 unchecked; docs/kernels.md)
 TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
@@ -132,71 +125,6 @@ def check_pages(
     if pages.shape[0] * fold != rows:
         raise ValueError(f"{pages.shape[0]} page tables, each for {fold} rows, for {rows} rows")
     return cache_latent.shape[1]
-
-
-def widened(keys: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """``keys`` in ``dtype`` where they are stored narrower (the kernels compute in the
-    queries' dtype); as they are otherwise."""
-    return keys.astype(dtype) if keys.dtype.itemsize < jnp.dtype(dtype).itemsize else keys
-
-
-def online_softmax_step(carry, q_lat, q_rope, latent, rope, visible, scale: float):
-    """One block of keys into the running softmax (shared by the GPU and
-    TPU forms): carry = (acc [rows, r] fp32, max [rows, 1], sum [rows, 1]);
-    ``visible`` [rows or 1, keys] masks scores; returns the new carry.
-
-    Operands enter the dots in the queries' dtype with fp32 accumulation (bf16 x bf16
-    products are exact in fp32, and the tensor cores / MXU take bf16); a cache stored
-    narrower (8-bit floats) is widened to it block by block. The softmax runs in fp32 and
-    the probabilities meet the values in that dtype too, as in flash attention. fp32 inputs
-    stay fp32 throughout (Triton's IEEE dot)."""
-    acc, m, total = carry
-    latent, rope = widened(latent, q_lat.dtype), widened(rope, q_rope.dtype)
-    scores = jnp.dot(q_lat, latent.T, preferred_element_type=jnp.float32)
-    scores += jnp.dot(q_rope, rope.T, preferred_element_type=jnp.float32)
-    scores = jnp.where(visible, scores * scale, NEG)
-    m_new = jnp.maximum(m, scores.max(-1, keepdims=True))
-    correction = jnp.exp(m - m_new)
-    p = jnp.where(visible, jnp.exp(scores - m_new), 0.0)
-    acc = correction * acc + jnp.dot(
-        p.astype(latent.dtype), latent, preferred_element_type=jnp.float32
-    )
-    return acc, m_new, correction * total + p.sum(-1, keepdims=True)
-
-
-def log_sum_exp(m: jax.Array, total: jax.Array) -> jax.Array:
-    """The log-sum-exp [rows, 1] of the running softmax's final (max, sum); ``NEG`` where a row
-    saw no key (its max is ``NEG``, its sum 0)."""
-    return jnp.where(total == 0, NEG, m + jnp.log(total))
-
-
-def merge_by_lse(
-    out: jax.Array,
-    lse: jax.Array,
-    max_over_parts: Callable[[jax.Array], jax.Array],
-    sum_over_parts: Callable[[jax.Array], jax.Array],
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Attention over disjoint parts of the keys merged exactly from each part's output
-    ``out`` [..., r] and log-sum-exp ``lse`` [...] (fp32): the one merge of pages striped over
-    devices (the reducers are collectives) and of key splits inside a kernel (an array axis).
-    ``max_over_parts`` keeps the shape; ``sum_over_parts`` may reduce or scatter the parts.
-    Returns (merged out, sum of the parts' weights, their largest lse): a part that saw nothing
-    (lse ``NEG``) weighs 0 unless no part saw anything (then every out is 0, and so is the
-    merge)."""
-    top = max_over_parts(lse)
-    weight = jnp.exp(lse - top)
-    total = sum_over_parts(weight)
-    return sum_over_parts(out * weight[..., None]) / total[..., None], total, top
-
-
-def merge_splits(out: jax.Array, lse: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
-    """``merge_by_lse`` over an array ``axis`` of parts: (out, lse) without it; lse ``NEG``
-    where no part saw a key."""
-    merged, total, top = merge_by_lse(
-        out, lse, lambda x: x.max(axis, keepdims=True), lambda x: x.sum(axis)
-    )
-    top = top.squeeze(axis)
-    return merged, jnp.where(top <= NEG, NEG, top + jnp.log(total))
 
 
 def _kernel(
@@ -291,10 +219,6 @@ def row_mask(tail_mask: jax.Array, heads: int, padded_rows: int, tail: int, dtyp
     return pad_to(pad_to(mask, 1, padded_rows), 2, tail)
 
 
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def out_shapes(b: int, padded_rows: int, r: int, with_lse: bool) -> Any:
     """The kernel's outputs by query row: out [B, rows, r] (and lse [B, rows, 1]), float32."""
     out = jax.ShapeDtypeStruct((b, padded_rows, r), jnp.float32)
@@ -321,64 +245,6 @@ def token_outputs(result: Any, t: int, h: int, with_lse: bool) -> Any:
 def _full(shape: tuple[int, ...]) -> pl.BlockSpec:
     """A row's whole operand in every program."""
     return pl.BlockSpec((None, *shape), lambda i, j, s: (i, *(0,) * len(shape)))
-
-
-class Launch(NamedTuple):
-    """The GPU form's launch: ``block_q`` query rows (of ``padded_rows``) per program, keys in
-    blocks of ``block_k``, each row block's keys shared by ``splits`` programs of
-    ``split_blocks`` key blocks each."""
-
-    block_q: int
-    block_k: int
-    padded_rows: int
-    splits: int
-    split_blocks: int
-
-    def grid(self, batch: int) -> tuple[int, int, int]:
-        """Programs by (batch row, row block, key split)."""
-        return batch, self.padded_rows // self.block_q, self.splits
-
-
-def launch(
-    batch: int,
-    rows: int,
-    slots: int,
-    page: int | None,
-    dtype: Any,
-    *,
-    block_q: int | None = None,
-    block_k: int | None = None,
-    splits: int | None = None,
-    shared_memory: int | None = None,
-    multiprocessors: int | None = None,
-) -> Launch:
-    """The launch for ``batch`` rows of ``rows`` query rows (token x head) over ``slots`` key
-    slots each (in pages of ``page``, or contiguous: None), computing in ``dtype``; what is not
-    given comes from the tuning table for the GPU of ``shared_memory`` bytes per block and
-    ``multiprocessors`` (``tree_attention``'s arguments)."""
-    device = gpu_device(shared_memory)
-    tuned = block_sizes("tree_attention", device, dtype_class(dtype))
-    if block_q is None:
-        enough = batch * rows >= tuned["block_q"] * tuned["programs"]
-        block_q = tuned["block_q"] if enough else tuned["few_programs_block_q"]
-    block_q = min(block_q, _pow2(rows))
-    padded_rows = pl.cdiv(rows, block_q) * block_q
-    block_k = block_k or tuned["block_k"]
-    if page is None:
-        block_k = min(block_k, slots)
-        if slots % block_k:
-            raise ValueError(f"cache slots {slots} must be a multiple of block_k {block_k}")
-    else:  # Triton's loads are powers of two, and a block must not span two pages
-        block_k = math.gcd(1 << (block_k.bit_length() - 1), page)
-    if splits is None:
-        sms = multiprocessors or MULTIPROCESSORS[device]
-        splits = kv_splits(sms, batch * padded_rows // block_q, slots, tuned["min_split_keys"])
-    # a split of whole pages (paged) or key blocks; splits left with no slot are dropped
-    unit = page or block_k
-    split_blocks = pl.cdiv(pl.cdiv(slots, unit), splits) * unit // block_k
-    return Launch(
-        block_q, block_k, padded_rows, pl.cdiv(slots // block_k, split_blocks), split_blocks
-    )
 
 
 def _cache_spec(cache_latent: jax.Array, paged: bool) -> Callable[[int], pl.BlockSpec]:
@@ -457,7 +323,7 @@ def tree_attention(
     )
     block_q, block_k, padded_rows, splits, _ = chosen
     cache_spec = _cache_spec(cache_latent, paged)
-    tail = _pow2(t)  # pad the tail to a power of two; padded keys are masked out
+    tail = pow2(t)  # pad the tail to a power of two; padded keys are masked out
     mask = row_mask(tail_mask, h, padded_rows, tail, jnp.int8)
     tail_latent = pad_to(tail_latent, 1, tail)
     tail_rope = pad_to(tail_rope, 1, tail)

@@ -30,11 +30,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.online_softmax import NEG, log_sum_exp, online_softmax_step
 from pallas_kernels.tree_attention import (
-    NEG,
     check_pages,
-    log_sum_exp,
-    online_softmax_step,
     out_shapes,
     pad_to,
     query_rows,

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxdd.cache.layout import CacheView, stored
 from jaxdd.cache.pages import PAGE_TOKENS
 from jaxdd.runtime.sharding import AXIS
-from pallas_kernels.tree_attention import merge_by_lse
+from pallas_kernels.online_softmax import merge_by_lse
 
 PAGES = PartitionSpec(AXIS)  # a pool [pages, page, ...] split along its pages
 WHOLE = PartitionSpec()

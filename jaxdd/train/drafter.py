@@ -190,6 +190,62 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def initial_drafter(
+    target: KimiTarget, tokenizer: Tokenizer, layers: int, seed: int, init: Path | None
+) -> tuple[DFlashDrafter, dict]:
+    """(drafter, its z-lab config): ``init``'s, or a new one of ``layers`` for ``target``."""
+    if init is not None:
+        return jaxdd.load_drafter(init, dtype="float32"), json.loads(
+            (init / "config.json").read_text()
+        )
+    hf_config = drafter_hf_config(
+        target.config, layers=layers, mask_token_id=tokenizer.token_to_id(MASK)
+    )
+    return DFlashDrafter(DrafterConfig.from_hf(hf_config), jnp.float32, rngs=nnx.Rngs(seed)), (
+        hf_config
+    )
+
+
+def evaluate(
+    drafter: DFlashDrafter, target: KimiTarget, buckets: dict, anchors: dict
+) -> tuple[float, dict[str, float], list[float]]:
+    """(validation loss, loss by padded length, greedy accuracy per mask slot) over ``buckets``
+    ({length: Bucket}) at their ``anchors``, weighted by the sequences of each length."""
+    results = {
+        size: drafter_eval(
+            drafter,
+            target,
+            jnp.asarray(b.tokens),
+            jnp.asarray(b.features, jnp.float32),
+            anchors[size],
+        )
+        for size, b in buckets.items()
+    }
+    count = {size: len(b.contexts) for size, b in buckets.items()}
+    total = sum(count.values())
+    loss = sum(float(val) * count[size] for size, (val, _) in results.items()) / total
+    accuracy = sum(np.asarray(a) * count[size] for size, (_, a) in results.items()) / total
+    by_length = {str(size): round(float(val), 4) for size, (val, _) in results.items()}
+    return loss, by_length, [round(float(a), 4) for a in accuracy]
+
+
+def fixed_anchors(buckets: dict, per_sequence: int, generated: int, block: int) -> dict:
+    """{length: anchors} for validation: the same random ones at every evaluation."""
+    rng = np.random.default_rng(2)
+    out = {}
+    for size, b in buckets.items():
+        ends = b.contexts + generated
+        out[size] = jnp.asarray(
+            random_anchors(rng, len(b.contexts), per_sequence, ends, block, b.contexts)
+        )
+    return out
+
+
+def new_history(data: str, init: Path | None) -> dict:
+    keys = ("step", "train_loss", "validation_loss", "validation_by_length", "accuracy", "seconds")
+    return {**{key: [] for key in keys}, "data": data, "init": None if init is None else str(init)}
+
+
 def train(
     target_dir: Path,
     out: Path,
@@ -211,14 +267,7 @@ def train(
     loaded = jaxdd.load_target(target_dir, dtype="float32")
     target = loaded.model
     tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
-    if init is None:
-        hf_config = drafter_hf_config(
-            target.config, layers=layers, mask_token_id=tokenizer.token_to_id(MASK)
-        )
-        drafter = DFlashDrafter(DrafterConfig.from_hf(hf_config), jnp.float32, rngs=nnx.Rngs(seed))
-    else:
-        hf_config = json.loads((init / "config.json").read_text())
-        drafter = jaxdd.load_drafter(init, dtype="float32")
+    drafter, hf_config = initial_drafter(target, tokenizer, layers, seed, init)
     config = drafter.config
     optimizer = make_optimizer(drafter, steps, peak_lr)
     checkpoints = TrainingCheckpoints(out.parent / f"{out.name}_checkpoints")
@@ -235,30 +284,12 @@ def train(
     train_set = data.buckets(target, config.target_layer_ids, "train")
     validation_set = data.buckets(target, config.target_layer_ids, "validation")
     print(f"data and target features in {(time.perf_counter() - started) / 60:.1f} min", flush=True)
-    validation_anchors = {
-        size: jnp.asarray(
-            random_anchors(
-                np.random.default_rng(2),
-                len(b.contexts),
-                anchors,
-                b.contexts + generated,
-                config.block_size,
-                b.contexts,
-            )
-        )
-        for size, b in validation_set.items()
-    }
-    history = history or {
-        "step": [],
-        "train_loss": [],
-        "validation_loss": [],
-        "validation_by_length": [],
-        "accuracy": [],
-        "seconds": [],
-        "data": f"greedy continuations of {generated} tokens after {sequences} corpus windows "
+    validation_anchors = fixed_anchors(validation_set, anchors, generated, config.block_size)
+    history = history or new_history(
+        f"greedy continuations of {generated} tokens after {sequences} corpus windows "
         f"of {MIN_CONTEXT}-{max_context} tokens",
-        "init": None if init is None else str(init),
-    }
+        init,
+    )
     # the time limit counts the runs this one resumes (and generating the data)
     start = started - (history["seconds"][-1] if history["seconds"] else 0.0)
     sizes = sorted(train_set)
@@ -285,27 +316,11 @@ def train(
         elapsed = time.perf_counter() - start
         last = step == steps or elapsed > minutes * 60
         if step % 100 == 0 or last:
-            by_length = {
-                size: drafter_eval(
-                    drafter,
-                    target,
-                    jnp.asarray(b.tokens),
-                    jnp.asarray(b.features, jnp.float32),
-                    validation_anchors[size],
-                )
-                for size, b in validation_set.items()
-            }
-            count = {size: len(b.contexts) for size, b in validation_set.items()}
-            total = sum(count.values())
-            val = sum(float(loss) * count[size] for size, (loss, _) in by_length.items()) / total
-            accuracy = sum(np.asarray(a) * count[size] for size, (_, a) in by_length.items())
-            accuracy = [round(float(a), 4) for a in accuracy / total]
+            val, by_length, accuracy = evaluate(drafter, target, validation_set, validation_anchors)
             history["step"].append(step)
             history["train_loss"].append(float(np.mean(losses)))
             history["validation_loss"].append(val)
-            history["validation_by_length"].append(
-                {str(size): round(float(loss), 4) for size, (loss, _) in by_length.items()}
-            )
+            history["validation_by_length"].append(by_length)
             history["accuracy"].append(accuracy)
             history["seconds"].append(round(elapsed, 1))
             print(

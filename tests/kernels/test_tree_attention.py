@@ -21,8 +21,8 @@ from jaxdd.runtime.backend import Backend
 from jaxdd.testing.profiles import examples
 from jaxdd.testing.reference import random_tree_parents, rel_err, tree_depths_and_mask
 from pallas_kernels.block_traffic import grid_bytes
+from pallas_kernels.online_softmax import NEG
 from pallas_kernels.tree_attention import (
-    NEG,
     TRITON_DEPRECATION,
     tree_attention,
     tree_attention_reference,
