@@ -21,7 +21,6 @@ data in OUT_DIR_data.npz) and resumes from there when started again.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import tempfile
 import time
@@ -42,7 +41,12 @@ from jaxdd.config import DrafterConfig
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget
 from jaxdd.train.continuations import MIN_CONTEXT, TrainingData
-from jaxdd.train.resume import TrainingCheckpoints, step_rng, write_history
+from jaxdd.train.resume import (
+    TrainingCheckpoints,
+    refuse_finished,
+    step_rng,
+    write_history,
+)
 from jaxdd.train.target import make_optimizer
 from jaxdd.train.tokenizer import MASK
 from jaxdd.weights.checkpoint import save_drafter
@@ -173,8 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-lr", type=float, default=3e-3)
     args = parser.parse_args(argv)
     cli.choose_platform(cpu_only=True)
-    if (args.out).exists():  # a finished run's output is never overwritten
-        raise FileExistsError(errno.EEXIST, "already exists; choose a new directory", args.out)
+    refuse_finished(args.out)
     train(
         args.target,
         args.out,

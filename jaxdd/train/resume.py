@@ -8,6 +8,7 @@ uninterrupted run would have seen, with no generator state to store.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -69,6 +70,12 @@ class TrainingCheckpoints:
         self.manager.wait_until_finished()
         self.saved_at = time.perf_counter()
         return True
+
+
+def refuse_finished(output: Path) -> None:
+    """A finished run's output is never overwritten: a one-line error where ``output`` exists."""
+    if output.exists():
+        raise FileExistsError(errno.EEXIST, "already exists; choose a new directory", output)
 
 
 def write_history(path: Path, history: dict) -> None:

@@ -17,7 +17,6 @@ OUT_DIR/checkpoints every few minutes and resumes from there when started again.
 from __future__ import annotations
 
 import argparse
-import errno
 import itertools
 import tempfile
 import time
@@ -38,7 +37,12 @@ from jaxdd.config import KimiConfig
 from jaxdd.models.target import KimiTarget
 from jaxdd.runtime.backend import Backend
 from jaxdd.train.data import encode_corpus, read_texts, split, stdlib_files, windows
-from jaxdd.train.resume import TrainingCheckpoints, step_rng, write_history
+from jaxdd.train.resume import (
+    TrainingCheckpoints,
+    refuse_finished,
+    step_rng,
+    write_history,
+)
 from jaxdd.train.tokenizer import END_OF_TEXT, save_tokenizer, train_tokenizer
 from jaxdd.weights.checkpoint import save_target
 
@@ -242,10 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-lr", type=float, default=3e-3)
     args = parser.parse_args(argv)
     cli.choose_platform(cpu_only=True)
-    if (args.out / "target").exists():  # a finished run's output is never overwritten
-        raise FileExistsError(
-            errno.EEXIST, "already exists; choose a new directory", args.out / "target"
-        )
+    refuse_finished(args.out / "target")
     train(
         args.out,
         args.minutes,
