@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu_launch import launch, pow2
+from pallas_kernels.gpu_launch import Launch, launch, pow2
 from pallas_kernels.online_softmax import NEG, log_sum_exp, merge_splits, online_softmax_step
 
 # jax >= 0.11 warns at each Triton lowering; the form has no other GPU backend to go to yet
@@ -247,6 +247,23 @@ def _full(shape: tuple[int, ...]) -> pl.BlockSpec:
     return pl.BlockSpec((None, *shape), lambda i, j, s: (i, *(0,) * len(shape)))
 
 
+def _by_rows(block_q: int, width: int) -> pl.BlockSpec:
+    """A program's block of query rows of an operand [B, rows, width]."""
+    return pl.BlockSpec((None, block_q, width), lambda i, j, s: (i, j, 0))
+
+
+def _split_outputs(b: int, chosen: Launch, r: int, with_lse: bool) -> tuple[Any, Any]:
+    """(out_shape, out_specs): ``out_shapes`` by split, [B, splits, rows, r | 1]."""
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((b, chosen.splits, *x.shape[1:]), x.dtype),
+        out_shapes(b, chosen.padded_rows, r, with_lse),
+    )
+    spec = lambda width: pl.BlockSpec(
+        (None, None, chosen.block_q, width), lambda i, j, s: (i, s, j, 0)
+    )
+    return shapes, (spec(r), spec(1)) if with_lse else spec(r)
+
+
 def _cache_spec(cache_latent: jax.Array, paged: bool) -> Callable[[int], pl.BlockSpec]:
     """The cache operands' BlockSpec by width: a row's whole cache, or the whole pools."""
     if not paged:
@@ -293,15 +310,10 @@ def tree_attention(
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The Pallas kernel; same arguments and results as ``tree_attention_reference``; ``interpret``
     and ``compiler_params`` as the backend chooses (``Backend.kernel_options``). ``block_q`` query
-    rows (token x head) per program, keys in blocks of ``block_k``; None takes them from the tuning
-    table (``pallas_kernels.tuned_block_sizes``) for the GPU of ``shared_memory`` bytes per block
-    (its opt-in limit) and the dtype it computes in (the wider of the queries' and the cache's).
-    With ``pages`` the key block is a power of two dividing the page (the largest up to
-    ``block_k``), its page id loaded from the row's table; ``fold`` rows share each table
-    (``unfold_pages``; this form unfolds them in HBM, B x fold x row_pages ints).
-    ``splits``: programs that share each row block's keys (split-KV, whole pages each where
-    paged), their partial outputs merged by log-sum-exp (``merge_splits``); None takes
-    ``kv_splits``' count for a GPU of ``multiprocessors`` (None: the table's device's)."""
+    rows (token x head) per program, keys in blocks of ``block_k``, each row block's keys shared
+    by ``splits`` programs (split-KV, merged by log-sum-exp); what is None comes from ``launch``
+    for the GPU of ``shared_memory`` bytes per block and ``multiprocessors``. With ``pages`` each
+    key block's page is read from the row's table; ``fold`` rows share one (``unfold_pages``)."""
     b, t, h, r = q_latent.shape
     if pages is not None:
         check_pages(cache_latent, cache_rope, pages, b, fold)
@@ -309,18 +321,11 @@ def tree_attention(
     dr = q_rope.shape[-1]
     paged = pages is not None
     page = cache_latent.shape[1] if paged else None
-    chosen = launch(
-        b,
-        t * h,
-        pages.shape[1] * page if paged else cache_latent.shape[1],
-        page,
-        max(q_latent.dtype, cache_latent.dtype, key=lambda d: d.itemsize),
-        block_q=block_q,
-        block_k=block_k,
-        splits=splits,
-        shared_memory=shared_memory,
-        multiprocessors=multiprocessors,
-    )
+    slots = pages.shape[1] * page if paged else cache_latent.shape[1]
+    computed = max(q_latent.dtype, cache_latent.dtype, key=lambda d: d.itemsize)
+    gpu = {"shared_memory": shared_memory, "multiprocessors": multiprocessors}
+    tiles = {"block_q": block_q, "block_k": block_k, "splits": splits}
+    chosen = launch(b, t * h, slots, page, computed, **tiles, **gpu)
     block_q, block_k, padded_rows, splits, _ = chosen
     cache_spec = _cache_spec(cache_latent, paged)
     tail = pow2(t)  # pad the tail to a power of two; padded keys are masked out
@@ -328,18 +333,8 @@ def tree_attention(
     tail_latent = pad_to(tail_latent, 1, tail)
     tail_rope = pad_to(tail_rope, 1, tail)
 
-    def by_rows(width):
-        return pl.BlockSpec((None, block_q, width), lambda i, j, s: (i, j, 0))
-
-    def by_split(width):
-        return pl.BlockSpec((None, None, block_q, width), lambda i, j, s: (i, s, j, 0))
-
-    partial_lse = with_lse or splits > 1
-    out_specs = (by_split(r), by_split(1)) if partial_lse else by_split(r)
-    out_shape = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((b, splits, *x.shape[1:]), x.dtype),
-        out_shapes(b, padded_rows, r, partial_lse),
-    )
+    by_rows = functools.partial(_by_rows, block_q)
+    out_shape, out_specs = _split_outputs(b, chosen, r, with_lse or splits > 1)
     table = [_full((pages.shape[1],))] if paged else []
     kernel = functools.partial(
         _kernel,

@@ -249,6 +249,26 @@ def new_history(data: str, init: Path | None) -> dict:
     return {**{key: [] for key in keys}, "data": data, "init": None if init is None else str(init)}
 
 
+def draw_batch(
+    buckets: dict,
+    rng: np.random.Generator,
+    batch: int,
+    per_sequence: int,
+    generated: int,
+    block: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A step's (tokens, features, anchors): ``batch`` sequences of one padded length (a length
+    drawn as often as it has sequences), ``per_sequence`` anchors in each one's generated part."""
+    sizes = sorted(buckets)
+    weights = np.array([len(buckets[size].contexts) for size in sizes], float)
+    bucket = buckets[sizes[rng.choice(len(sizes), p=weights / weights.sum())]]
+    rows = rng.integers(0, len(bucket.contexts), batch)
+    first = bucket.contexts[rows]
+    chosen = random_anchors(rng, batch, per_sequence, first + generated, block, first)
+    features = jnp.asarray(bucket.features[rows], jnp.float32)
+    return jnp.asarray(bucket.tokens[rows]), features, jnp.asarray(chosen)
+
+
 def train(
     target_dir: Path,
     out: Path,
@@ -295,27 +315,11 @@ def train(
     )
     # the time limit counts the runs this one resumes (and generating the data)
     start = started - (history["seconds"][-1] if history["seconds"] else 0.0)
-    sizes = sorted(train_set)
-    weights = np.array([len(train_set[size].contexts) for size in sizes], float)
     losses = []
     for step in range(done + 1, steps + 1):
         rng = step_rng(seed, step)
-        bucket = train_set[sizes[rng.choice(len(sizes), p=weights / weights.sum())]]
-        rows = rng.integers(0, len(bucket.contexts), batch)
-        first = bucket.contexts[rows]
-        chosen = random_anchors(rng, batch, anchors, first + generated, config.block_size, first)
-        losses.append(
-            float(
-                drafter_step(
-                    drafter,
-                    optimizer,
-                    target,
-                    jnp.asarray(bucket.tokens[rows]),
-                    jnp.asarray(bucket.features[rows], jnp.float32),
-                    jnp.asarray(chosen),
-                )
-            )
-        )
+        drawn = draw_batch(train_set, rng, batch, anchors, generated, config.block_size)
+        losses.append(float(drafter_step(drafter, optimizer, target, *drawn)))
         elapsed = time.perf_counter() - start
         last = step == steps or elapsed > minutes * 60
         if step % 100 == 0 or last:
