@@ -83,7 +83,7 @@ def check_pool_maps(pool, flags: str) -> None:
     (XLA:CPU only: elsewhere programs live on the device), naming the limit and ``flags`` (the
     options that shrink the pool's program set, in the caller's words)."""
     limit = map_limit()
-    if limit is None or jax.devices()[0].platform != "cpu":
+    if limit is None or pool.decoder.backend.platform != "cpu":  # where its models live
         return
     (prefills, rounds), (per_prefill, per_round) = pool_programs(pool), program_maps(pool)
     used = maps_in_use()
