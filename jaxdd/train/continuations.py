@@ -21,11 +21,10 @@ from flax import nnx
 from tokenizers import Tokenizer
 
 import jaxdd
-from jaxdd.cache import LatentCache
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.models.target import KimiTarget
-from jaxdd.runtime.backend import Backend
 from jaxdd.train.data import encode_corpus, split, stdlib_files, windows
+from jaxdd.train.target import causal_forward
 from jaxdd.train.tokenizer import END_OF_TEXT
 
 MIN_CONTEXT = 64
@@ -61,13 +60,7 @@ def greedy_continuations(
 @nnx.jit(static_argnames="taps")
 def target_features(target: KimiTarget, tokens: jax.Array, taps: tuple[int, ...]) -> jax.Array:
     """The frozen target's tapped residual streams [N, T, len(taps) * D]."""
-    b, t = tokens.shape
-    cache = LatentCache.zeros(target.config, b, t, target.dtype)
-    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    return target(
-        tokens, positions, cache, visible, taps=taps, attention="naive", backend=Backend.local()
-    ).taps
+    return causal_forward(target, tokens, taps).taps
 
 
 def padded_length(tokens: int) -> int:

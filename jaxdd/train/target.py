@@ -84,18 +84,22 @@ KIMI_MINI = {
 }
 
 
-def position_losses(model: KimiTarget, tokens: jax.Array) -> jax.Array:
-    """Next-token cross-entropy [B, T] of tokens [B, T + 1]."""
-    inputs = tokens[:, :-1]
-    labels = tokens[:, 1:]
-    b, t = inputs.shape
+def causal_forward(model: KimiTarget, tokens: jax.Array, taps: tuple[int, ...] = ()):
+    """The target over whole sequences tokens [B, T] from position 0 (a fresh cache, causal
+    attention): its forward's result, with the ``taps`` layers' residual streams."""
+    b, t = tokens.shape
     cache = LatentCache.zeros(model.config, b, t, model.dtype)
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    hidden = model(
-        inputs, positions, cache, visible, attention="naive", backend=Backend.local()
-    ).hidden
-    return optax.softmax_cross_entropy_with_integer_labels(model.logits(hidden), labels)
+    return model(
+        tokens, positions, cache, visible, taps=taps, attention="naive", backend=Backend.local()
+    )
+
+
+def position_losses(model: KimiTarget, tokens: jax.Array) -> jax.Array:
+    """Next-token cross-entropy [B, T] of tokens [B, T + 1]."""
+    hidden = causal_forward(model, tokens[:, :-1]).hidden
+    return optax.softmax_cross_entropy_with_integer_labels(model.logits(hidden), tokens[:, 1:])
 
 
 def causal_loss(model: KimiTarget, tokens: jax.Array) -> jax.Array:
