@@ -111,7 +111,7 @@ class Stripes:
         r] and log-sum-exp ``lse`` [B, T, H] over its own, in float32; with ``split_heads`` each
         device keeps its block of the heads (one reduce-scatter), else all of them."""
         if split_heads:
-            total = lambda x: jax.lax.psum_scatter(x, AXIS, scatter_dimension=2, tiled=True)
+            over_devices = lambda x: jax.lax.psum_scatter(x, AXIS, scatter_dimension=2, tiled=True)
         else:
-            total = lambda x: jax.lax.psum(x, AXIS)
-        return merge_by_lse(out, lse, lambda x: jax.lax.pmax(x, AXIS), total)[0]
+            over_devices = lambda x: jax.lax.psum(x, AXIS)
+        return merge_by_lse(out, lse, lambda x: jax.lax.pmax(x, AXIS), over_devices)[0]
