@@ -70,7 +70,7 @@ def test_functions_and_files_stay_short():
     files = sources(suffixes=(".py", ".cc"))
     assert [f for f in files if len(f.read_text().splitlines()) > 500] == []
     assert [f for p in sources() for f in long_functions(p, 90)] == []
-    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 200  # a front page: guides in docs
 
 
 def test_measurements_live_in_the_benchmarks_readme():
