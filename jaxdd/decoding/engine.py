@@ -15,7 +15,7 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from jaxdd.cache import row_slots
+from jaxdd.cache import cache_slots, row_slots
 from jaxdd.cache.pages import pool_pages
 from jaxdd.cache.stripes import Stripes, paging
 from jaxdd.decoding.checks import (
@@ -400,12 +400,13 @@ class SpeculativeDecoder:
             RowRequest(p.tolist(), m, stops, s, asked, options.score_prompt)
             for p, m, s in zip(checked, lengths, settings, strict=True)
         ]
-        # Prompts and the cache in quarter octaves (prompts in multiples of 16): a prefill's cost
-        # grows with its padded length and a round's with its slots, and each new shape compiles.
+        # Prompts and request lengths in quarter octaves (prompts in multiples of 16): a prefill's
+        # cost grows with its padded length and a round's with its slots, and each shape compiles.
         longest = max(len(p) for p in checked)
         page, devices = paging(self.stripes)
         round_tokens = max(block, verify_width)
-        slots = row_slots(prompt_bucket(longest), max(max_lengths), round_tokens, page * devices)
+        max_len = cache_slots(max(max_lengths))
+        slots = row_slots(prompt_bucket(longest), max_len, round_tokens, page * devices)
         sampled = any(not s.greedy for s in settings)
         spec = self.round_spec(
             method,
