@@ -233,13 +233,13 @@ def compiled_rounds(monkeypatch) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("method", ["ar", "dflash"])
-def test_the_tpu_round_reads_the_pools_in_place(tiny_plan_configs, monkeypatch, method):
+def test_the_tpu_round_reads_the_pools_in_place(tiny_plan_configs, monkeypatch):
     """On TPU every program of the decode state names its pools of pages row-major, the Mosaic
     kernel's blocks (``jaxdd.decoding.programs``): XLA copies none around the kernel's calls, as
-    it does a pool laid out to its own taste (the tiny pair's are all under 128 lanes wide)."""
+    it does a pool laid out to its own taste (the tiny pair's are all under 128 lanes wide; the
+    DFlash round's pools were copied before their formats were named)."""
     texts = compiled_rounds(monkeypatch)
-    result = plan(*tiny_plan_configs, PlanOptions("v5p:2x2x2", 8, "ep", method, 16, 256))
+    result = plan(*tiny_plan_configs, PlanOptions("v5p:2x2x2", 8, "ep", "dflash", 16, 256))
     computations, entry = parse_module(texts[-1])
     main = computations[entry]
     pools = {
@@ -255,6 +255,5 @@ def test_the_tpu_round_reads_the_pools_in_place(tiny_plan_configs, monkeypatch, 
         if ins.opcode == "copy"
         for operand in ins.operands
     }
-    latent = 2 * result["layers"]  # each layer's latent and rope pools; the drafter's K/V past
-    assert len(pools) == latent if method == "ar" else len(pools) > latent
+    assert len(pools) > 2 * result["layers"]  # each layer's latent and rope; the drafter's K/V
     assert not pools & copied
