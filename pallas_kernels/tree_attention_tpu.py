@@ -177,7 +177,8 @@ def declared_bytes(
     steps): part p of key step k reads a row's block min(k * parts + p, blocks - 1) of ``unit``
     slots, fetched when it differs from the part's previous block, so once per row block, or
     once per row where it never changes. Per row block its query rows, mask and output; per row
-    the tree tail. ``widths`` (r, dr); ``itemsizes`` of the queries and tail, and of the cache."""
+    the tree tail. ``widths`` (r, dr); ``itemsizes`` of the queries and tail, and of the cache,
+    whose pages' rows XLA:TPU pads to whole tiles of 128 lanes (a 64-wide rope row moves 128)."""
     blocks, unit, parts, steps = keys
     fetched = 0
     for part in range(parts):
@@ -189,7 +190,8 @@ def declared_bytes(
     queries = rows * (width * inputs + tiles.tail * 4)  # the mask in int32
     outputs = rows * (widths[0] + 1) * 4  # out and lse in fp32 (lse or not: a bound)
     tail = batch * tiles.tail * width * inputs
-    return queries + outputs + tail + batch * fetched * unit * width * cache
+    lanes = sum(pl.cdiv(w, LANES) * LANES for w in widths)  # a page's rows in whole lane tiles
+    return queries + outputs + tail + batch * fetched * unit * lanes * cache
 
 
 def _cost(

@@ -11,18 +11,18 @@ from jaxdd.errors import InputError
 from jaxdd.runtime.buckets import bucket
 
 CACHE_BUCKETS_PER_OCTAVE = 4
-# cache sizes past this are multiples of it: the tree-attention kernel reads blocks of up to 64
+# bucketed lengths past this are multiples of it: a page of the pools
 CACHE_ALIGN = 64
 
 Holder = TypeVar("Holder")
 
 
 def cache_slots(needed: int) -> int:
-    """The cache size for ``needed`` slots: up to ``CACHE_ALIGN``, the next power of two;
-    beyond, the next of four sizes per octave rounded up to a multiple of ``CACHE_ALIGN``.
-    Either way whole blocks for the Pallas tree-attention kernel, which reads the cache in
-    blocks of a power of two up to that many slots. Powers of two throughout would double
-    a 8257-slot Kimi cache to 16384 slots, and attention reads every slot."""
+    """A length bucket for ``needed`` slots, for callers whose requests' lengths vary (a batch
+    of the CLI's): up to ``CACHE_ALIGN``, the next power of two; beyond, the next of four sizes
+    per octave rounded up to a multiple of ``CACHE_ALIGN``. Requests of lengths in one bucket
+    share a table width, hence the round's programs; powers of two throughout would double a
+    8257-slot Kimi row to 16384 slots, and attention reads every slot."""
     if needed <= CACHE_ALIGN:
         return bucket(needed)
     return -(-bucket(needed, per_octave=CACHE_BUCKETS_PER_OCTAVE) // CACHE_ALIGN) * CACHE_ALIGN
@@ -31,9 +31,10 @@ def cache_slots(needed: int) -> int:
 def row_slots(padded_prompt: int, max_len: int, round_tokens: int, unit: int = 1) -> int:
     """Slots per row for requests of up to ``max_len`` tokens: a padded prompt's rows, or the
     longest request's plus the rows a round writes past its committed tokens before it keeps
-    some (``round_tokens``: a draft block, or the tokens a verify writes); a multiple of
-    ``unit`` (a striped cache's page on every device)."""
-    return -(-cache_slots(max(padded_prompt, max_len + round_tokens)) // unit) * unit
+    some (``round_tokens``: a draft block, or the tokens a verify writes), in whole ``unit``s
+    (a page, on every device of a striped cache): no more, since the kernels' declared reads
+    and the reference's gather cover the whole table."""
+    return -(-max(padded_prompt, max_len + round_tokens) // unit) * unit
 
 
 class RowTable(Generic[Holder]):

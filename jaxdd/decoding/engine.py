@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 from collections.abc import Callable
 from typing import Protocol
 
 import jax
 import numpy as np
 
-from jaxdd.cache import row_slots
+from jaxdd.cache import cache_slots, row_slots
 from jaxdd.cache.pages import pool_pages
 from jaxdd.cache.stripes import Stripes, paging
 from jaxdd.decoding.checks import (
@@ -26,12 +25,14 @@ from jaxdd.decoding.checks import (
     check_tree_logits,
     per_request,
 )
+from jaxdd.decoding.programs import programs_for
 from jaxdd.decoding.report import RoundTrace, TokenLogprob
 from jaxdd.decoding.requests import RowRequest, RowShape
-from jaxdd.decoding.rounds import DecodeState, ModelPair, RoundSpec, RowSettings, decode_round
+from jaxdd.decoding.round_size import RoundSizes
+from jaxdd.decoding.rounds import DecodeState, ModelPair, RoundSpec, RowSettings
 from jaxdd.decoding.rows import RowPool
 from jaxdd.decoding.sampling import GREEDY, Sampling
-from jaxdd.errors import InputError, LargeRoundWarning
+from jaxdd.errors import InputError
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget
 from jaxdd.runtime.backend import Backend
@@ -50,10 +51,6 @@ from jaxdd.types import (
     TreeLogits,
     verified_tokens,
 )
-
-# A DDTree round past this many nodes per drafted position gets a note: deeper candidates are rarely
-# accepted (tau per budget: benchmarks/README.md, "HumanEval"), each costs verify work.
-NODES_PER_POSITION_NOTE = 16
 
 
 class LoadedTarget(Protocol):
@@ -200,7 +197,7 @@ class SpeculativeDecoder:
         self.stripes = None
         if cache_layout == "striped" and self.mesh is not None:
             self.stripes = Stripes(self.mesh)
-        self._working_memory: dict[tuple, int] = {}  # compiled rounds' temporaries, by round shape
+        self._round_sizes = RoundSizes()
         # by pool shape, the jit making its empty state (a chunked generate makes a pool a call)
         self._state_makers: dict[RowShape, Callable[[], DecodeState]] = {}
         target_structure, target_weights = split_module(target.model)
@@ -314,13 +311,15 @@ class SpeculativeDecoder:
 
     def step(self, plan: RoundBatch, state: DecodeState) -> tuple[DecodeState, jax.Array]:
         """One jitted round for the whole batch: (new state, the round's report [rows, ...])."""
-        return decode_round(plan.spec, self.models_for(plan.spec), state, plan.settings)
+        round_ = programs_for(state, self.mesh).decode_round
+        return round_(plan.spec, self.models_for(plan.spec), state, plan.settings)
 
     def lower_round(self, plan: RoundBatch, state: DecodeState) -> jax.stages.Lowered:
         """The round ``step`` runs for ``plan``, lowered for ``state``
         (arrays or ShapeDtypeStructs): for compiling ahead of time
         (``jaxdd.plan``), reading the HLO, or profiling its stages."""
-        return decode_round.lower(plan.spec, self.models_for(plan.spec), state, plan.settings)
+        round_ = programs_for(state, self.mesh).decode_round
+        return round_.lower(plan.spec, self.models_for(plan.spec), state, plan.settings)
 
     def round_spec(
         self,
@@ -367,7 +366,9 @@ class SpeculativeDecoder:
         plan = RoundBatch(
             shape.spec, len(requests), [r.max_new_tokens for r in requests], pool.settings
         )
-        self._check_round_size(plan, pool.state)
+        trained = None if self.drafter is None else self.drafter.config.block_size
+        lower = lambda: self.lower_round(plan, pool.state)
+        self._round_sizes.check(lower, plan.spec, pool.state, plan.settings, trained)
         return pool, plan
 
     def _batch_shape(
@@ -400,12 +401,13 @@ class SpeculativeDecoder:
             RowRequest(p.tolist(), m, stops, s, asked, options.score_prompt)
             for p, m, s in zip(checked, lengths, settings, strict=True)
         ]
-        # Prompts and the cache in quarter octaves (prompts in multiples of 16): a prefill's cost
-        # grows with its padded length and a round's with its slots, and each new shape compiles.
+        # Prompts and request lengths in quarter octaves (prompts in multiples of 16): a prefill's
+        # cost grows with its padded length and a round's with its slots, and each shape compiles.
         longest = max(len(p) for p in checked)
         page, devices = paging(self.stripes)
         round_tokens = max(block, verify_width)
-        slots = row_slots(prompt_bucket(longest), max(max_lengths), round_tokens, page * devices)
+        max_len = cache_slots(max(max_lengths))
+        slots = row_slots(prompt_bucket(longest), max_len, round_tokens, page * devices)
         sampled = any(not s.greedy for s in settings)
         spec = self.round_spec(
             method,
@@ -423,62 +425,6 @@ class SpeculativeDecoder:
         shape = RowShape(spec, spec, rows, max(max_lengths), longest, slots, (rows,), pages, chunk)
         return requests, shape
 
-    def _check_round_size(self, plan: RoundBatch, state: DecodeState) -> None:
-        """Compile the round (``step`` then reuses it) and refuse it, naming the option
-        that sizes it, when its working memory is more than the devices have free; warn
-        (``LargeRoundWarning``) when it verifies far more tokens than it can accept.
-        Without the check an oversized round dies of an out-of-memory traceback, and a
-        merely huge one runs at a fraction of a token per second without a word."""
-        spec = plan.spec
-        width = verified_tokens(spec.method, spec.block, spec.budget)
-        option = {
-            "ar": "the batch",
-            "dflash": f"block_size {spec.block}",
-            "ddtree": f"budget {spec.budget}",
-        }
-        what = (
-            f"the {spec.method} round verifies {width} tokens per request ({option[spec.method]})"
-        )
-        # once per round shape: lowering again (even a cached executable) costs more than a round
-        key = (
-            spec,
-            tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves((state, plan.settings))),
-        )
-        if key not in self._working_memory:
-            try:
-                stats = self.lower_round(plan, state).compile().memory_analysis()
-            except jax.errors.JaxRuntimeError as error:  # GPU/TPU compilers refuse what cannot fit
-                if "RESOURCE_EXHAUSTED" not in str(error):
-                    raise
-                raise InputError(
-                    f"{what} and does not fit the device: {str(error).splitlines()[0]}"
-                ) from None
-            self._working_memory[key] = stats.temp_size_in_bytes if stats is not None else 0
-        needed = self._working_memory[key]
-        free = Backend.free_bytes(state.bonus.sharding.addressable_devices)  # this process's
-        if free is not None and needed > free:
-            raise InputError(
-                f"{what} and needs {gigabytes(needed)} of working memory per device, "
-                f"{gigabytes(free)} is free; lower {option[spec.method].split()[0]}"
-            )
-        trained = None if self.drafter is None else self.drafter.config.block_size
-        if spec.method != "ar" and spec.block > trained:
-            note = (
-                f"past the drafter's trained block of {trained} (its later positions are untrained)"
-            )
-        elif spec.method == "ddtree" and spec.budget > NODES_PER_POSITION_NOTE * (spec.block - 1):
-            note = (
-                f"to accept at most {spec.block}: over {NODES_PER_POSITION_NOTE} nodes per "
-                f"drafted position"
-            )
-        else:
-            return
-        warnings.warn(
-            f"{what} {note}; it needs {gigabytes(needed)} of working memory per device",
-            LargeRoundWarning,
-            3,
-        )
-
     def models_for(self, spec: RoundSpec) -> ModelPair:
         """The weights a round of ``spec`` reads: the target's alone for AR."""
         return self._target_only if spec.method == "ar" else self._models
@@ -488,10 +434,6 @@ class SpeculativeDecoder:
         if shape not in self._state_makers:
             self._state_makers[shape] = shape.state_maker(self)
         return self._state_makers[shape]()
-
-
-def gigabytes(n: int) -> str:
-    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def _record_trace(result: Generation, trace: RoundTrace) -> None:

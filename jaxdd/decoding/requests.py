@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxdd.cache.stripes import paging
 from jaxdd.config import KimiConfig
+from jaxdd.decoding.programs import names_formats, state_formats
 from jaxdd.decoding.report import RoundTrace, TokenLogprob
 from jaxdd.decoding.rounds import DecodeState, ModelPair, RoundSpec, state_shardings
 from jaxdd.decoding.sampling import GREEDY, Sampling, seed_keys
@@ -110,6 +111,19 @@ class RowShape:
         """A jitted call making this shape's decode state, every row done (nothing to decode)
         until a request is inserted, straight into its shardings (no device holds more than its
         share of the pool, even for a moment); ``decoder.empty_state`` keeps one per shape."""
+        empty, mesh = self._empty(decoder), decoder.mesh
+        placed = self.formats(decoder)
+        if placed is None and mesh is not None:
+            placed = state_shardings(jax.eval_shape(empty), mesh)
+        return jax.jit(empty, out_shardings=placed)
+
+    def formats(self, decoder: Decoder) -> DecodeState | None:
+        """The formats this shape's state needs named (``jaxdd.decoding.programs``), or None."""
+        if not names_formats(decoder.mesh):
+            return None
+        return state_formats(jax.eval_shape(self._empty(decoder)), decoder.mesh)
+
+    def _empty(self, decoder: Decoder) -> Callable[[], DecodeState]:
         spec = self.spec
         drafter = None if spec.method == "ar" else decoder.drafter.config
         sizes = (self.rows, self.row_pages, self.pool_pages, spec.block)
@@ -121,9 +135,7 @@ class RowShape:
             state = DecodeState.empty(decoder.config, drafter, *sizes, dtype, keys, **layout)
             return state.replace(done=jnp.ones((self.rows,), bool))
 
-        mesh = decoder.mesh
-        placed = None if mesh is None else state_shardings(jax.eval_shape(empty), mesh)
-        return jax.jit(empty, out_shardings=placed)
+        return empty
 
     def buckets(self) -> list[int]:
         """The lengths a prompt (or the rest of one after a hit) is padded to."""

@@ -44,7 +44,7 @@ from jaxdd.cache import RowTable
 from jaxdd.cache.pages import PageTable
 from jaxdd.cache.stripes import paging
 from jaxdd.decoding.checks import MAX_STOP_TOKENS, check_row_request, pool_shape
-from jaxdd.decoding.prefill import prefill_after, prefill_new, prefill_row
+from jaxdd.decoding.programs import state_programs
 from jaxdd.decoding.report import RoundReport
 from jaxdd.decoding.requests import (
     Decoder,
@@ -54,13 +54,7 @@ from jaxdd.decoding.requests import (
     RowUpdate,
     pad_requests,
 )
-from jaxdd.decoding.rounds import (
-    DecodeState,
-    RoundSpec,
-    RowSettings,
-    decode_round,
-    front_round,
-)
+from jaxdd.decoding.rounds import DecodeState, RoundSpec, RowSettings
 from jaxdd.decoding.sampling import GREEDY, SamplingArrays
 from jaxdd.errors import InputError
 from jaxdd.runtime.buckets import prompt_bucket
@@ -120,6 +114,7 @@ class RowPool:
     def _setup(self, decoder: Decoder, shape: RowShape, prefix_cache: bool = False) -> None:
         self.decoder = decoder
         self.shape = shape
+        self.programs = state_programs(shape.formats(decoder))
         self.prefill_chunk = shape.prefill_chunk
         self.rows = shape.rows
         self.max_len = shape.max_len
@@ -219,9 +214,9 @@ class RowPool:
         args = (self.spec, self.models, self.state, np.int32(row), tokens, count, one, seeds, mesh)
         last = end == len(request.prompt)
         if start == 0 and last:
-            self.state, report = prefill_row(*args, request.score_prompt)
+            self.state, report = self.programs.prefill_row(*args, request.score_prompt)
         else:
-            self.state, report = prefill_after(*args, np.int32(start), np.bool_(last))
+            self.state, report = self.programs.prefill_after(*args, np.int32(start), np.bool_(last))
         entry.next = None if last else end
         if last:
             self.pages.insert(row, request.prompt)  # its rows are in both caches once prefilled
@@ -256,7 +251,7 @@ class RowPool:
         score = any(r.score_prompt for r in requests)
         pages = (self.shape.row_pages, self.shape.pool_pages)
         args = (self.spec, self.models, tokens, prompt_len, self.settings, seeds, pages, mesh)
-        self.state, report = prefill_new(*args, score)
+        self.state, report = self.programs.prefill_new(*args, score)
         holders = [(row, row, e) for row, e in self.table.items()]
         scored = padded - 1 if score else 0
         self._prefilled.append(_Report(report, 0, self.spec.top_logprobs, scored, holders))
@@ -394,9 +389,13 @@ class RowPool:
         if self.settings is None:
             self.settings = jax.device_put(self.host_settings())
         if tier == self.rows:
-            self.state, report = decode_round(spec, self.models, self.state, self.settings)
+            self.state, report = self.programs.decode_round(
+                spec, self.models, self.state, self.settings
+            )
         else:
-            self.state, report = front_round(spec, self.models, self.state, self.settings, tier)
+            self.state, report = self.programs.front_round(
+                spec, self.models, self.state, self.settings, tier
+            )
         trace = spec.trace if spec.method != "ar" else 0
         running = [(row, e) for row, e in self.table.items() if not self._paused[row]]
         holders = [(row, row, e) for row, e in running if e.next is None]

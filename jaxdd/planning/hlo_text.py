@@ -149,13 +149,28 @@ def in_device_memory(layout: str) -> bool:
 
 
 def shape_bytes(shape: str, element: int | None = None, anywhere: bool = False) -> int:
-    """Bytes in device memory (``anywhere``: in any memory) of a shape
-    or of its ``element``-th array, packed sub-byte types rounded up."""
+    """Bytes in device memory (``anywhere``: in any memory) of a shape or of its ``element``-th
+    array, as laid out: tiled dimensions padded to whole tiles, packed sub-byte types rounded
+    up."""
     arrays = array_shapes(shape)
     if element is not None:
         arrays = arrays[element : element + 1]
     total = 0
     for dtype, dims, layout in arrays:
         if anywhere or in_device_memory(layout):
-            total += math.ceil(math.prod(dims) * element_bits(dtype) / 8)
+            total += math.ceil(math.prod(tiled(dims, layout)) * element_bits(dtype) / 8)
     return total
+
+
+def tiled(dims: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    """``dims`` padded to the layout's tile (TPU: ``2,1,0:T(8,128)(2,1)``, its first tile over
+    the minor-most dimensions; a bf16[P, 64, 64] pool takes 128 lanes a row)."""
+    order, _, tiles = layout.strip("{}").partition(":")
+    tile = re.match(r"T\(([\d,]+)\)", tiles)
+    if tile is None or not order:
+        return dims
+    padded = list(dims)
+    minor_first = [int(d) for d in order.split(",")]
+    for dim, size in zip(minor_first, reversed(tile.group(1).split(",")), strict=False):
+        padded[dim] = -(-padded[dim] // int(size)) * int(size)
+    return tuple(padded)

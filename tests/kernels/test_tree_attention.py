@@ -262,7 +262,8 @@ def test_tpu_tiles_are_lane_aligned_and_do_not_grow_with_the_cache():
 def test_tpu_form_declares_what_its_blocks_move_with_every_slot_live(heads, paging):
     """``declared_bytes`` (the kernel's CostEstimate, which the compiled-traffic account counts)
     against the fetches of its own BlockSpecs over its grid (``block_traffic``), every slot live
-    and every page distinct (the pool, passed once per part, is not read once per part)."""
+    and every page distinct (the pool, passed once per part, is not read once per part), its
+    cache rows in whole lane tiles."""
     b, t, h, r, dr = 2, 17, heads, 32, 16
     slots = 1024 if paging is None else paging[0] * paging[1]
     tiles = tpu_tiles(t, h, slots)
@@ -275,8 +276,10 @@ def test_tpu_form_declares_what_its_blocks_move_with_every_slot_live(heads, pagi
         scalars = (np.full(b, slots), np.arange(b * paging[1]))
     rows = lambda width, dtype: ((None, tiles.block_q, width), lambda i, j, k, *_: (i, j, 0), dtype)
     whole = lambda width: ((None, tiles.tail, width), lambda i, j, k, *_: (i, 0, 0), np.float32)
+    # XLA:TPU lays each cache row out in whole tiles of 128 lanes: a block moves them all
+    lanes = lambda shape: (*shape[:-1], -(-shape[-1] // 128) * 128)
     caches = [
-        (spec.block_shape, spec.index_map, np.float32)
+        (lanes(spec.block_shape), spec.index_map, np.float32)
         for spec in _cache_specs((r, dr), unit, parts, paging and (*paging, 1))
     ]
     blockings = [rows(r, np.float32), rows(dr, np.float32), *caches, whole(r), whole(dr)]

@@ -10,8 +10,10 @@ import jax.numpy as jnp
 import pytest
 
 from jaxdd.errors import InputError
+from jaxdd.planning import fit
 from jaxdd.planning.aot import find_machine
 from jaxdd.planning.fit import PlanOptions, plan
+from jaxdd.planning.hlo_text import array_shapes, parse_module
 from jaxdd.runtime.backend import Backend
 from jaxdd.testing.reference import TINY_K2
 from pallas_kernels.tree_attention import tree_attention
@@ -217,3 +219,41 @@ def test_unknown_targets_are_named():
         find_machine("v5p:9x9x9")
     with pytest.raises(InputError, match="has 8 devices, asked for 9"):
         find_machine("v5p:2x2x2", 9)
+
+
+def compiled_rounds(monkeypatch) -> list[str]:
+    """The optimized HLO of every round the plans compile from now on."""
+    texts, account = [], fit.compiled_traffic
+
+    def keep(compiled, names):
+        texts.append(compiled.as_text())
+        return account(compiled, names)
+
+    monkeypatch.setattr(fit, "compiled_traffic", keep)
+    return texts
+
+
+def test_the_tpu_round_reads_the_pools_in_place(tiny_plan_configs, monkeypatch):
+    """On TPU every program of the decode state names its pools of pages row-major, the Mosaic
+    kernel's blocks (``jaxdd.decoding.programs``): XLA copies none around the kernel's calls, as
+    it does a pool laid out to its own taste (the tiny pair's are all under 128 lanes wide; the
+    DFlash round's pools were copied before their formats were named)."""
+    texts = compiled_rounds(monkeypatch)
+    result = plan(*tiny_plan_configs, PlanOptions("v5p:2x2x2", 8, "ep", "dflash", 16, 256))
+    computations, entry = parse_module(texts[-1])
+    main = computations[entry]
+    pools = {
+        name
+        for name in main.parameters.values()
+        if main.instructions[name].op_name.startswith(("state.target_cache", "state.draft_cache"))
+        and len(array_shapes(main.instructions[name].shape)[0][1]) >= 3
+    }
+    copied = {
+        operand
+        for computation in computations.values()
+        for ins in computation.instructions.values()
+        if ins.opcode == "copy"
+        for operand in ins.operands
+    }
+    assert len(pools) > 2 * result["layers"]  # each layer's latent and rope; the drafter's K/V
+    assert not pools & copied

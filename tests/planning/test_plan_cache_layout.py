@@ -275,7 +275,8 @@ def test_the_verdict_follows_the_layout(tiny_plan_configs, monkeypatch):
     striped = results["striped"]
     rows = striped["per_device_bytes"]
     assert rows == tiny_plan(tiny_plan_configs, "striped")["per_device_bytes"]
-    assert striped["cache_slots"] == replicated["cache_slots"]  # 5120: whole pages on every device
+    slots = striped["cache_slots"], replicated["cache_slots"]
+    assert slots[0] % (8 * PAGE_TOKENS) == 0 and 0 <= slots[0] - slots[1] < 8 * PAGE_TOKENS
     assert rows["drafter_cache"] == per_device["drafter_cache"] == 0  # as the runtime's AR
     assert rows["total"] == sum(v for k, v in rows.items() if k != "total") <= memory
     assert striped["fits"] and "\nfits cpu" in report(striped)
