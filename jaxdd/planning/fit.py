@@ -49,7 +49,8 @@ from jaxdd.planning.capacity import (
 )
 from jaxdd.planning.compiled_traffic import compiled_traffic
 from jaxdd.planning.hardware import named_hardware
-from jaxdd.planning.traffic import ModelBytes, PlannedRound, traffic_table
+from jaxdd.planning.roofline import ModelWork
+from jaxdd.planning.traffic import ModelBytes, PlannedRound, fastest_rounds, traffic_table
 from jaxdd.runtime.sharding import make_mesh, param_shardings, place
 from jaxdd.types import (
     ATTENTION_CHOICES,
@@ -123,13 +124,14 @@ def plan(
     block = 1 if o.method == "ar" else drafter_config.block_size
     tokens = verified_tokens(o.method, block, o.budget)
     model_bytes = ModelBytes.of(*models, shard_bytes, o.drafter_kv)
+    work = ModelWork.of(*models, shard_bytes)
     devices = len(where.devices)
     planned = PlannedRound(o.method, block, o.budget, o.batch, o.max_len)
 
     def layouts(activations: int | None, chosen: LayoutChoice | None = None) -> dict[str, Any]:
         """The latent cache's layout (``chosen``, else the plan's choice), its rounds and
         capacity (``_cache_layouts``), after ``activations`` bytes of compiled temporaries."""
-        models = (config, drafter_config, model_bytes)
+        models = (config, drafter_config, model_bytes, work)
         return _cache_layouts(o, planned, *models, where, mesh, per_device, activations, chosen)
 
     def decoder_in(layout: CacheLayout) -> tuple[SpeculativeDecoder, int]:
@@ -197,6 +199,7 @@ def _cache_layouts(
     config: KimiConfig,
     drafter_config: DrafterConfig,
     model_bytes: ModelBytes,
+    work: ModelWork,
     where: Machine,
     mesh: jax.sharding.Mesh,
     per_device: dict[str, int],
@@ -204,9 +207,9 @@ def _cache_layouts(
     chosen: LayoutChoice | None = None,
 ) -> dict[str, Any]:
     """The traffic account of the latent cache's layout (``chosen``, else ``--cache-layout``,
-    else the faster floor of the plan's round at its batch on its hardware), both layouts'
-    rounds, and the context tokens each holds in the memory left after the weights and (when
-    compiled) the temporaries."""
+    else the faster roofline of the plan's round at its batch on its hardware), both layouts'
+    rounds, the round with the most tokens/s per GPU in it, and the context tokens each layout
+    holds in the memory left after the weights and (when compiled) the temporaries."""
     devices = len(where.devices)
     weights = per_device["target_weights"] + per_device["drafter_weights"]
     free = where.memory - weights - (activations or 0)
@@ -214,14 +217,21 @@ def _cache_layouts(
     slot = slot_bytes(config, drafted, mesh, drafter_kv=o.drafter_kv)
     capacity = cache_capacities(free, slot, devices)
     hardware = named_hardware(where.name)
-    floors = planned.floors(config, model_bytes, devices, o.moe, hardware)
+    floors = planned.floors(config, model_bytes, devices, o.moe, hardware, work)
     held = {name: c["tokens"] for name, c in capacity.items()}
     choice = chosen or choose_layout(
         o.cache_layout, floors, held, planned.needed, hardware, devices, planned.name
     )
     by_layout = {
         name: traffic_table(
-            config, model_bytes, devices, o.moe, o.max_len, drafter_config.block_size, layout=name
+            config,
+            model_bytes,
+            devices,
+            o.moe,
+            o.max_len,
+            drafter_config.block_size,
+            layout=name,
+            work=work,
         )
         for name in LAYOUTS
     }
@@ -229,6 +239,7 @@ def _cache_layouts(
         "traffic": by_layout[choice.layout],
         "cache_layout": choice.layout,
         "cache_layout_reason": choice.reason,
+        "fastest_round": fastest_rounds(by_layout[choice.layout]),
         "cache_capacity_tokens": held[choice.layout],
         "cache_capacity": {
             "memory_bytes": where.memory,
