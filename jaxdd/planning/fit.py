@@ -6,7 +6,7 @@ devices (this host's CPUs, or compile-only GPUs and TPUs from ``jaxdd.planning.a
 ``jaxdd.generate`` would run there (the attention form and MoE dispatch the machine's platform
 picks, its latent cache in the plan's layout) is compiled ahead of time by the machine's own
 compiler. The result holds per device the weights as stored, the caches, the compiler's
-temporaries and the verdict, the traffic floor of every round (``jaxdd.planning.traffic``) for
+temporaries and the verdict, the roofline of every round (``jaxdd.planning.traffic``) for
 the latent cache replicated and striped (``cache_layout``), the context each layout's pages hold
 (``capacity``) and what the compiled round moves (``compiled_traffic``) against the floor of its
 layout.
@@ -232,6 +232,7 @@ def _cache_layouts(
             drafter_config.block_size,
             layout=name,
             work=work,
+            batch=o.batch,
         )
         for name in LAYOUTS
     }

@@ -297,10 +297,11 @@ def traffic_table(
     tau: Mapping = DEMO_TAU,
     layout: CacheLayout = "replicated",
     work: ModelWork | None = None,
+    batch: int = 1,
 ) -> list[dict]:
-    """One row per round shape (AR, DFlash at ``block``, DDTree at each
-    budget): what a device reads and sends (and with ``work`` the FLOPs it runs), and per
-    named GPU the floor per round and the tokens/s ``tau`` predicts at that floor."""
+    """One row per round shape (AR, DFlash at ``block``, DDTree at each budget) of ``batch``
+    rows: what a device reads and sends (and with ``work`` the FLOPs it runs), and per named
+    GPU the floor per round and the tokens/s (all rows') ``tau`` predicts at that floor."""
     shapes = [("ar", verified_tokens("ar", 1, None), 0, tau["ar"])]
     shapes += [("dflash", verified_tokens("dflash", block, None), block, tau["dflash"])]
     shapes += [
@@ -311,11 +312,11 @@ def traffic_table(
     rows = []
     for name, tokens, draft, expected in shapes:
         args = (name.split()[0], tokens, config, model, context, devices, moe, draft, layout)
-        traffic = round_traffic(*args, work=work)
+        traffic = round_traffic(*args, batch, work)
         row = {"round": name, "tokens": tokens, "tau": expected, **traffic, "targets": {}}
         for key, hardware in GPUS.items():
             floor = floor_seconds(traffic, hardware)
-            row["targets"][key] = floor | {"tokens_per_s": expected / floor["round_s"]}
+            row["targets"][key] = floor | {"tokens_per_s": batch * expected / floor["round_s"]}
         rows.append(row)
     return rows
 

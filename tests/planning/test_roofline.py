@@ -88,3 +88,19 @@ def test_round_time_is_the_slower_of_memory_and_compute_plus_the_link():
     # fp32 on the CUDA cores: 67 TFLOPS
     fp32 = floor_seconds(traffic | {"flops_by_dtype": {"gpu": {"fp32": 67e9}}}, h200)
     assert fp32["compute_s"] == pytest.approx(1e-3)
+
+
+def test_the_table_counts_the_plans_rows():
+    """``--batch``: every row attends over its own cache, the weights are multiplied for all
+    rows' tokens alike, and tokens/s counts all rows."""
+    one, four = (
+        plan(*CONFIGS, PlanOptions(devices=8, layers=LAYERS, batch=rows, compile_round=False))
+        for rows in (1, 4)
+    )
+    for single, batched in zip(one["traffic"], four["traffic"], strict=True):
+        for part in ("attention", "matmuls", "experts", "drafter", "drafter_attention"):
+            assert batched["flops_by_part"][part] == pytest.approx(
+                4 * single["flops_by_part"][part]
+            )
+        for times in batched["targets"].values():
+            assert times["tokens_per_s"] == pytest.approx(4 * batched["tau"] / times["round_s"])
