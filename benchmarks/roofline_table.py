@@ -65,16 +65,55 @@ def round_rows(result: dict, moe: str, context: int, batch: int) -> list[dict]:
     return rows
 
 
+def advice(result: dict, moe: str, context: int, batch: int) -> list[dict]:
+    """Per GPU: the round (of all the table's, each in its faster layout) with the most tokens/s
+    and each round's faster layout, by the roofline and by bytes alone (memory + link, the floor
+    before the roofline)."""
+    tables = result["traffic_by_layout"]
+    names = [row["round"] for row in next(iter(tables.values()))]
+    rows = []
+    for gpu in TARGETS:
+        by_bytes = lambda t: t["memory_s"] + t["link_s"]
+        picks = {}
+        for rule, seconds in (("roofline", lambda t: t["round_s"]), ("bytes", by_bytes)):
+            best = {
+                name: min(
+                    (seconds(row["targets"][gpu]), layout, row["tau"])
+                    for layout, table in tables.items()
+                    for row in table
+                    if row["round"] == name
+                )
+                for name in names
+            }
+            fastest = max(best, key=lambda name: best[name][2] / best[name][0])
+            picks[rule] = {"fastest": fastest, "layouts": {n: best[n][1] for n in names}}
+        changed = [
+            n for n in names if picks["roofline"]["layouts"][n] != picks["bytes"]["layouts"][n]
+        ]
+        rows.append(
+            {
+                "gpu": gpu,
+                "moe": moe,
+                "context": context,
+                "batch": batch,
+                **picks,
+                "layout_changed": changed,
+            }
+        )
+    return rows
+
+
 def main() -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     jax.config.update("jax_num_cpu_devices", 8)  # before any JAX op, as jaxdd.plan's own main
     configs = (FIXTURES / "kimi_k25_config.json", FIXTURES / "kimi_k26_dflash_config.json")
-    rows, capacity = [], {}
+    rows, advised, capacity = [], [], {}
     for moe, context, batch in itertools.product(MODES, CONTEXTS, BATCHES):
         options = PlanOptions("rtx-pro-6000", 8, moe, max_len=context, batch=batch)
         result = plan(*configs, dataclasses.replace(options, compile_round=False))
         capacity[("rtx-pro-6000", moe)] = result["cache_capacity"]
         rows += round_rows(result, moe, context, batch)
+        advised += advice(result, moe, context, batch)
         print(f"{moe} {context // 1024}k batch {batch}: done", flush=True)
     for moe in MODES:
         options = PlanOptions("h200", 8, moe, compile_round=False)
@@ -87,6 +126,7 @@ def main() -> None:
         {
             "command": COMMAND,
             "rows": rows,
+            "advice": advised,
             "capacity_tokens": {
                 f"{gpu} {moe}": {layout: c[layout]["tokens"] for layout in LAYOUTS}
                 for (gpu, moe), c in capacity.items()
@@ -98,6 +138,12 @@ def main() -> None:
         },
     )
     print(table(rows))
+    for row in advised:
+        print(
+            f"{row['gpu']} {row['moe']} {row['context'] // 1024}k x{row['batch']}: fastest "
+            f"{row['roofline']['fastest']} (bytes alone: {row['bytes']['fastest']}); layout "
+            f"changed for {row['layout_changed'] or 'none'}"
+        )
 
 
 def table(rows: list[dict]) -> str:
