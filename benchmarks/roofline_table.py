@@ -6,23 +6,26 @@ DDTree-64 on 8 x RTX PRO 6000 and 8 x H200, TP8 and EP8, at 8k, 32k and 128k tok
     JAX_PLATFORMS=cpu PYTHONPATH=$PWD python benchmarks/roofline_table.py
 
 Computed from the models' shapes and the hardware table's datasheet peaks
-(``jaxdd.planning.hardware``), not measured, under uniform routing (``jaxdd.plan --traffic
---batch N``, 20 traffic-only plans, ~15 min here). Whether the rows' context fits is the plan's
-capacity on each GPU (DDTree's pool, the drafter's K/V in bf16, memory after the weights). Writes
+(``jaxdd.planning.hardware``), not measured, under uniform routing: ``jaxdd.plan --traffic``'s
+tables (``jaxdd.planning.traffic.traffic_table``) at N rows, ~2 min here. Whether the rows' context
+fits is the plan's capacity on each GPU (DDTree's pool, the drafter's K/V in bf16, memory after the
+weights). Writes
 benchmarks/results/roofline_kimi_k26.json and prints the README's tables.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 from pathlib import Path
 
 import jax
 
-from jaxdd.planning.fit import PlanOptions, plan
+from jaxdd.planning.capacity import cache_capacities, shard_bytes, slot_bytes
 from jaxdd.planning.hardware import GPUS
+from jaxdd.planning.pair import placed_pair
+from jaxdd.planning.roofline import ModelWork
+from jaxdd.planning.traffic import ModelBytes, traffic_table
 from jaxdd.testing.benchmark import write_result
 from jaxdd.types import LAYOUTS
 
@@ -36,13 +39,13 @@ BATCHES = (1, 4, 16)
 ROUNDS = {"ar": "AR", "dflash": "DFlash", "ddtree 16": "DDTree-16", "ddtree 64": "DDTree-64"}
 
 
-def round_rows(result: dict, moe: str, context: int, batch: int) -> list[dict]:
+def round_rows(tables: dict, moe: str, context: int, batch: int) -> list[dict]:
     """Per GPU and round: the faster layout's floor, its parts and which bound holds."""
     rows = []
     for gpu, name in itertools.product(TARGETS, ROUNDS):
         by_layout = {
             layout: next(row for row in table if row["round"] == name)
-            for layout, table in result["traffic_by_layout"].items()
+            for layout, table in tables.items()
         }
         layout = min(by_layout, key=lambda k: by_layout[k]["targets"][gpu]["round_s"])
         row, times = by_layout[layout], by_layout[layout]["targets"][gpu]
@@ -65,11 +68,10 @@ def round_rows(result: dict, moe: str, context: int, batch: int) -> list[dict]:
     return rows
 
 
-def advice(result: dict, moe: str, context: int, batch: int) -> list[dict]:
+def advice(tables: dict, moe: str, context: int, batch: int) -> list[dict]:
     """Per GPU: the round (of all the table's, each in its faster layout) with the most tokens/s
     and each round's faster layout, by the roofline and by bytes alone (memory + link, the floor
     before the roofline)."""
-    tables = result["traffic_by_layout"]
     names = [row["round"] for row in next(iter(tables.values()))]
     rows = []
     for gpu in TARGETS:
@@ -108,16 +110,24 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", 8)  # before any JAX op, as jaxdd.plan's own main
     configs = (FIXTURES / "kimi_k25_config.json", FIXTURES / "kimi_k26_dflash_config.json")
     rows, advised, capacity = [], [], {}
-    for moe, context, batch in itertools.product(MODES, CONTEXTS, BATCHES):
-        options = PlanOptions("rtx-pro-6000", 8, moe, max_len=context, batch=batch)
-        result = plan(*configs, dataclasses.replace(options, compile_round=False))
-        capacity[("rtx-pro-6000", moe)] = result["cache_capacity"]
-        rows += round_rows(result, moe, context, batch)
-        advised += advice(result, moe, context, batch)
-        print(f"{moe} {context // 1024}k batch {batch}: done", flush=True)
     for moe in MODES:
-        options = PlanOptions("h200", 8, moe, compile_round=False)
-        capacity[("h200", moe)] = plan(*configs, options)["cache_capacity"]
+        pair = placed_pair(*configs, "rtx-pro-6000", 8, moe)
+        model_bytes, work = (
+            ModelBytes.of(*pair.models, shard_bytes),
+            ModelWork.of(*pair.models, shard_bytes),
+        )
+        weights = sum(pair.per_device.values())
+        slot = slot_bytes(pair.config, pair.drafter_config, pair.mesh)
+        for gpu in TARGETS:
+            capacity[(gpu, moe)] = cache_capacities(GPUS[gpu].memory - weights, slot, 8)
+        for context, batch in itertools.product(CONTEXTS, BATCHES):
+            account = (pair.config, model_bytes, 8, moe, context, pair.drafter_config.block_size)
+            tables = {
+                layout: traffic_table(*account, layout=layout, work=work, batch=batch)
+                for layout in LAYOUTS
+            }
+            rows += round_rows(tables, moe, context, batch)
+            advised += advice(tables, moe, context, batch)
     for row in rows:
         held = capacity[(row["gpu"], row["moe"])][row["layout"]]["tokens"]
         row["fits"] = row["batch"] * row["context"] <= held

@@ -23,8 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxdd.api import Target
@@ -34,11 +32,10 @@ from jaxdd.cache.stripes import paging
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.engine import RoundBatch, SpeculativeDecoder
 from jaxdd.decoding.sampling import GREEDY, Sampling
-from jaxdd.errors import ConfigError, InputError, read_json
-from jaxdd.models.drafter import DFlashDrafter
+from jaxdd.errors import InputError
 from jaxdd.models.moe import MoE
 from jaxdd.models.target import KimiTarget
-from jaxdd.planning.aot import Machine, find_machine
+from jaxdd.planning.aot import Machine
 from jaxdd.planning.cache_layout import LayoutChoice, choose_layout
 from jaxdd.planning.capacity import (
     abstract_settings,
@@ -49,9 +46,9 @@ from jaxdd.planning.capacity import (
 )
 from jaxdd.planning.compiled_traffic import compiled_traffic
 from jaxdd.planning.hardware import named_hardware
+from jaxdd.planning.pair import placed_pair
 from jaxdd.planning.roofline import ModelWork
 from jaxdd.planning.traffic import ModelBytes, PlannedRound, fastest_rounds, traffic_table
-from jaxdd.runtime.sharding import make_mesh, param_shardings, place
 from jaxdd.types import (
     ATTENTION_CHOICES,
     DRAFTER_KVS,
@@ -65,7 +62,6 @@ from jaxdd.types import (
     MoeMode,
     verified_tokens,
 )
-from jaxdd.weights.hf_quantization import declared_expert_format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,15 +108,11 @@ def plan(
     device, with the traffic account of AR / DFlash / DDTree rounds at ``max_len`` tokens of
     context (``jaxdd.planning.traffic``)."""
     o = options
-    raw = read_json(config_path, ConfigError, "config file")
-    config, drafter_config = _model_configs(raw, drafter_config_path, o.layers)
-    experts = declared_expert_format(raw)
-    where = find_machine(o.hardware, o.devices)
-    mesh = make_mesh(len(where.devices), where.devices)
+    pair = placed_pair(config_path, drafter_config_path, o.hardware, o.devices, o.moe, o.layers)
+    config, drafter_config = pair.config, pair.drafter_config
+    where, mesh, models = pair.where, pair.mesh, pair.models
     form = where.backend.attention(o.attention)
-    models, per_device, stored = _abstract_models(
-        config, drafter_config, experts, mesh, o.moe, jnp.bfloat16
-    )
+    per_device = dict(pair.per_device)
     block = 1 if o.method == "ar" else drafter_config.block_size
     tokens = verified_tokens(o.method, block, o.budget)
     model_bytes = ModelBytes.of(*models, shard_bytes, o.drafter_kv)
@@ -152,7 +144,7 @@ def plan(
     shape = {
         "config": str(config_path),
         "layers": config.num_hidden_layers,
-        "routed_experts": experts.kind,
+        "routed_experts": pair.experts.kind,
         "hardware": _describe(where),
         "devices": devices,
         "moe": o.moe,
@@ -190,7 +182,7 @@ def plan(
     if account is not None:
         floor = planned.traffic(config, model_bytes, devices, o.moe, shape["cache_layout"])
         shape["compiled_traffic"] = _against_floor(account, floor)
-    return shape | _verdict(per_device, compiled, where, stored)
+    return shape | _verdict(per_device, compiled, where, pair.stored)
 
 
 def _cache_layouts(
@@ -232,7 +224,6 @@ def _cache_layouts(
             drafter_config.block_size,
             layout=name,
             work=work,
-            batch=o.batch,
         )
         for name in LAYOUTS
     }
@@ -254,24 +245,6 @@ def _cache_layouts(
         },
         "traffic_by_layout": by_layout,
     }
-
-
-def _model_configs(
-    raw: dict, drafter_config_path: str | Path, layers: int | None
-) -> tuple[KimiConfig, DrafterConfig]:
-    """The target's config from its parsed JSON and the drafter's; with ``layers``, both cut
-    to that many target layers at full width (the drafter taps the layers that remain)."""
-    config = KimiConfig.from_hf(raw)
-    drafter_config = DrafterConfig.from_json_file(drafter_config_path)
-    if layers is not None:
-        config = dataclasses.replace(
-            config,
-            num_hidden_layers=layers,
-            first_k_dense_replace=min(config.first_k_dense_replace, layers - 1),
-        )
-        taps = tuple(min(t, layers - 1) for t in drafter_config.target_layer_ids)
-        drafter_config = dataclasses.replace(drafter_config, target_layer_ids=taps)
-    return config, drafter_config
 
 
 def _against_floor(account: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
@@ -416,36 +389,6 @@ def _from_pallas(error: BaseException) -> bool:
     return any(w in text for w in words) or any("/pallas/" in f.filename for f in frames)
 
 
-def _abstract_models(config, drafter_config, experts, mesh: jax.sharding.Mesh, moe: str, dtype):
-    """The target and drafter as abstract models placed on a mesh (shapes and shardings only,
-    nothing allocated), the bytes of parameters each device holds, and the bytes stored on all
-    devices together."""
-
-    def abstract(make) -> tuple[nnx.Module, int, int]:
-        module = nnx.eval_shape(make)
-        shardings = param_shardings(module, mesh, moe)
-        place(module, mesh, moe)
-        is_variable = lambda x: isinstance(x, nnx.Variable)
-        placed = jax.tree.map(
-            lambda v, s: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype, sharding=s),
-            nnx.state(module, nnx.Param),
-            shardings,
-            is_leaf=is_variable,
-        )
-        nnx.update(module, placed)
-        leaves = jax.tree.leaves(placed)
-        return module, sum(shard_bytes(x) for x in leaves), sum(_bytes(x) for x in leaves)
-
-    target, target_bytes, target_stored = abstract(
-        lambda: KimiTarget(config, dtype, experts=experts, rngs=nnx.Rngs(0))
-    )
-    drafter, drafter_bytes, drafter_stored = abstract(
-        lambda: DFlashDrafter(drafter_config, dtype, rngs=nnx.Rngs(0))
-    )
-    per_device = {"target_weights": target_bytes, "drafter_weights": drafter_bytes}
-    return (target, drafter), per_device, {"target": target_stored, "drafter": drafter_stored}
-
-
 def _abstract_requests(
     decoder, mesh, config, drafter_config, method, block, budget, batch, slots, sampled
 ):
@@ -460,7 +403,3 @@ def _abstract_requests(
         method, block, budget if method == "ddtree" else None, sampled=sampled
     )
     return RoundBatch(spec, batch, [1] * batch, settings), state
-
-
-def _bytes(x, shape: tuple[int, ...] | None = None) -> int:
-    return int(np.prod(x.shape if shape is None else shape, dtype=np.int64)) * x.dtype.itemsize

@@ -90,7 +90,8 @@ class ModelWork:
         projections += [m.v_proj.get_value() for m in attention]
         q = attention[0].q_proj.get_value() if attention else None
         head_dim = attention[0].config.head_dim if attention else 0
-        groups = {m.group for m in experts if isinstance(m, Int4Experts)}
+        int4 = bool(experts) and all(isinstance(m, Int4Experts) for m in experts)
+        groups = {m.group for m in experts} if int4 else set()
         router = here(gates[0]) if gates else 0
         return cls(
             target_matmul=matrices(target)
@@ -105,10 +106,7 @@ class ModelWork:
             drafter_head_dim=head_dim,
             drafter_layers=len(attention),
             lm_head=here(target.lm_head.get_value()),
-            int4_gathered_kernel=len(experts) > 0
-            and len(groups) == 1
-            and all(isinstance(m, Int4Experts) for m in experts)
-            and int4_experts.supports(groups.pop()),
+            int4_gathered_kernel=len(groups) == 1 and int4_experts.supports(min(groups)),
         )
 
 

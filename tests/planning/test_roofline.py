@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from jaxdd.planning.capacity import shard_bytes
 from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.planning.hardware import GPUS
-from jaxdd.planning.traffic import floor_seconds
+from jaxdd.planning.pair import placed_pair
+from jaxdd.planning.roofline import ModelWork
+from jaxdd.planning.traffic import ModelBytes, floor_seconds, traffic_table
 
 CONFIGS = ("tests/fixtures/kimi_k25_config.json", "tests/fixtures/kimi_k26_dflash_config.json")
 LAYERS = 3  # full width, one dense and two MoE layers: the count below is per layer
@@ -90,14 +93,17 @@ def test_round_time_is_the_slower_of_memory_and_compute_plus_the_link():
     assert fp32["compute_s"] == pytest.approx(1e-3)
 
 
-def test_the_table_counts_the_plans_rows():
-    """``--batch``: every row attends over its own cache, the weights are multiplied for all
-    rows' tokens alike, and tokens/s counts all rows."""
+def test_a_table_of_several_rows():
+    """``traffic_table(batch=4)``: every row attends over its own cache, the weights are
+    multiplied for all rows' tokens alike, and tokens/s counts all rows."""
+    pair = placed_pair(*CONFIGS, devices=8, layers=LAYERS)
+    model_bytes = ModelBytes.of(*pair.models, shard_bytes)
+    work = ModelWork.of(*pair.models, shard_bytes)
     one, four = (
-        plan(*CONFIGS, PlanOptions(devices=8, layers=LAYERS, batch=rows, compile_round=False))
+        traffic_table(pair.config, model_bytes, 8, "tp", 8192, 8, work=work, batch=rows)
         for rows in (1, 4)
     )
-    for single, batched in zip(one["traffic"], four["traffic"], strict=True):
+    for single, batched in zip(one, four, strict=True):
         for part in ("attention", "matmuls", "experts", "drafter", "drafter_attention"):
             assert batched["flops_by_part"][part] == pytest.approx(
                 4 * single["flops_by_part"][part]
