@@ -21,11 +21,13 @@ from pathlib import Path
 
 import jax
 
+from jaxdd.planning.aot import find_machine
 from jaxdd.planning.capacity import cache_capacities, shard_bytes, slot_bytes
 from jaxdd.planning.hardware import GPUS
-from jaxdd.planning.pair import placed_pair
+from jaxdd.planning.pair import abstract_models, read_configs
 from jaxdd.planning.roofline import ModelWork
 from jaxdd.planning.traffic import ModelBytes, traffic_table
+from jaxdd.runtime.sharding import make_mesh
 from jaxdd.testing.benchmark import write_result
 from jaxdd.types import LAYOUTS
 
@@ -111,17 +113,17 @@ def main() -> None:
     configs = (FIXTURES / "kimi_k25_config.json", FIXTURES / "kimi_k26_dflash_config.json")
     rows, advised, capacity = [], [], {}
     for moe in MODES:
-        pair = placed_pair(*configs, "rtx-pro-6000", 8, moe)
-        model_bytes, work = (
-            ModelBytes.of(*pair.models, shard_bytes),
-            ModelWork.of(*pair.models, shard_bytes),
-        )
-        weights = sum(pair.per_device.values())
-        slot = slot_bytes(pair.config, pair.drafter_config, pair.mesh)
+        config, drafter_config, experts = read_configs(*configs)
+        mesh = make_mesh(8, find_machine("rtx-pro-6000", 8).devices)
+        models, per_device, _ = abstract_models(config, drafter_config, experts, mesh, moe)
+        model_bytes = ModelBytes.of(*models, shard_bytes)
+        work = ModelWork.of(*models, shard_bytes)
+        slot = slot_bytes(config, drafter_config, mesh)
         for gpu in TARGETS:
-            capacity[(gpu, moe)] = cache_capacities(GPUS[gpu].memory - weights, slot, 8)
+            free = GPUS[gpu].memory - sum(per_device.values())
+            capacity[(gpu, moe)] = cache_capacities(free, slot, 8)
         for context, batch in itertools.product(CONTEXTS, BATCHES):
-            account = (pair.config, model_bytes, 8, moe, context, pair.drafter_config.block_size)
+            account = (config, model_bytes, 8, moe, context, drafter_config.block_size)
             tables = {
                 layout: traffic_table(*account, layout=layout, work=work, batch=batch)
                 for layout in LAYOUTS

@@ -35,7 +35,7 @@ from jaxdd.decoding.sampling import GREEDY, Sampling
 from jaxdd.errors import InputError
 from jaxdd.models.moe import MoE
 from jaxdd.models.target import KimiTarget
-from jaxdd.planning.aot import Machine
+from jaxdd.planning.aot import Machine, find_machine
 from jaxdd.planning.cache_layout import LayoutChoice, choose_layout
 from jaxdd.planning.capacity import (
     abstract_settings,
@@ -46,9 +46,10 @@ from jaxdd.planning.capacity import (
 )
 from jaxdd.planning.compiled_traffic import compiled_traffic
 from jaxdd.planning.hardware import named_hardware
-from jaxdd.planning.pair import placed_pair
+from jaxdd.planning.pair import abstract_models, read_configs
 from jaxdd.planning.roofline import ModelWork
 from jaxdd.planning.traffic import ModelBytes, PlannedRound, fastest_rounds, traffic_table
+from jaxdd.runtime.sharding import make_mesh
 from jaxdd.types import (
     ATTENTION_CHOICES,
     DRAFTER_KVS,
@@ -108,11 +109,11 @@ def plan(
     device, with the traffic account of AR / DFlash / DDTree rounds at ``max_len`` tokens of
     context (``jaxdd.planning.traffic``)."""
     o = options
-    pair = placed_pair(config_path, drafter_config_path, o.hardware, o.devices, o.moe, o.layers)
-    config, drafter_config = pair.config, pair.drafter_config
-    where, mesh, models = pair.where, pair.mesh, pair.models
+    config, drafter_config, experts = read_configs(config_path, drafter_config_path, o.layers)
+    where = find_machine(o.hardware, o.devices)
+    mesh = make_mesh(len(where.devices), where.devices)
     form = where.backend.attention(o.attention)
-    per_device = dict(pair.per_device)
+    models, per_device, stored = abstract_models(config, drafter_config, experts, mesh, o.moe)
     block = 1 if o.method == "ar" else drafter_config.block_size
     tokens = verified_tokens(o.method, block, o.budget)
     model_bytes = ModelBytes.of(*models, shard_bytes, o.drafter_kv)
@@ -144,7 +145,7 @@ def plan(
     shape = {
         "config": str(config_path),
         "layers": config.num_hidden_layers,
-        "routed_experts": pair.experts.kind,
+        "routed_experts": experts.kind,
         "hardware": _describe(where),
         "devices": devices,
         "moe": o.moe,
@@ -182,7 +183,7 @@ def plan(
     if account is not None:
         floor = planned.traffic(config, model_bytes, devices, o.moe, shape["cache_layout"])
         shape["compiled_traffic"] = _against_floor(account, floor)
-    return shape | _verdict(per_device, compiled, where, pair.stored)
+    return shape | _verdict(per_device, compiled, where, stored)
 
 
 def _cache_layouts(

@@ -1,6 +1,6 @@
-"""The full-size pair a plan weighs: the target and drafter built abstractly (shapes and
-shardings only, nothing allocated) on a machine's devices (this host's CPUs, or compile-only GPUs
-and TPUs from ``jaxdd.planning.aot``), from their config files."""
+"""The full-size pair a plan weighs: its configs read from their files, and the target and
+drafter built abstractly (shapes and shardings only, nothing allocated) on a mesh of a machine's
+devices (this host's CPUs, or compile-only GPUs and TPUs from ``jaxdd.planning.aot``)."""
 
 from __future__ import annotations
 
@@ -17,46 +17,19 @@ from jaxdd.errors import ConfigError, read_json
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.quant import ExpertFormat
 from jaxdd.models.target import KimiTarget
-from jaxdd.planning.aot import Machine, find_machine
 from jaxdd.planning.capacity import shard_bytes
-from jaxdd.runtime.sharding import make_mesh, param_shardings, place
+from jaxdd.runtime.sharding import param_shardings, place
 from jaxdd.types import MoeMode
 from jaxdd.weights.hf_quantization import declared_expert_format
 
 
-@dataclasses.dataclass(frozen=True)
-class PlacedPair:
-    """A target and drafter placed abstractly on a machine's devices."""
-
-    config: KimiConfig
-    drafter_config: DrafterConfig
-    experts: ExpertFormat  # how the checkpoint stores the routed experts
-    where: Machine
-    mesh: jax.sharding.Mesh
-    models: tuple[KimiTarget, DFlashDrafter]
-    per_device: dict[str, int]  # parameter bytes each device holds, per model
-    stored: dict[str, int]  # parameter bytes on all devices together, per model
-
-
-def placed_pair(
-    config_path: str | Path,
-    drafter_config_path: str | Path,
-    hardware: str = "cpu",
-    devices: int | None = None,
-    moe: MoeMode = "tp",
-    layers: int | None = None,
-) -> PlacedPair:
-    """The pair of these config files on ``devices`` of ``hardware`` (``jaxdd.planning.aot``'s
-    names), its routed experts split as ``moe`` says; ``layers``: full width, this many layers."""
+def read_configs(
+    config_path: str | Path, drafter_config_path: str | Path, layers: int | None = None
+) -> tuple[KimiConfig, DrafterConfig, ExpertFormat]:
+    """The target's and drafter's configs from their files (``layers``: both cut to that many
+    target layers at full width) and how the target's checkpoint stores its routed experts."""
     raw = read_json(config_path, ConfigError, "config file")
-    config, drafter_config = model_configs(raw, drafter_config_path, layers)
-    experts = declared_expert_format(raw)
-    where = find_machine(hardware, devices)
-    mesh = make_mesh(len(where.devices), where.devices)
-    models, per_device, stored = _abstract_models(
-        config, drafter_config, experts, mesh, moe, jnp.bfloat16
-    )
-    return PlacedPair(config, drafter_config, experts, where, mesh, models, per_device, stored)
+    return *model_configs(raw, drafter_config_path, layers), declared_expert_format(raw)
 
 
 def model_configs(
@@ -77,7 +50,14 @@ def model_configs(
     return config, drafter_config
 
 
-def _abstract_models(config, drafter_config, experts, mesh: jax.sharding.Mesh, moe: str, dtype):
+def abstract_models(
+    config: KimiConfig,
+    drafter_config: DrafterConfig,
+    experts: ExpertFormat,
+    mesh: jax.sharding.Mesh,
+    moe: MoeMode,
+    dtype: jnp.dtype = jnp.bfloat16,
+) -> tuple[tuple[KimiTarget, DFlashDrafter], dict[str, int], dict[str, int]]:
     """The target and drafter as abstract models placed on a mesh (shapes and shardings only,
     nothing allocated), the bytes of parameters each device holds, and the bytes stored on all
     devices together."""

@@ -8,9 +8,10 @@ import pytest
 from jaxdd.planning.capacity import shard_bytes
 from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.planning.hardware import GPUS
-from jaxdd.planning.pair import placed_pair
+from jaxdd.planning.pair import abstract_models, read_configs
 from jaxdd.planning.roofline import ModelWork
 from jaxdd.planning.traffic import ModelBytes, floor_seconds, traffic_table
+from jaxdd.runtime.sharding import make_mesh
 
 CONFIGS = ("tests/fixtures/kimi_k25_config.json", "tests/fixtures/kimi_k26_dflash_config.json")
 LAYERS = 3  # full width, one dense and two MoE layers: the count below is per layer
@@ -96,11 +97,12 @@ def test_round_time_is_the_slower_of_memory_and_compute_plus_the_link():
 def test_a_table_of_several_rows():
     """``traffic_table(batch=4)``: every row attends over its own cache, the weights are
     multiplied for all rows' tokens alike, and tokens/s counts all rows."""
-    pair = placed_pair(*CONFIGS, devices=8, layers=LAYERS)
-    model_bytes = ModelBytes.of(*pair.models, shard_bytes)
-    work = ModelWork.of(*pair.models, shard_bytes)
+    config, drafter_config, experts = read_configs(*CONFIGS, LAYERS)
+    mesh = make_mesh(8)
+    models, _, _ = abstract_models(config, drafter_config, experts, mesh, "tp")
+    model_bytes, work = ModelBytes.of(*models, shard_bytes), ModelWork.of(*models, shard_bytes)
     one, four = (
-        traffic_table(pair.config, model_bytes, 8, "tp", 8192, 8, work=work, batch=rows)
+        traffic_table(config, model_bytes, 8, "tp", 8192, 8, work=work, batch=rows)
         for rows in (1, 4)
     )
     for single, batched in zip(one, four, strict=True):
