@@ -29,10 +29,10 @@ def read_configs(
     """The target's and drafter's configs from their files (``layers``: both cut to that many
     target layers at full width) and how the target's checkpoint stores its routed experts."""
     raw = read_json(config_path, ConfigError, "config file")
-    return *model_configs(raw, drafter_config_path, layers), declared_expert_format(raw)
+    return *_model_configs(raw, drafter_config_path, layers), declared_expert_format(raw)
 
 
-def model_configs(
+def _model_configs(
     raw: dict, drafter_config_path: str | Path, layers: int | None
 ) -> tuple[KimiConfig, DrafterConfig]:
     """The target's config from its parsed JSON and the drafter's; with ``layers``, both cut
