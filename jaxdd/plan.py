@@ -14,7 +14,11 @@ compiler: ``cpu`` (this host's simulated devices), a GPU by name (``h200``,
 name (``v5p:2x2x2``), deviceless (``jaxdd.planning.aot``). Reports per device: weights as
 stored (INT4 or FP8 routed experts included), caches (the target's MLA latent rows and
 the drafter's K/V), the compiler's temporaries, the total, and whether it fits the
-device's memory. ``--layers`` keeps the full width but fewer layers (for quick checks).
+device's memory. Beside it, the roofline of one row's AR / DFlash / DDTree rounds at
+``--max-len`` tokens of context on each named GPU (``jaxdd.planning.traffic``, ``roofline``): bytes
+and FLOPs per device, memory, compute and link time, which bound holds (``--json``: ``flops`` per
+round, ``compute_s`` and ``bound`` per target) and the round with the most tokens/s.
+``--layers`` keeps the full width but fewer layers (for quick checks).
 ``--cache-layout`` lays the target's latent cache out replicated on every device or striped
 over them (``jaxdd.planning.cache_layout``) in the account and the compiled round, and reports
 both layouts' capacity in context tokens; ``--drafter-kv fp8`` stores the drafter's K/V in 8-bit

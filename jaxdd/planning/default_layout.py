@@ -23,6 +23,7 @@ from jaxdd.planning.capacity import (
     slot_bytes,
 )
 from jaxdd.planning.hardware import GPUS, TPUS, Hardware
+from jaxdd.planning.roofline import ModelWork
 from jaxdd.planning.traffic import ModelBytes, PlannedRound
 from jaxdd.runtime.sharding import mesh_of
 from jaxdd.types import LAYOUTS, DrafterKV, Method
@@ -49,7 +50,7 @@ def default_layout(
     budget: int | None = None,
     drafter_kv: DrafterKV = "model",
 ) -> LayoutChoice:
-    """The layout whose floor of a ``method`` round of ``batch`` rows at ``max_len`` tokens of
+    """The layout whose roofline of a ``method`` round of ``batch`` rows at ``max_len`` tokens of
     context (``block``: default the drafter's; DDTree ``budget``: default block - 1, as the
     rounds take them; the drafter's K/V stored as ``drafter_kv`` says) is lower on the devices
     ``target`` is placed on; striped where only its pages hold the rows in the devices' free
@@ -72,5 +73,6 @@ def default_layout(
         held = {layout: capacity["tokens"] for layout, capacity in capacities.items()}
     model = ModelBytes.of(target, drafter, shard_bytes, drafter_kv)
     moe = target.placement[1] if target.placement is not None else "tp"
-    floors = planned.floors(target.config, model, devices, moe, hardware)
+    work = ModelWork.of(target, drafter, shard_bytes)
+    floors = planned.floors(target.config, model, devices, moe, hardware, work)
     return choose_layout(None, floors, held, needed, hardware, devices, planned.name)

@@ -6,7 +6,7 @@ devices (this host's CPUs, or compile-only GPUs and TPUs from ``jaxdd.planning.a
 ``jaxdd.generate`` would run there (the attention form and MoE dispatch the machine's platform
 picks, its latent cache in the plan's layout) is compiled ahead of time by the machine's own
 compiler. The result holds per device the weights as stored, the caches, the compiler's
-temporaries and the verdict, the traffic floor of every round (``jaxdd.planning.traffic``) for
+temporaries and the verdict, the roofline of every round (``jaxdd.planning.traffic``) for
 the latent cache replicated and striped (``cache_layout``), the context each layout's pages hold
 (``capacity``) and what the compiled round moves (``compiled_traffic``) against the floor of its
 layout.
@@ -23,8 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxdd.api import Target
@@ -34,8 +32,7 @@ from jaxdd.cache.stripes import paging
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.engine import RoundBatch, SpeculativeDecoder
 from jaxdd.decoding.sampling import GREEDY, Sampling
-from jaxdd.errors import ConfigError, InputError, read_json
-from jaxdd.models.drafter import DFlashDrafter
+from jaxdd.errors import InputError
 from jaxdd.models.moe import MoE
 from jaxdd.models.target import KimiTarget
 from jaxdd.planning.aot import Machine, find_machine
@@ -49,8 +46,10 @@ from jaxdd.planning.capacity import (
 )
 from jaxdd.planning.compiled_traffic import compiled_traffic
 from jaxdd.planning.hardware import named_hardware
-from jaxdd.planning.traffic import ModelBytes, PlannedRound, traffic_table
-from jaxdd.runtime.sharding import make_mesh, param_shardings, place
+from jaxdd.planning.pair import abstract_models, read_configs
+from jaxdd.planning.roofline import ModelWork
+from jaxdd.planning.traffic import ModelBytes, PlannedRound, fastest_rounds, traffic_table
+from jaxdd.runtime.sharding import make_mesh
 from jaxdd.types import (
     ATTENTION_CHOICES,
     DRAFTER_KVS,
@@ -64,7 +63,6 @@ from jaxdd.types import (
     MoeMode,
     verified_tokens,
 )
-from jaxdd.weights.hf_quantization import declared_expert_format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,25 +109,22 @@ def plan(
     device, with the traffic account of AR / DFlash / DDTree rounds at ``max_len`` tokens of
     context (``jaxdd.planning.traffic``)."""
     o = options
-    raw = read_json(config_path, ConfigError, "config file")
-    config, drafter_config = _model_configs(raw, drafter_config_path, o.layers)
-    experts = declared_expert_format(raw)
+    config, drafter_config, experts = read_configs(config_path, drafter_config_path, o.layers)
     where = find_machine(o.hardware, o.devices)
     mesh = make_mesh(len(where.devices), where.devices)
     form = where.backend.attention(o.attention)
-    models, per_device, stored = _abstract_models(
-        config, drafter_config, experts, mesh, o.moe, jnp.bfloat16
-    )
+    models, per_device, stored = abstract_models(config, drafter_config, experts, mesh, o.moe)
     block = 1 if o.method == "ar" else drafter_config.block_size
     tokens = verified_tokens(o.method, block, o.budget)
     model_bytes = ModelBytes.of(*models, shard_bytes, o.drafter_kv)
+    work = ModelWork.of(*models, shard_bytes)
     devices = len(where.devices)
     planned = PlannedRound(o.method, block, o.budget, o.batch, o.max_len)
 
     def layouts(activations: int | None, chosen: LayoutChoice | None = None) -> dict[str, Any]:
         """The latent cache's layout (``chosen``, else the plan's choice), its rounds and
         capacity (``_cache_layouts``), after ``activations`` bytes of compiled temporaries."""
-        models = (config, drafter_config, model_bytes)
+        models = (config, drafter_config, model_bytes, work)
         return _cache_layouts(o, planned, *models, where, mesh, per_device, activations, chosen)
 
     def decoder_in(layout: CacheLayout) -> tuple[SpeculativeDecoder, int]:
@@ -197,6 +192,7 @@ def _cache_layouts(
     config: KimiConfig,
     drafter_config: DrafterConfig,
     model_bytes: ModelBytes,
+    work: ModelWork,
     where: Machine,
     mesh: jax.sharding.Mesh,
     per_device: dict[str, int],
@@ -204,9 +200,9 @@ def _cache_layouts(
     chosen: LayoutChoice | None = None,
 ) -> dict[str, Any]:
     """The traffic account of the latent cache's layout (``chosen``, else ``--cache-layout``,
-    else the faster floor of the plan's round at its batch on its hardware), both layouts'
-    rounds, and the context tokens each holds in the memory left after the weights and (when
-    compiled) the temporaries."""
+    else the faster roofline of the plan's round at its batch on its hardware), both layouts'
+    rounds, the round with the most tokens/s per GPU in it, and the context tokens each layout
+    holds in the memory left after the weights and (when compiled) the temporaries."""
     devices = len(where.devices)
     weights = per_device["target_weights"] + per_device["drafter_weights"]
     free = where.memory - weights - (activations or 0)
@@ -214,14 +210,21 @@ def _cache_layouts(
     slot = slot_bytes(config, drafted, mesh, drafter_kv=o.drafter_kv)
     capacity = cache_capacities(free, slot, devices)
     hardware = named_hardware(where.name)
-    floors = planned.floors(config, model_bytes, devices, o.moe, hardware)
+    floors = planned.floors(config, model_bytes, devices, o.moe, hardware, work)
     held = {name: c["tokens"] for name, c in capacity.items()}
     choice = chosen or choose_layout(
         o.cache_layout, floors, held, planned.needed, hardware, devices, planned.name
     )
     by_layout = {
         name: traffic_table(
-            config, model_bytes, devices, o.moe, o.max_len, drafter_config.block_size, layout=name
+            config,
+            model_bytes,
+            devices,
+            o.moe,
+            o.max_len,
+            drafter_config.block_size,
+            layout=name,
+            work=work,
         )
         for name in LAYOUTS
     }
@@ -229,6 +232,7 @@ def _cache_layouts(
         "traffic": by_layout[choice.layout],
         "cache_layout": choice.layout,
         "cache_layout_reason": choice.reason,
+        "fastest_round": fastest_rounds(by_layout[choice.layout]),
         "cache_capacity_tokens": held[choice.layout],
         "cache_capacity": {
             "memory_bytes": where.memory,
@@ -242,24 +246,6 @@ def _cache_layouts(
         },
         "traffic_by_layout": by_layout,
     }
-
-
-def _model_configs(
-    raw: dict, drafter_config_path: str | Path, layers: int | None
-) -> tuple[KimiConfig, DrafterConfig]:
-    """The target's config from its parsed JSON and the drafter's; with ``layers``, both cut
-    to that many target layers at full width (the drafter taps the layers that remain)."""
-    config = KimiConfig.from_hf(raw)
-    drafter_config = DrafterConfig.from_json_file(drafter_config_path)
-    if layers is not None:
-        config = dataclasses.replace(
-            config,
-            num_hidden_layers=layers,
-            first_k_dense_replace=min(config.first_k_dense_replace, layers - 1),
-        )
-        taps = tuple(min(t, layers - 1) for t in drafter_config.target_layer_ids)
-        drafter_config = dataclasses.replace(drafter_config, target_layer_ids=taps)
-    return config, drafter_config
 
 
 def _against_floor(account: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
@@ -404,36 +390,6 @@ def _from_pallas(error: BaseException) -> bool:
     return any(w in text for w in words) or any("/pallas/" in f.filename for f in frames)
 
 
-def _abstract_models(config, drafter_config, experts, mesh: jax.sharding.Mesh, moe: str, dtype):
-    """The target and drafter as abstract models placed on a mesh (shapes and shardings only,
-    nothing allocated), the bytes of parameters each device holds, and the bytes stored on all
-    devices together."""
-
-    def abstract(make) -> tuple[nnx.Module, int, int]:
-        module = nnx.eval_shape(make)
-        shardings = param_shardings(module, mesh, moe)
-        place(module, mesh, moe)
-        is_variable = lambda x: isinstance(x, nnx.Variable)
-        placed = jax.tree.map(
-            lambda v, s: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype, sharding=s),
-            nnx.state(module, nnx.Param),
-            shardings,
-            is_leaf=is_variable,
-        )
-        nnx.update(module, placed)
-        leaves = jax.tree.leaves(placed)
-        return module, sum(shard_bytes(x) for x in leaves), sum(_bytes(x) for x in leaves)
-
-    target, target_bytes, target_stored = abstract(
-        lambda: KimiTarget(config, dtype, experts=experts, rngs=nnx.Rngs(0))
-    )
-    drafter, drafter_bytes, drafter_stored = abstract(
-        lambda: DFlashDrafter(drafter_config, dtype, rngs=nnx.Rngs(0))
-    )
-    per_device = {"target_weights": target_bytes, "drafter_weights": drafter_bytes}
-    return (target, drafter), per_device, {"target": target_stored, "drafter": drafter_stored}
-
-
 def _abstract_requests(
     decoder, mesh, config, drafter_config, method, block, budget, batch, slots, sampled
 ):
@@ -448,7 +404,3 @@ def _abstract_requests(
         method, block, budget if method == "ddtree" else None, sampled=sampled
     )
     return RoundBatch(spec, batch, [1] * batch, settings), state
-
-
-def _bytes(x, shape: tuple[int, ...] | None = None) -> int:
-    return int(np.prod(x.shape if shape is None else shape, dtype=np.int64)) * x.dtype.itemsize

@@ -1,5 +1,6 @@
 """The devices jaxdd plans for, as their vendors describe them: what the traffic
-account needs (memory, bandwidth, link) and, for GPUs, the description a deviceless
+account needs (memory, bandwidth, link), the roofline's peak dense throughput per dtype (with
+its source beside it) and, for GPUs, the description a deviceless
 compile needs (XLA's GpuTargetConfigProto: compute capability, SMs, shared memory).
 TPUs are named by JAX's topology names (``v5p:2x2x2``); their chips are described here.
 
@@ -14,9 +15,11 @@ every collective whatever its size.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 KB = 1024
 GB = 1e9
+TFLOPS = 1e12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +33,10 @@ class Hardware:
     link_name: str
     collective_latency: float  # seconds per collective (all-reduce, all-gather, all-to-all)
     source: str
+    # dense FLOP/s per dtype a round multiplies in (``jaxdd.planning.roofline``): bf16 on the
+    # matrix units with fp32 sums; GPUs' fp32 on the CUDA cores
+    peak_flops: Mapping[str, float]
+    peak_source: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +87,9 @@ GPUS: dict[str, Gpu] = {
         "NVLink 4, 900 GB/s both ways",
         10e-6,
         "NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s; Hopper: 132 SMs, 50 MB L2",
+        {"bf16": 989 * TFLOPS, "fp32": 67 * TFLOPS},
+        "NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200): BF16 Tensor Core 1,979 "
+        "TFLOPS with sparsity, 989 dense; FP32 67 TFLOPS",
         compute_capability=(9, 0),
         sms=132,
         device_kind="NVIDIA H200",
@@ -94,6 +104,10 @@ GPUS: dict[str, Gpu] = {
         "NVIDIA RTX PRO 6000 Blackwell datasheet: 96 GB GDDR7, 1792 GB/s, 188 SMs, PCIe "
         "5.0 x16 (no NVLink); "
         "GB202: 128 MB L2",
+        {"bf16": 503.8 * TFLOPS, "fp32": 125.95 * TFLOPS},
+        "NVIDIA's RTX PRO 6000 Blackwell figures (as listed at hmc-tech.com/gpu): FP16/BF16 "
+        "Tensor with FP32 accumulate 503.8 TFLOPS dense (188 SMs x 1024 FLOP/clock x 2.617 GHz), "
+        "FP32 125.95 TFLOPS (24,064 cores)",
         compute_capability=(12, 0),
         sms=188,
         shared_memory_per_sm=100 * KB,
@@ -111,6 +125,9 @@ GPUS: dict[str, Gpu] = {
         10e-6,
         "NVIDIA DGX B200 datasheet: 1440 GB HBM3e for 8 GPUs, 8 TB/s each, NVLink 5 1.8 "
         "TB/s; 148 SMs, 126 MB L2",
+        {"bf16": 2250 * TFLOPS, "fp32": 75 * TFLOPS},
+        "NVIDIA HGX B200 specifications (nvidia.com/en-us/data-center/hgx): FP16/BF16 Tensor "
+        "Core 4.5 PFLOPS per GPU with sparsity, 2.25 dense; FP32 75 TFLOPS",
         compute_capability=(10, 0),
         sms=148,
         l2_bytes=126 * 1024 * KB,
@@ -129,6 +146,8 @@ TPUS: dict[str, Hardware] = {
         "ICI 1600 Gbps",
         10e-6,
         "Google Cloud TPU v5e: 16 GB HBM2, 819 GB/s",
+        {"bf16": 197 * TFLOPS},
+        "cloud.google.com/tpu/docs/v5e: peak compute per chip (bf16) 197 TFLOPs",
     ),
     "v5p": Hardware(
         "TPU v5p",
@@ -138,6 +157,8 @@ TPUS: dict[str, Hardware] = {
         "ICI 4800 Gbps",
         10e-6,
         "Google Cloud TPU v5p: 95 GB HBM2e, 2765 GB/s",
+        {"bf16": 459 * TFLOPS},
+        "cloud.google.com/tpu/docs/v5p: peak compute per chip (bf16) 459 TFLOPs",
     ),
     "v6e": Hardware(
         "TPU v6e",
@@ -147,6 +168,8 @@ TPUS: dict[str, Hardware] = {
         "ICI 3584 Gbps",
         10e-6,
         "Google Cloud TPU v6e: 32 GB HBM, 1640 GB/s",
+        {"bf16": 918 * TFLOPS},
+        "cloud.google.com/tpu/docs/v6e: peak compute per chip (bf16) 918 TFLOPs",
     ),
 }
 

@@ -27,9 +27,11 @@ def report(result: dict[str, Any]) -> str:
         f"{result['devices']} x {where['device_kind']} ({where['name']}), MoE {result['moe']}, "
         f"batch {result['batch']}, max length {result['max_len']} ({result['cache_slots']} "
         f"cache slots), the drafter's K/V in {result['drafter_kv']}",
-        f"per round and device at {result['max_len']} tokens of context (the floor: bytes "
-        f"/ bandwidth + link):",
+        f"per round and device at {result['max_len']} tokens of context (the floor, a roofline: "
+        f"max(bytes / bandwidth, FLOPs / peak) + link; c: compute-bound):",
         format_table(result["traffic"]),
+        "most tokens/s at the floor: "
+        + ", ".join(f"{GPUS[gpu].name} {name}" for gpu, name in result["fastest_round"].items()),
         *layout_report(result),
     ]
     if "per_device_bytes" not in result:

@@ -10,8 +10,10 @@ trees change the calculus, the bytes grow with the budget long before the FLOPs 
 KV rows: the MLA latent cache replicated, every device reads all of it; striped, its share, and
 it runs the merge's collectives (``jaxdd.planning.cache_layout``). It sends one all-reduce of
 [T, hidden] per sharded matmul output (jaxdd sums the routed experts' shares with a psum in both
-TP and EP, not an all-to-all). The floor is bytes / memory bandwidth + collectives over the link;
-compute is assumed to hide under it (a floor, not a prediction of overheads).
+TP and EP, not an all-to-all). With the round's FLOPs (``jaxdd.planning.roofline``) the floor is
+a roofline: max(bytes / memory bandwidth, FLOPs / peak) + collectives over the link, since a
+kernel's reads and its arithmetic overlap but each all-reduce waits for the matmul before it and
+holds up the next (a floor, not a prediction of overheads).
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ from jaxdd.planning.cache_layout import (
     tokens_read,
 )
 from jaxdd.planning.hardware import GPUS, Hardware
+from jaxdd.planning.roofline import (
+    ModelWork,
+    compute_seconds,
+    experts_dtype,
+    flops_by_dtype,
+    platform_of,
+    round_flops,
+)
 from jaxdd.types import LAYOUTS, CacheLayout, DrafterKV, Method, MoeMode, verified_tokens
 
 # The demo pair's HumanEval tau (CPU, greedy, block
@@ -141,11 +151,13 @@ def round_traffic(
     draft_tokens: int = 0,
     layout: CacheLayout = "replicated",
     batch: int = 1,
+    work: ModelWork | None = None,
 ) -> dict[str, Any]:
     """Bytes one device reads, and sends in all-reduces, in a round verifying ``tokens``
     tokens in each of ``batch`` rows at ``context`` tokens of KV each; ``draft_tokens``: the
     drafter's block (0 for AR). ``layout``: the latent cache's (``cache_layout.LAYOUTS``);
-    striped adds the merge's ``merges`` (bytes sent and collectives per scheme)."""
+    striped adds the merge's ``merges`` (bytes sent and collectives per scheme). With the
+    models' ``work``, the FLOPs it runs too (``flops``, by part and per platform by dtype)."""
     e = config.n_routed_experts
     k = config.num_experts_per_tok
     # the weights are read once for all rows' tokens, the cache once per row
@@ -184,6 +196,14 @@ def round_traffic(
     }
     if layout == "striped":
         traffic["merges"] = merge_costs(config, verified, devices)
+    if work is not None:
+        parts = round_flops(tokens, config, work, context, devices, draft_tokens, layout, batch)
+        dtype = lambda gpu: experts_dtype(verified, config, work, devices, moe, gpu)
+        traffic["flops"] = sum(parts.values())
+        traffic["flops_by_part"] = parts
+        traffic["flops_by_dtype"] = {
+            platform: flops_by_dtype(parts, dtype(platform == "gpu")) for platform in ("gpu", "tpu")
+        }
     return traffic
 
 
@@ -208,14 +228,20 @@ class PlannedRound:
         return self.batch * self.context
 
     def traffic(
-        self, config: KimiConfig, model: ModelBytes, devices: int, moe: MoeMode, layout: CacheLayout
+        self,
+        config: KimiConfig,
+        model: ModelBytes,
+        devices: int,
+        moe: MoeMode,
+        layout: CacheLayout,
+        work: ModelWork | None = None,
     ) -> dict[str, Any]:
-        """Its ``round_traffic`` with the latent cache in ``layout``."""
+        """Its ``round_traffic`` with the latent cache in ``layout`` (its FLOPs with ``work``)."""
         block = 1 if self.method == "ar" else self.block
         tokens = verified_tokens(self.method, block, self.budget)
         draft = 0 if self.method == "ar" else block
         args = (self.method, tokens, config, model, self.context, devices, moe, draft, layout)
-        return round_traffic(*args, self.batch)
+        return round_traffic(*args, self.batch, work)
 
     def floors(
         self,
@@ -224,28 +250,37 @@ class PlannedRound:
         devices: int,
         moe: MoeMode,
         hardware: Hardware | None,
+        work: ModelWork | None = None,
     ) -> dict[str, float]:
-        """Its floor (seconds) in each layout on ``hardware``; none without a hardware model."""
+        """Its floor (seconds) in each layout on ``hardware``, a roofline with ``work``; none
+        without a hardware model."""
         if hardware is None:
             return {}
-        traffic = lambda layout: self.traffic(config, model, devices, moe, layout)
+        traffic = lambda layout: self.traffic(config, model, devices, moe, layout, work)
         return {layout: floor_seconds(traffic(layout), hardware)["round_s"] for layout in LAYOUTS}
 
 
 def floor_seconds(traffic: Mapping[str, Any], hardware: Hardware) -> dict[str, Any]:
-    """Memory and link time of a round on ``hardware``; a striped round's link time
+    """Memory, compute and link time of a round on ``hardware`` and which of memory and compute
+    bounds it (``bound``; a round without FLOPs counted: memory); a striped round's link time
     holds its merge, the scheme the link model finds cheaper (``merge``)."""
     memory = traffic["read_total"] / hardware.bandwidth
+    by_dtype = traffic.get("flops_by_dtype", {}).get(platform_of(hardware), {})
+    compute = compute_seconds(by_dtype, hardware)
     link = link_seconds(traffic["allreduce_bytes"], traffic["allreduces"], hardware)
+    times = {
+        "memory_s": memory,
+        "compute_s": compute,
+        "bound": "compute" if compute > memory else "memory",
+    }
     merge = cheapest_merge(traffic.get("merges", {}), hardware)
     if merge is None:
-        return {"memory_s": memory, "link_s": link, "round_s": memory + link}
+        return times | {"link_s": link, "round_s": max(memory, compute) + link}
     cost = traffic["merges"][merge]
     merge_s = link_seconds(cost["bytes"], cost["collectives"], hardware)
-    return {
-        "memory_s": memory,
+    return times | {
         "link_s": link + merge_s,
-        "round_s": memory + link + merge_s,
+        "round_s": max(memory, compute) + link + merge_s,
         "merge": merge,
         "merge_s": merge_s,
     }
@@ -261,10 +296,12 @@ def traffic_table(
     budgets: tuple[int, ...] = (4, 8, 16, 32, 64),
     tau: Mapping = DEMO_TAU,
     layout: CacheLayout = "replicated",
+    work: ModelWork | None = None,
+    batch: int = 1,
 ) -> list[dict]:
-    """One row per round shape (AR, DFlash at ``block``, DDTree at each
-    budget): what a device reads and sends, and per named GPU the floor
-    per round and the tokens/s ``tau`` predicts at that floor."""
+    """One row per round shape (AR, DFlash at ``block``, DDTree at each budget) of ``batch``
+    rows: what a device reads and sends (and with ``work`` the FLOPs it runs), and per named
+    GPU the floor per round and the tokens/s (all rows') ``tau`` predicts at that floor."""
     shapes = [("ar", verified_tokens("ar", 1, None), 0, tau["ar"])]
     shapes += [("dflash", verified_tokens("dflash", block, None), block, tau["dflash"])]
     shapes += [
@@ -274,15 +311,20 @@ def traffic_table(
     ]
     rows = []
     for name, tokens, draft, expected in shapes:
-        traffic = round_traffic(
-            name.split()[0], tokens, config, model, context, devices, moe, draft, layout
-        )
+        args = (name.split()[0], tokens, config, model, context, devices, moe, draft, layout)
+        traffic = round_traffic(*args, batch, work)
         row = {"round": name, "tokens": tokens, "tau": expected, **traffic, "targets": {}}
         for key, hardware in GPUS.items():
             floor = floor_seconds(traffic, hardware)
-            row["targets"][key] = floor | {"tokens_per_s": expected / floor["round_s"]}
+            row["targets"][key] = floor | {"tokens_per_s": batch * expected / floor["round_s"]}
         rows.append(row)
     return rows
+
+
+def fastest_rounds(rows: list[dict]) -> dict[str, str]:
+    """Per named GPU, the round of the table with the most tokens/s at its floor."""
+    speed = lambda gpu: {row["round"]: row["targets"][gpu]["tokens_per_s"] for row in rows}
+    return {gpu: max(speed(gpu).items(), key=lambda item: item[1])[0] for gpu in GPUS}
 
 
 def sent_bytes(traffic: Mapping[str, Any], merge: str | None) -> float:
@@ -293,26 +335,27 @@ def sent_bytes(traffic: Mapping[str, Any], merge: str | None) -> float:
 
 
 def format_table(rows: list[dict]) -> str:
-    """The table as text: GB read and MB sent per device (the all-reduces and a striped
-    round's merge, as the link time counts them), then per GPU the floor and tokens/s."""
+    """The table as text: GB read, MB sent per device (the all-reduces and a striped round's
+    merge, as the link time counts them) and TFLOP run, then per GPU the floor (c: compute
+    bound) and tokens/s."""
     names = list(GPUS)
-    head = f"{'round':<11} {'tau':>5} {'read GB':>8} {'experts':>8} {'sent MB':>8}"
-    head += "".join(f" | {GPUS[n].name:>26}" for n in names)
+    head = f"{'round':<11} {'tau':>5} {'read GB':>8} {'experts':>8} {'sent MB':>8} {'TFLOP':>6}"
+    head += "".join(f" | {GPUS[n].name:>27}" for n in names)
     merged = any(row.get("merges") for row in rows)
     sent_head = "(all-reduces + merge)" if merged else "(all-reduces)"
     lines = [
         head,
-        f"{sent_head:>44}" + "".join(f" | {'ms (link ms)   tokens/s':>26}" for _ in names),
+        f"{sent_head:>51}" + "".join(f" | {'ms (link ms)    tokens/s':>27}" for _ in names),
     ]
     for row in rows:
         sent = {sent_bytes(row, row["targets"][n].get("merge")) / 1e6 for n in names}
         shown = f"{min(sent):.2f}" if len(sent) == 1 else f"{min(sent):.0f}-{max(sent):.0f}"
         line = f"{row['round']:<11} {row['tau']:>5.2f} {row['read_total'] / 1e9:>8.2f} "
-        line += f"{row['experts_read']:>8.1f} {shown:>8}"
+        line += f"{row['experts_read']:>8.1f} {shown:>8} {row.get('flops', 0) / 1e12:>6.2f}"
         for n in names:
             t = row["targets"][n]
-            line += (
-                f" | {t['round_s'] * 1e3:>6.2f} ({t['link_s'] * 1e3:.2f}) {t['tokens_per_s']:>9.0f}"
-            )
+            bound = "c" if t["bound"] == "compute" else " "
+            line += f" | {t['round_s'] * 1e3:>6.2f}{bound} ({t['link_s'] * 1e3:.2f}) "
+            line += f"{t['tokens_per_s']:>9.0f}"
         lines.append(line)
     return "\n".join(lines)
