@@ -8,9 +8,10 @@ completions, streamed or not) with continuous batching of speculative rounds.
                           --process-id I  # on each host
 
 Start-up: the flags are checked and the port is bound before anything loads (a port in use is one
-line, exit 2); then it compiles every shape it will run (each prompt bucket's prefill up to
---max-prompt, and its scoring prefill unless --max-logprobs 0; each tier's rounds), and once GET
-/health answers 200 it prints "serving ... on ...". Until then SIGTERM or Ctrl-C ends it at once
+line, exit 2), and on XLA:CPU a pool whose programs would take the process past vm.max_map_count
+is refused there too (``jaxdd.decoding.memory_maps``); then it compiles every shape it will run
+(each prompt bucket's prefill up to --max-prompt, and its scoring prefill unless --max-logprobs
+0; each tier's rounds), and once GET /health answers 200 it prints "serving ... on ...". Until then SIGTERM or Ctrl-C ends it at once
 (one line, exit 143 / 130); afterwards they drain.
 
 Logprobs (``logprobs`` on completions, ``logprobs`` / ``top_logprobs`` on chat, up to
