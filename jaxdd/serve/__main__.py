@@ -11,8 +11,8 @@ Start-up: the flags are checked and the port is bound before anything loads (a p
 line, exit 2), and on XLA:CPU a pool whose programs would take the process past vm.max_map_count
 is refused there too (``jaxdd.decoding.memory_maps``); then it compiles every shape it will run
 (each prompt bucket's prefill up to --max-prompt, and its scoring prefill unless --max-logprobs
-0; each tier's rounds), and once GET /health answers 200 it prints "serving ... on ...". Until then SIGTERM or Ctrl-C ends it at once
-(one line, exit 143 / 130); afterwards they drain.
+0; each tier's rounds), and once GET /health answers 200 it prints "serving ... on ...". Until
+then SIGTERM or Ctrl-C ends it at once (one line, exit 143 / 130); afterwards they drain.
 
 Logprobs (``logprobs`` on completions, ``logprobs`` / ``top_logprobs`` on chat, up to
 --max-logprobs top ones, default 20) are the target's distribution before temperature and
