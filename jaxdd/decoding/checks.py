@@ -15,7 +15,7 @@ from jaxdd.config import KimiConfig
 from jaxdd.decoding.requests import Decoder, RowRequest, RowShape
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.errors import InputError
-from jaxdd.runtime.buckets import prompt_bucket
+from jaxdd.runtime.buckets import prompt_bucket, round_tiers
 from jaxdd.types import METHODS, TREE_LOGITS, Method, TreeLogits, verified_tokens
 
 # stop ids are padded to this many so their number never changes a compiled shape
@@ -232,9 +232,7 @@ def pool_shape(
     options = {"block": block, "budget": budget, "top_logprobs": max_logprobs}
     spec = decoder.round_spec(method, sampled=True, **options)
     greedy_spec = decoder.round_spec(method, sampled=False, **options)
-    # Rounds over the first 1, 4, 16, ... rows and over all: requests take the
-    # lowest free row, so the round runs over the rows up to the highest busy one.
-    tiers = tuple(sorted({4**i for i in range(rows.bit_length()) if 4**i < rows} | {rows}))
+    tiers = round_tiers(rows)
     round_tokens = max(block, verified_tokens(method, block, budget))
     page, devices = paging(spec.stripes)
     slots = row_slots(prompt_bucket(max_prompt), max_len, round_tokens, page * devices)

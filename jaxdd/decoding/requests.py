@@ -20,7 +20,7 @@ from jaxdd.decoding.report import RoundTrace, TokenLogprob
 from jaxdd.decoding.rounds import DecodeState, ModelPair, RoundSpec, state_shardings
 from jaxdd.decoding.sampling import GREEDY, Sampling, seed_keys
 from jaxdd.models.drafter import DFlashDrafter
-from jaxdd.runtime.buckets import prompt_bucket
+from jaxdd.runtime.buckets import prompt_buckets
 from jaxdd.types import Method, verified_tokens
 
 
@@ -139,25 +139,35 @@ class RowShape:
 
     def buckets(self) -> list[int]:
         """The lengths a prompt (or the rest of one after a hit) is padded to."""
-        return sorted({prompt_bucket(n) for n in range(1, self.max_prompt + 1)})
+        return prompt_buckets(self.max_prompt)
 
     def warm_up_requests(self, prefix_cache: bool) -> list[RowRequest]:
-        """Greedy one-token requests that, admitted in turn, run every prefill a pool of this
-        shape runs: each bucket's whole prompt (and with logprobs its scoring one); with the
-        prefix cache, a page cached and then after it a rest of each bucket's size (each rest its
-        own: no longer hit); with chunks, a prompt past one."""
-        scoring = (False, True) if self.spec.top_logprobs else (False,)
-        requests = []
-        for i, (n, score) in enumerate(itertools.product(self.buckets(), scoring)):
-            prompt = [4 + i] + [1] * (min(n, self.max_prompt) - 1)  # none finds another's pages
-            requests.append(RowRequest(prompt, 1, [], GREEDY, 0 if score else None, score))
-        hit, after_hit, again = [2] * self.page, self.max_prompt - self.page, []
-        if prefix_cache and after_hit > 0:
-            rests = [[5 + i] * min(b, after_hit) for i, b in enumerate(self.buckets())]
-            again = [[*hit, 3]] + [hit + rest for rest in rests]
-        chunk = self.prefill_chunk or self.max_prompt
-        again += [[3] * (chunk + 1)] if chunk < self.max_prompt else []
-        return requests + [RowRequest(prompt, 1, [], GREEDY) for prompt in again]
+        """``warm_up_requests`` for this shape."""
+        scoring = bool(self.spec.top_logprobs)
+        return warm_up_requests(
+            self.max_prompt, self.page, scoring, prefix_cache, self.prefill_chunk
+        )
+
+
+def warm_up_requests(
+    max_prompt: int, page: int, scoring: bool, prefix_cache: bool, prefill_chunk: int | None
+) -> list[RowRequest]:
+    """Greedy one-token requests that, admitted in turn, run every prefill a pool runs: each
+    bucket's whole prompt (``scoring``: and its scoring one); with the prefix cache, a page
+    cached and then after it a rest of each bucket's size (each rest its own: no longer hit);
+    with chunks, a prompt past one."""
+    buckets, scores = prompt_buckets(max_prompt), (False, True) if scoring else (False,)
+    requests = []
+    for i, (n, score) in enumerate(itertools.product(buckets, scores)):
+        prompt = [4 + i] + [1] * (min(n, max_prompt) - 1)  # none finds another's pages
+        requests.append(RowRequest(prompt, 1, [], GREEDY, 0 if score else None, score))
+    hit, after_hit, again = [2] * page, max_prompt - page, []
+    if prefix_cache and after_hit > 0:
+        rests = [[5 + i] * min(b, after_hit) for i, b in enumerate(buckets)]
+        again = [[*hit, 3]] + [hit + rest for rest in rests]
+    chunk = prefill_chunk or max_prompt
+    again += [[3] * (chunk + 1)] if chunk < max_prompt else []
+    return requests + [RowRequest(prompt, 1, [], GREEDY) for prompt in again]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ from jaxdd.cache.pages import PAGE_TOKENS
 from jaxdd.cache.stripes import paging
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.engine import RoundBatch, SpeculativeDecoder
+from jaxdd.decoding.memory_maps import server_maps
 from jaxdd.decoding.sampling import GREEDY, Sampling
 from jaxdd.errors import InputError
 from jaxdd.models.moe import MoE
@@ -141,6 +142,7 @@ def plan(
         return decoder, row_slots(0, o.max_len, max(block, tokens), page * devices)
 
     accounted = layouts(None)
+    layers = (config.num_hidden_layers, 0 if o.method == "ar" else drafter_config.num_hidden_layers)
     decoder, slots = decoder_in(accounted["cache_layout"])
     shape = {
         "config": str(config_path),
@@ -158,6 +160,8 @@ def plan(
         "batch": o.batch,
         "attention": form,
         "dispatch": _dispatch(models[0], tokens * o.batch, devices, o.moe, where),
+        # on a CPU host, a server of this batch and length against the process's memory maps
+        "memory_maps": server_maps(o.method, o.batch, o.max_len, layers, where.platform),
     }
     if not o.compile_round:
         return shape | accounted

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxdd.decoding.memory_maps import HEADROOM
 from jaxdd.planning.hardware import GPUS
 from jaxdd.planning.traffic import format_table
 
@@ -33,6 +34,7 @@ def report(result: dict[str, Any]) -> str:
         "most tokens/s at the floor: "
         + ", ".join(f"{GPUS[gpu].name} {name}" for gpu, name in result["fastest_round"].items()),
         *layout_report(result),
+        *maps_report(result.get("memory_maps"), result["batch"], result["max_len"]),
     ]
     if "per_device_bytes" not in result:
         return "\n".join(lines)
@@ -160,3 +162,18 @@ def traffic_report(account: dict[str, Any], top: int = 10) -> list[str]:
         for op in account["top_ops"][:top]
     ]
     return lines
+
+
+def maps_report(maps: dict[str, Any] | None, batch: int, max_len: int) -> list[str]:
+    """On a CPU host: the memory maps a server of the plan's batch and length compiles into,
+    against this host's vm.max_map_count (``jaxdd.decoding.memory_maps``)."""
+    if maps is None:
+        return []
+    limit = maps["limit"]
+    verdict = "fits" if maps["fits"] else "does not fit"
+    host = "no vm.max_map_count here" if limit is None else f"vm.max_map_count {limit:,}"
+    return [
+        f"memory maps: a server of {batch} rows at {max_len} tokens compiles {maps['programs']} "
+        f"programs, {maps['maps']:,} maps on XLA:CPU; {verdict} {HEADROOM:.0%} of this host's "
+        + host
+    ]

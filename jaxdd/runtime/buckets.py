@@ -24,3 +24,14 @@ def prompt_bucket(length: int) -> int:
     """The padded length a prompt of ``length`` tokens is
     prefilled at (quarter octaves, multiples of 16)."""
     return bucket(length, per_octave=PROMPT_BUCKETS_PER_OCTAVE, min_step=PROMPT_MIN_STEP)
+
+
+def prompt_buckets(max_prompt: int) -> list[int]:
+    """Every padded length a prompt of up to ``max_prompt`` tokens is prefilled at."""
+    return sorted({prompt_bucket(n) for n in range(1, max_prompt + 1)})
+
+
+def round_tiers(rows: int) -> tuple[int, ...]:
+    """The row counts a pool of ``rows`` runs rounds over: the first 1, 4, 16, ... rows and all
+    of them (requests take the lowest free row, so a round runs up to the highest busy one)."""
+    return tuple(sorted({4**i for i in range(rows.bit_length()) if 4**i < rows} | {rows}))

@@ -8,10 +8,11 @@ completions, streamed or not) with continuous batching of speculative rounds.
                           --process-id I  # on each host
 
 Start-up: the flags are checked and the port is bound before anything loads (a port in use is one
-line, exit 2); then it compiles every shape it will run (each prompt bucket's prefill up to
---max-prompt, and its scoring prefill unless --max-logprobs 0; each tier's rounds), and once GET
-/health answers 200 it prints "serving ... on ...". Until then SIGTERM or Ctrl-C ends it at once
-(one line, exit 143 / 130); afterwards they drain.
+line, exit 2), and on XLA:CPU a pool whose programs would take the process past vm.max_map_count
+is refused there too (``jaxdd.decoding.memory_maps``); then it compiles every shape it will run
+(each prompt bucket's prefill up to --max-prompt, and its scoring prefill unless --max-logprobs
+0; each tier's rounds), and once GET /health answers 200 it prints "serving ... on ...". Until
+then SIGTERM or Ctrl-C ends it at once (one line, exit 143 / 130); afterwards they drain.
 
 Logprobs (``logprobs`` on completions, ``logprobs`` / ``top_logprobs`` on chat, up to
 --max-logprobs top ones, default 20) are the target's distribution before temperature and
@@ -45,9 +46,10 @@ import jax
 import jaxdd
 from jaxdd import cli
 from jaxdd.cli import DEMO, non_negative, positive, print_note
+from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.checks import pool_shape
 from jaxdd.decoding.engine import SpeculativeDecoder
-from jaxdd.decoding.memory_maps import check_pool_maps
+from jaxdd.decoding.memory_maps import check_maps, pool_programs
 from jaxdd.decoding.rows import RowPool
 from jaxdd.errors import checkpoint_directory
 from jaxdd.planning.capacity import device_cache_tokens
@@ -159,6 +161,26 @@ MAP_FLAGS = (
 )
 
 
+def check_pool_maps(
+    args: argparse.Namespace, checkpoint: Path, drafter: Path | None, method: Method, platform: str
+) -> None:
+    """The programs the pool will compile, counted from the flags and the checkpoints' configs,
+    against this process's memory maps: refused before any weight loads."""
+    if not (checkpoint / "config.json").is_file():
+        return  # not a checkpoint: the loader says what is missing
+    config = KimiConfig.from_json_file(checkpoint / "config.json")
+    drafted = 0
+    if drafter is not None and (drafter / "config.json").is_file():
+        drafted = DrafterConfig.from_json_file(drafter / "config.json").num_hidden_layers
+    longest = max(min(args.max_len, config.max_position_embeddings) - 1, 1)  # as the pool admits
+    max_prompt = min(args.max_prompt or longest, longest)
+    scoring, prefix = args.max_logprobs > 0, args.prefix_cache == "on"
+    programs = pool_programs(
+        method, args.max_batch, max_prompt, scoring, prefix, args.prefill_chunk
+    )
+    check_maps(programs, platform, (config.num_hidden_layers, drafted), MAP_FLAGS)
+
+
 def make_pool(args: argparse.Namespace, decoder: SpeculativeDecoder, method: Method) -> RowPool:
     """The server's pool of rows; without --cache-tokens, on GPUs and TPUs, its pages what the
     devices' memory the weights and the pool's temporaries leave holds."""
@@ -205,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = Backend.local()
     dtype = cli.compute_dtype(args.dtype, backend.platform)
     try:
+        check_pool_maps(args, checkpoint, drafter_path, method, backend.platform)
         tokenizer = load_tokenizer(checkpoint)
         if template is not None:
             if tokenizer is None:
@@ -225,7 +248,6 @@ def main(argv: list[str] | None = None) -> int:
             target, drafter, cache_layout=layout, drafter_kv=args.drafter_kv
         )
         pool = make_pool(args, decoder, method)
-        check_pool_maps(pool, MAP_FLAGS)
     except (jaxdd.CheckpointError, jaxdd.ConfigError, jaxdd.InputError) as error:
         print(f"jaxdd: {error}", file=sys.stderr)
         return 2
