@@ -28,6 +28,7 @@ def target(hf_dir):
 IDS = np.array([[5, 17, 3, 250, 9, 1]])
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trip(target, tmp_path):
     saved = jaxdd.save_target(target.model, tmp_path / "ckpt")
     assert is_jaxdd_checkpoint(saved)

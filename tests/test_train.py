@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 from flax import nnx
 from transformers import AutoTokenizer, DeepseekV3ForCausalLM
@@ -54,6 +55,7 @@ def test_saved_tokenizer_loads_with_bos_eos_and_chat_in_transformers_and_jaxdd(t
     assert ours.chat_prompt("hi") == ids and ours.stop_ids == [0]
 
 
+@pytest.mark.slow
 def test_training_steps_lower_the_loss_and_export_loads_in_transformers(tmp_path):
     config = KimiConfig.from_hf(SMALL)
     model = KimiTarget(config, jnp.float32, rngs=nnx.Rngs(0))
@@ -75,6 +77,7 @@ def test_training_steps_lower_the_loss_and_export_loads_in_transformers(tmp_path
     np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_drafter_training_steps_and_export_loads_in_dflash(tmp_path):
     from dflash.model import DFlashDraftModel
 
@@ -148,6 +151,7 @@ def test_history_plot(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_a_run_resumed_from_its_last_save_equals_the_uninterrupted_run(tmp_path):
     from jaxdd.train.resume import TrainingCheckpoints, step_rng
 

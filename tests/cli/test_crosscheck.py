@@ -57,6 +57,7 @@ def references(models):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
 def test_dump_then_compare_passes(references, method, capsys):
     meta, traces = load_traces(references[method])
@@ -78,6 +79,7 @@ def test_dump_then_compare_passes(references, method, capsys):
             assert prompt["tree_rounds"] > 0 and prompt["first_tree_difference"] is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moe", ["tp", "ep"])
 def test_compare_on_eight_devices(references, moe, capsys):
     """The DDTree reference compared with the pair sharded over the suite's 8 simulated
@@ -99,6 +101,7 @@ def fresh_compilations():
     jax.clear_caches()
 
 
+@pytest.mark.slow
 def test_wrong_rope_layout_is_caught_and_localised(
     references, monkeypatch, fresh_compilations, capsys
 ):

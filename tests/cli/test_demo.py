@@ -36,6 +36,7 @@ def prompt() -> list[int]:
     return load_tokenizer(DEMO / "target").encode(DEFAULT_PROMPT)
 
 
+@pytest.mark.slow
 @torch.inference_mode()
 def test_jaxdd_decodes_the_bundled_pair_like_transformers_and_dflash(prompt):
     # transformers and dflash load it

@@ -66,6 +66,7 @@ def one_line(process, code: int = 2) -> str:
     return process.stderr
 
 
+@pytest.mark.slow
 def test_closed_stdin_and_stdout(tmp_path):
     closed_in = run([*GENERATE, "--prompt-file", "-"], {"JAXDD_COMPILATION_CACHE": "off"}, "<&-")
     assert one_line(closed_in) == "jaxdd: --prompt-file -: standard input is closed\n"
@@ -73,6 +74,7 @@ def test_closed_stdin_and_stdout(tmp_path):
     assert "standard output is closed" in one_line(closed_out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("platforms", "said"),
     [
@@ -109,6 +111,7 @@ def test_plan_ignores_platform_and_needs_no_jax_platforms():
         assert "8 x RTX PRO 6000" in process.stdout
 
 
+@pytest.mark.slow
 def test_more_devices_than_the_host_can_simulate():
     process = run([*GENERATE, *QUICK, "--devices", "100000"])
     assert "--devices 100000: this host has 1 CPU device; simulating 100000 would take" in one_line(
@@ -122,6 +125,7 @@ def test_more_devices_than_the_host_can_simulate():
     assert cli.simulated_device_limit(64 * 2**30) == 692  # sqrt(32 GiB / 70 KiB per device pair)
 
 
+@pytest.mark.slow
 def test_server_start_up_faults(tmp_path):
     """The server's start-up answers as the other CLIs do, before it loads or compiles anything."""
     serve = [*SERVE, "--port", str(free_port())]
@@ -202,6 +206,7 @@ def compiling(server) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("sig", "phase"),
     [
@@ -245,6 +250,7 @@ def test_server_signal_during_start_up(tmp_path, sig, phase):
         again.bind(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
 
 
+@pytest.mark.slow
 def test_plan_names_hardware_and_unknown_xla_flags_are_one_line():
     hardware = one_line(run([*PLAN, "--hardware", "quantum-9000"]))
     assert hardware.startswith("jaxdd: --hardware: expected one of cpu")
@@ -255,6 +261,7 @@ def test_plan_names_hardware_and_unknown_xla_flags_are_one_line():
     assert one_line(run(crosscheck)).startswith("jaxdd: argument --method: invalid choice: 'xyz'")
 
 
+@pytest.mark.slow
 def test_broken_pipe_is_quiet_libtpu_never_speaks_and_compiles_are_cached(tmp_path):
     """With no JAX_PLATFORMS (libtpu and the CUDA plugin installed, neither device here) the
     run is the CPU's, silent on stderr but for its status line; its output into a reader that
@@ -279,6 +286,7 @@ def test_broken_pipe_is_quiet_libtpu_never_speaks_and_compiles_are_cached(tmp_pa
     assert any((tmp_path / "jaxdd" / "compiles").iterdir())
 
 
+@pytest.mark.slow
 def test_ctrl_c_after_the_first_tokens():
     argv = [
         *GENERATE,
@@ -340,6 +348,7 @@ def nan_target(tmp_path_factory) -> tuple[Path, str, str]:
     return root, shard.name, name
 
 
+@pytest.mark.slow
 def test_nan_weights_are_named_by_generate_and_convert(nan_target, tmp_path):
     root, shard, name = nan_target
     said = f"{root / shard}: tensor {name} holds NaN or infinite values\n"

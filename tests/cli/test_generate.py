@@ -36,6 +36,7 @@ def run_json(capsys, *argv) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_ar_and_dflash_match_hf_greedy(checkpoints, capsys):
     model, target, drafter = checkpoints
     expected = hf_greedy(model, PROMPT, 12)
@@ -101,6 +102,7 @@ def test_text_prompt_from_argument_file_and_stdin_streams(
     )
 
 
+@pytest.mark.slow
 def test_kimi_tiktoken_checkpoint_uses_its_chat_template(tmp_path, capsys):
     """A Kimi-layout checkpoint (tiktoken.model + tokenizer_config.json,
     special ids after the 256 byte ranks): the prompt becomes a user
@@ -122,6 +124,7 @@ def test_kimi_tiktoken_checkpoint_uses_its_chat_template(tmp_path, capsys):
     assert raw["prompt_ids"] == list(b"2+3=")
 
 
+@pytest.mark.slow
 def test_bundled_demo_runs_with_no_arguments(capsys):
     """The bundled kimi-mini pair and the default prompt;
     its trained drafter gets several tokens per round."""
@@ -337,6 +340,7 @@ def test_the_wrong_drafter_is_refused_by_name(checkpoints, tmp_path, capsys):
     assert "drafter vocab_size 512 != target vocab_size 256" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_rounds_past_memory_are_refused_and_oversized_ones_noted(checkpoints, capsys):
     """A DDTree budget whose round needs more working memory than the device
     has (the compiler's own figure) is refused before the first round;
@@ -382,6 +386,7 @@ def test_rounds_past_memory_are_refused_and_oversized_ones_noted(checkpoints, ca
     assert "note" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_devices_and_moe_flags_shard_the_pair(checkpoints, capsys):
     """`--devices 8 --moe ep|tp` (the suite's 8 simulated CPU devices) gives one device's tokens
     (DFlash in EP, DDTree in TP, DDTree with the latent cache striped); more devices than the
@@ -419,6 +424,7 @@ def test_devices_and_moe_flags_shard_the_pair(checkpoints, capsys):
         assert capsys.readouterr().err == message
 
 
+@pytest.mark.slow
 def test_bundled_demo_on_eight_simulated_devices_from_a_fresh_process():
     """`python -m jaxdd.generate --devices 8 --moe ep` on a host with one CPU device: the flag
     itself makes the 8 simulated devices, and the bundled pair gives the single-device tokens."""

@@ -30,6 +30,7 @@ def greedy(models):
 SEED0 = pytest.mark.parametrize("models", [0], indirect=True, ids=["seed0"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("models", "budget"),
     [(0, 1), (0, BLOCK - 1), (0, 16), (0, 64), (0, 256), (1, BLOCK - 1), (1, 64)],
@@ -45,6 +46,7 @@ def test_lossless_random_drafter(models, greedy, budget):
         assert sum(out.acceptance_lengths) == MAX_NEW - 1
 
 
+@pytest.mark.slow
 @SEED0
 @pytest.mark.parametrize("second", [False, True], ids=["top-ranked", "second-ranked"])
 @pytest.mark.parametrize("budget", [BLOCK - 1, 64])
@@ -112,6 +114,7 @@ def test_compiles_once_per_budget_and_bucket(models):
     assert compiles.count == 0
 
 
+@pytest.mark.slow
 @SEED0
 @pytest.mark.parametrize("second", [False, True], ids=["top-ranked", "second-ranked"])
 @pytest.mark.parametrize("budget", [BLOCK - 1, 64])

@@ -31,6 +31,7 @@ PROMPTS = [[5, 17, 3, 250, 9, 1, 77], [200, 4, 4, 91, 36, 12, 8, 150, 61, 7, 33]
 MAX_NEW = 24
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(60), deadline=None)
 @given(
     hnp.arrays(
@@ -47,6 +48,7 @@ def test_argmax_is_the_first_maximum(logits):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size", [4, 8, 16])
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "long"])
 def test_matches_dflash_generate(models, block_size, prompt):
@@ -61,6 +63,7 @@ def test_matches_dflash_generate(models, block_size, prompt):
     assert ours.acceptance_lengths == lengths
 
 
+@pytest.mark.slow
 def test_lossless_dflash_equals_ar_equals_hf_greedy(models):
     ref_target, _, decoder = models
     prompt = PROMPTS[0]
@@ -76,6 +79,7 @@ def test_lossless_dflash_equals_ar_equals_hf_greedy(models):
         assert dflash.tokens == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size", [4, 8, 16])
 def test_partly_right_drafts_match_reference(models, block_size):
     """Drafts injected from the target's own greedy continuation: long acceptances,
@@ -178,6 +182,7 @@ def test_bad_input(models, tmp_path):
         SpeculativeDecoder(decoder.target, attention="flash")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -219,6 +224,7 @@ def whole_buffer_copies(hlo: str, buffers) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks XLA:CPU's compiled rounds")
 @pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
 def test_rounds_update_caches_in_place(models, method):

@@ -26,6 +26,7 @@ def pair():
     return target, jaxdd.load_drafter(DEMO / "drafter", dtype="float32")
 
 
+@pytest.mark.slow
 def test_fp8_drafter_kv_gives_the_target_tokens_and_keeps_the_acceptance(pair):
     """The demo pair in fp32: DFlash and DDTree with the drafter's K/V in fp8 give plain greedy
     decoding's tokens; its drafts are accepted as often as with fp32 K/V (within 10%)."""

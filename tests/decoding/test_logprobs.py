@@ -48,6 +48,7 @@ def assert_matches(entries, reference: np.ndarray, tokens: list[int], k: int) ->
             assert entry.logprob == values[0]  # the one log-softmax: exactly equal
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("method", "sampling"), CASES, ids=lambda c: getattr(c, "greedy", c))
 def test_logprobs_change_no_token_and_equal_a_plain_forward(models, method, sampling):
     ref_target, _, decoder = models
@@ -63,6 +64,7 @@ def test_logprobs_change_no_token_and_equal_a_plain_forward(models, method, samp
     assert_matches(scored.logprobs, reference[len(PROMPT) - 1 : -1], scored.tokens, K)
 
 
+@pytest.mark.slow
 def test_a_batch_of_mixed_prompts(models):
     """Rows of a batch (prompts of different lengths, one padded row) each get their own."""
     ref_target, _, decoder = models
@@ -105,6 +107,7 @@ def test_the_report_carries_floats_exactly():
     assert RoundReport.decode(encoded[:, : width + 2], width).logprobs is None
 
 
+@pytest.mark.slow
 def test_only_asking_rows_get_theirs(models):
     """A row that asked for logprobs beside one that did not gets the plain forward's values, the
     other none; a prompt scored alone whose next token would be a stop token ends by its length

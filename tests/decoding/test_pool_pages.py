@@ -107,6 +107,7 @@ def drive(pool: RowPool, seed: int, ops: list[tuple]) -> tuple[int, int]:
     return hits, compared
 
 
+@pytest.mark.slow
 @given(seed=st.integers(0, 2**16), ops=st.lists(operation, max_size=40))
 @settings(max_examples=examples(12), deadline=None)
 def test_pages_add_up_and_hits_decode_as_misses(pool, seed, ops):

@@ -27,6 +27,7 @@ def decoder():
     return SpeculativeDecoder(*jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("method", "sampling"),
     [("dflash", jaxdd.Sampling()), ("ddtree", jaxdd.Sampling(0.8, 0.95, 0, 7))],
@@ -63,6 +64,7 @@ def test_the_next_turn_hits_and_decodes_as_alone(decoder, method, sampling):
     assert cached.pages.free + cached.pages.cached == cached.pages.usable
 
 
+@pytest.mark.slow
 def test_a_prompt_in_chunks_lets_the_others_decode_between_them(decoder):
     rng = np.random.default_rng(8)
     pool = RowPool(decoder, method="dflash", prefill_chunk=32, **OPTIONS)

@@ -21,6 +21,7 @@ def decoder():
     return SpeculativeDecoder(*jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32"))
 
 
+@pytest.mark.slow
 def test_interleaved_ddtree_rows_equal_their_runs_alone(decoder):
     rng = np.random.default_rng(4)
     pool = RowPool(decoder, method="ddtree", budget=12, rows=2, max_len=100, max_prompt=16)
@@ -66,6 +67,7 @@ def row_state(state, row: int) -> list[np.ndarray]:
     return [np.asarray(part[row]) for part in parts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
 def test_a_row_paused_for_pages_decodes_as_if_the_rounds_had_not_run(decoder, method):
     """A row that waits for pages runs paused: every per-row part of its state (length, bonus,
@@ -105,6 +107,7 @@ def test_a_row_paused_for_pages_decodes_as_if_the_rounds_had_not_run(decoder, me
         assert outputs[row] == alone.tokens, row
 
 
+@pytest.mark.slow
 def test_admissions_and_releases_while_rounds_are_in_flight(decoder):
     """Driven as the server drives it (two rounds in flight, admissions between
     them, live rows released and taken by the next request at once): a request
@@ -171,6 +174,7 @@ def test_requests_past_the_pool_are_refused(decoder):
     assert scoring.check(scored) == scored
 
 
+@pytest.mark.slow
 def test_requests_done_by_their_prefill_need_no_round(decoder):
     """A prompt scored alone and a request for one token end with their prefill's report: the
     pool needs no round for them (the server collects without dispatching one), only for a
@@ -188,6 +192,7 @@ def test_requests_done_by_their_prefill_need_no_round(decoder):
     assert pool.needs_round()
 
 
+@pytest.mark.slow
 def test_a_pool_of_pages_holds_short_requests_beside_a_long_one(decoder):
     """A pool of 18 cache pages for 16 short requests and one of ``max_len``, where rows of fixed
     size would need 17 x ``max_len`` and even their reaches 16 x 2 + 5 pages: all 17 are admitted
@@ -231,6 +236,7 @@ def test_a_pool_of_pages_holds_short_requests_beside_a_long_one(decoder):
             assert outputs[i] == alone.tokens, i
 
 
+@pytest.mark.slow
 def test_a_row_asks_for_the_rounds_in_flight_it_runs_in(decoder):
     """Before each round a row asks for the pages up to what the rounds in flight it runs in and
     this round can write: a row admitted after two rounds were dispatched asks for its prompt and

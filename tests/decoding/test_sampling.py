@@ -111,6 +111,7 @@ def logits_of(seed: int, vocab: int, scale: float, kind: str, dtype: str) -> np.
 jit_filtered_probs = jax.jit(filtered_probs, static_argnums=2)
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(60), deadline=None)
 @given(
     seed=st.integers(0, 2**31),
@@ -173,6 +174,7 @@ def _filter_bytes(machine: str, ways: int) -> int:
     return jaxdd.compiled_traffic(compiled)["bytes"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("machine", "platform"), [("h200", "gpu"), ("cpu", "cpu")])
 def test_cut_off_search_reads_the_values_least_with_its_backends_ways(machine, platform):
     """Each backend's ``cut_off_ways`` is the cheapest there: XLA:GPU fuses 15
@@ -186,6 +188,7 @@ def test_cut_off_search_reads_the_values_least_with_its_backends_ways(machine, p
         assert moved[chosen] <= 45 * logits < moved[2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vocab", [7, 100, 4096])
 def test_sample_draws_each_token_with_its_probability(vocab):
     """The two-level inverse-CDF draw against the probabilities it is given
@@ -325,6 +328,7 @@ def test_sampled_output_follows_the_target(small_vocab, method, options):
         assert chi_square_z(observed, shifted(marginal)) > 4
 
 
+@pytest.mark.slow
 def test_temperature_to_zero_is_greedy(small_vocab):
     ref_target, decoder = small_vocab
     greedy = hf_greedy(ref_target, PROMPT, 8)
@@ -337,6 +341,7 @@ def test_temperature_to_zero_is_greedy(small_vocab):
         assert out.tokens == greedy, method
 
 
+@pytest.mark.slow
 def test_batch_rows_equal_their_runs_alone(small_vocab):
     """Greedy and sampled requests of different lengths in one batch: each
     row's output is what it gives alone (the same seed gives the same

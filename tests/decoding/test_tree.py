@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -82,6 +83,7 @@ def compare_with_oracle(tree: dict, host) -> None:
     np.testing.assert_array_equal(tree["depths"][1 : n + 1], host.depths)
 
 
+@pytest.mark.slow
 @settings(
     max_examples=examples(60),
     deadline=None,
@@ -106,6 +108,7 @@ def test_matches_heap_oracle(shape, seed, scale):
     compare_with_oracle(tree, build_tree_host(logits, budget))
 
 
+@pytest.mark.slow
 @settings(
     max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.filter_too_much]
 )

@@ -57,6 +57,7 @@ def test_kernel_dequantizes_exactly(group, k, dtype):
     np.testing.assert_array_equal(np.asarray(out, np.float32), expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(
     ("pairs", "n_out", "k", "group", "chosen"),

@@ -62,6 +62,7 @@ def dense(packed, scale, k: int, group: int) -> np.ndarray:
     return np.asarray(weights, np.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("experts", "n", "k", "group"), SHAPES)
 def test_one_hot_rows_read_the_dequantized_weights_exactly(experts, n, k, group):
     """Pair (e, i) is expert e with the one-hot row of input i, so its
@@ -76,6 +77,7 @@ def test_one_hot_rows_read_the_dequantized_weights_exactly(experts, n, k, group)
     np.testing.assert_array_equal(np.asarray(out), expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(("experts", "n", "k", "group"), SHAPES)
 @pytest.mark.parametrize("repeated", [True, False], ids=["repeated", "distinct"])
@@ -100,6 +102,7 @@ def test_products_equal_xla_gathered_form(experts, n, k, group, dtype, repeated)
         np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=2**-7, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_gathered_dispatch_through_the_kernel_equals_xla(monkeypatch):
     """The MoE's gathered dispatch on TPU (its kernel interpreted here) gives XLA's
     gather-then-dequantize outputs: 7 tokens, 3 slots each, over 6 INT4 experts (group 32)."""
@@ -181,6 +184,7 @@ def _blocks_moved(pairs: int, experts: int, n: int, k: int, x_bytes: int) -> int
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("experts", "n", "k"), KIMI_PIECES)
 def test_compiles_for_v5p_and_declares_its_blocks(experts, n, k):
     """At Kimi's sizes (136 pairs: a DDTree-16 verify; under EP more than a device's 48
@@ -211,6 +215,7 @@ def test_compiles_for_v5p_and_declares_its_blocks(experts, n, k):
     assert account["bytes"] <= 1.2 * declared
 
 
+@pytest.mark.slow
 def test_gathered_int4_experts_are_read_once_on_tpu():
     """The MoE's gathered dispatch on XLA:TPU (v5p): a DDTree-16 verify's 136 (token,
     slot) pairs through K2.6's 384 INT4 experts (TP8 shards, gate / up / down) read
@@ -266,6 +271,7 @@ def test_gathered_int4_experts_are_read_once_on_tpu():
     assert moved(through_kernel=False)["bytes"] >= 2 * pairs * per_expert
 
 
+@pytest.mark.slow
 def test_a_v5p_round_runs_the_kernel_on_each_devices_experts(
     tiny_plan_configs, tmp_path, monkeypatch
 ):

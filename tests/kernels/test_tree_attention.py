@@ -74,6 +74,7 @@ def check(shape, dtype, seed, interpret):
     )
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(8), deadline=None)
 @given(
     shape=st.sampled_from(SHAPES),
@@ -100,6 +101,7 @@ def test_empty_prefix_and_full_prefix():
 TPU_SHAPES = [(2, 9, 4, 64, 16, 384), (1, 17, 2, 32, 8, 64), (2, 130, 2, 64, 16, 2048)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", TPU_SHAPES, ids=["3-blocks", "under-a-block", "tail-past-128"])
 def test_tpu_form_in_the_tpu_interpreter_matches_reference(shape, dtype):
@@ -143,6 +145,7 @@ def check_lse(actual, expected, dtype) -> None:
     np.testing.assert_allclose(lse, np.asarray(expected[1]), atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(8), deadline=None)
 @given(
     shape=st.sampled_from(SHAPES),
@@ -164,6 +167,7 @@ def test_kernel_lse_interpreted_matches_reference(shape, dtype, seed, tree):
     np.testing.assert_array_equal(np.asarray(actual[0]), np.asarray(kernel(*args)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", TPU_SHAPES[:2], ids=["3-blocks", "under-a-block"])
 def test_tpu_form_lse_matches_reference(shape, dtype):
@@ -227,6 +231,7 @@ def merge(parts) -> tuple[jax.Array, jax.Array]:
     return out / total[..., None], top + jnp.log(total)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
 def test_halves_of_a_cache_merged_by_lse_give_the_whole(form):
     """Two devices' partial attentions over their shares of one cache, merged by
@@ -345,6 +350,7 @@ PAGED_SHAPES = [
 ]
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(8), deadline=None)
 @given(
     shape=st.sampled_from(PAGED_SHAPES),
@@ -376,6 +382,7 @@ def kernel_grid(kernel, *args, **kwargs) -> tuple[int, ...]:
     return grid
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(12), deadline=None)
 @given(
     splits=st.sampled_from([1, 2, 7, 16]),
@@ -446,6 +453,7 @@ TPU_PAGED_SHAPES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_lse", [False, True], ids=["out", "lse"])
 @pytest.mark.parametrize(
     ("shape", "dtype"),
@@ -461,6 +469,7 @@ def test_tpu_paged_form_in_the_tpu_interpreter_matches_reference(shape, dtype, w
     check_paged(kernel, shape, dtype, sum(shape) + with_lse, with_lse, tree)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fold", [1, 2])
 def test_tpu_paged_form_reads_tables_past_smem_in_several_calls(fold):
     """Tables past ``smem_table_bytes`` are read by one call per group of rows (here 5 tables, 2
@@ -591,6 +600,7 @@ KERNELS = {  # the Pallas forms interpreted, and the C++ one
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("form", KERNELS)
 def test_a_pool_in_fp8_is_read_as_its_values_widened(form, dtype):
@@ -717,6 +727,7 @@ def test_this_jax_lowers_the_gpu_form_through_pallas_triton():
         assert run.returncode == code, run.stderr[-500:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("models", [0], indirect=True, ids=["seed0"])
 def test_ddtree_with_the_kernel_is_lossless(models):
     """The decoder verifying trees through the kernel (interpreted on CPU, compiled
@@ -737,6 +748,7 @@ def test_ddtree_with_the_kernel_is_lossless(models):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("models", [0], indirect=True, ids=["seed0"])
 def test_ddtree_with_the_tpu_form_is_lossless(models):
     """The decoder verifying trees through the kernel's TPU form, run by Pallas' TPU

@@ -77,6 +77,7 @@ def context_cache(config: DrafterConfig, paged: bool) -> DraftCache:
     return pool.replace(pages=jnp.asarray([[7, 2, 5, 3]], jnp.int32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("paged", [False, True], ids=["rows", "pages"])
 @pytest.mark.parametrize("form", FORMS)
 def test_rounds_of_context_injection(pair, form, paged):
@@ -105,6 +106,7 @@ def test_rounds_of_context_injection(pair, form, paged):
     assert int(cache.length[0]) == start
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
 def test_short_block_hides_the_rest(pair, form):
     """Near max length the reference drafts a shorter
@@ -127,6 +129,7 @@ def test_short_block_hides_the_rest(pair, form):
     assert rel_err(hidden[:, :3], expected) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 2, 8])
 def test_the_kernel_attends_as_xla_over_rows_of_pages(pair, devices):
     """Two rows of other context lengths and block lengths over shuffled pages: the drafter's
@@ -167,6 +170,7 @@ def test_config_fields():
         DrafterConfig.from_hf(drafter_config(block_size=1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS[1:])
 def test_context_k_v_in_fp8_reads_alike_in_every_form(pair, form):
     """The context K/V stored in 8-bit floats (the block's own rounded alike): the kernel's

@@ -95,6 +95,7 @@ def test_apply_rope(interleaved):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["naive", "absorbed", "pallas"])
 def test_attention(pair, form):
     model, target = pair
@@ -224,6 +225,7 @@ def test_router_bias_selects_but_does_not_weight(pair):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dispatch", ["auto", "dense", "gathered", "grouped", "skipping", "tiled"])
 def test_moe(pair, dispatch):
     model, target = pair
@@ -250,6 +252,7 @@ ROUTINGS = given(
 
 
 # each example's shapes compile anew (the tiled layout's take longest)
+@pytest.mark.slow
 @settings(max_examples=examples(6), deadline=None)
 @ROUTINGS
 def test_tiled_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
@@ -259,6 +262,7 @@ def test_tiled_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
     check_dispatch(_tiled_experts, tokens, top_k, n_experts, favourite, seed)
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(10), deadline=None)  # each example's shapes compile anew
 @ROUTINGS
 def test_skipping_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
@@ -267,6 +271,7 @@ def test_skipping_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed
     check_dispatch(_skipping_experts, tokens, top_k, n_experts, favourite, seed)
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(10), deadline=None)  # each example's shapes compile anew
 @ROUTINGS
 def test_gathered_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
@@ -275,6 +280,7 @@ def test_gathered_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed
     check_dispatch(gathered, tokens, top_k, n_experts, favourite, seed)
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(10), deadline=None)  # each example's shapes compile anew
 @given(
     tokens=st.integers(1, 12),
@@ -335,6 +341,7 @@ def check_dispatch(dispatch, tokens, top_k, n_experts, favourite, seed):
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["dense", "moe"])
 def test_decoder_layer(pair, which):
     model, target = pair

@@ -38,6 +38,7 @@ def hf_forward(model, ids, **kwargs):
         return model(torch.from_numpy(np.asarray(ids)), output_hidden_states=True, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["naive", "absorbed"])
 def test_prefill_logits_and_taps_match_hf(pair, form):
     """Logits, and taps = the residual stream after the
@@ -59,6 +60,7 @@ def test_prefill_logits_and_taps_match_hf(pair, form):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decode_form", ["absorbed", "naive"])
 def test_incremental_decode_matches_full_forward(pair, decode_form):
     """Prefill a prefix, then decode one token at a time
@@ -114,6 +116,7 @@ def test_tree_forward_matches_hf_with_4d_mask(pair):
 BF16_EPS = 2.0**-8  # bf16's unit roundoff (8 significand bits)
 
 
+@pytest.mark.slow
 def test_bf16_forward_tracks_fp32(pair):
     """bf16 weights and activations stay close to fp32 (a check of the dtype plumbing, not
     of exactness), per position, within bounds from bf16's roundoff and the depth: the

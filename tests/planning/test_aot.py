@@ -56,6 +56,7 @@ def _check_memory(result: dict) -> None:
     assert result["fits"] and compiled["fits_compiler"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("target", "method", "sampled", "devices"), CASES, ids=CASE_IDS)
 def test_rounds_compile_for_the_target(tiny_plan_configs, target, method, sampled, devices):
     """AR, DFlash and DDTree (greedy and sampled, budget 16) of a tiny Kimi
@@ -86,6 +87,7 @@ def kimi_kernel_args(where, tokens: int, heads: int, slots: int) -> list[jax.Sha
     return [*args, spec((1, t, t), jnp.bool_)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("tokens", "heads", "slots"), KIMI_KERNEL_SHAPES, ids=["17x8x4k", "257x64x128k"]
 )
@@ -103,6 +105,7 @@ def test_kernel_compiles_at_kimi_sizes(target, tokens, heads, slots):
         assert "mla_tree_attention_tpu" in kernel.lower(*args).as_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", KERNEL_TARGETS)
 def test_kernel_with_lse_compiles_at_kimi_sizes(target):
     """with_lse, each query row's log-sum-exp leaves the kernel too (a block one lane
@@ -128,6 +131,7 @@ def paged_kernel_args(where, batch: int, tokens: int, heads: int, slots: int, pa
     return [*args, spec((b, t, t), jnp.bool_), spec((b, row_pages), jnp.int32)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("batch", "tokens", "heads", "slots", "with_lse"),
     [(2, 17, 8, 4096, False), (1, 257, 64, 131072, True)],
@@ -204,6 +208,7 @@ def test_kernel_tiles_fit_the_gpus_shared_memory(target, dtype):
             h200.lower(*args).compile(compiler_options=where.compiler_options)
 
 
+@pytest.mark.slow
 def test_a_multi_host_slice_compiles_as_one_program(tiny_plan_configs):
     """TPU v5p:2x2x4 is 16 chips on 4 hosts (one JAX process each): the plan
     compiles the one SPMD program all four would run, from this single process."""

@@ -248,6 +248,7 @@ def test_stages_come_from_named_scopes(machine):
     assert account["top_ops"][0]["stage"] == "verify"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("machine", MACHINES)
 @pytest.mark.parametrize(
     ("method", "sampled"), [("ar", False), ("dflash", False), ("ddtree", True)]
@@ -263,6 +264,7 @@ def test_rounds_copy_no_weight(tiny_plan_configs, machine, method, sampled):
     assert account["bytes"] >= account["by_weight"]["target/lm_head"] > 0
 
 
+@pytest.mark.slow
 def test_the_floor_is_the_compiled_rounds_batch(tiny_plan_configs):
     """A plan of a batch compares its compiled round, which runs every row, with the floor of
     that many rows: each row's cache once, the weights once for all (and each token's embedding
@@ -277,6 +279,7 @@ def test_the_floor_is_the_compiled_rounds_batch(tiny_plan_configs):
     assert floors[1]["weights"] <= floors[2]["weights"] < 1.1 * floors[1]["weights"]
 
 
+@pytest.mark.slow
 def test_sampled_tree_round_updates_the_cache_in_place_on_rtx_pro_6000():
     """K2.6 at full width (one layer), the sampled DDTree round for RTX PRO 6000: the
     tree-attention kernel reads the cache before the new rows are written into it, so

@@ -49,6 +49,7 @@ def rows(result: dict, layout: CacheLayout) -> dict[str, dict]:
     return {row["round"]: row for row in result["traffic_by_layout"][layout]}
 
 
+@pytest.mark.slow
 def test_striped_reads_an_eighth_of_the_128k_cache_and_is_the_default_there():
     """At 128k the striped AR round reads under half the replicated bytes (the cache's eighth,
     all else equal), pays 2 collectives per layer for the merge, and the faster floor makes it
@@ -71,6 +72,7 @@ def test_striped_reads_an_eighth_of_the_128k_cache_and_is_the_default_there():
     assert result["traffic"] == result["traffic_by_layout"]["striped"]
 
 
+@pytest.mark.slow
 def test_8k_default_is_the_replicated_account():
     """At 8k the merge's collective latency outweighs the cache reads striping saves on PCIe:
     the default stays replicated and its rows have no merge and read the whole cache."""
@@ -88,6 +90,7 @@ def test_8k_default_is_the_replicated_account():
     assert latency > replicated["memory_s"] - striped["memory_s"] > 0
 
 
+@pytest.mark.slow
 def test_asked_layout_is_accounted():
     result = k26_plan(8192, cache_layout="striped")
     assert result["cache_layout"] == "striped" and "as asked" in result["cache_layout_reason"]
@@ -95,6 +98,7 @@ def test_asked_layout_is_accounted():
     assert result["cache_capacity_tokens"] == result["cache_capacity"]["striped"]["tokens"]
 
 
+@pytest.mark.slow
 def test_capacity_counts_whole_pages_and_the_drafter_kv_keeps_it_under_8x():
     """The decode state's own bytes per slot: K2.6's latent rows on every device, the drafter's
     K/V split over 8 devices by its 8 KV heads. The pages fit in the memory left after the
@@ -127,6 +131,7 @@ def test_capacity_counts_whole_pages_and_the_drafter_kv_keeps_it_under_8x():
     assert f"({ratio:.2f}x: striping divides the latent rows" in report(result)
 
 
+@pytest.mark.slow
 def test_the_drafter_kv_in_fp8_takes_half_its_bytes_and_striping_passes_7x():
     """``--drafter-kv fp8``: the drafter's K/V takes half its bytes per token, in the capacity and
     in the floor (a DFlash round reads half its context K/V); striped, the pages hold over 7x the
@@ -185,6 +190,7 @@ def test_choice_follows_capacity_then_the_floor():
         PlanOptions(cache_layout="interleaved")
 
 
+@pytest.mark.slow
 def test_command_line_json_and_a_bad_layout():
     """`--json` carries the layout, its reason, both capacities and both layouts' rounds;
     a layout or MoE split that does not exist is one line naming the flag and exit 2
@@ -222,6 +228,7 @@ def cache_reads(result: dict, buffers: str) -> list[int]:
     return [reads[f"state.target_cache.{buffers}[{i}]"] for i in range(result["layers"])]
 
 
+@pytest.mark.slow
 def test_the_striped_round_holds_and_reads_a_device_share_of_the_cache(tiny_plan_configs):
     """The plan compiles the round in its layout: striped, the state's latent buffers are split
     along slots (a multiple of a page per device), so a device stores an eighth of the rows
@@ -289,6 +296,7 @@ def test_the_verdict_follows_the_layout(tiny_plan_configs, monkeypatch):
     assert default["cache_capacity"]["activations_bytes"] == rows["temporaries"]
 
 
+@pytest.mark.slow
 def test_the_default_weighs_the_floors_at_the_plans_batch():
     """Striping saves each row's cache reads, but its merge's collectives are paid once per
     round: at 64k on PCIe one row's round is faster replicated, two rows' striped (both

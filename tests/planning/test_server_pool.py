@@ -49,6 +49,7 @@ def test_cpu_reports_no_memory_limit(decoders):
     assert device_cache_tokens(decoder, shape_of(decoder), True) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["replicated", "striped"])
 @pytest.mark.parametrize("free", [20_000_000, 80_000_000])
 def test_the_pool_takes_its_share_of_what_the_weights_leave(decoders, monkeypatch, layout, free):

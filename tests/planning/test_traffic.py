@@ -19,6 +19,7 @@ from jaxdd.planning.traffic import distinct_experts, slowest_device_experts
 from jaxdd.testing.server import START_SECONDS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("tokens", "top_k", "experts"), [(1, 8, 384), (16, 8, 128), (65, 8, 384), (9, 2, 16)]
 )

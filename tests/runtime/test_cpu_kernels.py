@@ -68,6 +68,7 @@ def portable_target() -> str:
     return name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["native", "portable"])
 @pytest.mark.parametrize(("group", "in_features"), [(32, 96), (64, 128), (128, 384)])
 def test_kernel_dequantizes_every_scale_exactly(group, in_features, form):
@@ -99,6 +100,7 @@ def test_kernel_dequantizes_every_scale_exactly(group, in_features, form):
     np.testing.assert_array_equal(np.asarray(out), expected)
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(8), deadline=None)  # each example's shapes compile anew
 @given(
     pairs=st.integers(1, 40),
@@ -180,6 +182,7 @@ def test_the_kernel_is_used_only_where_it_applies():
     assert cpu.moe_dispatch(80, 8, 128, 1024, 512, quantized=True, kernel=True) != "gathered"
 
 
+@pytest.mark.slow
 def test_build_is_cached_and_a_failing_compiler_falls_back(tmp_path, monkeypatch, caplog):
     """The library is built once into the cache (a rename: no partial
     file), reused after; a compiler that fails leaves nothing in the
@@ -276,6 +279,7 @@ def test_row_dot_equals_xla(groups, rows, n, k, weight_dtype, seed):
     )
 
 
+@pytest.mark.slow
 def test_decode_attention_through_the_kernels_equals_xla():
     """A one-token step after a prefill (a batch of two: one cache each) gives XLA's hidden states
     and logits with the dense matvecs and absorbed attention's products through the kernels."""
@@ -325,6 +329,7 @@ def test_the_attention_kernel_is_chosen_where_it_applies():
     assert cpu.attention_kernel("pallas", paged=True).func is cpu.tree_attention().func
 
 
+@pytest.mark.slow
 def test_verify_over_pages_through_the_kernel_equals_xla():
     """A tree verify (8 tokens, each seeing its ancestors) after a prefill, both over a pool of
     pages whose tables are shuffled: the target's hidden states and the cache it writes equal

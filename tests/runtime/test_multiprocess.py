@@ -12,6 +12,9 @@ from jaxdd.cli import DEMO
 from jaxdd.testing.multiprocess import METHODS, PROMPT, free_port, run_processes, start_job
 from jaxdd.testing.server import START_SECONDS
 
+# the fast tier (-m 'not slow') leaves it out: every test starts a job of two processes
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):

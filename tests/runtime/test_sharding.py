@@ -62,6 +62,7 @@ def single_device(checkpoints):
     return {name: generate(decoder(checkpoints, name)) for name in ("target", "int4")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["tp", "ep"])
 def test_same_tokens_as_one_device_and_no_recompiles(checkpoints, single_device, mode):
     dec = decoder(checkpoints, mode=mode)
@@ -71,6 +72,7 @@ def test_same_tokens_as_one_device_and_no_recompiles(checkpoints, single_device,
     assert compiles.count == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["target", "int4", "fp8"])
 @pytest.mark.parametrize("mode", ["tp", "ep"])
 def test_loading_onto_the_mesh_reads_each_device_its_part(checkpoints, layout, mode, monkeypatch):
@@ -127,6 +129,7 @@ def _leaves(model):
     return jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model)))
 
 
+@pytest.mark.slow
 def test_int4_experts_expert_parallel(checkpoints, single_device):
     dec = decoder(checkpoints, "int4", mode="ep")
     gate = dec.target.model.layers[1].mlp.gate
@@ -178,6 +181,7 @@ def test_vocab_parallel_logits(checkpoints):
     assert rel_err(jaxdd.Target(sharded.model).logits(ids), one.logits(ids)) < 1e-6
 
 
+@pytest.mark.slow
 def test_plan_reduced_depth_full_width():
     """The full Kimi K2.6 width (384 INT4 experts of 7168 x 2048, vocab 163840) at 2
     layers, compiled ahead of time on 8 simulated devices without allocating the model."""
@@ -205,6 +209,7 @@ def _set_dispatch(target: jaxdd.Target, dispatch: str) -> jaxdd.Target:
     return jaxdd.Target(target.model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("experts", "mode"), [("int4", None), ("int4", "ep"), ("fp8", "tp")])
 def test_expert_dispatches_agree(checkpoints, experts, mode):
     """All-experts, gathered (each pair's expert gathered, quantized, then dequantized: what
@@ -224,6 +229,7 @@ def test_expert_dispatches_agree(checkpoints, experts, mode):
         assert rel_err(value, logits["dense"]) < 1e-6, dispatch
 
 
+@pytest.mark.slow
 def test_pallas_tree_attention_per_device_heads(checkpoints, single_device):
     """The Pallas kernel (interpreted here) runs under shard_map on each device's heads."""
     dec = decoder(checkpoints, mode="tp")

@@ -127,15 +127,32 @@ def generate(dec: SpeculativeDecoder, names, prompt=PROMPT) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one_device(checkpoints):
-    return generate(decoder(checkpoints, 1), ROUNDS)
+def alone(checkpoints) -> SpeculativeDecoder:
+    return decoder(checkpoints, 1)
 
 
-@pytest.mark.parametrize("page", [PAGE, None])
-def test_striped_gives_the_tokens_of_one_device(checkpoints, one_device, page):
+@pytest.fixture(scope="module")
+def one_device(alone):
+    return generate(alone, ROUNDS)
+
+
+@pytest.fixture(scope="module")
+def striped(checkpoints) -> SpeculativeDecoder:
+    """The latent cache striped in pages of PAGE tokens: a short prompt spans every device's."""
     dec = decoder(checkpoints, 8, cache_layout="striped")
-    if page is not None:
-        dec.stripes = Stripes(dec.mesh, page)  # the prompt then spans every device's pages
+    dec.stripes = Stripes(dec.mesh, PAGE)
+    return dec
+
+
+# The pool tests' one shape (their compiled rounds and whole prefills shared): prompts to 80
+# tokens, so that a second turn of PROMPT's conversation fits.
+POOL = {"method": "ddtree", "budget": 12, "rows": 2, "max_len": 112, "max_prompt": 80}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", [PAGE, None])
+def test_striped_gives_the_tokens_of_one_device(checkpoints, one_device, striped, page):
+    dec = striped if page is not None else decoder(checkpoints, 8, cache_layout="striped")
     assert generate(dec, ROUNDS) == one_device
     with compile_clock() as compiles:
         generate(dec, ["ddtree"], PROMPT[::-1])  # the same shapes: nothing new to compile
@@ -151,6 +168,7 @@ def test_striped_cache_is_split_along_its_pages(checkpoints):
     assert state.target_cache.stripes == dec.stripes
 
 
+@pytest.mark.slow
 def test_the_kernel_form_merges_the_same(checkpoints, one_device):
     dec = decoder(checkpoints, 8, cache_layout="striped", attention="pallas")
     dec.stripes = Stripes(dec.mesh, PAGE)
@@ -158,6 +176,7 @@ def test_the_kernel_form_merges_the_same(checkpoints, one_device):
     assert generate(dec, names) == {name: one_device[name] for name in names}
 
 
+@pytest.mark.slow
 def test_the_kernel_form_over_fp8_drafter_kv_gives_the_same_tokens(checkpoints, one_device):
     """The drafter's K/V in fp8, attended in the kernel per device on its KV heads, the latent
     cache striped: the target's tokens (the drafts may change, the tokens may not)."""
@@ -174,12 +193,11 @@ def test_an_unknown_layout_names_the_field(checkpoints):
         decoder(checkpoints, 1, cache_layout="sharded")
 
 
-def test_a_striped_pool_serves_rows_admitted_between_rounds(checkpoints):
+@pytest.mark.slow
+def test_a_striped_pool_serves_rows_admitted_between_rounds(striped, alone):
     """The server's pool on the striped cache: requests admitted while others decode (rows at
     other lengths, so other devices' pages) give one device's tokens, and nothing compiles."""
-    dec = decoder(checkpoints, 8, cache_layout="striped")
-    dec.stripes = Stripes(dec.mesh, PAGE)
-    pool = RowPool(dec, method="ddtree", budget=12, rows=2, max_len=96, max_prompt=48)
+    pool = RowPool(striped, **POOL)
     pool.warm_up()
     requests = [
         RowRequest(PROMPT, 20, [], Sampling()),
@@ -197,7 +215,6 @@ def test_a_striped_pool_serves_rows_admitted_between_rounds(checkpoints):
             for row, update in pool.step().items():
                 outputs[owner[row]][1].extend(update.tokens)
     assert compiles.count == 0 and not requests
-    alone = decoder(checkpoints, 1)
     for request, tokens in outputs.values():
         options = {"max_new_tokens": request.max_new_tokens, "sampling": request.sampling}
         expected = alone.generate(
@@ -206,13 +223,12 @@ def test_a_striped_pool_serves_rows_admitted_between_rounds(checkpoints):
         assert tokens == expected.tokens
 
 
-def test_a_striped_prefix_cache_hit_gives_one_devices_tokens(checkpoints):
+@pytest.mark.slow
+def test_a_striped_prefix_cache_hit_gives_one_devices_tokens(striped, alone):
     """A conversation's second turn on the striped cache finds the first turn's pages, dealt over
     every device (pages of 4 tokens), prefills only the rest and decodes to one device's tokens
     for its full prompt; nothing compiles after warm-up."""
-    dec = decoder(checkpoints, 8, cache_layout="striped")
-    dec.stripes = Stripes(dec.mesh, PAGE)
-    pool = RowPool(dec, method="dflash", rows=2, max_len=112, max_prompt=80, prefix_cache=True)
+    pool = RowPool(striped, prefix_cache=True, **POOL)
     pool.warm_up()
     first = RowRequest(PROMPT, 20, [], Sampling())
     sampling = Sampling(0.8, seed=3)
@@ -224,7 +240,7 @@ def test_a_striped_prefix_cache_hit_gives_one_devices_tokens(checkpoints):
     # the first turn's prompt and answer (less the newest token and the drafter's lag of a
     # round), in whole pages of 4
     assert none == 0 and found == (len(PROMPT) + 19 - pool.width) // PAGE * PAGE
-    alone = decoder(checkpoints, 1).generate(
-        history, method="dflash", max_new_tokens=16, stop_token_ids=[], sampling=sampling
+    expected = alone.generate(
+        history, method="ddtree", budget=12, max_new_tokens=16, stop_token_ids=[], sampling=sampling
     )
-    assert answer == alone.tokens
+    assert answer == expected.tokens

@@ -5,6 +5,8 @@ whose broadcast breaks, or that hears nothing, exits in one line."""
 import subprocess
 import sys
 
+import pytest
+
 from jaxdd.decoding.requests import RowRequest
 from jaxdd.decoding.sampling import Sampling
 from jaxdd.serve.decisions import LOST, Broadcast, Decisions
@@ -54,6 +56,7 @@ Broadcast(2, 16, 1.0, leads=False, broadcast={"hang": hang, "broken": broken}[sy
 """  # noqa: E501
 
 
+@pytest.mark.slow
 def test_a_follower_that_loses_process_0_exits_in_one_line():
     for how, line in [
         (

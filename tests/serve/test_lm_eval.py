@@ -14,6 +14,9 @@ from lm_eval.tasks import TaskManager
 from jaxdd.cli import DEMO
 from jaxdd.testing.server import running_server
 
+# the fast tier (-m 'not slow') leaves it out: every test needs a server's and the hf model's runs
+pytestmark = pytest.mark.slow
+
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "lm_eval"
 TARGET = str(DEMO / "target")
 # The demo target answers a chat turn with blank lines first: its chat task stops at a period.
@@ -86,7 +89,8 @@ def hf(tasks) -> dict:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("lm_eval_server") / "server.log"
-    args = ["--max-batch", "4", "--max-len", "256", "--dtype", "float32"]
+    # the prompts and their 12 tokens fit 64: four prompt buckets to warm, not twelve
+    args = ["--max-batch", "4", "--max-len", "64", "--dtype", "float32"]
     with running_server(args, log) as process:
         yield process.url
 

@@ -11,11 +11,15 @@ import pytest
 
 from jaxdd.testing.server import complete, running_server
 
+# the fast tier (-m 'not slow') leaves it out: its one test needs a server of 192-token prompts
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("prefix_cache") / "server.log"
     args = ["--max-batch", "2", "--max-len", "256", "--max-prompt", "192", "--dtype", "float32"]
+    args += ["--max-logprobs", "0"]  # no scoring prefills to warm: no request here asks
     with running_server(args, log) as process:
         yield process
 

@@ -119,6 +119,7 @@ def test_spellings_are_memoized_and_alike_ones_keep_the_best():
     assert sorted(tokenizer.decoded) == [[1], [2], [7]]  # each id decoded once
 
 
+@pytest.mark.slow
 def test_nothing_compiles_while_serving_logprobs(served):
     """First in the module: every kind of logprobs request runs on what warm-up compiled."""
     client, *_, after_warm_up = served

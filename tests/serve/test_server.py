@@ -40,6 +40,7 @@ def server(tmp_path_factory, log):
     args = ["--max-batch", str(ROWS), "--max-waiting", str(WAITING), "--max-len", str(MAX_LEN)]
     args += ["--max-prompt", str(MAX_PROMPT), "--chat-template", str(template)]
     args += ["--served-model-name", "kimi-mini"]
+    args += ["--max-logprobs", "0"]  # rounds without top logprobs: no request here asks
     with running_server(args, log, env={"JAXDD_API_KEY": KEY}) as process:
         client = openai.OpenAI(base_url=f"{process.url}/v1", api_key=KEY, timeout=60, max_retries=0)
         yield process.url, client, process.metric("compiles_total")
@@ -71,6 +72,7 @@ def requests_for(seed: int, count: int) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 def test_concurrent_requests_equal_their_runs_alone(server, reference):
     """Greedy and seeded sampled requests of mixed lengths, more than there are rows, sent at
     once (some streamed): each one's tokens are what it decodes alone; usage counts them."""
@@ -92,6 +94,7 @@ def test_concurrent_requests_equal_their_runs_alone(server, reference):
         }
 
 
+@pytest.mark.slow
 def test_server_equals_the_cli(server):
     """A seeded sampled request gives what python -m jaxdd.generate --no-chat gives for it."""
     _, client, _ = server

@@ -27,6 +27,7 @@ from jaxdd.testing.server import START_SECONDS, running_server, started_server
 ROWS, WAITING, MAX_LEN, MAX_PROMPT = 2, 2, 1024, 16
 SHAPE = ["--max-batch", str(ROWS), "--max-waiting", str(WAITING), "--max-len", str(MAX_LEN)]
 SHAPE += ["--max-prompt", str(MAX_PROMPT)]
+SHAPE += ["--max-logprobs", "0"]  # rounds without top logprobs: no request here asks
 # seconds: outlasts the checks
 LONG = {"prompt": [5, 6, 7], "max_tokens": MAX_LEN - 16, "temperature": 1.0, "seed": 0}
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
@@ -113,6 +114,7 @@ BAD_BODIES = [  # (body, status, param, words the message holds)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("body", "status", "param", "words"), BAD_BODIES)
 def test_bad_request_names_what_is_wrong(server, body, status, param, words):
     response = post(server, body)
@@ -356,6 +358,7 @@ def test_metrics_count_each_refusal_and_each_end(server):
     assert server.wait_until(lambda: rows_free(server), 10)
 
 
+@pytest.mark.slow
 def test_serving_is_said_once_health_answers(tmp_path):
     with started_server(SHAPE, tmp_path / "server.log") as server:
         said = lambda: "jaxdd: note: serving" in server.log.read_text()
@@ -371,6 +374,7 @@ def soak_request(rng: np.random.Generator, i: int) -> dict:
             "stream": bool(i % 2)}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_soak_nothing_grows_after_warm_up(server):
     """A few hundred mixed requests (streamed or not, some bad, some abandoned): RSS,
     threads, open files and compiled executables do not grow past the warm-up's."""
@@ -423,6 +427,7 @@ def long_stream(url: str, out: list) -> None:
         out.extend(sse_payloads(response))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_drains_then_exits_0(tmp_path, sig):
     """A short and a long stream in flight: the short one finishes,
@@ -459,6 +464,7 @@ def cut_stream(url: str) -> None:
         long_stream(url, [])
 
 
+@pytest.mark.slow
 def test_second_signal_exits_at_once(tmp_path):
     with running_server([*SHAPE, "--drain-timeout", "600"], tmp_path / "server.log") as server:
         thread = threading.Thread(target=cut_stream, args=(server.url,), daemon=True)
@@ -472,6 +478,7 @@ def test_second_signal_exits_at_once(tmp_path):
         assert "without draining" in server.log.read_text()
 
 
+@pytest.mark.slow
 def test_an_engine_that_cannot_recover_says_so(tmp_path):
     with running_server(
         [*SHAPE], tmp_path / "server.log", env={"JAXDD_SERVE_FAULTS": "1"}

@@ -18,8 +18,12 @@ import pytest
 from jaxdd.serve.decisions import LOST
 from jaxdd.testing.server import START_SECONDS, complete, running_job
 
+# the fast tier (-m 'not slow') leaves it out: every test needs a job of two server processes
+pytestmark = pytest.mark.slow
+
 ROWS, MAX_LEN, MAX_PROMPT = 2, 64, 16
 SHAPE = ["--max-batch", str(ROWS), "--max-len", str(MAX_LEN), "--max-prompt", str(MAX_PROMPT)]
+SHAPE += ["--max-logprobs", "0"]  # rounds without top logprobs: no request here asks
 # --coordinator-timeout: the join's and a follower's patience; past any step on a loaded machine
 # (a hang's exit has its own test in test_decisions), so a slow round never ends the job
 SILENCE = 300

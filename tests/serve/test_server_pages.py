@@ -19,6 +19,9 @@ import pytest
 
 from jaxdd.testing.server import running_server, wait_until
 
+# the fast tier (-m 'not slow') leaves it out: its one test needs a server of its own
+pytestmark = pytest.mark.slow
+
 MAX_LEN, PAGE = 256, 64
 SHORT = 16  # prompt 4 + a round's 8 take a page; + 100 tokens reach two
 POOL = SHORT + 2  # and the long one's first page, and one more

@@ -68,6 +68,7 @@ def nothing_written(parent: Path, name: str) -> bool:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["plain", "fp8", "int4"])
 def test_converted_logits_equal_hf(layouts, layout, tmp_path):
     source, reference = layouts[layout]
@@ -205,6 +206,7 @@ def test_interrupted_conversion_leaves_nothing_and_rerun_works(layouts, tmp_path
     assert jaxdd.load_target(tmp_path / "ckpt").config.hidden_size == CONVERT_TINY["hidden_size"]
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_real_conversion_leaves_nothing(tmp_path):
     """SIGINT to a converting process once it has begun writing: it stops after
     the group in hand (orbax's background writes finished, so none lands in the
@@ -310,6 +312,7 @@ def test_corrupt_header_and_missing_shard(layouts, tmp_path, capsys):
     assert nothing_written(tmp_path, "out")
 
 
+@pytest.mark.slow
 def test_conversion_memory_stays_bounded(tmp_path):
     """Converting a checkpoint ~40x larger than one
     layer grows the process by a few layers at most."""
@@ -497,6 +500,7 @@ def unshare_works() -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not unshare_works(), reason="needs unshare -rm (user namespaces) to mount a small tmpfs"
 )
