@@ -46,6 +46,7 @@ def test_the_count_from_the_flags_is_what_the_pool_warms_up(pool):
 
 
 @pytest.mark.skipif(not LINUX, reason="no /proc/sys/vm/max_map_count here")
+@pytest.mark.slow
 def test_the_table_covers_what_the_warm_up_maps(pool):
     """The table's maps per program are never under this host's (the pool's longest prefill and
     full round, each compiled), and the warm-up compiles no more programs than counted and maps

@@ -20,6 +20,7 @@ from jaxdd.decoding.rows import RowPool
 from jaxdd.decoding.sampling import GREEDY
 
 SAMPLED = jaxdd.Sampling(0.8, 0.95, 0, 11)
+pytestmark = pytest.mark.slow  # every test compiles the pair's programs twice
 
 
 @pytest.fixture(scope="module")

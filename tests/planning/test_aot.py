@@ -238,6 +238,7 @@ def compiled_rounds(monkeypatch) -> list[str]:
     return texts
 
 
+@pytest.mark.slow
 def test_the_tpu_round_reads_the_pools_in_place(tiny_plan_configs, monkeypatch):
     """On TPU every program of the decode state names its pools of pages row-major, the Mosaic
     kernel's blocks (``jaxdd.decoding.programs``): XLA copies none around the kernel's calls, as
