@@ -218,8 +218,8 @@ def start_job(args: argparse.Namespace, platform: str) -> int:
     """Join the job the device flags name (or JAX finds), start the backend, and return the
     device count to shard over; a Refusal (or an InputError) for flags this job cannot honour."""
     processes = args.num_processes or 1
-    join(args.coordinator, args.num_processes, args.process_id,
-         max(1, (args.devices or 1) // processes), args.coordinator_timeout)  # fmt: skip
+    per_host = max(1, (args.devices or 1) // processes)
+    join(args.coordinator, args.num_processes, args.process_id, per_host, args.coordinator_timeout)
     if args.devices is not None and processes == 1 and platform == "cpu":
         simulate_cpu_devices(args.devices)
     found = start_backend()

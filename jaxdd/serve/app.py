@@ -197,9 +197,12 @@ def make_job(
     checked against what the server runs (APIError 400 / 404 otherwise)."""
     max_tokens = body.max_new_tokens
     if body.model is not None and body.model != server.model:
-        raise APIError(404,
-                       f"model {body.model!r} does not exist; this server has {server.model!r}",
-                       param="model", code="model_not_found")  # fmt: skip
+        raise APIError(
+            404,
+            f"model {body.model!r} does not exist; this server has {server.model!r}",
+            param="model",
+            code="model_not_found",
+        )
     if body.stop_strings() and server.tokenizer is None:
         raise APIError(
             400, "stop strings need a tokenizer; this model has none: give stop ids", param="stop"

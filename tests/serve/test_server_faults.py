@@ -366,9 +366,13 @@ def test_serving_is_said_once_health_answers(tmp_path):
 
 def soak_request(rng: np.random.Generator, i: int) -> dict:
     prompt = rng.integers(1, 4096, size=int(rng.integers(1, MAX_PROMPT + 1))).tolist()
-    return {"prompt": prompt, "max_tokens": int(rng.integers(1, 12)),
-            "temperature": float(rng.choice([0, 0.8])), "seed": i,
-            "stream": bool(i % 2)}  # fmt: skip
+    return {
+        "prompt": prompt,
+        "max_tokens": int(rng.integers(1, 12)),
+        "temperature": float(rng.choice([0, 0.8])),
+        "seed": i,
+        "stream": bool(i % 2),
+    }
 
 
 def test_soak_nothing_grows_after_warm_up(server):
