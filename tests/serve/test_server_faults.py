@@ -19,7 +19,7 @@ import numpy as np
 import openai
 import pytest
 
-from jaxdd.serve.app import DISCONNECT_POLL
+from jaxdd.serve.choices import DISCONNECT_POLL
 from jaxdd.serve.errors import MAX_BODY_BYTES
 from jaxdd.serve.metrics import FINISH_REASONS, REFUSALS
 from jaxdd.testing.server import START_SECONDS, running_server, started_server
