@@ -49,8 +49,10 @@ def round_cost(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new: i
     for shape in SHAPES:
         off, on = (statistics.mean(per_round[shape, arm]) for arm in arms)
         report[shape] = {"off_ms": off, "on_ms": on, "ratio": on / off, "same_tokens": same[shape]}
-        print(f"{shape}: off {off:.2f} ms, top-{k} logprobs {on:.2f} ms ({on / off:.3f}x), "
-              f"same tokens: {same[shape]}")  # fmt: skip
+        print(
+            f"{shape}: off {off:.2f} ms, top-{k} logprobs {on:.2f} ms ({on / off:.3f}x), "
+            f"same tokens: {same[shape]}"
+        )
     return report
 
 

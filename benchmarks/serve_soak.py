@@ -163,10 +163,14 @@ class Load:
         else:
             prompt = " ".join(rng.choice(WORDS, size=int(rng.integers(1, 12))))
         sampled = rng.random() < 0.5
-        return {"prompt": prompt, "max_tokens": int(rng.integers(1, self.args.max_tokens + 1)),
-                "temperature": 0.8 if sampled else 0.0, "top_p": 0.9 if sampled else 1.0,
-                "seed": int(rng.integers(0, 2**31)),
-                "stream": bool(rng.random() < 0.5)}  # fmt: skip
+        return {
+            "prompt": prompt,
+            "max_tokens": int(rng.integers(1, self.args.max_tokens + 1)),
+            "temperature": 0.8 if sampled else 0.0,
+            "top_p": 0.9 if sampled else 1.0,
+            "seed": int(rng.integers(0, 2**31)),
+            "stream": bool(rng.random() < 0.5),
+        }
 
     def normal(self, client: httpx.Client, body: dict) -> tuple[str, str]:
         with client.stream("POST", "/v1/completions", json=body) as response:

@@ -1,5 +1,6 @@
 """What simulated CPU devices cost the host: peak memory of ``python -m jaxdd.generate --devices
-N`` on the bundled pair (2 greedy DFlash tokens), the basis of ``jaxdd.cli.CPU_DEVICE_PAIR_BYTES``.
+N`` on the bundled pair (2 greedy DFlash tokens), the basis of
+``jaxdd.runtime.backend_start.CPU_DEVICE_PAIR_BYTES``.
 
     python benchmarks/simulated_devices.py
         [--devices 8 64 128 256]  # -> benchmarks/results/simulated_devices.json

@@ -27,8 +27,9 @@ from jaxdd.models.drafter import abstract_drafter
 from jaxdd.models.quant import ExpertFormat
 from jaxdd.models.target import abstract_target
 from jaxdd.weights.checkpoint import Kind, get_path, set_path, write_checkpoint
+from jaxdd.weights.hf_loader import convert_arrays, mtp_layers
 from jaxdd.weights.hf_mappings import Mapping, drafter_mappings, target_mappings
-from jaxdd.weights.hf_reader import HFCheckpoint, convert_arrays, mtp_layers
+from jaxdd.weights.hf_reader import HFCheckpoint
 from jaxdd.weights.tokenizer import tokenizer_files
 
 

@@ -35,7 +35,7 @@ from jaxdd.weights.checkpoint import (
     is_jaxdd_checkpoint,
     load_checkpoint,
 )
-from jaxdd.weights.hf_reader import load_hf_drafter, load_hf_target
+from jaxdd.weights.hf_loader import load_hf_drafter, load_hf_target
 
 
 class ForwardResult(NamedTuple):

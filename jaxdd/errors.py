@@ -35,6 +35,10 @@ class InputError(FieldError):
     generation settings that the model cannot take."""
 
 
+class Refusal(Exception):
+    """What a command refuses to do, said in one line (exit code 2)."""
+
+
 class LargeRoundWarning(UserWarning):
     """A round that verifies far more tokens than it
     can accept (slow; the CLI prints it as a note)."""

@@ -2,10 +2,10 @@
 (token, slot) pair's row through its own expert, the expert's packed
 words and scales read once per pair and dequantized in registers.
 
-XLA:GPU, given the gather-then-dequantize form (``jaxdd.models.moe._gathered_pairs``), may write the
-gathered experts out and read them again at a speculative round's pair counts. Here every program
-loads its pair's expert id and reads only that expert's rows, so the bytes are the experts' once,
-plus the rows (benchmarks/README.md, "What the compiled rounds move").
+XLA:GPU, given the gather-then-dequantize form (``jaxdd.models.expert_dispatch.gathered_pairs``),
+may write the gathered experts out and read them again at a speculative round's pair counts. Here
+every program loads its pair's expert id and reads only that expert's rows, so the bytes are the
+experts' once, plus the rows (benchmarks/README.md, "What the compiled rounds move").
 
 Same contract and values as ``jaxdd.runtime.cpu_kernels.gathered_int4_matvec``: every
 weight dequantized as ``jaxdd.models.quant.dequantize_int4_groups`` does (bf16(q x scale),

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jaxdd.decoding.engine import SpeculativeDecoder
-from jaxdd.weights.hf_reader import load_hf_drafter
+from jaxdd.weights.hf_loader import load_hf_drafter
 from jaxdd.testing import profiles
 from jaxdd.testing.reference import TINY_K2, TINY_K25, drafter_config, hf_drafter, hf_model
 

@@ -134,8 +134,11 @@ def defer_to_process_0() -> None:
             )
             os._exit(128 + sig)
         received.append(sig)
-        print(f"jaxdd: note: {name}: process 0 decides when the job stops (again: exit now)",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"jaxdd: note: {name}: process 0 decides when the job stops (again: exit now)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handle)

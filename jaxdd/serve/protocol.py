@@ -33,9 +33,10 @@ def unsupported(*defaults: Any) -> Any:
         if value is not None and not any(value == d and type(value) is type(d) for d in defaults):
             allowed = " or ".join(["null", *(repr(d) for d in defaults)])
             raise PydanticCustomError(
-                "not_implemented", "jaxdd does not implement it; send {allowed} or leave it out",
+                "not_implemented",
+                "jaxdd does not implement it; send {allowed} or leave it out",
                 {"allowed": allowed},
-            )  # fmt: skip
+            )
         return value
 
     return Annotated[Any, AfterValidator(check), Field(default=None)]

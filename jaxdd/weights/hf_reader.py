@@ -1,6 +1,6 @@
-"""Reading HF checkpoints (config.json + safetensors shards) into jaxdd
-parameters, for the Kimi target and the DFlash drafter, through the tables
-in ``jaxdd.weights.hf_mappings``; whole, or each device's part alone.
+"""Reading HF checkpoints (config.json + safetensors shards): the tensors the tables in
+``jaxdd.weights.hf_mappings`` name, whole or one region (``jaxdd.weights.hf_loader`` fills
+jaxdd parameters from them).
 
 ``HFCheckpoint`` reads the real layouts: plain bf16/fp32 (save_pretrained), Kimi
 K2-Instruct / DeepSeek-V3 FP8 (``weight`` e4m3 + ``weight_scale_inv`` per 128 x 128 block),
@@ -15,25 +15,18 @@ from __future__ import annotations
 import functools
 import json
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from flax import nnx
 from safetensors import SafetensorError, safe_open
 
-from jaxdd.config import DrafterConfig, KimiConfig, in_file
 from jaxdd.errors import CheckpointError, ConfigError, read_json
-from jaxdd.models.drafter import DFlashDrafter, abstract_drafter
 from jaxdd.models.quant import ExpertFormat, dequantize_fp8_blocks, dequantize_int4_groups
-from jaxdd.models.target import KimiTarget, abstract_target
-from jaxdd.runtime.sharding import Placement, abstract_shardings, place
-from jaxdd.weights.checkpoint import get_path, set_path
-from jaxdd.weights.hf_mappings import Mapping, drafter_mappings, target_mappings
+from jaxdd.weights.hf_mappings import Mapping
 from jaxdd.weights.hf_quantization import fp8_block, int4_group, quantization_config
 
 # Junk buffers some exports carry, and vision parts of the K2.5/K2.6 wrapper.
@@ -50,9 +43,6 @@ RAW_DTYPES = {
     "weight_scale_inv": {"F32"},
     "weight": {"F8_E4M3"},
 }
-
-
-# --- Reading HF checkpoints -----------------------------------------------------------------------
 
 
 class TensorInfo(NamedTuple):
@@ -384,91 +374,3 @@ def _read_float8(info: TensorInfo, region: tuple[slice, ...] | None) -> np.ndarr
     raw = np.memmap(info.file, np.uint8, "r", offset=data_start + begin, shape=(end - begin,))
     tensor = raw.view(ml_dtypes.float8_e4m3fn).reshape(info.shape)
     return np.array(tensor if region is None else tensor[region])
-
-
-# --- Loading into memory --------------------------------------------------------------------------
-
-
-def load_hf_target(
-    directory: str | Path,
-    dtype: jnp.dtype = jnp.bfloat16,
-    experts: ExpertFormat | None = None,
-    placement: Placement | None = None,
-) -> KimiTarget:
-    """A ``KimiTarget`` from an HF checkpoint directory;
-    every tensor is checked against the config first.
-
-    experts: how to hold the routed experts; default as the checkpoint stores
-    them (INT4 / FP8 stay quantized). placement: (mesh, MoE mode) to load
-    straight into their shardings: this process reads from disk only its devices'
-    parts (on a mesh of several hosts, only its own share of the checkpoint).
-    """
-    source = HFCheckpoint(directory)
-    config = in_file(source.config_path, KimiConfig.from_hf, source.raw_config)
-    experts = source.stored_expert_format() if experts is None else experts
-    mappings = list(target_mappings(config, experts))
-    source.check(mappings, ignored=mtp_layers(config))
-    return _fill(source, mappings, abstract_target(config, dtype, experts), placement)
-
-
-def load_hf_drafter(
-    directory: str | Path, dtype: jnp.dtype = jnp.bfloat16, placement: Placement | None = None
-) -> DFlashDrafter:
-    """A ``DFlashDrafter`` from a z-lab DFlash checkpoint directory
-    (config.json + safetensors); ``placement`` as in ``load_hf_target``."""
-    source = HFCheckpoint(directory)
-    config = in_file(source.config_path, DrafterConfig.from_hf, source.raw_config)
-    mappings = list(drafter_mappings(config))
-    source.check(mappings)
-    return _fill(source, mappings, abstract_drafter(config, dtype), placement)
-
-
-def mtp_layers(config: KimiConfig) -> Callable[[str], bool]:
-    """DeepSeek-V3's multi-token-prediction layers (beyond
-    num_hidden_layers) are not part of the target."""
-    return lambda name: (
-        name.startswith("model.layers.") and int(name.split(".")[2]) >= config.num_hidden_layers
-    )
-
-
-def convert_arrays(
-    source: HFCheckpoint, mapping: Mapping, abstract: dict
-) -> Iterator[tuple[tuple, np.ndarray]]:
-    """(path, array) for each jaxdd parameter of
-    ``mapping``, in the dtype of the abstract parameter."""
-    arrays = mapping.forward(*source.read(mapping))
-    for path, array in zip(mapping.paths, arrays, strict=True):
-        yield path, np.asarray(array).astype(get_path(abstract, path).dtype, copy=False)
-
-
-def _fill(
-    source: HFCheckpoint, mappings: list[Mapping], abstract_model, placement: Placement | None
-) -> nnx.Module:
-    graphdef, abstract = abstract_model
-    values = nnx.to_pure_dict(abstract)
-    if placement is None:
-        for mapping in mappings:
-            for path, array in convert_arrays(source, mapping, values):
-                set_path(values, path, jnp.asarray(array))
-    else:
-        shardings = abstract_shardings(graphdef, abstract, *placement)
-        for mapping in mappings:
-            for k, path in enumerate(mapping.paths):
-                leaf = get_path(values, path)
-                part = functools.partial(_part, source, mapping, k, leaf.shape, leaf.dtype)
-                set_path(
-                    values,
-                    path,
-                    jax.make_array_from_callback(leaf.shape, get_path(shardings, path), part),
-                )
-    nnx.replace_by_pure_dict(abstract, values)
-    model = nnx.merge(graphdef, abstract)
-    if placement is not None:
-        place(model, *placement)
-    return model
-
-
-def _part(
-    source: HFCheckpoint, mapping: Mapping, k: int, shape: tuple, dtype, index: tuple
-) -> np.ndarray:
-    return np.asarray(source.read_part(mapping, k, index, shape)).astype(dtype, copy=False)

@@ -97,10 +97,9 @@ def test_rows_can_all_end_exactly_when_some_order_ends_them(shares, rows, data):
         data.draw(st.lists(st.integers(0, top), min_size=n, max_size=n)), np.int64
     )
     shared = data.draw(st.integers(0, 3))
-    holders = np.array(
-        data.draw(st.lists(st.lists(st.booleans(), min_size=rows, max_size=rows), min_size=shared,
-                           max_size=shared)), bool
-    ).reshape(shared, rows)  # fmt: skip
+    held_by = st.lists(st.booleans(), min_size=rows, max_size=rows)  # rows holding a shared page
+    holders = np.array(data.draw(st.lists(held_by, min_size=shared, max_size=shared)), bool)
+    holders = holders.reshape(shared, rows)
     holders[:, 0:1] |= rows > 0  # each held by a row at least
     needs, returns = ints(rows * shares).reshape(rows, shares), ints(rows * shares)
     ledger = Ledger(needs, returns.reshape(rows, shares), holders, ints(shared, shares - 1))

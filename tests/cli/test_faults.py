@@ -28,6 +28,7 @@ from jaxdd import cli
 from jaxdd.cli import DEMO
 from jaxdd.crosscheck.compare import PromptReport, Report, first_hidden_excess
 from jaxdd.planning.fit import PlanOptions
+from jaxdd.runtime.backend_start import device_present, simulated_device_limit
 from jaxdd.testing.server import START_SECONDS, free_port, started_server
 from jaxdd.weights.hf_reader import HFCheckpoint
 
@@ -84,7 +85,7 @@ def test_closed_stdin_and_stdout(tmp_path):
     ],
 )
 def test_platform_asked_for_where_there_is_none(platforms, said):
-    if platforms != "metal" and cli._present(cli.PLATFORMS[platforms]):
+    if platforms != "metal" and device_present(cli.PLATFORMS[platforms]):
         pytest.skip(f"this host has a {platforms} device")
     assert said in one_line(run([*GENERATE, *QUICK], {"JAX_PLATFORMS": platforms}))
 
@@ -93,8 +94,8 @@ def test_accelerator_runtime_missing():
     """Simulated: a GPU device file 'present' (the root directory stands in for /dev/nvidiactl) on
     a host whose CUDA libraries are not there; the CUDA plugin's failure is said in one line."""
     code = (
-        "import jaxdd.cli as c; c.DEVICE_FILES['gpu'] = ('/',); from jaxdd.generate import "
-        "main; c.run(main)"
+        "import jaxdd.runtime.backend_start as b; b.DEVICE_FILES['gpu'] = ('/',); "
+        "from jaxdd import cli; from jaxdd.generate import main; cli.run(main)"
     )
     process = run([sys.executable, "-c", code, *QUICK], {"JAX_PLATFORMS": "cuda"})
     if process.returncode == 0:
@@ -122,14 +123,14 @@ def test_more_devices_than_the_host_can_simulate():
     assert one_line(run([*GENERATE, *QUICK], flags)).startswith(
         f"jaxdd: XLA_FLAGS={flags['XLA_FLAGS']}: this host"
     )
-    assert cli.simulated_device_limit(64 * 2**30) == 692  # sqrt(32 GiB / 70 KiB per device pair)
+    assert simulated_device_limit(64 * 2**30) == 692  # sqrt(32 GiB / 70 KiB per device pair)
 
 
 @pytest.mark.slow
 def test_server_start_up_faults(tmp_path):
     """The server's start-up answers as the other CLIs do, before it loads or compiles anything."""
     serve = [*SERVE, "--port", str(free_port())]
-    if not cli._present(cli.PLATFORMS["cuda"]):
+    if not device_present(cli.PLATFORMS["cuda"]):
         assert "this host has no GPU" in one_line(run(serve, {"JAX_PLATFORMS": "cuda"}))
     devices = run([*serve, "--devices", "100000"])
     assert "--devices 100000: this host has 1 CPU device" in one_line(devices)

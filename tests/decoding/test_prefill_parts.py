@@ -55,9 +55,13 @@ def test_the_next_turn_hits_and_decodes_as_alone(decoder, method, sampling):
     assert none == 0 and found == 128
     miss, plain_sizes, _ = run_alone(plain, second)
     alone = decoder.generate(
-        history, method=method, max_new_tokens=24, stop_token_ids=[], sampling=sampling,
+        history,
+        method=method,
+        max_new_tokens=24,
+        stop_token_ids=[],
+        sampling=sampling,
         **({"budget": 12} if method == "ddtree" else {}),
-    )  # fmt: skip
+    )
     assert hit == miss == alone.tokens
     assert sizes == plain_sizes  # the drafter's context was restored with the target's
     assert not cached.busy and cached.pages.held == 0

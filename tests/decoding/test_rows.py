@@ -54,8 +54,14 @@ def test_interleaved_ddtree_rows_equal_their_runs_alone(decoder):
                 outputs[row_of[row]] = outputs[row_of[row]] + update.tokens
     assert clock.count == 0 and not pending and not pool.busy
     for i, (prompt, length, sampling) in enumerate(requests):
-        alone = decoder.generate(prompt, method="ddtree", budget=12, max_new_tokens=length,
-                                 stop_token_ids=[0], sampling=sampling)  # fmt: skip
+        alone = decoder.generate(
+            prompt,
+            method="ddtree",
+            budget=12,
+            max_new_tokens=length,
+            stop_token_ids=[0],
+            sampling=sampling,
+        )
         assert outputs[i] == alone.tokens, i
 
 
@@ -101,9 +107,12 @@ def test_a_row_paused_for_pages_decodes_as_if_the_rounds_had_not_run(decoder, me
     assert pool.paused_rounds == 3 and not pool.busy
     for row, request in enumerate(requests):
         alone = decoder.generate(
-            request.prompt, max_new_tokens=30, stop_token_ids=[], sampling=request.sampling,
+            request.prompt,
+            max_new_tokens=30,
+            stop_token_ids=[],
+            sampling=request.sampling,
             **options,
-        )  # fmt: skip
+        )
         assert outputs[row] == alone.tokens, row
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxdd
-from jaxdd.models.moe import _int4_kernel
+from jaxdd.models.expert_dispatch import int4_kernel
 from jaxdd.models.quant import Int4Experts, dequantize_int4_groups
 from jaxdd.planning.aot import GPU_COMPILER_OPTIONS, find_machine
 from jaxdd.runtime.backend import Backend
@@ -147,7 +147,7 @@ def test_gpu_backend_takes_the_kernel_for_the_groups_it_tiles():
     gpu = Backend("gpu")
     assert gpu.int4_matvec(32) is not None and gpu.int4_matvec(96) is None
     projections = [Int4Experts((4, 64, 32), jnp.bfloat16, (None,) * 3, 32) for _ in range(3)]
-    assert _int4_kernel(projections, gpu) is not None
+    assert int4_kernel(projections, gpu) is not None
     assert gpu.moe_dispatch(48, 8, 384, HIDDEN, FFN, quantized=True, kernel=True) == "gathered"
     assert gpu.moe_dispatch(49, 8, 384, HIDDEN, FFN, quantized=True, kernel=True) == "scan"
     assert (

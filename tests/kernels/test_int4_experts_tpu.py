@@ -19,7 +19,7 @@ from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
 import jaxdd
-from jaxdd.models.moe import _gathered_experts, _gathered_pairs, _int4_kernel, _pair_experts
+from jaxdd.models.expert_dispatch import gathered_experts, gathered_pairs, int4_kernel, pair_experts
 from jaxdd.models.quant import Int4Experts, dequantize_int4_groups
 from jaxdd.planning.aot import find_machine
 from jaxdd.runtime.backend import Backend
@@ -119,10 +119,10 @@ def test_gathered_dispatch_through_the_kernel_equals_xla(monkeypatch):
     weights = jnp.asarray(rng.random((7, 3)), jnp.float32)
     interpreted = functools.partial(gathered_int4_matvec_tpu, interpret=INTERPRET)
     monkeypatch.setattr(Backend, "int4_matvec", lambda self, group, unplaced=False: interpreted)
-    through = _pair_experts(projections, pieces, Backend("tpu"))
-    ours = _gathered_experts(x, weights, experts, through)
-    xla = _gathered_experts(
-        x, weights, experts, lambda r, c: _gathered_pairs(r, c, projections, pieces)
+    through = pair_experts(projections, pieces, Backend("tpu"))
+    ours = gathered_experts(x, weights, experts, through)
+    xla = gathered_experts(
+        x, weights, experts, lambda r, c: gathered_pairs(r, c, projections, pieces)
     )
     np.testing.assert_allclose(ours, xla, rtol=1e-5, atol=1e-6)
 
@@ -133,8 +133,8 @@ def test_the_kernel_is_used_on_tpu_where_experts_are_placed():
     to partition a Mosaic call there, even on replicated operands."""
     make = lambda shape: nnx.eval_shape(lambda: Int4Experts(shape, jnp.bfloat16, (None,) * 3, 32))
     projections = [make((4, 64, 32)), make((4, 64, 32)), make((4, 32, 64))]
-    assert _int4_kernel(projections, Backend("tpu")) is gathered_int4_matvec_tpu
-    assert _int4_kernel(projections, Backend("tpu"), unplaced=True) is None
+    assert int4_kernel(projections, Backend("tpu")) is gathered_int4_matvec_tpu
+    assert int4_kernel(projections, Backend("tpu"), unplaced=True) is None
     mesh = jax.sharding.Mesh(np.array(find_machine("v5p:2x2x2").devices), ("x",))
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=whole)
@@ -240,12 +240,12 @@ def test_gathered_int4_experts_are_read_once_on_tpu():
         def f(x, weights, chosen, *flat):
             pieces = [flat[0:2], flat[2:4], flat[4:6]]
             if through_kernel:
-                through = _pair_experts(projections, pieces, backend)
+                through = pair_experts(projections, pieces, backend)
             else:
-                through = lambda rows, ids: _gathered_pairs(
+                through = lambda rows, ids: gathered_pairs(
                     rows, ids, projections, pieces, shifts=True
                 )
-            return _gathered_experts(x, weights, chosen, through)
+            return gathered_experts(x, weights, chosen, through)
 
         shapes = [
             ((tokens, hidden), jnp.bfloat16),

@@ -19,7 +19,7 @@ from jaxdd.runtime import cpu_kernels
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.sharding import make_mesh
 from jaxdd.testing.reference import drafter_config, hf_drafter, rel_err
-from jaxdd.weights.hf_reader import load_hf_drafter
+from jaxdd.weights.hf_loader import load_hf_drafter
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_tpu import tree_attention_tpu
 

@@ -13,15 +13,15 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 import jaxdd
 from jaxdd.cache import CacheView
-from jaxdd.models.layers import apply_rope, rms_norm, rope_cos_sin
-from jaxdd.models.moe import (
-    _bf16_head,
-    _gathered_experts,
-    _gathered_local_pairs,
-    _pair_experts,
-    _skipping_experts,
-    _tiled_experts,
+from jaxdd.models.expert_dispatch import (
+    gathered_experts,
+    gathered_local_pairs,
+    pair_experts,
+    skipping_experts,
+    tiled_experts,
 )
+from jaxdd.models.layers import apply_rope, rms_norm, rope_cos_sin
+from jaxdd.models.moe import _bf16_head
 from jaxdd.models.quant import DenseExperts
 from jaxdd.models.target import target_rope
 from jaxdd.runtime.backend import Backend
@@ -259,7 +259,7 @@ def test_tiled_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
     """The tiled layout is exact whatever the routing: unused experts, one
     expert taking nearly every pair (its tiles run past the even share), an
     expert chosen twice by one token, group sizes on and off tile edges."""
-    check_dispatch(_tiled_experts, tokens, top_k, n_experts, favourite, seed)
+    check_dispatch(tiled_experts, tokens, top_k, n_experts, favourite, seed)
 
 
 @pytest.mark.slow
@@ -268,7 +268,7 @@ def test_tiled_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
 def test_skipping_dispatch_any_routing(tokens, top_k, n_experts, favourite, seed):
     """Skipping the unchosen experts is exact whatever the routing: every
     expert chosen, a few, only one, an expert chosen twice by one token."""
-    check_dispatch(_skipping_experts, tokens, top_k, n_experts, favourite, seed)
+    check_dispatch(skipping_experts, tokens, top_k, n_experts, favourite, seed)
 
 
 @pytest.mark.slow
@@ -303,16 +303,14 @@ def test_gathered_local_pairs_under_ep(tokens, share, capacity, seed):
     experts = jnp.asarray(np.where(mine, rng.integers(0, n_experts, (tokens, top_k)), 0))
     weights = jnp.asarray(np.where(mine, rng.random((tokens, top_k)), 0), jnp.float32)
     x = jnp.asarray(hidden(rng, tokens, d))
-    through = _pair_experts(projections, pieces, Backend.local())
-    expected = _gathered_experts(x, weights, experts, through)
-    actual = _gathered_local_pairs(x, weights, experts, jnp.asarray(mine), capacity, through)
+    through = pair_experts(projections, pieces, Backend.local())
+    expected = gathered_experts(x, weights, experts, through)
+    actual = gathered_local_pairs(x, weights, experts, jnp.asarray(mine), capacity, through)
     np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-6)
 
 
 def gathered(x, weights, experts, projections, pieces):
-    return _gathered_experts(
-        x, weights, experts, _pair_experts(projections, pieces, Backend.local())
-    )
+    return gathered_experts(x, weights, experts, pair_experts(projections, pieces, Backend.local()))
 
 
 def check_dispatch(dispatch, tokens, top_k, n_experts, favourite, seed):

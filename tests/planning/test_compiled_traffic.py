@@ -332,7 +332,7 @@ def test_gathered_int4_experts_are_read_once_on_gpu():
     to uint4, XLA writes the gathered experts out and reads them again."""
     from flax import nnx
 
-    from jaxdd.models.moe import _gathered_pairs
+    from jaxdd.models.expert_dispatch import gathered_pairs
     from jaxdd.models.quant import Int4Experts
     from jaxdd.runtime.backend import Backend
 
@@ -345,7 +345,7 @@ def test_gathered_int4_experts_are_read_once_on_gpu():
         make((experts, ffn, hidden)),
     ]
     where = find_machine("h200", 1)
-    # the platform _pair_experts unpacks by shifts on
+    # the platform pair_experts unpacks by shifts on
     assert Backend.of_devices(where.devices).platform == "gpu"
     pieces_shapes = [
         [(p.packed.shape, jnp.int32), (p.scale.shape, jnp.bfloat16)] for p in projections
@@ -353,7 +353,7 @@ def test_gathered_int4_experts_are_read_once_on_gpu():
 
     def moved(shifts: bool) -> int:
         def f(rows, chosen, *flat):
-            return _gathered_pairs(
+            return gathered_pairs(
                 rows, chosen, projections, [flat[0:2], flat[2:4], flat[4:6]], shifts=shifts
             )
 
@@ -376,14 +376,14 @@ def test_gathered_int4_experts_are_read_once_on_gpu():
 @pytest.mark.parametrize("machine", ["h200", "rtx-pro-6000"])
 @pytest.mark.parametrize("pairs", [64, 136])
 def test_gathered_int4_experts_through_the_gpu_kernel_are_read_once(machine, pairs):
-    """The MoE's gathered dispatch as the GPU backend runs it (``_pair_experts``: the
+    """The MoE's gathered dispatch as the GPU backend runs it (``pair_experts``: the
     Pallas INT4 kernel) at a DFlash block's 64 and a DDTree verify's 136 (token, slot)
     pairs through K2.6's 384 INT4 experts (TP8 shards): each pair's expert is read
     once, plus the rows, on sm_90 and on sm_120, where XLA's own form wrote the
     gathered experts out and read them again (1.4-1.6x the floor of a whole round)."""
     from flax import nnx
 
-    from jaxdd.models.moe import _pair_experts
+    from jaxdd.models.expert_dispatch import pair_experts
     from jaxdd.models.quant import Int4Experts
 
     experts, hidden, ffn = 384, 7168, 256
@@ -400,7 +400,7 @@ def test_gathered_int4_experts_through_the_gpu_kernel_are_read_once(machine, pai
     ]
 
     def f(rows, chosen, *flat):
-        through = _pair_experts(projections, [flat[0:2], flat[2:4], flat[4:6]], where.backend)
+        through = pair_experts(projections, [flat[0:2], flat[2:4], flat[4:6]], where.backend)
         return through(rows, chosen)
 
     shapes = [

@@ -23,8 +23,8 @@ from transformers import DeepseekV3Config
 
 from jaxdd.cache import LatentCache
 from jaxdd.config import KimiConfig
+from jaxdd.models.expert_dispatch import gathered_experts, int4_kernel, pair_experts
 from jaxdd.models.layers import linear
-from jaxdd.models.moe import _gathered_experts, _int4_kernel, _pair_experts
 from jaxdd.models.quant import Int4Experts, dequantize_int4_groups
 from jaxdd.models.target import KimiTarget
 from jaxdd.runtime import cpu_kernels
@@ -157,8 +157,8 @@ def test_gathered_dispatch_through_the_kernel_equals_xla():
     outputs = {}
     for kernel in (True, False):
         backend = Backend("cpu", cpu_kernels=kernel)
-        through = _pair_experts(projections, pieces, backend)
-        outputs[kernel] = jax.jit(lambda x, w, e, t=through: _gathered_experts(x, w, e, t))(
+        through = pair_experts(projections, pieces, backend)
+        outputs[kernel] = jax.jit(lambda x, w, e, t=through: gathered_experts(x, w, e, t))(
             x, weights, experts
         )
     np.testing.assert_allclose(outputs[True], outputs[False], rtol=1e-5, atol=1e-6)
@@ -171,12 +171,12 @@ def test_the_kernel_is_used_only_where_it_applies():
     rng = np.random.default_rng(2)
     cpu = Backend("cpu")
     assert (
-        _int4_kernel(int4_projections(rng, 2, 64, 32, 32), cpu) is cpu_kernels.gathered_int4_matvec
+        int4_kernel(int4_projections(rng, 2, 64, 32, 32), cpu) is cpu_kernels.gathered_int4_matvec
     )
-    gpu = _int4_kernel(int4_projections(rng, 2, 64, 32, 32), Backend("gpu"))
+    gpu = int4_kernel(int4_projections(rng, 2, 64, 32, 32), Backend("gpu"))
     assert gpu is not None and gpu.func is int4_experts.gathered_int4_matvec_gpu
     for backend, group in ((cpu, 16), (Backend("cpu", cpu_kernels=False), 32)):
-        assert _int4_kernel(int4_projections(rng, 2, 64, 32, group), backend) is None
+        assert int4_kernel(int4_projections(rng, 2, 64, 32, group), backend) is None
     assert cpu.moe_dispatch(16, 8, 128, 1024, 512, quantized=True, kernel=True) == "gathered"
     assert cpu.moe_dispatch(16, 8, 128, 1024, 512, quantized=True, kernel=False) != "gathered"
     assert cpu.moe_dispatch(80, 8, 128, 1024, 512, quantized=True, kernel=True) != "gathered"

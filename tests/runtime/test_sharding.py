@@ -25,7 +25,8 @@ from jaxdd.testing.reference import (
     rel_err,
     save_random_pair,
 )
-from jaxdd.weights.hf_reader import HFCheckpoint, load_hf_target
+from jaxdd.weights.hf_loader import load_hf_target
+from jaxdd.weights.hf_reader import HFCheckpoint
 
 PROMPT = [5, 17, 3, 250, 9, 1, 77]
 METHODS = {"ar": {}, "dflash": {}, "ddtree": {"budget": 12}}

@@ -35,9 +35,13 @@ def served():
     target, drafter = jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32")
     tokenizer = load_tokenizer(DEMO / "target")
     pool = RowPool(
-        SpeculativeDecoder(target, drafter), method="dflash", rows=2, max_len=64, max_prompt=32,
+        SpeculativeDecoder(target, drafter),
+        method="dflash",
+        rows=2,
+        max_len=64,
+        max_prompt=32,
         max_logprobs=K,
-    )  # fmt: skip
+    )
     scheduler = Scheduler(pool, Metrics(pool.block), max_waiting=8)
     stops = model_stop_ids(target.config, tokenizer)
     server = Server(scheduler, tokenizer, "kimi-mini", stops, tokenizer.chat_template, None)

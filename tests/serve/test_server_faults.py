@@ -19,7 +19,7 @@ import numpy as np
 import openai
 import pytest
 
-from jaxdd.serve.app import DISCONNECT_POLL
+from jaxdd.serve.choices import DISCONNECT_POLL
 from jaxdd.serve.errors import MAX_BODY_BYTES
 from jaxdd.serve.metrics import FINISH_REASONS, REFUSALS
 from jaxdd.testing.server import START_SECONDS, running_server, started_server
@@ -369,9 +369,13 @@ def test_serving_is_said_once_health_answers(tmp_path):
 
 def soak_request(rng: np.random.Generator, i: int) -> dict:
     prompt = rng.integers(1, 4096, size=int(rng.integers(1, MAX_PROMPT + 1))).tolist()
-    return {"prompt": prompt, "max_tokens": int(rng.integers(1, 12)),
-            "temperature": float(rng.choice([0, 0.8])), "seed": i,
-            "stream": bool(i % 2)}  # fmt: skip
+    return {
+        "prompt": prompt,
+        "max_tokens": int(rng.integers(1, 12)),
+        "temperature": float(rng.choice([0, 0.8])),
+        "seed": i,
+        "stream": bool(i % 2),
+    }
 
 
 @pytest.mark.slow
