@@ -14,7 +14,7 @@ past a row's pages and is never read as committed.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 import jax
@@ -127,6 +127,14 @@ class CacheView:
     def commit(self, count: jax.Array) -> CacheView:
         """The view after ``count`` [batch] more tokens are committed."""
         return self.replace(length=self.length + count)
+
+
+def bytes_per_token(
+    pools: Sequence[jax.Array], axis: int, bytes_of: Callable[[jax.Array], float]
+) -> float:
+    """The bytes of ``pools`` ([pages, ..., page, ...], the page on ``axis``; abstract or not)
+    per token they hold, each counted by ``bytes_of`` (a device's shard of it, say)."""
+    return sum(bytes_of(x) / (x.shape[0] * x.shape[axis]) for x in pools)
 
 
 def page_index(page: jax.Array, slot: jax.Array, between: tuple[int, ...]) -> tuple:

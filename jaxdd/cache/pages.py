@@ -1,10 +1,9 @@
 """The host side of a paged cache: which pages of the pool each row holds, and which hold a
 prefix that later requests may reuse.
 
-A pool of ``pool_pages`` pages is split into ``devices`` equal shares (one share when the cache
-is not striped); the first page of each share is that share's null page, which no request holds:
-a row's table names it where the row holds no page, so a write there lands nowhere that is read.
-A row's page j comes from share ``j % devices`` (``jaxdd.cache.stripes`` reads it there).
+The pool is split into shares, each with a null page (``jaxdd.cache.paging``), which no request
+holds: a row's table names it where the row holds no page, so a write there lands nowhere that
+is read. A row's page j comes from share ``share_of(j)`` (``jaxdd.cache.stripes`` reads it there).
 
 A request takes pages as it grows, up to a limit (those its prompt and ``max_new_tokens`` can
 reach), and gives them back when it ends. Requests together may be promised more pages than the
@@ -33,26 +32,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxdd.cache.paging import Paging, pages_for, pages_on, share_of
 from jaxdd.errors import InputError
-
-PAGE_TOKENS = 64
-
-
-def null_table(rows: int, row_pages: int, pool_pages: int, devices: int = 1) -> np.ndarray:
-    """[rows, row_pages] int32: every entry the null page of its share."""
-    share = pool_pages // devices
-    return np.tile((np.arange(row_pages) % devices * share).astype(np.int32), (rows, 1))
-
-
-def pages_for(tokens: int, page: int = PAGE_TOKENS) -> int:
-    """The pages that hold ``tokens`` slots."""
-    return -(-tokens // page)
-
-
-def pool_pages(tokens: int, page: int = PAGE_TOKENS, devices: int = 1) -> int:
-    """The pages of a pool that holds ``tokens`` tokens of requests, its null pages included:
-    as many on every device."""
-    return (-(-pages_for(tokens, page) // devices) + 1) * devices
 
 
 @dataclasses.dataclass
@@ -143,50 +124,41 @@ class PrefixIndex:
 
 
 class PageTable:
-    """The page tables of ``rows`` rows of ``row_pages`` pages each, over a pool of
-    ``pool_pages`` pages (null pages included) split over ``devices``; with ``prefix``, the
-    pages of finished prompts and outputs kept for requests that start the same way."""
+    """The page tables of ``rows`` rows, paged as ``paging`` says; with ``prefix``, the pages of
+    finished prompts and outputs kept for requests that start the same way."""
 
-    def __init__(
-        self,
-        rows: int,
-        row_pages: int,
-        pool_pages: int,
-        devices: int = 1,
-        page: int = PAGE_TOKENS,
-        prefix: bool = False,
-    ):
-        if pool_pages % devices or pool_pages < 2 * devices:
+    def __init__(self, rows: int, paging: Paging, prefix: bool = False):
+        if paging.pool_pages % paging.devices or paging.pool_pages < 2 * paging.devices:
             raise InputError.at(
                 "cache_tokens",
-                f"a pool of {pool_pages} pages cannot give each of {devices} devices a null page "
-                "and one more",
+                f"a pool of {paging.pool_pages} pages cannot give each of {paging.devices} "
+                "devices a null page and one more",
             )
-        if row_pages % devices:
-            raise ValueError(f"row_pages: {row_pages} is not a multiple of {devices} devices")
+        if paging.row_pages % paging.devices:
+            raise ValueError(
+                f"row_pages: {paging.row_pages} is not a multiple of {paging.devices} devices"
+            )
         self.rows = rows
-        self.row_pages = row_pages
-        self.pool_pages = pool_pages
-        self.devices = devices
-        self.page = page
-        self.share = pool_pages // devices
-        self.table = null_table(rows, row_pages, pool_pages, devices)
+        self.paging = paging
+        self.page = paging.page
+        self.devices = paging.devices
+        self.share = paging.share
+        self.table = paging.null_table(rows)
         self._nulls = self.table[0].copy()
-        # each share's free pages, the lowest on top
+        # each share's free pages (its null page not), the lowest on top
         self._free = [
-            list(range((d + 1) * self.share - 1, d * self.share, -1)) for d in range(devices)
+            list(range(null + self.share - 1, null, -1)) for null in paging.null_pages().tolist()
         ]
         self._held: dict[int, int] = {}  # row -> pages it holds
         self._limit: dict[int, int] = {}  # row -> pages it may grow to
-        self._refs = np.zeros((pool_pages,), np.int32)  # rows holding each page
+        self._refs = np.zeros((paging.pool_pages,), np.int32)  # rows holding each page
         # each share's cached pages no row holds, the least recently used first
-        self._cached = [collections.OrderedDict() for _ in range(devices)]
-        self.prefix = PrefixIndex(page) if prefix else None
+        self._cached = [collections.OrderedDict() for _ in range(self.devices)]
+        self.prefix = PrefixIndex(self.page) if prefix else None
 
     @property
     def usable(self) -> int:
-        """Pages a request can hold: the pool less its null pages."""
-        return self.pool_pages - self.devices
+        return self.paging.usable
 
     @property
     def free(self) -> int:
@@ -204,8 +176,8 @@ class PageTable:
 
     def _shares(self, start, end) -> np.ndarray:
         """[..., shares]: how many of a row's pages ``start`` .. ``end`` - 1 (ints, or arrays
-        [..., 1]) each share deals: page j is share j % devices's."""
-        before = lambda n: np.maximum(-(-(n - np.arange(self.devices)) // self.devices), 0)
+        [..., 1]) each share deals."""
+        before = lambda n: pages_on(n, np.arange(self.devices), self.devices)
         return before(np.maximum(end, start)) - before(start)
 
     def _of_shares(self, pages: np.ndarray) -> np.ndarray:
@@ -274,7 +246,7 @@ class PageTable:
         rows = self._rows(skip=release)
         for count, (reach, start, prompt) in enumerate(zip(reaches, starts, prompts, strict=True)):
             limit, pages = pages_for(reach, self.page), pages_for(min(start, reach), self.page)
-            if limit > self.row_pages:
+            if limit > self.paging.row_pages:
                 return count
             hits = np.asarray(self.hits(prompt)[:pages], np.int64)
             cost = self._shares(0, pages) - self._of_shares(hits[refs[hits] > 0])
@@ -310,7 +282,7 @@ class PageTable:
         self._held[row] = 0
         self._limit[row] = pages_for(limit or tokens, self.page)
         for page in hits:
-            self._cached[self._held[row] % self.devices].pop(page, None)
+            self._cached[share_of(self._held[row], self.devices)].pop(page, None)
             self._hold(row, page)
         self._grow(row, pages_for(tokens, self.page))
         return len(hits) * self.page
@@ -343,7 +315,7 @@ class PageTable:
         """Row ``row`` takes new pages until it holds ``pages`` (a cached one when its share has
         no free one left: the least recently used)."""
         while self._held[row] < pages:
-            share = self._held[row] % self.devices
+            share = share_of(self._held[row], self.devices)
             if self._free[share]:
                 page = self._free[share].pop()
             else:
@@ -372,9 +344,9 @@ class PageTable:
             self._refs[page] -= 1
             if self._refs[page] == 0:
                 if self.prefix is not None and page in self.prefix:
-                    self._cached[j % self.devices][page] = None
+                    self._cached[share_of(j, self.devices)][page] = None
                 else:
-                    self._free[j % self.devices].append(page)
+                    self._free[share_of(j, self.devices)].append(page)
         self.table[row] = self._nulls
 
     def clear(self) -> None:

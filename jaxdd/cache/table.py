@@ -1,6 +1,6 @@
-"""The host side of the cache: how large every row's buffers are, and which request holds
-which row. A request takes the lowest free row when it is admitted (so a round over the
-first rows holds every busy one) and gives it back when it ends."""
+"""The host side of the cache: which request holds which row. A request takes the lowest free
+row when it is admitted (so a round over the first rows holds every busy one) and gives it back
+when it ends."""
 
 from __future__ import annotations
 
@@ -8,32 +8,8 @@ from collections.abc import Iterator
 from typing import Generic, TypeVar
 
 from jaxdd.errors import InputError
-from jaxdd.runtime.buckets import bucket
-
-CACHE_BUCKETS_PER_OCTAVE = 4
-# cache sizes past this are multiples of it: the tree-attention kernel reads blocks of up to 64
-CACHE_ALIGN = 64
 
 Holder = TypeVar("Holder")
-
-
-def cache_slots(needed: int) -> int:
-    """The cache size for ``needed`` slots: up to ``CACHE_ALIGN``, the next power of two;
-    beyond, the next of four sizes per octave rounded up to a multiple of ``CACHE_ALIGN``.
-    Either way whole blocks for the Pallas tree-attention kernel, which reads the cache in
-    blocks of a power of two up to that many slots. Powers of two throughout would double
-    a 8257-slot Kimi cache to 16384 slots, and attention reads every slot."""
-    if needed <= CACHE_ALIGN:
-        return bucket(needed)
-    return -(-bucket(needed, per_octave=CACHE_BUCKETS_PER_OCTAVE) // CACHE_ALIGN) * CACHE_ALIGN
-
-
-def row_slots(padded_prompt: int, max_len: int, round_tokens: int, unit: int = 1) -> int:
-    """Slots per row for requests of up to ``max_len`` tokens: a padded prompt's rows, or the
-    longest request's plus the rows a round writes past its committed tokens before it keeps
-    some (``round_tokens``: a draft block, or the tokens a verify writes); a multiple of
-    ``unit`` (a striped cache's page on every device)."""
-    return -(-cache_slots(max(padded_prompt, max_len + round_tokens)) // unit) * unit
 
 
 class RowTable(Generic[Holder]):

@@ -15,9 +15,8 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from jaxdd.cache import row_slots
-from jaxdd.cache.pages import pool_pages
-from jaxdd.cache.stripes import Stripes, paging
+from jaxdd.cache import Paging
+from jaxdd.cache.stripes import Stripes
 from jaxdd.decoding.checks import (
     check_lengths,
     check_round_options,
@@ -403,9 +402,7 @@ class SpeculativeDecoder:
         # Prompts and the cache in quarter octaves (prompts in multiples of 16): a prefill's cost
         # grows with its padded length and a round's with its slots, and each new shape compiles.
         longest = max(len(p) for p in checked)
-        page, devices = paging(self.stripes)
         round_tokens = max(block, verify_width)
-        slots = row_slots(prompt_bucket(longest), max(max_lengths), round_tokens, page * devices)
         sampled = any(not s.greedy for s in settings)
         spec = self.round_spec(
             method,
@@ -418,9 +415,12 @@ class SpeculativeDecoder:
             top_logprobs=options.logprobs,
         )
         rows = bucket(n, minimum=1)
-        pages = pool_pages(rows * slots, page, devices)  # every row's slots: one size per bucket
+        # every row's slots in the pool: one size per bucket
+        paging = Paging.for_rows(
+            self.stripes, rows, prompt_bucket(longest), max(max_lengths), round_tokens
+        )
         chunk = options.prefill_chunk
-        shape = RowShape(spec, spec, rows, max(max_lengths), longest, slots, (rows,), pages, chunk)
+        shape = RowShape(spec, spec, rows, max(max_lengths), longest, (rows,), paging, chunk)
         return requests, shape
 
     def _check_round_size(self, plan: RoundBatch, state: DecodeState) -> None:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdd.cache.stripes import paging
+from jaxdd.cache import Paging
 from jaxdd.config import KimiConfig
 from jaxdd.decoding.report import RoundTrace, TokenLogprob
 from jaxdd.decoding.rounds import DecodeState, ModelPair, RoundSpec, state_shardings
@@ -79,18 +79,15 @@ class RowShape:
     rows: int
     max_len: int  # prompt + new tokens, per request
     max_prompt: int
-    slots: int  # per row: the most a request's tokens and a round's writes reach
     tiers: tuple[int, ...]  # the row counts a round runs over: the fewest that hold every busy row
-    pool_pages: int  # the cache's pages, shared by the rows (``jaxdd.cache.pages``)
+    # the rows' tables and the pool of pages they share; its rows' slots are the most a
+    # request's tokens and a round's writes reach
+    paging: Paging
     prefill_chunk: int | None = None  # a longer prompt is prefilled in parts of this many tokens
 
     @property
-    def page(self) -> int:
-        return paging(self.spec.stripes)[0]
-
-    @property
-    def row_pages(self) -> int:
-        return self.slots // self.page
+    def slots(self) -> int:
+        return self.paging.slots
 
     @property
     def round_tokens(self) -> int:
@@ -112,7 +109,7 @@ class RowShape:
         share of the pool, even for a moment); ``decoder.empty_state`` keeps one per shape."""
         spec = self.spec
         drafter = None if spec.method == "ar" else decoder.drafter.config
-        sizes = (self.rows, self.row_pages, self.pool_pages, spec.block)
+        sizes = (self.rows, self.paging, spec.block)
         dtype = decoder.target.model.dtype
         layout = {"stripes": spec.stripes, "drafter_kv": spec.drafter_kv}
 
@@ -139,7 +136,8 @@ class RowShape:
         for i, (n, score) in enumerate(itertools.product(self.buckets(), scoring)):
             prompt = [4 + i] + [1] * (min(n, self.max_prompt) - 1)  # none finds another's pages
             requests.append(RowRequest(prompt, 1, [], GREEDY, 0 if score else None, score))
-        hit, after_hit, again = [2] * self.page, self.max_prompt - self.page, []
+        page = self.paging.page
+        hit, after_hit, again = [2] * page, self.max_prompt - page, []
         if prefix_cache and after_hit > 0:
             rests = [[5 + i] * min(b, after_hit) for i, b in enumerate(self.buckets())]
             again = [[*hit, 3]] + [hit + rest for rest in rests]

@@ -42,7 +42,6 @@ import numpy as np
 
 from jaxdd.cache import RowTable
 from jaxdd.cache.pages import PageTable
-from jaxdd.cache.stripes import paging
 from jaxdd.decoding.checks import MAX_STOP_TOKENS, check_row_request, pool_shape
 from jaxdd.decoding.prefill import prefill_after, prefill_new, prefill_row
 from jaxdd.decoding.report import RoundReport
@@ -143,11 +142,8 @@ class RowPool:
         self.settings: RowSettings | None = None  # the device copy, made when a round needs it
         self.state: DecodeState | None = None
         self.table: RowTable[RowEntry] = RowTable(self.rows)  # which request holds each row
-        page, devices = paging(self.spec.stripes)
         # which pages each row holds, and which the prefix cache keeps
-        self.pages = PageTable(
-            self.rows, shape.row_pages, shape.pool_pages, devices, page, prefix_cache
-        )
+        self.pages = PageTable(self.rows, shape.paging, prefix_cache)
         # Reports not yet read: the prefills since the last dispatch,
         # and per round dispatched those before it and its own.
         self._prefilled: list[_Report] = []
@@ -254,8 +250,8 @@ class RowPool:
         self.settings = jax.device_put(self.host_settings())
         mesh = self.decoder.mesh
         score = any(r.score_prompt for r in requests)
-        pages = (self.shape.row_pages, self.shape.pool_pages)
-        args = (self.spec, self.models, tokens, prompt_len, self.settings, seeds, pages, mesh)
+        paging = self.shape.paging
+        args = (self.spec, self.models, tokens, prompt_len, self.settings, seeds, paging, mesh)
         self.state, report = prefill_new(*args, score)
         holders = [(row, row, e) for row, e in self.table.items()]
         scored = padded - 1 if score else 0
