@@ -8,7 +8,7 @@ rows; a row reads and writes its slots 0, 1, ... through its page table (slot s:
   sized by ``cache_slots`` / ``row_slots``, and every rule that places a page.
 - ``table`` / ``pages``: the host side. ``RowTable`` gives a request a row when it is admitted
   and takes it back when it ends; ``PageTable`` gives the row its pages (admission waits for
-  them) and takes them back.
+  them) and takes them back, keeping those ``prefix`` indexes (``NoPrefix``: none).
 - ``layout``: the device side. ``CacheView`` tells a forward where each row's committed tokens
   are (what to read) and where its new ones go (what to write), through the page tables; the
   functions beside it place a request's state in a row of the batch.

@@ -35,6 +35,13 @@ def kv_dtype(choice: DrafterKV, dtype: jnp.dtype) -> jnp.dtype:
     return KV_DTYPES[choice]
 
 
+def heads_as_rows(buffer: jax.Array) -> jax.Array:
+    """A buffer [batch | pages, kv_heads, ...] with each KV head a row (or page) of its own,
+    [batch * kv_heads | pages * kv_heads, ...], at no copy: a pool's page p of head j is then page
+    ``p * kv_heads + j``, so a row's table serves its KV heads' rows (a kernel's ``fold``)."""
+    return buffer.reshape(-1, *buffer.shape[2:])
+
+
 @struct.dataclass
 class DraftCache:
     # per layer [batch, kv_heads, slots, head_dim] (normed and rotated), or a Pool of pages

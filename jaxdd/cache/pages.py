@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxdd.cache.paging import Paging, pages_for, pages_on, share_of
+from jaxdd.cache.prefix import NoPrefix, PrefixIndex
 from jaxdd.errors import InputError
 
 
@@ -68,61 +69,6 @@ class Ledger:
         return True
 
 
-class PrefixIndex:
-    """Full pages of committed tokens, keyed by their page of tokens and their parent: page j
-    of a sequence is found only under the pages of its first j pages of tokens."""
-
-    def __init__(self, page: int):
-        self.page = page
-        # (parent node, a page of tokens) -> (node, page id); node 0 is the empty prefix
-        self._nodes: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}
-        self._keys: dict[int, tuple[int, tuple[int, ...]]] = {}  # page id -> its key
-        self._count = 0
-
-    def __contains__(self, page: int) -> bool:
-        return page in self._keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def _blocks(self, tokens: Sequence[int], pages: int):
-        for j in range(pages):
-            yield tuple(tokens[j * self.page : (j + 1) * self.page])
-
-    def match(self, tokens: Sequence[int], pages: int) -> list[int]:
-        """The page ids of the longest cached run of ``tokens``'s first ``pages`` pages."""
-        node, found = 0, []
-        for block in self._blocks(tokens, pages):
-            if (node, block) not in self._nodes:
-                break
-            node, page = self._nodes[node, block]
-            found.append(page)
-        return found
-
-    def add(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
-        """Key ``pages`` (page ids) by ``tokens``'s pages of tokens, up to the first that is
-        cached already in another page: a cached page's parent is then in every row that holds
-        it, so evicting a page no row holds never cuts a prefix a row holds."""
-        node = 0
-        for block, page in zip(self._blocks(tokens, len(pages)), pages, strict=True):
-            key = (node, block)
-            if key not in self._nodes:
-                self._count += 1
-                self._nodes[key] = (self._count, int(page))
-                self._keys[int(page)] = key
-            elif self._nodes[key][1] != page:
-                return
-            node = self._nodes[key][0]
-
-    def drop(self, page: int) -> None:
-        """Forget ``page`` (the pages keyed after it are older: evicted before it)."""
-        del self._nodes[self._keys.pop(page)]
-
-    def clear(self) -> None:
-        self._nodes.clear()
-        self._keys.clear()
-
-
 class PageTable:
     """The page tables of ``rows`` rows, paged as ``paging`` says; with ``prefix``, the pages of
     finished prompts and outputs kept for requests that start the same way."""
@@ -154,7 +100,7 @@ class PageTable:
         self._refs = np.zeros((paging.pool_pages,), np.int32)  # rows holding each page
         # each share's cached pages no row holds, the least recently used first
         self._cached = [collections.OrderedDict() for _ in range(self.devices)]
-        self.prefix = PrefixIndex(self.page) if prefix else None
+        self.prefix: PrefixIndex | NoPrefix = PrefixIndex(self.page) if prefix else NoPrefix()
 
     @property
     def usable(self) -> int:
@@ -217,7 +163,7 @@ class PageTable:
     def hits(self, prompt: Sequence[int] | None) -> list[int]:
         """The cached pages a request with ``prompt`` starts with (None: it uses none); never its
         last token's page, which its prefill must compute."""
-        if self.prefix is None or prompt is None:
+        if prompt is None:
             return []
         return self.prefix.match(prompt, (len(prompt) - 1) // self.page)
 
@@ -276,8 +222,11 @@ class PageTable:
         """Row ``row`` (holding nothing) takes the pages of its first ``tokens`` slots, those
         its ``prompt`` starts with from the cache, and may grow to ``limit`` slots (default:
         ``tokens``): the tokens it found cached."""
-        if row in self._held or not self.fits(tokens, prompt, limit):
-            raise InputError.at("cache_tokens", f"no {pages_for(tokens, self.page)} free pages")
+        if row in self._held or not self.fits(tokens, prompt, limit):  # the caller's bug
+            raise RuntimeError(
+                f"row {row}: held already, or no {pages_for(tokens, self.page)} free pages "
+                "(take only what fits() allows)"
+            )
         hits = self.hits(prompt)[: pages_for(tokens, self.page)]
         self._held[row] = 0
         self._limit[row] = pages_for(limit or tokens, self.page)
@@ -331,9 +280,8 @@ class PageTable:
     def insert(self, row: int, tokens: Sequence[int]) -> None:
         """Cache row ``row``'s full pages of ``tokens``, its committed tokens (both caches hold
         their rows): its prompt once prefilled, or more when it ends."""
-        if self.prefix is not None:
-            pages = min(len(tokens) // self.page, self._held.get(row, 0))
-            self.prefix.add(tokens, self.table[row, :pages].tolist())
+        pages = min(len(tokens) // self.page, self._held.get(row, 0))
+        self.prefix.add(tokens, self.table[row, :pages].tolist())
 
     def release(self, row: int) -> None:
         """Row ``row``'s pages free again, or cached (a no-op if it holds none)."""
@@ -343,7 +291,7 @@ class PageTable:
             page = int(self.table[row, j])
             self._refs[page] -= 1
             if self._refs[page] == 0:
-                if self.prefix is not None and page in self.prefix:
+                if page in self.prefix:
                     self._cached[share_of(j, self.devices)][page] = None
                 else:
                     self._free[share_of(j, self.devices)].append(page)
@@ -356,5 +304,4 @@ class PageTable:
         for share, cached in zip(self._free, self._cached, strict=True):
             share.extend(cached)
             cached.clear()
-        if self.prefix is not None:
-            self.prefix.clear()
+        self.prefix.clear()

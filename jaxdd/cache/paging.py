@@ -10,14 +10,11 @@ device's pages of a row, in table order, hold a prefix of its share of the row's
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from jaxdd.runtime.buckets import bucket
-
-if TYPE_CHECKING:
-    from jaxdd.cache.stripes import Stripes
 
 PAGE_TOKENS = 64
 CACHE_BUCKETS_PER_OCTAVE = 4
@@ -27,9 +24,24 @@ CACHE_ALIGN = 64
 Count = TypeVar("Count")  # an int, or an array of them (numpy or JAX)
 
 
+class Dealing(Protocol):
+    """Pages dealt over devices (``jaxdd.cache.stripes.Stripes``)."""
+
+    @property
+    def page(self) -> int: ...
+
+    @property
+    def devices(self) -> int: ...
+
+
 def share_of(index: Count, devices: int) -> Count:
     """The share (device) a row's page ``index`` comes from."""
     return index % devices
+
+
+def share_holding(page: Count, share: int) -> Count:
+    """The share (device) holding page id ``page`` of a pool of shares of ``share`` pages."""
+    return page // share
 
 
 def pages_on(pages: Count, share: Count, devices: int) -> Count:
@@ -87,7 +99,7 @@ class Paging:
     @classmethod
     def for_rows(
         cls,
-        stripes: Stripes | None,
+        stripes: Dealing | None,
         rows: int,
         padded_prompt: int,
         max_len: int,
@@ -117,6 +129,16 @@ class Paging:
     def usable(self) -> int:
         """Pages a request can hold: the pool less its null pages."""
         return self.pool_pages - self.devices
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of requests the pool holds."""
+        return self.tokens_in(self.pool_pages)
+
+    def tokens_in(self, pool_pages: int) -> int:
+        """Tokens of requests a pool of ``pool_pages`` pages paged so holds (not its null
+        pages')."""
+        return (pool_pages - self.devices) * self.page
 
     def null_pages(self) -> np.ndarray:
         """[devices] int32: each share's null page."""

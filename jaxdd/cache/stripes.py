@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxdd.cache.layout import CacheView, stored
-from jaxdd.cache.paging import PAGE_TOKENS, share_of, tokens_on
+from jaxdd.cache.layout import CacheView, locate, stored
+from jaxdd.cache.paging import PAGE_TOKENS, share_holding, tokens_on
 from jaxdd.runtime.sharding import AXIS
 from pallas_kernels.online_softmax import merge_by_lse
 
@@ -43,27 +43,24 @@ class Stripes:
         """How many of ``device``'s slots hold committed rows when ``length`` tokens are."""
         return tokens_on(length, device, self.page, self.devices)
 
-    def local_view(self, view: CacheView, device: jax.Array, pool_pages: int) -> CacheView:
+    def local_view(self, view: CacheView, device: jax.Array, share: int) -> CacheView:
         """What ``device`` reads of ``view``'s rows: its ``local_length`` committed slots in its
         own pages (pages ``device``, ``device + devices``, ... of each table), numbered in its
-        share of ``pool_pages`` pages."""
+        ``share`` pages."""
         batch, row_pages = view.pages.shape
         dealt = view.pages.reshape(batch, row_pages // self.devices, self.devices)
-        own = jnp.take(dealt, device, axis=2) - device * pool_pages
+        own = jnp.take(dealt, device, axis=2) - device * share
         return CacheView(self.local_length(view.length, device), own)
 
     def _local_page(
-        self, pages: jax.Array, positions: jax.Array, device: jax.Array, pool_pages: int
+        self, pages: jax.Array, positions: jax.Array, device: jax.Array, share: int
     ) -> tuple[jax.Array, jax.Array]:
-        """(page in ``device``'s share of ``pool_pages``, slot in it) of each row's
-        ``positions`` [batch, P]; ``pool_pages`` (out of bounds, so dropped by a write) for a
-        position not its own."""
-        index = positions // self.page
-        inside = (index < pages.shape[1]) & (positions >= 0)
-        found = jnp.take_along_axis(pages, jnp.clip(index, 0, pages.shape[1] - 1), 1)
-        local = found - device * pool_pages
-        mine = inside & (share_of(index, self.devices) == device)
-        return jnp.where(mine, local, pool_pages), positions % self.page
+        """(page in ``device``'s ``share`` pages, slot in it) of each row's ``positions``
+        [batch, P]; ``share`` (past its pages, as ``locate`` puts a position outside the
+        table) for a position not on its pages."""
+        page, slot = locate(pages, positions, self.page, share * self.devices)
+        mine = share_holding(page, share) == device
+        return jnp.where(mine, page - device * share, share), slot
 
     def per_device(self, fn: Callable, in_specs: tuple, out_specs) -> Callable:
         """``fn`` run on every device of the mesh on its share of the operands."""

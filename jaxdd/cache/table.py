@@ -7,8 +7,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
-from jaxdd.errors import InputError
-
 Holder = TypeVar("Holder")
 
 
@@ -23,7 +21,7 @@ class RowTable(Generic[Holder]):
         """The lowest free row, now ``holder``'s."""
         row = next((r for r in range(self.rows) if r not in self._holders), None)
         if row is None:
-            raise InputError("no free row: take one only while free() is not empty")
+            raise RuntimeError("no free row: take one only while free() is not empty")
         self._holders[row] = holder
         return row
 

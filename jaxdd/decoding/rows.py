@@ -164,12 +164,12 @@ class RowPool:
     @property
     def cache_tokens(self) -> int:
         """Tokens the pool of pages holds for requests."""
-        return self.pages.usable * self.pages.page
+        return self.pages.paging.tokens
 
     @property
     def prefix_cache(self) -> bool:
         """Whether ended requests' pages are kept for prompts that start with their tokens."""
-        return self.pages.prefix is not None
+        return self.pages.prefix.keeps
 
     @property
     def cache_usage(self) -> float:

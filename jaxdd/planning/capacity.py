@@ -165,7 +165,7 @@ def device_cache_tokens(
     """The context tokens a server's pool of pages of ``shape`` holds by default: what
     ``CACHE_MEMORY_FRACTION`` of its devices' free memory (the weights loaded; the least over
     the processes, which all run the same pool) holds less the pool's temporaries
-    (``pool_temporaries``), in whole groups of pages less the null pages; without the
+    (``pool_temporaries``), in whole groups of pages, less the null pages; without the
     ``prefix_cache`` no more than every row full. None where the allocators report no limit."""
     mesh = decoder.mesh or make_mesh(1, jax.local_devices()[:1])
     free = least_free_bytes(mesh)
@@ -177,9 +177,8 @@ def device_cache_tokens(
         decoder.config, drafter, mesh, decoder.target.model.dtype, shape.spec.drafter_kv
     )
     layout = "striped" if decoder.stripes is not None else "replicated"
-    group = mesh.devices.size if decoder.stripes is not None else 1
-    held = cache_capacity(budget, slot, mesh.devices.size, layout)["tokens"]
-    tokens = max(0, int(held) - group * PAGE_TOKENS)  # a group's pages are the null ones
+    held = cache_capacity(budget, slot, mesh.devices.size, layout)["pages"]
+    tokens = max(0, shape.paging.tokens_in(held))
     if not prefix_cache:
         tokens = min(tokens, shape.rows * shape.slots)  # a row holds no more than its slots
     return tokens
