@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxdd.cache.paging import Paging, pages_for, pages_on, share_of
+from jaxdd.cache.paging import Paging, pages_for, pages_on, share_holding, share_of
 from jaxdd.cache.prefix import NoPrefix, PrefixIndex
 from jaxdd.errors import InputError
 
@@ -128,7 +128,7 @@ class PageTable:
 
     def _of_shares(self, pages: np.ndarray) -> np.ndarray:
         """[shares]: how many of the page ids ``pages`` each share holds."""
-        return np.bincount(pages // self.share, minlength=self.devices)
+        return np.bincount(share_holding(pages, self.share), minlength=self.devices)
 
     def _available(self) -> np.ndarray:
         """[shares]: pages a row may take, free or cached (a cached one is evicted)."""
@@ -154,11 +154,11 @@ class PageTable:
         ids = np.concatenate([np.zeros((0,), np.int64), *(ids for ids, _, _ in rows)])
         owner = np.repeat(np.arange(count), [len(ids) for ids, _, _ in rows])
         alone = refs[ids] == 1
-        np.add.at(returns, (owner[alone], ids[alone] // self.share), 1)
+        np.add.at(returns, (owner[alone], share_holding(ids[alone], self.share)), 1)
         pages, at = np.unique(ids[~alone], return_inverse=True)
         holders = np.zeros((len(pages), count), bool)
         holders[at, owner[~alone]] = True
-        return Ledger(needs, returns, holders, pages // self.share)
+        return Ledger(needs, returns, holders, share_holding(pages, self.share))
 
     def hits(self, prompt: Sequence[int] | None) -> list[int]:
         """The cached pages a request with ``prompt`` starts with (None: it uses none); never its
@@ -199,7 +199,7 @@ class PageTable:
             if (cost > available).any():
                 return count
             # held from here on: the pages rows hold, and the cached ones no take evicted yet
-            sure = hits[(refs[hits] > 0) | (free[hits // self.share] >= 0)]
+            sure = hits[(refs[hits] > 0) | (free[share_holding(hits, self.share)] >= 0)]
             cached = self._of_shares(sure[refs[sure] == 0])
             free -= cost - cached  # below 0: the takes evict cached pages of that share
             refs[sure] += 1
