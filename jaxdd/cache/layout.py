@@ -14,7 +14,7 @@ past a row's pages and is never read as committed.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 import jax
@@ -67,20 +67,12 @@ class CacheView:
         shape = rows.shape
         return rows.reshape(*shape[: self.axis], -1, *shape[self.axis + 2 :])
 
-    def locate(self, positions: jax.Array, page: int) -> tuple[jax.Array, jax.Array]:
-        """(page, slot in it) of each row's ``positions`` [batch, P] in a pool of pages of
-        ``page`` slots: page 0, the null page, past the table."""
-        index = positions // page
-        inside = index < self.pages.shape[1]
-        found = jnp.take_along_axis(self.pages, jnp.minimum(index, self.pages.shape[1] - 1), 1)
-        return jnp.where(inside, found, 0), positions % page
-
     def _page_write(self, pool: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
         """``pool`` with ``rows`` [batch, ..., T, ...] at positions ``start[b] ..``."""
         positions = start[:, None] + jnp.arange(rows.shape[self.axis])[None, :]
-        page, slot = self.locate(positions, pool.shape[self.axis])
+        page, slot = locate(self.pages, positions, pool.shape[self.axis], pool.shape[0])
         return pool.at[page_index(page, slot, pool.shape[1 : self.axis])].set(
-            stored(rows, pool.dtype)
+            stored(rows, pool.dtype), mode="drop"
         )
 
     def committed(self, slots: int, extra: jax.Array | None = None) -> jax.Array:
@@ -119,14 +111,34 @@ class CacheView:
             picked = self.stripes.read(buffer, self.pages, positions)
             return self.stripes.write(buffer, self.pages, picked, self.length)
         if self.pages is not None:
-            page, slot = self.locate(positions, buffer.shape[1])
-            return self._page_write(buffer, buffer[page, slot], self.length)
+            page, slot = locate(self.pages, positions, buffer.shape[1], buffer.shape[0])
+            return self._page_write(buffer, buffer.at[page, slot].get(mode="clip"), self.length)
         picked = jnp.take_along_axis(buffer, positions[:, :, None], axis=1)
         return write_rows(buffer, picked, self.length)
 
     def commit(self, count: jax.Array) -> CacheView:
         """The view after ``count`` [batch] more tokens are committed."""
         return self.replace(length=self.length + count)
+
+
+def locate(
+    pages: jax.Array, positions: jax.Array, page: int, outside: int
+) -> tuple[jax.Array, jax.Array]:
+    """(page id, slot in it) of each row's ``positions`` [batch, P] through its table ``pages``
+    [batch, row_pages] of pages of ``page`` slots; ``outside`` (past the pool's page ids: a
+    write drops it) for a position before or past the table."""
+    index = positions // page
+    inside = (index >= 0) & (index < pages.shape[1])
+    found = jnp.take_along_axis(pages, jnp.clip(index, 0, pages.shape[1] - 1), 1)
+    return jnp.where(inside, found, outside), positions % page
+
+
+def bytes_per_token(
+    pools: Sequence[jax.Array], axis: int, bytes_of: Callable[[jax.Array], float]
+) -> float:
+    """The bytes of ``pools`` ([pages, ..., page, ...], the page on ``axis``; abstract or not)
+    per token they hold, each counted by ``bytes_of`` (a device's shard of it, say)."""
+    return sum(bytes_of(x) / (x.shape[0] * x.shape[axis]) for x in pools)
 
 
 def page_index(page: jax.Array, slot: jax.Array, between: tuple[int, ...]) -> tuple:

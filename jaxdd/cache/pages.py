@@ -1,10 +1,9 @@
 """The host side of a paged cache: which pages of the pool each row holds, and which hold a
 prefix that later requests may reuse.
 
-A pool of ``pool_pages`` pages is split into ``devices`` equal shares (one share when the cache
-is not striped); the first page of each share is that share's null page, which no request holds:
-a row's table names it where the row holds no page, so a write there lands nowhere that is read.
-A row's page j comes from share ``j % devices`` (``jaxdd.cache.stripes`` reads it there).
+The pool is split into shares, each with a null page (``jaxdd.cache.paging``), which no request
+holds: a row's table names it where the row holds no page, so a write there lands nowhere that
+is read. A row's page j comes from share ``share_of(j)`` (``jaxdd.cache.stripes`` reads it there).
 
 A request takes pages as it grows, up to a limit (those its prompt and ``max_new_tokens`` can
 reach), and gives them back when it ends. Requests together may be promised more pages than the
@@ -33,26 +32,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxdd.cache.paging import Paging, pages_for, pages_on, share_holding, share_of
+from jaxdd.cache.prefix import NoPrefix, PrefixIndex
 from jaxdd.errors import InputError
-
-PAGE_TOKENS = 64
-
-
-def null_table(rows: int, row_pages: int, pool_pages: int, devices: int = 1) -> np.ndarray:
-    """[rows, row_pages] int32: every entry the null page of its share."""
-    share = pool_pages // devices
-    return np.tile((np.arange(row_pages) % devices * share).astype(np.int32), (rows, 1))
-
-
-def pages_for(tokens: int, page: int = PAGE_TOKENS) -> int:
-    """The pages that hold ``tokens`` slots."""
-    return -(-tokens // page)
-
-
-def pool_pages(tokens: int, page: int = PAGE_TOKENS, devices: int = 1) -> int:
-    """The pages of a pool that holds ``tokens`` tokens of requests, its null pages included:
-    as many on every device."""
-    return (-(-pages_for(tokens, page) // devices) + 1) * devices
 
 
 @dataclasses.dataclass
@@ -87,106 +69,42 @@ class Ledger:
         return True
 
 
-class PrefixIndex:
-    """Full pages of committed tokens, keyed by their page of tokens and their parent: page j
-    of a sequence is found only under the pages of its first j pages of tokens."""
-
-    def __init__(self, page: int):
-        self.page = page
-        # (parent node, a page of tokens) -> (node, page id); node 0 is the empty prefix
-        self._nodes: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}
-        self._keys: dict[int, tuple[int, tuple[int, ...]]] = {}  # page id -> its key
-        self._count = 0
-
-    def __contains__(self, page: int) -> bool:
-        return page in self._keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def _blocks(self, tokens: Sequence[int], pages: int):
-        for j in range(pages):
-            yield tuple(tokens[j * self.page : (j + 1) * self.page])
-
-    def match(self, tokens: Sequence[int], pages: int) -> list[int]:
-        """The page ids of the longest cached run of ``tokens``'s first ``pages`` pages."""
-        node, found = 0, []
-        for block in self._blocks(tokens, pages):
-            if (node, block) not in self._nodes:
-                break
-            node, page = self._nodes[node, block]
-            found.append(page)
-        return found
-
-    def add(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
-        """Key ``pages`` (page ids) by ``tokens``'s pages of tokens, up to the first that is
-        cached already in another page: a cached page's parent is then in every row that holds
-        it, so evicting a page no row holds never cuts a prefix a row holds."""
-        node = 0
-        for block, page in zip(self._blocks(tokens, len(pages)), pages, strict=True):
-            key = (node, block)
-            if key not in self._nodes:
-                self._count += 1
-                self._nodes[key] = (self._count, int(page))
-                self._keys[int(page)] = key
-            elif self._nodes[key][1] != page:
-                return
-            node = self._nodes[key][0]
-
-    def drop(self, page: int) -> None:
-        """Forget ``page`` (the pages keyed after it are older: evicted before it)."""
-        del self._nodes[self._keys.pop(page)]
-
-    def clear(self) -> None:
-        self._nodes.clear()
-        self._keys.clear()
-
-
 class PageTable:
-    """The page tables of ``rows`` rows of ``row_pages`` pages each, over a pool of
-    ``pool_pages`` pages (null pages included) split over ``devices``; with ``prefix``, the
-    pages of finished prompts and outputs kept for requests that start the same way."""
+    """The page tables of ``rows`` rows, paged as ``paging`` says; with ``prefix``, the pages of
+    finished prompts and outputs kept for requests that start the same way."""
 
-    def __init__(
-        self,
-        rows: int,
-        row_pages: int,
-        pool_pages: int,
-        devices: int = 1,
-        page: int = PAGE_TOKENS,
-        prefix: bool = False,
-    ):
-        if pool_pages % devices or pool_pages < 2 * devices:
+    def __init__(self, rows: int, paging: Paging, prefix: bool = False):
+        if paging.pool_pages % paging.devices or paging.pool_pages < 2 * paging.devices:
             raise InputError.at(
                 "cache_tokens",
-                f"a pool of {pool_pages} pages cannot give each of {devices} devices a null page "
-                "and one more",
+                f"a pool of {paging.pool_pages} pages cannot give each of {paging.devices} "
+                "devices a null page and one more",
             )
-        if row_pages % devices:
-            raise ValueError(f"row_pages: {row_pages} is not a multiple of {devices} devices")
+        if paging.row_pages % paging.devices:
+            raise ValueError(
+                f"row_pages: {paging.row_pages} is not a multiple of {paging.devices} devices"
+            )
         self.rows = rows
-        self.row_pages = row_pages
-        self.pool_pages = pool_pages
-        self.devices = devices
-        self.page = page
-        self.share = pool_pages // devices
-        self.table = null_table(rows, row_pages, pool_pages, devices)
+        self.paging = paging
+        self.page = paging.page
+        self.devices = paging.devices
+        self.share = paging.share
+        self.table = paging.null_table(rows)
         self._nulls = self.table[0].copy()
-        # each share's free pages, the lowest on top
+        # each share's free pages (its null page not), the lowest on top
         self._free = [
-            list(range((d + 1) * self.share - 1, d * self.share, -1)) for d in range(devices)
+            list(range(null + self.share - 1, null, -1)) for null in paging.null_pages().tolist()
         ]
         self._held: dict[int, int] = {}  # row -> pages it holds
         self._limit: dict[int, int] = {}  # row -> pages it may grow to
-        self._refs = np.zeros((pool_pages,), np.int32)  # rows holding each page
+        self._refs = np.zeros((paging.pool_pages,), np.int32)  # rows holding each page
         # each share's cached pages no row holds, the least recently used first
-        self._cached = [collections.OrderedDict() for _ in range(devices)]
-        self.prefix = PrefixIndex(page) if prefix else None
+        self._cached = [collections.OrderedDict() for _ in range(self.devices)]
+        self.prefix: PrefixIndex | NoPrefix = PrefixIndex(self.page) if prefix else NoPrefix()
 
     @property
     def usable(self) -> int:
-        """Pages a request can hold: the pool less its null pages."""
-        return self.pool_pages - self.devices
+        return self.paging.usable
 
     @property
     def free(self) -> int:
@@ -204,13 +122,13 @@ class PageTable:
 
     def _shares(self, start, end) -> np.ndarray:
         """[..., shares]: how many of a row's pages ``start`` .. ``end`` - 1 (ints, or arrays
-        [..., 1]) each share deals: page j is share j % devices's."""
-        before = lambda n: np.maximum(-(-(n - np.arange(self.devices)) // self.devices), 0)
+        [..., 1]) each share deals."""
+        before = lambda n: pages_on(n, np.arange(self.devices), self.devices)
         return before(np.maximum(end, start)) - before(start)
 
     def _of_shares(self, pages: np.ndarray) -> np.ndarray:
         """[shares]: how many of the page ids ``pages`` each share holds."""
-        return np.bincount(pages // self.share, minlength=self.devices)
+        return np.bincount(share_holding(pages, self.share), minlength=self.devices)
 
     def _available(self) -> np.ndarray:
         """[shares]: pages a row may take, free or cached (a cached one is evicted)."""
@@ -236,16 +154,16 @@ class PageTable:
         ids = np.concatenate([np.zeros((0,), np.int64), *(ids for ids, _, _ in rows)])
         owner = np.repeat(np.arange(count), [len(ids) for ids, _, _ in rows])
         alone = refs[ids] == 1
-        np.add.at(returns, (owner[alone], ids[alone] // self.share), 1)
+        np.add.at(returns, (owner[alone], share_holding(ids[alone], self.share)), 1)
         pages, at = np.unique(ids[~alone], return_inverse=True)
         holders = np.zeros((len(pages), count), bool)
         holders[at, owner[~alone]] = True
-        return Ledger(needs, returns, holders, pages // self.share)
+        return Ledger(needs, returns, holders, share_holding(pages, self.share))
 
     def hits(self, prompt: Sequence[int] | None) -> list[int]:
         """The cached pages a request with ``prompt`` starts with (None: it uses none); never its
         last token's page, which its prefill must compute."""
-        if self.prefix is None or prompt is None:
+        if prompt is None:
             return []
         return self.prefix.match(prompt, (len(prompt) - 1) // self.page)
 
@@ -274,14 +192,14 @@ class PageTable:
         rows = self._rows(skip=release)
         for count, (reach, start, prompt) in enumerate(zip(reaches, starts, prompts, strict=True)):
             limit, pages = pages_for(reach, self.page), pages_for(min(start, reach), self.page)
-            if limit > self.row_pages:
+            if limit > self.paging.row_pages:
                 return count
             hits = np.asarray(self.hits(prompt)[:pages], np.int64)
             cost = self._shares(0, pages) - self._of_shares(hits[refs[hits] > 0])
             if (cost > available).any():
                 return count
             # held from here on: the pages rows hold, and the cached ones no take evicted yet
-            sure = hits[(refs[hits] > 0) | (free[hits // self.share] >= 0)]
+            sure = hits[(refs[hits] > 0) | (free[share_holding(hits, self.share)] >= 0)]
             cached = self._of_shares(sure[refs[sure] == 0])
             free -= cost - cached  # below 0: the takes evict cached pages of that share
             refs[sure] += 1
@@ -304,13 +222,16 @@ class PageTable:
         """Row ``row`` (holding nothing) takes the pages of its first ``tokens`` slots, those
         its ``prompt`` starts with from the cache, and may grow to ``limit`` slots (default:
         ``tokens``): the tokens it found cached."""
-        if row in self._held or not self.fits(tokens, prompt, limit):
-            raise InputError.at("cache_tokens", f"no {pages_for(tokens, self.page)} free pages")
+        if row in self._held or not self.fits(tokens, prompt, limit):  # the caller's bug
+            raise RuntimeError(
+                f"row {row}: held already, or no {pages_for(tokens, self.page)} free pages "
+                "(take only what fits() allows)"
+            )
         hits = self.hits(prompt)[: pages_for(tokens, self.page)]
         self._held[row] = 0
         self._limit[row] = pages_for(limit or tokens, self.page)
         for page in hits:
-            self._cached[self._held[row] % self.devices].pop(page, None)
+            self._cached[share_of(self._held[row], self.devices)].pop(page, None)
             self._hold(row, page)
         self._grow(row, pages_for(tokens, self.page))
         return len(hits) * self.page
@@ -343,7 +264,7 @@ class PageTable:
         """Row ``row`` takes new pages until it holds ``pages`` (a cached one when its share has
         no free one left: the least recently used)."""
         while self._held[row] < pages:
-            share = self._held[row] % self.devices
+            share = share_of(self._held[row], self.devices)
             if self._free[share]:
                 page = self._free[share].pop()
             else:
@@ -359,9 +280,8 @@ class PageTable:
     def insert(self, row: int, tokens: Sequence[int]) -> None:
         """Cache row ``row``'s full pages of ``tokens``, its committed tokens (both caches hold
         their rows): its prompt once prefilled, or more when it ends."""
-        if self.prefix is not None:
-            pages = min(len(tokens) // self.page, self._held.get(row, 0))
-            self.prefix.add(tokens, self.table[row, :pages].tolist())
+        pages = min(len(tokens) // self.page, self._held.get(row, 0))
+        self.prefix.add(tokens, self.table[row, :pages].tolist())
 
     def release(self, row: int) -> None:
         """Row ``row``'s pages free again, or cached (a no-op if it holds none)."""
@@ -371,10 +291,10 @@ class PageTable:
             page = int(self.table[row, j])
             self._refs[page] -= 1
             if self._refs[page] == 0:
-                if self.prefix is not None and page in self.prefix:
-                    self._cached[j % self.devices][page] = None
+                if page in self.prefix:
+                    self._cached[share_of(j, self.devices)][page] = None
                 else:
-                    self._free[j % self.devices].append(page)
+                    self._free[share_of(j, self.devices)].append(page)
         self.table[row] = self._nulls
 
     def clear(self) -> None:
@@ -384,5 +304,4 @@ class PageTable:
         for share, cached in zip(self._free, self._cached, strict=True):
             share.extend(cached)
             cached.clear()
-        if self.prefix is not None:
-            self.prefix.clear()
+        self.prefix.clear()

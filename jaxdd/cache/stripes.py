@@ -1,11 +1,10 @@
 """The target's latent cache striped over the devices (decode context parallelism).
 
 Replicated, every device stores every latent row and reads all of them in every round. Striped,
-the pool of pages is split over the devices (device d holds pages ``d * P / devices ..``, the
-first of them its null page) and a row's page j is one of device ``j % devices``'s
-(``jaxdd.cache.pages`` deals them so), so a device's pages of a row, in table order, hold a
-prefix of its share of the row's tokens (``local_length``), and the attention over them is the
-one-device attention over a shorter table.
+the pool of pages is split over the devices, device d holding share d, and a row's page j is one
+of device ``share_of(j)``'s (``jaxdd.cache.paging``), so a device's pages of a row, in table
+order, hold a prefix of its share of the row's tokens (``local_length``), and the attention over
+them is the one-device attention over a shorter table.
 
 Every function here that moves rows runs per device (``shard_map``): a device writes the rows
 whose pages it owns and drops the rest, so no row crosses the link but those a reader asks for.
@@ -20,18 +19,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxdd.cache.layout import CacheView, stored
-from jaxdd.cache.pages import PAGE_TOKENS
+from jaxdd.cache.layout import CacheView, locate, stored
+from jaxdd.cache.paging import PAGE_TOKENS, share_holding, tokens_on
 from jaxdd.runtime.sharding import AXIS
 from pallas_kernels.online_softmax import merge_by_lse
 
 PAGES = PartitionSpec(AXIS)  # a pool [pages, page, ...] split along its pages
 WHOLE = PartitionSpec()
-
-
-def paging(stripes: Stripes | None) -> tuple[int, int]:
-    """(tokens per page, devices the pool is split over) of a cache striped by ``stripes``."""
-    return (PAGE_TOKENS, 1) if stripes is None else (stripes.page, stripes.devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,33 +40,27 @@ class Stripes:
         return self.mesh.shape[AXIS]
 
     def local_length(self, length: jax.Array, device: jax.Array) -> jax.Array:
-        """How many of ``device``'s slots hold committed rows when ``length`` tokens are:
-        its whole pages among the first ``length // page``, and the partial page if its."""
-        pages, rest = jnp.divmod(length, self.page)
-        whole = jnp.maximum(pages - device + self.devices - 1, 0) // self.devices
-        return whole * self.page + jnp.where(pages % self.devices == device, rest, 0)
+        """How many of ``device``'s slots hold committed rows when ``length`` tokens are."""
+        return tokens_on(length, device, self.page, self.devices)
 
-    def local_view(self, view: CacheView, device: jax.Array, pool_pages: int) -> CacheView:
+    def local_view(self, view: CacheView, device: jax.Array, share: int) -> CacheView:
         """What ``device`` reads of ``view``'s rows: its ``local_length`` committed slots in its
         own pages (pages ``device``, ``device + devices``, ... of each table), numbered in its
-        share of ``pool_pages`` pages."""
+        ``share`` pages."""
         batch, row_pages = view.pages.shape
         dealt = view.pages.reshape(batch, row_pages // self.devices, self.devices)
-        own = jnp.take(dealt, device, axis=2) - device * pool_pages
+        own = jnp.take(dealt, device, axis=2) - device * share
         return CacheView(self.local_length(view.length, device), own)
 
     def _local_page(
-        self, pages: jax.Array, positions: jax.Array, device: jax.Array, pool_pages: int
+        self, pages: jax.Array, positions: jax.Array, device: jax.Array, share: int
     ) -> tuple[jax.Array, jax.Array]:
-        """(page in ``device``'s share of ``pool_pages``, slot in it) of each row's
-        ``positions`` [batch, P]; ``pool_pages`` (out of bounds, so dropped by a write) for a
-        position not its own."""
-        index = positions // self.page
-        inside = (index < pages.shape[1]) & (positions >= 0)
-        found = jnp.take_along_axis(pages, jnp.clip(index, 0, pages.shape[1] - 1), 1)
-        local = found - device * pool_pages
-        mine = inside & (index % self.devices == device)
-        return jnp.where(mine, local, pool_pages), positions % self.page
+        """(page in ``device``'s ``share`` pages, slot in it) of each row's ``positions``
+        [batch, P]; ``share`` (past its pages, as ``locate`` puts a position outside the
+        table) for a position not on its pages."""
+        page, slot = locate(pages, positions, self.page, share * self.devices)
+        mine = share_holding(page, share) == device
+        return jnp.where(mine, page - device * share, share), slot
 
     def per_device(self, fn: Callable, in_specs: tuple, out_specs) -> Callable:
         """``fn`` run on every device of the mesh on its share of the operands."""

@@ -8,9 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxdd.cache import row_slots
-from jaxdd.cache.pages import pool_pages
-from jaxdd.cache.stripes import paging
+from jaxdd.cache import Paging
 from jaxdd.config import KimiConfig
 from jaxdd.decoding.requests import Decoder, RowRequest, RowShape
 from jaxdd.decoding.sampling import Sampling
@@ -234,18 +232,14 @@ def pool_shape(
     greedy_spec = decoder.round_spec(method, sampled=False, **options)
     tiers = round_tiers(rows)
     round_tokens = max(block, verified_tokens(method, block, budget))
-    page, devices = paging(spec.stripes)
-    slots = row_slots(prompt_bucket(max_prompt), max_len, round_tokens, page * devices)
-    least = min(max_len + round_tokens, slots)  # one request of max_len: none waits forever
-    if cache_tokens is None:
-        cache_tokens = rows * slots
-    elif not isinstance(cache_tokens, int) or cache_tokens < least:
-        raise InputError.at(
-            "cache_tokens",
-            f"must hold one request of max_len {max_len} and a round ({least} tokens), "
-            f"got {cache_tokens!r}",
-        )
-    pages = pool_pages(cache_tokens, page, devices)
-    return RowShape(
-        spec, greedy_spec, rows, max_len, max_prompt, slots, tiers, pages, prefill_chunk
-    )
+    paging = Paging.for_rows(spec.stripes, rows, prompt_bucket(max_prompt), max_len, round_tokens)
+    least = min(max_len + round_tokens, paging.slots)  # one request of max_len: none waits forever
+    if cache_tokens is not None:
+        if not isinstance(cache_tokens, int) or cache_tokens < least:
+            raise InputError.at(
+                "cache_tokens",
+                f"must hold one request of max_len {max_len} and a round ({least} tokens), "
+                f"got {cache_tokens!r}",
+            )
+        paging = paging.holding(cache_tokens)
+    return RowShape(spec, greedy_spec, rows, max_len, max_prompt, tiers, paging, prefill_chunk)

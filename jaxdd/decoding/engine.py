@@ -14,9 +14,8 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from jaxdd.cache import cache_slots, row_slots
-from jaxdd.cache.pages import pool_pages
-from jaxdd.cache.stripes import Stripes, paging
+from jaxdd.cache import Paging, cache_slots
+from jaxdd.cache.stripes import Stripes
 from jaxdd.decoding.checks import (
     check_lengths,
     check_round_options,
@@ -404,10 +403,7 @@ class SpeculativeDecoder:
         # Prompts and request lengths in quarter octaves (prompts in multiples of 16): a prefill's
         # cost grows with its padded length and a round's with its slots, and each shape compiles.
         longest = max(len(p) for p in checked)
-        page, devices = paging(self.stripes)
         round_tokens = max(block, verify_width)
-        max_len = cache_slots(max(max_lengths))
-        slots = row_slots(prompt_bucket(longest), max_len, round_tokens, page * devices)
         sampled = any(not s.greedy for s in settings)
         spec = self.round_spec(
             method,
@@ -420,9 +416,11 @@ class SpeculativeDecoder:
             top_logprobs=options.logprobs,
         )
         rows = bucket(n, minimum=1)
-        pages = pool_pages(rows * slots, page, devices)  # every row's slots: one size per bucket
+        # every row's slots in the pool: one size per bucket
+        max_len = cache_slots(max(max_lengths))
+        paging = Paging.for_rows(self.stripes, rows, prompt_bucket(longest), max_len, round_tokens)
         chunk = options.prefill_chunk
-        shape = RowShape(spec, spec, rows, max(max_lengths), longest, slots, (rows,), pages, chunk)
+        shape = RowShape(spec, spec, rows, max(max_lengths), longest, (rows,), paging, chunk)
         return requests, shape
 
     def models_for(self, spec: RoundSpec) -> ModelPair:

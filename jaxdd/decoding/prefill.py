@@ -10,7 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxdd.cache import LatentCache
+from jaxdd.cache import LatentCache, Paging
 from jaxdd.cache.layout import clear_rows, put_rows, take_rows
 from jaxdd.decoding.report import RoundReport
 from jaxdd.decoding.rounds import (
@@ -198,7 +198,7 @@ def prefill_after(
     return put_rows(state, new.replace(done=new.done | ~last), rows), report
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "pages", "mesh", "score"))
+@functools.partial(jax.jit, static_argnames=("spec", "paging", "mesh", "score"))
 def prefill_new(
     spec: RoundSpec,
     models: ModelPair,
@@ -206,17 +206,16 @@ def prefill_new(
     prompt_len: jax.Array,
     settings: RowSettings,
     seeds: jax.Array,
-    pages: tuple[int, int],
+    paging: Paging,
     mesh: jax.sharding.Mesh | None,
     score: bool = False,
 ) -> tuple[DecodeState, jax.Array]:
-    """``prefill`` into every row of a new state, of ``pages`` (pages per row, pages of the
-    pool), made inside the jit: made outside, its many eager dispatches cost host time on every
-    batch."""
+    """``prefill`` into every row of a new state paged as ``paging`` says, made inside the
+    jit: made outside, its many eager dispatches cost host time on every batch."""
     target, drafter = models.merge()
     drafter_config = None if drafter is None else drafter.config
     rows = tokens.shape[0]
-    sizes = (rows, *pages, spec.block, target.dtype, seed_keys(seeds))
+    sizes = (rows, paging, spec.block, target.dtype, seed_keys(seeds))
     layout = {"stripes": spec.stripes, "drafter_kv": spec.drafter_kv}
     state = DecodeState.empty(target.config, drafter_config, *sizes, **layout)
     return prefill(spec, models, state, tokens, prompt_len, settings, seeds, mesh, score)

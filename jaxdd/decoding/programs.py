@@ -40,7 +40,7 @@ STATIC = StatePrograms(
     ("spec", "rows"),
     ("spec", "mesh", "score"),
     ("spec", "mesh"),
-    ("spec", "pages", "mesh", "score"),
+    ("spec", "paging", "mesh", "score"),
 )
 
 

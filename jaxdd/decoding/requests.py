@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdd.cache.stripes import paging
+from jaxdd.cache import Paging
 from jaxdd.config import KimiConfig
 from jaxdd.decoding.programs import names_formats, state_formats
 from jaxdd.decoding.report import RoundTrace, TokenLogprob
@@ -80,18 +80,15 @@ class RowShape:
     rows: int
     max_len: int  # prompt + new tokens, per request
     max_prompt: int
-    slots: int  # per row: the most a request's tokens and a round's writes reach
     tiers: tuple[int, ...]  # the row counts a round runs over: the fewest that hold every busy row
-    pool_pages: int  # the cache's pages, shared by the rows (``jaxdd.cache.pages``)
+    # the rows' tables and the pool of pages they share; its rows' slots are the most a
+    # request's tokens and a round's writes reach
+    paging: Paging
     prefill_chunk: int | None = None  # a longer prompt is prefilled in parts of this many tokens
 
     @property
-    def page(self) -> int:
-        return paging(self.spec.stripes)[0]
-
-    @property
-    def row_pages(self) -> int:
-        return self.slots // self.page
+    def slots(self) -> int:
+        return self.paging.slots
 
     @property
     def round_tokens(self) -> int:
@@ -126,7 +123,7 @@ class RowShape:
     def _empty(self, decoder: Decoder) -> Callable[[], DecodeState]:
         spec = self.spec
         drafter = None if spec.method == "ar" else decoder.drafter.config
-        sizes = (self.rows, self.row_pages, self.pool_pages, spec.block)
+        sizes = (self.rows, self.paging, spec.block)
         dtype = decoder.target.model.dtype
         layout = {"stripes": spec.stripes, "drafter_kv": spec.drafter_kv}
 
@@ -145,7 +142,7 @@ class RowShape:
         """``warm_up_requests`` for this shape."""
         scoring = bool(self.spec.top_logprobs)
         return warm_up_requests(
-            self.max_prompt, self.page, scoring, prefix_cache, self.prefill_chunk
+            self.max_prompt, self.paging.page, scoring, prefix_cache, self.prefill_chunk
         )
 
 

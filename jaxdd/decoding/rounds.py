@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxdd.cache import DraftCache, LatentCache
+from jaxdd.cache import DraftCache, LatentCache, Paging
 from jaxdd.cache.draft import kv_dtype
 from jaxdd.cache.layout import front, put_front
-from jaxdd.cache.stripes import Stripes, paging
+from jaxdd.cache.stripes import Stripes
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.report import RoundReport
 from jaxdd.decoding.sampling import (
@@ -138,34 +138,28 @@ class DecodeState:
         config: KimiConfig,
         drafter_config: DrafterConfig | None,
         batch: int,
-        row_pages: int,
-        pool_pages: int,
+        paging: Paging,
         block: int,
         dtype: jnp.dtype,
         rng: jax.Array,
         stripes: Stripes | None = None,
         drafter_kv: DrafterKV = "model",
     ) -> DecodeState:
-        """The state before the prefill: empty pools of ``pool_pages`` pages for ``batch`` rows
-        of up to ``row_pages`` pages (and drafter context, with a drafter, its K/V stored as
+        """The state before the prefill: empty pools paged as ``paging`` says for ``batch`` rows
+        (and drafter context, with a drafter, its K/V stored as
         ``drafter_kv`` says)."""
         drafter = {}
         if drafter_config is not None:
             features = len(drafter_config.target_layer_ids) * config.hidden_size
             drafter = {
                 "draft_cache": DraftCache.pooled(
-                    drafter_config,
-                    batch,
-                    row_pages,
-                    pool_pages,
-                    kv_dtype(drafter_kv, dtype),
-                    *paging(stripes),
+                    drafter_config, batch, paging, kv_dtype(drafter_kv, dtype)
                 ),
                 "context": jnp.zeros((batch, block, features), dtype),
                 "context_count": jnp.zeros((batch,), jnp.int32),
             }
         return cls(
-            target_cache=LatentCache.pooled(config, batch, row_pages, pool_pages, dtype, stripes),
+            target_cache=LatentCache.pooled(config, batch, paging, dtype, stripes),
             bonus=jnp.zeros((batch,), jnp.int32),
             done=jnp.zeros((batch,), bool),
             rng=rng,

@@ -42,7 +42,6 @@ import numpy as np
 
 from jaxdd.cache import RowTable
 from jaxdd.cache.pages import PageTable
-from jaxdd.cache.stripes import paging
 from jaxdd.decoding.checks import MAX_STOP_TOKENS, check_row_request, pool_shape
 from jaxdd.decoding.programs import state_programs
 from jaxdd.decoding.report import RoundReport
@@ -138,11 +137,8 @@ class RowPool:
         self.settings: RowSettings | None = None  # the device copy, made when a round needs it
         self.state: DecodeState | None = None
         self.table: RowTable[RowEntry] = RowTable(self.rows)  # which request holds each row
-        page, devices = paging(self.spec.stripes)
         # which pages each row holds, and which the prefix cache keeps
-        self.pages = PageTable(
-            self.rows, shape.row_pages, shape.pool_pages, devices, page, prefix_cache
-        )
+        self.pages = PageTable(self.rows, shape.paging, prefix_cache)
         # Reports not yet read: the prefills since the last dispatch,
         # and per round dispatched those before it and its own.
         self._prefilled: list[_Report] = []
@@ -163,12 +159,12 @@ class RowPool:
     @property
     def cache_tokens(self) -> int:
         """Tokens the pool of pages holds for requests."""
-        return self.pages.usable * self.pages.page
+        return self.pages.paging.tokens
 
     @property
     def prefix_cache(self) -> bool:
         """Whether ended requests' pages are kept for prompts that start with their tokens."""
-        return self.pages.prefix is not None
+        return self.pages.prefix.keeps
 
     @property
     def cache_usage(self) -> float:
@@ -249,8 +245,8 @@ class RowPool:
         self.settings = jax.device_put(self.host_settings())
         mesh = self.decoder.mesh
         score = any(r.score_prompt for r in requests)
-        pages = (self.shape.row_pages, self.shape.pool_pages)
-        args = (self.spec, self.models, tokens, prompt_len, self.settings, seeds, pages, mesh)
+        paging = self.shape.paging
+        args = (self.spec, self.models, tokens, prompt_len, self.settings, seeds, paging, mesh)
         self.state, report = self.programs.prefill_new(*args, score)
         holders = [(row, row, e) for row, e in self.table.items()]
         scored = padded - 1 if score else 0

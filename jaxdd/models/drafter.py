@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxdd.cache import CacheView, DraftCache
+from jaxdd.cache.draft import heads_as_rows
 from jaxdd.cache.layout import stored
 from jaxdd.config import DrafterConfig
 from jaxdd.models.layers import (
@@ -131,20 +132,15 @@ class DraftAttention(nnx.Module, Placeable):
         """The block's attention [B,T,heads,hd] (fp32) in the tree-attention kernel, per device
         on its KV heads. The kernel is MLA's (scores q_latent . latent + q_rope . rope, values
         the latent): keys go in as its rope operand, values as its latent one, and zero latent
-        queries leave the scores q . k. Each KV head is a row of its own (a pool's KV heads
-        fold into its pages at no copy: page p of head j is page p * kv + j, the kernel's
-        ``fold``, so its rows share their request's table)."""
+        queries leave the scores q . k. Each KV head is a row of its own
+        (``jaxdd.cache.draft.heads_as_rows``: a request's table serves its KV heads' rows)."""
 
         def attend(q, k, v, keys, values, length, block_len, pages):
             b, t, heads, hd = q.shape  # this device's heads
             kv = k.shape[1]
             q = q.reshape(b, t, kv, heads // kv, hd).transpose(0, 2, 1, 3, 4)
             q = q.reshape(b * kv, t, heads // kv, hd)
-            fold = lambda x: x.reshape(b * kv, *x.shape[2:])  # [B, kv, ..] -> [B * kv, ..]
-            if pages is None:
-                keys, values = map(fold, (keys, values))
-            else:  # each row's table serves its kv rows (the kernel's ``fold``)
-                keys, values = (x.reshape(-1, *x.shape[2:]) for x in (keys, values))
+            keys, values, k, v = map(heads_as_rows, (keys, values, k, v))
             tail = jnp.arange(t)[None, None, :] < block_len[:, None, None]
             out = kernel(
                 jnp.zeros_like(q),
@@ -152,8 +148,8 @@ class DraftAttention(nnx.Module, Placeable):
                 values,
                 keys,
                 jnp.repeat(length, kv),
-                fold(v),
-                fold(k),
+                v,
+                k,
                 jnp.repeat(jnp.broadcast_to(tail, (b, t, t)), kv, axis=0),
                 scale=hd**-0.5,
                 pages=pages,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from jaxdd.cache.pages import PAGE_TOKENS
+from jaxdd.cache.paging import PAGE_TOKENS, tokens_on
 from jaxdd.config import KimiConfig
 from jaxdd.planning.hardware import Hardware
 from jaxdd.types import LAYOUTS, CacheLayout, Method
@@ -36,13 +36,10 @@ def latent_row_bytes(config: KimiConfig) -> int:
 
 def tokens_read(context: int, devices: int, layout: CacheLayout) -> int:
     """Context tokens whose latent rows the busiest device reads: all of them replicated;
-    striped, the pages dealt round-robin to the device with the most rows."""
+    striped, those of the device with the most of the pages dealt to it."""
     if layout == "replicated":
         return context
-    full, rest = divmod(context, PAGE_TOKENS)
-    rounds, extra = divmod(full, devices)
-    # devices before ``extra`` hold one more full page; the partial one lands on ``extra``
-    return rounds * PAGE_TOKENS + (PAGE_TOKENS if extra else rest)
+    return max(tokens_on(context, device, PAGE_TOKENS, devices) for device in range(devices))
 
 
 def merge_costs(config: KimiConfig, tokens: int, devices: int) -> dict[str, dict[str, float]]:

@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxdd.cache.pages import PAGE_TOKENS, pool_pages
-from jaxdd.cache.stripes import Stripes, paging
+from jaxdd.cache import Paging
+from jaxdd.cache.paging import PAGE_TOKENS
+from jaxdd.cache.stripes import Stripes
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.checks import MAX_STOP_TOKENS
 from jaxdd.decoding.engine import SpeculativeDecoder
@@ -40,21 +41,19 @@ def abstract_state(
     config: KimiConfig,
     drafter_config: DrafterConfig | None,
     batch: int,
-    slots: int,
+    paging: Paging,
     block: int,
     mesh: jax.sharding.Mesh,
     stripes: Stripes | None = None,
     dtype: jnp.dtype = jnp.bfloat16,
     drafter_kv: DrafterKV = "model",
 ) -> DecodeState:
-    """The decode state before a prefill as sharded ShapeDtypeStructs (nothing allocated): a
-    pool of pages holding ``batch`` rows of ``slots`` slots, its latent cache striped by
-    ``stripes`` (None: replicated), the drafter's K/V stored as ``drafter_kv`` says."""
+    """The decode state before a prefill as sharded ShapeDtypeStructs (nothing allocated):
+    ``batch`` rows paged as ``paging`` says, its latent cache striped by ``stripes`` (None:
+    replicated), the drafter's K/V stored as ``drafter_kv`` says."""
     rng = jax.ShapeDtypeStruct((batch, 2), jnp.uint32)
-    page, devices = paging(stripes)
-    pages = (slots // page, pool_pages(batch * slots, page, devices))
     empty = lambda rng: DecodeState.empty(
-        config, drafter_config, batch, *pages, block, dtype, rng, stripes, drafter_kv
+        config, drafter_config, batch, paging, block, dtype, rng, stripes, drafter_kv
     )
     state = jax.eval_shape(empty, rng)
     shardings = state_shardings(state, mesh)
@@ -87,20 +86,13 @@ def slot_bytes(
 ) -> dict[str, float]:
     """Per device, the bytes one more cache slot of a row takes: ``latent`` (the target's
     latent rows, all layers) and ``drafter`` (the drafter's context K/V, all layers, stored as
-    ``drafter_kv`` says; 0 without a drafter), caches in ``dtype``."""
-
-    def caches(slots: int) -> dict[str, int]:
-        state = abstract_state(
-            config, drafter_config, 1, slots, 1, mesh, dtype=dtype, drafter_kv=drafter_kv
-        )
-        total = lambda cache: sum(
-            shard_bytes(x) for x in jax.tree.leaves(cache.replace(pages=None) if cache else [])
-        )  # the pools: a row's page table is 4 bytes a page, not a slot's
-        return {"latent": total(state.target_cache), "drafter": total(state.draft_cache)}
-
-    # two sizes, so what does not grow with the slots (lengths) cancels
-    small, large = caches(PAGE_TOKENS), caches(2 * PAGE_TOKENS)
-    return {name: (large[name] - small[name]) / PAGE_TOKENS for name in small}
+    ``drafter_kv`` says; 0 without a drafter), caches in ``dtype``: what their pools of one
+    page, as the decode state shards them, declare."""
+    state = abstract_state(
+        config, drafter_config, 1, Paging(1, 1), 1, mesh, dtype=dtype, drafter_kv=drafter_kv
+    )
+    per_token = lambda cache: 0.0 if cache is None else cache.token_bytes(shard_bytes)
+    return {"latent": per_token(state.target_cache), "drafter": per_token(state.draft_cache)}
 
 
 def cache_capacity(
@@ -137,13 +129,13 @@ def pool_temporaries(decoder: SpeculativeDecoder, shape: RowShape) -> int:
     drafter = None if spec.method == "ar" else decoder.drafter.config
     dtype = decoder.target.model.dtype
     state = abstract_state(
-        decoder.config, drafter, rows, shape.slots, spec.block,
+        decoder.config, drafter, rows, shape.paging.holding(rows * shape.slots), spec.block,
         mesh or make_mesh(1, jax.local_devices()[:1]), decoder.stripes, dtype, spec.drafter_kv,
     )  # fmt: skip
     scoring = bool(spec.top_logprobs)  # a scored prompt is prefilled whole
     longest = min(shape.max_prompt, (not scoring and shape.prefill_chunk) or shape.max_prompt)
     ints = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)
-    settings = lambda n: abstract_settings(n, shape.row_pages)
+    settings = lambda n: abstract_settings(n, shape.paging.row_pages)
     models, flag = decoder.models_for(spec), jax.ShapeDtypeStruct((), jnp.bool_)
     seeds = jax.ShapeDtypeStruct((1,), jnp.uint32)
     one = (ints(1, prompt_bucket(longest)), ints(1), settings(1), seeds)
@@ -173,7 +165,7 @@ def device_cache_tokens(
     """The context tokens a server's pool of pages of ``shape`` holds by default: what
     ``CACHE_MEMORY_FRACTION`` of its devices' free memory (the weights loaded; the least over
     the processes, which all run the same pool) holds less the pool's temporaries
-    (``pool_temporaries``), in whole groups of pages less the null pages; without the
+    (``pool_temporaries``), in whole groups of pages, less the null pages; without the
     ``prefix_cache`` no more than every row full. None where the allocators report no limit."""
     mesh = decoder.mesh or make_mesh(1, jax.local_devices()[:1])
     free = least_free_bytes(mesh)
@@ -185,9 +177,8 @@ def device_cache_tokens(
         decoder.config, drafter, mesh, decoder.target.model.dtype, shape.spec.drafter_kv
     )
     layout = "striped" if decoder.stripes is not None else "replicated"
-    group = mesh.devices.size if decoder.stripes is not None else 1
-    held = cache_capacity(budget, slot, mesh.devices.size, layout)["tokens"]
-    tokens = max(0, int(held) - group * PAGE_TOKENS)  # a group's pages are the null ones
+    held = cache_capacity(budget, slot, mesh.devices.size, layout)["pages"]
+    tokens = max(0, shape.paging.tokens_in(held))
     if not prefix_cache:
         tokens = min(tokens, shape.rows * shape.slots)  # a row holds no more than its slots
     return tokens

@@ -26,9 +26,8 @@ import jax
 from flax import nnx
 
 from jaxdd.api import Target
-from jaxdd.cache import row_slots
-from jaxdd.cache.pages import PAGE_TOKENS
-from jaxdd.cache.stripes import paging
+from jaxdd.cache import Paging
+from jaxdd.cache.paging import PAGE_TOKENS
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.engine import RoundBatch, SpeculativeDecoder
 from jaxdd.decoding.memory_maps import server_maps
@@ -128,8 +127,8 @@ def plan(
         models = (config, drafter_config, model_bytes, work)
         return _cache_layouts(o, planned, *models, where, mesh, per_device, activations, chosen)
 
-    def decoder_in(layout: CacheLayout) -> tuple[SpeculativeDecoder, int]:
-        """The decoder whose latent cache is laid out so, and its cache slots per row."""
+    def decoder_in(layout: CacheLayout) -> tuple[SpeculativeDecoder, Paging]:
+        """The decoder whose latent cache is laid out so, and its batch's paging."""
         decoder = SpeculativeDecoder(
             Target(models[0]),
             models[1],
@@ -137,13 +136,12 @@ def plan(
             cache_layout=layout,
             drafter_kv=o.drafter_kv,
         )
-        page, devices = paging(decoder.stripes)
         # sized as the runtime sizes a row for requests of up to ``max_len`` tokens
-        return decoder, row_slots(0, o.max_len, max(block, tokens), page * devices)
+        return decoder, Paging.for_rows(decoder.stripes, o.batch, 0, o.max_len, max(block, tokens))
 
     accounted = layouts(None)
     layers = (config.num_hidden_layers, 0 if o.method == "ar" else drafter_config.num_hidden_layers)
-    decoder, slots = decoder_in(accounted["cache_layout"])
+    decoder, paging = decoder_in(accounted["cache_layout"])
     shape = {
         "config": str(config_path),
         "layers": config.num_hidden_layers,
@@ -155,7 +153,7 @@ def plan(
         "sampled": o.sampled,
         "budget": o.budget,
         "max_len": o.max_len,
-        "cache_slots": slots,
+        "cache_slots": paging.slots,
         "drafter_kv": o.drafter_kv,
         "batch": o.batch,
         "attention": form,
@@ -166,18 +164,19 @@ def plan(
     if not o.compile_round:
         return shape | accounted
 
-    def compiled_in(decoder: SpeculativeDecoder, slots: int) -> tuple[Any, dict, dict | None]:
+    def compiled_in(decoder: SpeculativeDecoder, paging: Paging) -> tuple[Any, dict, dict | None]:
         """The round's decode state, its compile's analysis and its traffic account."""
-        round_shape = (o.method, block, o.budget, o.batch, slots, o.sampled)
+        round_shape = (o.method, block, o.budget, o.batch, paging, o.sampled)
         round_batch, state = _abstract_requests(decoder, mesh, config, drafter_config, *round_shape)
         return state, *_compile(decoder, round_batch, state, where, form)
 
-    state, compiled, account = compiled_in(decoder, slots)
+    state, compiled, account = compiled_in(decoder, paging)
     checked = layouts(compiled["temp_bytes"])
     if checked["cache_layout"] != accounted["cache_layout"]:
         # the round's temporaries leave only the other layout holding the batch
-        decoder, shape["cache_slots"] = decoder_in(checked["cache_layout"])
-        state, compiled, account = compiled_in(decoder, shape["cache_slots"])
+        decoder, paging = decoder_in(checked["cache_layout"])
+        shape["cache_slots"] = paging.slots
+        state, compiled, account = compiled_in(decoder, paging)
         choice = LayoutChoice(checked["cache_layout"], checked["cache_layout_reason"])
         checked = layouts(compiled["temp_bytes"], choice)
     shape |= checked
@@ -395,13 +394,13 @@ def _from_pallas(error: BaseException) -> bool:
 
 
 def _abstract_requests(
-    decoder, mesh, config, drafter_config, method, block, budget, batch, slots, sampled
+    decoder, mesh, config, drafter_config, method, block, budget, batch, paging, sampled
 ):
     """A request plan for one round and the decode state it runs on, its latent cache laid
     out as the decoder's, as sharded ShapeDtypeStructs."""
     layout = {"stripes": decoder.stripes, "drafter_kv": decoder.drafter_kv}
     drafted = None if method == "ar" else drafter_config  # as the runtime: AR holds no drafter K/V
-    state = abstract_state(config, drafted, batch, slots, block, mesh, **layout)
+    state = abstract_state(config, drafted, batch, paging, block, mesh, **layout)
     sampling = Sampling(temperature=1.0) if sampled else GREEDY
     settings = abstract_settings(batch, state.target_cache.pages.shape[-1], sampling)
     spec = decoder.round_spec(

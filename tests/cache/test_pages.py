@@ -14,18 +14,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxdd.cache.layout import CacheView, write_rows
-from jaxdd.cache.pages import Ledger, PageTable, null_table, pages_for, pool_pages
-from jaxdd.errors import InputError
+from jaxdd.cache.pages import Ledger, PageTable
+from jaxdd.cache.paging import Paging, pages_for, pool_pages
 from jaxdd.testing.profiles import examples
 
 
 def check_invariants(pages: PageTable) -> None:
     """Free + held = usable; no page held twice or null; row page j in share j % devices."""
-    nulls = null_table(1, pages.row_pages, pages.pool_pages, pages.devices)[0]
+    nulls = pages.paging.null_table(1)[0]
     held = [p for row in range(pages.rows) for p in pages.table[row] if p not in nulls]
     assert len(held) == len(set(held)) == pages.held
     assert pages.free + pages.held == pages.usable
-    for j in range(pages.row_pages):
+    for j in range(pages.paging.row_pages):
         assert (pages.table[:, j] // pages.share == j % pages.devices).all()
 
 
@@ -39,7 +39,7 @@ def check_invariants(pages: PageTable) -> None:
 def test_every_page_is_held_once_and_given_back(devices, page, extra, ops):
     rows, row_pages = 6, -(-700 // (page * devices)) * devices
     pool = pool_pages(extra * page, page, devices)
-    pages = PageTable(rows, row_pages, pool, devices, page)
+    pages = PageTable(rows, Paging(row_pages, pool, page, devices))
     for take, row, tokens in ops:
         if take and row not in pages._held:
             before = pages.free
@@ -48,7 +48,7 @@ def test_every_page_is_held_once_and_given_back(devices, page, extra, ops):
                 pages.take(row, tokens)
                 assert before - pages.free == pages_for(tokens, page)
             else:
-                with pytest.raises(InputError, match="cache_tokens"):
+                with pytest.raises(RuntimeError, match="free pages"):
                     pages.take(row, tokens)
         else:
             pages.release(row)
@@ -58,7 +58,7 @@ def test_every_page_is_held_once_and_given_back(devices, page, extra, ops):
 
 
 def test_admission_counts_the_pages_released_rows_give_back():
-    pages = PageTable(4, 4, pool_pages(8 * 64), page=64)  # 8 pages and the null one
+    pages = PageTable(4, Paging(4, pool_pages(8 * 64), page=64))  # 8 pages and the null one
     pages.take(0, 256)
     pages.take(1, 192)
     assert pages.free == 1 and not pages.fits(128) and pages.fits(64)
@@ -108,7 +108,7 @@ def test_rows_can_all_end_exactly_when_some_order_ends_them(shares, rows, data):
 
 
 def test_a_row_waits_for_a_page_that_could_leave_every_row_unable_to_end():
-    pages = PageTable(2, 3, pool_pages(4 * 4, 4), page=4)  # 4 pages
+    pages = PageTable(2, Paging(3, pool_pages(4 * 4, 4), page=4))  # 4 pages
     pages.take(0, 4, limit=12)  # a page now, up to 3
     pages.take(1, 4, limit=12)
     # row 0 can still end with the page it takes (it needs 1 more); then neither could with row
@@ -134,9 +134,8 @@ def test_rows_growing_a_few_pages_a_step_all_end(devices, extra, requests, steps
     limits overrun the pool."""
     rows, page = 6, 4
     row_pages = -(-100 // (page * devices)) * devices
-    pages = PageTable(
-        rows, row_pages, pool_pages(extra * devices * page, page, devices), devices, page
-    )
+    pool = pool_pages(extra * devices * page, page, devices)
+    pages = PageTable(rows, Paging(row_pages, pool, page, devices))
     limits = {}
     most = extra * devices * page  # a request the pool holds alone
     waiting = [(min(start, most), min(start + more, most)) for start, more in requests]

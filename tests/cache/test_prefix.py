@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxdd.cache.pages import PageTable, null_table, pool_pages
-from jaxdd.errors import InputError
+from jaxdd.cache.pages import PageTable
+from jaxdd.cache.paging import Paging, pool_pages
 from jaxdd.testing.profiles import examples
 
 ROWS = 5
@@ -23,9 +23,8 @@ class Model:
     def __init__(self, devices: int, page: int, extra: int, seed: int):
         self.page = page
         row_pages = -(-SEQUENCE // (page * devices)) * devices
-        self.pages = PageTable(
-            ROWS, row_pages, pool_pages(extra * page, page, devices), devices, page, prefix=True
-        )
+        paging = Paging(row_pages, pool_pages(extra * page, page, devices), page, devices)
+        self.pages = PageTable(ROWS, paging, prefix=True)
         rng = np.random.default_rng(seed)
         # few conversations over few tokens: prompts share prefixes often
         self.conversations = [rng.integers(0, 3, SEQUENCE).tolist() for _ in range(3)]
@@ -37,7 +36,7 @@ class Model:
         reach = min(SEQUENCE, prompt + 40)
         fits = self.pages.fits(reach, tokens[:prompt])
         if row in self.rows or not fits:
-            with pytest.raises(InputError, match="cache_tokens"):
+            with pytest.raises(RuntimeError, match="free pages"):
                 self.pages.take(row, reach, tokens[:prompt])
             return
         cached = self.pages.take(row, reach, tokens[:prompt])
@@ -62,18 +61,18 @@ class Model:
 
     def check(self) -> None:
         pages = self.pages
-        nulls = set(null_table(1, pages.row_pages, pages.pool_pages, pages.devices)[0].tolist())
+        nulls = set(pages.paging.null_table(1)[0].tolist())
         free = [p for share in pages._free for p in share]
         cached = [p for share in pages._cached for p in share]
-        held = [p for p in range(pages.pool_pages) if pages._refs[p] > 0]
+        held = [p for p in range(pages.paging.pool_pages) if pages._refs[p] > 0]
         assert pages.free + pages.cached + pages.held == pages.usable
-        assert len(set(free) | set(cached) | set(held) | nulls) == pages.pool_pages
+        assert len(set(free) | set(cached) | set(held) | nulls) == pages.paging.pool_pages
         assert all(p in pages.prefix for p in cached)
-        counts = np.zeros((pages.pool_pages,), np.int32)
+        counts = np.zeros((pages.paging.pool_pages,), np.int32)
         for row, n in pages._held.items():
             np.add.at(counts, pages.table[row, :n], 1)
         np.testing.assert_array_equal(counts, pages._refs)
-        for j in range(pages.row_pages):
+        for j in range(pages.paging.row_pages):
             assert (pages.table[:, j] // pages.share == j % pages.devices).all()
 
 
@@ -127,7 +126,7 @@ def test_pages_are_free_cached_or_held_and_hits_hold_their_tokens(devices, page,
 
 
 def test_admission_counts_what_released_rows_give_back_to_the_cache():
-    pages = PageTable(3, 6, pool_pages(6 * 4, 4), page=4, prefix=True)  # 6 pages of 4 tokens
+    pages = PageTable(3, Paging(6, pool_pages(6 * 4, 4), page=4), prefix=True)  # 6 pages of 4
     prompt = list(range(10))
     assert pages.take(0, 16, prompt) == 0  # 4 pages
     pages.insert(0, prompt)  # its first 2 pages cached (held by row 0 still)
@@ -150,7 +149,7 @@ def test_requests_admitted_together_find_their_pages_when_the_first_shares_its_p
     """Admission counts each request's hits as the cache holds them now; the second of two
     requests with one prompt then shares the first's prompt pages: a state at least as safe, so
     its take still succeeds (it failed when shared pages counted as never given back)."""
-    pages = PageTable(4, 80, pool_pages(75 * 64), page=64, prefix=True)
+    pages = PageTable(4, Paging(80, pool_pages(75 * 64), page=64), prefix=True)
     pages.take(0, 5 * 64, limit=75 * 64)
     prompt = list(range(150))
     assert pages.admissible([67 * 64] * 2, prompts=[prompt, prompt], starts=[166, 166]) == 2
@@ -163,7 +162,7 @@ def test_a_cached_page_two_requests_hit_costs_each_a_page():
     """A take may evict the cached page a later request hits (the least recently used, when its
     share has no free page), and a chunked prompt keys its own pages only once prefilled: a third
     request hitting the same cached page must not count it as shared."""
-    pages = PageTable(8, 8, 8, page=4, prefix=True)  # 7 usable pages
+    pages = PageTable(8, Paging(8, 8, page=4), prefix=True)  # 7 usable pages
     for prompt in ([1, 2, 3, 4, 5], *([10 + i] * 4 + [0] for i in range(4))):
         pages.take(0, 5, prompt)
         pages.insert(0, prompt)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import jaxdd
-from jaxdd.cache.table import CACHE_ALIGN, cache_slots
+from jaxdd.cache.paging import CACHE_ALIGN, cache_slots
 from jaxdd.config import DrafterConfig
 from jaxdd.crosscheck.torch_reference import dflash_reference
 from jaxdd.decoding.engine import SpeculativeDecoder

@@ -36,11 +36,11 @@ def pool():
 def check_pages(pool: RowPool) -> None:
     pages = pool.pages
     assert pages.free + pages.cached + pages.held == pages.usable
-    counts = np.zeros((pages.pool_pages,), np.int32)
+    counts = np.zeros((pages.paging.pool_pages,), np.int32)
     for row, n in pages._held.items():
         np.add.at(counts, pages.table[row, :n], 1)
     np.testing.assert_array_equal(counts, pages._refs)
-    held = {p for p in range(pages.pool_pages) if pages._refs[p] > 0}
+    held = {p for p in range(pages.paging.pool_pages) if pages._refs[p] > 0}
     assert held.isdisjoint(p for share in pages._free for p in share)
     assert held.isdisjoint(p for share in pages._cached for p in share)
     assert set(pages._held) == {row for row, _ in pool.owners()}

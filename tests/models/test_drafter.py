@@ -12,7 +12,7 @@ import torch
 from jax.experimental.pallas import tpu as pltpu
 from transformers import DynamicCache
 
-from jaxdd.cache import DraftCache
+from jaxdd.cache import DraftCache, Paging
 from jaxdd.config import DrafterConfig, default_target_layer_ids
 from jaxdd.errors import ConfigError
 from jaxdd.runtime import cpu_kernels
@@ -73,7 +73,7 @@ def context_cache(config: DrafterConfig, paged: bool) -> DraftCache:
     """64 slots of one row: its own buffer, or 4 pages of 16 out of order in a pool of 9."""
     if not paged:
         return DraftCache.zeros(config, 1, 64, jnp.float32)
-    pool = DraftCache.pooled(config, 1, 4, 9, jnp.float32, page=16)
+    pool = DraftCache.pooled(config, 1, Paging(4, 9, page=16), jnp.float32)
     return pool.replace(pages=jnp.asarray([[7, 2, 5, 3]], jnp.int32))
 
 
@@ -139,7 +139,7 @@ def test_the_kernel_attends_as_xla_over_rows_of_pages(pair, devices):
     mesh = make_mesh(devices)
     drafter = load_hf_drafter(directory, jnp.float32, None if devices == 1 else (mesh, "tp"))
     rng = np.random.default_rng(devices)
-    cache = DraftCache.pooled(drafter.config, 2, 4, 9, jnp.float32, page=16)
+    cache = DraftCache.pooled(drafter.config, 2, Paging(4, 9, page=16), jnp.float32)
     cache = cache.replace(pages=jnp.asarray([[7, 2, 5, 3], [1, 4, 6, 8]], jnp.int32))
     features = jnp.asarray(rng.standard_normal((2, 20, 128)), jnp.float32)
     cache = drafter.inject(cache, features, jnp.arange(20)[None].repeat(2, 0), jnp.array([20, 13]))
@@ -183,7 +183,7 @@ def test_context_k_v_in_fp8_reads_alike_in_every_form(pair, form):
     expected = reference_step(
         reference, DynamicCache(config=reference.config), features, embeds, 20
     )
-    cache = DraftCache.pooled(drafter.config, 1, 4, 9, jnp.float8_e4m3fn, page=16)
+    cache = DraftCache.pooled(drafter.config, 1, Paging(4, 9, page=16), jnp.float8_e4m3fn)
     cache = cache.replace(pages=jnp.asarray([[7, 2, 5, 3]], jnp.int32))
     cache = drafter.inject(cache, jnp.asarray(features), jnp.arange(20)[None], jnp.array([20]))
     assert cache.keys[0].dtype == jnp.float8_e4m3fn

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxdd.cache.pages import PAGE_TOKENS, pool_pages
+from jaxdd.cache.paging import PAGE_TOKENS, pool_pages
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.errors import InputError
 from jaxdd.planning import fit

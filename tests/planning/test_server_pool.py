@@ -65,7 +65,7 @@ def test_the_pool_takes_its_share_of_what_the_weights_leave(decoders, monkeypatc
     drafter = device_bytes(pool.state.draft_cache)
     # striped, a group of one page per device: a latent page on each, the drafter's K/V of all
     group = 8 if layout == "striped" else 1
-    pages = pool.shape.pool_pages  # the null pages included
+    pages = pool.shape.paging.pool_pages  # the null pages included
     group_bytes = latent / (pages / group) + group * drafter / pages
     held = latent + drafter + temporaries
     assert held <= CACHE_MEMORY_FRACTION * free < held + group_bytes

@@ -21,7 +21,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from transformers import DeepseekV3Config
 
-from jaxdd.cache import LatentCache
+from jaxdd.cache import LatentCache, Paging
 from jaxdd.config import KimiConfig
 from jaxdd.models.expert_dispatch import gathered_experts, int4_kernel, pair_experts
 from jaxdd.models.layers import linear
@@ -343,7 +343,7 @@ def test_verify_over_pages_through_the_kernel_equals_xla():
     visible = jnp.asarray(np.broadcast_to(visible, (batch, tree, tree)))
 
     def verify(backend: Backend):
-        cache = LatentCache.pooled(config, batch, 3, 7, jnp.float32)
+        cache = LatentCache.pooled(config, batch, Paging(3, 7), jnp.float32)
         cache = cache.replace(pages=jnp.array([[3, 1, 5], [2, 6, 4]], jnp.int32))
         positions = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
         causal = jnp.broadcast_to(

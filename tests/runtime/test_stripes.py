@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import jaxdd
 from jaxdd.cache.layout import CacheView, write_rows
-from jaxdd.cache.pages import PageTable, null_table, pool_pages
+from jaxdd.cache.pages import PageTable
+from jaxdd.cache.paging import Paging, pool_pages
 from jaxdd.cache.stripes import PAGES, Stripes
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.requests import RowRequest
@@ -35,7 +36,7 @@ def table(rows: int, tokens: list[int], page: int, devices: int, row_pages: int)
     """Page tables of ``rows`` rows of ``row_pages`` pages, row i holding ``tokens[i]`` slots,
     as the runtime deals them, and the pool's pages."""
     pool = pool_pages(rows * row_pages * page, page, devices)
-    pages = PageTable(rows, row_pages, pool, devices, page)
+    pages = PageTable(rows, Paging(row_pages, pool, page, devices))
     for row, n in enumerate(tokens):
         pages.take(row, n)
     return pages.table, pool
@@ -86,7 +87,7 @@ def test_rows_are_written_and_read_where_they_live(stripes):
     back = stripes.read(
         written, jnp.asarray(pages), jnp.broadcast_to(jnp.arange(slots), (2, slots))
     )
-    taken = (pages != null_table(2, row_pages, pool_size, 8))[:, :, None]
+    taken = (pages != Paging(row_pages, pool_size, PAGE, 8).null_table(2))[:, :, None]
     held = np.repeat(taken, PAGE, axis=2).reshape(2, -1)  # a null page's rows are anyone's
     np.testing.assert_array_equal(np.asarray(back)[held], expected[held])
     # each page is where the table says, on the device that owns it
