@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxdd.cache.pages import PAGE_TOKENS
+from jaxdd.cache.paging import PAGE_TOKENS
 from jaxdd.decoding.prefill import prefill_row
 from jaxdd.decoding.requests import RowRequest, pad_requests, warm_up_requests
 from jaxdd.decoding.rounds import decode_round
