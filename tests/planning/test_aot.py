@@ -34,7 +34,9 @@ CASES = [
 CASE_IDS = [f"{t}-{m}{'-sampled' if s else ''}-{d}" for t, m, s, d in CASES]
 TOKENS = {"ar": 1, "dflash": 8, "ddtree": 17}  # verified per round: block 8, budget 16
 CUBLAS_WORKSPACE = 4 * 2**20  # XLA:GPU's scratch for cuBLAS matmuls, whatever their size
-TPU_TILE_PADDING = 4  # TPU layouts pad the tiny model's 64- and 32-wide rows to 128 lanes
+# TPU layouts pad rows to 128 lanes, and the pools are row-major (the kernel's layout): the tiny
+# pair's 8-wide rope rows take 16 times their bytes
+TPU_TILE_PADDING = 16
 
 
 def _check_memory(result: dict) -> None:
