@@ -92,6 +92,8 @@ class _Account:
     collective_bytes: float = 0.0
     # the entry's, by number
     parameter_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
+    # the entry's parameters of a few scalars, however wide their tiles
+    small_parameters: set[int] = dataclasses.field(default_factory=set)
     weight_copies: list[dict] = dataclasses.field(default_factory=list)
 
     @property
@@ -133,6 +135,11 @@ def compiled_traffic(compiled: Any, names: Mapping[str, str] | None = None) -> d
     main = computations[entry]
     account.parameter_bytes = {
         k: shape_bytes(main.instructions[n].shape) for k, n in main.parameters.items()
+    }
+    account.small_parameters = {
+        k
+        for k, n in main.parameters.items()
+        if shape_bytes(main.instructions[n].shape, padded=False) < COPY_MIN_BYTES
     }
     _walk(account, computations, main, 1.0, {k: k for k in main.parameters}, "other")
     by_stage = dict.fromkeys((*STAGES, "other"), 0)
@@ -213,7 +220,7 @@ def _check_copy(
     or a fusion of such) and reads all of an entry parameter past a few scalars,
     writing as many bytes: a weight (or cache) copied inside the program."""
     size = account.parameter_bytes.get(parameter, 0)
-    if size < COPY_MIN_BYTES or moved < size or writes < size:
+    if size == 0 or parameter in account.small_parameters or moved < size or writes < size:
         return
     fused = comps[ins.called("calls")[0]].instructions.values() if ins.opcode == "fusion" else [ins]
     if all(i.opcode in _MOVES for i in fused):

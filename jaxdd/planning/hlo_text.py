@@ -148,17 +148,21 @@ def in_device_memory(layout: str) -> bool:
     return found is None or found.group(1) == "0"
 
 
-def shape_bytes(shape: str, element: int | None = None, anywhere: bool = False) -> int:
+def shape_bytes(
+    shape: str, element: int | None = None, anywhere: bool = False, padded: bool = True
+) -> int:
     """Bytes in device memory (``anywhere``: in any memory) of a shape or of its ``element``-th
-    array, as laid out: tiled dimensions padded to whole tiles, packed sub-byte types rounded
-    up."""
+    array, as laid out: tiled dimensions padded to whole tiles (unless not ``padded``), packed
+    sub-byte types rounded up."""
     arrays = array_shapes(shape)
     if element is not None:
         arrays = arrays[element : element + 1]
     total = 0
     for dtype, dims, layout in arrays:
         if anywhere or in_device_memory(layout):
-            total += math.ceil(math.prod(tiled(dims, layout)) * element_bits(dtype) / 8)
+            total += math.ceil(
+                math.prod(tiled(dims, layout) if padded else dims) * element_bits(dtype) / 8
+            )
     return total
 
 
