@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import pytest
 
 from jaxdd.errors import InputError
-from jaxdd.planning import fit
 from jaxdd.planning.aot import find_machine
 from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.planning.hlo_text import array_shapes, parse_module
@@ -60,14 +59,12 @@ def _check_memory(result: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("target", "method", "sampled", "devices"), CASES, ids=CASE_IDS)
-def test_rounds_compile_for_the_target(tiny_plan_configs, target, method, sampled, devices):
+def test_rounds_compile_for_the_target(planned, target, method, sampled, devices):
     """AR, DFlash and DDTree (greedy and sampled, budget 16) of a tiny Kimi
     K2.6-style pair (INT4 experts) on 8 devices (greedy DDTree on 1), with the
     attention the target's platform gets: the Pallas kernel, its Triton form
     on GPUs and its Mosaic form on TPU (per device under shard_map on 8)."""
-    result = plan(
-        *tiny_plan_configs, PlanOptions(target, devices, "ep", method, 16, 256, sampled=sampled)
-    )
+    result, _ = planned(PlanOptions(target, devices, "ep", method, 16, 256, sampled=sampled))
     platform = "tpu" if target.startswith("v5p") else "gpu"
     assert result["hardware"]["platform"] == platform and result["devices"] == devices
     assert result["attention"] == "pallas"
@@ -228,26 +225,14 @@ def test_unknown_targets_are_named():
         find_machine("v5p:2x2x2", 9)
 
 
-def compiled_rounds(monkeypatch) -> list[str]:
-    """The optimized HLO of every round the plans compile from now on."""
-    texts, account = [], fit.compiled_traffic
-
-    def keep(compiled, names):
-        texts.append(compiled.as_text())
-        return account(compiled, names)
-
-    monkeypatch.setattr(fit, "compiled_traffic", keep)
-    return texts
-
-
 @pytest.mark.slow
-def test_the_tpu_round_reads_the_pools_in_place(tiny_plan_configs, monkeypatch):
+def test_the_tpu_round_reads_the_pools_in_place(planned):
     """On TPU every program of the decode state names its pools of pages row-major, the Mosaic
     kernel's blocks (``jaxdd.decoding.programs``): XLA copies none around the kernel's calls, as
     it does a pool laid out to its own taste (the tiny pair's are all under 128 lanes wide; the
     DFlash round's pools were copied before their formats were named)."""
-    texts = compiled_rounds(monkeypatch)
-    result = plan(*tiny_plan_configs, PlanOptions("v5p:2x2x2", 8, "ep", "dflash", 16, 256))
+    # the options of test_rounds_compile_for_the_target's v5p DFlash round: compiled once
+    result, texts = planned(PlanOptions("v5p:2x2x2", 8, "ep", "dflash", 16, 256))
     computations, entry = parse_module(texts[-1])
     main = computations[entry]
     pools = {

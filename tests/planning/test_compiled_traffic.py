@@ -253,24 +253,24 @@ def test_stages_come_from_named_scopes(machine):
 @pytest.mark.parametrize(
     ("method", "sampled"), [("ar", False), ("dflash", False), ("ddtree", True)]
 )
-def test_rounds_copy_no_weight(tiny_plan_configs, machine, method, sampled):
+def test_rounds_copy_no_weight(planned, machine, method, sampled):
     """A round reads its weights where they are stored: no instruction copies, concatenates or
     relays one out (XLA:GPU's dot merger concatenated the MLP's gate and up, and the drafter's q,
     k and v, inside every round), and every weight read is attributed to the model's own name."""
     options = PlanOptions(machine, 8, "tp", method, 16, 256, sampled=sampled)
-    account = plan(*tiny_plan_configs, options)["compiled_traffic"]
+    account = planned(options)[0]["compiled_traffic"]
     assert account["weight_copies"] == []
     assert "target/lm_head" in account["by_weight"]
     assert account["bytes"] >= account["by_weight"]["target/lm_head"] > 0
 
 
 @pytest.mark.slow
-def test_the_floor_is_the_compiled_rounds_batch(tiny_plan_configs):
+def test_the_floor_is_the_compiled_rounds_batch(planned):
     """A plan of a batch compares its compiled round, which runs every row, with the floor of
     that many rows: each row's cache once, the weights once for all (and each token's embedding
     row)."""
-    floors = {
-        batch: plan(*tiny_plan_configs, PlanOptions("h200", 8, "tp", "dflash", 16, 256, batch))[
+    floors = {  # batch 1: test_rounds_copy_no_weight's H200 DFlash round
+        batch: planned(PlanOptions("h200", 8, "tp", "dflash", 16, 256, batch))[0][
             "compiled_traffic"
         ]["floor"]
         for batch in (1, 2)
