@@ -129,9 +129,16 @@ def pool_temporaries(decoder: SpeculativeDecoder, shape: RowShape) -> int:
     drafter = None if spec.method == "ar" else decoder.drafter.config
     dtype = decoder.target.model.dtype
     state = abstract_state(
-        decoder.config, drafter, rows, shape.paging.holding(rows * shape.slots), spec.block,
-        mesh or make_mesh(1, jax.local_devices()[:1]), decoder.stripes, dtype, spec.drafter_kv,
-    )  # fmt: skip
+        decoder.config,
+        drafter,
+        rows,
+        shape.paging.holding(rows * shape.slots),
+        spec.block,
+        mesh or make_mesh(1, jax.local_devices()[:1]),
+        decoder.stripes,
+        dtype,
+        spec.drafter_kv,
+    )
     scoring = bool(spec.top_logprobs)  # a scored prompt is prefilled whole
     longest = min(shape.max_prompt, (not scoring and shape.prefill_chunk) or shape.max_prompt)
     ints = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)

@@ -264,8 +264,16 @@ def main(argv: list[str] | None = None) -> int:
             listener.close()
         return follow(scheduler)
     name = args.model_name or ("kimi-mini" if bundled else Path(checkpoint).resolve().name)
-    server = Server(scheduler, tokenizer, name, stop_ids, chat_template, args.request_timeout,
-                    args.api_key, args.access_log)  # fmt: skip
+    server = Server(
+        scheduler,
+        tokenizer,
+        name,
+        stop_ids,
+        chat_template,
+        args.request_timeout,
+        args.api_key,
+        args.access_log,
+    )
     scheduler.start()  # compiles in its thread while the HTTP side already answers /health with 503
     drafted = pool.state.draft_cache  # None for AR
     shape = (
