@@ -14,6 +14,7 @@ nothing that ``is_jaxdd_checkpoint`` accepts (and a rerun starts afresh).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import gc
 import io
@@ -134,13 +135,21 @@ def _remove_abandoned_staging(directory: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointHeader:
+    """What a checkpoint says of its weights: its kind, its HF config dict, the dtype of its
+    arrays and the format of its routed experts (None: as the dtype)."""
+
+    kind: Kind
+    config: dict
+    dtype: jnp.dtype
+    experts: ExpertFormat | None = None
+
+
 def write_checkpoint(
     directory: str | Path,
-    kind: Kind,
-    config: dict,
-    dtype: jnp.dtype,
+    header: CheckpointHeader,
     groups: Iterable[tuple[str, Any]],
-    experts: ExpertFormat | None = None,
     extra_files: Iterable[Path] = (),
     expected_bytes: int = 0,
 ) -> Path:
@@ -153,13 +162,13 @@ def write_checkpoint(
     write that fails (a full or read-only disk) is a CheckpointError, and nothing is kept."""
     meta = {
         "format": FORMAT_VERSION,
-        "kind": kind,
-        "dtype": jnp.dtype(dtype).name,
+        "kind": header.kind,
+        "dtype": jnp.dtype(header.dtype).name,
         "groups": [],
         "files": {},
     }
-    if experts is not None:
-        meta["experts"] = experts.to_json()
+    if header.experts is not None:
+        meta["experts"] = header.experts.to_json()
     extra_files = list(extra_files)
     needed = expected_bytes + sum(f.stat().st_size for f in extra_files) if expected_bytes else 0
     try:
@@ -175,7 +184,7 @@ def write_checkpoint(
                 meta["groups"].append(group)
                 meta["files"] |= checksums.record(staging, [staging / "state" / group])
                 check_interrupt()
-            (staging / "config.json").write_text(json.dumps(config, indent=2))
+            (staging / "config.json").write_text(json.dumps(header.config, indent=2))
             for file in extra_files:
                 shutil.copyfile(file, staging / file.name)
             written = [staging / "config.json", *(staging / f.name for f in extra_files)]
@@ -249,17 +258,15 @@ def _write_failure(error: Exception) -> str | None:
 def save_target(model: KimiTarget, directory: str | Path) -> Path:
     """Write ``model`` to a new directory (which must not exist yet)."""
     groups = groups_of(nnx.to_pure_dict(nnx.state(model)))
-    return write_checkpoint(
-        directory, "target", model.config.to_hf(), model.dtype, groups, model.experts
-    )
+    header = CheckpointHeader("target", model.config.to_hf(), model.dtype, model.experts)
+    return write_checkpoint(directory, header, groups)
 
 
 def save_drafter(model: DFlashDrafter, directory: str | Path, config: dict) -> Path:
     """Write a drafter with its HF config dict (the
     z-lab ``config.json``, which export writes back)."""
-    return write_checkpoint(
-        directory, "drafter", config, model.dtype, groups_of(nnx.to_pure_dict(nnx.state(model)))
-    )
+    groups = groups_of(nnx.to_pure_dict(nnx.state(model)))
+    return write_checkpoint(directory, CheckpointHeader("drafter", config, model.dtype), groups)
 
 
 def read_meta(directory: str | Path, kind: Kind) -> dict[str, Any]:
