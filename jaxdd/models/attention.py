@@ -203,7 +203,8 @@ class MLAttention(nnx.Module, Placeable):
     def _striped(self, inputs: AttentionInputs, attend_local: Callable) -> tuple:
         """Attention over a cache striped over the devices (``jaxdd.cache.stripes``): each
         device runs ``attend_local`` (the kernel's ``with_lse`` form: (out, log-sum-exp) of
-        operands over its pools and its own pages) for all heads over them,
+        operands over its pools and its own pages, and the view of those pages) for all heads
+        over them,
         device 0 over the new rows too, and the partials merge by their log-sum-exp into each
         device's heads."""
         stripes = inputs.view.stripes
@@ -211,31 +212,30 @@ class MLAttention(nnx.Module, Placeable):
         split = partition_spec((heads,), ("heads",), stripes.mesh, "tp")[0] is not None
         q_latent = jnp.einsum("bthk,hnk->bthn", inputs.q_nope, self.k_up[...])
 
-        def attend(ops: TreeOperands) -> jax.Array:
+        def attend(ops: TreeOperands, view: CacheView) -> jax.Array:
             device = jax.lax.axis_index(AXIS)
-            view = CacheView(ops.length, ops.pages)
             local = stripes.local_view(view, device, ops.cache_latent.shape[0])
             mine = ops.replace(
                 length=local.length, pages=local.pages, tail_mask=ops.tail_mask & (device == 0)
             )
-            out, lse = attend_local(mine)
+            out, lse = attend_local(mine, local)
             return stripes.merge(out, lse, split)
 
         whole = jax.sharding.PartitionSpec()
         out_spec = jax.sharding.PartitionSpec(None, None, AXIS) if split else whole
         ops = inputs.kernel_operands(q_latent)
         specs = jax.tree.map(lambda _: whole, ops).replace(cache_latent=PAGES, cache_rope=PAGES)
-        out_latent = stripes.per_device(attend, (specs,), out_spec)(ops)
+        out_latent = stripes.per_device(attend, (specs, whole), out_spec)(ops, inputs.view)
         out_latent = out_latent.astype(inputs.q_pe.dtype)
         out = jnp.einsum("bthr,hdr->bthd", out_latent, self.v_up[...])
         rows = _write_after(out_latent, (inputs.latent, inputs.k_pe))
         return out, tuple(map(inputs.view.write, inputs.cache_rows, rows))
 
-    def _absorbed_local(self, ops: TreeOperands) -> tuple[jax.Array, jax.Array]:
-        """The absorbed attention over ``ops`` (committed slots through their tables), as the
-        kernel's ``with_lse`` form: (out [B,T,H,r] fp32, log-sum-exp [B,T,H]); a token that
-        sees nothing gives 0 and -inf. Scores and probabilities in the dtypes of ``_softmax``."""
-        view = CacheView(ops.length, ops.pages)
+    def _absorbed_local(self, ops: TreeOperands, view: CacheView) -> tuple[jax.Array, jax.Array]:
+        """The absorbed attention over ``ops``, their pools' committed slots read through
+        ``view`` (their length and tables), as the kernel's ``with_lse`` form: (out [B,T,H,r]
+        fp32, log-sum-exp [B,T,H]); a token that sees nothing gives 0 and -inf. Scores and
+        probabilities in the dtypes of ``_softmax``."""
         cache_latent, cache_rope = view.read(ops.cache_latent), view.read(ops.cache_rope)
         q_latent, q_pe, latent, k_pe = ops.q_latent, ops.q_rope, ops.tail_latent, ops.tail_rope
         visible = ops.tail_mask
@@ -271,7 +271,11 @@ class MLAttention(nnx.Module, Placeable):
         c = self.config
         kernel = functools.partial(kernel, scale=c.softmax_scale)
         if inputs.view.stripes is not None:
-            return self._striped(inputs, functools.partial(kernel, with_lse=True))
+
+            def attend_local(ops: TreeOperands, view: CacheView) -> tuple[jax.Array, jax.Array]:
+                return kernel(ops, with_lse=True)  # reads the pages through ops' own tables
+
+            return self._striped(inputs, attend_local)
         kernels = inputs.backend.decode_kernels(inputs.q_pe.shape[0] * inputs.q_pe.shape[1])
         q_latent = _per_head(inputs.q_nope, self.k_up[...], kernels)
 
