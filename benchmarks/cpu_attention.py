@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from jaxdd.runtime import cpu_kernels
 from jaxdd.runtime.backend import Backend
 from jaxdd.testing.benchmark import median_ms, write_result
 from pallas_kernels.tree_attention import tree_attention_reference
+from pallas_kernels.tree_operands import TreeOperands
 
 RESULTS = Path(__file__).parent / "results"
 HEADS, LATENT, ROPE, PAGE, ROW_PAGES = 4, 64, 16, 64, 6
@@ -70,15 +72,14 @@ def forms(x: dict) -> dict:
     scale = LATENT**-0.5
     rows = x["length"].shape[0]
     contiguous = tuple(p[x["pages"]].reshape(rows, -1, p.shape[-1]) for p in x["pool"])
-    paged = jax.jit(lambda *a: cpu_kernels.tree_attention(*a[:-1], scale=scale, pages=a[-1]))
-    gathered = jax.jit(lambda *a: tree_attention_reference(*a[:-1], scale, pages=a[-1]))
-    own = jax.jit(lambda *a: tree_attention_reference(*a, scale))
-    args = (*x["q"], *x["pool"], x["length"], *x["tail"], x["mask"], x["pages"])
-    rows_args = (*x["q"], *contiguous, x["length"], *x["tail"], x["mask"])
+    paged = jax.jit(functools.partial(cpu_kernels.tree_attention, scale=scale))
+    reference = jax.jit(functools.partial(tree_attention_reference, scale=scale))
+    ops = TreeOperands(*x["q"], *x["pool"], x["length"], *x["tail"], x["mask"], x["pages"])
+    rows_ops = ops.replace(cache_latent=contiguous[0], cache_rope=contiguous[1], pages=None)
     return {
-        "C++ kernel over pages": lambda: paged(*args),
-        "XLA over pages (gathered)": lambda: gathered(*args),
-        "XLA over contiguous rows": lambda: own(*rows_args),
+        "C++ kernel over pages": lambda: paged(ops),
+        "XLA over pages (gathered)": lambda: reference(ops),
+        "XLA over contiguous rows": lambda: reference(rows_ops),
     }
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 import jaxdd
-from jaxdd.crosscheck.torch_reference import ddtree_reference, dflash_reference
+from jaxdd.crosscheck.torch_reference import Generation, ddtree_reference, dflash_reference
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.testing.benchmark import median_ms, timed, write_result
 from jaxdd.testing.oracle import OracleDrafter, patched_reference_drafter
@@ -55,6 +55,7 @@ def run(
 ) -> dict:
     """``options``: method, block_size and (DDTree) budget, for both sides."""
     block, budget = options["block_size"], options.get("budget")
+    tree_generation = Generation(max_new, block, budget=budget)
 
     def jaxdd_all():
         return [
@@ -65,11 +66,10 @@ def run(
     def reference_all():
         if options["method"] == "ddtree":
             return [
-                ddtree_reference(reference_drafter, ref_target, p, max_new, block, budget, None)
-                for p in prompts
+                ddtree_reference(reference_drafter, ref_target, p, tree_generation) for p in prompts
             ]
         return [
-            dflash_reference(reference_drafter, ref_target, p, max_new, block, None)
+            dflash_reference(reference_drafter, ref_target, p, Generation(max_new, block))
             for p in prompts
         ]
 

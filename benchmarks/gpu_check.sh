@@ -34,10 +34,11 @@ timeout 120 $PY -m pytest -q -p no:cacheprovider tests/models/test_drafter.py -k
 
 echo "== 2. kernel vs XLA at Kimi-like shapes: split-KV (default), one split, other tiles"
 timeout 240 $PY - "$OUT" <<'PY' 2>&1 | tee "$OUT/gpu_kernel.log"
-import json, sys
+import dataclasses, json, sys
 import jax, jax.numpy as jnp, numpy as np
-from pallas_kernels.gpu_launch import launch
+from pallas_kernels.gpu_launch import GpuTiles, launch
 from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
+from pallas_kernels.tree_operands import TreeOperands
 from jaxdd.runtime.backend import Backend
 from jaxdd.testing.benchmark import median_ms
 
@@ -45,7 +46,7 @@ rows = []
 rng = np.random.default_rng(0)
 reference = jax.jit(tree_attention_reference, static_argnames="scale")
 options = Backend.of_devices(jax.devices()[:1]).kernel_options()
-CONFIGS = [dict(), dict(splits=1), dict(block_q=16, block_k=64, splits=1)]
+CONFIGS = [GpuTiles(), GpuTiles(splits=1), GpuTiles(block_q=16, block_k=64, splits=1)]
 for tokens, heads, slots, dtype in [(65, 64, 4096, jnp.bfloat16), (257, 64, 4096, jnp.bfloat16),
                                     (17, 8, 32768, jnp.bfloat16), (65, 8, 32768, jnp.bfloat16),
                                     (257, 8, 32768, jnp.bfloat16), (65, 64, 4096, jnp.float32),
@@ -55,25 +56,26 @@ for tokens, heads, slots, dtype in [(65, 64, 4096, jnp.bfloat16), (257, 64, 4096
     def normal(*shape):
         return jnp.asarray(rng.standard_normal(shape), dtype)
     mask = jnp.asarray(np.tril(np.ones((tokens, tokens), bool)))[None]
-    args = (normal(1, tokens, heads, r), normal(1, tokens, heads, dr), normal(1, slots, r), normal(1, slots, dr),
-            jnp.array([slots - tokens], jnp.int32), normal(1, tokens, r), normal(1, tokens, dr), mask)
+    ops = TreeOperands(normal(1, tokens, heads, r), normal(1, tokens, heads, dr), normal(1, slots, r),
+                       normal(1, slots, dr), jnp.array([slots - tokens], jnp.int32), normal(1, tokens, r),
+                       normal(1, tokens, dr), mask)
     scale = (r + dr) ** -0.5
     with jax.default_matmul_precision("highest"):
-        exact = np.asarray(reference(*args, scale=scale), np.float64)
-    chosen = launch(1, tokens * heads, slots, None, dtype, shared_memory=options["shared_memory"],
-                    multiprocessors=options["multiprocessors"])
+        exact = np.asarray(reference(ops, scale=scale), np.float64)
+    chosen = launch(1, tokens * heads, slots, None, dtype, gpu=options["gpu"])
     row = {"tokens": tokens, "heads": heads, "slots": slots, "dtype": jnp.dtype(dtype).name,
            "splits": chosen.splits, "programs": chosen.grid(1)[1] * chosen.splits,
-           "xla_ms": median_ms(lambda: reference(*args, scale=scale)), "kernel": []}
+           "xla_ms": median_ms(lambda: reference(ops, scale=scale)), "kernel": []}
     for config in CONFIGS:
         try:
-            kernel = lambda: tree_attention(*args, scale=scale, **config, **options)
+            kernel = lambda: tree_attention(ops, scale=scale, tiles=config, **options)
             out = np.asarray(kernel(), np.float64)
             result = {"relative_error": float(np.linalg.norm(out - exact) / np.linalg.norm(exact)),
                       "finite": bool(np.isfinite(out).all()), "ms": median_ms(kernel)}
         except Exception as error:  # record and go on: one config failing to compile must not hide the others
             result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-        row["kernel"].append({**config, **result})
+        chosen_tiles = {k: v for k, v in dataclasses.asdict(config).items() if v is not None}
+        row["kernel"].append({**chosen_tiles, **result})
         print(tokens, heads, slots, row["dtype"], "xla %.3f ms" % row["xla_ms"], row["kernel"][-1], flush=True)
     rows.append(row)
     json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows},

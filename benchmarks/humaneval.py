@@ -38,7 +38,11 @@ from tqdm import tqdm
 
 import jaxdd
 from jaxdd.cli import DEMO, simulate_cpu_devices
-from jaxdd.crosscheck.torch_reference import dflash_reference, load_reference_models
+from jaxdd.crosscheck.torch_reference import (
+    Generation,
+    dflash_reference,
+    load_reference_models,
+)
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.sampling import GREEDY, Sampling
 from jaxdd.models.drafter import DFlashDrafter
@@ -119,14 +123,13 @@ def reference_runner(
     """z-lab ``dflash_generate`` on the same weights, timed by its own clock (``return_stats``)."""
     torch.set_num_threads(2)
     target, drafter = load_reference_models(models / "target", models / "drafter", device)
-    dflash_reference(drafter, target, [5, 6, 7], max_new, block, stops)  # warm-up
+    generation = Generation(max_new, block, stops)
+    dflash_reference(drafter, target, [5, 6, 7], generation)  # warm-up
 
     def run(prompt: list[int]) -> Timed:
         timings = {}
         options = {"timings": timings, "sampling": sampling}
-        tokens, lengths = dflash_reference(
-            drafter, target, prompt, max_new, block, stops, **options
-        )
+        tokens, lengths = dflash_reference(drafter, target, prompt, generation, **options)
         return Timed(tokens, len(lengths), timings["prefill_seconds"], timings["decode_seconds"])
 
     return run

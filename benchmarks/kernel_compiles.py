@@ -37,6 +37,7 @@ from jaxdd.planning.hardware import GPUS
 from jaxdd.testing.benchmark import write_result
 from pallas_kernels.gpu_launch import launch
 from pallas_kernels.tree_attention_tpu import tpu_tiles, tree_attention_tpu
+from pallas_kernels.tree_operands import TreeOperands
 
 RESULTS = Path(__file__).parent / "results" / "kernel_compiles.json"
 TARGETS = ["v5e:2x2", "v5p:2x2x2", "v6e:2x2", "h200", "rtx-pro-6000"]
@@ -45,18 +46,18 @@ GRANULE = 64 * 2**10
 PROBE_SHARED_MEMORY = 1024  # bytes per block: under any kernel's need
 
 
-def kernel_args(device, tokens: int, heads: int, slots: int) -> list[jax.ShapeDtypeStruct]:
+def kernel_args(device, tokens: int, heads: int, slots: int) -> TreeOperands:
     spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=device)
     t, h = tokens, heads
     shapes = [(1, t, h, 512), (1, t, h, 64), (1, slots, 512), (1, slots, 64)]
     args = [spec(s) for s in shapes] + [spec((1,), jnp.int32), spec((1, t, 512)), spec((1, t, 64))]
-    return [*args, spec((1, t, t), jnp.bool_)]
+    return TreeOperands(*args, spec((1, t, t), jnp.bool_))
 
 
 def compiles_within(args, limit: int) -> bool:
     kernel = jax.jit(functools.partial(tree_attention_tpu, scale=0.1, vmem_limit_bytes=limit))
     try:
-        kernel.lower(*args).compile()
+        kernel.lower(args).compile()
     except jax.errors.JaxRuntimeError as error:
         if "CompileTimeScopedVmemOom" not in str(error):
             raise
@@ -96,7 +97,7 @@ def shared_memory_requested(name: str, tokens: int, heads: int, slots: int) -> i
     args = kernel_args(jax.sharding.SingleDeviceSharding(devices[0]), tokens, heads, slots)
     kernel = jax.jit(functools.partial(Backend.of_devices(devices).tree_attention(), scale=0.1))
     try:
-        kernel.lower(*args).compile(compiler_options=GPU_COMPILER_OPTIONS)
+        kernel.lower(args).compile(compiler_options=GPU_COMPILER_OPTIONS)
     except jax.errors.JaxRuntimeError as error:
         requested = re.search(r"Shared memory size limit exceeded: requested (\d+)", str(error))
         if requested:
@@ -110,7 +111,7 @@ def row(target: str, tokens: int, heads: int, slots: int) -> dict:
     args = kernel_args(jax.sharding.SingleDeviceSharding(where.devices[0]), tokens, heads, slots)
     kernel = jax.jit(functools.partial(where.backend.tree_attention(), scale=0.1))
     start = time.perf_counter()
-    kernel.lower(*args).compile(compiler_options=where.compiler_options)
+    kernel.lower(args).compile(compiler_options=where.compiler_options)
     result = {"target": target, "tokens": tokens, "heads": heads, "slots": slots}
     result["compile_s"] = round(time.perf_counter() - start, 2)
     if where.platform == "tpu":
@@ -118,17 +119,9 @@ def row(target: str, tokens: int, heads: int, slots: int) -> dict:
         result["tiles"] = tpu_tiles(tokens, heads, slots)._asdict()
     else:
         result["shared_memory_bytes"] = shared_memory_requested(target, tokens, heads, slots)
-        options = where.backend.kernel_options()
-        chosen = launch(
-            1,
-            tokens * heads,
-            slots,
-            None,
-            jnp.bfloat16,
-            shared_memory=options["shared_memory"],
-            multiprocessors=options["multiprocessors"],
-        )
-        result["multiprocessors"] = options["multiprocessors"]
+        gpu = where.backend.kernel_options()["gpu"]
+        chosen = launch(1, tokens * heads, slots, None, jnp.bfloat16, gpu=gpu)
+        result["multiprocessors"] = gpu.multiprocessors
         result["splits"] = chosen.splits
         result["programs"] = math.prod(chosen.grid(1))
     return result

@@ -40,7 +40,7 @@ from jaxdd.runtime import cpu_kernels
 from jaxdd.runtime.backend import Backend
 from jaxdd.testing.benchmark import median_ms, timed, write_result
 from jaxdd.testing.reference import TINY_K2
-from jaxdd.weights.checkpoint import groups_of, write_checkpoint
+from jaxdd.weights.checkpoint import CheckpointHeader, groups_of, write_checkpoint
 
 RESULTS = Path(__file__).parent / "results"
 # 1 dense + 5 MoE layers; the routed experts are 0.57 GB of INT4, the rest ~0.3 GB fp32
@@ -85,7 +85,8 @@ def write_random_int4_target(directory: Path, seed: int = 0) -> KimiConfig:
 
     abstract = nnx.to_pure_dict(abstract_target(config, jnp.float32, INT4)[1])
     groups = ((name, jax.tree.map(value, tree)) for name, tree in groups_of(abstract))
-    write_checkpoint(directory, "target", config.to_hf(), jnp.float32, groups, INT4)
+    header = CheckpointHeader("target", config.to_hf(), jnp.float32, INT4)
+    write_checkpoint(directory, header, groups)
     return config
 
 

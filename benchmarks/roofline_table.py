@@ -26,7 +26,7 @@ from jaxdd.planning.capacity import cache_capacities, shard_bytes, slot_bytes
 from jaxdd.planning.hardware import GPUS
 from jaxdd.planning.pair import abstract_models, read_configs
 from jaxdd.planning.roofline import ModelWork
-from jaxdd.planning.traffic import ModelBytes, traffic_table
+from jaxdd.planning.traffic import ModelBytes, PairAccount, Spread, traffic_table
 from jaxdd.runtime.sharding import make_mesh
 from jaxdd.testing.benchmark import write_result
 from jaxdd.types import LAYOUTS
@@ -123,9 +123,10 @@ def main() -> None:
             free = GPUS[gpu].memory - sum(per_device.values())
             capacity[(gpu, moe)] = cache_capacities(free, slot, 8)
         for context, batch in itertools.product(CONTEXTS, BATCHES):
-            account = (config, model_bytes, 8, moe, context, drafter_config.block_size)
+            pair = PairAccount(config, model_bytes, work)
+            block = drafter_config.block_size
             tables = {
-                layout: traffic_table(*account, layout=layout, work=work, batch=batch)
+                layout: traffic_table(pair, Spread(8, moe, layout), context, block, batch=batch)
                 for layout in LAYOUTS
             }
             rows += round_rows(tables, moe, context, batch)

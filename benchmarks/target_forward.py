@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import jaxdd
-from jaxdd.api import _forward
+from jaxdd.api import ForwardOptions, _forward
 from jaxdd.testing.benchmark import write_result
 from jaxdd.testing.reference import TINY_K2, hf_model
 
@@ -78,9 +78,7 @@ def bench_jaxdd(target, prefix: np.ndarray, new: np.ndarray, repeats: int) -> tu
             positions,
             raw_caches.pop(),
             visible,
-            (),
-            "absorbed",
-            False,
+            ForwardOptions((), "absorbed", target.backend, False),
         )
         jax.block_until_ready(out.logits)
 

@@ -26,7 +26,13 @@ from jaxdd.config import DrafterConfig, KimiConfig, in_file
 from jaxdd.models.drafter import abstract_drafter
 from jaxdd.models.quant import ExpertFormat
 from jaxdd.models.target import abstract_target
-from jaxdd.weights.checkpoint import Kind, get_path, set_path, write_checkpoint
+from jaxdd.weights.checkpoint import (
+    CheckpointHeader,
+    Kind,
+    get_path,
+    set_path,
+    write_checkpoint,
+)
 from jaxdd.weights.hf_loader import convert_arrays, mtp_layers
 from jaxdd.weights.hf_mappings import Mapping, drafter_mappings, target_mappings
 from jaxdd.weights.hf_reader import HFCheckpoint
@@ -105,9 +111,8 @@ def convert(
         groups = _groups(source, mappings, nnx.to_pure_dict(abstract), summary, bar)
         stored = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract))
         extra = tokenizer_files(source_dir)
-        write_checkpoint(
-            output_dir, kind, stored_config, dtype, groups, experts, extra, expected_bytes=stored
-        )
+        header = CheckpointHeader(kind, stored_config, dtype, experts)
+        write_checkpoint(output_dir, header, groups, extra, expected_bytes=stored)
     summary.seconds = time.perf_counter() - start
     return summary
 

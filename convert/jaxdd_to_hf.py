@@ -24,10 +24,10 @@ from tqdm import tqdm
 from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.errors import CheckpointError, ConfigError, checkpoint_directory, read_json
 from jaxdd.models.quant import ExpertFormat, dense_experts
+from jaxdd.weights.atomic import atomic_directory
 from jaxdd.weights.checkpoint import (
     MARKER,
     abstract_model,
-    atomic_directory,
     check_files,
     get_path,
     group_path,

@@ -38,6 +38,16 @@ from jaxdd.weights.checkpoint import (
 from jaxdd.weights.hf_loader import load_hf_drafter, load_hf_target
 
 
+class ForwardOptions(NamedTuple):
+    """A forward's static choices: the layers whose output to return, the MLA form, the platform's
+    choices and whether the new tokens are committed."""
+
+    taps: tuple[int, ...]
+    attention: Attention
+    backend: Backend
+    commit: bool
+
+
 class ForwardResult(NamedTuple):
     logits: jax.Array  # [B, T, vocab] fp32
     taps: jax.Array | None  # [B, T, len(taps) * hidden]
@@ -118,15 +128,12 @@ def _checkpoint(path: str | Path, verify: bool) -> Path:
     return path
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("spec", "taps", "attention", "backend", "commit"),
-    donate_argnames=("cache",),
-)
+@functools.partial(jax.jit, static_argnames=("spec", "options"), donate_argnames=("cache",))
 def _forward(
-    spec, weights, tokens, positions, cache, visible, taps, attention, backend, commit
+    spec, weights, tokens, positions, cache, visible, options: ForwardOptions
 ) -> ForwardResult:
     model = spec.merge(weights)
+    taps, attention, backend, commit = options
     out = model(tokens, positions, cache, visible, taps=taps, attention=attention, backend=backend)
     cache = out.cache
     if commit:
@@ -212,8 +219,8 @@ class Target:
             )
         if attention is None:
             attention = "naive" if t > 1 and not length.any() else "absorbed"
-        options = (tuple(taps), attention, self.backend, commit)
-        return _forward(self._spec, self._weights, tokens, positions, cache, visible, *options)
+        options = ForwardOptions(tuple(taps), attention, self.backend, commit)
+        return _forward(self._spec, self._weights, tokens, positions, cache, visible, options)
 
     def generate(
         self,

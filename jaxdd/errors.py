@@ -1,4 +1,5 @@
-"""The errors jaxdd raises for bad input; each message names the field, tensor or limit at fault."""
+"""The errors jaxdd raises: for bad input, each message naming the field, tensor or limit at
+fault; for a caller that broke an invariant (a bug, not bad input), ``InvariantError``."""
 
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ class CheckpointError(FieldError):
 class InputError(FieldError):
     """Token ids, positions, masks, cache sizes or
     generation settings that the model cannot take."""
+
+
+class InvariantError(RuntimeError):
+    """A caller broke an invariant the library keeps (a bug in jaxdd, not bad input): not a
+    ``FieldError``, so no entry point reports it to a user as their mistake."""
 
 
 class Refusal(Exception):

@@ -29,7 +29,7 @@ import jaxdd
 from jaxdd import cli
 from jaxdd.cli import DEMO, parse_ids, positive, print_note
 from jaxdd.decoding.engine import Generation
-from jaxdd.planning.default_layout import default_layout
+from jaxdd.planning.default_layout import RunRound, default_layout
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.distributed import disagreeing_processes
 from jaxdd.weights.tokenizer import IncrementalDecoder, TextTokenizer, load_tokenizer
@@ -266,11 +266,13 @@ def run(argv: list[str] | None) -> int:
             or default_layout(
                 target.model,
                 drafter,
-                method,
-                len(prompt_ids) + args.max_new_tokens,
-                block=args.block_size,
-                budget=args.budget,
-                drafter_kv=args.drafter_kv,
+                RunRound(
+                    method,
+                    len(prompt_ids) + args.max_new_tokens,
+                    block=args.block_size,
+                    budget=args.budget,
+                ),
+                args.drafter_kv,
             ).layout,
             drafter_kv=args.drafter_kv,
             prefill_chunk=args.prefill_chunk,

@@ -65,11 +65,11 @@ def _kernel(
     scale_ref,
     o_ref,
     *,
-    packed_swapped: bool,
-    scale_swapped: bool,
+    swapped: tuple[bool, bool],  # (packed, scale) handed over [E, width, N]
     group: int,
 ):
     del ids_ref  # read by the index maps only
+    packed_swapped, scale_swapped = swapped
     words = packed_ref[...]  # [words, bn] (swapped) or [bn, words]
     words = words if packed_swapped else words.T
     scale = scale_ref[...]  # [groups, bn] or [bn, groups]
@@ -174,9 +174,7 @@ def gathered_int4_matvec_tpu(
     blockings = _blockings(packed.shape, scale.shape, swapped, x.dtype, scale.dtype, bn)
     moved = declared_bytes(pairs, packed.shape, scale.shape, x.dtype, scale.dtype, swapped)
     out = pl.pallas_call(
-        functools.partial(
-            _kernel, packed_swapped=swapped[0], scale_swapped=swapped[1], group=group
-        ),
+        functools.partial(_kernel, swapped=swapped, group=group),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(n // bn, pairs),

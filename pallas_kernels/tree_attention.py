@@ -41,8 +41,17 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu_launch import Launch, launch, pow2
+from pallas_kernels.gpu_launch import (
+    FALLBACK_GPU,
+    TUNED_TILES,
+    Gpu,
+    GpuTiles,
+    Launch,
+    launch,
+    pow2,
+)
 from pallas_kernels.online_softmax import NEG, log_sum_exp, merge_splits, online_softmax_step
+from pallas_kernels.tree_operands import TreeOperands, gather_pages
 
 # jax >= 0.11 warns at each Triton lowering; the form has no other GPU backend to go to yet
 # (Mosaic GPU: no scalar prefetch, sm_120 unchecked; docs/kernels.md)
@@ -51,35 +60,23 @@ warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=Deprecati
 
 
 def tree_attention_reference(
-    q_latent,
-    q_rope,
-    cache_latent,
-    cache_rope,
-    length,
-    tail_latent,
-    tail_rope,
-    tail_mask,
-    scale,
-    with_lse: bool = False,
-    pages: jax.Array | None = None,
-    fold: int = 1,
-):
-    """Plain jnp: q_latent [B,T,H,r], q_rope [B,T,H,dr]; cache
-    [B,S,r|dr]; length [B]; tail [B,T,r|dr]; tail_mask [B,T,T] bool;
-    ``pages`` [B / fold, row_pages]: the cache is pools [P, page, r|dr], gathered here first
-    (``fold`` rows to a table: ``unfold_pages``).
-    Returns the attention output in latent space [B,T,H,r] (fp32); ``with_lse``: ``(out, lse)``,
-    lse [B,T,H] fp32 the natural log of the sum of exp(scale * score) over the visible keys.
-    A row that sees no key (``with_lse`` only) gives out 0 and lse ``NEG``."""
+    ops: TreeOperands, *, scale: float, with_lse: bool = False
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Plain jnp over ``ops`` (with pages: the pools gathered here first). Returns the attention
+    output in latent space [B,T,H,r] (fp32); ``with_lse``: ``(out, lse)``, lse [B,T,H] fp32 the
+    natural log of the sum of exp(scale * score) over the visible keys. A row that sees no key
+    (``with_lse`` only) gives out 0 and lse ``NEG``."""
     f32 = jnp.float32
-    if pages is not None:
-        pages = unfold_pages(pages, fold)
-        cache_latent, cache_rope = (gather_pages(c, pages) for c in (cache_latent, cache_rope))
-    keys_latent = jnp.concatenate([cache_latent, tail_latent], axis=1).astype(f32)
-    keys_rope = jnp.concatenate([cache_rope, tail_rope], axis=1).astype(f32)
-    scores = jnp.einsum("bthr,bsr->bhts", q_latent.astype(f32), keys_latent)
-    scores += jnp.einsum("bthd,bsd->bhts", q_rope.astype(f32), keys_rope)
-    prefix = jnp.arange(cache_latent.shape[1])[None, None, :] < length[:, None, None]
+    ops = ops.unfolded()
+    cache_latent, cache_rope = ops.cache_latent, ops.cache_rope
+    if ops.pages is not None:
+        cache_latent, cache_rope = (gather_pages(c, ops.pages) for c in (cache_latent, cache_rope))
+    keys_latent = jnp.concatenate([cache_latent, ops.tail_latent], axis=1).astype(f32)
+    keys_rope = jnp.concatenate([cache_rope, ops.tail_rope], axis=1).astype(f32)
+    scores = jnp.einsum("bthr,bsr->bhts", ops.q_latent.astype(f32), keys_latent)
+    scores += jnp.einsum("bthd,bsd->bhts", ops.q_rope.astype(f32), keys_rope)
+    prefix = jnp.arange(cache_latent.shape[1])[None, None, :] < ops.length[:, None, None]
+    tail_mask = ops.tail_mask
     mask = jnp.concatenate(
         [jnp.broadcast_to(prefix, tail_mask.shape[:2] + prefix.shape[-1:]), tail_mask], -1
     )
@@ -93,49 +90,13 @@ def tree_attention_reference(
     return jnp.einsum("bhts,bsr->bthr", probs, keys_latent), lse.transpose(0, 2, 1)
 
 
-def gather_pages(pool: jax.Array, pages: jax.Array) -> jax.Array:
-    """Each row's slots [B, row_pages * page, d] of a pool [P, page, d] through its table."""
-    rows = pool[pages]  # [B, row_pages, page, d]
-    return rows.reshape(pages.shape[0], -1, pool.shape[-1])
-
-
-def unfold_pages(pages: jax.Array, fold: int) -> jax.Array:
-    """Tables [B, row_pages] shared by ``fold`` rows each -> [B * fold, row_pages]: row ``b`` reads
-    page ``p * fold + b % fold`` where its table row ``b // fold`` names ``p`` (a pool of
-    [P, fold, page, d] seen as [P * fold, page, d], as the drafter's KV heads are)."""
-    if fold == 1:
-        return pages
-    folded = pages[:, None] * fold + jnp.arange(fold, dtype=pages.dtype)[None, :, None]
-    return folded.reshape(-1, pages.shape[1])
-
-
-def check_pages(
-    cache_latent: jax.Array, cache_rope: jax.Array, pages: jax.Array, rows: int, fold: int = 1
-) -> int:
-    """The page size of pools ``cache_latent`` [P, page, r] and ``cache_rope`` [P, page, dr]
-    read by ``rows`` rows through tables ``pages`` [rows / fold, row_pages] int; a ValueError
-    names a mismatch."""
-    if cache_latent.ndim != 3 or cache_latent.shape[:2] != cache_rope.shape[:2]:
-        raise ValueError(
-            f"pools of pages [P, page, r] and [P, page, dr] expected, got latent"
-            f" {cache_latent.shape} and rope {cache_rope.shape}"
-        )
-    if pages.ndim != 2 or not jnp.issubdtype(pages.dtype, jnp.integer):
-        raise ValueError(f"page tables [B, row_pages] int expected, got {pages.dtype}{pages.shape}")
-    if pages.shape[0] * fold != rows:
-        raise ValueError(f"{pages.shape[0]} page tables, each for {fold} rows, for {rows} rows")
-    return cache_latent.shape[1]
-
-
 def _kernel(
     length_ref,
     *refs,  # paged: the row's page table first; with_lse: the log-sum-exp's output last
-    scale,
-    block_k,
-    tail_k,
-    paged,
-    splits,
-    split_blocks,
+    scale: float,
+    chosen: Launch,
+    tail_k: int,
+    paged: bool,
 ):
     if paged:
         pages_ref, *refs = refs
@@ -144,6 +105,7 @@ def _kernel(
     q_rope = q_rope_ref[...]  # [bq, dr]
     rows = q_lat.shape[0]
     update = functools.partial(online_softmax_step, q_lat=q_lat, q_rope=q_rope, scale=scale)
+    block_k, splits, split_blocks = chosen.block_k, chosen.splits, chosen.split_blocks
     length = length_ref[0]
     blocks = pl.cdiv(length, block_k)
 
@@ -273,78 +235,43 @@ def _cache_spec(cache_latent: jax.Array, paged: bool) -> Callable[[int], pl.Bloc
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=(
-        "scale",
-        "block_q",
-        "block_k",
-        "interpret",
-        "compiler_params",
-        "shared_memory",
-        "with_lse",
-        "fold",
-        "multiprocessors",
-        "splits",
-    ),
+    jax.jit, static_argnames=("scale", "with_lse", "tiles", "gpu", "interpret", "compiler_params")
 )
 def tree_attention(
-    q_latent,
-    q_rope,
-    cache_latent,
-    cache_rope,
-    length,
-    tail_latent,
-    tail_rope,
-    tail_mask,
+    ops: TreeOperands,
+    *,
     scale: float,
-    block_q: int | None = None,
-    block_k: int | None = None,
+    with_lse: bool = False,
+    tiles: GpuTiles = TUNED_TILES,
+    gpu: Gpu = FALLBACK_GPU,
     interpret: bool = False,
     compiler_params: Any = None,
-    shared_memory: int | None = None,
-    with_lse: bool = False,
-    pages: jax.Array | None = None,
-    fold: int = 1,
-    multiprocessors: int | None = None,
-    splits: int | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The Pallas kernel; same arguments and results as ``tree_attention_reference``; ``interpret``
-    and ``compiler_params`` as the backend chooses (``Backend.kernel_options``). ``block_q`` query
-    rows (token x head) per program, keys in blocks of ``block_k``, each row block's keys shared
-    by ``splits`` programs (split-KV, merged by log-sum-exp); what is None comes from ``launch``
-    for the GPU of ``shared_memory`` bytes per block and ``multiprocessors``. With ``pages`` each
-    key block's page is read from the row's table; ``fold`` rows share one (``unfold_pages``)."""
-    b, t, h, r = q_latent.shape
-    if pages is not None:
-        check_pages(cache_latent, cache_rope, pages, b, fold)
-        pages = unfold_pages(pages, fold)
-    dr = q_rope.shape[-1]
+    and ``compiler_params`` as the backend chooses (``Backend.kernel_options``). Query rows (token
+    x head) and keys in the ``tiles`` given, each row block's keys shared by ``tiles.splits``
+    programs (split-KV, merged by log-sum-exp); what is None comes from ``launch`` for ``gpu``.
+    With pages each key block's page is read from the row's table."""
+    b, t, h, r = ops.q_latent.shape
+    if ops.pages is not None:
+        ops.check_pages()
+    ops = ops.unfolded()
+    cache_latent, pages = ops.cache_latent, ops.pages
+    dr = ops.q_rope.shape[-1]
     paged = pages is not None
     page = cache_latent.shape[1] if paged else None
     slots = pages.shape[1] * page if paged else cache_latent.shape[1]
-    computed = max(q_latent.dtype, cache_latent.dtype, key=lambda d: d.itemsize)
-    gpu = {"shared_memory": shared_memory, "multiprocessors": multiprocessors}
-    tiles = {"block_q": block_q, "block_k": block_k, "splits": splits}
-    chosen = launch(b, t * h, slots, page, computed, **tiles, **gpu)
-    block_q, block_k, padded_rows, splits, _ = chosen
+    computed = max(ops.q_latent.dtype, cache_latent.dtype, key=lambda d: d.itemsize)
+    chosen = launch(b, t * h, slots, page, computed, tiles, gpu)
     cache_spec = _cache_spec(cache_latent, paged)
     tail = pow2(t)  # pad the tail to a power of two; padded keys are masked out
-    mask = row_mask(tail_mask, h, padded_rows, tail, jnp.int8)
-    tail_latent = pad_to(tail_latent, 1, tail)
-    tail_rope = pad_to(tail_rope, 1, tail)
+    mask = row_mask(ops.tail_mask, h, chosen.padded_rows, tail, jnp.int8)
 
-    by_rows = functools.partial(_by_rows, block_q)
-    out_shape, out_specs = _split_outputs(b, chosen, r, with_lse or splits > 1)
+    by_rows = functools.partial(_by_rows, chosen.block_q)
+    out_shape, out_specs = _split_outputs(b, chosen, r, with_lse or chosen.splits > 1)
     table = [_full((pages.shape[1],))] if paged else []
-    kernel = functools.partial(
-        _kernel,
-        scale=scale,
-        block_k=block_k,
-        tail_k=min(block_k, tail),
-        paged=paged,
-        splits=splits,
-        split_blocks=chosen.split_blocks,
-    )
+    tail_k = min(chosen.block_k, tail)
+    kernel = functools.partial(_kernel, scale=scale, chosen=chosen, tail_k=tail_k, paged=paged)
     result = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -365,14 +292,14 @@ def tree_attention(
         compiler_params=compiler_params,
         name="mla_tree_attention_paged" if paged else "mla_tree_attention",
     )(
-        length.astype(jnp.int32)[:, None],
+        ops.length.astype(jnp.int32)[:, None],
         *([pages.astype(jnp.int32)] if paged else []),
-        query_rows(q_latent, padded_rows),
-        query_rows(q_rope, padded_rows),
+        query_rows(ops.q_latent, chosen.padded_rows),
+        query_rows(ops.q_rope, chosen.padded_rows),
         cache_latent,
-        cache_rope,
-        tail_latent,
-        tail_rope,
+        ops.cache_rope,
+        pad_to(ops.tail_latent, 1, tail),
+        pad_to(ops.tail_rope, 1, tail),
         mask,
     )
-    return token_outputs(merged_splits(result, splits, with_lse), t, h, with_lse)
+    return token_outputs(merged_splits(result, chosen.splits, with_lse), t, h, with_lse)

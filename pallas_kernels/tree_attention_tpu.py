@@ -32,13 +32,13 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.online_softmax import NEG, log_sum_exp, online_softmax_step
 from pallas_kernels.tree_attention import (
-    check_pages,
     out_shapes,
     pad_to,
     query_rows,
     row_mask,
     token_outputs,
 )
+from pallas_kernels.tree_operands import TreeOperands
 from pallas_kernels.tuned_block_sizes import block_sizes
 
 LANES = 128
@@ -211,57 +211,32 @@ def _cost(
 
 @functools.partial(
     jax.jit,
-    static_argnames=(
-        "scale",
-        "interpret",
-        "vmem_limit_bytes",
-        "with_lse",
-        "fold",
-        "smem_table_bytes",
-    ),
+    static_argnames=("scale", "with_lse", "interpret", "vmem_limit_bytes", "smem_table_bytes"),
 )
 def tree_attention_tpu(
-    q_latent,
-    q_rope,
-    cache_latent,
-    cache_rope,
-    length,
-    tail_latent,
-    tail_rope,
-    tail_mask,
+    ops: TreeOperands,
+    *,
     scale: float,
+    with_lse: bool = False,
     interpret: Any = False,
     vmem_limit_bytes: int | None = None,
-    with_lse: bool = False,
-    pages: jax.Array | None = None,
-    fold: int = 1,
     smem_table_bytes: int = SMEM_TABLE_BYTES,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Same arguments and results as ``tree_attention_reference``; ``interpret``: False to compile
     with Mosaic, or ``pltpu.InterpretParams()`` for Pallas' TPU interpreter (TPU semantics on any
     host). ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (default: the chip's); a compile over it
     fails with the VMEM the kernel needs (``benchmarks/kernel_compiles.py`` reads it from there).
-    ``pages``: pools of pages read through these tables (``paged_tiles``), each ``fold`` rows'
-    (``unfold_pages``; SMEM holds them, not their unfolded copies), at most ``smem_table_bytes``
-    of them per call (``table_groups``)."""
-    rows = (q_latent, q_rope, length, tail_latent, tail_rope, tail_mask)
+    With pages: pools of pages read through the tables (``paged_tiles``; SMEM holds them, not
+    their unfolded copies), at most ``smem_table_bytes`` of them per call (``table_groups``)."""
     options = dict(
         scale=scale, interpret=interpret, vmem_limit_bytes=vmem_limit_bytes, with_lse=with_lse
     )
-    if pages is None:
-        return _call(*rows[:2], cache_latent, cache_rope, *rows[2:], **options)
-    check_pages(cache_latent, cache_rope, pages, q_latent.shape[0], fold)  # all rows, not a group's
+    if ops.pages is None:
+        return _call(ops, **options)
+    ops.check_pages()  # all rows, not a group's
     outputs = [
-        _call(
-            *(x[start * fold : end * fold] for x in rows[:2]),
-            cache_latent,
-            cache_rope,
-            *(x[start * fold : end * fold] for x in rows[2:]),
-            pages=pages[start:end],
-            fold=fold,
-            **options,
-        )
-        for start, end in table_groups(pages.shape, smem_table_bytes)
+        _call(ops.rows(start, end), **options)
+        for start, end in table_groups(ops.pages.shape, smem_table_bytes)
     ]
     return jax.tree.map(lambda *parts: jnp.concatenate(parts), *outputs)
 
@@ -275,31 +250,23 @@ def table_groups(shape: tuple[int, int], smem_table_bytes: int) -> list[tuple[in
 
 
 def _call(
-    q_latent,
-    q_rope,
-    cache_latent,
-    cache_rope,
-    length,
-    tail_latent,
-    tail_rope,
-    tail_mask,
+    ops: TreeOperands,
+    *,
     scale: float,
+    with_lse: bool,
     interpret: Any,
     vmem_limit_bytes: int | None,
-    with_lse: bool,
-    pages: jax.Array | None = None,
-    fold: int = 1,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``tree_attention_tpu`` in one kernel call: every table in SMEM."""
-    (b, t, h, r), dr = q_latent.shape, q_rope.shape[-1]
-    length = length.astype(jnp.int32)
+    (b, t, h, r), dr = ops.q_latent.shape, ops.q_rope.shape[-1]
+    length, pages = ops.length.astype(jnp.int32), ops.pages
     if pages is None:
-        row_slots = cache_latent.shape[1]
+        row_slots = ops.cache_latent.shape[1]
         tiles = tpu_tiles(t, h, row_slots)
         unit, parts, steps = tiles.block_k, 1, row_slots // tiles.block_k
         scalars = (length,)
     else:
-        page = check_pages(cache_latent, cache_rope, pages, b, fold)
+        page = ops.check_pages()
         row_slots = pages.shape[1] * page
         tiles = tpu_tiles(t, h, row_slots)
         unit, parts = paged_tiles(page)
@@ -309,7 +276,9 @@ def _call(
     bq = tiles.block_q
     padded_rows = tiles.row_blocks * bq
 
-    mask = row_mask(tail_mask, h, padded_rows, tiles.tail, jnp.int32)  # int32: TPU tiles of 8 rows
+    mask = row_mask(
+        ops.tail_mask, h, padded_rows, tiles.tail, jnp.int32
+    )  # int32: TPU tiles of 8 rows
 
     def by_rows(width):
         return pl.BlockSpec((None, bq, width), lambda i, j, k, *_: (i, j, 0))
@@ -317,7 +286,7 @@ def _call(
     def whole(rows_, width):
         return pl.BlockSpec((None, rows_, width), lambda i, j, k, *_: (i, 0, 0))
 
-    paging = None if pages is None else (page, pages.shape[1], fold)
+    paging = None if pages is None else (page, pages.shape[1], ops.fold)
     caches = _cache_specs((r, dr), unit, parts, paging)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
@@ -344,18 +313,23 @@ def _call(
         ),
         # what it moves, not its operands: a pool passed once per part is read once
         cost_estimate=_cost(
-            b, tiles, (row_slots // unit, unit, parts, steps), (r, dr), q_latent, cache_latent
+            b,
+            tiles,
+            (row_slots // unit, unit, parts, steps),
+            (r, dr),
+            ops.q_latent,
+            ops.cache_latent,
         ),
         interpret=interpret,
         name="mla_tree_attention_tpu" if pages is None else "mla_tree_attention_tpu_paged",
     )(
         *scalars,
-        query_rows(q_latent, padded_rows),
-        query_rows(q_rope, padded_rows),
-        *[cache_latent] * parts,
-        *[cache_rope] * parts,
-        pad_to(tail_latent, 1, tiles.tail),
-        pad_to(tail_rope, 1, tiles.tail),
+        query_rows(ops.q_latent, padded_rows),
+        query_rows(ops.q_rope, padded_rows),
+        *[ops.cache_latent] * parts,
+        *[ops.cache_rope] * parts,
+        pad_to(ops.tail_latent, 1, tiles.tail),
+        pad_to(ops.tail_rope, 1, tiles.tail),
         mask,
     )
     return token_outputs(result, t, h, with_lse)

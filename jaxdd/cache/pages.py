@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxdd.cache.paging import Paging, pages_for, pages_on, share_holding, share_of
 from jaxdd.cache.prefix import NoPrefix, PrefixIndex
-from jaxdd.errors import InputError
+from jaxdd.errors import InvariantError
 
 
 @dataclasses.dataclass
@@ -75,13 +75,12 @@ class PageTable:
 
     def __init__(self, rows: int, paging: Paging, prefix: bool = False):
         if paging.pool_pages % paging.devices or paging.pool_pages < 2 * paging.devices:
-            raise InputError.at(
-                "cache_tokens",
+            raise InvariantError(  # checks.pool_shape refuses such a cache_tokens
                 f"a pool of {paging.pool_pages} pages cannot give each of {paging.devices} "
                 "devices a null page and one more",
             )
         if paging.row_pages % paging.devices:
-            raise ValueError(
+            raise InvariantError(
                 f"row_pages: {paging.row_pages} is not a multiple of {paging.devices} devices"
             )
         self.rows = rows
@@ -223,7 +222,7 @@ class PageTable:
         its ``prompt`` starts with from the cache, and may grow to ``limit`` slots (default:
         ``tokens``): the tokens it found cached."""
         if row in self._held or not self.fits(tokens, prompt, limit):  # the caller's bug
-            raise RuntimeError(
+            raise InvariantError(
                 f"row {row}: held already, or no {pages_for(tokens, self.page)} free pages "
                 "(take only what fits() allows)"
             )

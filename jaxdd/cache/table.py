@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
+from jaxdd.errors import InvariantError
+
 Holder = TypeVar("Holder")
 
 
@@ -21,7 +23,7 @@ class RowTable(Generic[Holder]):
         """The lowest free row, now ``holder``'s."""
         row = next((r for r in range(self.rows) if r not in self._holders), None)
         if row is None:
-            raise RuntimeError("no free row: take one only while free() is not empty")
+            raise InvariantError("no free row: take one only while free() is not empty")
         self._holders[row] = holder
         return row
 

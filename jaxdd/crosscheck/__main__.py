@@ -66,21 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     cli.enable_compilation_cache()
     try:
         if args.command == "dump":
-            from jaxdd.crosscheck.dump import dump, read_prompts
+            from jaxdd.crosscheck.dump import ReferenceRun, dump, read_prompts
 
             prompts = read_prompts(args.prompts, args.target)
-            path = dump(
-                args.target,
-                prompts,
+            run = ReferenceRun(
                 args.method,
-                args.out,
-                drafter_dir=args.drafter,
-                max_new_tokens=args.max_new_tokens,
-                block_size=args.block_size,
-                budget=args.budget,
-                stop_ids=args.stop_ids,
-                topk=args.topk,
+                args.max_new_tokens,
+                args.block_size,
+                args.budget,
+                None if args.stop_ids is None else tuple(args.stop_ids),
+                args.topk,
             )
+            path = dump(args.target, prompts, args.out, run, drafter_dir=args.drafter)
             print(f"wrote {path}: {len(prompts)} prompt(s), method {args.method}")
             return 0
         from jaxdd.crosscheck.compare import compare

@@ -3,6 +3,7 @@ CPU) and store what a jaxdd backend must reproduce."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -35,19 +36,29 @@ def read_prompts(path: str | Path, target_dir: str | Path) -> list[list[int]]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class ReferenceRun:
+    """What the references generate for each prompt: ``method`` for ``max_new_tokens`` tokens in
+    blocks of ``block_size`` (None: the drafter's), DDTree trees of ``budget`` nodes (None: the
+    block less one), stopping at ``stop_ids`` (None: the config's end-of-sequence ids), and the
+    ``topk`` logits kept of each position."""
+
+    method: str
+    max_new_tokens: int = 32
+    block_size: int | None = None
+    budget: int | None = None
+    stop_ids: tuple[int, ...] | None = None
+    topk: int = 8
+
+
 def dump(
     target_dir: str | Path,
     prompts: list[list[int]],
-    method: str,
     out: str | Path,
+    run: ReferenceRun,
     drafter_dir: str | Path | None = None,
-    max_new_tokens: int = 32,
-    block_size: int | None = None,
-    budget: int | None = None,
-    stop_ids: list[int] | None = None,
-    topk: int = 8,
 ) -> Path:
-    """Run ``method`` in PyTorch on every prompt and
+    """Generate ``run`` in PyTorch on every prompt and
     write the reference traces to ``out`` (.npz)."""
     import dflash
     import torch
@@ -55,25 +66,26 @@ def dump(
 
     from jaxdd.crosscheck import torch_reference as ref
 
+    method = run.method
     if method != "ar" and drafter_dir is None:
         raise InputError(f"method {method!r} needs a drafter")
     config = KimiConfig.from_json_file(Path(target_dir) / "config.json")
     _check_prompts(prompts, config.vocab_size)
     target, drafter = ref.load_reference_models(target_dir, drafter_dir if method != "ar" else None)
-    block = (block_size or drafter.block_size) if drafter is not None else 1
-    budget = (budget or block - 1) if method == "ddtree" else None
-    stops = list(config.eos_token_ids if stop_ids is None else stop_ids)
-    shape = (method, max_new_tokens, block, budget, stops, topk)
-    traces = [_trace_prompt(ref, target, drafter, prompt, *shape) for prompt in prompts]
+    block = (run.block_size or drafter.block_size) if drafter is not None else 1
+    budget = (run.budget or block - 1) if method == "ddtree" else None
+    stops = tuple(config.eos_token_ids if run.stop_ids is None else run.stop_ids)
+    run = dataclasses.replace(run, block_size=block, budget=budget, stop_ids=stops)
+    traces = [_trace_prompt(ref, target, drafter, prompt, run) for prompt in prompts]
     meta = {
         "method": method,
         "target": str(Path(target_dir).absolute()),
         "drafter": str(Path(drafter_dir).absolute()) if drafter_dir else None,
-        "max_new_tokens": max_new_tokens,
+        "max_new_tokens": run.max_new_tokens,
         "block_size": block,
         "budget": budget,
-        "stop_ids": stops,
-        "topk": topk,
+        "stop_ids": list(stops),
+        "topk": run.topk,
         "reference": {
             "dtype": "float32",
             "torch": torch.__version__,
@@ -94,31 +106,20 @@ def _check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
             raise InputError(f"prompt {i}: {error}") from None
 
 
-def _trace_prompt(
-    ref,
-    target,
-    drafter,
-    prompt: list[int],
-    method: str,
-    max_new_tokens: int,
-    block: int,
-    budget: int | None,
-    stops: list[int],
-    topk: int,
-) -> PromptTrace:
-    """One prompt's reference generation, its drafts and
-    trees, and teacher-forced logits and hidden states."""
+def _trace_prompt(ref, target, drafter, prompt: list[int], run: ReferenceRun) -> PromptTrace:
+    """One prompt's reference generation, its drafts and trees, and teacher-forced logits and
+    hidden states, as ``run`` (its sizes resolved) says."""
+    method, max_new_tokens, topk = run.method, run.max_new_tokens, run.topk
+    block, budget, stops = run.block_size, run.budget, list(run.stop_ids)
     record = ref.new_record()
     if method == "ar":
         tokens, acceptance = ref.ar_reference(target, prompt, max_new_tokens, stops)
     elif method == "dflash":
-        tokens, acceptance = ref.dflash_reference(
-            drafter, target, prompt, max_new_tokens, block, stops, record
-        )
+        generation = ref.Generation(max_new_tokens, block, stops)
+        tokens, acceptance = ref.dflash_reference(drafter, target, prompt, generation, record)
     else:
-        tokens, acceptance = ref.ddtree_reference(
-            drafter, target, prompt, max_new_tokens, block, budget, stops, record
-        )
+        generation = ref.Generation(max_new_tokens, block, stops, budget)
+        tokens, acceptance = ref.ddtree_reference(drafter, target, prompt, generation, record)
     logit_positions, hidden_positions = selected_positions(len(prompt), len(tokens))
     sequence = prompt + tokens[:-1]
     ids, values, lse, hidden = ref.teacher_forced(

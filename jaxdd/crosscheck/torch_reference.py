@@ -15,6 +15,7 @@ Each run can ``record`` what happened per round: the drafter's logits and, for D
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -80,14 +81,24 @@ def ar_reference(
     return tokens, [1] * (len(tokens) - 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What a speculative reference loop generates: up to ``max_new_tokens`` tokens in blocks of
+    ``block_size``, ending at any of ``stop_token_ids`` (None: at none); DDTree's trees of
+    ``budget`` nodes."""
+
+    max_new_tokens: int
+    block_size: int
+    stop_token_ids: list[int] | None = None
+    budget: int | None = None
+
+
 @torch.inference_mode()
 def dflash_reference(
     drafter,
     target,
     prompt,
-    max_new_tokens,
-    block_size,
-    stop_token_ids,
+    generation: Generation,
     record=None,
     timings: dict | None = None,
     sampling: Sampling = GREEDY,
@@ -114,9 +125,9 @@ def dflash_reference(
             drafter,
             target,
             torch.tensor([list(prompt)], device=target.device),
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=stop_token_ids,
-            block_size=block_size,
+            max_new_tokens=generation.max_new_tokens,
+            stop_token_ids=generation.stop_token_ids,
+            block_size=generation.block_size,
             return_stats=True,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -135,17 +146,10 @@ def new_record() -> defaultdict:
 
 
 @torch.inference_mode()
-def ddtree_reference(
-    drafter,
-    target,
-    prompt,
-    max_new_tokens: int,
-    block_size: int,
-    budget: int,
-    stop_token_ids,
-    record=None,
-):
+def ddtree_reference(drafter, target, prompt, generation: Generation, record=None):
     """(new tokens, per-round acceptance lengths) of greedy DDTree decoding."""
+    max_new_tokens, block_size = generation.max_new_tokens, generation.block_size
+    budget, stop_token_ids = generation.budget, generation.stop_token_ids
     num_input = len(prompt)
     max_length = num_input + max_new_tokens
     input_ids = torch.tensor([list(prompt)])

@@ -20,6 +20,7 @@ from jaxdd.models.layers import RMSNorm, apply_rope, linear, param, project_head
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.sharding import AXIS, Placeable, partition_spec
 from jaxdd.types import ATTENTIONS, Attention
+from pallas_kernels.tree_operands import TreeOperands
 
 # a device's partial output leaves it in float32, to be merged with the others'
 F32 = {"preferred_element_type": jnp.float32}
@@ -82,12 +83,12 @@ class AttentionInputs:
     visible: jax.Array  # [B, T, T] bool: may new token i attend to new token j
     backend: Backend
 
-    def kernel_operands(self, q_latent: jax.Array) -> tuple[jax.Array, ...]:
-        """The tree-attention kernel's array operands (``tree_attention_reference``'s, the
-        page tables last), for queries ``q_latent`` [B, T, heads, kv_lora_rank]."""
+    def kernel_operands(self, q_latent: jax.Array) -> TreeOperands:
+        """The tree-attention kernel's operands for queries ``q_latent`` [B, T, heads,
+        kv_lora_rank]: the cache's rows and their length and tables as ``view`` says."""
         latent, rope = self.cache_rows
-        rows = (latent, rope, self.view.length, self.latent, self.k_pe, self.visible)
-        return (q_latent, self.q_pe, *rows, self.view.pages)
+        queries = (q_latent, self.q_pe, latent, rope, self.view.length)
+        return TreeOperands(*queries, self.latent, self.k_pe, self.visible, self.view.pages)
 
 
 class MLAttention(nnx.Module, Placeable):
@@ -201,8 +202,9 @@ class MLAttention(nnx.Module, Placeable):
 
     def _striped(self, inputs: AttentionInputs, attend_local: Callable) -> tuple:
         """Attention over a cache striped over the devices (``jaxdd.cache.stripes``): each
-        device runs ``attend_local`` (``_absorbed_local``'s signature: its pools and its own
-        pages' view in place of the kernel's length; (out, log-sum-exp)) for all heads over them,
+        device runs ``attend_local`` (the kernel's ``with_lse`` form: (out, log-sum-exp) of
+        operands over its pools and its own pages, and the view of those pages) for all heads
+        over them,
         device 0 over the new rows too, and the partials merge by their log-sum-exp into each
         device's heads."""
         stripes = inputs.view.stripes
@@ -210,37 +212,33 @@ class MLAttention(nnx.Module, Placeable):
         split = partition_spec((heads,), ("heads",), stripes.mesh, "tp")[0] is not None
         q_latent = jnp.einsum("bthk,hnk->bthn", inputs.q_nope, self.k_up[...])
 
-        def attend(q_latent, q_pe, pool_latent, pool_rope, view, latent, k_pe, visible):
+        def attend(ops: TreeOperands, view: CacheView) -> jax.Array:
             device = jax.lax.axis_index(AXIS)
-            local = stripes.local_view(view, device, pool_latent.shape[0])
-            out, lse = attend_local(
-                q_latent,
-                q_pe,
-                pool_latent,
-                pool_rope,
-                local,
-                latent,
-                k_pe,
-                visible & (device == 0),
+            local = stripes.local_view(view, device, ops.cache_latent.shape[0])
+            mine = ops.replace(
+                length=local.length, pages=local.pages, tail_mask=ops.tail_mask & (device == 0)
             )
+            out, lse = attend_local(mine, local)
             return stripes.merge(out, lse, split)
 
         whole = jax.sharding.PartitionSpec()
         out_spec = jax.sharding.PartitionSpec(None, None, AXIS) if split else whole
-        specs = (whole, whole, PAGES, PAGES, whole, *(whole,) * 3)
-        attend = stripes.per_device(attend, specs, out_spec)
-        operands = (q_latent, inputs.q_pe, *inputs.cache_rows, inputs.view)
-        out_latent = attend(*operands, inputs.latent, inputs.k_pe, inputs.visible)
+        ops = inputs.kernel_operands(q_latent)
+        specs = jax.tree.map(lambda _: whole, ops).replace(cache_latent=PAGES, cache_rope=PAGES)
+        out_latent = stripes.per_device(attend, (specs, whole), out_spec)(ops, inputs.view)
         out_latent = out_latent.astype(inputs.q_pe.dtype)
         out = jnp.einsum("bthr,hdr->bthd", out_latent, self.v_up[...])
         rows = _write_after(out_latent, (inputs.latent, inputs.k_pe))
         return out, tuple(map(inputs.view.write, inputs.cache_rows, rows))
 
-    def _absorbed_local(self, q_latent, q_pe, pool_latent, pool_rope, view, latent, k_pe, visible):
-        """The absorbed attention of the pools' rows whose committed slots ``view`` says, as
-        the kernel's ``with_lse`` form: (out [B,T,H,r] fp32, log-sum-exp [B,T,H]); a token that
-        sees nothing gives 0 and -inf. Scores and probabilities in the dtypes of ``_softmax``."""
-        cache_latent, cache_rope = view.read(pool_latent), view.read(pool_rope)
+    def _absorbed_local(self, ops: TreeOperands, view: CacheView) -> tuple[jax.Array, jax.Array]:
+        """The absorbed attention over ``ops``, their pools' committed slots read through
+        ``view`` (their length and tables), as the kernel's ``with_lse`` form: (out [B,T,H,r]
+        fp32, log-sum-exp [B,T,H]); a token that sees nothing gives 0 and -inf. Scores and
+        probabilities in the dtypes of ``_softmax``."""
+        cache_latent, cache_rope = view.read(ops.cache_latent), view.read(ops.cache_rope)
+        q_latent, q_pe, latent, k_pe = ops.q_latent, ops.q_rope, ops.tail_latent, ops.tail_rope
+        visible = ops.tail_mask
         slots = cache_latent.shape[1]
         scores = jnp.concatenate(
             [
@@ -274,22 +272,22 @@ class MLAttention(nnx.Module, Placeable):
         kernel = functools.partial(kernel, scale=c.softmax_scale)
         if inputs.view.stripes is not None:
 
-            def attend_local(q_latent, q_pe, pool_latent, pool_rope, view, *new_rows):
-                operands = (q_latent, q_pe, pool_latent, pool_rope, view.length, *new_rows)
-                return kernel(*operands, with_lse=True, pages=view.pages)
+            def attend_local(ops: TreeOperands, view: CacheView) -> tuple[jax.Array, jax.Array]:
+                return kernel(ops, with_lse=True)  # reads the pages through ops' own tables
 
             return self._striped(inputs, attend_local)
         kernels = inputs.backend.decode_kernels(inputs.q_pe.shape[0] * inputs.q_pe.shape[1])
         q_latent = _per_head(inputs.q_nope, self.k_up[...], kernels)
 
-        def attend(q_latent, q_pe, pool_latent, pool_rope, length, latent, k_pe, visible, pages):
+        def attend(ops: TreeOperands) -> tuple[jax.Array, ...]:
             # The committed rows only (slots < length), read through the page tables: the kernel
             # reads the cache as it was, and the new rows, made to depend on its output (else
             # XLA:GPU may schedule their write first, into a copy of the cache), are written
             # after it in place.
-            operands = (q_latent, q_pe, pool_latent, pool_rope, length, latent, k_pe, visible)
-            out = kernel(*operands, pages=pages)
-            return out, *_write_after(out, (latent, k_pe))
+            out = kernel(ops)
+            return out, *_write_after(out, (ops.tail_latent, ops.tail_rope))
+
+        ops = inputs.kernel_operands(q_latent)
 
         if self.placement is not None and self.placement[0].size > 1:
             # A Pallas kernel is opaque to XLA's partitioner: run it per device on
@@ -299,12 +297,16 @@ class MLAttention(nnx.Module, Placeable):
             split = partition_spec((c.num_attention_heads,), ("heads",), *self.placement)[0]
             whole = jax.sharding.PartitionSpec()
             heads = jax.sharding.PartitionSpec(None, None, AXIS) if split else whole
-            specs = (heads, heads, *(whole,) * 7)
+            specs = jax.tree.map(lambda _: whole, ops).replace(q_latent=heads, q_rope=heads)
             mesh = self.placement[0]
             attend = jax.shard_map(
-                attend, mesh=mesh, in_specs=specs, out_specs=(heads, whole, whole), check_vma=False
+                attend,
+                mesh=mesh,
+                in_specs=(specs,),
+                out_specs=(heads, whole, whole),
+                check_vma=False,
             )
-        out_latent, *rows = attend(*inputs.kernel_operands(q_latent))
+        out_latent, *rows = attend(ops)
         out = _per_head(out_latent.astype(inputs.q_pe.dtype), self.v_up[...], kernels)
         return out, tuple(map(inputs.view.write, inputs.cache_rows, rows))
 

@@ -37,6 +37,7 @@ from jaxdd.models.layers import (
     unmerged,
 )
 from jaxdd.runtime.sharding import AXIS, Placeable, partition_spec
+from pallas_kernels.tree_operands import TreeOperands
 
 
 class DraftAttention(nnx.Module, Placeable):
@@ -135,14 +136,14 @@ class DraftAttention(nnx.Module, Placeable):
         queries leave the scores q . k. Each KV head is a row of its own
         (``jaxdd.cache.draft.heads_as_rows``: a request's table serves its KV heads' rows)."""
 
-        def attend(q, k, v, keys, values, length, block_len, pages):
+        def attend(q, k, v, cached, length, block_len, pages):
             b, t, heads, hd = q.shape  # this device's heads
             kv = k.shape[1]
             q = q.reshape(b, t, kv, heads // kv, hd).transpose(0, 2, 1, 3, 4)
             q = q.reshape(b * kv, t, heads // kv, hd)
-            keys, values, k, v = map(heads_as_rows, (keys, values, k, v))
+            keys, values, k, v = map(heads_as_rows, (*cached, k, v))
             tail = jnp.arange(t)[None, None, :] < block_len[:, None, None]
-            out = kernel(
+            ops = TreeOperands(
                 jnp.zeros_like(q),
                 q,
                 values,
@@ -151,14 +152,14 @@ class DraftAttention(nnx.Module, Placeable):
                 v,
                 k,
                 jnp.repeat(jnp.broadcast_to(tail, (b, t, t)), kv, axis=0),
-                scale=hd**-0.5,
-                pages=pages,
+                pages,
                 fold=kv,
             )
+            out = kernel(ops, scale=hd**-0.5)
             out = out.reshape(b, kv, t, heads // kv, hd).transpose(0, 2, 1, 3, 4)
             return out.reshape(b, t, heads, hd)
 
-        operands = (q, k, v, *cached, view.length, block_len, view.pages)
+        operands = (q, k, v, cached, view.length, block_len, view.pages)
         if self.placement is None or self.placement[0].size == 1:
             return attend(*operands)
         # a Pallas kernel is opaque to XLA's partitioner: each device runs it on its KV heads
@@ -169,7 +170,7 @@ class DraftAttention(nnx.Module, Placeable):
         whole = PartitionSpec()
         by_heads = PartitionSpec(None, AXIS) if split else whole
         q_spec = PartitionSpec(None, None, AXIS) if split else whole
-        specs = (q_spec, by_heads, by_heads, by_heads, by_heads, whole, whole, whole)
+        specs = (q_spec, by_heads, by_heads, (by_heads, by_heads), whole, whole, whole)
         attend = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)
         return attend(*operands)
 

@@ -9,6 +9,7 @@ second: every device keeps its heads' share of the drafter's K/V for every page.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 
@@ -37,23 +38,30 @@ from jaxdd.types import LAYOUTS, CacheLayout, DrafterKV
 CACHE_MEMORY_FRACTION = 0.9
 
 
+@dataclasses.dataclass(frozen=True)
+class StateSpec:
+    """What a decode state holds, whatever its rows: the target's latent cache (striped by
+    ``stripes``; None: replicated), the drafter's K/V (none without its config, stored as
+    ``drafter_kv`` says) for blocks of ``block`` tokens, caches in ``dtype``."""
+
+    config: KimiConfig
+    drafter_config: DrafterConfig | None
+    block: int
+    dtype: jnp.dtype = jnp.bfloat16
+    stripes: Stripes | None = None
+    drafter_kv: DrafterKV = "model"
+
+
 def abstract_state(
-    config: KimiConfig,
-    drafter_config: DrafterConfig | None,
-    batch: int,
-    paging: Paging,
-    block: int,
-    mesh: jax.sharding.Mesh,
-    stripes: Stripes | None = None,
-    dtype: jnp.dtype = jnp.bfloat16,
-    drafter_kv: DrafterKV = "model",
+    spec: StateSpec, batch: int, paging: Paging, mesh: jax.sharding.Mesh
 ) -> DecodeState:
     """The decode state before a prefill as sharded ShapeDtypeStructs (nothing allocated):
-    ``batch`` rows paged as ``paging`` says, its latent cache striped by ``stripes`` (None:
-    replicated), the drafter's K/V stored as ``drafter_kv`` says."""
+    ``batch`` rows paged as ``paging`` says, placed on ``mesh``."""
     rng = jax.ShapeDtypeStruct((batch, 2), jnp.uint32)
+    models = (spec.config, spec.drafter_config)
+    layout = (spec.stripes, spec.drafter_kv)
     empty = lambda rng: DecodeState.empty(
-        config, drafter_config, batch, paging, block, dtype, rng, stripes, drafter_kv
+        *models, batch, paging, spec.block, spec.dtype, rng, *layout
     )
     state = jax.eval_shape(empty, rng)
     shardings = state_shardings(state, mesh)
@@ -88,9 +96,8 @@ def slot_bytes(
     latent rows, all layers) and ``drafter`` (the drafter's context K/V, all layers, stored as
     ``drafter_kv`` says; 0 without a drafter), caches in ``dtype``: what their pools of one
     page, as the decode state shards them, declare."""
-    state = abstract_state(
-        config, drafter_config, 1, Paging(1, 1), 1, mesh, dtype=dtype, drafter_kv=drafter_kv
-    )
+    spec = StateSpec(config, drafter_config, 1, dtype, drafter_kv=drafter_kv)
+    state = abstract_state(spec, 1, Paging(1, 1), mesh)
     per_token = lambda cache: 0.0 if cache is None else cache.token_bytes(shard_bytes)
     return {"latent": per_token(state.target_cache), "drafter": per_token(state.draft_cache)}
 
@@ -128,10 +135,9 @@ def pool_temporaries(decoder: SpeculativeDecoder, shape: RowShape) -> int:
     spec, rows, mesh = shape.spec, shape.rows, decoder.mesh
     drafter = None if spec.method == "ar" else decoder.drafter.config
     dtype = decoder.target.model.dtype
-    state = abstract_state(
-        decoder.config, drafter, rows, shape.paging.holding(rows * shape.slots), spec.block,
-        mesh or make_mesh(1, jax.local_devices()[:1]), decoder.stripes, dtype, spec.drafter_kv,
-    )  # fmt: skip
+    made = StateSpec(decoder.config, drafter, spec.block, dtype, decoder.stripes, spec.drafter_kv)
+    paging = shape.paging.holding(rows * shape.slots)
+    state = abstract_state(made, rows, paging, mesh or make_mesh(1, jax.local_devices()[:1]))
     scoring = bool(spec.top_logprobs)  # a scored prompt is prefilled whole
     longest = min(shape.max_prompt, (not scoring and shape.prefill_chunk) or shape.max_prompt)
     ints = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)

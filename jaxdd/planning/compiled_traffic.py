@@ -31,6 +31,16 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
+from jaxdd.planning.collectives import link_bytes
+from jaxdd.planning.hlo_opcodes import (
+    COLLECTIVES,
+    ELEMENTWISE,
+    FREE,
+    MOVES,
+    SLICING,
+    UPDATING,
+    VIEWS,
+)
 from jaxdd.planning.hlo_text import (
     Computation,
     Instruction,
@@ -41,39 +51,8 @@ from jaxdd.planning.hlo_text import (
 
 STAGES = ("draft", "build", "verify", "accept", "commit", "prefill")
 TOP_OPS = 20
-_FREE = {
-    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
-    "replica-id", "opt-barrier", "add-dependency", "domain", "copy-done", "send-done", "recv-done",
-    "async-done", "async-update", "all-reduce-done", "all-gather-done", "collective-permute-done",
-    "get-dimension-size",
-}  # fmt: skip
-_MOVES = {
-    "copy",
-    "concatenate",
-    "transpose",
-    "reshape",
-    "bitcast",
-    "slice",
-    "pad",
-    "parameter",
-    "tuple",
-    "constant",
-}
 # XLA copies the donated state's scalars (lengths, the bonus token) around the round
 COPY_MIN_BYTES = 1024
-_SLICING = {"dynamic-slice", "gather", "slice"}  # read what they output
-_UPDATING = {"dynamic-update-slice", "scatter"}  # in place: read and write their update
-_VIEWS = {"bitcast", "reshape"}  # inside a fusion: the same bytes, another shape
-_ELEMENTWISE = {
-    "convert", "negate", "abs", "exponential", "log", "tanh", "logistic", "sqrt", "rsqrt", "add",
-    "subtract", "multiply", "divide", "maximum", "minimum", "select", "compare", "and", "or", "not",
-    "xor", "copy", "clamp", "floor", "ceil", "round-nearest-even", "sign", "power",
-    "exponential-minus-one", "log-plus-one", "is-finite",
-}  # fmt: skip
-_COLLECTIVES = {
-    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-    "collective-broadcast",
-}  # fmt: skip
 # A quote as printed in a backend config: ", \" (TPU's
 # JSON) or \22 (an MLIR string: a Triton call's metadata).
 _QUOTE = r'(?:\\22|\\?")?'
@@ -204,7 +183,7 @@ def _walk(
             (callee,) = (ins.called("calls") + ins.called("to_apply"))[:1]
             inner = {k: origins.get(o) for k, o in enumerate(ins.operands)}
             _walk(account, comps, comps[callee], scale, inner, here)
-        elif ins.opcode not in _FREE:
+        elif ins.opcode not in FREE:
             reads, writes = _moved(account, comps, comp, ins)
             for operand, moved in reads:
                 if isinstance(origins.get(operand), int):
@@ -223,7 +202,7 @@ def _check_copy(
     if size == 0 or parameter in account.small_parameters or moved < size or writes < size:
         return
     fused = comps[ins.called("calls")[0]].instructions.values() if ins.opcode == "fusion" else [ins]
-    if all(i.opcode in _MOVES for i in fused):
+    if all(i.opcode in MOVES for i in fused):
         account.weight_copies.append(
             {"name": ins.name, "op": ins.opcode, "parameter": parameter, "bytes": size}
         )
@@ -256,11 +235,11 @@ def _moved(
             (o, min(size(o), _param_reads(comps, fused, k))) for k, o in enumerate(ins.operands)
         ]
         return reads, _fusion_writes(comps, fused, ins.shape)
-    if op in _COLLECTIVES:
+    if op in COLLECTIVES:
         # What crosses the link, wherever the buffers live (a TPU's may be in VMEM).
         last = len(array_shapes(ins.shape)) - 1 if ins.shape.startswith("(") else None
         sent = sum(shape_bytes(comp.instructions[o].shape, anywhere=True) for o in ins.operands)
-        link = _link_bytes(op, sent, shape_bytes(ins.shape, last, anywhere=True), ins)
+        link = link_bytes(op, sent, shape_bytes(ins.shape, last, anywhere=True), ins)
         account.collective_bytes += link
         return [], link
     if ins.opcode == "custom-call":
@@ -268,10 +247,10 @@ def _moved(
         on_chip = {o for o in ins.operands if size(o) == 0}
         prefetched = sum(shape_bytes(comp.instructions[o].shape, anywhere=True) for o in on_chip)
         return _custom_call(account, ins, everything, _custom_call_output(ins), prefetched)
-    if ins.opcode in _SLICING:
+    if ins.opcode in SLICING:
         out = shape_bytes(ins.shape)
         return [(ins.operands[0], out), *everything[1:]], out
-    if ins.opcode in _UPDATING:
+    if ins.opcode in UPDATING:
         update = size(_update(ins))
         return [(o, m) for o, m in everything[1:] if o != _update(ins)] + [
             (_update(ins), update)
@@ -303,12 +282,12 @@ def _touched(comps: dict[str, Computation], fused: Computation, name: str) -> fl
     total = 1.0 if name == fused.root else 0.0
     elements = _elements(fused.instructions[name].shape)
     for user, position in fused.users(name):
-        if user.opcode in _SLICING and position == 0:
+        if user.opcode in SLICING and position == 0:
             total += _elements(user.shape) / max(elements, 1)
-        elif user.opcode in _UPDATING and position == 0:
+        elif user.opcode in UPDATING and position == 0:
             continue
-        elif user.opcode in _VIEWS or (
-            user.opcode in _ELEMENTWISE and _elements(user.shape) == elements
+        elif user.opcode in VIEWS or (
+            user.opcode in ELEMENTWISE and _elements(user.shape) == elements
         ):
             total += _touched(comps, fused, user.name)
         elif user.opcode == "fusion":
@@ -341,50 +320,13 @@ def _fusion_writes(comps: dict[str, Computation], fused: Computation, shape: str
 
 
 def _written(comps: dict[str, Computation], fused: Computation, ins: Instruction) -> float:
-    if ins.opcode in _UPDATING:
+    if ins.opcode in UPDATING:
         return shape_bytes(fused.instructions[_update(ins)].shape)
-    if ins.opcode in _VIEWS:
+    if ins.opcode in VIEWS:
         return _written(comps, fused, fused.instructions[ins.operands[0]])
     if ins.opcode == "fusion":
         return _fusion_writes(comps, comps[ins.called("calls")[0]], ins.shape)
     return shape_bytes(ins.shape)
-
-
-def _link_bytes(op: str, operands: float, output: float, ins: Instruction) -> float:
-    """Bytes a collective sends plus those it receives,
-    per device, for ring algorithms over its group."""
-    n = _group_size(ins)
-    if n <= 1 and op != "collective-permute":
-        return 0.0
-    share = (n - 1) / n
-    if op == "all-reduce":
-        # reduce-scatter then all-gather, each sending and receiving (n-1)/n
-        return 4 * share * operands
-    if op == "all-gather":
-        return 2 * share * output
-    if op in ("reduce-scatter", "all-to-all"):
-        return 2 * share * operands
-    # collective-permute / -broadcast: send the operand, receive the output
-    return operands + output
-
-
-def _group_size(ins: Instruction) -> int:
-    """Devices in each of the collective's replica groups: ``{{0,1,...}}``,
-    the iota form ``[groups,size]<=[n]``, or the mesh form
-    ``mesh['a'=1,'b'=8] {'b'}`` (the named axes' sizes multiplied)."""
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", ins.attributes)
-    if mesh is not None:
-        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=([0-9]+)", mesh.group(1))}
-        return math.prod(sizes[a] for a in re.findall(r"'([^']+)'", mesh.group(2)))
-    groups = re.search(
-        r"replica_groups=(\{\{[^=]*?\}\}|\[[0-9,]+\]<=\[[0-9,]+\][^,]*)", ins.attributes
-    )
-    if groups is None:
-        return 1
-    text = groups.group(1)
-    if text.startswith("["):  # iota form [groups, size]<=[devices]
-        return int(text[1:].split("]")[0].split(",")[-1])
-    return len(text.split("}")[0].strip("{").split(","))
 
 
 def _custom_call_output(ins: Instruction) -> float:

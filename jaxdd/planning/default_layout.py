@@ -10,6 +10,8 @@ plan says for them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from jaxdd.models.drafter import DFlashDrafter
@@ -24,7 +26,7 @@ from jaxdd.planning.capacity import (
 )
 from jaxdd.planning.hardware import GPUS, TPUS, Hardware
 from jaxdd.planning.roofline import ModelWork
-from jaxdd.planning.traffic import ModelBytes, PlannedRound
+from jaxdd.planning.traffic import ModelBytes, PairAccount, PlannedRound
 from jaxdd.runtime.sharding import mesh_of
 from jaxdd.types import LAYOUTS, DrafterKV, Method
 
@@ -40,28 +42,36 @@ def hardware_of(device: jax.Device) -> Hardware | None:
     return gpu or TPUS.get(TPU_KINDS.get(kind, ""))
 
 
+@dataclasses.dataclass(frozen=True)
+class RunRound:
+    """The round a run takes, as its caller gives it: a ``method`` round of ``batch`` rows at
+    ``max_len`` tokens of context (``block``: default the drafter's; DDTree ``budget``: default
+    block - 1, as the rounds take them)."""
+
+    method: Method
+    max_len: int
+    batch: int = 1
+    block: int | None = None
+    budget: int | None = None
+
+
 def default_layout(
     target: KimiTarget,
     drafter: DFlashDrafter | None,
-    method: Method,
-    max_len: int,
-    batch: int = 1,
-    block: int | None = None,
-    budget: int | None = None,
+    run: RunRound,
     drafter_kv: DrafterKV = "model",
 ) -> LayoutChoice:
-    """The layout whose roofline of a ``method`` round of ``batch`` rows at ``max_len`` tokens of
-    context (``block``: default the drafter's; DDTree ``budget``: default block - 1, as the
-    rounds take them; the drafter's K/V stored as ``drafter_kv`` says) is lower on the devices
-    ``target`` is placed on; striped where only its pages hold the rows in the devices' free
-    memory (the least over the processes)."""
+    """The layout whose roofline of the ``run``'s round (the drafter's K/V stored as
+    ``drafter_kv`` says) is lower on the devices ``target`` is placed on; striped where only its
+    pages hold the rows in the devices' free memory (the least over the processes)."""
+    method = run.method
     mesh = mesh_of(target)
     devices = 1 if mesh is None else mesh.size
     hardware = None if mesh is None else hardware_of(mesh.devices.flat[0])
     # AR drafts nothing and its pool holds no drafter K/V
     drafter_config = None if drafter is None or method == "ar" else drafter.config
-    block = 1 if drafter_config is None else block or drafter_config.block_size
-    planned = PlannedRound(method, block, budget or block - 1, batch, max_len)
+    block = 1 if drafter_config is None else run.block or drafter_config.block_size
+    planned = PlannedRound(method, block, run.budget or block - 1, run.batch, run.max_len)
     needed = planned.needed
     held = dict.fromkeys(LAYOUTS, needed)  # no memory limit known: neither layout is refused
     if devices == 1 or hardware is None:  # nothing to weigh: the plan says why
@@ -74,5 +84,5 @@ def default_layout(
     model = ModelBytes.of(target, drafter, shard_bytes, drafter_kv)
     moe = target.placement[1] if target.placement is not None else "tp"
     work = ModelWork.of(target, drafter, shard_bytes)
-    floors = planned.floors(target.config, model, devices, moe, hardware, work)
+    floors = planned.floors(PairAccount(target.config, model, work), devices, moe, hardware)
     return choose_layout(None, floors, held, needed, hardware, devices, planned.name)

@@ -28,7 +28,7 @@ from flax import nnx
 from jaxdd.api import Target
 from jaxdd.cache import Paging
 from jaxdd.cache.paging import PAGE_TOKENS
-from jaxdd.config import DrafterConfig, KimiConfig
+from jaxdd.config import DrafterConfig
 from jaxdd.decoding.engine import RoundBatch, SpeculativeDecoder
 from jaxdd.decoding.memory_maps import server_maps
 from jaxdd.decoding.sampling import GREEDY, Sampling
@@ -38,6 +38,7 @@ from jaxdd.models.target import KimiTarget
 from jaxdd.planning.aot import Machine, find_machine
 from jaxdd.planning.cache_layout import LayoutChoice, choose_layout
 from jaxdd.planning.capacity import (
+    StateSpec,
     abstract_settings,
     abstract_state,
     cache_capacities,
@@ -48,7 +49,14 @@ from jaxdd.planning.compiled_traffic import compiled_traffic
 from jaxdd.planning.hardware import named_hardware
 from jaxdd.planning.pair import abstract_models, read_configs
 from jaxdd.planning.roofline import ModelWork
-from jaxdd.planning.traffic import ModelBytes, PlannedRound, fastest_rounds, traffic_table
+from jaxdd.planning.traffic import (
+    ModelBytes,
+    PairAccount,
+    PlannedRound,
+    Spread,
+    fastest_rounds,
+    traffic_table,
+)
 from jaxdd.runtime.sharding import make_mesh
 from jaxdd.types import (
     ATTENTION_CHOICES,
@@ -101,6 +109,19 @@ class PlanOptions:
                 raise InputError(f"--{name.replace('_', '-')}: expected at least 1, got {value}")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Planning:
+    """What one plan fixes before it compiles: its options and round, the drafter's config, the
+    pair's account, and the machine it plans for with its mesh."""
+
+    options: PlanOptions
+    planned: PlannedRound
+    drafter_config: DrafterConfig
+    pair: PairAccount
+    where: Machine
+    mesh: jax.sharding.Mesh
+
+
 def plan(
     config_path: str | Path, drafter_config_path: str | Path, options: PlanOptions = PlanOptions()
 ) -> dict:
@@ -120,12 +141,13 @@ def plan(
     work = ModelWork.of(*models, shard_bytes)
     devices = len(where.devices)
     planned = PlannedRound(o.method, block, o.budget, o.batch, o.max_len)
+    pair = PairAccount(config, model_bytes, work)
+    planning = _Planning(o, planned, drafter_config, pair, where, mesh)
 
     def layouts(activations: int | None, chosen: LayoutChoice | None = None) -> dict[str, Any]:
         """The latent cache's layout (``chosen``, else the plan's choice), its rounds and
         capacity (``_cache_layouts``), after ``activations`` bytes of compiled temporaries."""
-        models = (config, drafter_config, model_bytes, work)
-        return _cache_layouts(o, planned, *models, where, mesh, per_device, activations, chosen)
+        return _cache_layouts(planning, per_device, activations, chosen)
 
     def decoder_in(layout: CacheLayout) -> tuple[SpeculativeDecoder, Paging]:
         """The decoder whose latent cache is laid out so, and its batch's paging."""
@@ -166,8 +188,7 @@ def plan(
 
     def compiled_in(decoder: SpeculativeDecoder, paging: Paging) -> tuple[Any, dict, dict | None]:
         """The round's decode state, its compile's analysis and its traffic account."""
-        round_shape = (o.method, block, o.budget, o.batch, paging, o.sampled)
-        round_batch, state = _abstract_requests(decoder, mesh, config, drafter_config, *round_shape)
+        round_batch, state = _abstract_requests(decoder, planning, paging)
         return state, *_compile(decoder, round_batch, state, where, form)
 
     state, compiled, account = compiled_in(decoder, paging)
@@ -184,20 +205,14 @@ def plan(
         per_device[name] = sum(shard_bytes(x) for x in jax.tree.leaves(cache))
     per_device["temporaries"] = compiled["temp_bytes"]
     if account is not None:
-        floor = planned.traffic(config, model_bytes, devices, o.moe, shape["cache_layout"])
+        spread = Spread(devices, o.moe, shape["cache_layout"])
+        floor = planned.traffic(PairAccount(config, model_bytes), spread)
         shape["compiled_traffic"] = _against_floor(account, floor)
     return shape | _verdict(per_device, compiled, where, stored)
 
 
 def _cache_layouts(
-    o: PlanOptions,
-    planned: PlannedRound,
-    config: KimiConfig,
-    drafter_config: DrafterConfig,
-    model_bytes: ModelBytes,
-    work: ModelWork,
-    where: Machine,
-    mesh: jax.sharding.Mesh,
+    planning: _Planning,
     per_device: dict[str, int],
     activations: int | None,
     chosen: LayoutChoice | None = None,
@@ -206,29 +221,23 @@ def _cache_layouts(
     else the faster roofline of the plan's round at its batch on its hardware), both layouts'
     rounds, the round with the most tokens/s per GPU in it, and the context tokens each layout
     holds in the memory left after the weights and (when compiled) the temporaries."""
+    o, planned, where, pair = planning.options, planning.planned, planning.where, planning.pair
     devices = len(where.devices)
     weights = per_device["target_weights"] + per_device["drafter_weights"]
     free = where.memory - weights - (activations or 0)
-    drafted = None if o.method == "ar" else drafter_config  # AR's pool holds no drafter K/V
-    slot = slot_bytes(config, drafted, mesh, drafter_kv=o.drafter_kv)
+    # AR's pool holds no drafter K/V
+    drafted = None if o.method == "ar" else planning.drafter_config
+    slot = slot_bytes(pair.config, drafted, planning.mesh, drafter_kv=o.drafter_kv)
     capacity = cache_capacities(free, slot, devices)
     hardware = named_hardware(where.name)
-    floors = planned.floors(config, model_bytes, devices, o.moe, hardware, work)
+    floors = planned.floors(pair, devices, o.moe, hardware)
     held = {name: c["tokens"] for name, c in capacity.items()}
     choice = chosen or choose_layout(
         o.cache_layout, floors, held, planned.needed, hardware, devices, planned.name
     )
+    block = planning.drafter_config.block_size
     by_layout = {
-        name: traffic_table(
-            config,
-            model_bytes,
-            devices,
-            o.moe,
-            o.max_len,
-            drafter_config.block_size,
-            layout=name,
-            work=work,
-        )
+        name: traffic_table(pair, Spread(devices, o.moe, name), o.max_len, block)
         for name in LAYOUTS
     }
     return {
@@ -394,16 +403,18 @@ def _from_pallas(error: BaseException) -> bool:
 
 
 def _abstract_requests(
-    decoder, mesh, config, drafter_config, method, block, budget, batch, paging, sampled
-):
-    """A request plan for one round and the decode state it runs on, its latent cache laid
-    out as the decoder's, as sharded ShapeDtypeStructs."""
+    decoder: SpeculativeDecoder, planning: _Planning, paging: Paging
+) -> tuple[RoundBatch, Any]:
+    """A request plan for the plan's round and the decode state it runs on, paged as
+    ``paging`` says, its latent cache laid out as the decoder's, as sharded ShapeDtypeStructs."""
+    o, block, batch = planning.options, planning.planned.block, planning.options.batch
+    # as the runtime: AR holds no drafter K/V
+    drafted = None if o.method == "ar" else planning.drafter_config
     layout = {"stripes": decoder.stripes, "drafter_kv": decoder.drafter_kv}
-    drafted = None if method == "ar" else drafter_config  # as the runtime: AR holds no drafter K/V
-    state = abstract_state(config, drafted, batch, paging, block, mesh, **layout)
-    sampling = Sampling(temperature=1.0) if sampled else GREEDY
+    spec = StateSpec(planning.pair.config, drafted, block, **layout)
+    state = abstract_state(spec, batch, paging, planning.mesh)
+    sampling = Sampling(temperature=1.0) if o.sampled else GREEDY
     settings = abstract_settings(batch, state.target_cache.pages.shape[-1], sampling)
-    spec = decoder.round_spec(
-        method, block, budget if method == "ddtree" else None, sampled=sampled
-    )
-    return RoundBatch(spec, batch, [1] * batch, settings), state
+    budget = o.budget if o.method == "ddtree" else None
+    round_spec = decoder.round_spec(o.method, block, budget, sampled=o.sampled)
+    return RoundBatch(round_spec, batch, [1] * batch, settings), state

@@ -110,20 +110,33 @@ class ModelWork:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class RoundSize:
+    """What a round runs: ``tokens`` verified in each of ``batch`` rows at ``context`` tokens of
+    KV each, after drafting ``draft_tokens`` per row (the drafter's block; 0: AR)."""
+
+    tokens: int
+    context: int
+    draft_tokens: int = 0
+    batch: int = 1
+
+    @property
+    def verified(self) -> int:
+        """Tokens verified in all rows."""
+        return self.tokens * self.batch
+
+
 def round_flops(
-    tokens: int,
+    size: RoundSize,
     config: KimiConfig,
     work: ModelWork,
-    context: int,
     devices: int,
-    draft_tokens: int = 0,
     layout: CacheLayout = "replicated",
-    batch: int = 1,
 ) -> dict[str, float]:
-    """FLOPs one device runs in a round verifying ``tokens`` tokens in each of ``batch`` rows
-    at ``context`` tokens of KV each, by part; ``draft_tokens``: the drafter's block (0: AR).
-    Striped, the busiest device: all heads over its pages, and the tree's tail."""
-    verified = tokens * batch
+    """FLOPs one device runs in a round of ``size``, by part. Striped, the busiest device: all
+    heads over its pages, and the tree's tail."""
+    tokens, context, draft_tokens, batch = size.tokens, size.context, size.draft_tokens, size.batch
+    verified = size.verified
     c = config
     moe_layers = c.num_hidden_layers - c.first_k_dense_replace
     row = 2 * c.kv_lora_rank + c.qk_rope_head_dim  # latent scores, rope scores, latent values

@@ -43,6 +43,7 @@ from jaxdd.planning.cache_layout import (
 from jaxdd.planning.hardware import GPUS, Hardware
 from jaxdd.planning.roofline import (
     ModelWork,
+    RoundSize,
     compute_seconds,
     experts_dtype,
     flops_by_dtype,
@@ -140,28 +141,37 @@ class ModelBytes:
         )
 
 
-def round_traffic(
-    method: str,
-    tokens: int,
-    config: KimiConfig,
-    model: ModelBytes,
-    context: int,
-    devices: int,
-    moe: str,
-    draft_tokens: int = 0,
-    layout: CacheLayout = "replicated",
-    batch: int = 1,
-    work: ModelWork | None = None,
-) -> dict[str, Any]:
-    """Bytes one device reads, and sends in all-reduces, in a round verifying ``tokens``
-    tokens in each of ``batch`` rows at ``context`` tokens of KV each; ``draft_tokens``: the
-    drafter's block (0 for AR). ``layout``: the latent cache's (``cache_layout.LAYOUTS``);
-    striped adds the merge's ``merges`` (bytes sent and collectives per scheme). With the
-    models' ``work``, the FLOPs it runs too (``flops``, by part and per platform by dtype)."""
+@dataclasses.dataclass(frozen=True)
+class PairAccount:
+    """What a round's floor is counted from: the target's config, the pair's bytes on a device
+    and, for its FLOPs too, the work its weights do there."""
+
+    config: KimiConfig
+    model: ModelBytes
+    work: ModelWork | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Spread:
+    """How a round spreads over the devices: their count, the MoE split and the latent cache's
+    layout (``cache_layout.LAYOUTS``)."""
+
+    devices: int
+    moe: MoeMode
+    layout: CacheLayout = "replicated"
+
+
+def round_traffic(size: RoundSize, pair: PairAccount, spread: Spread) -> dict[str, Any]:
+    """Bytes one device reads, and sends in all-reduces, in a round of ``size`` (AR drafts no
+    token); striped adds the merge's ``merges`` (bytes sent and collectives per scheme). With the
+    pair's ``work``, the FLOPs it runs too (``flops``, by part and per platform by dtype)."""
+    config, model, work = pair.config, pair.model, pair.work
+    devices, moe, layout = spread.devices, spread.moe, spread.layout
+    context, draft_tokens, batch = size.context, size.draft_tokens, size.batch
     e = config.n_routed_experts
     k = config.num_experts_per_tok
     # the weights are read once for all rows' tokens, the cache once per row
-    verified = tokens * batch
+    verified = size.verified
     # one expert's bytes here
     per_expert = model.expert_per_layer / (e if moe == "tp" else e / devices)
     if moe == "ep" and devices > 1:
@@ -169,7 +179,7 @@ def round_traffic(
     else:
         local = distinct_experts(verified, k, e)
     latent = batch * tokens_read(context, devices, layout) * latent_row_bytes(config)
-    speculative = method != "ar"
+    speculative = draft_tokens > 0
     reads = {
         "weights": model.non_expert + verified * model.embed_row,
         "experts": model.moe_layers * local * per_expert,
@@ -197,7 +207,7 @@ def round_traffic(
     if layout == "striped":
         traffic["merges"] = merge_costs(config, verified, devices)
     if work is not None:
-        parts = round_flops(tokens, config, work, context, devices, draft_tokens, layout, batch)
+        parts = round_flops(size, config, work, devices, layout)
         dtype = lambda gpu: experts_dtype(verified, config, work, devices, moe, gpu)
         traffic["flops"] = sum(parts.values())
         traffic["flops_by_part"] = parts
@@ -227,36 +237,26 @@ class PlannedRound:
         """The context tokens its rows hold together."""
         return self.batch * self.context
 
-    def traffic(
-        self,
-        config: KimiConfig,
-        model: ModelBytes,
-        devices: int,
-        moe: MoeMode,
-        layout: CacheLayout,
-        work: ModelWork | None = None,
-    ) -> dict[str, Any]:
-        """Its ``round_traffic`` with the latent cache in ``layout`` (its FLOPs with ``work``)."""
+    @property
+    def size(self) -> RoundSize:
+        """What it runs: AR verifies one token and drafts none."""
         block = 1 if self.method == "ar" else self.block
         tokens = verified_tokens(self.method, block, self.budget)
         draft = 0 if self.method == "ar" else block
-        args = (self.method, tokens, config, model, self.context, devices, moe, draft, layout)
-        return round_traffic(*args, self.batch, work)
+        return RoundSize(tokens, self.context, draft, self.batch)
+
+    def traffic(self, pair: PairAccount, spread: Spread) -> dict[str, Any]:
+        """Its ``round_traffic`` (its FLOPs with the pair's ``work``)."""
+        return round_traffic(self.size, pair, spread)
 
     def floors(
-        self,
-        config: KimiConfig,
-        model: ModelBytes,
-        devices: int,
-        moe: MoeMode,
-        hardware: Hardware | None,
-        work: ModelWork | None = None,
+        self, pair: PairAccount, devices: int, moe: MoeMode, hardware: Hardware | None
     ) -> dict[str, float]:
-        """Its floor (seconds) in each layout on ``hardware``, a roofline with ``work``; none
-        without a hardware model."""
+        """Its floor (seconds) in each layout on ``hardware``, a roofline with the pair's
+        ``work``; none without a hardware model."""
         if hardware is None:
             return {}
-        traffic = lambda layout: self.traffic(config, model, devices, moe, layout, work)
+        traffic = lambda layout: self.traffic(pair, Spread(devices, moe, layout))
         return {layout: floor_seconds(traffic(layout), hardware)["round_s"] for layout in LAYOUTS}
 
 
@@ -287,32 +287,28 @@ def floor_seconds(traffic: Mapping[str, Any], hardware: Hardware) -> dict[str, A
 
 
 def traffic_table(
-    config: KimiConfig,
-    model: ModelBytes,
-    devices: int,
-    moe: str,
+    pair: PairAccount,
+    spread: Spread,
     context: int,
     block: int,
     budgets: tuple[int, ...] = (4, 8, 16, 32, 64),
     tau: Mapping = DEMO_TAU,
-    layout: CacheLayout = "replicated",
-    work: ModelWork | None = None,
     batch: int = 1,
 ) -> list[dict]:
     """One row per round shape (AR, DFlash at ``block``, DDTree at each budget) of ``batch``
-    rows: what a device reads and sends (and with ``work`` the FLOPs it runs), and per named
-    GPU the floor per round and the tokens/s (all rows') ``tau`` predicts at that floor."""
-    shapes = [("ar", verified_tokens("ar", 1, None), 0, tau["ar"])]
-    shapes += [("dflash", verified_tokens("dflash", block, None), block, tau["dflash"])]
+    rows: what a device reads and sends (and with the pair's ``work`` the FLOPs it runs), and
+    per named GPU the floor per round and the tokens/s (all rows') ``tau`` predicts there."""
+    shapes = [("ar", PlannedRound("ar", block, None, batch, context), tau["ar"])]
+    shapes += [("dflash", PlannedRound("dflash", block, None, batch, context), tau["dflash"])]
     shapes += [
-        (f"ddtree {b}", verified_tokens("ddtree", block, b), block, tau["ddtree"][b])
+        (f"ddtree {b}", PlannedRound("ddtree", block, b, batch, context), tau["ddtree"][b])
         for b in budgets
         if b in tau["ddtree"]
     ]
     rows = []
-    for name, tokens, draft, expected in shapes:
-        args = (name.split()[0], tokens, config, model, context, devices, moe, draft, layout)
-        traffic = round_traffic(*args, batch, work)
+    for name, planned, expected in shapes:
+        traffic = planned.traffic(pair, spread)
+        tokens = planned.size.tokens
         row = {"round": name, "tokens": tokens, "tau": expected, **traffic, "targets": {}}
         for key, hardware in GPUS.items():
             floor = floor_seconds(traffic, hardware)

@@ -24,6 +24,7 @@ from jaxdd.runtime.cpu_memory import keep_allocations
 from jaxdd.runtime.host import PLATFORMS, available_memory
 from jaxdd.types import ATTENTIONS, Attention, Dispatch, Platform
 from pallas_kernels import int4_experts, int4_experts_tpu
+from pallas_kernels.gpu_launch import Gpu
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_tpu import tree_attention_tpu
 from pallas_kernels.tuned_block_sizes import block_sizes
@@ -228,20 +229,11 @@ class Backend:
         in shared memory, and a whole cache block is far over the 227 KB limit; Triton reads
         the cache through pointers), with tiles that fit the GPU's shared memory."""
         if self.platform == "cpu":  # one program at a time: no key splits
-            return {
-                "interpret": True,
-                "compiler_params": None,
-                "shared_memory": None,
-                "multiprocessors": 1,
-            }
+            return {"interpret": True, "compiler_params": None, "gpu": Gpu(multiprocessors=1)}
         if self.platform == "gpu":
             params = pltriton.CompilerParams(num_warps=block_sizes("triton")["num_warps"])
-            return {
-                "interpret": False,
-                "compiler_params": params,
-                "shared_memory": self.shared_memory,
-                "multiprocessors": self.multiprocessors,
-            }
+            gpu = Gpu(self.shared_memory, self.multiprocessors)
+            return {"interpret": False, "compiler_params": params, "gpu": gpu}
         raise ValueError("the TPU form of the kernel takes no GPU options (Backend.tree_attention)")
 
     def attention_kernel(

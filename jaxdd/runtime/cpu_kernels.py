@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.tree_attention import check_pages
+from pallas_kernels.tree_operands import TreeOperands
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_kernels.cc", HERE / "cpu_attention.cc")
@@ -178,33 +178,24 @@ def row_dot(x: jax.Array, weight: jax.Array) -> jax.Array:
 
 
 def tree_attention(
-    q_latent: jax.Array,
-    q_rope: jax.Array,
-    cache_latent: jax.Array,
-    cache_rope: jax.Array,
-    length: jax.Array,
-    tail_latent: jax.Array,
-    tail_rope: jax.Array,
-    tail_mask: jax.Array,
-    scale: float,
-    with_lse: bool = False,
-    pages: jax.Array | None = None,
-    fold: int = 1,
+    ops: TreeOperands, *, scale: float, with_lse: bool = False
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``pallas_kernels.tree_attention.tree_attention_reference``'s arguments and results, in
     fp32, each row's committed pages read in place (a cache of fp32, bf16 or e4m3 widened to fp32
-    as it is read). Without ``pages`` each row's own buffer is one page of its table. Call only
+    as it is read). Without pages each row's own buffer is one page of its table. Call only
     where ``available()``."""
+    cache_latent, cache_rope = ops.cache_latent, ops.cache_rope
     if cache_latent.dtype != cache_rope.dtype or cache_latent.dtype not in ATTENTION_CACHE_DTYPES:
         raise ValueError(
             f"tree attention: a cache of one dtype of {[d.name for d in ATTENTION_CACHE_DTYPES]}"
             f" expected, got {cache_latent.dtype} and {cache_rope.dtype}"
         )
-    b, t, h, r = q_latent.shape
-    if pages is None:
+    b, t, h, r = ops.q_latent.shape
+    if ops.pages is None:
         pages, fold = jnp.arange(b, dtype=jnp.int32)[:, None], 1
     else:
-        check_pages(cache_latent, cache_rope, pages, b, fold)
+        ops.check_pages()
+        pages, fold = ops.pages, ops.fold
     f32 = lambda x: x.astype(jnp.float32)
     call = jax.ffi.ffi_call(
         ATTENTION_TARGET,
@@ -214,14 +205,14 @@ def tree_attention(
         ),
     )
     out, lse = call(
-        f32(q_latent.reshape(b, t * h, r)),
-        f32(q_rope.reshape(b, t * h, -1)),
+        f32(ops.q_latent.reshape(b, t * h, r)),
+        f32(ops.q_rope.reshape(b, t * h, -1)),
         cache_latent,
         cache_rope,
-        length.astype(jnp.int32),
-        f32(tail_latent),
-        f32(tail_rope),
-        tail_mask.astype(bool),
+        ops.length.astype(jnp.int32),
+        f32(ops.tail_latent),
+        f32(ops.tail_rope),
+        ops.tail_mask.astype(bool),
         pages.astype(jnp.int32),
         scale=np.float32(scale),
         fold=np.int64(fold),

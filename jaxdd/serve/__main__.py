@@ -53,7 +53,7 @@ from jaxdd.decoding.memory_maps import check_maps, pool_programs
 from jaxdd.decoding.rows import RowPool
 from jaxdd.errors import checkpoint_directory
 from jaxdd.planning.capacity import device_cache_tokens
-from jaxdd.planning.default_layout import default_layout
+from jaxdd.planning.default_layout import RunRound, default_layout
 from jaxdd.runtime.backend import Backend
 from jaxdd.serve import faults, lifecycle
 from jaxdd.serve.app import Server, create_app
@@ -239,10 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         target, drafter = jaxdd.load_pair(
             checkpoint, drafter_path, dtype, devices, args.moe or "tp"
         )
-        round_shape = (args.max_batch, args.block_size, args.budget, args.drafter_kv)
+        run = RunRound(method, args.max_len, args.max_batch, args.block_size, args.budget)
         layout = (
-            args.cache_layout
-            or default_layout(target.model, drafter, method, args.max_len, *round_shape).layout
+            args.cache_layout or default_layout(target.model, drafter, run, args.drafter_kv).layout
         )
         decoder = SpeculativeDecoder(
             target, drafter, cache_layout=layout, drafter_kv=args.drafter_kv
@@ -264,8 +263,16 @@ def main(argv: list[str] | None = None) -> int:
             listener.close()
         return follow(scheduler)
     name = args.model_name or ("kimi-mini" if bundled else Path(checkpoint).resolve().name)
-    server = Server(scheduler, tokenizer, name, stop_ids, chat_template, args.request_timeout,
-                    args.api_key, args.access_log)  # fmt: skip
+    server = Server(
+        scheduler,
+        tokenizer,
+        name,
+        stop_ids,
+        chat_template,
+        args.request_timeout,
+        args.api_key,
+        args.access_log,
+    )
     scheduler.start()  # compiles in its thread while the HTTP side already answers /health with 503
     drafted = pool.state.draft_cache  # None for AR
     shape = (

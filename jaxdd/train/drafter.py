@@ -21,6 +21,7 @@ data in OUT_DIR_data.npz) and resumes from there when started again.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 import time
@@ -178,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cli.choose_platform(cpu_only=True)
     refuse_finished(args.out)
-    train(
-        args.target,
-        args.out,
+    options = DrafterTraining(
         args.minutes,
         args.steps,
         seed=args.seed,
@@ -190,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         init=args.init,
         peak_lr=args.peak_lr,
     )
+    train(args.target, args.out, options)
     return 0
 
 
@@ -269,59 +269,71 @@ def draw_batch(
     return jnp.asarray(bucket.tokens[rows]), features, jnp.asarray(chosen)
 
 
-def train(
-    target_dir: Path,
-    out: Path,
-    minutes: float,
-    steps: int,
-    batch: int = 8,
-    generated: int = 192,
-    anchors: int = 8,
-    seed: int = 0,
-    sequences: int = 2048,
-    layers: int = 2,
-    max_context: int = MIN_CONTEXT,
-    init: Path | None = None,
-    peak_lr: float = 3e-3,
-) -> dict:
-    """Train within ``minutes`` (data generation included) or ``steps``; returns the history
-    (also written next to ``out``). ``init``: a z-lab-layout drafter to start from."""
+@dataclasses.dataclass(frozen=True)
+class DrafterTraining:
+    """A drafter's training run: within ``minutes`` (data generation included) or ``steps`` of
+    ``batch`` sequences with ``anchors`` blocks each, on ``sequences`` greedy continuations of
+    ``generated`` tokens after 64 to ``max_context`` corpus tokens; a new drafter of ``layers``
+    or ``init``'s (a z-lab-layout drafter to start from)."""
+
+    minutes: float
+    steps: int
+    batch: int = 8
+    generated: int = 192
+    anchors: int = 8
+    seed: int = 0
+    sequences: int = 2048
+    layers: int = 2
+    max_context: int = MIN_CONTEXT
+    init: Path | None = None
+    peak_lr: float = 3e-3
+
+
+def train(target_dir: Path, out: Path, options: DrafterTraining) -> dict:
+    """Train a drafter for the target in ``target_dir`` as ``options`` say; returns the history
+    (also written next to ``out``)."""
     started = time.perf_counter()
     loaded = jaxdd.load_target(target_dir, dtype="float32")
     target = loaded.model
     tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
-    drafter, hf_config = initial_drafter(target, tokenizer, layers, seed, init)
+    drafter, hf_config = initial_drafter(
+        target, tokenizer, options.layers, options.seed, options.init
+    )
     config = drafter.config
-    optimizer = make_optimizer(drafter, steps, peak_lr)
+    optimizer = make_optimizer(drafter, options.steps, options.peak_lr)
     checkpoints = TrainingCheckpoints(out.parent / f"{out.name}_checkpoints")
     done, history = checkpoints.restore(drafter, optimizer)
     data = TrainingData.load_or_make(
         out.parent / f"{out.name}_data.npz",
         loaded,
         tokenizer,
-        sequences=sequences,
-        max_context=max_context,
-        generated=generated,
-        seed=seed,
+        sequences=options.sequences,
+        max_context=options.max_context,
+        generated=options.generated,
+        seed=options.seed,
     )
     train_set = data.buckets(target, config.target_layer_ids, "train")
     validation_set = data.buckets(target, config.target_layer_ids, "validation")
     print(f"data and target features in {(time.perf_counter() - started) / 60:.1f} min", flush=True)
-    validation_anchors = fixed_anchors(validation_set, anchors, generated, config.block_size)
+    validation_anchors = fixed_anchors(
+        validation_set, options.anchors, options.generated, config.block_size
+    )
     history = history or new_history(
-        f"greedy continuations of {generated} tokens after {sequences} corpus windows "
-        f"of {MIN_CONTEXT}-{max_context} tokens",
-        init,
+        f"greedy continuations of {options.generated} tokens after {options.sequences} corpus "
+        f"windows of {MIN_CONTEXT}-{options.max_context} tokens",
+        options.init,
     )
     # the time limit counts the runs this one resumes (and generating the data)
     start = started - (history["seconds"][-1] if history["seconds"] else 0.0)
     losses = []
-    for step in range(done + 1, steps + 1):
-        rng = step_rng(seed, step)
-        drawn = draw_batch(train_set, rng, batch, anchors, generated, config.block_size)
+    for step in range(done + 1, options.steps + 1):
+        rng = step_rng(options.seed, step)
+        drawn = draw_batch(
+            train_set, rng, options.batch, options.anchors, options.generated, config.block_size
+        )
         losses.append(float(drafter_step(drafter, optimizer, target, *drawn)))
         elapsed = time.perf_counter() - start
-        last = step == steps or elapsed > minutes * 60
+        last = step == options.steps or elapsed > options.minutes * 60
         if step % 100 == 0 or last:
             val, by_length, accuracy = evaluate(drafter, target, validation_set, validation_anchors)
             history["step"].append(step)

@@ -17,6 +17,7 @@ OUT_DIR/checkpoints every few minutes and resumes from there when started again.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import tempfile
 import time
@@ -155,38 +156,46 @@ def bucket_losses(per_position: np.ndarray) -> dict[str, float]:
     }
 
 
-def train(
-    out: Path,
-    minutes: float = 90.0,
-    steps: int = 20000,
-    batch: int = 16,
-    length: int = 256,
-    seed: int = 0,
-    layers: int = KIMI_MINI["num_hidden_layers"],
-    init: Path | None = None,
-    peak_lr: float = 3e-3,
-) -> dict:
-    """Train within ``minutes`` (or ``steps``); returns the history (also written next
-    to the checkpoint). ``layers``: decoder layers (the first dense, the rest MoE); ``init``:
-    an HF-layout target to start from (its tokenizer too) instead of random weights."""
+@dataclasses.dataclass(frozen=True)
+class TargetTraining:
+    """A target's training run: within ``minutes`` or ``steps`` of ``batch`` windows of
+    ``length`` tokens; ``layers``: decoder layers (the first dense, the rest MoE); ``init``: an
+    HF-layout target to start from (its tokenizer too) instead of random weights."""
+
+    minutes: float = 90.0
+    steps: int = 20000
+    batch: int = 16
+    length: int = 256
+    seed: int = 0
+    layers: int = KIMI_MINI["num_hidden_layers"]
+    init: Path | None = None
+    peak_lr: float = 3e-3
+
+
+def train(out: Path, options: TargetTraining) -> dict:
+    """Train a target as ``options`` say; returns the history (also written next to the
+    checkpoint in ``out``)."""
     out.mkdir(parents=True, exist_ok=True)
     train_files, validation_files = split(stdlib_files())
-    if init is None:
+    if options.init is None:
         tokenizer = train_tokenizer(read_texts(train_files), VOCAB)
-        config = KimiConfig.from_hf({**KIMI_MINI, "num_hidden_layers": layers})
-        model = KimiTarget(config, jnp.float32, rngs=nnx.Rngs(seed))
+        config = KimiConfig.from_hf({**KIMI_MINI, "num_hidden_layers": options.layers})
+        model = KimiTarget(config, jnp.float32, rngs=nnx.Rngs(options.seed))
     else:
-        tokenizer = Tokenizer.from_file(str(init / "tokenizer.json"))
-        model = load_target(init, dtype="float32").model
+        tokenizer = Tokenizer.from_file(str(options.init / "tokenizer.json"))
+        model = load_target(options.init, dtype="float32").model
         config = model.config
     separator = tokenizer.token_to_id(END_OF_TEXT)
     train_tokens = encode_corpus(tokenizer, train_files, separator)
     validation_tokens = encode_corpus(tokenizer, validation_files, separator)
     # the same validation tokens (64 x 256, or fewer longer windows) at any length
     validation = windows(
-        validation_tokens, max(4, 64 * 256 // length), length + 1, np.random.default_rng(1)
+        validation_tokens,
+        max(4, 64 * 256 // options.length),
+        options.length + 1,
+        np.random.default_rng(1),
     )
-    optimizer = make_optimizer(model, steps, peak_lr)
+    optimizer = make_optimizer(model, options.steps, options.peak_lr)
     checkpoints = TrainingCheckpoints(out / "checkpoints")
     done, history = checkpoints.restore(model, optimizer)
     history = history or {
@@ -196,16 +205,18 @@ def train(
         "validation_by_position": [],
         "seconds": [],
         "tokens": [],
-        "init": None if init is None else str(init),
+        "init": None if options.init is None else str(options.init),
     }
     # the time limit counts the time of the runs this one resumes
     start = time.perf_counter() - (history["seconds"][-1] if history["seconds"] else 0.0)
     losses = []
-    for step in range(done + 1, steps + 1):
-        tokens = windows(train_tokens, batch, length + 1, step_rng(seed, step))
+    for step in range(done + 1, options.steps + 1):
+        tokens = windows(
+            train_tokens, options.batch, options.length + 1, step_rng(options.seed, step)
+        )
         losses.append(float(train_step(model, optimizer, tokens)))
         elapsed = time.perf_counter() - start
-        last = step == steps or elapsed > minutes * 60
+        last = step == options.steps or elapsed > options.minutes * 60
         if step % 100 == 0 or last:
             per_position = np.mean(
                 [eval_position_losses(model, v) for v in np.split(validation, 4)], axis=0
@@ -215,7 +226,7 @@ def train(
             history["validation_loss"].append(float(per_position.mean()))
             history["validation_by_position"].append(bucket_losses(per_position))
             history["seconds"].append(round(elapsed, 1))
-            history["tokens"].append(step * batch * length)
+            history["tokens"].append(step * options.batch * options.length)
             print(
                 f"step {step}: train {np.mean(losses):.3f} validation {per_position.mean():.3f} "
                 f"{history['validation_by_position'][-1]} ({elapsed / 60:.1f} min)",
@@ -251,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cli.choose_platform(cpu_only=True)
     refuse_finished(args.out / "target")
-    train(
-        args.out,
+    options = TargetTraining(
         args.minutes,
         args.steps,
         batch=args.batch,
@@ -262,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         init=args.init,
         peak_lr=args.peak_lr,
     )
+    train(args.out, options)
     return 0
 
 

@@ -14,7 +14,7 @@ nothing that ``is_jaxdd_checkpoint`` accepts (and a rerun starts afresh).
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import dataclasses
 import gc
 import io
 import json
@@ -23,7 +23,6 @@ import re
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -42,6 +41,7 @@ from jaxdd.models.drafter import DFlashDrafter, abstract_drafter
 from jaxdd.models.quant import ExpertFormat
 from jaxdd.models.target import KimiTarget, abstract_target
 from jaxdd.weights import checksums
+from jaxdd.weights.atomic import atomic_directory
 
 FORMAT_VERSION = 2
 MARKER = "jaxdd.json"
@@ -68,79 +68,21 @@ def groups_of(values: dict) -> Iterator[tuple[str, Any]]:
             yield key, value
 
 
-# held (flock) by the process writing a staging directory; the kernel drops it at any exit
-STAGING_LOCK = ".lock"
-# a staging directory without a lock file this old was left by a crash
-UNLOCKED_STAGING_SECONDS = 60
+@dataclasses.dataclass(frozen=True)
+class CheckpointHeader:
+    """What a checkpoint says of its weights: its kind, its HF config dict, the dtype of its
+    arrays and the format of its routed experts (None: as the dtype)."""
 
-
-@contextlib.contextmanager
-def atomic_directory(directory: str | Path, needed_bytes: int = 0) -> Iterator[Path]:
-    """Yield a staging directory next to ``directory`` that is renamed to it when the
-    block succeeds and removed when it fails (an error, an interrupt), so
-    ``directory`` is either complete or absent. Staging directories that a killed run
-    left behind are removed first; a live one (another process writing ``directory``)
-    is refused, and so is a disk with less than ``needed_bytes`` free."""
-    directory = Path(directory).absolute()
-    if directory.exists():
-        raise FileExistsError(f"{directory} already exists; choose a new directory")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned_staging(directory)
-    free = shutil.disk_usage(directory.parent).free
-    if needed_bytes > free:
-        raise CheckpointError(
-            f"{directory}: needs up to {needed_bytes / 1e6:,.1f} MB, {free / 1e6:,.1f} MB "
-            f"free on {directory.parent}"
-        )
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    lock = (staging / STAGING_LOCK).open("w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        staging.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
-        yield staging
-        (staging / STAGING_LOCK).unlink()
-        try:
-            staging.rename(directory)
-        except OSError:
-            raise FileExistsError(
-                f"{directory} appeared while this run wrote it (another run finished first)"
-            ) from None
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    finally:
-        lock.close()
-
-
-def _remove_abandoned_staging(directory: Path) -> None:
-    """Remove the staging directories of ``directory`` whose writer is
-    gone (its lock is free); refuse if one is still being written."""
-    prefix = f".{directory.name}."
-    for staging in directory.parent.glob(f"{prefix}*"):
-        # not ours: another output's, e.g. OUT.x
-        if not staging.is_dir() or "." in staging.name[len(prefix) :]:
-            continue
-        lock_file = staging / STAGING_LOCK
-        if lock_file.exists():
-            with lock_file.open("a") as lock:
-                try:
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    raise FileExistsError(
-                        f"{directory} is being written by another run (staging {staging})"
-                    ) from None
-        elif time.time() - staging.stat().st_mtime < UNLOCKED_STAGING_SECONDS:
-            continue  # just created by another run, which is about to lock it
-        shutil.rmtree(staging, ignore_errors=True)
+    kind: Kind
+    config: dict
+    dtype: jnp.dtype
+    experts: ExpertFormat | None = None
 
 
 def write_checkpoint(
     directory: str | Path,
-    kind: Kind,
-    config: dict,
-    dtype: jnp.dtype,
+    header: CheckpointHeader,
     groups: Iterable[tuple[str, Any]],
-    experts: ExpertFormat | None = None,
     extra_files: Iterable[Path] = (),
     expected_bytes: int = 0,
 ) -> Path:
@@ -153,13 +95,13 @@ def write_checkpoint(
     write that fails (a full or read-only disk) is a CheckpointError, and nothing is kept."""
     meta = {
         "format": FORMAT_VERSION,
-        "kind": kind,
-        "dtype": jnp.dtype(dtype).name,
+        "kind": header.kind,
+        "dtype": jnp.dtype(header.dtype).name,
         "groups": [],
         "files": {},
     }
-    if experts is not None:
-        meta["experts"] = experts.to_json()
+    if header.experts is not None:
+        meta["experts"] = header.experts.to_json()
     extra_files = list(extra_files)
     needed = expected_bytes + sum(f.stat().st_size for f in extra_files) if expected_bytes else 0
     try:
@@ -175,7 +117,7 @@ def write_checkpoint(
                 meta["groups"].append(group)
                 meta["files"] |= checksums.record(staging, [staging / "state" / group])
                 check_interrupt()
-            (staging / "config.json").write_text(json.dumps(config, indent=2))
+            (staging / "config.json").write_text(json.dumps(header.config, indent=2))
             for file in extra_files:
                 shutil.copyfile(file, staging / file.name)
             written = [staging / "config.json", *(staging / f.name for f in extra_files)]
@@ -249,17 +191,15 @@ def _write_failure(error: Exception) -> str | None:
 def save_target(model: KimiTarget, directory: str | Path) -> Path:
     """Write ``model`` to a new directory (which must not exist yet)."""
     groups = groups_of(nnx.to_pure_dict(nnx.state(model)))
-    return write_checkpoint(
-        directory, "target", model.config.to_hf(), model.dtype, groups, model.experts
-    )
+    header = CheckpointHeader("target", model.config.to_hf(), model.dtype, model.experts)
+    return write_checkpoint(directory, header, groups)
 
 
 def save_drafter(model: DFlashDrafter, directory: str | Path, config: dict) -> Path:
     """Write a drafter with its HF config dict (the
     z-lab ``config.json``, which export writes back)."""
-    return write_checkpoint(
-        directory, "drafter", config, model.dtype, groups_of(nnx.to_pure_dict(nnx.state(model)))
-    )
+    groups = groups_of(nnx.to_pure_dict(nnx.state(model)))
+    return write_checkpoint(directory, CheckpointHeader("drafter", config, model.dtype), groups)
 
 
 def read_meta(directory: str | Path, kind: Kind) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from transformers import DeepseekV3Config
 from jaxdd.cache import CacheView, DraftCache, LatentCache, RowTable, row_slots
 from jaxdd.cache.layout import Pool, front, put_front, put_rows, take_rows, write_rows
 from jaxdd.config import DrafterConfig, KimiConfig
+from jaxdd.errors import InvariantError
 from jaxdd.testing.profiles import examples
 from jaxdd.testing.reference import TINY_K2, drafter_config
 
@@ -126,7 +127,7 @@ def jax_tree_plus_one(tree):
 def test_the_table_gives_the_lowest_free_row_and_takes_it_back():
     table: RowTable[str] = RowTable(3)
     assert [table.take("a"), table.take("b"), table.take("c")] == [0, 1, 2]
-    with pytest.raises(RuntimeError, match="no free row"):
+    with pytest.raises(InvariantError, match="no free row"):
         table.take("d")
     table.release(1)
     table.release(1)  # twice: still one free row

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from jaxdd.cache.layout import CacheView, write_rows
 from jaxdd.cache.pages import Ledger, PageTable
 from jaxdd.cache.paging import Paging, pages_for, pool_pages
+from jaxdd.errors import InvariantError
 from jaxdd.testing.profiles import examples
 
 
@@ -48,7 +49,7 @@ def test_every_page_is_held_once_and_given_back(devices, page, extra, ops):
                 pages.take(row, tokens)
                 assert before - pages.free == pages_for(tokens, page)
             else:
-                with pytest.raises(RuntimeError, match="free pages"):
+                with pytest.raises(InvariantError, match="free pages"):
                     pages.take(row, tokens)
         else:
             pages.release(row)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from jaxdd.cache.pages import PageTable
 from jaxdd.cache.paging import Paging, pool_pages
+from jaxdd.errors import InvariantError
 from jaxdd.testing.profiles import examples
 
 ROWS = 5
@@ -36,7 +37,7 @@ class Model:
         reach = min(SEQUENCE, prompt + 40)
         fits = self.pages.fits(reach, tokens[:prompt])
         if row in self.rows or not fits:
-            with pytest.raises(RuntimeError, match="free pages"):
+            with pytest.raises(InvariantError, match="free pages"):
                 self.pages.take(row, reach, tokens[:prompt])
             return
         cached = self.pages.take(row, reach, tokens[:prompt])

@@ -12,7 +12,11 @@ from transformers import AutoTokenizer
 
 import jaxdd
 from jaxdd.cli import DEMO
-from jaxdd.crosscheck.torch_reference import dflash_reference, load_reference_models
+from jaxdd.crosscheck.torch_reference import (
+    Generation,
+    dflash_reference,
+    load_reference_models,
+)
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.generate import DEFAULT_PROMPT, build_parser, read_prompt
 from jaxdd.testing.reference import hf_greedy
@@ -43,7 +47,7 @@ def test_jaxdd_decodes_the_bundled_pair_like_transformers_and_dflash(prompt):
     target, drafter = load_reference_models(DEMO / "target", DEMO / "drafter")
     greedy = hf_greedy(target, prompt, NEW_TOKENS)
     reference_tokens, reference_acceptance = dflash_reference(
-        drafter, target, prompt, NEW_TOKENS, 8, []
+        drafter, target, prompt, Generation(NEW_TOKENS, 8, [])
     )
     assert reference_tokens == greedy  # the reference itself is lossless
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxdd.crosscheck.torch_reference import ddtree_reference
+from jaxdd.crosscheck.torch_reference import Generation, ddtree_reference
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.runtime.compile_time import compile_clock
 from jaxdd.testing.oracle import OracleDrafter, patched_reference_drafter
@@ -126,7 +126,7 @@ def test_matches_pytorch_ddtree_loop(models, greedy, budget, second):
     ref_target, ref_drafter, decoder = models
     prompt, expected = PROMPTS[1], greedy[1]
     tokens, lengths = ddtree_reference(
-        ref_drafter, ref_target, prompt, MAX_NEW, BLOCK, budget, None
+        ref_drafter, ref_target, prompt, Generation(MAX_NEW, BLOCK, budget=budget)
     )
     ours = decoder.generate(
         prompt, method="ddtree", budget=budget, max_new_tokens=MAX_NEW, stop_token_ids=[]
@@ -144,7 +144,7 @@ def test_matches_pytorch_ddtree_loop(models, greedy, budget, second):
         [continuation[max(continuation.index(t) for t in set(continuation[:MAX_NEW]))]],
     ):
         tokens, lengths = ddtree_reference(
-            patched, ref_target, prompt, MAX_NEW, BLOCK, budget, stops
+            patched, ref_target, prompt, Generation(MAX_NEW, BLOCK, stops, budget)
         )
         ours = oracle.generate(
             prompt, method="ddtree", budget=budget, max_new_tokens=MAX_NEW, stop_token_ids=stops

@@ -17,7 +17,7 @@ from hypothesis.extra import numpy as hnp
 import jaxdd
 from jaxdd.cache.paging import CACHE_ALIGN, cache_slots
 from jaxdd.config import DrafterConfig
-from jaxdd.crosscheck.torch_reference import dflash_reference
+from jaxdd.crosscheck.torch_reference import Generation, dflash_reference
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.sampling import argmax
 from jaxdd.models.drafter import DFlashDrafter
@@ -54,7 +54,7 @@ def test_argmax_is_the_first_maximum(logits):
 def test_matches_dflash_generate(models, block_size, prompt):
     ref_target, ref_drafter, decoder = models
     tokens, lengths = dflash_reference(
-        ref_drafter, ref_target, prompt, MAX_NEW, block_size, stop_token_ids=None
+        ref_drafter, ref_target, prompt, Generation(MAX_NEW, block_size)
     )
     ours = decoder.generate(
         prompt, max_new_tokens=MAX_NEW, stop_token_ids=[], block_size=block_size
@@ -96,7 +96,7 @@ def test_partly_right_drafts_match_reference(models, block_size):
     latest_new = max(continuation.index(token) for token in set(continuation))
     for stops in ([], [continuation[latest_new]]):
         tokens, lengths = dflash_reference(
-            patched, ref_target, prompt, MAX_NEW, block_size, stops or None
+            patched, ref_target, prompt, Generation(MAX_NEW, block_size, stops or None)
         )
         ours = oracle.generate(
             prompt, max_new_tokens=MAX_NEW, stop_token_ids=stops, block_size=block_size
@@ -115,7 +115,9 @@ def test_stop_tokens_end_generation(models):
     prompt = PROMPTS[0]
     full = decoder.generate(prompt, max_new_tokens=MAX_NEW, stop_token_ids=[])
     stop = full.tokens[5]
-    tokens, lengths = dflash_reference(ref_drafter, ref_target, prompt, MAX_NEW, 8, [stop])
+    tokens, lengths = dflash_reference(
+        ref_drafter, ref_target, prompt, Generation(MAX_NEW, 8, [stop])
+    )
     ours = decoder.generate(prompt, max_new_tokens=MAX_NEW, stop_token_ids=[stop], block_size=8)
     assert (ours.tokens, ours.acceptance_lengths) == (tokens, lengths)
     assert ours.tokens[-1] == stop and stop not in ours.tokens[:-1]

@@ -21,12 +21,12 @@ from jaxdd.runtime.backend import Backend
 from jaxdd.testing.profiles import examples
 from jaxdd.testing.reference import random_tree_parents, rel_err, tree_depths_and_mask
 from pallas_kernels.block_traffic import grid_bytes
+from pallas_kernels.gpu_launch import Gpu, GpuTiles
 from pallas_kernels.online_softmax import NEG
 from pallas_kernels.tree_attention import (
     TRITON_DEPRECATION,
     tree_attention,
     tree_attention_reference,
-    unfold_pages,
 )
 from pallas_kernels.tree_attention_tpu import (
     _cache_specs,
@@ -36,6 +36,7 @@ from pallas_kernels.tree_attention_tpu import (
     tpu_tiles,
     tree_attention_tpu,
 )
+from pallas_kernels.tree_operands import TreeOperands, unfold_pages
 from pallas_kernels.tuned_block_sizes import kv_splits
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -48,6 +49,12 @@ SHAPES = [
 ]
 GPU_SHAPES = [(2, 9, 4, 64, 16, 64), (1, 65, 8, 512, 64, 256)]
 TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}
+TILES = GpuTiles(block_q=16, block_k=16)
+
+
+def operands(args, pages: jax.Array | None = None, fold: int = 1) -> TreeOperands:
+    """The kernel's operands: ``args`` in ``inputs``' order, read through ``pages``."""
+    return TreeOperands(*args, pages, fold=fold)
 
 
 def inputs(shape, dtype, seed):
@@ -66,9 +73,9 @@ def inputs(shape, dtype, seed):
 def check(shape, dtype, seed, interpret):
     args = inputs(shape, dtype, seed)
     scale = shape[3] ** -0.5
-    expected = tree_attention_reference(*args, scale)
+    expected = tree_attention_reference(operands(args), scale=scale)
     options = Backend("cpu" if interpret else "gpu").kernel_options()
-    actual = tree_attention(*args, scale=scale, block_q=16, block_k=16, **options)
+    actual = tree_attention(operands(args), scale=scale, tiles=TILES, **options)
     np.testing.assert_allclose(
         np.asarray(actual), np.asarray(expected), atol=TOLERANCE[dtype], rtol=0
     )
@@ -90,8 +97,8 @@ def test_empty_prefix_and_full_prefix():
     for length in (0, 48):
         args = list(inputs((1, 9, 2, 32, 8, 64), "float32", 0))
         args[4] = jnp.array([length], jnp.int32)
-        expected = tree_attention_reference(*args, 0.3)
-        actual = tree_attention(*args, scale=0.3, block_q=16, block_k=16, interpret=True)
+        expected = tree_attention_reference(operands(args), scale=0.3)
+        actual = tree_attention(operands(args), scale=0.3, tiles=TILES, interpret=True)
         np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=2e-5)
 
 
@@ -110,8 +117,8 @@ def test_tpu_form_in_the_tpu_interpreter_matches_reference(shape, dtype):
     trees and cache lengths that are not multiples of its blocks."""
     args = inputs(shape, dtype, seed=sum(shape))
     scale = shape[3] ** -0.5
-    expected = tree_attention_reference(*args, scale)
-    actual = tree_attention_tpu(*args, scale=scale, interpret=pltpu.InterpretParams())
+    expected = tree_attention_reference(operands(args), scale=scale)
+    actual = tree_attention_tpu(operands(args), scale=scale, interpret=pltpu.InterpretParams())
     np.testing.assert_allclose(
         np.asarray(actual), np.asarray(expected), atol=TOLERANCE[dtype], rtol=0
     )
@@ -121,8 +128,8 @@ def test_tpu_form_empty_and_full_prefix():
     for length in (0, 384 - 9):
         args = list(inputs((1, 9, 2, 32, 8, 384), "float32", 1))
         args[4] = jnp.array([length], jnp.int32)
-        expected = tree_attention_reference(*args, 0.3)
-        actual = tree_attention_tpu(*args, scale=0.3, interpret=pltpu.InterpretParams())
+        expected = tree_attention_reference(operands(args), scale=0.3)
+        actual = tree_attention_tpu(operands(args), scale=0.3, interpret=pltpu.InterpretParams())
         np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=2e-5)
 
 
@@ -160,11 +167,11 @@ def test_kernel_lse_interpreted_matches_reference(shape, dtype, seed, tree):
     if tree != "owned":
         args = without_tree(args, 0, 0 if tree == "elsewhere-no-cache" else int(args[4][0]))
     scale = shape[3] ** -0.5
-    expected = tree_attention_reference(*args, scale, with_lse=True)
-    kernel = functools.partial(tree_attention, scale=scale, block_q=16, block_k=16, interpret=True)
-    actual = kernel(*args, with_lse=True)
+    expected = tree_attention_reference(operands(args), scale=scale, with_lse=True)
+    kernel = functools.partial(tree_attention, scale=scale, tiles=TILES, interpret=True)
+    actual = kernel(operands(args), with_lse=True)
     check_lse(actual, expected, dtype)
-    np.testing.assert_array_equal(np.asarray(actual[0]), np.asarray(kernel(*args)))
+    np.testing.assert_array_equal(np.asarray(actual[0]), np.asarray(kernel(operands(args))))
 
 
 @pytest.mark.slow
@@ -175,16 +182,16 @@ def test_tpu_form_lse_matches_reference(shape, dtype):
     args = inputs(shape, dtype, seed=sum(shape))
     args = without_tree(args, shape[0] - 1, int(args[4][-1]) // 2)
     scale = shape[3] ** -0.5
-    expected = tree_attention_reference(*args, scale, with_lse=True)
+    expected = tree_attention_reference(operands(args), scale=scale, with_lse=True)
     kernel = functools.partial(tree_attention_tpu, scale=scale, interpret=pltpu.InterpretParams())
-    actual = kernel(*args, with_lse=True)
+    actual = kernel(operands(args), with_lse=True)
     check_lse(actual, expected, dtype)
-    np.testing.assert_array_equal(np.asarray(actual[0]), np.asarray(kernel(*args)))
+    np.testing.assert_array_equal(np.asarray(actual[0]), np.asarray(kernel(operands(args))))
 
 
 FORMS = {
     "reference": tree_attention_reference,
-    "gpu": functools.partial(tree_attention, block_q=16, block_k=16, interpret=True),
+    "gpu": functools.partial(tree_attention, tiles=TILES, interpret=True),
     "tpu": functools.partial(tree_attention_tpu, interpret=pltpu.InterpretParams()),
     "cpu": cpu_kernels.tree_attention,  # C++, where a compiler builds it (``needs_build``)
 }
@@ -201,7 +208,7 @@ def test_rows_that_see_nothing_give_zero_and_neg(form):
     """A device with no cache rows of its own and not the tree's: out 0, lse NEG, no NaN."""
     needs_build(form)
     args = without_tree(inputs((2, 9, 2, 32, 8, 128), "float32", 2), 1, 0)
-    out, lse = FORMS[form](*args, scale=0.3, with_lse=True)
+    out, lse = FORMS[form](operands(args), scale=0.3, with_lse=True)
     assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all()
     assert (np.asarray(out[1]) == 0).all() and (np.asarray(lse[1]) == NEG).all()
     assert (np.asarray(lse[0]) > NEG / 2).all()
@@ -240,9 +247,12 @@ def test_halves_of_a_cache_merged_by_lse_give_the_whole(form):
     needs_build(form)
     args = list(inputs((3, 9, 2, 32, 8, 512), "float32", 3))
     args[4] = jnp.array([0, 1, 301], jnp.int32)
-    whole = FORMS[form](*args, scale=0.3, with_lse=True)
+    whole = FORMS[form](operands(args), scale=0.3, with_lse=True)
     merged = merge(
-        [FORMS[form](*half, scale=0.3, with_lse=True) for half in dealt_over_two_devices(args)]
+        [
+            FORMS[form](operands(half), scale=0.3, with_lse=True)
+            for half in dealt_over_two_devices(args)
+        ]
     )
     for got, want in zip(merged, whole, strict=True):
         assert rel_err(np.asarray(got), np.asarray(want)) < 1e-5
@@ -326,12 +336,14 @@ def check_paged(kernel, shape, dtype, seed, with_lse: bool, tree: str = "owned")
     the reference over the rows gathered into contiguous caches."""
     args, pages = paged_inputs(shape, dtype, seed, tree)
     scale = shape[3] ** -0.5
-    expected = tree_attention_reference(*args, scale, with_lse=with_lse, pages=pages)
+    expected = tree_attention_reference(operands(args, pages), scale=scale, with_lse=with_lse)
     rows = [x[pages].reshape(shape[0], -1, x.shape[-1]) for x in args[2:4]]
-    contiguous = tree_attention_reference(*args[:2], *rows, *args[4:], scale, with_lse=with_lse)
+    contiguous = tree_attention_reference(
+        operands([*args[:2], *rows, *args[4:]]), scale=scale, with_lse=with_lse
+    )
     for got, want in zip(jax.tree.leaves(expected), jax.tree.leaves(contiguous), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    actual = kernel(*args, scale=scale, with_lse=with_lse, pages=pages)
+    actual = kernel(operands(args, pages), scale=scale, with_lse=with_lse)
     if with_lse:
         check_lse(actual, expected, dtype)
     else:
@@ -362,7 +374,7 @@ PAGED_SHAPES = [
 def test_paged_kernel_interpreted_matches_reference(shape, dtype, seed, with_lse, tree):
     """The GPU form over pools of pages (interpreted), each key block's page read from the table."""
     *shape, block_k = shape
-    kernel = functools.partial(tree_attention, block_q=16, block_k=block_k, interpret=True)
+    kernel = functools.partial(tree_attention, tiles=GpuTiles(16, block_k), interpret=True)
     check_paged(kernel, tuple(shape), dtype, seed, with_lse, tree)
 
 
@@ -396,17 +408,15 @@ def test_split_kv_interpreted_matches_reference(splits, dtype, seed, with_lse, p
     """Split-KV: each row block's keys shared by 1, 2, 7 or 16 programs (whole pages each over
     16 pages of 16, or blocks of 16 of 256 slots), merged by log-sum-exp; the first row's length
     of 5 leaves every split but the first without a live key."""
-    kernel = functools.partial(
-        tree_attention, block_q=16, block_k=16, interpret=True, splits=splits
-    )
+    kernel = functools.partial(tree_attention, tiles=GpuTiles(16, 16, splits), interpret=True)
     if paged:
         check_paged(kernel, (3, 9, 2, 32, 8, 16, 16), dtype, seed, with_lse, tree)
         return
     args = inputs((3, 9, 2, 32, 8, 256), dtype, seed)
     args = without_tree(args, 0, 5) if tree != "owned" else list(args)
     args[4] = args[4].at[0].set(5)
-    expected = tree_attention_reference(*args, 0.2, with_lse=with_lse)
-    actual = kernel(*args, scale=0.2, with_lse=with_lse)
+    expected = tree_attention_reference(operands(args), scale=0.2, with_lse=with_lse)
+    actual = kernel(operands(args), scale=0.2, with_lse=with_lse)
     if with_lse:
         check_lse(actual, expected, dtype)
     else:
@@ -424,23 +434,13 @@ def test_split_kv_grid_follows_the_rule():
     assert kv_splits(132, 514, 131072, 512) == 1  # 257 x 64: the rows fill the GPU
     assert kv_splits(132, 9, 4096, 512) == 8  # 4k: 512 slots each at least
     args = inputs((1, 17, 8, 32, 8, 4096), "float32", 0)
-    grid = kernel_grid(tree_attention, *args, scale=0.1, block_q=16, block_k=16, interpret=True)
+    kernel = functools.partial(tree_attention, scale=0.1, interpret=True)
+    grid = kernel_grid(kernel, operands(args), tiles=TILES)
     assert grid == (1, 9, 8)
-    grid = kernel_grid(
-        tree_attention, *args, scale=0.1, block_q=16, block_k=16, interpret=True, multiprocessors=1
-    )
+    grid = kernel_grid(kernel, operands(args), tiles=TILES, gpu=Gpu(multiprocessors=1))
     assert grid == (1, 9, 1)
     paged, pages = paged_inputs((1, 17, 8, 32, 8, 64, 5), "float32", 0)  # 5 pages: 5 splits
-    grid = kernel_grid(
-        tree_attention,
-        *paged,
-        scale=0.1,
-        block_q=16,
-        block_k=16,
-        interpret=True,
-        pages=pages,
-        splits=7,
-    )
+    grid = kernel_grid(kernel, operands(paged, pages), tiles=GpuTiles(16, 16, splits=7))
     assert grid == (1, 9, 5)
 
 
@@ -477,25 +477,20 @@ def test_tpu_paged_form_reads_tables_past_smem_in_several_calls(fold):
     args, pages = paged_inputs((5 * fold, 9, 2, 32, 8, 16, 3), "float32", 11)
     pages = pages[::fold]
     pool = [jnp.concatenate([x] * fold) for x in args[2:4]]  # fold x the pages the tables name
-    args = [*args[:2], *pool, *args[4:]]
+    ops = operands([*args[:2], *pool, *args[4:]], pages, fold)
     kernel = functools.partial(
-        tree_attention_tpu,
-        scale=0.2,
-        with_lse=True,
-        pages=pages,
-        fold=fold,
-        interpret=pltpu.InterpretParams(),
+        tree_attention_tpu, scale=0.2, with_lse=True, interpret=pltpu.InterpretParams()
     )
     assert table_groups(pages.shape, 2 * 3 * 4) == [(0, 1), (1, 3), (3, 5)]
-    split = kernel(*args, smem_table_bytes=2 * 3 * 4)
-    whole = kernel(*args)
-    calls = lambda **options: str(
-        jax.make_jaxpr(functools.partial(kernel, **options))(*args)
-    ).count("pallas_call[")
+    split = kernel(ops, smem_table_bytes=2 * 3 * 4)
+    whole = kernel(ops)
+    calls = lambda **options: str(jax.make_jaxpr(functools.partial(kernel, **options))(ops)).count(
+        "pallas_call["
+    )
     assert calls(smem_table_bytes=2 * 3 * 4) == 3 and calls() == 1
     for got, want in zip(split, whole, strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    expected = tree_attention_reference(*args, 0.2, with_lse=True, pages=pages, fold=fold)
+    expected = tree_attention_reference(ops, scale=0.2, with_lse=True)
     check_lse(split, expected, "float32")
 
 
@@ -537,7 +532,7 @@ def test_cpu_kernel_reads_no_slot_past_a_rows_length():
     is finite and equals the reference's over the clean pools (it never reads them)."""
     needs_build("cpu")
     args, pages = paged_inputs((3, 5, 2, 32, 8, 16, 4), "float32", 11)
-    expected = tree_attention_reference(*args, 0.3, with_lse=True, pages=pages)
+    expected = tree_attention_reference(operands(args, pages), scale=0.3, with_lse=True)
     slot = np.arange(4 * 16).reshape(4, 16)
     live = np.zeros(args[2].shape[:2], bool)  # [pool pages, page]: the slots below some length
     for row, length in enumerate(np.asarray(args[4])):
@@ -545,7 +540,7 @@ def test_cpu_kernel_reads_no_slot_past_a_rows_length():
             live[page] |= (slot[index] < length) & (page != 0)
     poisoned = [jnp.where(live[..., None], x, jnp.nan) for x in args[2:4]]
     actual = cpu_kernels.tree_attention(
-        *args[:2], *poisoned, *args[4:], scale=0.3, with_lse=True, pages=pages
+        operands([*args[:2], *poisoned, *args[4:]], pages), scale=0.3, with_lse=True
     )
     assert all(np.isfinite(np.asarray(x)).all() for x in actual)
     check_lse(actual, expected, "float32")
@@ -563,7 +558,7 @@ def test_cpu_kernel_reads_every_e4m3_value_exactly():
     args[4] = jnp.ones((16,), jnp.int32)
     args[7] = jnp.zeros_like(args[7])
     pages = jnp.arange(1, 17, dtype=jnp.int32)[:, None]
-    out = cpu_kernels.tree_attention(*args, scale=0.3, pages=pages)
+    out = cpu_kernels.tree_attention(operands(args, pages), scale=0.3)
     expected = np.asarray(pool[1:, 0], np.float32)[:, None, None, :]
     np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(expected, out.shape))
 
@@ -572,10 +567,11 @@ def test_cpu_kernel_refuses_pools_of_other_dtypes():
     needs_build("cpu")
     args = inputs((1, 2, 2, 16, 8, 16), "float32", 0)
     with pytest.raises(ValueError, match="a cache of one dtype"):
-        cpu_kernels.tree_attention(*args[:3], args[3].astype(jnp.bfloat16), *args[4:], scale=0.3)
+        rope = args[3].astype(jnp.bfloat16)
+        cpu_kernels.tree_attention(operands([*args[:3], rope, *args[4:]]), scale=0.3)
     with pytest.raises(ValueError, match="a cache of one dtype"):
         half = [x.astype(jnp.float16) for x in args[2:4]]
-        cpu_kernels.tree_attention(*args[:2], *half, *args[4:], scale=0.3)
+        cpu_kernels.tree_attention(operands([*args[:2], *half, *args[4:]]), scale=0.3)
 
 
 @settings(max_examples=examples(8), deadline=None)
@@ -589,12 +585,13 @@ def test_cpu_kernel_over_rows_matches_reference(shape, dtype, seed):
     needs_build("cpu")
     args = inputs(shape, dtype, seed)
     scale = shape[3] ** -0.5
-    expected = tree_attention_reference(*args, scale, with_lse=True)
-    check_lse(cpu_kernels.tree_attention(*args, scale=scale, with_lse=True), expected, dtype)
+    expected = tree_attention_reference(operands(args), scale=scale, with_lse=True)
+    actual = cpu_kernels.tree_attention(operands(args), scale=scale, with_lse=True)
+    check_lse(actual, expected, dtype)
 
 
 KERNELS = {  # the Pallas forms interpreted, and the C++ one
-    "gpu": functools.partial(tree_attention, block_q=16, block_k=16, interpret=True),
+    "gpu": functools.partial(tree_attention, tiles=TILES, interpret=True),
     "tpu": functools.partial(tree_attention_tpu, interpret=pltpu.InterpretParams()),
     "cpu": cpu_kernels.tree_attention,
 }
@@ -613,8 +610,8 @@ def test_a_pool_in_fp8_is_read_as_its_values_widened(form, dtype):
     args, pages = paged_inputs((2, 9, 4, 64, 16, 16, 10), dtype, 5)
     narrow = [x.astype(jnp.float8_e4m3fn) for x in args[2:4]]
     wide = [x.astype(dtype) for x in narrow]
-    expected = tree_attention_reference(*args[:2], *wide, *args[4:], 0.125, pages=pages)
-    actual = kernel(*args[:2], *narrow, *args[4:], scale=0.125, pages=pages)
+    expected = tree_attention_reference(operands([*args[:2], *wide, *args[4:]], pages), scale=0.125)
+    actual = kernel(operands([*args[:2], *narrow, *args[4:]], pages), scale=0.125)
     np.testing.assert_allclose(
         np.asarray(actual), np.asarray(expected), atol=TOLERANCE[dtype], rtol=0
     )
@@ -630,21 +627,23 @@ def test_rows_sharing_a_table_read_their_own_pages(form):
     pages = pages[::2]  # 2 tables of 3 pages of a pool of 13 pages x 2 rows each
     assert np.asarray(unfold_pages(pages, 2))[1, 0] == 2 * int(pages[0, 0]) + 1
     pool = [jnp.concatenate([x, x[::-1]]) for x in args[2:4]]
-    expected = tree_attention_reference(*args[:2], *pool, *args[4:], 0.2, pages=pages, fold=2)
-    actual = kernel(*args[:2], *pool, *args[4:], scale=0.2, pages=pages, fold=2)
+    pooled = [*args[:2], *pool, *args[4:]]
+    expected = tree_attention_reference(operands(pooled, pages, fold=2), scale=0.2)
+    actual = kernel(operands(pooled, pages, fold=2), scale=0.2)
     np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=2e-5, rtol=0)
     with pytest.raises(ValueError, match="2 page tables, each for 3 rows, for 4 rows"):
-        kernel(*args[:2], *pool, *args[4:], scale=0.2, pages=pages, fold=3)
+        kernel(operands(pooled, pages, fold=3), scale=0.2)
 
 
 def test_pages_must_be_pools_and_tables():
     args, pages = paged_inputs((1, 5, 2, 32, 8, 16, 2), "float32", 0)
     with pytest.raises(ValueError, match="pools of pages"):
-        tree_attention(*args[:2], args[2], args[3][:, :8], *args[4:], scale=0.3, pages=pages)
+        narrow = [*args[:3], args[3][:, :8], *args[4:]]
+        tree_attention(operands(narrow, pages), scale=0.3)
     with pytest.raises(ValueError, match="page tables"):
-        tree_attention_tpu(*args, scale=0.3, pages=pages[0])
+        tree_attention_tpu(operands(args, pages[0]), scale=0.3)
     with pytest.raises(ValueError, match="1 page tables, each for 1 rows, for 2 rows"):
-        tree_attention_tpu(*rows_twice(args), scale=0.3, pages=pages, smem_table_bytes=0)
+        tree_attention_tpu(operands(rows_twice(args), pages), scale=0.3, smem_table_bytes=0)
 
 
 def rows_twice(args: list) -> list:
@@ -671,10 +670,8 @@ def test_kernel_lse_on_gpu_matches_reference(dtype):
     scale = shape[3] ** -0.5
     options = Backend("gpu").kernel_options()
     with jax.default_matmul_precision("highest"):
-        expected = tree_attention_reference(*args, scale, with_lse=True)
-        actual = tree_attention(
-            *args, scale=scale, block_q=16, block_k=16, with_lse=True, **options
-        )
+        expected = tree_attention_reference(operands(args), scale=scale, with_lse=True)
+        actual = tree_attention(operands(args), scale=scale, tiles=TILES, with_lse=True, **options)
     check_lse(actual, expected, dtype)
 
 
@@ -695,8 +692,10 @@ def test_kernel_lowers_for_gpu_at_kimi_sizes():
     ]
     dtypes = [jnp.bfloat16] * 4 + [jnp.int32, jnp.bfloat16, jnp.bfloat16, jnp.bool_]
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
-    kernel = jax.jit(lambda *a: tree_attention(*a, scale=0.1, **Backend("gpu").kernel_options()))
-    lowered = kernel.trace(*args).lower(lowering_platforms=("cuda",))
+    kernel = jax.jit(
+        functools.partial(tree_attention, scale=0.1, **Backend("gpu").kernel_options())
+    )
+    lowered = kernel.trace(operands(args)).lower(lowering_platforms=("cuda",))
     assert "xla.gpu.triton" in lowered.as_text()
 
 

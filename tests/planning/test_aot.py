@@ -17,6 +17,7 @@ from jaxdd.runtime.backend import Backend
 from jaxdd.testing.reference import TINY_K2
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_tpu import SMEM_TABLE_BYTES, table_groups
+from pallas_kernels.tree_operands import TreeOperands
 
 # (method, sampled, devices): every round sharded over 8 devices but
 # greedy DDTree, which runs on 1 (one device compiles the same program
@@ -76,14 +77,14 @@ KIMI_KERNEL_SHAPES = [(17, 8, 4096), (257, 64, 131072)]
 KERNEL_TARGETS = ["v5e:2x2", "v5p:2x2x2", "v6e:2x2", "h200", "rtx-pro-6000"]
 
 
-def kimi_kernel_args(where, tokens: int, heads: int, slots: int) -> list[jax.ShapeDtypeStruct]:
+def kimi_kernel_args(where, tokens: int, heads: int, slots: int) -> TreeOperands:
     """The kernel's arguments at Kimi's latent sizes (512 + 64, bf16) on where's first device."""
     device = jax.sharding.SingleDeviceSharding(where.devices[0])
     spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=device)
     t, h = tokens, heads
     shapes = [(1, t, h, 512), (1, t, h, 64), (1, slots, 512), (1, slots, 64)]
     args = [spec(s) for s in shapes] + [spec((1,), jnp.int32), spec((1, t, 512)), spec((1, t, 64))]
-    return [*args, spec((1, t, t), jnp.bool_)]
+    return TreeOperands(*args, spec((1, t, t), jnp.bool_))
 
 
 @pytest.mark.slow
@@ -98,10 +99,10 @@ def test_kernel_compiles_at_kimi_sizes(target, tokens, heads, slots):
     where = find_machine(target, 1)
     args = kimi_kernel_args(where, tokens, heads, slots)
     kernel = jax.jit(functools.partial(where.backend.tree_attention(), scale=0.1))
-    compiled = kernel.lower(*args).compile(compiler_options=where.compiler_options)
+    compiled = kernel.lower(args).compile(compiler_options=where.compiler_options)
     assert compiled.memory_analysis() is not None
     if where.platform == "tpu":
-        assert "mla_tree_attention_tpu" in kernel.lower(*args).as_text()
+        assert "mla_tree_attention_tpu" in kernel.lower(args).as_text()
 
 
 @pytest.mark.slow
@@ -112,22 +113,24 @@ def test_kernel_with_lse_compiles_at_kimi_sizes(target):
     where = find_machine(target, 1)
     args = kimi_kernel_args(where, 257, 64, 4096)
     kernel = jax.jit(functools.partial(where.backend.tree_attention(), scale=0.1, with_lse=True))
-    compiled = kernel.lower(*args).compile(compiler_options=where.compiler_options)
+    compiled = kernel.lower(args).compile(compiler_options=where.compiler_options)
     out, lse = compiled.out_info
     assert out.shape == (1, 257, 64, 512) and lse.shape == (1, 257, 64)
     assert lse.dtype == jnp.float32 and compiled.memory_analysis() is not None
 
 
-def paged_kernel_args(where, batch: int, tokens: int, heads: int, slots: int, page: int) -> list:
+def paged_kernel_args(
+    where, batch: int, tokens: int, heads: int, slots: int, page: int
+) -> TreeOperands:
     """``kimi_kernel_args`` for ``batch`` rows of ``slots`` over one pool of 64-slot pages (and
-    the null page), then the page tables."""
+    the null page), read through page tables."""
     device = jax.sharding.SingleDeviceSharding(where.devices[0])
     spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=device)
     b, t, h, row_pages = batch, tokens, heads, slots // page
     pool = 1 + b * row_pages
     shapes = [(b, t, h, 512), (b, t, h, 64), (pool, page, 512), (pool, page, 64)]
     args = [spec(s) for s in shapes] + [spec((b,), jnp.int32), spec((b, t, 512)), spec((b, t, 64))]
-    return [*args, spec((b, t, t), jnp.bool_), spec((b, row_pages), jnp.int32)]
+    return TreeOperands(*args, spec((b, t, t), jnp.bool_), spec((b, row_pages), jnp.int32))
 
 
 @pytest.mark.slow
@@ -142,13 +145,11 @@ def test_paged_kernel_compiles_at_kimi_sizes(target, batch, tokens, heads, slots
     form and tiles each platform gets: Mosaic reads the tables from SMEM in its index maps,
     Triton loads each page id inside its key loop."""
     where = find_machine(target, 1)
-    *args, pages = paged_kernel_args(where, batch, tokens, heads, slots, 64)
+    ops = paged_kernel_args(where, batch, tokens, heads, slots, 64)
     kernel = jax.jit(
-        lambda *a, pages: where.backend.tree_attention()(
-            *a, scale=0.1, with_lse=with_lse, pages=pages
-        )
+        functools.partial(where.backend.tree_attention(), scale=0.1, with_lse=with_lse)
     )
-    lowered = kernel.lower(*args, pages=pages)
+    lowered = kernel.lower(ops)
     compiled = lowered.compile(compiler_options=where.compiler_options)
     assert compiled.memory_analysis() is not None
     out = compiled.out_info[0] if with_lse else compiled.out_info
@@ -162,17 +163,16 @@ def test_tables_past_smem_compile_in_several_calls():
     """256 rows of 128k slots: 2 MiB of page tables, twice a TPU core's SMEM (one call that
     prefetched them all was refused on v5p): the kernel reads them in calls whose tables fit."""
     where = find_machine("v5p:2x2x2", 1)
-    *args, pages = paged_kernel_args(where, 256, 1, 8, 131072, 64)
+    ops = paged_kernel_args(where, 256, 1, 8, 131072, 64)
     # a smaller pool (the tables' size is what matters): each row's 2,048 pages would be 38 GB
-    args[2:4] = [
-        jax.ShapeDtypeStruct((4097, *x.shape[1:]), x.dtype, sharding=x.sharding) for x in args[2:4]
-    ]
-    kernel = jax.jit(lambda *a, pages: where.backend.tree_attention()(*a, scale=0.1, pages=pages))
-    lowered = kernel.lower(*args, pages=pages)
+    smaller = lambda x: jax.ShapeDtypeStruct((4097, *x.shape[1:]), x.dtype, sharding=x.sharding)
+    ops = ops.replace(cache_latent=smaller(ops.cache_latent), cache_rope=smaller(ops.cache_rope))
+    kernel = jax.jit(functools.partial(where.backend.tree_attention(), scale=0.1))
+    lowered = kernel.lower(ops)
     compiled = lowered.compile(compiler_options=where.compiler_options)
     assert compiled.out_info.shape == (256, 1, 8, 512)
     calls = lowered.as_text().count('name = "mla_tree_attention_tpu_paged"')
-    assert calls == len(table_groups(pages.shape, SMEM_TABLE_BYTES)) == 4
+    assert calls == len(table_groups(ops.pages.shape, SMEM_TABLE_BYTES)) == 4
 
 
 def test_a_round_over_the_chips_memory_is_refused_by_the_compiler(tiny_plan_configs):
@@ -198,13 +198,13 @@ def test_kernel_tiles_fit_the_gpus_shared_memory(target, dtype):
     t, h, slots = 65, 8, 32768
     shapes = [(1, t, h, 512), (1, t, h, 64), (1, slots, 512), (1, slots, 64)]
     args = [spec(s) for s in shapes] + [spec((1,), jnp.int32), spec((1, t, 512)), spec((1, t, 64))]
-    args.append(spec((1, t, t), jnp.bool_))
-    kernel = jax.jit(lambda *a: tree_attention(*a, scale=0.1, **backend.kernel_options()))
-    kernel.lower(*args).compile(compiler_options=where.compiler_options)
-    h200 = jax.jit(lambda *a: tree_attention(*a, scale=0.1, **Backend("gpu").kernel_options()))
+    args = TreeOperands(*args, spec((1, t, t), jnp.bool_))
+    kernel = jax.jit(functools.partial(tree_attention, scale=0.1, **backend.kernel_options()))
+    kernel.lower(args).compile(compiler_options=where.compiler_options)
+    h200 = jax.jit(functools.partial(tree_attention, scale=0.1, **Backend("gpu").kernel_options()))
     if dtype == jnp.bfloat16:
         with pytest.raises(jax.errors.JaxRuntimeError, match="Shared memory size limit exceeded"):
-            h200.lower(*args).compile(compiler_options=where.compiler_options)
+            h200.lower(args).compile(compiler_options=where.compiler_options)
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import pytest
 import jaxdd
 from jaxdd.planning import default_layout as layouts
 from jaxdd.planning.capacity import CACHE_MEMORY_FRACTION, slot_bytes
+from jaxdd.planning.default_layout import RunRound
 from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.planning.hardware import GPUS
 from jaxdd.runtime.sharding import mesh_of
@@ -25,10 +26,10 @@ def pair(tmp_path_factory):
 
 def test_simulated_devices_and_one_device_stay_replicated(pair):
     directories, (target, drafter) = pair
-    eight = layouts.default_layout(target.model, drafter, "ddtree", 1 << 17, budget=16)
+    eight = layouts.default_layout(target.model, drafter, RunRound("ddtree", 1 << 17, budget=16))
     assert eight.layout == "replicated" and "no link model" in eight.reason
     one_target, one_drafter = jaxdd.load_pair(*directories, "bfloat16")
-    one = layouts.default_layout(one_target.model, one_drafter, "dflash", 1 << 17, 4)
+    one = layouts.default_layout(one_target.model, one_drafter, RunRound("dflash", 1 << 17, 4))
     assert one.layout == "replicated" and "one device" in one.reason
 
 
@@ -43,7 +44,8 @@ def test_on_named_hardware_the_run_takes_the_plans_layout(pair, monkeypatch):
         ("ar", 1 << 20, 64),
         ("dflash", 1 << 20, 16),
     ):
-        run = layouts.default_layout(target.model, drafter, method, max_len, batch, budget=16)
+        asked = RunRound(method, max_len, batch, budget=16)
+        run = layouts.default_layout(target.model, drafter, asked)
         options = PlanOptions(
             hardware="h200",
             method=method,
@@ -65,11 +67,11 @@ def test_the_runs_own_round_and_memory_decide(pair, monkeypatch):
     _, (target, drafter) = pair
     monkeypatch.setattr(layouts, "hardware_of", lambda device: GPUS["h200"])
     block = drafter.config.block_size
-    run = layouts.default_layout(target.model, drafter, "ddtree", 4096)
+    run = layouts.default_layout(target.model, drafter, RunRound("ddtree", 4096))
     assert f"DDTree-{block - 1} floor on 8 x H200" in run.reason
     slot = slot_bytes(target.config, drafter.config, mesh_of(target.model), target.dtype)
     # room for 4096 tokens striped, not replicated
     free = 4096 * (slot["latent"] / 8 + slot["drafter"]) / CACHE_MEMORY_FRACTION * 1.01
     monkeypatch.setattr(layouts, "least_free_bytes", lambda mesh: free)
-    tight = layouts.default_layout(target.model, drafter, "ddtree", 4096)
+    tight = layouts.default_layout(target.model, drafter, RunRound("ddtree", 4096))
     assert tight.layout == "striped" and tight.reason.startswith("replicated rows hold")

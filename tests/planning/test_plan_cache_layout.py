@@ -29,7 +29,15 @@ from jaxdd.planning.capacity import cache_capacity
 from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.planning.hardware import GPUS
 from jaxdd.planning.report import merge_report, report
-from jaxdd.planning.traffic import ModelBytes, format_table, round_traffic, sent_bytes
+from jaxdd.planning.roofline import RoundSize
+from jaxdd.planning.traffic import (
+    ModelBytes,
+    PairAccount,
+    Spread,
+    format_table,
+    round_traffic,
+    sent_bytes,
+)
 from jaxdd.types import LAYOUTS, CacheLayout
 
 FIXTURES = "tests/fixtures/"
@@ -315,7 +323,9 @@ def test_a_batchs_round_reads_the_weights_once_and_each_rows_cache():
     config = KimiConfig.from_json_file(CONFIGS[0])
     model = ModelBytes(1000, 10, 7, 5000, 300, 60, 1, 1, 3)
     rounds = {
-        batch: round_traffic("dflash", 9, config, model, 4096, 8, "tp", 8, "striped", batch)
+        batch: round_traffic(
+            RoundSize(9, 4096, 8, batch), PairAccount(config, model), Spread(8, "tp", "striped")
+        )
         for batch in (1, 3)
     }
     one, three = rounds[1], rounds[3]

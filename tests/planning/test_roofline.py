@@ -10,7 +10,13 @@ from jaxdd.planning.fit import PlanOptions, plan
 from jaxdd.planning.hardware import GPUS
 from jaxdd.planning.pair import abstract_models, read_configs
 from jaxdd.planning.roofline import ModelWork
-from jaxdd.planning.traffic import ModelBytes, floor_seconds, traffic_table
+from jaxdd.planning.traffic import (
+    ModelBytes,
+    PairAccount,
+    Spread,
+    floor_seconds,
+    traffic_table,
+)
 from jaxdd.runtime.sharding import make_mesh
 
 CONFIGS = ("tests/fixtures/kimi_k25_config.json", "tests/fixtures/kimi_k26_dflash_config.json")
@@ -102,7 +108,7 @@ def test_a_table_of_several_rows():
     models, _, _ = abstract_models(config, drafter_config, experts, mesh, "tp")
     model_bytes, work = ModelBytes.of(*models, shard_bytes), ModelWork.of(*models, shard_bytes)
     one, four = (
-        traffic_table(config, model_bytes, 8, "tp", 8192, 8, work=work, batch=rows)
+        traffic_table(PairAccount(config, model_bytes, work), Spread(8, "tp"), 8192, 8, batch=rows)
         for rows in (1, 4)
     )
     for single, batched in zip(one, four, strict=True):

@@ -370,7 +370,7 @@ def test_a_killed_run_leaves_nothing_and_a_live_one_is_not_overrun(layouts, tmp_
     a rerun removes the dead run's staging directory and leaves only OUT."""
     source, out = layouts["int4"][0], tmp_path / "runs" / "out"
     writer = (
-        "import sys, time\nfrom jaxdd.weights.checkpoint import atomic_directory\n"
+        "import sys, time\nfrom jaxdd.weights.atomic import atomic_directory\n"
         "with atomic_directory(sys.argv[1]) as staging:\n"
         "    (staging / 'partial').write_bytes(bytes(1000))\n    print('staging', "
         "flush=True)\n    time.sleep(120)\n"
