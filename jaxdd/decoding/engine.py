@@ -24,6 +24,7 @@ from jaxdd.decoding.checks import (
     check_tree_logits,
     per_request,
 )
+from jaxdd.decoding.driver import Driver
 from jaxdd.decoding.programs import programs_for
 from jaxdd.decoding.report import RoundTrace, TokenLogprob
 from jaxdd.decoding.requests import RowRequest, RowShape
@@ -258,7 +259,8 @@ class SpeculativeDecoder:
         with compile_clock() as clock:
             t0 = time.perf_counter()
             pool, _ = self._admitted(prompts, GenerateOptions.of(options, fields))
-            first = pool.collect()
+            driver = Driver(pool, arrivals=False)
+            first = driver.first_tokens()
             prefill_seconds = time.perf_counter() - t0
             results = [
                 Generation(first[i].tokens, [], prefill_seconds, 0.0) for i in range(len(first))
@@ -269,7 +271,7 @@ class SpeculativeDecoder:
             for i, result in enumerate(results):
                 emit(i, result.tokens[:])
             t0 = time.perf_counter()
-            self._decode(pool, results, emit)
+            self._decode(driver, results, emit)
             decode_seconds = time.perf_counter() - t0
         spec = pool.spec
         round_shape = {} if spec.method == "ar" else {"block": spec.block}
@@ -282,19 +284,11 @@ class SpeculativeDecoder:
         return results
 
     @staticmethod
-    def _decode(pool: RowPool, results: list[Generation], emit) -> None:
-        """Run rounds until every row of ``pool`` is done,
+    def _decode(driver: Driver, results: list[Generation], emit) -> None:
+        """Step ``driver`` until every row of its pool is done,
         appending each round's tokens to ``results``."""
-        if pool.table:
-            pool.dispatch()
-        while pool.in_flight:
-            # Dispatch the next round before reading this one's report, so the host's work (the
-            # wait for the report, the bookkeeping, the next dispatch) overlaps the device's.
-            # Not when a request may reach its length this round: a round after the last would
-            # be wasted work (after a stop token it still is: finished rows change nothing).
-            if not pool.may_finish():
-                pool.dispatch()
-            for i, update in pool.collect().items():
+        while driver.running:
+            for i, update in driver.step().items():
                 if update.tokens:
                     results[i].tokens.extend(update.tokens)
                     results[i].acceptance_lengths.append(len(update.tokens))
@@ -303,10 +297,6 @@ class SpeculativeDecoder:
                     _record_trace(results[i], update.trace)
                 if update.logprobs is not None:
                     results[i].logprobs.extend(update.logprobs)
-            if not pool.table:
-                pool.discard()  # a round dispatched ahead finishes in this call's time
-            elif not pool.in_flight:
-                pool.dispatch()
 
     def step(self, plan: RoundBatch, state: DecodeState) -> tuple[DecodeState, jax.Array]:
         """One jitted round for the whole batch: (new state, the round's report [rows, ...])."""
