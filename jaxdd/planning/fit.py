@@ -406,4 +406,4 @@ def _abstract_requests(
     spec = decoder.round_spec(
         method, block, budget if method == "ddtree" else None, sampled=sampled
     )
-    return RoundBatch(spec, batch, [1] * batch, settings), state
+    return RoundBatch(spec, settings), state

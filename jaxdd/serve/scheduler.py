@@ -312,7 +312,7 @@ class Scheduler:
         (its first token comes with the next round's report)."""
         while self._admitting:
             job = self._admitting[0]
-            self.pool.admit(job.request, owner=job)
+            self.pool.admit([job.request], [job])
             self._admitting.pop(0)
             self.metrics.prompt_tokens.inc(len(job.request.prompt))
         self._observe_rows()
