@@ -1,7 +1,8 @@
 """The host side of decoding: requests in, tokens out. ``SpeculativeDecoder`` checks a batch of
 requests, sizes a pool of rows for it (``jaxdd.decoding.rows``, the server's pool: batch, prompt
 and cache buckets, so shapes repeat and compile once), admits them all in one prefill and steps
-the pool's rounds until every request is done, streaming each round's accepted tokens.
+the pool as the server's scheduler does (``jaxdd.decoding.driver``: offline, every request
+arrived at once) until every request is done, streaming each round's accepted tokens.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -45,7 +45,6 @@ from jaxdd.cache import RowTable
 from jaxdd.cache.pages import PageTable
 from jaxdd.decoding.checks import MAX_STOP_TOKENS, PoolOptions, check_row_request, pool_shape
 from jaxdd.decoding.programs import state_programs
-from jaxdd.decoding.report import RoundReport
 from jaxdd.decoding.requests import (
     Decoder,
     RowEntry,
@@ -56,19 +55,9 @@ from jaxdd.decoding.requests import (
 )
 from jaxdd.decoding.rounds import DecodeState, RoundSpec, RowSettings
 from jaxdd.decoding.sampling import GREEDY, SamplingArrays
+from jaxdd.decoding.updates import DeviceReport, read_updates
 from jaxdd.errors import InputError
 from jaxdd.runtime.buckets import prompt_bucket
-
-
-class _Report(NamedTuple):
-    """A device report, its top-k trace width and logprobs' top-k, the prompt positions it scored,
-    and for each row it was run for (row, its line in the report, the request holding it)."""
-
-    report: jax.Array
-    trace: int
-    top_logprobs: int
-    scored: int
-    holders: list[tuple[int, int, RowEntry]]
 
 
 class RowPool:
@@ -109,8 +98,8 @@ class RowPool:
         self.pages = PageTable(self.rows, shape.paging, prefix_cache)
         # Reports not yet read: the prefills since the last dispatch,
         # and per round dispatched those before it and its own.
-        self._prefilled: list[_Report] = []
-        self._in_flight: collections.deque[list[_Report]] = collections.deque()
+        self._prefilled: list[DeviceReport] = []
+        self._in_flight: collections.deque[list[DeviceReport]] = collections.deque()
 
     @classmethod
     def serving(cls, decoder: Decoder, *, prefix_cache: bool = False, **options) -> RowPool:
@@ -172,11 +161,12 @@ class RowPool:
             return self._prefill_together(requests, owners)
         if self.state is None:
             self.state = self._empty_state()
-        rows = [self._hold(request, owner) for request, owner in zip(requests, owners, strict=True)]
-        for row in rows:
+        rows = []
+        for request, owner in zip(requests, owners, strict=True):
+            rows.append(row := self._hold(request, owner))
             entry = self.table.holder(row)
             entry.next = entry.cached
-            self._prefill_next(row, entry)
+            self._prefill_next(row, entry)  # before the next takes its pages: it may hit these
         return rows
 
     def _prefill_next(self, row: int, entry: RowEntry) -> None:
@@ -203,7 +193,7 @@ class RowPool:
             self.pages.insert(row, request.prompt)  # its rows are in both caches once prefilled
             scored = padded - 1 if request.score_prompt else 0
             holders = [(row, 0, entry)]
-            self._prefilled.append(_Report(report, 0, self.spec.top_logprobs, scored, holders))
+            self._prefilled.append(DeviceReport(report, 0, self.spec.top_logprobs, scored, holders))
 
     def _prefill_together(self, requests: list[RowRequest], owners: list[Any]) -> list[int]:
         """``admit`` into a new pool: one prefill of every row, making its state."""
@@ -222,7 +212,7 @@ class RowPool:
             self.pages.insert(row, request.prompt)  # its rows are in both caches once prefilled
         holders = [(row, row, e) for row, e in self.table.items()]
         scored = padded - 1 if score else 0
-        self._prefilled.append(_Report(report, 0, self.spec.top_logprobs, scored, holders))
+        self._prefilled.append(DeviceReport(report, 0, self.spec.top_logprobs, scored, holders))
         return rows
 
     def _hold(self, request: RowRequest, owner: Any = None) -> int:
@@ -364,7 +354,7 @@ class RowPool:
         trace = spec.trace if spec.method != "ar" else 0
         running = [(row, e) for row, e in self.table.items() if not self._paused[row]]
         holders = [(row, row, e) for row, e in running if e.next is None]
-        own = _Report(report, trace, spec.top_logprobs, 0, holders)
+        own = DeviceReport(report, trace, spec.top_logprobs, 0, holders)
         self._in_flight.append([*self._prefilled, own])
         self._prefilled = []
 
@@ -377,35 +367,9 @@ class RowPool:
         else:
             reports = self._prefilled
             self._prefilled = []
-        updates: dict[int, RowUpdate] = {}
-        for device_report, trace, top_logprobs, scored, holders in reports:
-            report = RoundReport.decode(device_report, self.width, trace, top_logprobs, scored)
-            for row, index, entry in holders:
-                # released, or already finished by an earlier report
-                if self.table.holder(row) is not entry:
-                    continue
-                # a request for no new tokens (its prompt scored alone) keeps not even the first
-                emitted = report.emitted(index)
-                tokens = emitted[: entry.max_new_tokens - entry.produced]
-                first = entry.produced == 0 and bool(tokens)
-                entry.produced += len(tokens)
-                entry.output += tokens
-                # a stop token cut off by the length is not the reason it ended
-                stopped = bool(report.stopped[index]) and len(tokens) == len(emitted)
-                finish = "stop" if stopped else None
-                if not stopped and entry.produced >= entry.max_new_tokens:
-                    finish = "length"
-                scores, prompt_scores = report.scores(
-                    index, len(tokens), entry.logprobs, entry.scored_prompt
-                )
-                counts = (entry.produced, entry.owner, scores, prompt_scores, entry.cached)
-                update = RowUpdate(tokens, finish, first, None, *counts)
-                if row in updates:
-                    update = updates[row].then(update)
-                trace = None if report.trace is None or not update.tokens else report.trace[index]
-                updates[row] = dataclasses.replace(update, trace=trace)
-                if finish is not None:
-                    self.release(row)
+        updates, ended = read_updates(reports, self.width, self.table.holder)
+        for row in ended:
+            self.release(row)
         return updates
 
     def discard(self) -> None:
