@@ -61,7 +61,9 @@ def measure(method: str, rows: int, max_len: int, layers: int, drafter_layers: i
         drafter_config = dataclasses.replace(drafter_config, num_hidden_layers=drafter_layers)
         drafter = DFlashDrafter(drafter_config, jnp.float32, rngs=nnx.Rngs(1))
     options = {"rows": rows, "max_len": max_len, "budget": budget, "max_logprobs": 20}
-    pool = RowPool(SpeculativeDecoder(target, drafter), method=method, prefix_cache=True, **options)
+    pool = RowPool.serving(
+        SpeculativeDecoder(target, drafter), method=method, prefix_cache=True, **options
+    )
     return jax.default_backend(), program_maps(pool)
 
 

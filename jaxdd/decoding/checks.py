@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxdd.cache import Paging
+from jaxdd.cache import Paging, cache_slots
 from jaxdd.config import KimiConfig
 from jaxdd.decoding.requests import Decoder, RowRequest, RowShape
 from jaxdd.decoding.sampling import Sampling
@@ -193,53 +193,76 @@ def check_row_request(request: RowRequest, shape: RowShape, config: KimiConfig) 
     return dataclasses.replace(request, prompt=list(prompt), stop_ids=list(request.stop_ids))
 
 
-def pool_shape(
-    decoder: Decoder,
-    method: Method,
-    rows: int,
-    max_len: int,
-    max_prompt: int | None,
-    block_size: int | None,
-    budget: int | None,
-    max_logprobs: int,
-    cache_tokens: int | None,
-    prefill_chunk: int | None,
-) -> RowShape:
-    """A ``RowPool``'s shape from its options, each checked (``InputError`` naming it)."""
-    config = decoder.config
+@dataclasses.dataclass(frozen=True)
+class PoolOptions:
+    """What a pool of rows is asked for, each field checked by ``pool_shape``."""
+
+    method: Method
+    rows: int
+    max_len: int  # prompt + new tokens, per request
+    max_prompt: int | None = None  # default: max_len - 1
+    block_size: int | None = None  # default: the drafter's
+    budget: int | None = None  # DDTree nodes per round, default block_size - 1
+    max_children: int | None = None
+    max_logprobs: int = 0  # > 0: every round reports logprobs, a request asks for at most these
+    cache_tokens: int | None = None  # the pool of pages' tokens, default every row's max_len
+    prefill_chunk: int | None = None  # a longer prompt is prefilled in parts of this many tokens
+    trace: int = 0  # > 0: every round reports its drafts' top this many
+    tree_logits: TreeLogits = "scaled"
+    # An offline batch's one round, sampled or greedy as its requests are, over every row, its
+    # rows' slots in a length bucket (its requests' lengths vary); None: a server's sampled and
+    # greedy rounds per tier, its rows' slots its max_len's.
+    batch_sampled: bool | None = None
+
+
+def pool_shape(decoder: Decoder, options: PoolOptions) -> RowShape:
+    """A ``RowPool``'s shape from its ``options``, each checked (``InputError`` naming it)."""
+    config, method, rows, max_len = decoder.config, options.method, options.rows, options.max_len
     if rows < 1:
         raise InputError.at("rows", f"must be >= 1, got {rows}")
     if not 2 <= max_len <= config.max_position_embeddings:
         raise InputError.at(
             "max_len", f"must be in [2, {config.max_position_embeddings}], got {max_len}"
         )
-    max_prompt = max_len - 1 if max_prompt is None else max_prompt
+    max_prompt = max_len - 1 if options.max_prompt is None else options.max_prompt
     if not 1 <= max_prompt < max_len:
         raise InputError.at("max_prompt", f"must be in [1, max_len), got {max_prompt}")
     drafter_block = None if decoder.drafter is None else decoder.drafter.config.block_size
     has_drafter = decoder.drafter is not None
-    block, budget = check_round_options(
-        method, has_drafter, drafter_block, block_size, budget, None
-    )
-    if prefill_chunk is not None and not 1 <= prefill_chunk <= max_prompt:
+    asked = (options.block_size, options.budget, options.max_children)
+    block, budget = check_round_options(method, has_drafter, drafter_block, *asked)
+    chunk = options.prefill_chunk
+    if chunk is not None and not (isinstance(chunk, int) and 1 <= chunk <= max_prompt):
         raise InputError.at(
-            "prefill_chunk", f"must be in [1, max_prompt {max_prompt}], got {prefill_chunk}"
+            "prefill_chunk", f"must be in [1, max_prompt {max_prompt}], got {chunk!r}"
         )
-    if not isinstance(max_logprobs, int) or max_logprobs < 0:
-        raise InputError.at("max_logprobs", f"must be an integer >= 0, got {max_logprobs!r}")
-    options = {"block": block, "budget": budget, "top_logprobs": max_logprobs}
-    spec = decoder.round_spec(method, sampled=True, **options)
-    greedy_spec = decoder.round_spec(method, sampled=False, **options)
-    tiers = round_tiers(rows)
+    for name in ("max_logprobs", "trace"):
+        if not isinstance(value := getattr(options, name), int) or value < 0:
+            raise InputError.at(name, f"must be an integer >= 0, got {value!r}")
+    round_options = {
+        "block": block,
+        "budget": budget,
+        "max_children": options.max_children,
+        "trace": options.trace,
+        "tree_logits": check_tree_logits(options.tree_logits),
+        "top_logprobs": options.max_logprobs,
+    }
+    if options.batch_sampled is None:
+        spec = decoder.round_spec(method, sampled=True, **round_options)
+        greedy_spec = decoder.round_spec(method, sampled=False, **round_options)
+        tiers, slots = round_tiers(rows), max_len
+    else:
+        spec = decoder.round_spec(method, sampled=options.batch_sampled, **round_options)
+        greedy_spec, tiers, slots = spec, (rows,), cache_slots(max_len)
     round_tokens = max(block, verified_tokens(method, block, budget))
-    paging = Paging.for_rows(spec.stripes, rows, prompt_bucket(max_prompt), max_len, round_tokens)
+    paging = Paging.for_rows(spec.stripes, rows, prompt_bucket(max_prompt), slots, round_tokens)
     least = min(max_len + round_tokens, paging.slots)  # one request of max_len: none waits forever
-    if cache_tokens is not None:
-        if not isinstance(cache_tokens, int) or cache_tokens < least:
+    if options.cache_tokens is not None:
+        if not isinstance(options.cache_tokens, int) or options.cache_tokens < least:
             raise InputError.at(
                 "cache_tokens",
                 f"must hold one request of max_len {max_len} and a round ({least} tokens), "
-                f"got {cache_tokens!r}",
+                f"got {options.cache_tokens!r}",
             )
-        paging = paging.holding(cache_tokens)
-    return RowShape(spec, greedy_spec, rows, max_len, max_prompt, tiers, paging, prefill_chunk)
+        paging = paging.holding(options.cache_tokens)
+    return RowShape(spec, greedy_spec, rows, max_len, max_prompt, tiers, paging, chunk)

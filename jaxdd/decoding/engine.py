@@ -1,7 +1,8 @@
 """The host side of decoding: requests in, tokens out. ``SpeculativeDecoder`` checks a batch of
 requests, sizes a pool of rows for it (``jaxdd.decoding.rows``, the server's pool: batch, prompt
 and cache buckets, so shapes repeat and compile once), admits them all in one prefill and steps
-the pool's rounds until every request is done, streaming each round's accepted tokens.
+the pool as the server's scheduler does (``jaxdd.decoding.driver``: offline, every request
+arrived at once) until every request is done, streaming each round's accepted tokens.
 """
 
 from __future__ import annotations
@@ -14,19 +15,20 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from jaxdd.cache import Paging, cache_slots
 from jaxdd.cache.stripes import Stripes
 from jaxdd.decoding.checks import (
+    PoolOptions,
     check_lengths,
-    check_round_options,
     check_stop_ids,
     check_tokens,
     check_tree_logits,
     per_request,
+    pool_shape,
 )
+from jaxdd.decoding.driver import Driver
 from jaxdd.decoding.programs import programs_for
 from jaxdd.decoding.report import RoundTrace, TokenLogprob
-from jaxdd.decoding.requests import RowRequest, RowShape
+from jaxdd.decoding.requests import RowRequest, RowShape, RowUpdate
 from jaxdd.decoding.round_size import RoundSizes
 from jaxdd.decoding.rounds import DecodeState, ModelPair, RoundSpec, RowSettings
 from jaxdd.decoding.rows import RowPool
@@ -35,7 +37,7 @@ from jaxdd.errors import InputError
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget
 from jaxdd.runtime.backend import Backend
-from jaxdd.runtime.buckets import bucket, prompt_bucket
+from jaxdd.runtime.buckets import bucket
 from jaxdd.runtime.compile_time import compile_clock
 from jaxdd.runtime.jit_state import split_module
 from jaxdd.runtime.sharding import mesh_of
@@ -48,7 +50,6 @@ from jaxdd.types import (
     DrafterKV,
     Method,
     TreeLogits,
-    verified_tokens,
 )
 
 
@@ -138,8 +139,6 @@ class RoundBatch:
     """A batch's fixed settings: the round every step runs and the per-row arrays it reads."""
 
     spec: RoundSpec
-    count: int  # real rows; the batch is padded to a power of two
-    max_new_tokens: list[int]
     settings: RowSettings  # on the device once, not copied there again by every round
 
 
@@ -257,19 +256,17 @@ class SpeculativeDecoder:
         emit = on_tokens or (lambda request, tokens: None)
         with compile_clock() as clock:
             t0 = time.perf_counter()
-            pool, _ = self._admitted(prompts, GenerateOptions.of(options, fields))
-            first = pool.collect()
+            pool = self._admitted(prompts, GenerateOptions.of(options, fields))
+            driver = Driver(pool, arrivals=False)
+            first = driver.first_tokens()
             prefill_seconds = time.perf_counter() - t0
-            results = [
-                Generation(first[i].tokens, [], prefill_seconds, 0.0) for i in range(len(first))
-            ]
-            for i, result in enumerate(results):
-                result.logprobs = first[i].logprobs or []
-                result.prompt_logprobs = first[i].prompt_logprobs or []
-            for i, result in enumerate(results):
-                emit(i, result.tokens[:])
+            results = [Generation([], [], prefill_seconds, 0.0) for _ in prompts]
+            for update in first.values():
+                _take(results, update, emit)
             t0 = time.perf_counter()
-            self._decode(pool, results, emit)
+            while driver.running:
+                for update in driver.step().values():
+                    _take(results, update, emit)
             decode_seconds = time.perf_counter() - t0
         spec = pool.spec
         round_shape = {} if spec.method == "ar" else {"block": spec.block}
@@ -280,33 +277,6 @@ class SpeculativeDecoder:
             result.compile_seconds = clock.seconds
             result.round_shape = dict(round_shape)
         return results
-
-    @staticmethod
-    def _decode(pool: RowPool, results: list[Generation], emit) -> None:
-        """Run rounds until every row of ``pool`` is done,
-        appending each round's tokens to ``results``."""
-        if pool.table:
-            pool.dispatch()
-        while pool.in_flight:
-            # Dispatch the next round before reading this one's report, so the host's work (the
-            # wait for the report, the bookkeeping, the next dispatch) overlaps the device's.
-            # Not when a request may reach its length this round: a round after the last would
-            # be wasted work (after a stop token it still is: finished rows change nothing).
-            if not pool.may_finish():
-                pool.dispatch()
-            for i, update in pool.collect().items():
-                if update.tokens:
-                    results[i].tokens.extend(update.tokens)
-                    results[i].acceptance_lengths.append(len(update.tokens))
-                    emit(i, update.tokens)
-                if update.trace is not None:
-                    _record_trace(results[i], update.trace)
-                if update.logprobs is not None:
-                    results[i].logprobs.extend(update.logprobs)
-            if not pool.table:
-                pool.discard()  # a round dispatched ahead finishes in this call's time
-            elif not pool.in_flight:
-                pool.dispatch()
 
     def step(self, plan: RoundBatch, state: DecodeState) -> tuple[DecodeState, jax.Array]:
         """One jitted round for the whole batch: (new state, the round's report [rows, ...])."""
@@ -350,31 +320,27 @@ class SpeculativeDecoder:
     def start(
         self, prompts: list[list[int]], options: GenerateOptions | None = None, **fields
     ) -> tuple[RoundBatch, DecodeState]:
-        """Check the requests, fix the static shapes and run
-        the prefill: (plan, state after the prefill)."""
-        pool, plan = self._admitted(prompts, GenerateOptions.of(options, fields))
-        return plan, pool.state
+        """Check the requests, fix the static shapes and run the prefill, every page the requests
+        can reach taken (``step`` runs on the state alone): (plan, state after the prefill)."""
+        pool = self._admitted(prompts, GenerateOptions.of(options, fields))
+        return RoundBatch(pool.spec, pool.reserve()), pool.state
 
-    def _admitted(
-        self, prompts: list[list[int]], options: GenerateOptions
-    ) -> tuple[RowPool, RoundBatch]:
+    def _admitted(self, prompts: list[list[int]], options: GenerateOptions) -> RowPool:
         """A pool of rows for the batch (checked, its round sized), every request admitted."""
         requests, shape = self._batch_shape(prompts, options)
-        pool = RowPool.of_shape(self, shape)
-        pool.admit_all(requests)
-        plan = RoundBatch(
-            shape.spec, len(requests), [r.max_new_tokens for r in requests], pool.settings
-        )
+        pool = RowPool(self, shape)
+        pool.admit(requests, owners=list(range(len(requests))))
+        plan = RoundBatch(shape.spec, jax.device_put(pool.host_settings()))
         trained = None if self.drafter is None else self.drafter.config.block_size
         lower = lambda: self.lower_round(plan, pool.state)
         self._round_sizes.check(lower, plan.spec, pool.state, plan.settings, trained)
-        return pool, plan
+        return pool
 
     def _batch_shape(
         self, prompts: list[list[int]], options: GenerateOptions
     ) -> tuple[list[RowRequest], RowShape]:
-        """The batch's requests, checked, and the shape of rows that runs them: one
-        round, rows padded to a power of two, prompts and the cache to their buckets."""
+        """The batch's requests, checked, and the shape of rows that runs them (``pool_shape``):
+        one round, rows padded to a power of two, prompts and the cache to their buckets."""
         if not prompts:
             raise InputError.at("prompts", "the batch is empty")
         checked = [check_tokens([list(p)], self.config.vocab_size)[0] for p in prompts]
@@ -382,46 +348,29 @@ class SpeculativeDecoder:
         settings = per_request("sampling and max_new_tokens", options.sampling, n)
         lengths = per_request("sampling and max_new_tokens", options.max_new_tokens, n)
         stops = check_stop_ids(options.stop_token_ids, self.config)
-        method = options.method
-        max_children = options.max_children
-        drafter_block = None if self.drafter is None else self.drafter.config.block_size
-        block, budget = check_round_options(
-            method,
-            self.drafter is not None,
-            drafter_block,
-            options.block_size,
-            options.budget,
-            max_children,
-        )
         max_lengths = check_lengths(checked, lengths, self.config)
-        verify_width = verified_tokens(method, block, budget)
         asked = options.logprobs or None
         requests = [
             RowRequest(p.tolist(), m, stops, s, asked, options.score_prompt)
             for p, m, s in zip(checked, lengths, settings, strict=True)
         ]
-        # Prompts and request lengths in quarter octaves (prompts in multiples of 16): a prefill's
-        # cost grows with its padded length and a round's with its slots, and each shape compiles.
         longest = max(len(p) for p in checked)
-        round_tokens = max(block, verify_width)
-        sampled = any(not s.greedy for s in settings)
-        spec = self.round_spec(
-            method,
-            block=block,
-            budget=budget,
-            max_children=max_children,
-            sampled=sampled,
+        chunk = options.prefill_chunk
+        pool = PoolOptions(
+            options.method,
+            rows=bucket(n, minimum=1),
+            max_len=max(max_lengths),
+            max_prompt=longest,
+            block_size=options.block_size,
+            budget=options.budget,
+            max_children=options.max_children,
+            max_logprobs=options.logprobs,
+            prefill_chunk=None if chunk is None else min(chunk, longest),  # longer: whole
             trace=options.trace_topk,
             tree_logits=options.tree_logits,
-            top_logprobs=options.logprobs,
+            batch_sampled=any(not s.greedy for s in settings),
         )
-        rows = bucket(n, minimum=1)
-        # every row's slots in the pool: one size per bucket
-        max_len = cache_slots(max(max_lengths))
-        paging = Paging.for_rows(self.stripes, rows, prompt_bucket(longest), max_len, round_tokens)
-        chunk = options.prefill_chunk
-        shape = RowShape(spec, spec, rows, max(max_lengths), longest, (rows,), paging, chunk)
-        return requests, shape
+        return requests, pool_shape(self, pool)
 
     def models_for(self, spec: RoundSpec) -> ModelPair:
         """The weights a round of ``spec`` reads: the target's alone for AR."""
@@ -432,6 +381,24 @@ class SpeculativeDecoder:
         if shape not in self._state_makers:
             self._state_makers[shape] = shape.state_maker(self)
         return self._state_makers[shape]()
+
+
+def _take(results: list[Generation], update: RowUpdate, emit: Callable) -> None:
+    """``update``'s tokens, their logprobs and its round's trace into its request's result (the
+    owner its index), the tokens streamed; a round's are an acceptance length, the prefill's
+    first token none."""
+    result = results[update.owner]
+    if update.tokens:
+        result.tokens.extend(update.tokens)
+        emit(update.owner, update.tokens)
+    if len(update.tokens) > update.first:
+        result.acceptance_lengths.append(len(update.tokens) - update.first)
+    if update.first:
+        result.prompt_logprobs = update.prompt_logprobs or []
+    if update.logprobs is not None:
+        result.logprobs.extend(update.logprobs)
+    if update.trace is not None:
+        _record_trace(result, update.trace)
 
 
 def _record_trace(result: Generation, trace: RoundTrace) -> None:

@@ -1,8 +1,9 @@
 """The rows of ONE decode state and the host loop over them: admit requests into
 rows, ``dispatch`` rounds, ``collect`` their reports. The server's continuous
-batching and ``SpeculativeDecoder.generate_batch`` (the CLI) both run on it: the
-server admits requests one by one between rounds; a batch is admitted all at once
-(one prefill for every row, ``admit_all``) and stepped until every row is done.
+batching and ``SpeculativeDecoder.generate_batch`` (the CLI) both run on it, stepped by one
+driver (``jaxdd.decoding.driver``): the server admits requests one by one between rounds; a batch
+is admitted all at once into a new pool (one prefill for every row) and stepped until every row
+is done.
 
 Every shape is fixed when the pool is made (``RowShape``): ``rows`` rows, one page table size for
 all (from ``max_len``) over a pool of ``cache_tokens`` in pages (a request takes its prompt's and
@@ -35,16 +36,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 
 from jaxdd.cache import RowTable
 from jaxdd.cache.pages import PageTable
-from jaxdd.decoding.checks import MAX_STOP_TOKENS, check_row_request, pool_shape
+from jaxdd.decoding.checks import MAX_STOP_TOKENS, PoolOptions, check_row_request, pool_shape
 from jaxdd.decoding.programs import state_programs
-from jaxdd.decoding.report import RoundReport
 from jaxdd.decoding.requests import (
     Decoder,
     RowEntry,
@@ -55,62 +55,19 @@ from jaxdd.decoding.requests import (
 )
 from jaxdd.decoding.rounds import DecodeState, RoundSpec, RowSettings
 from jaxdd.decoding.sampling import GREEDY, SamplingArrays
+from jaxdd.decoding.updates import DeviceReport, read_updates
 from jaxdd.errors import InputError
 from jaxdd.runtime.buckets import prompt_bucket
-from jaxdd.types import Method
-
-
-class _Report(NamedTuple):
-    """A device report, its top-k trace width and logprobs' top-k, the prompt positions it scored,
-    and for each row it was run for (row, its line in the report, the request holding it)."""
-
-    report: jax.Array
-    trace: int
-    top_logprobs: int
-    scored: int
-    holders: list[tuple[int, int, RowEntry]]
 
 
 class RowPool:
-    """``rows`` decode rows of one method: ``admit`` a request into a free row, ``step`` a round."""
+    """``rows`` decode rows of one method: ``admit`` requests into free rows, ``dispatch`` rounds
+    and ``collect`` their reports."""
 
-    grows = True  # a request takes pages as it grows (a batch's pool: all at once)
-
-    def __init__(
-        self,
-        decoder: Decoder,
-        *,
-        method: Method,
-        rows: int,
-        max_len: int,
-        max_prompt: int | None = None,
-        block_size: int | None = None,
-        budget: int | None = None,
-        max_logprobs: int = 0,
-        cache_tokens: int | None = None,
-        prefix_cache: bool = False,
-        prefill_chunk: int | None = None,
-    ):
-        """A serving pool: rows admitted one by one, a sampled and a greedy round per tier
-        (``max_logprobs`` > 0: each reporting logprobs, requests asking for at most that many
-        top ones), the rows' caches in a pool of pages holding ``cache_tokens`` tokens (default:
-        every row's ``max_len``); with ``prefix_cache``, the pages of ended requests kept for
-        prompts that start with their tokens (``jaxdd.cache.pages``); with ``prefill_chunk``, a
-        prompt longer than that prefilled a chunk per round (the other rows decode meanwhile)."""
-        options = (max_prompt, block_size, budget, max_logprobs, cache_tokens, prefill_chunk)
-        shape = pool_shape(decoder, method, rows, max_len, *options)
-        self._setup(decoder, shape, prefix_cache)
-        self.state = self._empty_state()
-
-    @classmethod
-    def of_shape(cls, decoder: Decoder, shape: RowShape) -> RowPool:
-        """A pool of ``shape`` with no state yet: ``admit_all`` makes it (a batch's one prefill)."""
-        pool = cls.__new__(cls)
-        pool._setup(decoder, shape)
-        pool.grows = False  # sized for the batch: each row's pages at once, for ``step`` callers
-        return pool
-
-    def _setup(self, decoder: Decoder, shape: RowShape, prefix_cache: bool = False) -> None:
+    def __init__(self, decoder: Decoder, shape: RowShape, prefix_cache: bool = False):
+        """A pool of ``shape`` (``checks.pool_shape``) with no state yet: the first ``admit`` makes
+        it. With ``prefix_cache``, the pages of ended requests kept for prompts that start with
+        their tokens (``jaxdd.cache.pages``)."""
         self.decoder = decoder
         self.shape = shape
         self.programs = state_programs(shape.formats(decoder))
@@ -141,8 +98,17 @@ class RowPool:
         self.pages = PageTable(self.rows, shape.paging, prefix_cache)
         # Reports not yet read: the prefills since the last dispatch,
         # and per round dispatched those before it and its own.
-        self._prefilled: list[_Report] = []
-        self._in_flight: collections.deque[list[_Report]] = collections.deque()
+        self._prefilled: list[DeviceReport] = []
+        self._in_flight: collections.deque[list[DeviceReport]] = collections.deque()
+
+    @classmethod
+    def serving(cls, decoder: Decoder, *, prefix_cache: bool = False, **options) -> RowPool:
+        """A server's pool of ``PoolOptions(**options)``, its empty state made now: requests are
+        admitted into it one by one, each prefilled alone (a prompt longer than
+        ``prefill_chunk`` a chunk per round, the other rows decoding meanwhile)."""
+        pool = cls(decoder, pool_shape(decoder, PoolOptions(**options)), prefix_cache)
+        pool.state = pool._empty_state()
+        return pool
 
     @property
     def width(self) -> int:
@@ -182,17 +148,26 @@ class RowPool:
         request of ``max_len``)."""
         return check_row_request(request, self.shape, self.decoder.config)
 
-    def admit(self, request: RowRequest, owner: Any = None) -> int:
-        """Prefill a request (checked by ``check``) alone into a free row, without waiting for
-        it: its row. Its first token comes with the next round's tokens (``collect``), in an
-        update that names ``owner``."""
+    def admit(self, requests: list[RowRequest], owners: list[Any] | None = None) -> list[int]:
+        """Prefill ``requests`` (checked by ``check``; as many as ``admissible`` allows) into free
+        rows without waiting for them: their rows. Into a new pool (no state yet) they go
+        together, in one prefill at the longest prompt's bucket, the other rows padding, unless a
+        prompt is longer than ``prefill_chunk``; else each alone, a prompt longer than that a
+        chunk per round. Their first tokens come with the next ``collect``, in updates that name
+        their ``owners``."""
+        owners = [None] * len(requests) if owners is None else owners
+        longest = max(len(request.prompt) for request in requests)
+        if self.state is None and longest <= (self.prefill_chunk or self.max_prompt):
+            return self._prefill_together(requests, owners)
         if self.state is None:
             self.state = self._empty_state()
-        row = self._hold(request, owner)
-        entry = self.table.holder(row)
-        entry.next = entry.cached
-        self._prefill_next(row, entry)
-        return row
+        rows = []
+        for request, owner in zip(requests, owners, strict=True):
+            rows.append(row := self._hold(request, owner))
+            entry = self.table.holder(row)
+            entry.next = entry.cached
+            self._prefill_next(row, entry)  # before the next takes its pages: it may hit these
+        return rows
 
     def _prefill_next(self, row: int, entry: RowEntry) -> None:
         """Dispatch the next part of ``row``'s prefill: its whole prompt, the rest after its cached
@@ -218,29 +193,14 @@ class RowPool:
             self.pages.insert(row, request.prompt)  # its rows are in both caches once prefilled
             scored = padded - 1 if request.score_prompt else 0
             holders = [(row, 0, entry)]
-            self._prefilled.append(_Report(report, 0, self.spec.top_logprobs, scored, holders))
+            self._prefilled.append(DeviceReport(report, 0, self.spec.top_logprobs, scored, holders))
 
-    def admit_all(self, requests: list[RowRequest]) -> None:
-        """Prefill ``requests`` (checked) together into rows 0, 1, ... of a pool
-        made by ``of_shape``, in one call at the longest prompt's bucket, the rest
-        of the rows padding (or, if the shape has a ``prefill_chunk`` shorter than a prompt, each
-        alone, chunk after chunk: nothing decodes until all are in); their first tokens come with
-        the next ``collect``."""
-        if self.state is not None or len(requests) > self.rows:
-            raise InputError.at(
-                "requests", f"admit_all takes at most {self.rows} requests into a new pool"
-            )
-        if max(len(r.prompt) for r in requests) > (self.prefill_chunk or self.max_prompt):
-            for request in requests:
-                row = self.admit(request)
-                while (entry := self.table.holder(row)).next is not None:
-                    self._prefill_next(row, entry)
-            self.settings = jax.device_put(self.host_settings())
-            return
+    def _prefill_together(self, requests: list[RowRequest], owners: list[Any]) -> list[int]:
+        """``admit`` into a new pool: one prefill of every row, making its state."""
         padded = prompt_bucket(max(len(r.prompt) for r in requests))
         tokens, prompt_len, seeds = pad_requests(requests, self.rows, padded)
-        for request in requests:
-            self._hold(request)  # rows 0, 1, ...: the table is empty
+        # rows 0, 1, ...: the table is empty
+        rows = [self._hold(request, owner) for request, owner in zip(requests, owners, strict=True)]
         # the prefill and every round read them
         self.settings = jax.device_put(self.host_settings())
         mesh = self.decoder.mesh
@@ -248,16 +208,19 @@ class RowPool:
         paging = self.shape.paging
         args = (self.spec, self.models, tokens, prompt_len, self.settings, seeds, paging, mesh)
         self.state, report = self.programs.prefill_new(*args, score)
+        for row, request in zip(rows, requests, strict=True):
+            self.pages.insert(row, request.prompt)  # its rows are in both caches once prefilled
         holders = [(row, row, e) for row, e in self.table.items()]
         scored = padded - 1 if score else 0
-        self._prefilled.append(_Report(report, 0, self.spec.top_logprobs, scored, holders))
+        self._prefilled.append(DeviceReport(report, 0, self.spec.top_logprobs, scored, holders))
+        return rows
 
     def _hold(self, request: RowRequest, owner: Any = None) -> int:
         """A free row for ``request`` (its settings reach the device with the next round)."""
         scored = len(request.prompt) if request.score_prompt else 0
         entry = RowEntry(request.max_new_tokens, owner, 0, request.logprobs, scored, request)
         reach, prompt = self.shape.reach(request), self._cacheable(request)
-        start = self._start(request)
+        start = self.shape.start(request)
         if not self.pages.fits(start, prompt, reach):
             raise InputError.at("cache_tokens", "no free pages: admit what admissible() allows")
         row = self.table.take(entry)
@@ -318,12 +281,8 @@ class RowPool:
         rows = len(self.free_rows()) + len(set(release) & busy)
         reaches = [self.shape.reach(r) for r in requests[:rows]]
         prompts = [self._cacheable(r) for r in requests[:rows]]
-        starts = [self._start(r) for r in requests[:rows]]
+        starts = [self.shape.start(r) for r in requests[:rows]]
         return self.pages.admissible(reaches, release, prompts, starts)
-
-    def _start(self, request: RowRequest) -> int:
-        """The slots ``request`` takes when admitted: all it can reach unless the pool grows."""
-        return self.shape.start(request) if self.grows else self.shape.reach(request)
 
     def reset(self) -> None:
         """Every row free in a fresh state, nothing in flight: after a fault,
@@ -395,7 +354,7 @@ class RowPool:
         trace = spec.trace if spec.method != "ar" else 0
         running = [(row, e) for row, e in self.table.items() if not self._paused[row]]
         holders = [(row, row, e) for row, e in running if e.next is None]
-        own = _Report(report, trace, spec.top_logprobs, 0, holders)
+        own = DeviceReport(report, trace, spec.top_logprobs, 0, holders)
         self._in_flight.append([*self._prefilled, own])
         self._prefilled = []
 
@@ -408,35 +367,9 @@ class RowPool:
         else:
             reports = self._prefilled
             self._prefilled = []
-        updates: dict[int, RowUpdate] = {}
-        for device_report, trace, top_logprobs, scored, holders in reports:
-            report = RoundReport.decode(device_report, self.width, trace, top_logprobs, scored)
-            for row, index, entry in holders:
-                # released, or already finished by an earlier report
-                if self.table.holder(row) is not entry:
-                    continue
-                # a request for no new tokens (its prompt scored alone) keeps not even the first
-                emitted = report.emitted(index)
-                tokens = emitted[: entry.max_new_tokens - entry.produced]
-                first = entry.produced == 0 and bool(tokens)
-                entry.produced += len(tokens)
-                entry.output += tokens
-                # a stop token cut off by the length is not the reason it ended
-                stopped = bool(report.stopped[index]) and len(tokens) == len(emitted)
-                finish = "stop" if stopped else None
-                if not stopped and entry.produced >= entry.max_new_tokens:
-                    finish = "length"
-                scores, prompt_scores = report.scores(
-                    index, len(tokens), entry.logprobs, entry.scored_prompt
-                )
-                counts = (entry.produced, entry.owner, scores, prompt_scores, entry.cached)
-                update = RowUpdate(tokens, finish, first, None, *counts)
-                if row in updates:
-                    update = updates[row].then(update)
-                trace = None if report.trace is None or not update.tokens else report.trace[index]
-                updates[row] = dataclasses.replace(update, trace=trace)
-                if finish is not None:
-                    self.release(row)
+        updates, ended = read_updates(reports, self.width, self.table.holder)
+        for row in ended:
+            self.release(row)
         return updates
 
     def discard(self) -> None:
@@ -449,6 +382,17 @@ class RowPool:
         """One round for every row, waited for (with nothing else in flight)."""
         self.dispatch()
         return self.collect()
+
+    def reserve(self) -> RowSettings:
+        """Every row's prefill dispatched whole and the pages its request can reach taken, and
+        the settings on the device saying so: for a caller that runs rounds on ``state`` itself
+        (``SpeculativeDecoder.start``), with no host between them to grow the rows."""
+        for row, entry in self.table.items():
+            while entry.next is not None:
+                self._prefill_next(row, entry)
+        self.pages.grow({row: self.shape.reach(e.request) for row, e in self.table.items()})
+        self.settings = jax.device_put(self.host_settings())
+        return self.settings
 
     def host_settings(self, rows: slice = slice(None)) -> RowSettings:
         """The per-row settings of ``rows`` as host arrays."""
@@ -469,12 +413,12 @@ class RowPool:
         requests = self.shape.warm_up_requests(self.prefix_cache)
         for _ in range(2):
             for request in requests:
-                self.admit(request)
+                self.admit([request])
                 # the first token ends it; a prompt in chunks takes a round each
                 for _ in range(len(request.prompt) + 1):
                     if self.busy:
                         self.step()
-            row = self.admit(RowRequest([1], min(self.width + 1, self.max_len - 1), [], GREEDY))
+            [row] = self.admit([RowRequest([1], min(self.width + 1, self.max_len - 1), [], GREEDY)])
             for spec in (self.spec, self.greedy_spec):
                 for tier in self.tiers:
                     self._run_round(spec, tier)

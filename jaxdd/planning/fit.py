@@ -417,4 +417,4 @@ def _abstract_requests(
     settings = abstract_settings(batch, state.target_cache.pages.shape[-1], sampling)
     budget = o.budget if o.method == "ddtree" else None
     round_spec = decoder.round_spec(o.method, block, budget, sampled=o.sampled)
-    return RoundBatch(round_spec, batch, [1] * batch, settings), state
+    return RoundBatch(round_spec, settings), state

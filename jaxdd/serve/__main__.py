@@ -47,7 +47,7 @@ import jaxdd
 from jaxdd import cli
 from jaxdd.cli import DEMO, non_negative, positive, print_note
 from jaxdd.config import DrafterConfig, KimiConfig
-from jaxdd.decoding.checks import pool_shape
+from jaxdd.decoding.checks import PoolOptions, pool_shape
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.memory_maps import check_maps, pool_programs
 from jaxdd.decoding.rows import RowPool
@@ -184,26 +184,23 @@ def check_pool_maps(
 def make_pool(args: argparse.Namespace, decoder: SpeculativeDecoder, method: Method) -> RowPool:
     """The server's pool of rows; without --cache-tokens, on GPUs and TPUs, its pages what the
     devices' memory the weights and the pool's temporaries leave holds."""
-    rows, prefix = args.max_batch, args.prefix_cache == "on"
-    asked = (args.max_prompt, args.block_size, args.budget, args.max_logprobs)
+    prefix = args.prefix_cache == "on"
+    asked = {
+        "method": method,
+        "rows": args.max_batch,
+        "max_len": args.max_len,
+        "max_prompt": args.max_prompt,
+        "block_size": args.block_size,
+        "budget": args.budget,
+        "max_logprobs": args.max_logprobs,
+        "prefill_chunk": args.prefill_chunk,
+    }
     fitted = None
     if args.cache_tokens is None:
-        shape = pool_shape(decoder, method, rows, args.max_len, *asked, None, args.prefill_chunk)
-        fitted = device_cache_tokens(decoder, shape, prefix)
+        fitted = device_cache_tokens(decoder, pool_shape(decoder, PoolOptions(**asked)), prefix)
     try:
-        return RowPool(
-            decoder,
-            method=method,
-            rows=rows,
-            max_len=args.max_len,
-            max_prompt=args.max_prompt,
-            block_size=args.block_size,
-            budget=args.budget,
-            max_logprobs=args.max_logprobs,
-            cache_tokens=args.cache_tokens or fitted,
-            prefix_cache=prefix,
-            prefill_chunk=args.prefill_chunk,
-        )
+        cache_tokens = args.cache_tokens or fitted
+        return RowPool.serving(decoder, prefix_cache=prefix, cache_tokens=cache_tokens, **asked)
     except jaxdd.InputError as error:
         if fitted is None:
             raise

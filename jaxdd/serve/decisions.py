@@ -6,7 +6,8 @@ make the same jitted calls in the same order. So only process 0 decides (which r
 to free, which waiting requests to admit, whether to reset the pool after a fault,
 when to stop), on its own clock, and before each step broadcasts the decisions to
 the others, which carry them out as process 0 does. The broadcasts have fixed shapes
-(a header, then one padded record per admitted request), so each compiles once.
+(a header, then one padded record per admitted request), so each compiles once; each is a
+numpy record type with named fields, packed into the int32 words a broadcast carries.
 """
 
 from __future__ import annotations
@@ -118,63 +119,95 @@ def from_process_0(values: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.broadcast_one_to_all(values))
 
 
-HEADER = 4  # stop, reset, rows released, requests admitted; then the released rows
+def header_record(rows: int) -> np.dtype:
+    """A step's header: whether to stop and to reset, how many rows are released and how many
+    admission records follow, then the released rows (-1 past them)."""
+    counts = [(name, np.int32) for name in ("stop", "reset", "released", "admitted")]
+    return np.dtype([*counts, ("rows", np.int32, (rows,))])
 
 
 def encode_header(decisions: Decisions, rows: int) -> np.ndarray:
-    header = np.full((HEADER + rows,), -1, np.int32)
-    header[:HEADER] = decisions.stop, decisions.reset, len(decisions.release), len(decisions.admit)
-    header[HEADER : HEADER + len(decisions.release)] = decisions.release
-    return header
+    header = np.zeros((), header_record(rows))
+    header["stop"], header["reset"] = decisions.stop, decisions.reset
+    header["released"], header["admitted"] = len(decisions.release), len(decisions.admit)
+    header["rows"] = -1
+    header["rows"][: len(decisions.release)] = decisions.release
+    return _words(header)
 
 
-def decode_header(header: np.ndarray) -> tuple[bool, bool, tuple[int, ...], int]:
+def decode_header(words: np.ndarray) -> tuple[bool, bool, tuple[int, ...], int]:
     """(stop, reset, released rows, number of admission records to follow)."""
-    stop, reset, released, admitted = (int(v) for v in header[:HEADER])
-    return (
-        bool(stop),
-        bool(reset),
-        tuple(int(r) for r in header[HEADER : HEADER + released]),
-        admitted,
+    header = _record(words, header_record(len(words) - 4))
+    released = tuple(int(r) for r in header["rows"][: header["released"]])
+    return bool(header["stop"]), bool(header["reset"]), released, int(header["admitted"])
+
+
+def admission_record(max_prompt: int) -> np.dtype:
+    """An admission: its counts, its sampling settings (the floats as process 0 parsed them),
+    its logprobs (-1: none) and whether its prompt is scored, then its stop ids and its prompt
+    (padded: one size per server)."""
+    return np.dtype(
+        [
+            ("prompt_length", np.int32),
+            ("max_new_tokens", np.int32),
+            ("stops", np.int32),
+            ("top_k", np.int32),
+            ("seed", np.uint32),
+            ("temperature", np.float64),
+            ("top_p", np.float64),
+            ("logprobs", np.int32),
+            ("score_prompt", np.int32),
+            ("stop_ids", np.int32, (MAX_STOP_TOKENS,)),
+            ("prompt", np.int32, (max_prompt,)),
+        ]
     )
-
-
-# An admission: prompt length, max new tokens, stop count, top_k, seed, temperature and top_p
-# (float64, two words each: exactly the floats process 0 parsed), logprobs (-1: none), whether
-# the prompt is scored, the stop ids, the prompt.
-FIELDS = 11
 
 
 def admission_size(max_prompt: int) -> int:
-    return FIELDS + MAX_STOP_TOKENS + max_prompt
+    """Words (int32) of an admission record."""
+    return admission_record(max_prompt).itemsize // 4
 
 
 def encode_admission(admission: RowRequest, max_prompt: int) -> np.ndarray:
-    record = np.zeros((admission_size(max_prompt),), np.int32)
+    record = np.zeros((), admission_record(max_prompt))
     sampling = admission.sampling
-    record[:4] = (
+    record["prompt_length"], record["max_new_tokens"] = (
         len(admission.prompt),
         admission.max_new_tokens,
+    )
+    record["stops"], record["top_k"], record["seed"] = (
         len(admission.stop_ids),
         sampling.top_k,
+        sampling.seed,
     )
-    record[4:5] = np.array([sampling.seed], np.uint32).view(np.int32)
-    record[5:9] = np.array([sampling.temperature, sampling.top_p], np.float64).view(np.int32)
-    record[9] = -1 if admission.logprobs is None else admission.logprobs
-    record[10] = admission.score_prompt
-    record[FIELDS : FIELDS + len(admission.stop_ids)] = admission.stop_ids
-    start = FIELDS + MAX_STOP_TOKENS
-    record[start : start + len(admission.prompt)] = admission.prompt
-    return record
+    record["temperature"], record["top_p"] = sampling.temperature, sampling.top_p
+    record["logprobs"] = -1 if admission.logprobs is None else admission.logprobs
+    record["score_prompt"] = admission.score_prompt
+    record["stop_ids"][: len(admission.stop_ids)] = admission.stop_ids
+    record["prompt"][: len(admission.prompt)] = admission.prompt
+    return _words(record)
 
 
-def decode_admission(record: np.ndarray) -> RowRequest:
-    length, max_new_tokens, stops, top_k = (int(v) for v in record[:4])
-    seed = int(record[4:5].view(np.uint32)[0])
-    temperature, top_p = (float(v) for v in record[5:9].view(np.float64))
-    logprobs = None if record[9] < 0 else int(record[9])
-    start = FIELDS + MAX_STOP_TOKENS
-    prompt = [int(t) for t in record[start : start + length]]
-    stop_ids = [int(t) for t in record[FIELDS : FIELDS + stops]]
-    sampling = Sampling(temperature, top_p, top_k, seed)
-    return RowRequest(prompt, max_new_tokens, stop_ids, sampling, logprobs, bool(record[10]))
+def decode_admission(words: np.ndarray) -> RowRequest:
+    record = _record(words, admission_record(len(words) - admission_size(0)))
+    sampling = Sampling(
+        float(record["temperature"]),
+        float(record["top_p"]),
+        int(record["top_k"]),
+        int(record["seed"]),
+    )
+    prompt = [int(t) for t in record["prompt"][: record["prompt_length"]]]
+    stop_ids = [int(t) for t in record["stop_ids"][: record["stops"]]]
+    logprobs = None if record["logprobs"] < 0 else int(record["logprobs"])
+    max_new_tokens, score = int(record["max_new_tokens"]), bool(record["score_prompt"])
+    return RowRequest(prompt, max_new_tokens, stop_ids, sampling, logprobs, score)
+
+
+def _words(record: np.ndarray) -> np.ndarray:
+    """A record as the int32 words a broadcast carries (its dtype packs its fields)."""
+    return np.frombuffer(record.tobytes(), np.int32).copy()
+
+
+def _record(words: np.ndarray, dtype: np.dtype) -> np.void:
+    """The record of ``dtype`` that ``_words`` made ``words``."""
+    return np.frombuffer(np.ascontiguousarray(words, np.int32).tobytes(), dtype)[0]

@@ -27,6 +27,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+from jaxdd.decoding.driver import Driver
 from jaxdd.decoding.report import TokenLogprob
 from jaxdd.decoding.requests import RowRequest, RowUpdate
 from jaxdd.decoding.rows import RowPool
@@ -97,6 +98,7 @@ class Scheduler:
         channel: Local | Broadcast | None = None,
     ):
         self.pool = pool
+        self.driver = Driver(pool, arrivals=True)
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.channel = channel or Local()
@@ -264,7 +266,7 @@ class Scheduler:
             self._admitting = [Job(request, _nowhere) for request in decisions.admit]
         self._count_free()
         self._observe_rows()
-        if self._guarded(self._admit) and (self.pool.busy or self.pool.in_flight):
+        if self._guarded(self._admit) and self.driver.running:
             self._guarded(self._round)
 
     def _guarded(self, step: Callable[[], None]) -> bool:
@@ -310,22 +312,18 @@ class Scheduler:
         (its first token comes with the next round's report)."""
         while self._admitting:
             job = self._admitting[0]
-            self.pool.admit(job.request, owner=job)
+            self.pool.admit([job.request], [job])
             self._admitting.pop(0)
             self.metrics.prompt_tokens.inc(len(job.request.prompt))
         self._observe_rows()
 
     def _round(self) -> None:
-        """Dispatch a round, then hand out the previous one's
-        tokens while it runs (at most two in flight); rows that need no round (prompts scored
-        alone) get their prefill's report without one."""
-        if self.pool.needs_round():
-            paused = self.pool.paused_rounds
-            self.pool.dispatch()
-            self.metrics.paused.inc(self.pool.paused_rounds - paused)
-            if self.pool.in_flight < 2:
-                return
-        updates = self.pool.collect()
+        """One step of the driver (``jaxdd.decoding.driver``): a round dispatched, the one before
+        collected while it runs; rows that need no round (prompts scored alone) get their
+        prefill's report without one. Hand every request its new tokens."""
+        paused = self.pool.paused_rounds
+        updates = self.driver.step()
+        self.metrics.paused.inc(self.pool.paused_rounds - paused)
         self._observe_rows()  # before the tokens go out: a client that has its end sees it counted
         for update in updates.values():
             job = update.owner

@@ -9,7 +9,7 @@ from jaxdd.decoding.rows import RowPool
 def run_alone(pool: RowPool, request: RowRequest) -> tuple[list[int], list[int], int]:
     """``request`` alone through ``pool``: its tokens, how many each update brought, and the
     prompt tokens it found cached."""
-    pool.admit(pool.check(request))
+    pool.admit([pool.check(request)])
     tokens, sizes, cached = [], [], 0
     # bounded: a round brings a token or more, or a chunk of the prompt
     for _ in range(request.max_new_tokens + len(request.prompt) + 1):

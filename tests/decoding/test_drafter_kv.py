@@ -38,7 +38,7 @@ def test_fp8_drafter_kv_gives_the_target_tokens_and_keeps_the_acceptance(pair):
     _, state = fp8.start([prompt], max_new_tokens=8)
     assert state.draft_cache.keys[0].dtype == jnp.float8_e4m3fn
     assert state.target_cache.latent[0].dtype == jnp.float32  # the verify's cache is untouched
-    serving = RowPool(fp8, method="dflash", rows=2, max_len=128)  # the server's pool
+    serving = RowPool.serving(fp8, method="dflash", rows=2, max_len=128)  # the server's pool
     assert serving.state.draft_cache.keys[0].dtype == jnp.float8_e4m3fn
     for method, options in ROUNDS.items():
         stored = exact.generate(prompt, method=method, **common, **options)

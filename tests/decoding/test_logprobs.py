@@ -113,9 +113,11 @@ def test_only_asking_rows_get_theirs(models):
     other none; a prompt scored alone whose next token would be a stop token ends by its length
     (that token was never produced)."""
     ref_target, _, decoder = models
-    pool = RowPool(decoder, method="dflash", rows=2, max_len=64, max_prompt=16, max_logprobs=K)
-    quiet = pool.admit(RowRequest(PROMPT[:5], 12, []))
-    asking = pool.admit(RowRequest(PROMPT, 6, [], logprobs=K))
+    pool = RowPool.serving(
+        decoder, method="dflash", rows=2, max_len=64, max_prompt=16, max_logprobs=K
+    )
+    quiet = pool.admit([RowRequest(PROMPT[:5], 12, [])])[0]
+    asking = pool.admit([RowRequest(PROMPT, 6, [], logprobs=K)])[0]
     got = {quiet: [], asking: []}
     scores = []
     for _ in range(12):
@@ -130,7 +132,7 @@ def test_only_asking_rows_get_theirs(models):
     reference = reference_logprobs(ref_target, PROMPT + got[asking])
     assert_matches(scores, reference[len(PROMPT) - 1 : -1], got[asking], K)
     first = decoder.generate(PROMPT, max_new_tokens=1, stop_token_ids=[]).tokens[0]
-    pool.admit(RowRequest(PROMPT, 0, [first], logprobs=K, score_prompt=True))
+    pool.admit([RowRequest(PROMPT, 0, [first], logprobs=K, score_prompt=True)])
     (update,) = pool.step().values()
     assert update.tokens == [] and update.finish == "length" and not update.first
     assert_matches(update.prompt_logprobs, reference[: len(PROMPT) - 1], PROMPT[1:], K)

@@ -31,7 +31,7 @@ OPTIONS = {"rows": 2, "max_len": 128, "max_prompt": 80, "max_logprobs": 2}
 @pytest.fixture(scope="module")
 def pool():
     decoder = SpeculativeDecoder(*jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32"))
-    return RowPool(decoder, method="dflash", prefix_cache=True, **OPTIONS)
+    return RowPool.serving(decoder, method="dflash", prefix_cache=True, **OPTIONS)
 
 
 def test_the_count_from_the_flags_is_what_the_pool_warms_up(pool):

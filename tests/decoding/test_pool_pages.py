@@ -30,7 +30,7 @@ def pool():
     decoder = SpeculativeDecoder(*jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32"))
     # a small pool: requests wait for pages, cached pages are evicted for new ones
     options = {"rows": ROWS, "max_len": 224, "max_prompt": MAX_PROMPT, "cache_tokens": 512}
-    return RowPool(decoder, method="dflash", prefix_cache=True, prefill_chunk=48, **options)
+    return RowPool.serving(decoder, method="dflash", prefix_cache=True, prefill_chunk=48, **options)
 
 
 def check_pages(pool: RowPool) -> None:
@@ -69,7 +69,7 @@ def drive(pool: RowPool, seed: int, ops: list[tuple]) -> tuple[int, int]:
             _, conversation, answer = op
             request = pool.check(RowRequest(histories[conversation], answer, [], jaxdd.Sampling()))
             if pool.admissible([request]) == 1:
-                pool.admit(request, owner=number)
+                pool.admit([request], [number])
                 running[number] = (conversation, request.prompt, [], 0)
         elif op[0] == "round" and pool.busy:
             for update in pool.step().values():

@@ -35,8 +35,8 @@ def decoder():
 def test_the_next_turn_hits_and_decodes_as_alone(decoder, method, sampling):
     rng = np.random.default_rng(5)
     options = {"method": method, **OPTIONS, **({"budget": 12} if method == "ddtree" else {})}
-    cached = RowPool(decoder, prefix_cache=True, **options)
-    plain = RowPool(decoder, **options)
+    cached = RowPool.serving(decoder, prefix_cache=True, **options)
+    plain = RowPool.serving(decoder, **options)
     with compile_clock() as warm:
         cached.warm_up()
     assert warm.count > 0  # the prefill after a hit is among what warm-up compiles
@@ -71,14 +71,14 @@ def test_the_next_turn_hits_and_decodes_as_alone(decoder, method, sampling):
 @pytest.mark.slow
 def test_a_prompt_in_chunks_lets_the_others_decode_between_them(decoder):
     rng = np.random.default_rng(8)
-    pool = RowPool(decoder, method="dflash", prefill_chunk=32, **OPTIONS)
+    pool = RowPool.serving(decoder, method="dflash", prefill_chunk=32, **OPTIONS)
     pool.warm_up()
     decoding = RowRequest(rng.integers(1, 4096, 10).tolist(), 60, [], jaxdd.Sampling(0.8, seed=3))
     long = RowRequest(rng.integers(1, 4096, 150).tolist(), 20, [], jaxdd.Sampling())
     outputs, between = {0: [], 1: []}, []
     with compile_clock() as clock:
-        owner = {pool.admit(pool.check(decoding)): 0}
-        owner[pool.admit(pool.check(long))] = 1  # its first chunk
+        owner = {pool.admit([pool.check(decoding)])[0]: 0}
+        owner[pool.admit([pool.check(long)])[0]] = 1  # its first chunk
         for _ in range(100):  # bounded: both end within their max_tokens rounds
             if not pool.busy:
                 break

@@ -52,7 +52,7 @@ def test_a_batch_decodes_alike_through_the_named_programs(decoder, monkeypatch, 
 
 def run(pool: RowPool, asked: list[RowRequest]) -> dict[int, list[int]]:
     """``asked`` admitted together, then rounds until every one has ended: tokens by request."""
-    owner = {pool.admit(pool.check(request)): i for i, request in enumerate(asked)}
+    owner = {pool.admit([pool.check(request)])[0]: i for i, request in enumerate(asked)}
     said = {i: [] for i in owner.values()}
     for _ in range(200):  # bounded: each round brings a token or a chunk to every busy row
         if not pool.busy:
@@ -70,9 +70,9 @@ def test_a_serving_pool_decodes_alike_through_the_named_programs(decoder, monkey
         RowRequest(rng.integers(1, 4096, 150).tolist(), 30, [], SAMPLED),  # chunked
         RowRequest(rng.integers(1, 4096, 12).tolist(), 40, [], GREEDY),
     ]
-    plain = run(RowPool(decoder, prefill_chunk=64, **options), asked)
+    plain = run(RowPool.serving(decoder, prefill_chunk=64, **options), asked)
     name_formats(monkeypatch)
-    pool = RowPool(decoder, prefill_chunk=64, **options)
+    pool = RowPool.serving(decoder, prefill_chunk=64, **options)
     inner = pool.programs.decode_round.__wrapped__  # the plain jit, inside one naming formats
     assert inner is programs.PLAIN.decode_round
     named = run(pool, asked)

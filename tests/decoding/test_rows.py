@@ -24,7 +24,7 @@ def decoder():
 @pytest.mark.slow
 def test_interleaved_ddtree_rows_equal_their_runs_alone(decoder):
     rng = np.random.default_rng(4)
-    pool = RowPool(decoder, method="ddtree", budget=12, rows=2, max_len=100, max_prompt=16)
+    pool = RowPool.serving(decoder, method="ddtree", budget=12, rows=2, max_len=100, max_prompt=16)
     pool.warm_up()
     requests = [
         (
@@ -46,7 +46,7 @@ def test_interleaved_ddtree_rows_equal_their_runs_alone(decoder):
                 break
             if pending and pool.free_rows() and (not pool.busy or rng.random() < 0.4):
                 i = pending.pop(0)
-                row = pool.admit(pool.check(RowRequest(*requests[i][:2], [0], requests[i][2])))
+                row = pool.admit([pool.check(RowRequest(*requests[i][:2], [0], requests[i][2]))])[0]
                 outputs[i] = []
                 row_of[row] = i
                 continue
@@ -81,12 +81,12 @@ def test_a_row_paused_for_pages_decodes_as_if_the_rounds_had_not_run(decoder, me
     decode to what they give alone."""
     rng = np.random.default_rng(6)
     options = {"method": method, "budget": 8} if method == "ddtree" else {"method": method}
-    pool = RowPool(decoder, rows=2, max_len=80, max_prompt=16, **options)
+    pool = RowPool.serving(decoder, rows=2, max_len=80, max_prompt=16, **options)
     requests = [
         RowRequest(rng.integers(1, 4096, 9).tolist(), 30, [], jaxdd.Sampling(0.9, seed=i))
         for i in range(2)
     ]
-    outputs = {pool.admit(pool.check(r)): [] for r in requests}
+    outputs = {pool.admit([pool.check(r)])[0]: [] for r in requests}
     grow, waiting = pool.pages.grow, []
     pool.pages.grow = lambda wants: (
         grow({r: t for r, t in wants.items() if r not in waiting})
@@ -123,7 +123,7 @@ def test_admissions_and_releases_while_rounds_are_in_flight(decoder):
     that runs to its end gets what it gets alone, and a released one got a prefix
     of it; a released row's reports in flight never reach its next request."""
     rng = np.random.default_rng(7)
-    pool = RowPool(decoder, method="dflash", rows=2, max_len=80, max_prompt=16)
+    pool = RowPool.serving(decoder, method="dflash", rows=2, max_len=80, max_prompt=16)
     pool.warm_up()
     samplings = [jaxdd.Sampling(), jaxdd.Sampling(0.7, 0.9, 0, 11), jaxdd.Sampling(1.0, 1.0, 0, 12)]
     requests = [
@@ -140,7 +140,9 @@ def test_admissions_and_releases_while_rounds_are_in_flight(decoder):
             break
         if pending and pool.free_rows() and rng.random() < 0.5:
             i = pending.pop(0)
-            row_of[pool.admit(pool.check(RowRequest(*requests[i][:2], [0], requests[i][2])))] = i
+            row_of[
+                pool.admit([pool.check(RowRequest(*requests[i][:2], [0], requests[i][2]))])[0]
+            ] = i
             outputs[i] = []
         if pool.busy and rng.random() < 0.08:
             row = int(rng.choice([row for row, _ in pool.owners()]))
@@ -163,7 +165,7 @@ def test_admissions_and_releases_while_rounds_are_in_flight(decoder):
 
 
 def test_requests_past_the_pool_are_refused(decoder):
-    pool = RowPool(decoder, method="dflash", rows=1, max_len=40, max_prompt=16)
+    pool = RowPool.serving(decoder, method="dflash", rows=1, max_len=40, max_prompt=16)
     with pytest.raises(InputError, match="max-len 40"):
         pool.check(RowRequest([1, 2, 3], 38, [0], jaxdd.Sampling()))
     with pytest.raises(InputError, match="at most 16"):
@@ -172,7 +174,9 @@ def test_requests_past_the_pool_are_refused(decoder):
         pool.check(RowRequest([1, 4096], 2, [0], jaxdd.Sampling()))
     with pytest.raises(InputError, match="logprobs: this pool computes none"):
         pool.check(RowRequest([1, 2], 2, [0], jaxdd.Sampling(), logprobs=0))
-    scoring = RowPool(decoder, method="dflash", rows=1, max_len=40, max_prompt=16, max_logprobs=2)
+    scoring = RowPool.serving(
+        decoder, method="dflash", rows=1, max_len=40, max_prompt=16, max_logprobs=2
+    )
     with pytest.raises(InputError, match=r"logprobs: must be an integer in \[0, 2\], got 3"):
         scoring.check(RowRequest([1, 2], 2, [0], jaxdd.Sampling(), logprobs=3))
     with pytest.raises(InputError, match="max_tokens: must be an integer >= 1, got 0"):
@@ -188,16 +192,18 @@ def test_requests_done_by_their_prefill_need_no_round(decoder):
     """A prompt scored alone and a request for one token end with their prefill's report: the
     pool needs no round for them (the server collects without dispatching one), only for a
     request that wants more."""
-    pool = RowPool(decoder, method="dflash", rows=2, max_len=40, max_prompt=16, max_logprobs=2)
-    scored = pool.admit(RowRequest([5, 6, 7], 0, [], logprobs=0, score_prompt=True))
-    one = pool.admit(RowRequest([8, 9], 1, []))
+    pool = RowPool.serving(
+        decoder, method="dflash", rows=2, max_len=40, max_prompt=16, max_logprobs=2
+    )
+    scored = pool.admit([RowRequest([5, 6, 7], 0, [], logprobs=0, score_prompt=True)])[0]
+    one = pool.admit([RowRequest([8, 9], 1, [])])[0]
     assert pool.busy and not pool.needs_round()
     updates = pool.collect()
     assert pool.in_flight == 0 and not pool.busy
     assert updates[scored].tokens == [] and updates[scored].finish == "length"
     assert len(updates[one].tokens) == 1 and updates[one].finish in ("stop", "length")
     assert [e.logprob is not None for e in updates[scored].prompt_logprobs] == [True, True]
-    pool.admit(RowRequest([8, 9], 3, []))
+    pool.admit([RowRequest([8, 9], 3, [])])
     assert pool.needs_round()
 
 
@@ -218,12 +224,12 @@ def test_a_pool_of_pages_holds_short_requests_beside_a_long_one(decoder):
     ]
     options = {"method": "dflash", "rows": 18, "max_len": max_len, "max_prompt": 16}
     page = 64
-    pool = RowPool(decoder, cache_tokens=18 * page, **options)
+    pool = RowPool.serving(decoder, cache_tokens=18 * page, **options)
     assert pool.cache_tokens == 18 * page < 17 * pool.slots
     assert all(pool.shape.start(r) <= page < pool.shape.reach(r) for r in (long, short[0]))
     pool.warm_up()
     assert pool.admissible([long, *short]) == 17  # the 18th finds a row and a page, and waits
-    owner = {pool.admit(pool.check(r)): i for i, r in enumerate([long, *short[:16]])}
+    owner = {pool.admit([pool.check(r)])[0]: i for i, r in enumerate([long, *short[:16]])}
     assert pool.pages.free == 1 and pool.free_rows()
     outputs = {i: [] for i in range(18)}
     waiting = short[16:]
@@ -231,7 +237,7 @@ def test_a_pool_of_pages_holds_short_requests_beside_a_long_one(decoder):
         # none is admitted while a row waits for pages: they go to the waiting rows first
         assert not (pool._paused.any() and pool.admissible(short))
         if waiting and pool.admissible(waiting):
-            owner[pool.admit(pool.check(waiting.pop()))] = 17
+            owner[pool.admit([pool.check(waiting.pop())])[0]] = 17
         if not pool.busy:
             break
         for row, update in pool.step().items():
@@ -250,15 +256,17 @@ def test_a_row_asks_for_the_rounds_in_flight_it_runs_in(decoder):
     """Before each round a row asks for the pages up to what the rounds in flight it runs in and
     this round can write: a row admitted after two rounds were dispatched asks for its prompt and
     one round, the row that ran in both for two rounds' width more."""
-    pool = RowPool(decoder, method="dflash", rows=2, max_len=256, max_prompt=16, cache_tokens=512)
+    pool = RowPool.serving(
+        decoder, method="dflash", rows=2, max_len=256, max_prompt=16, cache_tokens=512
+    )
     pool.warm_up()
     asked = []
     grow = pool.pages.grow
     pool.pages.grow = lambda wants: asked.append(dict(wants)) or grow(wants)
-    first = pool.admit(pool.check(RowRequest(list(range(1, 13)), 200, [], jaxdd.Sampling())))
+    first = pool.admit([pool.check(RowRequest(list(range(1, 13)), 200, [], jaxdd.Sampling()))])[0]
     pool.dispatch()
     pool.dispatch()
-    second = pool.admit(pool.check(RowRequest(list(range(1, 6)), 200, [], jaxdd.Sampling())))
+    second = pool.admit([pool.check(RowRequest(list(range(1, 6)), 200, [], jaxdd.Sampling()))])[0]
     pool.dispatch()
     one_round = pool.shape.round_tokens
     assert asked[0] == {first: 12 + one_round}

@@ -12,7 +12,7 @@ import pytest
 
 import jaxdd
 from jaxdd.cli import DEMO
-from jaxdd.decoding.checks import pool_shape
+from jaxdd.decoding.checks import PoolOptions, pool_shape
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.requests import RowShape
 from jaxdd.decoding.rows import RowPool
@@ -41,7 +41,7 @@ def device_bytes(cache) -> int:
 
 
 def shape_of(decoder: SpeculativeDecoder) -> RowShape:
-    return pool_shape(decoder, "dflash", 4, 256, None, None, None, 0, None, None)
+    return pool_shape(decoder, PoolOptions("dflash", rows=4, max_len=256))
 
 
 def test_cpu_reports_no_memory_limit(decoders):
@@ -59,7 +59,7 @@ def test_the_pool_takes_its_share_of_what_the_weights_leave(decoders, monkeypatc
     tokens = device_cache_tokens(decoder, shape, True)
     temporaries = pool_temporaries(decoder, shape)
     assert temporaries > 0
-    pool = RowPool(decoder, method="dflash", rows=4, max_len=256, cache_tokens=tokens)
+    pool = RowPool.serving(decoder, method="dflash", rows=4, max_len=256, cache_tokens=tokens)
     assert pool.cache_tokens == tokens
     latent = device_bytes(pool.state.target_cache)
     drafter = device_bytes(pool.state.draft_cache)

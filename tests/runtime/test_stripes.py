@@ -198,7 +198,7 @@ def test_an_unknown_layout_names_the_field(checkpoints):
 def test_a_striped_pool_serves_rows_admitted_between_rounds(striped, alone):
     """The server's pool on the striped cache: requests admitted while others decode (rows at
     other lengths, so other devices' pages) give one device's tokens, and nothing compiles."""
-    pool = RowPool(striped, **POOL)
+    pool = RowPool.serving(striped, **POOL)
     pool.warm_up()
     requests = [
         RowRequest(PROMPT, 20, [], Sampling()),
@@ -209,7 +209,7 @@ def test_a_striped_pool_serves_rows_admitted_between_rounds(striped, alone):
     with compile_clock() as compiles:
         for round_ in range(200):  # bounded: every request ends within its max_tokens rounds
             if requests and pool.free_rows() and round_ % 3 == 0:
-                owner[pool.admit(pool.check(requests[0]))] = len(outputs)
+                owner[pool.admit([pool.check(requests[0])])[0]] = len(outputs)
                 outputs[len(outputs)] = (requests.pop(0), [])
             elif not requests and not pool.busy:
                 break
@@ -229,7 +229,7 @@ def test_a_striped_prefix_cache_hit_gives_one_devices_tokens(striped, alone):
     """A conversation's second turn on the striped cache finds the first turn's pages, dealt over
     every device (pages of 4 tokens), prefills only the rest and decodes to one device's tokens
     for its full prompt; nothing compiles after warm-up."""
-    pool = RowPool(striped, prefix_cache=True, **POOL)
+    pool = RowPool.serving(striped, prefix_cache=True, **POOL)
     pool.warm_up()
     first = RowRequest(PROMPT, 20, [], Sampling())
     sampling = Sampling(0.8, seed=3)

@@ -41,4 +41,6 @@ def pool():
     runs), up to 5 top logprobs."""
     target, drafter = jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32")
     decoder = SpeculativeDecoder(target, drafter)
-    return RowPool(decoder, method="dflash", rows=2, max_len=64, max_prompt=32, max_logprobs=5)
+    return RowPool.serving(
+        decoder, method="dflash", rows=2, max_len=64, max_prompt=32, max_logprobs=5
+    )

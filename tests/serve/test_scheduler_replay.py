@@ -48,12 +48,13 @@ class FakePool:
     def admissible(self, requests: list[RowRequest], release: tuple[int, ...] = ()) -> int:
         return min(len(self.free_rows()) + len(set(release) & set(self.active)), len(requests))
 
-    def admit(self, request: RowRequest, owner=None) -> int:
+    def admit(self, requests: list[RowRequest], owners: list) -> list[int]:
+        [request], [owner] = requests, owners
         row = self.free_rows()[0]
         prompt, stop_ids = tuple(request.prompt), tuple(request.stop_ids)
         self.log.append(("admit", row, prompt, request.max_new_tokens, stop_ids, request.sampling))
         self.active[row] = [request.max_new_tokens, 0, owner]
-        return row
+        return [row]
 
     def owners(self) -> list[tuple[int, object]]:
         return [(row, entry[2]) for row, entry in self.active.items()]

@@ -34,7 +34,7 @@ def served():
     of two rows, up to K top logprobs, its scheduler compiled and running."""
     target, drafter = jaxdd.load_pair(DEMO / "target", DEMO / "drafter", "float32")
     tokenizer = load_tokenizer(DEMO / "target")
-    pool = RowPool(
+    pool = RowPool.serving(
         SpeculativeDecoder(target, drafter),
         method="dflash",
         rows=2,
