@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -53,22 +54,26 @@ from jaxdd.decoding.requests import (
     RowUpdate,
     pad_requests,
 )
+from jaxdd.decoding.round_set import round_name, round_set
 from jaxdd.decoding.rounds import DecodeState, RoundSpec, RowSettings
 from jaxdd.decoding.sampling import GREEDY, SamplingArrays
+from jaxdd.decoding.speculation import Chooser, Ticket
 from jaxdd.errors import InputError
 from jaxdd.runtime.buckets import prompt_bucket
 from jaxdd.types import Method
 
 
 class _Report(NamedTuple):
-    """A device report, its top-k trace width and logprobs' top-k, the prompt positions it scored,
-    and for each row it was run for (row, its line in the report, the request holding it)."""
+    """A device report, its top-k trace width, the prompt positions it scored, for each row it
+    was run for (row, its line in the report, the request holding it), its tokens per row, and
+    a round's ticket for the chooser (None: a prefill's, or warm-up's)."""
 
     report: jax.Array
     trace: int
-    top_logprobs: int
     scored: int
     holders: list[tuple[int, int, RowEntry]]
+    width: int
+    ticket: Ticket | None = None
 
 
 class RowPool:
@@ -90,16 +95,19 @@ class RowPool:
         cache_tokens: int | None = None,
         prefix_cache: bool = False,
         prefill_chunk: int | None = None,
+        auto: bool = False,
     ):
         """A serving pool: rows admitted one by one, a sampled and a greedy round per tier
         (``max_logprobs`` > 0: each reporting logprobs, requests asking for at most that many
         top ones), the rows' caches in a pool of pages holding ``cache_tokens`` tokens (default:
         every row's ``max_len``); with ``prefix_cache``, the pages of ended requests kept for
         prompts that start with their tokens (``jaxdd.cache.pages``); with ``prefill_chunk``, a
-        prompt longer than that prefilled a chunk per round (the other rows decode meanwhile)."""
+        prompt longer than that prefilled a chunk per round (the other rows decode meanwhile);
+        with ``auto``, each round the one of a small set (``jaxdd.decoding.round_set``) the
+        chooser expects the most tokens per second of."""
         options = (max_prompt, block_size, budget, max_logprobs, cache_tokens, prefill_chunk)
         shape = pool_shape(decoder, method, rows, max_len, *options)
-        self._setup(decoder, shape, prefix_cache)
+        self._setup(decoder, shape, prefix_cache, auto)
         self.state = self._empty_state()
 
     @classmethod
@@ -110,7 +118,7 @@ class RowPool:
         pool.grows = False  # sized for the batch: each row's pages at once, for ``step`` callers
         return pool
 
-    def _setup(self, decoder: Decoder, shape: RowShape, prefix_cache: bool = False) -> None:
+    def _setup(self, decoder: Decoder, shape: RowShape, prefix_cache=False, auto=False) -> None:
         self.decoder = decoder
         self.shape = shape
         self.programs = state_programs(shape.formats(decoder))
@@ -125,7 +133,9 @@ class RowPool:
         self.method = shape.spec.method
         self.block = shape.spec.block
         self.budget = shape.spec.budget
-        self.models = decoder.models_for(self.spec)
+        self.models = decoder.models_for(self.spec)  # every round of the set reads these
+        self.round_set = round_set(decoder, self.spec, self.greedy_spec, auto)
+        self.chooser = Chooser(self.round_set.names)
         # Host copies of the per-row settings; the device copy is replaced whole at
         # the first round after admissions (a few hundred bytes), free rows keep their
         # last request's settings: a done row changes nothing whatever they say.
@@ -218,7 +228,7 @@ class RowPool:
             self.pages.insert(row, request.prompt)  # its rows are in both caches once prefilled
             scored = padded - 1 if request.score_prompt else 0
             holders = [(row, 0, entry)]
-            self._prefilled.append(_Report(report, 0, self.spec.top_logprobs, scored, holders))
+            self._prefilled.append(_Report(report, 0, scored, holders, self.width))
 
     def admit_all(self, requests: list[RowRequest]) -> None:
         """Prefill ``requests`` (checked) together into rows 0, 1, ... of a pool
@@ -250,7 +260,7 @@ class RowPool:
         self.state, report = self.programs.prefill_new(*args, score)
         holders = [(row, row, e) for row, e in self.table.items()]
         scored = padded - 1 if score else 0
-        self._prefilled.append(_Report(report, 0, self.spec.top_logprobs, scored, holders))
+        self._prefilled.append(_Report(report, 0, scored, holders, self.width))
 
     def _hold(self, request: RowRequest, owner: Any = None) -> int:
         """A free row for ``request`` (its settings reach the device with the next round)."""
@@ -362,7 +372,8 @@ class RowPool:
         self._grow()
         sampled = any(not self._sampling[row].greedy for row, _ in self.table.items())
         tier = next(t for t in self.tiers if t > self.table.highest())
-        self._run_round(self.spec if sampled else self.greedy_spec, tier)
+        ticket = self.chooser.choose(tier)
+        self._run_round(self.round_set.spec(ticket.name, sampled), tier, ticket)
 
     def _grow(self) -> None:
         """Each decoding row takes the pages this round can write (past its length once the rounds
@@ -381,7 +392,7 @@ class RowPool:
         self._paused = paused
         self.paused_rounds += int(paused.sum())
 
-    def _run_round(self, spec: RoundSpec, tier: int) -> None:
+    def _run_round(self, spec: RoundSpec, tier: int, ticket: Ticket | None = None) -> None:
         if self.settings is None:
             self.settings = jax.device_put(self.host_settings())
         if tier == self.rows:
@@ -395,7 +406,7 @@ class RowPool:
         trace = spec.trace if spec.method != "ar" else 0
         running = [(row, e) for row, e in self.table.items() if not self._paused[row]]
         holders = [(row, row, e) for row, e in running if e.next is None]
-        own = _Report(report, trace, spec.top_logprobs, 0, holders)
+        own = _Report(report, trace, 0, holders, spec.width, ticket)
         self._in_flight.append([*self._prefilled, own])
         self._prefilled = []
 
@@ -409,8 +420,11 @@ class RowPool:
             reports = self._prefilled
             self._prefilled = []
         updates: dict[int, RowUpdate] = {}
-        for device_report, trace, top_logprobs, scored, holders in reports:
-            report = RoundReport.decode(device_report, self.width, trace, top_logprobs, scored)
+        top_logprobs = self.spec.top_logprobs  # every round's and prefill's
+        for device_report, trace, scored, holders, width, ticket in reports:
+            report = RoundReport.decode(device_report, width, trace, top_logprobs, scored)
+            if ticket is not None:
+                self.chooser.collected(ticket, [len(report.emitted(i)) for _, i, _ in holders])
             for row, index, entry in holders:
                 # released, or already finished by an earlier report
                 if self.table.holder(row) is not entry:
@@ -463,9 +477,9 @@ class RowPool:
     def warm_up(self) -> None:
         """Compile every executable the pool will run: each prompt bucket's prefill (and with
         logprobs its scoring prefill; with the prefix cache, the prefill after a hit; with chunks,
-        a chunk's) and each tier's sampled and greedy rounds (twice each, so a second call finds
-        what the first left: shardings and layouts settle after one). The prefix cache starts
-        empty after it."""
+        a chunk's) and each tier's sampled and greedy rounds of each spec of the set (twice each,
+        so a second call finds what the first left: shardings and layouts settle after one; the
+        second's time the chooser's profile). The prefix cache starts empty after it."""
         requests = self.shape.warm_up_requests(self.prefix_cache)
         for _ in range(2):
             for request in requests:
@@ -475,9 +489,11 @@ class RowPool:
                     if self.busy:
                         self.step()
             row = self.admit(RowRequest([1], min(self.width + 1, self.max_len - 1), [], GREEDY))
-            for spec in (self.spec, self.greedy_spec):
+            for spec in self.round_set.specs():
                 for tier in self.tiers:
+                    start = time.perf_counter()
                     self._run_round(spec, tier)
                     self.collect()
+                    self.chooser.profile(round_name(spec), tier, time.perf_counter() - start)
             self.release(row)
             self.pages.clear()  # each pass prefills whole what it prefilled whole before
