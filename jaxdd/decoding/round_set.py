@@ -13,6 +13,9 @@ from jaxdd.decoding.requests import Decoder
 from jaxdd.decoding.rounds import RoundSpec
 from jaxdd.decoding.speculation import PLAIN
 from jaxdd.errors import InputError
+from jaxdd.types import Method
+
+AUTO_ROUNDS: dict[Method, int] = {"ar": 1, "dflash": 2, "ddtree": 3}  # the most a set holds
 
 
 def round_name(spec: RoundSpec) -> str:
