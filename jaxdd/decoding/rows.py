@@ -65,8 +65,8 @@ from jaxdd.types import Method
 
 class _Report(NamedTuple):
     """A device report, its top-k trace width, the prompt positions it scored, for each row it
-    was run for (row, its line in the report, the request holding it), its tokens per row, and
-    a round's ticket for the chooser (None: a prefill's, or warm-up's)."""
+    was run for (row, its line, its request), its tokens per row, and a round's ticket (None: a
+    prefill's, or warm-up's)."""
 
     report: jax.Array
     trace: int
@@ -103,8 +103,7 @@ class RowPool:
         every row's ``max_len``); with ``prefix_cache``, the pages of ended requests kept for
         prompts that start with their tokens (``jaxdd.cache.pages``); with ``prefill_chunk``, a
         prompt longer than that prefilled a chunk per round (the other rows decode meanwhile);
-        with ``auto``, each round the one of a small set (``jaxdd.decoding.round_set``) the
-        chooser expects the most tokens per second of."""
+        with ``auto``, each round one of a set chosen (``jaxdd.decoding.round_set``)."""
         options = (max_prompt, block_size, budget, max_logprobs, cache_tokens, prefill_chunk)
         shape = pool_shape(decoder, method, rows, max_len, *options)
         self._setup(decoder, shape, prefix_cache, auto)

@@ -180,7 +180,8 @@ def check_pool_maps(
     programs = pool_programs(
         method, args.max_batch, max_prompt, scoring, prefix, args.prefill_chunk, rounds
     )
-    check_maps(programs, platform, (config.num_hidden_layers, drafted), MAP_FLAGS)
+    flags = MAP_FLAGS + (", a number for --budget" if rounds > 1 else "")
+    check_maps(programs, platform, (config.num_hidden_layers, drafted), flags)
 
 
 def make_pool(args: argparse.Namespace, decoder: SpeculativeDecoder, method: Method) -> RowPool:

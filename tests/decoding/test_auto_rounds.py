@@ -1,6 +1,6 @@
 """A pool with ``auto``: whatever sequence of its rounds runs (forced, or the chooser's), greedy
 tokens are plain greedy decoding's, the drafter's context stays whole across plain rounds, and
-after warm-up nothing compiles."""
+warm-up compiles every round of the set (no more than the memory maps' count), nothing after."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 
 import jaxdd
 from jaxdd.cli import DEMO
+from jaxdd.decoding import memory_maps
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.requests import RowRequest
 from jaxdd.decoding.rows import RowPool
@@ -75,8 +76,12 @@ def test_any_sequence_of_rounds_decodes_plain_greedy_tokens(decoder, method, seq
 
 @pytest.mark.slow
 def test_the_chooser_runs_every_round_of_the_set_without_compiling(decoder):
-    pool = RowPool(decoder, method="ddtree", rows=2, max_len=64, max_prompt=8, auto=True)
-    pool.warm_up()
+    # another length than the tests before: none of its programs is compiled yet
+    pool = RowPool(decoder, method="ddtree", rows=2, max_len=80, max_prompt=8, auto=True)
+    with compile_clock() as warming:
+        pool.warm_up()
+    fixed, auto = (memory_maps.pool_programs("ddtree", 2, 8, False, False, None, n) for n in (1, 3))
+    assert fixed.prefills + fixed.rounds < warming.count <= auto.prefills + auto.rounds
     pool.chooser.probe_every = 4  # every round of the set runs within the few rounds here
     assert set(pool.chooser.seconds) == {(n, t) for n in pool.round_set.names for t in pool.tiers}
     greedy = [RowRequest(prompt, 48, [0]) for prompt in prompts(11, 2)]
