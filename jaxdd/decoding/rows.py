@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import time
 from typing import Any, NamedTuple
 
 import jax
@@ -419,8 +418,8 @@ class RowPool:
             reports = self._prefilled
             self._prefilled = []
         updates: dict[int, RowUpdate] = {}
-        top_logprobs = self.spec.top_logprobs  # every round's and prefill's
         for device_report, trace, scored, holders, width, ticket in reports:
+            top_logprobs = self.spec.top_logprobs  # every round's and prefill's
             report = RoundReport.decode(device_report, width, trace, top_logprobs, scored)
             if ticket is not None:
                 self.chooser.collected(ticket, [len(report.emitted(i)) for _, i, _ in holders])
@@ -478,7 +477,7 @@ class RowPool:
         logprobs its scoring prefill; with the prefix cache, the prefill after a hit; with chunks,
         a chunk's) and each tier's sampled and greedy rounds of each spec of the set (twice each,
         so a second call finds what the first left: shardings and layouts settle after one; the
-        second's time the chooser's profile). The prefix cache starts empty after it."""
+        fastest the chooser's profile). The prefix cache starts empty after it."""
         requests = self.shape.warm_up_requests(self.prefix_cache)
         for _ in range(2):
             for request in requests:
@@ -490,9 +489,8 @@ class RowPool:
             row = self.admit(RowRequest([1], min(self.width + 1, self.max_len - 1), [], GREEDY))
             for spec in self.round_set.specs():
                 for tier in self.tiers:
-                    start = time.perf_counter()
-                    self._run_round(spec, tier)
-                    self.collect()
-                    self.chooser.profile(round_name(spec), tier, time.perf_counter() - start)
+                    with self.chooser.timing(round_name(spec), tier):
+                        self._run_round(spec, tier)
+                        self.collect()
             self.release(row)
             self.pages.clear()  # each pass prefills whole what it prefilled whole before

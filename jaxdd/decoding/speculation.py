@@ -1,22 +1,26 @@
 """Which compiled round a pool runs next (``--budget auto``): the one that maximises the tokens
 its rows are expected to get per second, rows x E[tokens | spec] / t(spec, tier).
 
-t is the round's seconds at the tier (the row count it runs over): first a warm-up profile of
-the compiled rounds, then refreshed by each round collected (an EMA of the time from its dispatch,
-or the previous round's collection if later, to its own collection: the device's time for it while
-rounds are dispatched ahead). E is each spec's tokens per row per round (accepted drafts + 1), an
-EMA of what its rounds gave; plain decoding's is 1 exactly. Rows are the same for every spec at a
-dispatch, so the choice is E / t at the tier. The chooser keeps its spec until another's rate
-beats it by ``margin`` (no flapping on noise), runs a spec with no estimate yet at once, and
-re-probes a spec not run for ``probe_every`` rounds (once, the choice unchanged), so estimates
-that change with the traffic stay fresh. Pure Python: the clock is given.
+t is a round's seconds at its tier (the row count it runs over): the round's own cost, first the
+fastest of its warm-up timings, plus the cost every round pays at the tier besides it (the host's
+bookkeeping and whatever else shares the device), both refreshed by each round collected (its
+seconds from its dispatch, or the previous round's collection if later, to its own collection:
+the device's time for it while rounds are dispatched ahead). The shared part follows the rounds
+quickly (an EMA of weight ``smoothing``), a spec's own cost slowly (``drift``), so a spec not run
+lately is still compared at today's overhead. E is each spec's tokens per row per round
+(accepted drafts + 1), an EMA of what its rounds gave; plain decoding's is 1 exactly. Rows are the
+same for every spec at a dispatch, so the choice is E / t at the tier. The chooser keeps its spec
+until another's rate beats it by ``margin`` (no flapping on noise), runs a spec with no estimate
+yet at once, and re-probes a spec not run for ``probe_every`` rounds (once, the choice
+unchanged), so estimates that change with the traffic stay fresh. Pure Python: the clock is given.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 PLAIN = "ar"  # plain decoding: one token per row per round, exactly
 
@@ -38,15 +42,18 @@ class Chooser:
         names: tuple[str, ...],
         clock: Callable[[], float] = time.perf_counter,
         smoothing: float = 0.2,
+        drift: float = 0.05,
         margin: float = 0.1,
         probe_every: int = 64,
     ):
         self.names = names
         self.clock = clock
-        self.smoothing = smoothing  # an EMA's weight on the newest sample
+        self.smoothing = smoothing  # the EMAs' weight on the newest sample
+        self.drift = drift  # the same for a spec's own cost
         self.margin = margin
         self.probe_every = probe_every
-        self.seconds: dict[tuple[str, int], float] = {}  # (name, tier): t
+        self.own: dict[tuple[str, int], float] = {}  # (name, tier): the round's own seconds
+        self.shared: dict[int, float] = {}  # tier: the seconds every round there adds
         self.tokens: dict[str, float] = {PLAIN: 1.0} if PLAIN in names else {}  # E
         self.rounds = dict.fromkeys(names, 0)  # rounds dispatched per spec
         self.current = names[0]
@@ -54,16 +61,26 @@ class Chooser:
         self._last_run = dict.fromkeys(names, 0)  # the dispatch count at each spec's last
         self._collected = float("-inf")
 
-    def profile(self, name: str, tier: int, seconds: float) -> None:
-        """A warm-up timing of ``name``'s round at ``tier``: its t until rounds refresh it."""
-        self.seconds[name, tier] = seconds
+    @contextlib.contextmanager
+    def timing(self, name: str, tier: int) -> Iterator[None]:
+        """Time a warm-up run of ``name``'s round at ``tier``: its own cost is the fastest such
+        run (noise only ever adds) until rounds refresh it."""
+        start = self.clock()
+        yield
+        seconds = self.clock() - start
+        self.own[name, tier] = min(seconds, self.own.get((name, tier), seconds))
+
+    def seconds(self, name: str, tier: int) -> float | None:
+        """t of ``name`` at ``tier`` (None while unknown)."""
+        own = self.own.get((name, tier))
+        return None if own is None else max(own + self.shared.get(tier, 0.0), 1e-9)
 
     def rate(self, name: str, tier: int) -> float | None:
         """E / t of ``name`` at ``tier`` (None while either is unknown)."""
-        seconds, tokens = self.seconds.get((name, tier)), self.tokens.get(name)
+        seconds, tokens = self.seconds(name, tier), self.tokens.get(name)
         if seconds is None or tokens is None:
             return None
-        return tokens / max(seconds, 1e-9)
+        return tokens / seconds
 
     def choose(self, tier: int) -> Ticket:
         """The round to dispatch now over ``tier`` rows."""
@@ -95,8 +112,12 @@ class Chooser:
         self._collected = now
         if len(self.names) == 1:
             return
-        key = (ticket.name, ticket.tier)
-        self.seconds[key] = self._mean(self.seconds.get(key), seconds)
+        key, shared = (ticket.name, ticket.tier), self.shared.get(ticket.tier, 0.0)
+        if key not in self.own:
+            self.own[key] = seconds - shared
+        shared += self.smoothing * (seconds - self.own[key] - shared)
+        self.own[key] += self.drift * (seconds - shared - self.own[key])
+        self.shared[ticket.tier] = shared
         counted = [n for n in tokens if n > 0]
         if ticket.name != PLAIN and counted:
             per_row = sum(counted) / len(counted)

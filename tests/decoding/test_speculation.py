@@ -29,11 +29,18 @@ def run(chooser: Chooser, clock: Clock, tier: int, seconds: dict, tokens: dict) 
     return ticket.name
 
 
+def profile(chooser: Chooser, clock: Clock, name: str, tier: int, seconds: float) -> None:
+    """A warm-up run of ``seconds``, and a slower one (the profile keeps the fastest)."""
+    for run in (seconds, 3 * seconds):
+        with chooser.timing(name, tier):
+            clock.now += run
+
+
 def profiled(clock: Clock, seconds: dict, tiers=(1,), **options) -> Chooser:
     chooser = Chooser(NAMES, clock, **options)
     for name in NAMES:
         for tier in tiers:
-            chooser.profile(name, tier, seconds[name])
+            profile(chooser, clock, name, tier, seconds[name])
     return chooser
 
 
@@ -60,20 +67,25 @@ def test_each_tier_has_its_own_times():
     chooser = Chooser(NAMES, clock)
     for tier, times in ((1, (0.02, 0.015, 0.01)), (16, (0.2, 0.1, 0.02))):
         for name, seconds in zip(NAMES, times, strict=True):
-            chooser.profile(name, tier, seconds)
+            profile(chooser, clock, name, tier, seconds)
     chooser.tokens.update({"ddtree-16": 6.0, "ddtree-8": 4.0})
     assert chooser.choose(1).name == "ddtree-16"  # 300 tokens/s against 267 and 100
     assert chooser.choose(16).name == PLAIN  # 50 per row against 30, 40
 
 
-def test_times_follow_the_rounds_collected():
-    """A profile that was wrong is corrected by the rounds' own times."""
+def test_what_every_round_pays_besides_its_own_cost_favours_wider_rounds():
+    """The profile times each round alone; serving adds 20 ms a round (the host's bookkeeping),
+    learnt from the rounds of the spec running, which then makes the one giving more a round
+    worth its cost: 4.5 / 40 ms beats 3 / 30 ms, where alone 4.5 / 20 ms lost to 3 / 10 ms."""
     clock = Clock()
-    chooser = profiled(clock, {n: 0.01 for n in NAMES}, tiers=(4,))
-    actual, tokens = {"ddtree-16": 0.1, "ddtree-8": 0.1, PLAIN: 0.01}, {n: 3 for n in NAMES}
+    own = {"ddtree-16": 0.02, "ddtree-8": 0.01, PLAIN: 0.004}
+    chooser = profiled(clock, own, tiers=(4,))
+    actual = {name: seconds + 0.02 for name, seconds in own.items()}
+    tokens = {"ddtree-16": 4.5, "ddtree-8": 3, PLAIN: 1}
     ran = [run(chooser, clock, 4, actual, tokens) for _ in range(40)]
-    assert ran[-10:] == [PLAIN] * 10
-    assert chooser.seconds["ddtree-16", 4] > 0.03  # its EMA rose past plain decoding's rate
+    assert "ddtree-8" in ran[:10] and ran[-10:] == ["ddtree-16"] * 10
+    assert 0.015 < chooser.shared[4] <= 0.02  # the spec's own cost took a little of it
+    assert 0.019 < chooser.seconds(PLAIN, 4) <= 0.024  # not run since: at today's overhead
 
 
 def test_a_round_dispatched_behind_another_counts_from_the_others_collection():
@@ -83,10 +95,10 @@ def test_a_round_dispatched_behind_another_counts_from_the_others_collection():
     assert first.name == second.name == "ddtree-16"  # not measured yet: probed
     clock.now = 0.05
     chooser.collected(first, [2])
-    assert chooser.seconds["ddtree-16", 1] == 0.05
+    assert chooser.seconds("ddtree-16", 1) == 0.05
     clock.now = 0.08
     chooser.collected(second, [1])
-    assert abs(chooser.seconds["ddtree-16", 1] - (0.05 + 0.2 * (0.03 - 0.05))) < 1e-9
+    assert 0.03 < chooser.seconds("ddtree-16", 1) < 0.05  # towards 30 ms, not 80
 
 
 def test_rows_that_gave_nothing_do_not_lower_the_estimate():
@@ -136,5 +148,5 @@ def test_a_single_spec_is_always_chosen_and_learns_nothing():
         ticket = chooser.choose(8)
         chooser.collected(ticket, [3] * 8)
         assert ticket.name == "dflash-8"
-    assert chooser.seconds == {} and chooser.tokens == {}
+    assert chooser.own == {} and chooser.tokens == {}
     assert chooser.rounds == {"dflash-8": 3}
