@@ -6,8 +6,9 @@ fastest of its warm-up timings, plus the cost every round pays at the tier besid
 bookkeeping and whatever else shares the device), both refreshed by each round collected (its
 seconds from its dispatch, or the previous round's collection if later, to its own collection:
 the device's time for it while rounds are dispatched ahead). The shared part follows the rounds
-quickly (an EMA of weight ``smoothing``), a spec's own cost slowly (``drift``), so a spec not run
-lately is still compared at today's overhead. E is each spec's tokens per row per round
+quickly (an EMA of weight ``smoothing``, never below 0), the running spec's own cost slowly
+(``drift``; a probe's at ``smoothing``), so a spec not run lately is compared at today's
+overhead. E is each spec's tokens per row per round
 (accepted drafts + 1), an EMA of what its rounds gave; plain decoding's is 1 exactly. Rows are the
 same for every spec at a dispatch, so the choice is E / t at the tier. The chooser keeps its spec
 until another's rate beats it by ``margin`` (no flapping on noise), runs a spec with no estimate
@@ -115,8 +116,11 @@ class Chooser:
         key, shared = (ticket.name, ticket.tier), self.shared.get(ticket.tier, 0.0)
         if key not in self.own:
             self.own[key] = seconds - shared
-        shared += self.smoothing * (seconds - self.own[key] - shared)
-        self.own[key] += self.drift * (seconds - shared - self.own[key])
+        # rounds dispatched ahead can take less than alone: that is their own cost, not negative
+        shared = max(shared + self.smoothing * (seconds - self.own[key] - shared), 0.0)
+        # a probe's own cost is stale: it takes more of the new sample than the current spec's
+        weight = self.drift if ticket.name == self.current else self.smoothing
+        self.own[key] += weight * (seconds - shared - self.own[key])
         self.shared[ticket.tier] = shared
         counted = [n for n in tokens if n > 0]
         if ticket.name != PLAIN and counted:

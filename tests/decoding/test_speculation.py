@@ -150,3 +150,18 @@ def test_a_single_spec_is_always_chosen_and_learns_nothing():
         assert ticket.name == "dflash-8"
     assert chooser.own == {} and chooser.tokens == {}
     assert chooser.rounds == {"dflash-8": 3}
+
+
+def test_rounds_faster_than_their_profile_do_not_make_plain_decoding_free():
+    """Rounds dispatched ahead take 60% of their warm-up time: the shared part stays at 0 (not
+    below, where plain decoding's 3 ms would cost nothing), and the chooser keeps speculating."""
+    clock, own = Clock(), {"ddtree-16": 0.010, "ddtree-8": 0.006, PLAIN: 0.003}
+    chooser = profiled(clock, own)
+    actual = {name: 0.6 * seconds for name, seconds in own.items()}
+    tokens = {"ddtree-16": 4.5, "ddtree-8": 3, PLAIN: 1}
+    current = []
+    for _ in range(100):
+        run(chooser, clock, 1, actual, tokens)
+        current.append(chooser.current)
+    assert chooser.shared[1] == 0.0
+    assert PLAIN not in current
