@@ -242,7 +242,8 @@ def _ar_step(
         token, rng = choose(spec, logits[:, 0], settings.sampling, state.rng)
     with jax.named_scope("commit"):
         if draft_cache is not None:  # the new token's taps in the context's first row
-            context = jnp.zeros_like(state.context).at[:, :1].set(features)
+            rest = state.context.shape[1] - 1
+            context = jnp.pad(features, ((0, 0), (0, rest), (0, 0))).astype(state.context.dtype)
         scores = round_scores(spec, logits, token[:, None])
         accepted = jnp.zeros_like(token)
         return _commit(
