@@ -96,7 +96,7 @@ async def one_request(client: httpx.AsyncClient, request: dict) -> dict:
     """One streamed completion, its Server-Sent Events read as lines (no pydantic
     model per chunk: the client's CPU, on the server's host, stays small)."""
     start = time.perf_counter()
-    first, tokens = None, 0
+    first, ids = None, []
     body = {"model": "kimi-mini", "stream": True, "return_token_ids": True}
     body |= {key: request[key] for key in ("prompt", "max_tokens", "temperature", "seed")}
     async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -107,10 +107,12 @@ async def one_request(client: httpx.AsyncClient, request: dict) -> dict:
             for choice in json.loads(line[len("data: ") :])["choices"]:
                 if choice.get("token_ids"):
                     first = first or time.perf_counter()
-                    tokens += len(choice["token_ids"])
+                    ids += choice["token_ids"]
     end = time.perf_counter()
+    tokens = len(ids)
     tpot = (end - first) / (tokens - 1) if tokens > 1 else None
-    return {"ttft": first - start, "tpot": tpot, "tokens": tokens}
+    timing = {"ttft": first - start, "tpot": tpot, "tokens": tokens}
+    return timing | {"token_ids": ids, "seed": request["seed"]}
 
 
 async def send_all(url: str, requests: list[dict], clients: int) -> list[dict]:

@@ -79,6 +79,11 @@ def positive(text: str) -> int:
     return at_least(text, 1)
 
 
+def budget(text: str) -> int | str:
+    """A positive budget, or "auto" (the server chooses each round)."""
+    return text if text == "auto" else positive(text)
+
+
 def non_negative(text: str) -> int:
     return at_least(text, 0)
 
@@ -132,8 +137,9 @@ def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     )
 
 
-def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """The pair and the round: what ``generate`` and ``serve`` both take."""
+def add_model_flags(parser: argparse.ArgumentParser, auto_budget: bool = False) -> None:
+    """The pair and the round: what ``generate`` and ``serve`` both take (``auto_budget``: the
+    server's ``--budget auto`` too)."""
     parser.add_argument(
         "--checkpoint",
         type=Path,
@@ -148,9 +154,13 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--block-size", type=positive, help="DFlash block size (default: the drafter's)"
     )
-    parser.add_argument(
-        "--budget", type=positive, help="DDTree nodes per round (default: block size - 1)"
-    )
+    about = "DDTree nodes per round (default: block size - 1)"
+    if auto_budget:
+        about += (
+            "; auto: each round the one of the default budget, half of it and plain decoding "
+            "(DFlash: its block and plain decoding) expected to give the most tokens per second"
+        )
+    parser.add_argument("--budget", type=budget if auto_budget else positive, help=about)
 
 
 def add_device_flags(parser: argparse.ArgumentParser) -> None:

@@ -84,11 +84,13 @@ def pool_programs(
     scoring: bool,
     prefix_cache: bool,
     prefill_chunk: int | None,
+    specs: int = 1,
 ) -> Programs:
     """The programs a ``RowPool`` of these options compiles warming up (``scoring``: with
-    logprobs, its prompts' scoring prefills too)."""
+    logprobs, its prompts' scoring prefills too; ``specs``: the rounds of its set, each counted
+    as ``method``'s, the largest)."""
     prompts = warm_up_requests(max_prompt, PAGE_TOKENS, scoring, prefix_cache, prefill_chunk)
-    return Programs(method, len(prompts), 2 * len(round_tiers(rows)) + OWN_PROGRAMS)
+    return Programs(method, len(prompts), 2 * specs * len(round_tiers(rows)) + OWN_PROGRAMS)
 
 
 def map_limit() -> int | None:

@@ -203,7 +203,7 @@ def decode_round(
     target, drafter = models.merge()
     state = state.with_pages(settings.pages)
     if spec.method == "ar":
-        return _ar_step(spec, target, state, settings)
+        return _ar_step(spec, target, drafter, state, settings)
     return (_dflash_round if spec.method == "dflash" else _ddtree_round)(
         spec, target, drafter, state, settings
     )
@@ -219,15 +219,35 @@ def front_round(
     return put_front(state, new), report
 
 
-def _ar_step(spec: RoundSpec, target: KimiTarget, state: DecodeState, settings: RowSettings):
+def _ar_step(
+    spec: RoundSpec,
+    target: KimiTarget,
+    drafter: DFlashDrafter | None,
+    state: DecodeState,
+    settings: RowSettings,
+):
+    """A plain round; in a state with a drafter (a pool that also speculates) it caches the
+    drafter context still pending and keeps the new token's taps as the next, so a speculative
+    round after it drafts from the whole context."""
+    draft_cache, context, taps = None, None, ()
+    if state.draft_cache is not None:
+        taps = drafter.config.target_layer_ids
+        with jax.named_scope("draft"):
+            draft_cache = _cache_context(drafter, state)
     with jax.named_scope("verify"):
-        logits, _, cache = _verify_chain(spec, target, state.target_cache, state.bonus[:, None], ())
+        logits, features, cache = _verify_chain(
+            spec, target, state.target_cache, state.bonus[:, None], taps
+        )
     with jax.named_scope("accept"):
         token, rng = choose(spec, logits[:, 0], settings.sampling, state.rng)
     with jax.named_scope("commit"):
+        if draft_cache is not None:  # the new token's taps in the context's first row
+            rest = state.context.shape[1] - 1
+            context = jnp.pad(features, ((0, 0), (0, rest), (0, 0))).astype(state.context.dtype)
         scores = round_scores(spec, logits, token[:, None])
+        accepted = jnp.zeros_like(token)
         return _commit(
-            state, token[:, None], jnp.zeros_like(token), cache, None, None, rng, settings, scores
+            state, token[:, None], accepted, cache, context, draft_cache, rng, settings, scores
         )
 
 
@@ -350,12 +370,19 @@ def _draft(
     positions), then draft: (logits [B, block - 1, V], drafter cache). Where the verify's attention
     runs in a kernel (``Backend.attention_kernel``) the drafter's does too."""
     start = state.target_cache.length
-    positions = (start - state.context_count)[:, None] + jnp.arange(spec.block)[None, :]
-    draft_cache = drafter.inject(state.draft_cache, state.context, positions, state.context_count)
+    draft_cache = _cache_context(drafter, state)
     kernel = spec.backend.attention_kernel(spec.attention, draft_cache.pages is not None)
     return drafter.draft_logits(
         target, draft_cache, state.bonus, start, block_len, spec.block, kernel
     )
+
+
+def _cache_context(drafter: DFlashDrafter, state: DecodeState):
+    """The drafter cache with the K/V of the tokens committed last round (the last
+    ``context_count`` positions) cached."""
+    width = jnp.arange(state.context.shape[1])[None, :]
+    positions = (state.target_cache.length - state.context_count)[:, None] + width
+    return drafter.inject(state.draft_cache, state.context, positions, state.context_count)
 
 
 def _verify_chain(

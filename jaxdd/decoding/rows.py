@@ -53,8 +53,10 @@ from jaxdd.decoding.requests import (
     RowUpdate,
     pad_requests,
 )
+from jaxdd.decoding.round_set import round_name, round_set
 from jaxdd.decoding.rounds import DecodeState, RoundSpec, RowSettings
 from jaxdd.decoding.sampling import GREEDY, SamplingArrays
+from jaxdd.decoding.speculation import Chooser, Ticket
 from jaxdd.decoding.updates import DeviceReport, read_updates
 from jaxdd.errors import InputError
 from jaxdd.runtime.buckets import prompt_bucket
@@ -64,10 +66,13 @@ class RowPool:
     """``rows`` decode rows of one method: ``admit`` requests into free rows, ``dispatch`` rounds
     and ``collect`` their reports."""
 
-    def __init__(self, decoder: Decoder, shape: RowShape, prefix_cache: bool = False):
+    def __init__(
+        self, decoder: Decoder, shape: RowShape, prefix_cache: bool = False, auto: bool = False
+    ):
         """A pool of ``shape`` (``checks.pool_shape``) with no state yet: the first ``admit`` makes
         it. With ``prefix_cache``, the pages of ended requests kept for prompts that start with
-        their tokens (``jaxdd.cache.pages``)."""
+        their tokens (``jaxdd.cache.pages``); with ``auto``, each round one of a set, chosen
+        (``jaxdd.decoding.round_set``)."""
         self.decoder = decoder
         self.shape = shape
         self.programs = state_programs(shape.formats(decoder))
@@ -82,7 +87,9 @@ class RowPool:
         self.method = shape.spec.method
         self.block = shape.spec.block
         self.budget = shape.spec.budget
-        self.models = decoder.models_for(self.spec)
+        self.models = decoder.models_for(self.spec)  # every round of the set reads these
+        self.round_set = round_set(decoder, self.spec, self.greedy_spec, auto)
+        self.chooser = Chooser(self.round_set.names)
         # Host copies of the per-row settings; the device copy is replaced whole at
         # the first round after admissions (a few hundred bytes), free rows keep their
         # last request's settings: a done row changes nothing whatever they say.
@@ -102,11 +109,13 @@ class RowPool:
         self._in_flight: collections.deque[list[DeviceReport]] = collections.deque()
 
     @classmethod
-    def serving(cls, decoder: Decoder, *, prefix_cache: bool = False, **options) -> RowPool:
+    def serving(
+        cls, decoder: Decoder, *, prefix_cache: bool = False, auto: bool = False, **options
+    ) -> RowPool:
         """A server's pool of ``PoolOptions(**options)``, its empty state made now: requests are
         admitted into it one by one, each prefilled alone (a prompt longer than
         ``prefill_chunk`` a chunk per round, the other rows decoding meanwhile)."""
-        pool = cls(decoder, pool_shape(decoder, PoolOptions(**options)), prefix_cache)
+        pool = cls(decoder, pool_shape(decoder, PoolOptions(**options)), prefix_cache, auto)
         pool.state = pool._empty_state()
         return pool
 
@@ -193,7 +202,12 @@ class RowPool:
             self.pages.insert(row, request.prompt)  # its rows are in both caches once prefilled
             scored = padded - 1 if request.score_prompt else 0
             holders = [(row, 0, entry)]
-            self._prefilled.append(DeviceReport(report, 0, self.spec.top_logprobs, scored, holders))
+            self._prefilled.append(self._prefill_report(report, scored, holders))
+
+    def _prefill_report(self, report: jax.Array, scored: int, holders: list) -> DeviceReport:
+        """A prefill's report (its first tokens; with ``scored``, the prompt's scores)."""
+        top_logprobs = self.spec.top_logprobs
+        return DeviceReport(report, 0, top_logprobs, scored, holders, self.width)
 
     def _prefill_together(self, requests: list[RowRequest], owners: list[Any]) -> list[int]:
         """``admit`` into a new pool: one prefill of every row, making its state."""
@@ -212,7 +226,7 @@ class RowPool:
             self.pages.insert(row, request.prompt)  # its rows are in both caches once prefilled
         holders = [(row, row, e) for row, e in self.table.items()]
         scored = padded - 1 if score else 0
-        self._prefilled.append(DeviceReport(report, 0, self.spec.top_logprobs, scored, holders))
+        self._prefilled.append(self._prefill_report(report, scored, holders))
         return rows
 
     def _hold(self, request: RowRequest, owner: Any = None) -> int:
@@ -321,7 +335,8 @@ class RowPool:
         self._grow()
         sampled = any(not self._sampling[row].greedy for row, _ in self.table.items())
         tier = next(t for t in self.tiers if t > self.table.highest())
-        self._run_round(self.spec if sampled else self.greedy_spec, tier)
+        ticket = self.chooser.choose(tier)
+        self._run_round(self.round_set.spec(ticket.name, sampled), tier, ticket)
 
     def _grow(self) -> None:
         """Each decoding row takes the pages this round can write (past its length once the rounds
@@ -340,7 +355,7 @@ class RowPool:
         self._paused = paused
         self.paused_rounds += int(paused.sum())
 
-    def _run_round(self, spec: RoundSpec, tier: int) -> None:
+    def _run_round(self, spec: RoundSpec, tier: int, ticket: Ticket | None = None) -> None:
         if self.settings is None:
             self.settings = jax.device_put(self.host_settings())
         if tier == self.rows:
@@ -354,7 +369,7 @@ class RowPool:
         trace = spec.trace if spec.method != "ar" else 0
         running = [(row, e) for row, e in self.table.items() if not self._paused[row]]
         holders = [(row, row, e) for row, e in running if e.next is None]
-        own = DeviceReport(report, trace, spec.top_logprobs, 0, holders)
+        own = DeviceReport(report, trace, spec.top_logprobs, 0, holders, spec.width, ticket)
         self._in_flight.append([*self._prefilled, own])
         self._prefilled = []
 
@@ -367,7 +382,7 @@ class RowPool:
         else:
             reports = self._prefilled
             self._prefilled = []
-        updates, ended = read_updates(reports, self.width, self.table.holder)
+        updates, ended = read_updates(reports, self.table.holder, self.chooser.collected)
         for row in ended:
             self.release(row)
         return updates
@@ -419,9 +434,10 @@ class RowPool:
                     if self.busy:
                         self.step()
             [row] = self.admit([RowRequest([1], min(self.width + 1, self.max_len - 1), [], GREEDY)])
-            for spec in (self.spec, self.greedy_spec):
+            for spec in self.round_set.specs():
                 for tier in self.tiers:
-                    self._run_round(spec, tier)
-                    self.collect()
+                    with self.chooser.timing(round_name(spec), tier):
+                        self._run_round(spec, tier)
+                        self.collect()
             self.release(row)
             self.pages.clear()  # each pass prefills whole what it prefilled whole before

@@ -12,29 +12,38 @@ import jax
 
 from jaxdd.decoding.report import RoundReport
 from jaxdd.decoding.requests import RowEntry, RowUpdate
+from jaxdd.decoding.speculation import Ticket
 
 
 class DeviceReport(NamedTuple):
     """A device report, its top-k trace width and logprobs' top-k, the prompt positions it scored,
-    and for each row it was run for (row, its line in the report, the request holding it)."""
+    for each row it was run for (row, its line in the report, the request holding it), its tokens
+    per row, and a round's ticket (None: a prefill's, or warm-up's)."""
 
     report: jax.Array
     trace: int
     top_logprobs: int
     scored: int
     holders: list[tuple[int, int, RowEntry]]
+    width: int
+    ticket: Ticket | None = None
 
 
 def read_updates(
-    reports: list[DeviceReport], width: int, holder: Callable[[int], RowEntry | None]
+    reports: list[DeviceReport],
+    holder: Callable[[int], RowEntry | None],
+    emitted: Callable[[Ticket, list[int]], None],
 ) -> tuple[dict[int, RowUpdate], list[int]]:
     """``reports`` (in dispatch order) read into each row's update, for rows ``holder`` says the
     same request still holds, counting the tokens into its entry; and the rows that ended, in the
-    order they did (a later report's line for a row that ended is nobody's)."""
+    order they did (a later report's line for a row that ended is nobody's). Each round's tokens
+    per row it ran for go to ``emitted`` with its ticket."""
     updates: dict[int, RowUpdate] = {}
     ended: list[int] = []
-    for device_report, trace, top_logprobs, scored, holders in reports:
+    for device_report, trace, top_logprobs, scored, holders, width, ticket in reports:
         report = RoundReport.decode(device_report, width, trace, top_logprobs, scored)
+        if ticket is not None:
+            emitted(ticket, [len(report.emitted(i)) for _, i, _ in holders])
         for row, index, entry in holders:
             # released, or already finished by an earlier report
             if holder(row) is not entry or row in ended:

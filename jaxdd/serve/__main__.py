@@ -50,6 +50,7 @@ from jaxdd.config import DrafterConfig, KimiConfig
 from jaxdd.decoding.checks import PoolOptions, pool_shape
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.memory_maps import check_maps, pool_programs
+from jaxdd.decoding.round_set import AUTO_ROUNDS
 from jaxdd.decoding.rows import RowPool
 from jaxdd.errors import checkpoint_directory
 from jaxdd.planning.capacity import device_cache_tokens
@@ -76,7 +77,7 @@ def seconds(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.command_parser("python -m jaxdd.serve", __doc__)
-    cli.add_model_flags(parser)
+    cli.add_model_flags(parser, auto_budget=True)
     parser.add_argument(
         "--max-batch", type=positive, default=8, help="decode rows: requests decoded at once"
     )
@@ -175,23 +176,25 @@ def check_pool_maps(
     longest = max(min(args.max_len, config.max_position_embeddings) - 1, 1)  # as the pool admits
     max_prompt = min(args.max_prompt or longest, longest)
     scoring, prefix = args.max_logprobs > 0, args.prefix_cache == "on"
+    rounds = AUTO_ROUNDS[method] if args.budget == "auto" else 1
     programs = pool_programs(
-        method, args.max_batch, max_prompt, scoring, prefix, args.prefill_chunk
+        method, args.max_batch, max_prompt, scoring, prefix, args.prefill_chunk, rounds
     )
-    check_maps(programs, platform, (config.num_hidden_layers, drafted), MAP_FLAGS)
+    flags = MAP_FLAGS + (", a number for --budget" if rounds > 1 else "")
+    check_maps(programs, platform, (config.num_hidden_layers, drafted), flags)
 
 
 def make_pool(args: argparse.Namespace, decoder: SpeculativeDecoder, method: Method) -> RowPool:
     """The server's pool of rows; without --cache-tokens, on GPUs and TPUs, its pages what the
     devices' memory the weights and the pool's temporaries leave holds."""
-    prefix = args.prefix_cache == "on"
+    prefix, auto = args.prefix_cache == "on", args.budget == "auto"
     asked = {
         "method": method,
         "rows": args.max_batch,
         "max_len": args.max_len,
         "max_prompt": args.max_prompt,
         "block_size": args.block_size,
-        "budget": args.budget,
+        "budget": None if auto else args.budget,  # auto: the default is the set's largest
         "max_logprobs": args.max_logprobs,
         "prefill_chunk": args.prefill_chunk,
     }
@@ -200,7 +203,9 @@ def make_pool(args: argparse.Namespace, decoder: SpeculativeDecoder, method: Met
         fitted = device_cache_tokens(decoder, pool_shape(decoder, PoolOptions(**asked)), prefix)
     try:
         cache_tokens = args.cache_tokens or fitted
-        return RowPool.serving(decoder, prefix_cache=prefix, cache_tokens=cache_tokens, **asked)
+        return RowPool.serving(
+            decoder, prefix_cache=prefix, auto=auto, cache_tokens=cache_tokens, **asked
+        )
     except jaxdd.InputError as error:
         if fitted is None:
             raise
@@ -236,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         target, drafter = jaxdd.load_pair(
             checkpoint, drafter_path, dtype, devices, args.moe or "tp"
         )
-        run = RunRound(method, args.max_len, args.max_batch, args.block_size, args.budget)
+        budget = None if args.budget == "auto" else args.budget  # auto: its largest round's
+        run = RunRound(method, args.max_len, args.max_batch, args.block_size, budget)
         layout = (
             args.cache_layout or default_layout(target.model, drafter, run, args.drafter_kv).layout
         )
@@ -277,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{pool.pages.page}, {layout}, "
         + (f"the drafter's K/V in {drafted.keys[0].dtype}, " if drafted is not None else "")
         + f"prefix cache {args.prefix_cache}, prompt buckets {pool.shape.buckets()}"
+        + (
+            f", rounds chosen among {'/'.join(pool.round_set.names)}"
+            if args.budget == "auto"
+            else ""
+        )
     )
     try:
         app = create_app(server)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import jax
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from jaxdd.decoding.speculation import Chooser
 from jaxdd.runtime.compile_time import BACKEND_COMPILE
 
 LATENCY_BUCKETS = (
@@ -50,6 +51,26 @@ class PageCounts:
         for state, count in zip(self.STATES, self.counts, strict=True):
             family.add_metric([state], count)
         yield family
+
+
+class RoundCounts:
+    """``jaxdd:rounds_total{spec}``: the rounds run of each spec of the pool's set (``ar``,
+    ``dflash-8``, ``ddtree-16``), and ``jaxdd:round_choice{spec}`` 1 for the chooser's current
+    choice (probes aside), read from the chooser at each scrape (its counts only ever grow)."""
+
+    def __init__(self, chooser: Chooser):
+        self.chooser = chooser
+
+    def collect(self):
+        rounds = CounterMetricFamily("jaxdd:rounds", "Rounds run, per spec", labels=["spec"])
+        about = "1 for the round the server chooses now (--budget auto), else 0"
+        choice = GaugeMetricFamily("jaxdd:round_choice", about, labels=["spec"])
+        current = self.chooser.current
+        for name, count in list(self.chooser.rounds.items()):
+            rounds.add_metric([name], count)
+            choice.add_metric([name], int(name == current))
+        yield rounds
+        yield choice
 
 
 class Metrics:
@@ -145,6 +166,10 @@ class Metrics:
             registry=registry,
         )
         self._listening = False
+
+    def count_rounds(self, chooser: Chooser) -> None:
+        """``RoundCounts`` of ``chooser`` in this registry."""
+        self.registry.register(RoundCounts(chooser))
 
     def watch_compiles(self) -> None:
         """Count every XLA compilation in this process from now on, until ``close``."""

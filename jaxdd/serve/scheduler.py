@@ -106,6 +106,7 @@ class Scheduler:
         # rows free after the last admission: requests taking them do not count as waiting
         self._free = pool.rows
         metrics.cache_capacity.set(pool.cache_tokens)
+        metrics.count_rounds(pool.chooser)
         self._wake = threading.Condition()
         self._stopping = threading.Event()
         self.ready = threading.Event()

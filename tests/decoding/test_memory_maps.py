@@ -113,3 +113,20 @@ def test_the_server_refuses_a_pool_past_the_limit_before_it_loads_weights(tmp_pa
     lines = [line for line in run.stderr.splitlines() if line.startswith("jaxdd:")]
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
     assert len(lines) == 1 and "vm.max_map_count" in lines[0] and "--prefill-chunk" in lines[0]
+
+
+@pytest.mark.skipif(not LINUX, reason="no /proc/sys/vm/max_map_count here")
+def test_the_server_counts_every_round_of_an_auto_set(tmp_path):
+    """The issue's configuration fits with one DDTree budget (55,540 maps) and not with auto's
+    three rounds (70,804): refused from the configs alone, naming the fixed budget."""
+    assert memory_maps.pool_programs("ddtree", 17, 2047, True, True, None, 3).rounds == 28
+    for model in ("target", "drafter"):
+        (tmp_path / model).mkdir()
+        shutil.copy(DEMO / model / "config.json", tmp_path / model)
+    argv = [sys.executable, "-m", "jaxdd.serve", "--host", "127.0.0.1", "--port", str(free_port())]
+    models = ["--checkpoint", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter")]
+    shape = ["--max-len", "2048", "--max-batch", "17", "--method", "ddtree", "--budget", "auto"]
+    run = subprocess.run([*argv, *models, *shape], capture_output=True, text=True, timeout=300)
+    lines = [line for line in run.stderr.splitlines() if line.startswith("jaxdd:")]
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert len(lines) == 1 and "vm.max_map_count" in lines[0] and "--budget" in lines[0]

@@ -12,6 +12,7 @@ import types
 
 from jaxdd.decoding.requests import RowRequest, RowUpdate
 from jaxdd.decoding.sampling import Sampling
+from jaxdd.decoding.speculation import Chooser
 from jaxdd.serve.decisions import Broadcast
 from jaxdd.serve.metrics import Metrics
 from jaxdd.serve.scheduler import Event, Job, Scheduler
@@ -27,6 +28,7 @@ class FakePool:
     method, block, budget, prefix_cache = "dflash", 4, None, False
     cache_tokens, cache_usage = 64 * ROWS, 0.0  # a row's worth of pages each: rows decide
     paused_rounds = 0  # so no row waits for pages
+    chooser = Chooser(("dflash-4",))  # one round: what /metrics counts
 
     def __init__(self, faulty: frozenset[int] = frozenset()):
         self.rows, self.faulty, self.dispatches = ROWS, faulty, 0

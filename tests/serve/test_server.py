@@ -224,6 +224,8 @@ def test_health_models_metrics_and_no_compile_after_warm_up(server):
     )
     assert metric(url, "time_to_first_token_seconds_count") > 0
     assert metric(url, "acceptance_length_count") == metric(url, "spec_decode_num_drafts_total")
+    assert metric(url, re.escape('rounds_total{spec="dflash-8"}')) > 0  # the one round it has
+    assert metric(url, re.escape('round_choice{spec="dflash-8"}')) == 1
 
 
 def test_max_completion_tokens_on_completions_and_null_as_default(server, reference):
