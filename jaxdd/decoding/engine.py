@@ -30,9 +30,9 @@ from jaxdd.decoding.programs import programs_for
 from jaxdd.decoding.report import RoundTrace, TokenLogprob
 from jaxdd.decoding.requests import RowRequest, RowShape, RowUpdate
 from jaxdd.decoding.round_size import RoundSizes
-from jaxdd.decoding.rounds import DecodeState, ModelPair, RoundSpec, RowSettings
 from jaxdd.decoding.rows import RowPool
 from jaxdd.decoding.sampling import GREEDY, Sampling
+from jaxdd.decoding.state import DecodeState, ModelPair, RoundSpec, RowSettings
 from jaxdd.errors import InputError
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget

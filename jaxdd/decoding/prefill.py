@@ -13,17 +13,10 @@ import jax.numpy as jnp
 from jaxdd.cache import LatentCache, Paging
 from jaxdd.cache.layout import clear_rows, put_rows, take_rows
 from jaxdd.decoding.report import RoundReport
-from jaxdd.decoding.rounds import (
-    DecodeState,
-    ModelPair,
-    RoundSpec,
-    RowSettings,
-    choose,
-    round_scores,
-    state_shardings,
-)
+from jaxdd.decoding.rounds import choose, round_scores
 from jaxdd.decoding.sampling import seed_keys
 from jaxdd.decoding.scores import token_logprobs
+from jaxdd.decoding.state import DecodeState, ModelPair, RoundSpec, RowSettings, state_shardings
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget, TargetOutput
 

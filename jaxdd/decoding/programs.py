@@ -19,7 +19,8 @@ import jax
 from jax.experimental.layout import Format, Layout
 
 from jaxdd.decoding.prefill import prefill_after, prefill_new, prefill_row
-from jaxdd.decoding.rounds import DecodeState, decode_round, front_round, state_shardings
+from jaxdd.decoding.rounds import decode_round, front_round
+from jaxdd.decoding.state import DecodeState, state_shardings
 
 
 class StatePrograms(NamedTuple):

@@ -17,8 +17,8 @@ from jaxdd.cache import Paging
 from jaxdd.config import KimiConfig
 from jaxdd.decoding.programs import names_formats, state_formats
 from jaxdd.decoding.report import RoundTrace, TokenLogprob
-from jaxdd.decoding.rounds import DecodeState, ModelPair, RoundSpec, state_shardings
 from jaxdd.decoding.sampling import GREEDY, Sampling, seed_keys
+from jaxdd.decoding.state import DecodeState, ModelPair, RoundSpec, state_shardings
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.runtime.buckets import prompt_buckets
 from jaxdd.types import Method, verified_tokens

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 from jaxdd.decoding.requests import Decoder
-from jaxdd.decoding.rounds import RoundSpec
 from jaxdd.decoding.speculation import PLAIN
+from jaxdd.decoding.state import RoundSpec
 from jaxdd.errors import InputError
 from jaxdd.types import Method
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import jax
 
-from jaxdd.decoding.rounds import DecodeState, RoundSpec, RowSettings
+from jaxdd.decoding.state import DecodeState, RoundSpec, RowSettings
 from jaxdd.errors import InputError, LargeRoundWarning
 from jaxdd.runtime.backend import Backend
 from jaxdd.types import verified_tokens

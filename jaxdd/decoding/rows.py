@@ -54,9 +54,9 @@ from jaxdd.decoding.requests import (
     pad_requests,
 )
 from jaxdd.decoding.round_set import round_name, round_set
-from jaxdd.decoding.rounds import DecodeState, RoundSpec, RowSettings
 from jaxdd.decoding.sampling import GREEDY, SamplingArrays
 from jaxdd.decoding.speculation import Chooser, Ticket
+from jaxdd.decoding.state import DecodeState, RoundSpec, RowSettings
 from jaxdd.decoding.updates import DeviceReport, read_updates
 from jaxdd.errors import InputError
 from jaxdd.runtime.buckets import prompt_bucket

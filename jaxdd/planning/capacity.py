@@ -2,7 +2,7 @@
 target's latent cache (``jaxdd.planning.cache_layout``), counted in whole pages.
 
 What one token takes on a device comes from the decode state's own shardings
-(``jaxdd.decoding.rounds.state_shardings``): the target's latent rows, replicated, and the
+(``jaxdd.decoding.state.state_shardings``): the target's latent rows, replicated, and the
 drafter's context K/V, split by KV heads. Striping divides the first by the devices but not the
 second: every device keeps its heads' share of the drafter's K/V for every page.
 """
@@ -26,8 +26,9 @@ from jaxdd.decoding.checks import MAX_STOP_TOKENS
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.decoding.prefill import prefill_after, prefill_row
 from jaxdd.decoding.requests import RowShape
-from jaxdd.decoding.rounds import DecodeState, RowSettings, decode_round, state_shardings
+from jaxdd.decoding.rounds import decode_round
 from jaxdd.decoding.sampling import GREEDY, Sampling, SamplingArrays
+from jaxdd.decoding.state import DecodeState, RowSettings, state_shardings
 from jaxdd.runtime.backend import Backend
 from jaxdd.runtime.buckets import prompt_bucket
 from jaxdd.runtime.sharding import make_mesh
