@@ -175,7 +175,8 @@ class RowUpdate:
     tokens its request has now, and that request's owner (as given to ``admit``). If
     the request asked, ``logprobs`` has an entry per new token and ``prompt_logprobs``
     (in the request's first update) one per prompt token after the first. ``cached``: the
-    prompt tokens its row found in the prefix cache."""
+    prompt tokens its row found in the prefix cache; ``proposed``: the draft tokens the round
+    proposed (0: a plain round's, or the prefill's alone)."""
 
     tokens: list[int]
     finish: str | None = None
@@ -186,6 +187,7 @@ class RowUpdate:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     cached: int = 0
+    proposed: int = 0
 
     def then(self, later: RowUpdate) -> RowUpdate:
         """This update and ``later`` as one (a collect's reports for a row): the tokens and their

@@ -369,7 +369,10 @@ class RowPool:
         trace = spec.trace if spec.method != "ar" else 0
         running = [(row, e) for row, e in self.table.items() if not self._paused[row]]
         holders = [(row, row, e) for row, e in running if e.next is None]
-        own = DeviceReport(report, trace, spec.top_logprobs, 0, holders, spec.width, ticket)
+        proposed = 0 if spec.method == "ar" else spec.budget or spec.block - 1
+        own = DeviceReport(
+            report, trace, spec.top_logprobs, 0, holders, spec.width, ticket, proposed
+        )
         self._in_flight.append([*self._prefilled, own])
         self._prefilled = []
 

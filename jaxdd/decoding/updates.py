@@ -18,7 +18,8 @@ from jaxdd.decoding.speculation import Ticket
 class DeviceReport(NamedTuple):
     """A device report, its top-k trace width and logprobs' top-k, the prompt positions it scored,
     for each row it was run for (row, its line in the report, the request holding it), its tokens
-    per row, and a round's ticket (None: a prefill's, or warm-up's)."""
+    per row, a round's ticket (None: a prefill's, or warm-up's), and the draft tokens its round
+    proposed per row (0: a prefill's or a plain round's)."""
 
     report: jax.Array
     trace: int
@@ -27,6 +28,7 @@ class DeviceReport(NamedTuple):
     holders: list[tuple[int, int, RowEntry]]
     width: int
     ticket: Ticket | None = None
+    proposed: int = 0
 
 
 def read_updates(
@@ -40,7 +42,7 @@ def read_updates(
     per row it ran for go to ``emitted`` with its ticket."""
     updates: dict[int, RowUpdate] = {}
     ended: list[int] = []
-    for device_report, trace, top_logprobs, scored, holders, width, ticket in reports:
+    for device_report, trace, top_logprobs, scored, holders, width, ticket, proposed in reports:
         report = RoundReport.decode(device_report, width, trace, top_logprobs, scored)
         if ticket is not None:
             emitted(ticket, [len(report.emitted(i)) for _, i, _ in holders])
@@ -48,7 +50,7 @@ def read_updates(
             # released, or already finished by an earlier report
             if holder(row) is not entry or row in ended:
                 continue
-            update = _update(report, index, entry)
+            update = dataclasses.replace(_update(report, index, entry), proposed=proposed)
             if row in updates:
                 update = updates[row].then(update)
             trace = None if report.trace is None or not update.tokens else report.trace[index]

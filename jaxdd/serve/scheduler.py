@@ -330,9 +330,9 @@ class Scheduler:
             job = update.owner
             # the round's tokens: the accepted drafts and a bonus (none for a prompt scored alone)
             drafted = len(update.tokens) - update.first
-            if self.pool.method != "ar" and drafted:
+            if update.proposed and drafted:  # a speculative round's (auto: not every one)
                 self.metrics.drafts.inc()
-                self.metrics.draft_tokens.inc(self.pool.budget or self.pool.block - 1)
+                self.metrics.draft_tokens.inc(update.proposed)
                 self.metrics.accepted_tokens.inc(drafted - 1)
             if drafted:
                 self.metrics.acceptance.observe(drafted)

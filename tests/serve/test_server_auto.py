@@ -26,6 +26,8 @@ def test_an_auto_server_decodes_plain_greedy_tokens_and_counts_its_rounds(tmp_pa
     args += ["--max-prompt", "16", "--max-logprobs", "0", "--prefix-cache", "off"]
     with running_server(args, log) as server:
         compiles = server.metric("compiles_total")
+        names = [f'rounds_total{{spec="{s}"}}' for s in SPECS]
+        warm = server.metrics(*names)  # warm-up's rounds go through the chooser too
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0)
         rng = np.random.default_rng(5)
         requests = [
@@ -36,10 +38,20 @@ def test_an_auto_server_decodes_plain_greedy_tokens_and_counts_its_rounds(tmp_pa
             outputs = list(workers.map(lambda r: complete(client, r)[0], requests))
         for request, output in zip(requests, outputs, strict=True):
             assert output == run(request["prompt"], request["max_tokens"], method="ar")
-        counts = server.metrics(*(f'rounds_total{{spec="{s}"}}' for s in SPECS))
+        counts = server.metrics(*names)
         choice = server.metrics(*(f'round_choice{{spec="{s}"}}' for s in SPECS))
+        drafts = server.metric("spec_decode_num_drafts_total")
+        proposed = server.metric("spec_decode_num_draft_tokens_total")
+        per_round = server.metric("acceptance_length_count")
         assert server.metric("compiles_total") == compiles
     assert sum(counts.values()) > 0 and sum(choice.values()) == 1
+    # a draft proposes its own round's budget; a plain round is a round, not a draft
+    assert 3 * drafts <= proposed <= 7 * drafts
+    served = {name: counts[name] - warm[name] for name in names}
+    if served['rounds_total{spec="ddtree-3"}'] > 0:
+        assert proposed < 7 * drafts
+    if served['rounds_total{spec="ar"}'] > 0:
+        assert per_round > drafts
     assert f"rounds chosen among {'/'.join(SPECS)}" in log.read_text()
 
 
