@@ -35,12 +35,28 @@ import jaxdd
 import jax
 import jax.numpy as jnp
 import pytest
+import xdist
 from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.weights.hf_loader import load_hf_drafter
 from jaxdd.testing import profiles
 from jaxdd.testing.reference import TINY_K2, TINY_K25, drafter_config, hf_drafter, hf_model
 
 profiles.load()
+
+
+# Seconds each file cost in the profile of tests/README.md, for the order the workers get them.
+COSTS = json.loads((Path(__file__).parent / "durations.json").read_text())
+
+
+@pytest.hookimpl(trylast=True)  # after pytest groups tests by their fixtures
+def pytest_collection_modifyitems(session, items):
+    """Under xdist the files go to the workers costliest first (the controller hands them out
+    in the order its workers collected), so that the two finish together: handed out last, a
+    costly file runs alone. A file the profile lacks counts as costliest, so that a new slow
+    one cannot end up alone at the end. xdist's own order of files, by count of tests, is off
+    (``--no-loadscope-reorder`` in pyproject.toml)."""
+    if xdist.is_xdist_worker(session):
+        items.sort(key=lambda item: -COSTS.get(item.nodeid.split("::")[0], float("inf")))
 
 
 def pytest_unconfigure(config):
