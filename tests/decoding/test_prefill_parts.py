@@ -19,7 +19,9 @@ from jaxdd.decoding.rows import RowPool
 from jaxdd.runtime.compile_time import compile_clock
 from jaxdd.testing.pools import run_alone
 
-OPTIONS = {"rows": 2, "max_len": 256, "max_prompt": 192}
+# prompts to 160 tokens (a next turn: 64 + 80 answered + 16): the prompt buckets a pool warms up
+# (each a prefill, and one after a hit) end at 160
+OPTIONS = {"rows": 2, "max_len": 192, "max_prompt": 160}
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +43,14 @@ def test_the_next_turn_hits_and_decodes_as_alone(decoder, method, sampling):
         cached.warm_up()
     assert warm.count > 0  # the prefill after a hit is among what warm-up compiles
     assert cached.pages.cached == 0  # warm-up leaves nothing behind
-    first = RowRequest(rng.integers(1, 4096, 70).tolist(), 80, [], sampling)
+    first = RowRequest(rng.integers(1, 4096, 64).tolist(), 80, [], sampling)
     with compile_clock() as clock:
         said, _, none = run_alone(cached, first)
-        history = first.prompt + said + rng.integers(1, 4096, 20).tolist()
+        history = first.prompt + said + rng.integers(1, 4096, 16).tolist()
         second = RowRequest(history, 24, [], sampling)
         hit, sizes, found = run_alone(cached, second)
         # the first prompt's first page found, and a rest of more than a page after it
-        other = RowRequest(first.prompt + rng.integers(1, 4096, 100).tolist(), 2, [], sampling)
+        other = RowRequest(first.prompt + rng.integers(1, 4096, 96).tolist(), 2, [], sampling)
         _, _, found_other = run_alone(cached, other)
     assert clock.count == 0 and len(said) == 80 and found_other == 64
     # two pages: the first turn's prompt and its output but the last round's (the drafter's lag)
