@@ -32,7 +32,8 @@ from jaxdd.testing.reference import TINY_K2, drafter_config, hf_drafter, hf_gree
 
 # A vocabulary small enough to enumerate every 3-token continuation (8^3
 # = 512), and logits scaled up so the distributions are far from uniform.
-VOCAB, NEW, ROWS, CALLS = 8, 3, 512, 16
+# CALLS batches of ROWS: small ones, as a batch's admission costs grow faster than its rows.
+VOCAB, NEW, ROWS, CALLS = 8, 3, 128, 64
 PROMPT = [1, 4, 2, 6, 3]
 SETTINGS = Sampling(temperature=0.8, top_p=0.95, top_k=6)
 
