@@ -145,6 +145,12 @@ def striped(checkpoints) -> SpeculativeDecoder:
     return dec
 
 
+@pytest.fixture(scope="module")
+def striped_in_runtime_pages(checkpoints) -> SpeculativeDecoder:
+    """The latent cache striped in the runtime's pages (64 tokens): a short prompt on one device."""
+    return decoder(checkpoints, 8, cache_layout="striped")
+
+
 # The pool tests' one shape (their compiled rounds and whole prefills shared): prompts to 80
 # tokens, so that a second turn of PROMPT's conversation fits.
 POOL = {"method": "ddtree", "budget": 12, "rows": 2, "max_len": 112, "max_prompt": 80}
@@ -152,16 +158,16 @@ POOL = {"method": "ddtree", "budget": 12, "rows": 2, "max_len": 112, "max_prompt
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", [PAGE, None])
-def test_striped_gives_the_tokens_of_one_device(checkpoints, one_device, striped, page):
-    dec = striped if page is not None else decoder(checkpoints, 8, cache_layout="striped")
+def test_striped_gives_the_tokens_of_one_device(request, one_device, page):
+    dec = request.getfixturevalue("striped" if page is not None else "striped_in_runtime_pages")
     assert generate(dec, ROUNDS) == one_device
     with compile_clock() as compiles:
         generate(dec, ["ddtree"], PROMPT[::-1])  # the same shapes: nothing new to compile
     assert compiles.count == 0
 
 
-def test_striped_cache_is_split_along_its_pages(checkpoints):
-    dec = decoder(checkpoints, 8, cache_layout="striped")
+def test_striped_cache_is_split_along_its_pages(striped_in_runtime_pages):
+    dec = striped_in_runtime_pages
     _, state = dec.start([PROMPT], max_new_tokens=8)
     latent = state.target_cache.latent[0]
     assert latent.sharding.spec == PAGES
