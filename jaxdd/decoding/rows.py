@@ -329,8 +329,10 @@ class RowPool:
         """Start one round for every row without waiting for it: the greedy
         round while every active row is greedy, else the sampled one; before it, the next chunk of
         each row still prefilling."""
+        # a prefill dispatched before the round adds to its time
+        prefills = bool(self._prefilled) or any(e.next is not None for _, e in self.table.items())
         sampled, tier = self._before_round()
-        ticket = self.chooser.choose(tier)
+        ticket = dataclasses.replace(self.chooser.choose(tier), timed=not prefills)
         self._run_round(self.round_set.spec(ticket.name, sampled), tier, ticket)
 
     def _before_round(self) -> tuple[bool, int]:
