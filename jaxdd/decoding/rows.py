@@ -419,6 +419,19 @@ class RowPool:
         self.settings = jax.device_put(self.host_settings())
         return self.settings
 
+    def time_rounds(self) -> None:
+        """Run each round of the set at each tier over a short request, timed for the chooser
+        (the first run of each compiles it), before any request is admitted."""
+        if self.state is None:
+            self.state = self._empty_state()
+        [row] = self.admit([RowRequest([1], min(self.width + 1, self.max_len - 1), [], GREEDY)])
+        for spec in self.round_set.specs():
+            for tier in self.tiers:
+                with self.chooser.timing(round_name(spec), tier):
+                    self._run_round(spec, tier)
+                    self.collect()
+        self.release(row)
+
     def host_settings(self, rows: slice = slice(None)) -> RowSettings:
         """The per-row settings of ``rows`` as host arrays."""
         sampling = SamplingArrays.of(self._sampling[rows])
@@ -446,11 +459,5 @@ class RowPool:
                         sampled, tier = self._before_round()
                         self._run_round(self.spec if sampled else self.greedy_spec, tier)
                         self.collect()
-            [row] = self.admit([RowRequest([1], min(self.width + 1, self.max_len - 1), [], GREEDY)])
-            for spec in self.round_set.specs():
-                for tier in self.tiers:
-                    with self.chooser.timing(round_name(spec), tier):
-                        self._run_round(spec, tier)
-                        self.collect()
-            self.release(row)
+            self.time_rounds()
             self.pages.clear()  # each pass prefills whole what it prefilled whole before

@@ -100,3 +100,21 @@ def test_the_chooser_runs_every_round_of_the_set_without_compiling(decoder):
 def test_plain_decoding_has_nothing_to_choose(decoder):
     with pytest.raises(InputError, match="budget"):
         RowPool.serving(decoder, method="ar", rows=1, max_len=16, auto=True)
+
+
+@pytest.mark.slow
+def test_a_batch_with_budget_auto_decodes_plain_greedy_tokens(decoder):
+    batch = prompts(13, 3)
+    options = {"max_new_tokens": 32, "stop_token_ids": [0]}
+    results = decoder.generate_batch(batch, method="ddtree", budget="auto", **options)
+    for prompt, result in zip(batch, results, strict=True):
+        assert result.tokens == decoder.generate(prompt, method="ar", **options).tokens
+        assert set(result.spec_rounds) == {"ddtree-7", "ddtree-3", "ar"}
+        assert sum(result.spec_rounds.values()) >= result.rounds
+
+
+def test_a_budget_is_a_number_or_auto_and_auto_needs_a_drafted_method(decoder):
+    with pytest.raises(InputError, match="budget: expected an integer or 'auto', got 'fast'"):
+        decoder.generate([1, 2], method="ddtree", budget="fast")
+    with pytest.raises(InputError, match="budget"):
+        decoder.generate([1, 2], method="ar", budget="auto")
