@@ -60,6 +60,8 @@ def context_whole(pool: RowPool) -> None:
     [
         ("ddtree", ["ar", "ar", "ddtree-7", "ddtree-3", "ar", "ddtree-7", "ddtree-3", "ddtree-3"]),
         ("dflash", ["ar", "dflash-8", "dflash-8", "ar", "ar", "ar", "dflash-8"]),
+        # plain rounds past the context's block: their pending taps cached once it is full
+        ("ddtree", ["ar"] * 11 + ["ddtree-7", "ddtree-3"]),
     ],
 )
 def test_any_sequence_of_rounds_decodes_plain_greedy_tokens(decoder, method, sequence):
