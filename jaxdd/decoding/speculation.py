@@ -6,15 +6,15 @@ the previous round's collection if later, to its own collection (the device's ti
 rounds are dispatched ahead), rounds behind a prefill left out. It is the spec's base cost times
 the tier's load: a busy host slows every round by a factor, so the load cancels out of the
 choice and a spec not run lately is compared at today's load. Each spec's first ``samples``
-rounds at a tier set its base (their geometric mean: the warm-up's timings alone ran on a host
-still compiling, and not dispatched ahead); then the running spec's rounds move the load quickly
-(weight ``smoothing``, in logs: one slow round moves it by a root of its slowness) and its base
-slowly (``drift``), a probe's its own base at ``smoothing``. E is each spec's tokens per row per
-round (accepted drafts + 1), an EMA (weight ``smoothing`` / 2: one row's rounds vary from 1 to
-the block) of what its rounds gave; plain decoding's is 1 exactly. Rows are the same for every
-spec at a dispatch, so the choice is E / base at the tier. The chooser keeps its spec until
-another's rate beats it by ``margin`` (no flapping on noise), runs a spec not yet measured at the
-tier at once, and re-probes a spec not run for ``probe_every`` rounds (once, the choice
+rounds at a tier set its base (their median: one slow round does not; the warm-up's timings ran
+on a host still compiling, one round at a time); then the running spec's rounds move the load
+quickly (weight ``smoothing``, in logs: one slow round moves it by a root of its slowness) and
+its base slowly (``drift``), a probe's its own base at ``smoothing``. E is each spec's tokens
+per row per round (accepted drafts + 1), an EMA (weight ``smoothing`` / 2: one row's rounds vary
+from 1 to the block) of what its rounds gave; plain decoding's is 1 exactly. Rows are the same
+for every spec at a dispatch, so the choice is E / base at the tier. The chooser keeps its spec
+until another's rate beats it by ``margin`` (no flapping on noise), runs a spec not yet measured
+at the tier at once, and re-probes a spec not run for ``probe_every`` rounds (once, the choice
 unchanged), so estimates that change with the traffic stay fresh. Pure Python: the clock is given.
 """
 
@@ -140,7 +140,7 @@ class Chooser:
         first = self.timed.setdefault(key, [])
         if len(first) < self.samples:
             first.append(seconds / load)
-            self.base[key] = statistics.geometric_mean(first)
+            self.base[key] = statistics.median(first)
             return
         surprise = math.log(seconds / (self.base[key] * load))
         if name == self.current:
