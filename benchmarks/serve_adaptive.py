@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 from serve_load import MAX_PROMPT, make_requests, metric, send_all
 
-from jaxdd.testing.benchmark import write_result
+from jaxdd.testing.benchmark import plot_by_clients, write_result
 from jaxdd.testing.server import started_server
 
 RESULTS = Path(__file__).parent / "results" / "serve_adaptive.json"
@@ -123,14 +123,12 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(6, 4))
+    series = {
+        name: ([r["tokens_per_second"][name] for r in rows], "o-" if name == "auto" else "s--")
+        for name in rows[0]["tokens_per_second"]
+    }
     clients = [r["clients"] for r in rows]
-    for name in rows[0]["tokens_per_second"]:
-        rates = [r["tokens_per_second"][name] for r in rows]
-        axis.plot(clients, rates, "o-" if name == "auto" else "s--", label=name)
-    axis.set(xscale="log", xlabel="concurrent clients", ylabel="generated tokens / s")
-    axis.set_xticks(clients, [str(c) for c in clients])
-    axis.set_title("greedy, every server on the same trace")
-    axis.legend()
+    plot_by_clients(axis, clients, series, "greedy, every server on the same trace")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     print(f"wrote {path}")

@@ -38,7 +38,7 @@ import numpy as np
 import jaxdd
 from jaxdd.cli import DEMO
 from jaxdd.decoding.engine import SpeculativeDecoder
-from jaxdd.testing.benchmark import write_result
+from jaxdd.testing.benchmark import plot_by_clients, write_result
 from jaxdd.testing.server import running_server
 from jaxdd.weights.tokenizer import load_tokenizer
 
@@ -203,27 +203,12 @@ def plot(rows: list[dict], path: Path) -> None:
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))
     for temperature, axis in zip((0.0, 0.7), axes, strict=True):
         picked = [r for r in rows if r["temperature"] == temperature]
-        clients = [r["clients"] for r in picked]
-        axis.plot(
-            clients,
-            [r["continuous"]["tokens_per_second"] for r in picked],
-            "o-",
-            label="continuous (server)",
-        )
-        axis.plot(
-            clients,
-            [r["static"]["tokens_per_second"] for r in picked],
-            "s--",
-            label="static generate_batch",
-        )
-        axis.set(
-            xscale="log",
-            xlabel="concurrent clients",
-            ylabel="generated tokens / s",
-            title=f"T = {temperature}",
-        )
-        axis.set_xticks(clients, [str(c) for c in clients])
-        axis.legend()
+        labels = {"continuous": "continuous (server)", "static": "static generate_batch"}
+        series = {
+            label: ([r[kind]["tokens_per_second"] for r in picked], style)
+            for (kind, label), style in zip(labels.items(), ("o-", "s--"), strict=True)
+        }
+        plot_by_clients(axis, [r["clients"] for r in picked], series, f"T = {temperature}")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     print(f"wrote {path}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -231,7 +231,7 @@ class Target:
         max_new_tokens: int = 64,
         stop_token_ids: list[int] | None = None,
         block_size: int | None = None,
-        budget: int | None = None,
+        budget: int | Literal["auto"] | None = None,
         max_children: int | None = None,
         sampling: Sampling = GREEDY,
         on_tokens: Callable[[list[int]], None] | None = None,
@@ -240,7 +240,7 @@ class Target:
         prefill_chunk: int | None = None,
     ) -> Generation:
         """Generation: ``dflash`` when a drafter is given, else ``ar``; ``ddtree``
-        with a node ``budget`` (see ``SpeculativeDecoder.generate_batch``). Greedy
+        with a node ``budget``, or "auto" (see ``SpeculativeDecoder.generate_batch``). Greedy
         unless ``sampling`` says otherwise.
 
         Returns the new tokens, the tokens produced per round and timings.

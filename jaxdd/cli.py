@@ -80,7 +80,7 @@ def positive(text: str) -> int:
 
 
 def budget(text: str) -> int | str:
-    """A positive budget, or "auto" (the server chooses each round)."""
+    """A positive budget, or "auto" (each round chosen among a set)."""
     return text if text == "auto" else positive(text)
 
 
@@ -137,9 +137,8 @@ def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     )
 
 
-def add_model_flags(parser: argparse.ArgumentParser, auto_budget: bool = False) -> None:
-    """The pair and the round: what ``generate`` and ``serve`` both take (``auto_budget``: the
-    server's ``--budget auto`` too)."""
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The pair and the round: what ``generate`` and ``serve`` both take."""
     parser.add_argument(
         "--checkpoint",
         type=Path,
@@ -154,13 +153,12 @@ def add_model_flags(parser: argparse.ArgumentParser, auto_budget: bool = False) 
     parser.add_argument(
         "--block-size", type=positive, help="DFlash block size (default: the drafter's)"
     )
-    about = "DDTree nodes per round (default: block size - 1)"
-    if auto_budget:
-        about += (
-            "; auto: each round the one of the default budget, half of it and plain decoding "
-            "(DFlash: its block and plain decoding) expected to give the most tokens per second"
-        )
-    parser.add_argument("--budget", type=budget if auto_budget else positive, help=about)
+    about = (
+        "DDTree nodes per round (default: block size - 1); auto: each round the one of the "
+        "default budget, half of it and plain decoding (DFlash: its block and plain decoding) "
+        "expected to give the most tokens per second"
+    )
+    parser.add_argument("--budget", type=budget, help=about)
 
 
 def add_device_flags(parser: argparse.ArgumentParser) -> None:

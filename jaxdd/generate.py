@@ -177,8 +177,18 @@ def method_flags(args, method: str) -> list[tuple[str, object, bool]]:
     """(flag, value, whether the method uses it) for the flags that only some methods read."""
     return [
         ("--block-size", args.block_size, method != "ar"),
-        ("--budget", args.budget, method == "ddtree"),
+        # auto: each round chosen among DDTree's or DFlash's set
+        (
+            "--budget",
+            args.budget,
+            method == "ddtree" or (args.budget, method) == ("auto", "dflash"),
+        ),
     ]
+
+
+def fixed_budget(args) -> int | None:
+    """``--budget`` as a number (auto: None, the set's largest round's)."""
+    return None if args.budget == "auto" else args.budget
 
 
 def summary(method: str, result: Generation) -> dict:
@@ -190,6 +200,7 @@ def summary(method: str, result: Generation) -> dict:
         "new_tokens": tokens,
         "mean_acceptance": result.mean_acceptance,
         "target_forwards": result.rounds + 1,  # the prefill, then one verify per round
+        "rounds_by_spec": result.spec_rounds,
         "prefill_seconds": result.prefill_seconds,
         "decode_seconds": result.decode_seconds,
         "compile_seconds": result.compile_seconds,
@@ -199,6 +210,8 @@ def summary(method: str, result: Generation) -> dict:
 
 def summary_line(report: dict) -> str:
     options = "".join(f" {k} {v}" for k, v in report["options"].items())
+    if len(report["rounds_by_spec"]) > 1:  # --budget auto
+        options += " rounds " + ", ".join(f"{k} {v}" for k, v in report["rounds_by_spec"].items())
     speed = f"{report['tokens_per_second']:.1f}" if report["tokens_per_second"] else "-"
     return (
         f"[{report['method']}{options}] {report['new_tokens']} tokens, {speed} tokens/s, "
@@ -270,7 +283,7 @@ def run(argv: list[str] | None) -> int:
                     method,
                     len(prompt_ids) + args.max_new_tokens,
                     block=args.block_size,
-                    budget=args.budget,
+                    budget=fixed_budget(args),
                 ),
                 args.drafter_kv,
             ).layout,

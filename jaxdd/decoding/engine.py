@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Literal, Protocol
 
 import jax
 import numpy as np
@@ -73,6 +73,8 @@ class Generation:
     # The round's shape with defaults filled in: {"block":
     # B} for DFlash, plus "budget" for DDTree, {} for AR.
     round_shape: dict[str, int] = dataclasses.field(default_factory=dict)
+    # The batch's rounds of each spec by name (``ddtree-7``, ``ar``; several with budget "auto").
+    spec_rounds: dict[str, int] = dataclasses.field(default_factory=dict)
     # With ``trace_topk`` > 0: per round, the drafter's top-k tokens
     # [block - 1, k], and for DDTree the tree (tokens, parents) of its
     # valid nodes, root first (for cross-checking against a reference).
@@ -102,7 +104,8 @@ class GenerateOptions:
     max_new_tokens: int | list[int] = 64  # one for all prompts, or one each
     stop_token_ids: list[int] | None = None  # default: the target's EOS ids
     block_size: int | None = None  # default: the drafter's
-    budget: int | None = None  # DDTree nodes per round, default block_size - 1
+    # DDTree nodes per round, default block_size - 1; "auto": each round chosen (``round_set``)
+    budget: int | Literal["auto"] | None = None
     max_children: int | None = None
     trace_topk: int = 0
     tree_logits: TreeLogits = "scaled"
@@ -121,6 +124,8 @@ class GenerateOptions:
                 raise InputError.at(name, f"must be an integer >= 0, got {value!r}")
         if self.score_prompt and not self.logprobs:
             raise InputError.at("score_prompt", "needs logprobs > 0")
+        if isinstance(self.budget, str) and self.budget != "auto":
+            raise InputError.at("budget", f"expected an integer or 'auto', got {self.budget!r}")
 
     @classmethod
     def of(cls, options: GenerateOptions | None, fields: dict) -> GenerateOptions:
@@ -240,7 +245,9 @@ class SpeculativeDecoder:
         buckets), so shapes repeat. Options: ``sampling`` (one ``Sampling`` or one per prompt;
         default greedy), ``method`` ("ar", "dflash", "ddtree"), ``max_new_tokens`` (one or one per
         prompt), ``stop_token_ids`` (default: the target's EOS ids), ``block_size``, ``budget``
-        (DDTree nodes per round, default block_size - 1), ``max_children`` (caps the branching; 1
+        (DDTree nodes per round, default block_size - 1; "auto": each round the one of a set
+        expected to give the most tokens per second, ``jaxdd.decoding.round_set``; the results'
+        ``spec_rounds`` count each), ``max_children`` (caps the branching; 1
         verifies the DFlash chain through the tree path), ``tree_logits`` (sampled DDTree: build
         the tree from the draft logits at the request's temperature, "scaled", or from the raw
         logits, "raw"; lossless either way). ``trace_topk`` > 0 records each round's draft top-k
@@ -268,7 +275,7 @@ class SpeculativeDecoder:
                 for update in driver.step().values():
                     _take(results, update, emit)
             decode_seconds = time.perf_counter() - t0
-        spec = pool.spec
+        spec, chosen = pool.spec, dict(pool.chooser.rounds)
         round_shape = {} if spec.method == "ar" else {"block": spec.block}
         if spec.method == "ddtree":
             round_shape["budget"] = spec.budget
@@ -276,6 +283,7 @@ class SpeculativeDecoder:
             result.decode_seconds = decode_seconds
             result.compile_seconds = clock.seconds
             result.round_shape = dict(round_shape)
+            result.spec_rounds = dict(chosen)
         return results
 
     def step(self, plan: RoundBatch, state: DecodeState) -> tuple[DecodeState, jax.Array]:
@@ -328,7 +336,9 @@ class SpeculativeDecoder:
     def _admitted(self, prompts: list[list[int]], options: GenerateOptions) -> RowPool:
         """A pool of rows for the batch (checked, its round sized), every request admitted."""
         requests, shape = self._batch_shape(prompts, options)
-        pool = RowPool(self, shape)
+        pool = RowPool(self, shape, auto=options.budget == "auto")
+        if options.budget == "auto":
+            pool.time_rounds()  # the set compiled now: its rounds are timed, not compiled, later
         pool.admit(requests, owners=list(range(len(requests))))
         plan = RoundBatch(shape.spec, jax.device_put(pool.host_settings()))
         trained = None if self.drafter is None else self.drafter.config.block_size
@@ -362,7 +372,7 @@ class SpeculativeDecoder:
             max_len=max(max_lengths),
             max_prompt=longest,
             block_size=options.block_size,
-            budget=options.budget,
+            budget=None if options.budget == "auto" else options.budget,  # auto: the set's largest
             max_children=options.max_children,
             max_logprobs=options.logprobs,
             prefill_chunk=None if chunk is None else min(chunk, longest),  # longer: whole

@@ -83,14 +83,11 @@ def _ar_step(
     state: DecodeState,
     settings: RowSettings,
 ):
-    """A plain round; in a state with a drafter (a pool that also speculates) it caches the
-    drafter context still pending and keeps the new token's taps as the next, so a speculative
-    round after it drafts from the whole context."""
-    draft_cache, context, taps = None, None, ()
-    if state.draft_cache is not None:
-        taps = drafter.config.target_layer_ids
-        with jax.named_scope("draft"):
-            draft_cache = _cache_context(drafter, state)
+    """A plain round; in a state with a drafter (a pool that also speculates) it keeps the new
+    token's taps after the drafter context still pending (``_pend``), so a speculative round
+    after it drafts from the whole context."""
+    draft_cache, context, pending = None, None, None
+    taps = () if state.draft_cache is None else drafter.config.target_layer_ids
     with jax.named_scope("verify"):
         logits, features, cache = _verify_chain(
             spec, target, state.target_cache, state.bonus[:, None], taps
@@ -98,14 +95,43 @@ def _ar_step(
     with jax.named_scope("accept"):
         token, rng = choose(spec, logits[:, 0], settings.sampling, state.rng)
     with jax.named_scope("commit"):
-        if draft_cache is not None:  # the new token's taps in the context's first row
-            rest = state.context.shape[1] - 1
-            context = jnp.pad(features, ((0, 0), (0, rest), (0, 0))).astype(state.context.dtype)
+        if taps:
+            with jax.named_scope("draft"):
+                draft_cache, context, pending = _pend(drafter, state, settings, features)
         scores = round_scores(spec, logits, token[:, None])
         accepted = jnp.zeros_like(token)
         return _commit(
-            state, token[:, None], accepted, cache, context, draft_cache, rng, settings, scores
+            state,
+            token[:, None],
+            accepted,
+            cache,
+            context,
+            draft_cache,
+            rng,
+            settings,
+            scores,
+            pending=pending,
         )
+
+
+def _pend(drafter: DFlashDrafter, state: DecodeState, settings: RowSettings, features):
+    """A plain round's drafter context: (drafter cache, context, rows pending before the new
+    token's taps, which follow them). The pending rows are cached only once some running row's
+    fill the context (then every row's: one drafter pass per block of plain rounds, not one
+    each; the speculative round after them caches what is left)."""
+    width, new = state.context.shape[1], features.astype(state.context.dtype)
+    full = (state.context_count >= width) & ~state.done & ~settings.paused
+
+    def cached(_):
+        fresh = jnp.pad(new, ((0, 0), (0, width - 1), (0, 0)))
+        return _cache_context(drafter, state), fresh, jnp.zeros_like(state.context_count)
+
+    def appended(_):
+        at = jnp.minimum(state.context_count, width - 1)[:, None, None]
+        context = jnp.where(jnp.arange(width)[None, :, None] == at, new, state.context)
+        return state.draft_cache, context, state.context_count
+
+    return jax.lax.cond(full.any(), cached, appended, None)
 
 
 def _dflash_round(
@@ -328,15 +354,20 @@ def _commit(
     scores: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     draft_topk: jax.Array | None = None,
     tree: tuple[jax.Array, jax.Array] | None = None,
+    pending: jax.Array | None = None,
 ):
     """Keep ``produced`` tokens per row (rows already done or paused keep everything as
-    it was) and report (with ``scores``, the emitted tokens' logprobs)."""
+    it was) and report (with ``scores``, the emitted tokens' logprobs); the context's rows are
+    ``pending`` ones (a plain round's, not yet cached) and the produced tokens'."""
     start, paused = state.target_cache.length, settings.paused
     produced, stopped, done = limit_round(
         emitted, accepted, settings.max_length, start, settings.stop_ids, state.done | paused
     )
     last = jnp.take_along_axis(emitted, jnp.maximum(produced - 1, 0)[:, None], axis=1)[:, 0]
+    count = None
     if context is not None:  # a paused row's context is cached again by the round it runs in
+        count = produced if pending is None else pending + produced
+        count = jnp.where(paused, state.context_count, count)
         context = jnp.where(paused[:, None, None], state.context, context)
         kept = jnp.where(paused, state.draft_cache.length, draft_cache.length)
         draft_cache = draft_cache.replace(length=kept)
@@ -347,6 +378,6 @@ def _commit(
         rng=jnp.where(paused[:, None], state.rng, rng),
         draft_cache=draft_cache,
         context=context,
-        context_count=None if context is None else jnp.where(paused, state.context_count, produced),
+        context_count=count,
     )
     return new_state, RoundReport.encode(emitted, produced, stopped, draft_topk, tree, scores)

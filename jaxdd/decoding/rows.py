@@ -329,14 +329,21 @@ class RowPool:
         """Start one round for every row without waiting for it: the greedy
         round while every active row is greedy, else the sampled one; before it, the next chunk of
         each row still prefilling."""
+        # a prefill dispatched before the round adds to its time
+        prefills = bool(self._prefilled) or any(e.next is not None for _, e in self.table.items())
+        sampled, tier = self._before_round()
+        ticket = dataclasses.replace(self.chooser.choose(tier), timed=not prefills)
+        self._run_round(self.round_set.spec(ticket.name, sampled), tier, ticket)
+
+    def _before_round(self) -> tuple[bool, int]:
+        """The next chunk of each row still prefilling dispatched and the rows grown: whether the
+        round must be the sampled one, and its tier."""
         for row, entry in self.table.items():
             if entry.next is not None:
                 self._prefill_next(row, entry)
         self._grow()
         sampled = any(not self._sampling[row].greedy for row, _ in self.table.items())
-        tier = next(t for t in self.tiers if t > self.table.highest())
-        ticket = self.chooser.choose(tier)
-        self._run_round(self.round_set.spec(ticket.name, sampled), tier, ticket)
+        return sampled, next(t for t in self.tiers if t > self.table.highest())
 
     def _grow(self) -> None:
         """Each decoding row takes the pages this round can write (past its length once the rounds
@@ -412,6 +419,19 @@ class RowPool:
         self.settings = jax.device_put(self.host_settings())
         return self.settings
 
+    def time_rounds(self) -> None:
+        """Run each round of the set at each tier over a short request, timed for the chooser
+        (the first run of each compiles it), before any request is admitted."""
+        if self.state is None:
+            self.state = self._empty_state()
+        [row] = self.admit([RowRequest([1], min(self.width + 1, self.max_len - 1), [], GREEDY)])
+        for spec in self.round_set.specs():
+            for tier in self.tiers:
+                with self.chooser.timing(round_name(spec), tier):
+                    self._run_round(spec, tier)
+                    self.collect()
+        self.release(row)
+
     def host_settings(self, rows: slice = slice(None)) -> RowSettings:
         """The per-row settings of ``rows`` as host arrays."""
         sampling = SamplingArrays.of(self._sampling[rows])
@@ -427,7 +447,8 @@ class RowPool:
         logprobs its scoring prefill; with the prefix cache, the prefill after a hit; with chunks,
         a chunk's) and each tier's sampled and greedy rounds (twice each, so a second call finds
         what the first left: shardings and layouts settle after one). The prefix cache starts
-        empty after it."""
+        empty after it. Its rounds time the set for the chooser and choose nothing: its counts
+        and acceptance estimates start at the first round served."""
         requests = self.shape.warm_up_requests(self.prefix_cache)
         for _ in range(2):
             for request in requests:
@@ -435,12 +456,8 @@ class RowPool:
                 # the first token ends it; a prompt in chunks takes a round each
                 for _ in range(len(request.prompt) + 1):
                     if self.busy:
-                        self.step()
-            [row] = self.admit([RowRequest([1], min(self.width + 1, self.max_len - 1), [], GREEDY)])
-            for spec in self.round_set.specs():
-                for tier in self.tiers:
-                    with self.chooser.timing(round_name(spec), tier):
-                        self._run_round(spec, tier)
+                        sampled, tier = self._before_round()
+                        self._run_round(self.spec if sampled else self.greedy_spec, tier)
                         self.collect()
-            self.release(row)
+            self.time_rounds()
             self.pages.clear()  # each pass prefills whole what it prefilled whole before

@@ -77,7 +77,7 @@ def seconds(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.command_parser("python -m jaxdd.serve", __doc__)
-    cli.add_model_flags(parser, auto_budget=True)
+    cli.add_model_flags(parser)
     parser.add_argument(
         "--max-batch", type=positive, default=8, help="decode rows: requests decoded at once"
     )

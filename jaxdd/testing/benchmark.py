@@ -9,6 +9,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -80,3 +81,15 @@ def process_memory_mb(field: str = "VmHWM") -> float:
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     raise OSError(f"/proc/self/status: no {field}")
+
+
+def plot_by_clients(
+    axis: Any, clients: list[int], series: dict[str, tuple[list[float], str]], title: str
+) -> None:
+    """Generated tokens/s against concurrent clients on a matplotlib ``axis`` (log scale, a tick
+    per count): ``series`` by label, each its rates (one per count) and line style."""
+    for label, (rates, style) in series.items():
+        axis.plot(clients, rates, style, label=label)
+    axis.set(xscale="log", xlabel="concurrent clients", ylabel="generated tokens / s", title=title)
+    axis.set_xticks(clients, [str(c) for c in clients])
+    axis.legend()

@@ -66,6 +66,24 @@ def test_ar_and_dflash_match_hf_greedy(checkpoints, capsys):
     assert tree["method"] == "ddtree" and tree["output_ids"] == expected
     block = dflash["options"]["block"]  # the drafter's block size, filled in by the decoder
     assert ar["options"] == {} and block > 1 and tree["options"] == {"block": block, "budget": 16}
+    assert tree["rounds_by_spec"] == {"ddtree-16": len(tree["acceptance_lengths"])}
+
+
+@pytest.mark.slow
+def test_budget_auto_decodes_plain_greedy_tokens_and_counts_its_rounds(checkpoints, capsys):
+    model, target, drafter = checkpoints
+    expected = hf_greedy(model, PROMPT, 24)
+    common = ["--checkpoint", str(target), "--drafter", str(drafter), "--stop-ids", "0"]
+    common += ["--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "24"]
+    for method, names in (
+        ("ddtree", {"ddtree-3", "ddtree-1", "ar"}),
+        ("dflash", {"dflash-4", "ar"}),
+    ):
+        auto = run_json(capsys, *common, "--method", method, "--budget", "auto")
+        assert auto["output_ids"] == expected, method
+        rounds = auto["rounds_by_spec"]
+        assert set(rounds) == names and sum(rounds.values()) == len(auto["acceptance_lengths"])
+        assert all(count >= 1 for count in rounds.values())  # each measured before choosing
 
 
 def test_text_prompt_from_argument_file_and_stdin_streams(
@@ -169,12 +187,14 @@ def test_bad_arguments(checkpoints, tmp_path, capsys):
         (["text", "--prompt-ids", "1"], "not allowed with argument"),
         (["--prompt-ids", "1", "--method", "dflash"], "--method dflash needs --drafter"),
         (["--prompt-ids", "1", "--max-new-tokens", "0"], "must be >= 1"),
+        (["--prompt-ids", "1", "--budget", "fast"], "--budget: expected an integer, got 'fast'"),
         (["--prompt-ids", "1", "--method", "tree"], "invalid choice: 'tree'"),
         (["--prompt-ids", "1", "--method", "ddtree"], "--method ddtree needs --drafter"),
     ]:
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as exited:
             main(["--checkpoint", str(target), *argv])
-        assert message in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.count("\n") == 1 and message in err, (argv, err)
     assert drafter.exists()
 
 
@@ -268,6 +288,10 @@ def test_faults_are_one_line_errors(checkpoints, tmp_path, capsys, monkeypatch):
         (
             ["--checkpoint", str(target), "--prompt-ids", "1", "--block-size", "4"],
             "--block-size does not apply to --method ar",
+        ),
+        (
+            ["--checkpoint", str(target), "--prompt-ids", "1", "--budget", "auto"],
+            "--budget does not apply to --method ar",
         ),
     ]
     tokenized = corrupt_copy(target, tmp_path / "t3", "tokenizer.json", b"")

@@ -60,6 +60,8 @@ def context_whole(pool: RowPool) -> None:
     [
         ("ddtree", ["ar", "ar", "ddtree-7", "ddtree-3", "ar", "ddtree-7", "ddtree-3", "ddtree-3"]),
         ("dflash", ["ar", "dflash-8", "dflash-8", "ar", "ar", "ar", "dflash-8"]),
+        # plain rounds past the context's block: their pending taps cached once it is full
+        ("ddtree", ["ar"] * 11 + ["ddtree-7", "ddtree-3"]),
     ],
 )
 def test_any_sequence_of_rounds_decodes_plain_greedy_tokens(decoder, method, sequence):
@@ -83,7 +85,8 @@ def test_the_chooser_runs_every_round_of_the_set_without_compiling(decoder):
     assert counted.rounds == 2 * 3 * len(pool.tiers) + memory_maps.OWN_PROGRAMS
     assert warming.count <= counted.prefills + counted.rounds
     pool.chooser.probe_every = 4  # every round of the set runs within the few rounds here
-    assert set(pool.chooser.own) == {(n, t) for n in pool.round_set.names for t in pool.tiers}
+    assert set(pool.chooser.base) == {(n, t) for n in pool.round_set.names for t in pool.tiers}
+    assert set(pool.chooser.rounds.values()) == {0} and pool.chooser.tokens == {"ar": 1.0}
     greedy = [RowRequest(prompt, 48, [0]) for prompt in prompts(11, 2)]
     sampled = RowRequest(greedy[0].prompt, 24, [0], jaxdd.Sampling(0.8, 0.95, 0, 3))
     with compile_clock() as clock:
@@ -99,3 +102,21 @@ def test_the_chooser_runs_every_round_of_the_set_without_compiling(decoder):
 def test_plain_decoding_has_nothing_to_choose(decoder):
     with pytest.raises(InputError, match="budget"):
         RowPool.serving(decoder, method="ar", rows=1, max_len=16, auto=True)
+
+
+@pytest.mark.slow
+def test_a_batch_with_budget_auto_decodes_plain_greedy_tokens(decoder):
+    batch = prompts(13, 3)
+    options = {"max_new_tokens": 32, "stop_token_ids": [0]}
+    results = decoder.generate_batch(batch, method="ddtree", budget="auto", **options)
+    for prompt, result in zip(batch, results, strict=True):
+        assert result.tokens == decoder.generate(prompt, method="ar", **options).tokens
+        assert set(result.spec_rounds) == {"ddtree-7", "ddtree-3", "ar"}
+        assert sum(result.spec_rounds.values()) >= result.rounds
+
+
+def test_a_budget_is_a_number_or_auto_and_auto_needs_a_drafted_method(decoder):
+    with pytest.raises(InputError, match="budget: expected an integer or 'auto', got 'fast'"):
+        decoder.generate([1, 2], method="ddtree", budget="fast")
+    with pytest.raises(InputError, match="budget"):
+        decoder.generate([1, 2], method="ar", budget="auto")
