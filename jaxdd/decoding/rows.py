@@ -43,7 +43,14 @@ import numpy as np
 
 from jaxdd.cache import RowTable
 from jaxdd.cache.pages import PageTable
-from jaxdd.decoding.checks import MAX_STOP_TOKENS, PoolOptions, check_row_request, pool_shape
+from jaxdd.decoding.checks import (
+    MAX_STOP_TOKENS,
+    OWN_WORDS,
+    PoolOptions,
+    Words,
+    check_request,
+    pool_shape,
+)
 from jaxdd.decoding.programs import state_programs
 from jaxdd.decoding.requests import (
     Decoder,
@@ -151,11 +158,13 @@ class RowPool:
         """Rows held by a request."""
         return len(self.table)
 
-    def check(self, request: RowRequest) -> RowRequest:
-        """``request`` checked (its lists copied): ``InputError`` naming what in it this pool
-        cannot run. One the pool admits finds its pages once enough are free (the pool holds a
-        request of ``max_len``)."""
-        return check_row_request(request, self.shape, self.decoder.config)
+    def check(
+        self, request: RowRequest, words: Words = OWN_WORDS, always: tuple[int, ...] = ()
+    ) -> RowRequest:
+        """``request`` checked for this pool (``checks.check_request``: its stop ids with the
+        caller's ``always`` ones, errors in its ``words``). One the pool admits finds its pages
+        once enough are free (the pool holds a request of ``max_len``)."""
+        return check_request(request, self.shape, self.decoder.config, words, always)
 
     def admit(self, requests: list[RowRequest], owners: list[Any] | None = None) -> list[int]:
         """Prefill ``requests`` (checked by ``check``; as many as ``admissible`` allows) into free

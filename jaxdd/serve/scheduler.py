@@ -136,15 +136,6 @@ class Scheduler:
         """Top logprobs a request may ask for per token (``--max-logprobs``; 0: no logprobs)."""
         return self.pool.spec.top_logprobs
 
-    def check(self, request: RowRequest) -> RowRequest:
-        """The request as the rows will run it, checked once before it is queued (``InputError``
-        naming the field; ``too_long`` says whether its length is what the server refuses)."""
-        return self.pool.check(request)
-
-    def too_long(self, prompt: list[int], max_new_tokens: int) -> bool:
-        pool = self.pool
-        return len(prompt) > pool.max_prompt or len(prompt) + max_new_tokens > pool.max_len
-
     def _running(self) -> list[Job]:
         return [job for _, job in self.pool.owners()]
 

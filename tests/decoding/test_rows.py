@@ -14,6 +14,7 @@ from jaxdd.decoding.requests import RowRequest
 from jaxdd.decoding.rows import RowPool
 from jaxdd.errors import InputError
 from jaxdd.runtime.compile_time import compile_clock
+from jaxdd.serve.jobs import SERVER_WORDS
 
 
 @pytest.fixture(scope="module")
@@ -167,22 +168,22 @@ def test_admissions_and_releases_while_rounds_are_in_flight(decoder):
 def test_requests_past_the_pool_are_refused(decoder):
     pool = RowPool.serving(decoder, method="dflash", rows=1, max_len=40, max_prompt=16)
     with pytest.raises(InputError, match="max-len 40"):
-        pool.check(RowRequest([1, 2, 3], 38, [0], jaxdd.Sampling()))
+        pool.check(RowRequest([1, 2, 3], 38, [0], jaxdd.Sampling()), SERVER_WORDS)
     with pytest.raises(InputError, match="at most 16"):
-        pool.check(RowRequest([1] * 17, 2, [0], jaxdd.Sampling()))
+        pool.check(RowRequest([1] * 17, 2, [0], jaxdd.Sampling()), SERVER_WORDS)
     with pytest.raises(InputError, match="outside the vocabulary"):
-        pool.check(RowRequest([1, 4096], 2, [0], jaxdd.Sampling()))
+        pool.check(RowRequest([1, 4096], 2, [0], jaxdd.Sampling()), SERVER_WORDS)
     with pytest.raises(InputError, match="logprobs: this pool computes none"):
-        pool.check(RowRequest([1, 2], 2, [0], jaxdd.Sampling(), logprobs=0))
+        pool.check(RowRequest([1, 2], 2, [0], jaxdd.Sampling(), logprobs=0), SERVER_WORDS)
     scoring = RowPool.serving(
         decoder, method="dflash", rows=1, max_len=40, max_prompt=16, max_logprobs=2
     )
     with pytest.raises(InputError, match=r"logprobs: must be an integer in \[0, 2\], got 3"):
-        scoring.check(RowRequest([1, 2], 2, [0], jaxdd.Sampling(), logprobs=3))
+        scoring.check(RowRequest([1, 2], 2, [0], jaxdd.Sampling(), logprobs=3), SERVER_WORDS)
     with pytest.raises(InputError, match="max_tokens: must be an integer >= 1, got 0"):
-        scoring.check(RowRequest([1, 2], 0, [0], jaxdd.Sampling(), logprobs=2))
+        scoring.check(RowRequest([1, 2], 0, [0], jaxdd.Sampling(), logprobs=2), SERVER_WORDS)
     with pytest.raises(InputError, match="logprobs: scoring the prompt needs logprobs"):
-        scoring.check(RowRequest([1, 2], 0, [0], jaxdd.Sampling(), score_prompt=True))
+        scoring.check(RowRequest([1, 2], 0, [0], jaxdd.Sampling(), score_prompt=True), SERVER_WORDS)
     scored = RowRequest([1, 2], 0, [0], jaxdd.Sampling(), 1, True)
     assert scoring.check(scored) == scored
 
