@@ -287,7 +287,7 @@ class SpeculativeDecoder:
                 for update in driver.step().values():
                     _take(results, update, emit)
             decode_seconds = time.perf_counter() - t0
-        spec = pool.spec
+        spec = pool.shape.spec
         round_shape = {} if spec.method == "ar" else {"block": spec.block}
         if spec.method == "ddtree":
             round_shape["budget"] = spec.budget
@@ -342,7 +342,7 @@ class SpeculativeDecoder:
         """Check the requests, fix the static shapes and run the prefill, every page the requests
         can reach taken (``step`` runs on the state alone): (plan, state after the prefill)."""
         pool = self._admitted(prompts, GenerateOptions.of(options, fields))
-        return RoundBatch(pool.spec, pool.reserve()), pool.state
+        return RoundBatch(pool.shape.spec, pool.reserve()), pool.state
 
     def _admitted(self, prompts: list[list[int]], options: GenerateOptions) -> RowPool:
         """A pool of rows for the batch (checked, its round sized), every request admitted."""

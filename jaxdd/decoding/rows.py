@@ -65,7 +65,6 @@ from jaxdd.decoding.sampling import GREEDY, SamplingArrays
 from jaxdd.decoding.speculation import Chooser, Ticket
 from jaxdd.decoding.state import DecodeState, RoundSpec, RowSettings
 from jaxdd.decoding.updates import DeviceReport, read_updates
-from jaxdd.errors import InputError
 from jaxdd.runtime.buckets import prompt_bucket
 
 
@@ -83,33 +82,22 @@ class RowPool:
         self.decoder = decoder
         self.shape = shape
         self.programs = state_programs(shape.formats(decoder))
-        self.prefill_chunk = shape.prefill_chunk
-        self.rows = shape.rows
-        self.max_len = shape.max_len
-        self.max_prompt = shape.max_prompt
-        self.spec = shape.spec
-        self.greedy_spec = shape.greedy_spec
-        self.slots = shape.slots
-        self.tiers = shape.tiers
-        self.method = shape.spec.method
-        self.block = shape.spec.block
-        self.budget = shape.spec.budget
-        self.models = decoder.models_for(self.spec)  # every round of the set reads these
-        self.round_set = round_set(decoder, self.spec, self.greedy_spec, auto)
+        self.models = decoder.models_for(shape.spec)  # every round of the set reads these
+        self.round_set = round_set(decoder, shape.spec, shape.greedy_spec, auto)
         self.chooser = Chooser(self.round_set.names)
         # Host copies of the per-row settings; the device copy is replaced whole at
         # the first round after admissions (a few hundred bytes), free rows keep their
         # last request's settings: a done row changes nothing whatever they say.
-        self._max_length = np.full((self.rows,), 2, np.int32)
-        self._stop_ids = np.full((self.rows, MAX_STOP_TOKENS), -1, np.int32)
-        self._sampling = [GREEDY] * self.rows
-        self._paused = np.zeros((self.rows,), bool)  # rows waiting this round for pages
+        self._max_length = np.full((shape.rows,), 2, np.int32)
+        self._stop_ids = np.full((shape.rows, MAX_STOP_TOKENS), -1, np.int32)
+        self._sampling = [GREEDY] * shape.rows
+        self._paused = np.zeros((shape.rows,), bool)  # rows waiting this round for pages
         self.paused_rounds = 0  # rounds a row waited for pages, over every row
         self.settings: RowSettings | None = None  # the device copy, made when a round needs it
         self.state: DecodeState | None = None
-        self.table: RowTable[RowEntry] = RowTable(self.rows)  # which request holds each row
+        self.table: RowTable[RowEntry] = RowTable(shape.rows)  # which request holds each row
         # which pages each row holds, and which the prefix cache keeps
-        self.pages = PageTable(self.rows, shape.paging, prefix_cache)
+        self.pages = PageTable(shape.rows, shape.paging, prefix_cache)
         # Reports not yet read: the prefills since the last dispatch,
         # and per round dispatched those before it and its own.
         self._prefilled: list[DeviceReport] = []
@@ -129,7 +117,7 @@ class RowPool:
     @property
     def width(self) -> int:
         """Tokens per report row: 1 for AR, else the block."""
-        return self.spec.width
+        return self.shape.spec.width
 
     def free_rows(self) -> list[int]:
         return self.table.free()
@@ -175,7 +163,7 @@ class RowPool:
         their ``owners``."""
         owners = [None] * len(requests) if owners is None else owners
         longest = max(len(request.prompt) for request in requests)
-        if self.state is None and longest <= (self.prefill_chunk or self.max_prompt):
+        if self.state is None and longest <= (self.shape.prefill_chunk or self.shape.max_prompt):
             return self._prefill_together(requests, owners)
         if self.state is None:
             self.state = self._empty_state()
@@ -194,13 +182,14 @@ class RowPool:
         request, start = entry.request, entry.next
         end = len(request.prompt)
         if entry.chunked:
-            end = min(end, start + self.prefill_chunk)
-        padded = prompt_bucket(self.prefill_chunk if entry.chunked else end - start)
+            end = min(end, start + self.shape.prefill_chunk)
+        padded = prompt_bucket(self.shape.prefill_chunk if entry.chunked else end - start)
         part = dataclasses.replace(request, prompt=request.prompt[start:end])
         tokens, count, seeds = pad_requests([part], 1, padded)
         one = self.host_settings(slice(row, row + 1))
         mesh = self.decoder.mesh
-        args = (self.spec, self.models, self.state, np.int32(row), tokens, count, one, seeds, mesh)
+        spec = self.shape.spec
+        args = (spec, self.models, self.state, np.int32(row), tokens, count, one, seeds, mesh)
         last = end == len(request.prompt)
         if start == 0 and last:
             self.state, report = self.programs.prefill_row(*args, request.score_prompt)
@@ -215,21 +204,21 @@ class RowPool:
 
     def _prefill_report(self, report: jax.Array, scored: int, holders: list) -> DeviceReport:
         """A prefill's report (its first tokens; with ``scored``, the prompt's scores)."""
-        top_logprobs = self.spec.top_logprobs
+        top_logprobs = self.shape.spec.top_logprobs
         return DeviceReport(report, 0, top_logprobs, scored, holders, self.width)
 
     def _prefill_together(self, requests: list[RowRequest], owners: list[Any]) -> list[int]:
         """``admit`` into a new pool: one prefill of every row, making its state."""
         padded = prompt_bucket(max(len(r.prompt) for r in requests))
-        tokens, prompt_len, seeds = pad_requests(requests, self.rows, padded)
+        tokens, prompt_len, seeds = pad_requests(requests, self.shape.rows, padded)
         # rows 0, 1, ...: the table is empty
         rows = [self._hold(request, owner) for request, owner in zip(requests, owners, strict=True)]
         # the prefill and every round read them
         self.settings = jax.device_put(self.host_settings())
         mesh = self.decoder.mesh
         score = any(r.score_prompt for r in requests)
-        paging = self.shape.paging
-        args = (self.spec, self.models, tokens, prompt_len, self.settings, seeds, paging, mesh)
+        paging, spec = self.shape.paging, self.shape.spec
+        args = (spec, self.models, tokens, prompt_len, self.settings, seeds, paging, mesh)
         self.state, report = self.programs.prefill_new(*args, score)
         for row, request in zip(rows, requests, strict=True):
             self.pages.insert(row, request.prompt)  # its rows are in both caches once prefilled
@@ -243,13 +232,12 @@ class RowPool:
         scored = len(request.prompt) if request.score_prompt else 0
         entry = RowEntry(request.max_new_tokens, owner, 0, request.logprobs, scored, request)
         reach, prompt = self.shape.reach(request), self._cacheable(request)
-        start = self.shape.start(request)
-        if not self.pages.fits(start, prompt, reach):
-            raise InputError.at("cache_tokens", "no free pages: admit what admissible() allows")
         row = self.table.take(entry)
-        entry.cached = self.pages.take(row, start, prompt, reach)
+        # admitted as ``admissible`` decided (or a new pool, sized for its batch): past it, an
+        # InvariantError
+        entry.cached = self.pages.take(row, self.shape.start(request), prompt, reach)
         rest = len(request.prompt) - entry.cached
-        entry.chunked = prompt is not None and rest > (self.prefill_chunk or rest)
+        entry.chunked = prompt is not None and rest > (self.shape.prefill_chunk or rest)
         stops = np.full((MAX_STOP_TOKENS,), -1, np.int32)
         stops[: len(request.stop_ids)] = request.stop_ids
         self._max_length[row] = len(request.prompt) + request.max_new_tokens
@@ -279,7 +267,7 @@ class RowPool:
         prompt = entry.request.prompt
         if entry.next is not None:  # still prefilling: the parts dispatched
             return prompt[: entry.next]
-        lag = 0 if self.method == "ar" else self.width
+        lag = 0 if self.shape.spec.method == "ar" else self.width
         kept = max(len(prompt), len(prompt) + entry.produced - 1 - lag)
         return (prompt + entry.output)[:kept]
 
@@ -343,7 +331,7 @@ class RowPool:
                 self._prefill_next(row, entry)
         self._grow()
         sampled = any(not self._sampling[row].greedy for row, _ in self.table.items())
-        tier = next(t for t in self.tiers if t > self.table.highest())
+        tier = next(t for t in self.shape.tiers if t > self.table.highest())
         ticket = self.chooser.choose(tier)
         self._run_round(self.round_set.spec(ticket.name, sampled), tier, ticket)
 
@@ -367,7 +355,7 @@ class RowPool:
     def _run_round(self, spec: RoundSpec, tier: int, ticket: Ticket | None = None) -> None:
         if self.settings is None:
             self.settings = jax.device_put(self.host_settings())
-        if tier == self.rows:
+        if tier == self.shape.rows:
             self.state, report = self.programs.decode_round(
                 spec, self.models, self.state, self.settings
             )
@@ -445,9 +433,10 @@ class RowPool:
                 for _ in range(len(request.prompt) + 1):
                     if self.busy:
                         self.step()
-            [row] = self.admit([RowRequest([1], min(self.width + 1, self.max_len - 1), [], GREEDY)])
+            length = min(self.width + 1, self.shape.max_len - 1)
+            [row] = self.admit([RowRequest([1], length, [], GREEDY)])
             for spec in self.round_set.specs():
-                for tier in self.tiers:
+                for tier in self.shape.tiers:
                     with self.chooser.timing(round_name(spec), tier):
                         self._run_round(spec, tier)
                         self.collect()

@@ -104,7 +104,7 @@ class Scheduler:
         self.channel = channel or Local()
         self._waiting: collections.deque[Job] = collections.deque()
         # rows free after the last admission: requests taking them do not count as waiting
-        self._free = pool.rows
+        self._free = pool.shape.rows
         metrics.cache_capacity.set(pool.cache_tokens)
         metrics.count_rounds(pool.chooser)
         self._wake = threading.Condition()
@@ -124,17 +124,17 @@ class Scheduler:
     @property
     def rows(self) -> int:
         """Requests decoded at once (``--max-batch``)."""
-        return self.pool.rows
+        return self.pool.shape.rows
 
     @property
     def max_len(self) -> int:
         """Prompt + new tokens, per request."""
-        return self.pool.max_len
+        return self.pool.shape.max_len
 
     @property
     def max_logprobs(self) -> int:
         """Top logprobs a request may ask for per token (``--max-logprobs``; 0: no logprobs)."""
-        return self.pool.spec.top_logprobs
+        return self.pool.shape.spec.top_logprobs
 
     def _running(self) -> list[Job]:
         return [job for _, job in self.pool.owners()]

@@ -226,7 +226,7 @@ def test_a_pool_of_pages_holds_short_requests_beside_a_long_one(decoder):
     options = {"method": "dflash", "rows": 18, "max_len": max_len, "max_prompt": 16}
     page = 64
     pool = RowPool.serving(decoder, cache_tokens=18 * page, **options)
-    assert pool.cache_tokens == 18 * page < 17 * pool.slots
+    assert pool.cache_tokens == 18 * page < 17 * pool.shape.slots
     assert all(pool.shape.start(r) <= page < pool.shape.reach(r) for r in (long, short[0]))
     pool.warm_up()
     assert pool.admissible([long, *short]) == 17  # the 18th finds a row and a page, and waits
