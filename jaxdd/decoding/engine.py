@@ -275,7 +275,7 @@ class SpeculativeDecoder:
         emit = on_tokens or (lambda request, tokens: None)
         with compile_clock() as clock:
             t0 = time.perf_counter()
-            pool = self._admitted(prompts, GenerateOptions.of(options, fields))
+            pool = self.admitted(prompts, options, **fields)
             driver = Driver(pool, arrivals=False)
             first = driver.first_tokens()
             prefill_seconds = time.perf_counter() - t0
@@ -297,13 +297,8 @@ class SpeculativeDecoder:
             result.round_shape = dict(round_shape)
         return results
 
-    def step(self, plan: RoundBatch, state: DecodeState) -> tuple[DecodeState, jax.Array]:
-        """One jitted round for the whole batch: (new state, the round's report [rows, ...])."""
-        round_ = programs_for(state, self.mesh).decode_round
-        return round_(plan.spec, self.models_for(plan.spec), state, plan.settings)
-
     def lower_round(self, plan: RoundBatch, state: DecodeState) -> jax.stages.Lowered:
-        """The round ``step`` runs for ``plan``, lowered for ``state``
+        """The round for ``plan``, lowered for ``state``
         (arrays or ShapeDtypeStructs): for compiling ahead of time
         (``jaxdd.plan``), reading the HLO, or profiling its stages."""
         round_ = programs_for(state, self.mesh).decode_round
@@ -336,17 +331,12 @@ class SpeculativeDecoder:
             drafter_kv=self.drafter_kv,
         )
 
-    def start(
+    def admitted(
         self, prompts: list[list[int]], options: GenerateOptions | None = None, **fields
-    ) -> tuple[RoundBatch, DecodeState]:
-        """Check the requests, fix the static shapes and run the prefill, every page the requests
-        can reach taken (``step`` runs on the state alone): (plan, state after the prefill)."""
-        pool = self._admitted(prompts, GenerateOptions.of(options, fields))
-        return RoundBatch(pool.shape.spec, pool.reserve()), pool.state
-
-    def _admitted(self, prompts: list[list[int]], options: GenerateOptions) -> RowPool:
-        """A pool of rows for the batch (checked, its round sized), every request admitted."""
-        requests, shape = self._batch_shape(prompts, options)
+    ) -> RowPool:
+        """A pool of rows for the batch (checked, its round sized), every request admitted (its
+        prefill dispatched): what ``generate_batch`` steps (options as there)."""
+        requests, shape = self._batch_shape(prompts, GenerateOptions.of(options, fields))
         pool = RowPool(self, shape)
         pool.admit(requests, owners=list(range(len(requests))))
         plan = RoundBatch(shape.spec, jax.device_put(pool.host_settings()))

@@ -401,7 +401,7 @@ class RowPool:
     def reserve(self) -> RowSettings:
         """Every row's prefill dispatched whole and the pages its request can reach taken, and
         the settings on the device saying so: for a caller that runs rounds on ``state`` itself
-        (``SpeculativeDecoder.start``), with no host between them to grow the rows."""
+        (``jaxdd.testing.rounds.BatchRound``), with no host between them to grow the rows."""
         for row, entry in self.table.items():
             while entry.next is not None:
                 self._prefill_next(row, entry)

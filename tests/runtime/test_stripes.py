@@ -162,7 +162,7 @@ def test_striped_gives_the_tokens_of_one_device(checkpoints, one_device, striped
 
 def test_striped_cache_is_split_along_its_pages(checkpoints):
     dec = decoder(checkpoints, 8, cache_layout="striped")
-    _, state = dec.start([PROMPT], max_new_tokens=8)
+    state = dec.admitted([PROMPT], max_new_tokens=8).state
     latent = state.target_cache.latent[0]
     assert latent.sharding.spec == PAGES
     assert latent.addressable_shards[0].data.shape[0] == latent.shape[0] // 8
@@ -183,7 +183,8 @@ def test_the_kernel_form_over_fp8_drafter_kv_gives_the_same_tokens(checkpoints, 
     cache striped: the target's tokens (the drafts may change, the tokens may not)."""
     dec = decoder(checkpoints, 8, cache_layout="striped", attention="pallas", drafter_kv="fp8")
     dec.stripes = Stripes(dec.mesh, PAGE)
-    assert dec.start([PROMPT], max_new_tokens=8)[1].draft_cache.keys[0].dtype == jnp.float8_e4m3fn
+    state = dec.admitted([PROMPT], max_new_tokens=8).state
+    assert state.draft_cache.keys[0].dtype == jnp.float8_e4m3fn
     names = ["dflash", "ddtree"]  # greedy: sampled tokens follow the drafts they were offered
     tokens = {name: result[0] for name, result in generate(dec, names).items()}
     assert tokens == {name: one_device[name][0] for name in names}
