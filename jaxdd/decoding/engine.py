@@ -297,12 +297,12 @@ class SpeculativeDecoder:
             result.round_shape = dict(round_shape)
         return results
 
-    def lower_round(self, plan: RoundBatch, state: DecodeState) -> jax.stages.Lowered:
-        """The round for ``plan``, lowered for ``state``
+    def lower_round(self, batch: RoundBatch, state: DecodeState) -> jax.stages.Lowered:
+        """The round of ``batch``, lowered for ``state``
         (arrays or ShapeDtypeStructs): for compiling ahead of time
         (``jaxdd.plan``), reading the HLO, or profiling its stages."""
         round_ = programs_for(state, self.mesh).decode_round
-        return round_.lower(plan.spec, self.models_for(plan.spec), state, plan.settings)
+        return round_.lower(batch.spec, self.models_for(batch.spec), state, batch.settings)
 
     def round_spec(
         self,
@@ -339,10 +339,10 @@ class SpeculativeDecoder:
         requests, shape = self._batch_shape(prompts, GenerateOptions.of(options, fields))
         pool = RowPool(self, shape)
         pool.admit(requests, owners=list(range(len(requests))))
-        plan = RoundBatch(shape.spec, jax.device_put(pool.host_settings()))
+        batch = RoundBatch(shape.spec, jax.device_put(pool.host_settings()))
         trained = None if self.drafter is None else self.drafter.config.block_size
-        lower = lambda: self.lower_round(plan, pool.state)
-        self._round_sizes.check(lower, plan.spec, pool.state, plan.settings, trained)
+        lower = lambda: self.lower_round(batch, pool.state)
+        self._round_sizes.check(lower, batch.spec, pool.state, batch.settings, trained)
         return pool
 
     def _batch_shape(

@@ -114,11 +114,6 @@ class RowPool:
         pool.state = pool._empty_state()
         return pool
 
-    @property
-    def width(self) -> int:
-        """Tokens per report row: 1 for AR, else the block."""
-        return self.shape.spec.width
-
     def free_rows(self) -> list[int]:
         return self.table.free()
 
@@ -171,7 +166,7 @@ class RowPool:
         for request, owner in zip(requests, owners, strict=True):
             rows.append(row := self._hold(request, owner))
             entry = self.table.holder(row)
-            entry.next = entry.cached
+            entry.next = entry.cached_tokens
             self._prefill_next(row, entry)  # before the next takes its pages: it may hit these
         return rows
 
@@ -205,7 +200,7 @@ class RowPool:
     def _prefill_report(self, report: jax.Array, scored: int, holders: list) -> DeviceReport:
         """A prefill's report (its first tokens; with ``scored``, the prompt's scores)."""
         top_logprobs = self.shape.spec.top_logprobs
-        return DeviceReport(report, 0, top_logprobs, scored, holders, self.width)
+        return DeviceReport(report, 0, top_logprobs, scored, holders, self.shape.spec.width)
 
     def _prefill_together(self, requests: list[RowRequest], owners: list[Any]) -> list[int]:
         """``admit`` into a new pool: one prefill of every row, making its state."""
@@ -235,8 +230,8 @@ class RowPool:
         row = self.table.take(entry)
         # admitted as ``admissible`` decided (or a new pool, sized for its batch): past it, an
         # InvariantError
-        entry.cached = self.pages.take(row, self.shape.start(request), prompt, reach)
-        rest = len(request.prompt) - entry.cached
+        entry.cached_tokens = self.pages.take(row, self.shape.start(request), prompt, reach)
+        rest = len(request.prompt) - entry.cached_tokens
         entry.chunked = prompt is not None and rest > (self.shape.prefill_chunk or rest)
         stops = np.full((MAX_STOP_TOKENS,), -1, np.int32)
         stops[: len(request.stop_ids)] = request.stop_ids
@@ -267,7 +262,7 @@ class RowPool:
         prompt = entry.request.prompt
         if entry.next is not None:  # still prefilling: the parts dispatched
             return prompt[: entry.next]
-        lag = 0 if self.shape.spec.method == "ar" else self.width
+        lag = 0 if self.shape.spec.method == "ar" else self.shape.spec.width
         kept = max(len(prompt), len(prompt) + entry.produced - 1 - lag)
         return (prompt + entry.output)[:kept]
 
@@ -312,7 +307,8 @@ class RowPool:
     def may_finish(self) -> bool:
         """Whether a busy row may reach its length in the next round
         (a round dispatched ahead of it would be wasted work)."""
-        return any(e.produced + self.width >= e.max_new_tokens for _, e in self.table.items())
+        width = self.shape.spec.width
+        return any(e.produced + width >= e.max_new_tokens for _, e in self.table.items())
 
     def needs_round(self) -> bool:
         """Whether a busy row wants more than its prefill's first token (else ``collect`` alone
@@ -343,7 +339,7 @@ class RowPool:
             id(entry) for reports in self._in_flight for _, _, entry in reports[-1].holders
         )
         length = lambda e: len(e.request.prompt) + max(e.produced - 1, 0)  # committed, known
-        ahead = lambda e: ran[id(e)] * self.width + self.shape.round_tokens
+        ahead = lambda e: ran[id(e)] * self.shape.spec.width + self.shape.round_tokens
         wants = {row: length(e) + ahead(e) for row, e in self.table.items() if e.next is None}
         paused, held = np.zeros_like(self._paused), self.pages.held
         paused[self.pages.grow(wants)] = True
@@ -433,7 +429,7 @@ class RowPool:
                 for _ in range(len(request.prompt) + 1):
                     if self.busy:
                         self.step()
-            length = min(self.width + 1, self.shape.max_len - 1)
+            length = min(self.shape.spec.width + 1, self.shape.max_len - 1)
             [row] = self.admit([RowRequest([1], length, [], GREEDY)])
             for spec in self.round_set.specs():
                 for tier in self.shape.tiers:

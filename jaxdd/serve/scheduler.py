@@ -70,7 +70,7 @@ class Job:
     arrived: float = dataclasses.field(default_factory=time.monotonic)
     first_token_at: float | None = None
     first_tokens: int = 0  # the tokens delivered with the first (its update holds a round's too)
-    cached: int = 0  # prompt tokens found in the prefix cache
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
     _cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -335,11 +335,11 @@ class Scheduler:
         if update.first:
             job.first_token_at = now
             job.first_tokens = len(update.tokens)
-            job.cached = update.cached
+            job.cached_tokens = update.cached_tokens
             self.metrics.ttft.observe(now - job.arrived)
             if self.pool.prefix_cache:
                 self.metrics.prefix_queries.inc(len(job.request.prompt))
-                self.metrics.prefix_hits.inc(update.cached)
+                self.metrics.prefix_hits.inc(update.cached_tokens)
         self.metrics.generation_tokens.inc(len(update.tokens))
         if update.finish is not None and update.produced > job.first_tokens:
             self.metrics.tpot.observe(

@@ -271,6 +271,6 @@ def test_a_row_asks_for_the_rounds_in_flight_it_runs_in(decoder):
     pool.dispatch()
     one_round = pool.shape.round_tokens
     assert asked[0] == {first: 12 + one_round}
-    assert asked[1] == {first: 12 + pool.width + one_round}
-    assert asked[2] == {first: 12 + 2 * pool.width + one_round, second: 5 + one_round}
+    assert asked[1] == {first: 12 + pool.shape.spec.width + one_round}
+    assert asked[2] == {first: 12 + 2 * pool.shape.spec.width + one_round, second: 5 + one_round}
     pool.release_all()

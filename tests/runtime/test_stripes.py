@@ -241,7 +241,7 @@ def test_a_striped_prefix_cache_hit_gives_one_devices_tokens(striped, alone):
     assert compiles.count == 0 and len(said) == 20
     # the first turn's prompt and answer (less the newest token and the drafter's lag of a
     # round), in whole pages of 4
-    assert none == 0 and found == (len(PROMPT) + 19 - pool.width) // PAGE * PAGE
+    assert none == 0 and found == (len(PROMPT) + 19 - pool.shape.spec.width) // PAGE * PAGE
     expected = alone.generate(
         history, method="ddtree", budget=12, max_new_tokens=16, stop_token_ids=[], sampling=sampling
     )
