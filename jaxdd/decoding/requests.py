@@ -42,8 +42,9 @@ class Decoder(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class RowRequest:
-    """One request as the rows take it once ``RowPool.check`` passed it:
-    its stop ids the full set (the model's own included)."""
+    """One request, made once by its caller (the server from an HTTP body, ``generate_batch``
+    from its arguments) and checked once (``checks.check_request``): its stop ids those it asks
+    for, once checked with its caller's own (the model's EOS ids) among them."""
 
     prompt: list[int]
     max_new_tokens: int  # 0 only with ``score_prompt``: the prompt scored alone
