@@ -23,6 +23,7 @@ from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.testing.benchmark import timed, write_result
 from jaxdd.testing.oracle import OracleDrafter
 from jaxdd.testing.reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model
+from jaxdd.testing.rounds import BatchRound
 from jaxdd.testing.stages import STAGES, round_stages
 
 RESULTS = Path(__file__).parent / "results"
@@ -35,14 +36,15 @@ def stage_split(
 ) -> dict:
     """Op ms per stage of the real DDTree round (its named
     scopes in a profile), from the state after the prefill."""
-    plan, state = decoder.start(
+    batch_round = BatchRound.of(
+        decoder,
         [prompt],
         method="ddtree",
         max_new_tokens=max_length - len(prompt),
         budget=budget,
         stop_token_ids=[],
     )
-    return round_stages(decoder, plan, state)
+    return round_stages(batch_round)
 
 
 def run(decoder, prompts, method, repeats, **kwargs) -> dict:

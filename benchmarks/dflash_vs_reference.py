@@ -21,8 +21,6 @@ import json
 import tempfile
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -32,6 +30,7 @@ from jaxdd.decoding.engine import SpeculativeDecoder
 from jaxdd.testing.benchmark import median_ms, timed, write_result
 from jaxdd.testing.oracle import OracleDrafter, patched_reference_drafter
 from jaxdd.testing.reference import TINY_K2, drafter_config, hf_drafter, hf_greedy, hf_model
+from jaxdd.testing.rounds import BatchRound
 from jaxdd.testing.stages import round_stages
 
 RESULTS = Path(__file__).parent / "results"
@@ -42,12 +41,13 @@ def stage_breakdown(
 ) -> dict:
     """One round from the state right after the prefill: its median wall ms, and the
     op ms of each of its stages (the real round's named scopes in a profile)."""
-    plan, state = decoder.start(
-        [prompt], max_new_tokens=max_length - len(prompt), stop_token_ids=[], **options
+    new_tokens = max_length - len(prompt)
+    batch_round = BatchRound.of(
+        decoder, [prompt], max_new_tokens=new_tokens, stop_token_ids=[], **options
     )
-    copies = [jax.tree.map(jnp.copy, state) for _ in range(60)]  # the round donates its state
-    full = median_ms(lambda: decoder.step(plan, copies.pop()))
-    return {"full_round_ms": full, **round_stages(decoder, plan, state)}
+    copies = batch_round.copies(60)  # the round donates its state
+    full = median_ms(lambda: batch_round(copies.pop()))
+    return {"full_round_ms": full, **round_stages(batch_round)}
 
 
 def run(

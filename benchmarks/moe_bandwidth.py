@@ -40,6 +40,7 @@ from jaxdd.runtime import cpu_kernels
 from jaxdd.runtime.backend import Backend
 from jaxdd.testing.benchmark import median_ms, timed, write_result
 from jaxdd.testing.reference import TINY_K2
+from jaxdd.testing.rounds import BatchRound
 from jaxdd.weights.checkpoint import CheckpointHeader, groups_of, write_checkpoint
 
 RESULTS = Path(__file__).parent / "results"
@@ -144,14 +145,16 @@ def with_dispatch(model: KimiTarget, dispatch: str, kernel: bool = True) -> jaxd
 def ar_stepper(target: jaxdd.Target) -> tuple[Callable[[], object], int]:
     """(a function running one AR decode round, cache slots)."""
     decoder = SpeculativeDecoder(target, backend=target.backend)
-    plan, state = decoder.start([PROMPT], method="ar", max_new_tokens=512, stop_token_ids=[])
-    holder = {"state": state}
+    batch_round = BatchRound.of(
+        decoder, [PROMPT], method="ar", max_new_tokens=512, stop_token_ids=[]
+    )
+    holder = {"state": batch_round.state}
 
     def step():
-        holder["state"], report = decoder.step(plan, holder["state"])
+        holder["state"], report = batch_round(holder["state"])
         return report
 
-    return step, state.target_cache.slots
+    return step, batch_round.state.target_cache.slots
 
 
 def verify_ms(target: jaxdd.Target, repeats: int, slots: int) -> float:

@@ -36,6 +36,15 @@ class InputError(FieldError):
     generation settings that the model cannot take."""
 
 
+class RequestRefused(InputError):
+    """A request its pool cannot run, and why: ``reason`` "too_long" (past the pool's lengths) or
+    "invalid" (anything else), so no caller works out again why it was refused."""
+
+    def __init__(self, message: str, field: str, reason: str = "invalid"):
+        super().__init__(message, field)
+        self.reason = reason
+
+
 class InvariantError(RuntimeError):
     """A caller broke an invariant the library keeps (a bug in jaxdd, not bad input): not a
     ``FieldError``, so no entry point reports it to a user as their mistake."""

@@ -1,6 +1,10 @@
 """Input checks for the host API and the decoder, in numpy on the host:
 inside a jit XLA would silently clamp an out-of-range id or position, or wrap
-it. Each failure is an ``InputError`` naming the field and the limit."""
+it. Each failure is an ``InputError`` naming the field and the limit.
+
+A request (``RowRequest``) is checked once, for the pool that runs it, by ``check_request``,
+whoever made it (the server from an HTTP body, ``generate_batch`` from its arguments): its errors
+name the fields and limits in the caller's ``Words`` and say why it was refused."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from jaxdd.cache import Paging, cache_slots
 from jaxdd.config import KimiConfig
 from jaxdd.decoding.requests import Decoder, RowRequest, RowShape
 from jaxdd.decoding.sampling import Sampling
-from jaxdd.errors import InputError
+from jaxdd.errors import InputError, RequestRefused
 from jaxdd.runtime.buckets import prompt_bucket, round_tiers
 from jaxdd.types import METHODS, TREE_LOGITS, Method, TreeLogits, verified_tokens
 
@@ -20,24 +24,27 @@ from jaxdd.types import METHODS, TREE_LOGITS, Method, TreeLogits, verified_token
 MAX_STOP_TOKENS = 16
 
 
-def check_tokens(token_ids, vocab_size: int, batch: int | None = None) -> np.ndarray:
-    """Token ids as an int32 [batch, T] array (one sequence may be given flat)."""
+def check_tokens(
+    token_ids, vocab_size: int, batch: int | None = None, field: str = "token_ids"
+) -> np.ndarray:
+    """Token ids as an int32 [batch, T] array (one sequence may be given flat); an error names
+    them ``field``."""
     tokens = np.asarray(token_ids)
     if tokens.ndim == 1:
         tokens = tokens[None]
     if tokens.ndim != 2 or tokens.shape[1] == 0 or not np.issubdtype(tokens.dtype, np.integer):
         raise InputError.at(
-            "token_ids", f"expected a non-empty [batch, T] integer array, got shape {tokens.shape}"
+            field, f"expected a non-empty [batch, T] integer array, got shape {tokens.shape}"
         )
     if batch is not None and tokens.shape[0] != batch:
         raise InputError.at(
-            "token_ids", f"batch {tokens.shape[0]} does not match the cache batch {batch}"
+            field, f"batch {tokens.shape[0]} does not match the cache batch {batch}"
         )
     bad = np.argwhere((tokens < 0) | (tokens >= vocab_size))
     if bad.size:
         at = tuple(int(i) for i in bad[0])
         raise InputError.at(
-            "token_ids", f"id {tokens[at]} at {at} outside the vocabulary [0, {vocab_size})"
+            field, f"id {tokens[at]} at {at} outside the vocabulary [0, {vocab_size})"
         )
     return tokens.astype(np.int32)
 
@@ -127,70 +134,78 @@ def check_tree_logits(tree_logits: str) -> TreeLogits:
     return tree_logits
 
 
-def check_lengths(
-    prompts: list[np.ndarray], max_new_tokens: list[int], config: KimiConfig
-) -> list[int]:
-    """max_length = prompt + max_new_tokens per request, within the model's positions."""
-    if any(not isinstance(m, int) or m < 1 for m in max_new_tokens):
-        raise InputError.at(
-            "max_new_tokens", f"must be >= 1 (an integer, or one per prompt), got {max_new_tokens}"
-        )
-    max_lengths = [len(p) + m for p, m in zip(prompts, max_new_tokens, strict=True)]
-    if max(max_lengths) > config.max_position_embeddings:
-        i = int(np.argmax(max_lengths))
-        raise InputError(
-            f"request {i}: prompt ({len(prompts[i])}) + max_new_tokens "
-            f"({max_new_tokens[i]}) exceeds the model's "
-            f"max_position_embeddings ({config.max_position_embeddings})",
-            field="max_new_tokens",
-        )
-    return max_lengths
+@dataclasses.dataclass(frozen=True)
+class Words:
+    """A caller's words for what ``check_request`` names: the request's fields (an error's
+    ``field``) and the limits of the pool that runs it (said in its messages)."""
+
+    prompt: str = "prompt"
+    max_new_tokens: str = "max_new_tokens"
+    stop_ids: str = "stop_ids"
+    logprobs: str = "logprobs"
+    max_len: str = "the pool's max_len"  # the limit on prompt + new tokens
+    max_prompt: str = "the pool's max_prompt"
+    max_logprobs: str = "the pool's max_logprobs"
 
 
-def check_stop_ids(stop_token_ids: list[int] | None, config: KimiConfig) -> list[int]:
-    """The stop ids (default: the model's EOS ids), at
-    most ``MAX_STOP_TOKENS``; negative ids never stop."""
-    stops = list(config.eos_token_ids if stop_token_ids is None else stop_token_ids)
-    if len(stops) > MAX_STOP_TOKENS:
-        raise InputError.at("stop_token_ids", f"at most {MAX_STOP_TOKENS}, got {len(stops)}")
-    outside = [s for s in stops if s >= config.vocab_size]
-    # such an id could never stop anything (a negative one, e.g. -1, says so on purpose)
-    if outside:
-        raise InputError.at(
-            "stop_token_ids", f"{outside[0]} outside the vocabulary [0, {config.vocab_size})"
-        )
-    return stops
+OWN_WORDS = Words()  # jaxdd's own: ``RowRequest``'s fields, ``RowShape``'s limits
 
 
-def check_row_request(request: RowRequest, shape: RowShape, config: KimiConfig) -> RowRequest:
-    """``request`` checked for a pool of ``shape`` (its lists copied): ``InputError`` naming
-    what in it the pool cannot run."""
-    prompt = request.prompt
-    max_new_tokens = request.max_new_tokens
-    logprobs = request.logprobs
-    score_prompt = request.score_prompt
-    check_tokens([prompt], config.vocab_size)
+def check_request(
+    request: RowRequest,
+    shape: RowShape,
+    config: KimiConfig,
+    words: Words = OWN_WORDS,
+    always: tuple[int, ...] = (),
+) -> RowRequest:
+    """``request`` checked for a pool of ``shape``, its stop ids those it asks for and the
+    caller's ``always`` ones (its lists copied): else ``RequestRefused`` naming the field in the
+    caller's ``words``, and why ("too_long": past the pool's lengths)."""
+    prompt, max_new_tokens, logprobs = request.prompt, request.max_new_tokens, request.logprobs
+    try:
+        tokens = check_tokens([prompt], config.vocab_size, field=words.prompt)[0]
+    except InputError as error:
+        raise RequestRefused(str(error), words.prompt) from None
+    too_long = lambda field, detail: RequestRefused(f"{field}: {detail}", field, "too_long")
+    invalid = lambda field, detail: RequestRefused(f"{field}: {detail}", field)
     if len(prompt) > shape.max_prompt:
-        raise InputError.at(
-            "prompt", f"{len(prompt)} tokens, this server admits at most {shape.max_prompt}"
-        )
+        detail = f"{len(prompt)} tokens, at most {shape.max_prompt} ({words.max_prompt})"
+        raise too_long(words.prompt, detail)
     most = shape.spec.top_logprobs
     if logprobs is not None and not most:
-        raise InputError.at("logprobs", "this pool computes none (made with max_logprobs=0)")
+        raise invalid(words.logprobs, f"this pool computes none ({words.max_logprobs} 0)")
     if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= most):
-        raise InputError.at("logprobs", f"must be an integer in [0, {most}], got {logprobs!r}")
-    if score_prompt and logprobs is None:
-        raise InputError.at("logprobs", "scoring the prompt needs logprobs")
-    least = 0 if score_prompt else 1
+        raise invalid(words.logprobs, f"must be an integer in [0, {most}], got {logprobs!r}")
+    if request.score_prompt and logprobs is None:
+        raise invalid(words.logprobs, "scoring the prompt needs logprobs")
+    least = 0 if request.score_prompt else 1
     if not isinstance(max_new_tokens, int) or max_new_tokens < least:
-        raise InputError.at("max_tokens", f"must be an integer >= {least}, got {max_new_tokens!r}")
-    after = f"{max_new_tokens} after a prompt of {len(prompt)} tokens"
+        detail = f"must be an integer >= {least}, got {max_new_tokens!r}"
+        raise invalid(words.max_new_tokens, detail)
     if len(prompt) + max_new_tokens > shape.max_len:
-        raise InputError.at("max_tokens", f"{after} exceeds the server's --max-len {shape.max_len}")
-    check_stop_ids(request.stop_ids, config)
+        after = f"{max_new_tokens} after a prompt of {len(prompt)} tokens"
+        raise too_long(words.max_new_tokens, f"{after} exceeds {words.max_len} {shape.max_len}")
+    stop_ids = _stop_ids(request.stop_ids, always, config.vocab_size, words.stop_ids)
     if not isinstance(request.sampling, Sampling):
-        raise InputError.at("sampling", "expected a jaxdd.Sampling")
-    return dataclasses.replace(request, prompt=list(prompt), stop_ids=list(request.stop_ids))
+        raise invalid("sampling", "expected a jaxdd.Sampling")
+    return dataclasses.replace(request, prompt=tokens.tolist(), stop_ids=stop_ids)
+
+
+def _stop_ids(asked: list[int], always: tuple[int, ...], vocab_size: int, field: str) -> list[int]:
+    """The ids a request stops at: its own and ``always``, at most ``MAX_STOP_TOKENS``, each in
+    the vocabulary (a negative id never stops anything: -1 says so on purpose)."""
+    stop_ids = sorted(set(always) | set(asked))
+    if len(stop_ids) > MAX_STOP_TOKENS:
+        own = len(set(always))
+        added = len(stop_ids) - own
+        beside = f" beside this model's {own} own" if own else ""
+        detail = f"at most {MAX_STOP_TOKENS - own}{beside}, got {added}"
+        raise RequestRefused(f"{field}: {detail}", field)
+    outside = [s for s in stop_ids if s >= vocab_size]
+    if outside:
+        detail = f"{outside[0]} outside the vocabulary [0, {vocab_size})"
+        raise RequestRefused(f"{field}: {detail}", field)
+    return stop_ids
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,9 +18,8 @@ import numpy as np
 from jaxdd.cache.stripes import Stripes
 from jaxdd.decoding.checks import (
     PoolOptions,
-    check_lengths,
-    check_stop_ids,
-    check_tokens,
+    Words,
+    check_request,
     check_tree_logits,
     per_request,
     pool_shape,
@@ -50,6 +49,18 @@ from jaxdd.types import (
     DrafterKV,
     Method,
     TreeLogits,
+)
+
+# a request's fields as ``generate_batch`` names them; a batch's pool is sized for its requests,
+# so the one limit a request can pass is the model's
+API_WORDS = Words(
+    prompt="token_ids",
+    max_new_tokens="max_new_tokens",
+    stop_ids="stop_token_ids",
+    logprobs="logprobs",
+    max_len="the model's max_position_embeddings",
+    max_prompt="the model's max_position_embeddings less a new token",
+    max_logprobs="logprobs",
 )
 
 
@@ -115,6 +126,12 @@ class GenerateOptions:
 
     def __post_init__(self):
         check_tree_logits(self.tree_logits)
+        asked = self.max_new_tokens
+        lengths = asked if isinstance(asked, list | tuple) else [asked]
+        if any(not isinstance(m, int) or m < 1 for m in lengths):
+            raise InputError.at(
+                "max_new_tokens", f"must be >= 1 (an integer, or one per prompt), got {asked}"
+            )
         chunk = self.prefill_chunk
         if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
             raise InputError.at("prefill_chunk", f"must be an integer >= 1, got {chunk!r}")
@@ -221,13 +238,15 @@ class SpeculativeDecoder:
     def generate(self, prompt_ids, *, sampling: Sampling = GREEDY, **options) -> Generation:
         """Decode up to ``max_new_tokens`` after one
         prompt; see ``generate_batch`` for the options."""
-        prompt = check_tokens(prompt_ids, self.config.vocab_size)
-        if prompt.shape[0] != 1:
+        prompt = np.asarray(prompt_ids)
+        if prompt.ndim not in (1, 2):
+            raise InputError.at("prompt_ids", f"expected token ids, got shape {prompt.shape}")
+        prompts = list(prompt) if prompt.ndim == 2 else [prompt]  # checked in generate_batch
+        if len(prompts) != 1:
             raise InputError.at(
-                "prompt_ids",
-                f"one prompt at a time, got batch {prompt.shape[0]}; use generate_batch",
+                "prompt_ids", f"one prompt at a time, got batch {len(prompts)}; use generate_batch"
             )
-        return self.generate_batch([prompt[0].tolist()], sampling=sampling, **options)[0]
+        return self.generate_batch(prompts, sampling=sampling, **options)[0]
 
     def generate_batch(
         self,
@@ -263,7 +282,7 @@ class SpeculativeDecoder:
         emit = on_tokens or (lambda request, tokens: None)
         with compile_clock() as clock:
             t0 = time.perf_counter()
-            pool = self._admitted(prompts, GenerateOptions.of(options, fields))
+            pool = self.admitted(prompts, options, **fields)
             driver = Driver(pool, arrivals=False)
             first = driver.first_tokens()
             prefill_seconds = time.perf_counter() - t0
@@ -275,7 +294,7 @@ class SpeculativeDecoder:
                 for update in driver.step().values():
                     _take(results, update, emit)
             decode_seconds = time.perf_counter() - t0
-        spec, chosen = pool.spec, dict(pool.chooser.rounds)
+        spec, chosen = pool.shape.spec, dict(pool.chooser.rounds)
         round_shape = {} if spec.method == "ar" else {"block": spec.block}
         if spec.method == "ddtree":
             round_shape["budget"] = spec.budget
@@ -286,17 +305,12 @@ class SpeculativeDecoder:
             result.spec_rounds = dict(chosen)
         return results
 
-    def step(self, plan: RoundBatch, state: DecodeState) -> tuple[DecodeState, jax.Array]:
-        """One jitted round for the whole batch: (new state, the round's report [rows, ...])."""
-        round_ = programs_for(state, self.mesh).decode_round
-        return round_(plan.spec, self.models_for(plan.spec), state, plan.settings)
-
-    def lower_round(self, plan: RoundBatch, state: DecodeState) -> jax.stages.Lowered:
-        """The round ``step`` runs for ``plan``, lowered for ``state``
+    def lower_round(self, batch: RoundBatch, state: DecodeState) -> jax.stages.Lowered:
+        """The round of ``batch``, lowered for ``state``
         (arrays or ShapeDtypeStructs): for compiling ahead of time
         (``jaxdd.plan``), reading the HLO, or profiling its stages."""
         round_ = programs_for(state, self.mesh).decode_round
-        return round_.lower(plan.spec, self.models_for(plan.spec), state, plan.settings)
+        return round_.lower(batch.spec, self.models_for(batch.spec), state, batch.settings)
 
     def round_spec(
         self,
@@ -325,51 +339,50 @@ class SpeculativeDecoder:
             drafter_kv=self.drafter_kv,
         )
 
-    def start(
+    def admitted(
         self, prompts: list[list[int]], options: GenerateOptions | None = None, **fields
-    ) -> tuple[RoundBatch, DecodeState]:
-        """Check the requests, fix the static shapes and run the prefill, every page the requests
-        can reach taken (``step`` runs on the state alone): (plan, state after the prefill)."""
-        pool = self._admitted(prompts, GenerateOptions.of(options, fields))
-        return RoundBatch(pool.spec, pool.reserve()), pool.state
-
-    def _admitted(self, prompts: list[list[int]], options: GenerateOptions) -> RowPool:
-        """A pool of rows for the batch (checked, its round sized), every request admitted."""
+    ) -> RowPool:
+        """A pool of rows for the batch (checked, its round sized), every request admitted (its
+        prefill dispatched): what ``generate_batch`` steps (options as there)."""
+        options = GenerateOptions.of(options, fields)
         requests, shape = self._batch_shape(prompts, options)
         pool = RowPool(self, shape, auto=options.budget == "auto")
         if options.budget == "auto":
             pool.time_rounds()  # the set compiled now: its rounds are timed, not compiled, later
         pool.admit(requests, owners=list(range(len(requests))))
-        plan = RoundBatch(shape.spec, jax.device_put(pool.host_settings()))
+        batch = RoundBatch(shape.spec, jax.device_put(pool.host_settings()))
         trained = None if self.drafter is None else self.drafter.config.block_size
-        lower = lambda: self.lower_round(plan, pool.state)
-        self._round_sizes.check(lower, plan.spec, pool.state, plan.settings, trained)
+        lower = lambda: self.lower_round(batch, pool.state)
+        self._round_sizes.check(lower, batch.spec, pool.state, batch.settings, trained)
         return pool
 
     def _batch_shape(
         self, prompts: list[list[int]], options: GenerateOptions
     ) -> tuple[list[RowRequest], RowShape]:
-        """The batch's requests, checked, and the shape of rows that runs them (``pool_shape``):
-        one round, rows padded to a power of two, prompts and the cache to their buckets."""
+        """The batch's requests, each checked (``check_request``), and the shape of rows that runs
+        them (``pool_shape``): one round, rows padded to a power of two, prompts and the cache to
+        their buckets, lengths those the requests reach within the model's positions."""
         if not prompts:
             raise InputError.at("prompts", "the batch is empty")
-        checked = [check_tokens([list(p)], self.config.vocab_size)[0] for p in prompts]
-        n = len(checked)
-        settings = per_request("sampling and max_new_tokens", options.sampling, n)
+        n = len(prompts)
+        samplings = per_request("sampling and max_new_tokens", options.sampling, n)
         lengths = per_request("sampling and max_new_tokens", options.max_new_tokens, n)
-        stops = check_stop_ids(options.stop_token_ids, self.config)
-        max_lengths = check_lengths(checked, lengths, self.config)
+        stops = options.stop_token_ids
+        stops = list(self.config.eos_token_ids if stops is None else stops)
         asked = options.logprobs or None
         requests = [
-            RowRequest(p.tolist(), m, stops, s, asked, options.score_prompt)
-            for p, m, s in zip(checked, lengths, settings, strict=True)
+            RowRequest(list(p), m, stops, s, asked, options.score_prompt)
+            for p, m, s in zip(prompts, lengths, samplings, strict=True)
         ]
-        longest = max(len(p) for p in checked)
+        # sizes every request fits, within the model's positions: one past them is refused below
+        reach = max(len(r.prompt) + r.max_new_tokens for r in requests)
+        max_len = max(min(reach, self.config.max_position_embeddings), 2)
+        longest = max(min(max(len(r.prompt) for r in requests), max_len - 1), 1)
         chunk = options.prefill_chunk
         pool = PoolOptions(
             options.method,
             rows=bucket(n, minimum=1),
-            max_len=max(max_lengths),
+            max_len=max_len,
             max_prompt=longest,
             block_size=options.block_size,
             budget=None if options.budget == "auto" else options.budget,  # auto: the set's largest
@@ -378,9 +391,10 @@ class SpeculativeDecoder:
             prefill_chunk=None if chunk is None else min(chunk, longest),  # longer: whole
             trace=options.trace_topk,
             tree_logits=options.tree_logits,
-            batch_sampled=any(not s.greedy for s in settings),
+            batch_sampled=any(not s.greedy for s in samplings),
         )
-        return requests, pool_shape(self, pool)
+        shape = pool_shape(self, pool)
+        return [check_request(r, shape, self.config, API_WORDS) for r in requests], shape
 
     def models_for(self, spec: RoundSpec) -> ModelPair:
         """The weights a round of ``spec`` reads: the target's alone for AR."""

@@ -164,9 +164,9 @@ def program_maps(pool) -> tuple[int, int]:
     """(maps of ``pool``'s longest prefill, of its full round), each compiled once: what
     ``PROGRAM_MAPS`` records."""
     one = pool.host_settings(slice(0, 1))
-    tokens, count, seeds = pad_requests([RowRequest([1], 1, [], GREEDY)], 1, pool.max_prompt)
+    tokens, count, seeds = pad_requests([RowRequest([1], 1, [], GREEDY)], 1, pool.shape.max_prompt)
     prefill = prefill_row.lower(
-        pool.spec,
+        pool.shape.spec,
         pool.models,
         pool.state,
         np.int32(0),
@@ -175,9 +175,9 @@ def program_maps(pool) -> tuple[int, int]:
         one,
         seeds,
         pool.decoder.mesh,
-        bool(pool.spec.top_logprobs),  # scoring the prompt too, where the pool may
+        bool(pool.shape.spec.top_logprobs),  # scoring the prompt too, where the pool may
     )
     settings = jax.device_put(pool.host_settings())
     return maps_taken(prefill), maps_taken(
-        decode_round.lower(pool.spec, pool.models, pool.state, settings)
+        decode_round.lower(pool.shape.spec, pool.models, pool.state, settings)
     )

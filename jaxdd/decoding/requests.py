@@ -42,8 +42,9 @@ class Decoder(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class RowRequest:
-    """One request as the rows take it once ``RowPool.check`` passed it:
-    its stop ids the full set (the model's own included)."""
+    """One request, made once by its caller (the server from an HTTP body, ``generate_batch``
+    from its arguments) and checked once (``checks.check_request``): its stop ids those it asks
+    for, once checked with its caller's own (the model's EOS ids) among them."""
 
     prompt: list[int]
     max_new_tokens: int  # 0 only with ``score_prompt``: the prompt scored alone
@@ -64,7 +65,7 @@ class RowEntry:
     scored_prompt: int = 0  # the prompt's length if it is scored, else 0
     request: RowRequest | None = None
     output: list[int] = dataclasses.field(default_factory=list)  # the tokens collected
-    cached: int = 0  # prompt tokens found in the prefix cache
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
     chunked: bool = False  # prefilled in chunks of ``prefill_chunk`` tokens
     next: int | None = None  # where its next prefill part starts (None: prefilled)
 
@@ -174,7 +175,7 @@ class RowUpdate:
     it ends why ("stop" or "length"), with a trace the round's (``RoundTrace``), the
     tokens its request has now, and that request's owner (as given to ``admit``). If
     the request asked, ``logprobs`` has an entry per new token and ``prompt_logprobs``
-    (in the request's first update) one per prompt token after the first. ``cached``: the
+    (in the request's first update) one per prompt token after the first. ``cached_tokens``: the
     prompt tokens its row found in the prefix cache; ``proposed``: the draft tokens the round
     proposed (0: a plain round's, or the prefill's alone)."""
 
@@ -186,7 +187,7 @@ class RowUpdate:
     owner: Any = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
-    cached: int = 0
+    cached_tokens: int = 0
     proposed: int = 0
 
     def then(self, later: RowUpdate) -> RowUpdate:

@@ -39,15 +39,14 @@ class RoundSizes:
         Without the check an oversized round dies of an out-of-memory traceback, and a
         merely huge one runs at a fraction of a token per second without a word. ``trained``:
         the drafter's trained block."""
-        width = verified_tokens(spec.method, spec.block, spec.budget)
+        verified = verified_tokens(spec.method, spec.block, spec.budget)
         option = {
             "ar": "the batch",
             "dflash": f"block_size {spec.block}",
             "ddtree": f"budget {spec.budget}",
         }
-        what = (
-            f"the {spec.method} round verifies {width} tokens per request ({option[spec.method]})"
-        )
+        asked = option[spec.method]
+        what = f"the {spec.method} round verifies {verified} tokens per request ({asked})"
         # once per round shape: lowering again (even a cached executable) costs more than a round
         key = (
             spec,

@@ -263,8 +263,8 @@ def _draft(
 def _cache_context(drafter: DFlashDrafter, state: DecodeState):
     """The drafter cache with the K/V of the tokens committed last round (the last
     ``context_count`` positions) cached."""
-    width = jnp.arange(state.context.shape[1])[None, :]
-    positions = (state.target_cache.length - state.context_count)[:, None] + width
+    columns = jnp.arange(state.context.shape[1])[None, :]
+    positions = (state.target_cache.length - state.context_count)[:, None] + columns
     return drafter.inject(state.draft_cache, state.context, positions, state.context_count)
 
 

@@ -43,7 +43,14 @@ import numpy as np
 
 from jaxdd.cache import RowTable
 from jaxdd.cache.pages import PageTable
-from jaxdd.decoding.checks import MAX_STOP_TOKENS, PoolOptions, check_row_request, pool_shape
+from jaxdd.decoding.checks import (
+    MAX_STOP_TOKENS,
+    OWN_WORDS,
+    PoolOptions,
+    Words,
+    check_request,
+    pool_shape,
+)
 from jaxdd.decoding.programs import state_programs
 from jaxdd.decoding.requests import (
     Decoder,
@@ -58,7 +65,6 @@ from jaxdd.decoding.sampling import GREEDY, SamplingArrays
 from jaxdd.decoding.speculation import Chooser, Ticket
 from jaxdd.decoding.state import DecodeState, RoundSpec, RowSettings
 from jaxdd.decoding.updates import DeviceReport, read_updates
-from jaxdd.errors import InputError
 from jaxdd.runtime.buckets import prompt_bucket
 
 
@@ -76,33 +82,22 @@ class RowPool:
         self.decoder = decoder
         self.shape = shape
         self.programs = state_programs(shape.formats(decoder))
-        self.prefill_chunk = shape.prefill_chunk
-        self.rows = shape.rows
-        self.max_len = shape.max_len
-        self.max_prompt = shape.max_prompt
-        self.spec = shape.spec
-        self.greedy_spec = shape.greedy_spec
-        self.slots = shape.slots
-        self.tiers = shape.tiers
-        self.method = shape.spec.method
-        self.block = shape.spec.block
-        self.budget = shape.spec.budget
-        self.models = decoder.models_for(self.spec)  # every round of the set reads these
-        self.round_set = round_set(decoder, self.spec, self.greedy_spec, auto)
+        self.models = decoder.models_for(shape.spec)  # every round of the set reads these
+        self.round_set = round_set(decoder, shape.spec, shape.greedy_spec, auto)
         self.chooser = Chooser(self.round_set.names)
         # Host copies of the per-row settings; the device copy is replaced whole at
         # the first round after admissions (a few hundred bytes), free rows keep their
         # last request's settings: a done row changes nothing whatever they say.
-        self._max_length = np.full((self.rows,), 2, np.int32)
-        self._stop_ids = np.full((self.rows, MAX_STOP_TOKENS), -1, np.int32)
-        self._sampling = [GREEDY] * self.rows
-        self._paused = np.zeros((self.rows,), bool)  # rows waiting this round for pages
+        self._max_length = np.full((shape.rows,), 2, np.int32)
+        self._stop_ids = np.full((shape.rows, MAX_STOP_TOKENS), -1, np.int32)
+        self._sampling = [GREEDY] * shape.rows
+        self._paused = np.zeros((shape.rows,), bool)  # rows waiting this round for pages
         self.paused_rounds = 0  # rounds a row waited for pages, over every row
         self.settings: RowSettings | None = None  # the device copy, made when a round needs it
         self.state: DecodeState | None = None
-        self.table: RowTable[RowEntry] = RowTable(self.rows)  # which request holds each row
+        self.table: RowTable[RowEntry] = RowTable(shape.rows)  # which request holds each row
         # which pages each row holds, and which the prefix cache keeps
-        self.pages = PageTable(self.rows, shape.paging, prefix_cache)
+        self.pages = PageTable(shape.rows, shape.paging, prefix_cache)
         # Reports not yet read: the prefills since the last dispatch,
         # and per round dispatched those before it and its own.
         self._prefilled: list[DeviceReport] = []
@@ -118,11 +113,6 @@ class RowPool:
         pool = cls(decoder, pool_shape(decoder, PoolOptions(**options)), prefix_cache, auto)
         pool.state = pool._empty_state()
         return pool
-
-    @property
-    def width(self) -> int:
-        """Tokens per report row: 1 for AR, else the block."""
-        return self.spec.width
 
     def free_rows(self) -> list[int]:
         return self.table.free()
@@ -151,11 +141,13 @@ class RowPool:
         """Rows held by a request."""
         return len(self.table)
 
-    def check(self, request: RowRequest) -> RowRequest:
-        """``request`` checked (its lists copied): ``InputError`` naming what in it this pool
-        cannot run. One the pool admits finds its pages once enough are free (the pool holds a
-        request of ``max_len``)."""
-        return check_row_request(request, self.shape, self.decoder.config)
+    def check(
+        self, request: RowRequest, words: Words = OWN_WORDS, always: tuple[int, ...] = ()
+    ) -> RowRequest:
+        """``request`` checked for this pool (``checks.check_request``: its stop ids with the
+        caller's ``always`` ones, errors in its ``words``). One the pool admits finds its pages
+        once enough are free (the pool holds a request of ``max_len``)."""
+        return check_request(request, self.shape, self.decoder.config, words, always)
 
     def admit(self, requests: list[RowRequest], owners: list[Any] | None = None) -> list[int]:
         """Prefill ``requests`` (checked by ``check``; as many as ``admissible`` allows) into free
@@ -166,7 +158,7 @@ class RowPool:
         their ``owners``."""
         owners = [None] * len(requests) if owners is None else owners
         longest = max(len(request.prompt) for request in requests)
-        if self.state is None and longest <= (self.prefill_chunk or self.max_prompt):
+        if self.state is None and longest <= (self.shape.prefill_chunk or self.shape.max_prompt):
             return self._prefill_together(requests, owners)
         if self.state is None:
             self.state = self._empty_state()
@@ -174,7 +166,7 @@ class RowPool:
         for request, owner in zip(requests, owners, strict=True):
             rows.append(row := self._hold(request, owner))
             entry = self.table.holder(row)
-            entry.next = entry.cached
+            entry.next = entry.cached_tokens
             self._prefill_next(row, entry)  # before the next takes its pages: it may hit these
         return rows
 
@@ -185,13 +177,14 @@ class RowPool:
         request, start = entry.request, entry.next
         end = len(request.prompt)
         if entry.chunked:
-            end = min(end, start + self.prefill_chunk)
-        padded = prompt_bucket(self.prefill_chunk if entry.chunked else end - start)
+            end = min(end, start + self.shape.prefill_chunk)
+        padded = prompt_bucket(self.shape.prefill_chunk if entry.chunked else end - start)
         part = dataclasses.replace(request, prompt=request.prompt[start:end])
         tokens, count, seeds = pad_requests([part], 1, padded)
         one = self.host_settings(slice(row, row + 1))
         mesh = self.decoder.mesh
-        args = (self.spec, self.models, self.state, np.int32(row), tokens, count, one, seeds, mesh)
+        spec = self.shape.spec
+        args = (spec, self.models, self.state, np.int32(row), tokens, count, one, seeds, mesh)
         last = end == len(request.prompt)
         if start == 0 and last:
             self.state, report = self.programs.prefill_row(*args, request.score_prompt)
@@ -206,21 +199,21 @@ class RowPool:
 
     def _prefill_report(self, report: jax.Array, scored: int, holders: list) -> DeviceReport:
         """A prefill's report (its first tokens; with ``scored``, the prompt's scores)."""
-        top_logprobs = self.spec.top_logprobs
-        return DeviceReport(report, 0, top_logprobs, scored, holders, self.width)
+        top_logprobs = self.shape.spec.top_logprobs
+        return DeviceReport(report, 0, top_logprobs, scored, holders, self.shape.spec.width)
 
     def _prefill_together(self, requests: list[RowRequest], owners: list[Any]) -> list[int]:
         """``admit`` into a new pool: one prefill of every row, making its state."""
         padded = prompt_bucket(max(len(r.prompt) for r in requests))
-        tokens, prompt_len, seeds = pad_requests(requests, self.rows, padded)
+        tokens, prompt_len, seeds = pad_requests(requests, self.shape.rows, padded)
         # rows 0, 1, ...: the table is empty
         rows = [self._hold(request, owner) for request, owner in zip(requests, owners, strict=True)]
         # the prefill and every round read them
         self.settings = jax.device_put(self.host_settings())
         mesh = self.decoder.mesh
         score = any(r.score_prompt for r in requests)
-        paging = self.shape.paging
-        args = (self.spec, self.models, tokens, prompt_len, self.settings, seeds, paging, mesh)
+        paging, spec = self.shape.paging, self.shape.spec
+        args = (spec, self.models, tokens, prompt_len, self.settings, seeds, paging, mesh)
         self.state, report = self.programs.prefill_new(*args, score)
         for row, request in zip(rows, requests, strict=True):
             self.pages.insert(row, request.prompt)  # its rows are in both caches once prefilled
@@ -234,13 +227,12 @@ class RowPool:
         scored = len(request.prompt) if request.score_prompt else 0
         entry = RowEntry(request.max_new_tokens, owner, 0, request.logprobs, scored, request)
         reach, prompt = self.shape.reach(request), self._cacheable(request)
-        start = self.shape.start(request)
-        if not self.pages.fits(start, prompt, reach):
-            raise InputError.at("cache_tokens", "no free pages: admit what admissible() allows")
         row = self.table.take(entry)
-        entry.cached = self.pages.take(row, start, prompt, reach)
-        rest = len(request.prompt) - entry.cached
-        entry.chunked = prompt is not None and rest > (self.prefill_chunk or rest)
+        # admitted as ``admissible`` decided (or a new pool, sized for its batch): past it, an
+        # InvariantError
+        entry.cached_tokens = self.pages.take(row, self.shape.start(request), prompt, reach)
+        rest = len(request.prompt) - entry.cached_tokens
+        entry.chunked = prompt is not None and rest > (self.shape.prefill_chunk or rest)
         stops = np.full((MAX_STOP_TOKENS,), -1, np.int32)
         stops[: len(request.stop_ids)] = request.stop_ids
         self._max_length[row] = len(request.prompt) + request.max_new_tokens
@@ -270,7 +262,7 @@ class RowPool:
         prompt = entry.request.prompt
         if entry.next is not None:  # still prefilling: the parts dispatched
             return prompt[: entry.next]
-        lag = 0 if self.method == "ar" else self.width
+        lag = 0 if self.shape.spec.method == "ar" else self.shape.spec.width
         kept = max(len(prompt), len(prompt) + entry.produced - 1 - lag)
         return (prompt + entry.output)[:kept]
 
@@ -315,7 +307,8 @@ class RowPool:
     def may_finish(self) -> bool:
         """Whether a busy row may reach its length in the next round
         (a round dispatched ahead of it would be wasted work)."""
-        return any(e.produced + self.width >= e.max_new_tokens for _, e in self.table.items())
+        width = self.shape.spec.width
+        return any(e.produced + width >= e.max_new_tokens for _, e in self.table.items())
 
     def needs_round(self) -> bool:
         """Whether a busy row wants more than its prefill's first token (else ``collect`` alone
@@ -343,7 +336,7 @@ class RowPool:
                 self._prefill_next(row, entry)
         self._grow()
         sampled = any(not self._sampling[row].greedy for row, _ in self.table.items())
-        return sampled, next(t for t in self.tiers if t > self.table.highest())
+        return sampled, next(t for t in self.shape.tiers if t > self.table.highest())
 
     def _grow(self) -> None:
         """Each decoding row takes the pages this round can write (past its length once the rounds
@@ -353,7 +346,7 @@ class RowPool:
             id(entry) for reports in self._in_flight for _, _, entry in reports[-1].holders
         )
         length = lambda e: len(e.request.prompt) + max(e.produced - 1, 0)  # committed, known
-        ahead = lambda e: ran[id(e)] * self.width + self.shape.round_tokens
+        ahead = lambda e: ran[id(e)] * self.shape.spec.width + self.shape.round_tokens
         wants = {row: length(e) + ahead(e) for row, e in self.table.items() if e.next is None}
         paused, held = np.zeros_like(self._paused), self.pages.held
         paused[self.pages.grow(wants)] = True
@@ -365,7 +358,7 @@ class RowPool:
     def _run_round(self, spec: RoundSpec, tier: int, ticket: Ticket | None = None) -> None:
         if self.settings is None:
             self.settings = jax.device_put(self.host_settings())
-        if tier == self.rows:
+        if tier == self.shape.rows:
             self.state, report = self.programs.decode_round(
                 spec, self.models, self.state, self.settings
             )
@@ -411,7 +404,7 @@ class RowPool:
     def reserve(self) -> RowSettings:
         """Every row's prefill dispatched whole and the pages its request can reach taken, and
         the settings on the device saying so: for a caller that runs rounds on ``state`` itself
-        (``SpeculativeDecoder.start``), with no host between them to grow the rows."""
+        (``jaxdd.testing.rounds.BatchRound``), with no host between them to grow the rows."""
         for row, entry in self.table.items():
             while entry.next is not None:
                 self._prefill_next(row, entry)
@@ -424,9 +417,10 @@ class RowPool:
         (the first run of each compiles it), before any request is admitted."""
         if self.state is None:
             self.state = self._empty_state()
-        [row] = self.admit([RowRequest([1], min(self.width + 1, self.max_len - 1), [], GREEDY)])
+        length = min(self.shape.spec.width + 1, self.shape.max_len - 1)
+        [row] = self.admit([RowRequest([1], length, [], GREEDY)])
         for spec in self.round_set.specs():
-            for tier in self.tiers:
+            for tier in self.shape.tiers:
                 with self.chooser.timing(round_name(spec), tier):
                     self._run_round(spec, tier)
                     self.collect()
@@ -457,7 +451,8 @@ class RowPool:
                 for _ in range(len(request.prompt) + 1):
                     if self.busy:
                         sampled, tier = self._before_round()
-                        self._run_round(self.spec if sampled else self.greedy_spec, tier)
+                        spec = self.shape.spec if sampled else self.shape.greedy_spec
+                        self._run_round(spec, tier)
                         self.collect()
             self.time_rounds()
             self.pages.clear()  # each pass prefills whole what it prefilled whole before

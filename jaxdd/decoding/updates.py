@@ -74,5 +74,5 @@ def _update(report: RoundReport, index: int, entry: RowEntry) -> RowUpdate:
     if not stopped and entry.produced >= entry.max_new_tokens:
         finish = "length"
     scores, prompt_scores = report.scores(index, len(tokens), entry.logprobs, entry.scored_prompt)
-    counts = (entry.produced, entry.owner, scores, prompt_scores, entry.cached)
+    counts = (entry.produced, entry.owner, scores, prompt_scores, entry.cached_tokens)
     return RowUpdate(tokens, finish, first, None, *counts)

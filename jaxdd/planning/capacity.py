@@ -178,13 +178,13 @@ def device_cache_tokens(
     free = least_free_bytes(mesh)
     if free is None:
         return None
-    budget = free * CACHE_MEMORY_FRACTION - pool_temporaries(decoder, shape)
+    cache_bytes = free * CACHE_MEMORY_FRACTION - pool_temporaries(decoder, shape)
     drafter = decoder.drafter.config if shape.spec.method != "ar" else None
     slot = slot_bytes(
         decoder.config, drafter, mesh, decoder.target.model.dtype, shape.spec.drafter_kv
     )
-    layout = "striped" if decoder.stripes is not None else "replicated"
-    held = cache_capacity(budget, slot, mesh.devices.size, layout)["pages"]
+    cache_layout = "striped" if decoder.stripes is not None else "replicated"
+    held = cache_capacity(cache_bytes, slot, mesh.devices.size, cache_layout)["pages"]
     tokens = max(0, shape.paging.tokens_in(held))
     if not prefix_cache:
         tokens = min(tokens, shape.rows * shape.slots)  # a row holds no more than its slots

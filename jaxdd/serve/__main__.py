@@ -257,9 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     channel = Local()
     if jax.process_count() > 1:
         channel = Broadcast(
-            pool.rows, pool.max_prompt, args.coordinator_timeout, leads=jax.process_index() == 0
+            pool.shape.rows,
+            pool.shape.max_prompt,
+            args.coordinator_timeout,
+            leads=jax.process_index() == 0,
         )
-    scheduler = Scheduler(pool, Metrics(pool.block), args.max_waiting, channel)
+    scheduler = Scheduler(pool, Metrics(pool.shape.spec.block), args.max_waiting, channel)
     start_up.ready = scheduler.ready.is_set
     if not channel.leads:
         if listener is not None:  # JAX found the job itself, and this process is not process 0

@@ -83,7 +83,7 @@ class Choices:
 
     def usage(self) -> dict:
         return protocol.usage(
-            self.prompt_tokens, self.completion_tokens, sum(j.cached for j in self.jobs)
+            self.prompt_tokens, self.completion_tokens, sum(j.cached_tokens for j in self.jobs)
         )
 
     def end(self, reason: str) -> None:

@@ -7,16 +7,24 @@ from __future__ import annotations
 import dataclasses
 import secrets
 
-from jaxdd.decoding.checks import MAX_STOP_TOKENS, check_tokens
+from jaxdd.decoding.checks import Words, check_tokens
 from jaxdd.decoding.requests import RowRequest
 from jaxdd.decoding.sampling import Sampling
-from jaxdd.errors import InputError
+from jaxdd.errors import InputError, RequestRefused
 from jaxdd.serve import protocol
 from jaxdd.serve.scheduler import Event, Job, NotReady, QueueFull, Scheduler
 from jaxdd.weights.tokenizer import TextTokenizer
 
-# the request field behind a jaxdd field that the API names otherwise
-API_PARAMS = {"token_ids": "prompt"}
+# a request's fields and the pool's limits as the API and the server's flags name them
+SERVER_WORDS = Words(
+    prompt="prompt",
+    max_new_tokens="max_tokens",
+    stop_ids="stop_token_ids",
+    logprobs="logprobs",
+    max_len="the server's --max-len",
+    max_prompt="--max-prompt",
+    max_logprobs="--max-logprobs",
+)
 
 
 @dataclasses.dataclass
@@ -103,7 +111,6 @@ def make_job(
 ):
     """The job of one of a request's rows (its ``draw``-th sample of the prompt: seed + draw),
     checked against what the server runs (APIError 400 / 404 otherwise)."""
-    max_tokens = body.max_new_tokens
     if body.model is not None and body.model != server.model:
         raise APIError(
             404,
@@ -115,34 +122,23 @@ def make_job(
         raise APIError(
             400, "stop strings need a tokenizer; this model has none: give stop ids", param="stop"
         )
-    if max_tokens is None:
-        max_tokens = server.scheduler.max_len - len(prompt)
-        if max_tokens < 1:
-            limit = server.scheduler.max_len
-            message = f"prompt: {len(prompt)} tokens leaves no room in --max-len {limit}"
-            raise APIError(400, message, refused="too_long")
-    stop_ids = sorted(set(server.stop_ids) | set(body.stop_ids()))
-    if len(stop_ids) > MAX_STOP_TOKENS:
-        own = len(set(server.stop_ids))
-        added = len(set(body.stop_ids()) - set(server.stop_ids))
-        message = f"at most {MAX_STOP_TOKENS - own} beside this model's {own} own, got {added}"
-        raise APIError(400, f"stop_token_ids: {message}", param="stop_token_ids")
+    max_tokens = body.max_new_tokens
+    if max_tokens is None:  # the rest of --max-len (a prompt that fills it is refused for it)
+        max_tokens = max(server.scheduler.max_len - len(prompt), 1)
     seed = secrets.randbelow(2**32) if body.seed is None else (body.seed + draw) % 2**32
     sampling = Sampling(body.temperature, body.top_p, max(body.top_k, 0), seed)
     if max_tokens == 0 and not asked.echo:
         message = "max_tokens: 0 is served only with echo (the prompt alone, scored with logprobs)"
         raise APIError(400, message, param="max_tokens")
     score = asked.echo and asked.logprobs is not None  # the echoed prompt's logprobs
-    request = RowRequest(prompt, max_tokens, stop_ids, sampling, asked.logprobs, score)
+    request = RowRequest(prompt, max_tokens, body.stop_ids(), sampling, asked.logprobs, score)
     if not computed(request):
         check_echoed(server, prompt)
         return Job(request, deliver)
     try:
-        request = server.scheduler.check(request)
-    except InputError as error:
-        refused = "too_long" if server.scheduler.too_long(prompt, max_tokens) else "invalid"
-        param = API_PARAMS.get(error.field, error.field)
-        raise APIError(400, str(error), param=param, refused=refused) from None
+        request = server.scheduler.pool.check(request, SERVER_WORDS, tuple(server.stop_ids))
+    except RequestRefused as error:
+        raise APIError(400, str(error), param=error.field, refused=error.reason) from None
     timeouts = [t for t in (body.timeout, server.request_timeout) if t is not None]
     return Job(request, deliver, timeout=min(timeouts) if timeouts else None)
 

@@ -70,7 +70,7 @@ class Job:
     arrived: float = dataclasses.field(default_factory=time.monotonic)
     first_token_at: float | None = None
     first_tokens: int = 0  # the tokens delivered with the first (its update holds a round's too)
-    cached: int = 0  # prompt tokens found in the prefix cache
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
     _cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -104,7 +104,7 @@ class Scheduler:
         self.channel = channel or Local()
         self._waiting: collections.deque[Job] = collections.deque()
         # rows free after the last admission: requests taking them do not count as waiting
-        self._free = pool.rows
+        self._free = pool.shape.rows
         metrics.cache_capacity.set(pool.cache_tokens)
         metrics.count_rounds(pool.chooser)
         self._wake = threading.Condition()
@@ -124,26 +124,17 @@ class Scheduler:
     @property
     def rows(self) -> int:
         """Requests decoded at once (``--max-batch``)."""
-        return self.pool.rows
+        return self.pool.shape.rows
 
     @property
     def max_len(self) -> int:
         """Prompt + new tokens, per request."""
-        return self.pool.max_len
+        return self.pool.shape.max_len
 
     @property
     def max_logprobs(self) -> int:
         """Top logprobs a request may ask for per token (``--max-logprobs``; 0: no logprobs)."""
-        return self.pool.spec.top_logprobs
-
-    def check(self, request: RowRequest) -> RowRequest:
-        """The request as the rows will run it, checked once before it is queued (``InputError``
-        naming the field; ``too_long`` says whether its length is what the server refuses)."""
-        return self.pool.check(request)
-
-    def too_long(self, prompt: list[int], max_new_tokens: int) -> bool:
-        pool = self.pool
-        return len(prompt) > pool.max_prompt or len(prompt) + max_new_tokens > pool.max_len
+        return self.pool.shape.spec.top_logprobs
 
     def _running(self) -> list[Job]:
         return [job for _, job in self.pool.owners()]
@@ -344,11 +335,11 @@ class Scheduler:
         if update.first:
             job.first_token_at = now
             job.first_tokens = len(update.tokens)
-            job.cached = update.cached
+            job.cached_tokens = update.cached_tokens
             self.metrics.ttft.observe(now - job.arrived)
             if self.pool.prefix_cache:
                 self.metrics.prefix_queries.inc(len(job.request.prompt))
-                self.metrics.prefix_hits.inc(update.cached)
+                self.metrics.prefix_hits.inc(update.cached_tokens)
         self.metrics.generation_tokens.inc(len(update.tokens))
         if update.finish is not None and update.produced > job.first_tokens:
             self.metrics.tpot.observe(

@@ -18,6 +18,6 @@ def run_alone(pool: RowPool, request: RowRequest) -> tuple[list[int], list[int],
         for update in pool.step().values():
             tokens += update.tokens
             sizes.append(len(update.tokens))
-            cached += update.cached if update.first else 0
+            cached += update.cached_tokens if update.first else 0
     assert not pool.busy, "a request outlived its rounds"
     return tokens, sizes, cached

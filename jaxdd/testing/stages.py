@@ -17,6 +17,8 @@ from pathlib import Path
 
 import jax
 
+from jaxdd.testing.rounds import BatchRound
+
 STAGES = ("draft", "build", "verify", "accept", "commit")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$", re.M)
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -80,11 +82,12 @@ def _innermost_ops(events, module: str):
         yield name, end - start
 
 
-def round_stages(decoder, plan, state, calls: int = 20) -> dict[str, float]:
-    """Op milliseconds per stage of ``decoder``'s compiled round for ``plan``, run ``calls``
-    times from copies of ``state`` (the round donates its state), after one warm-up call."""
-    copies = [jax.tree.map(lambda x: x.copy(), state) for _ in range(calls + 1)]
-    hlo = decoder.lower_round(plan, state).compile().as_text()
-    run = lambda: jax.block_until_ready(decoder.step(plan, copies.pop()))
+def round_stages(batch_round: BatchRound, calls: int = 20) -> dict[str, float]:
+    """Op milliseconds per stage of ``batch_round``'s compiled round, run ``calls`` times from
+    copies of the state after its prefill (the round donates its state), after one warm-up
+    call."""
+    copies = batch_round.copies(calls + 1)
+    hlo = batch_round.lower().compile().as_text()
+    run = lambda: jax.block_until_ready(batch_round(copies.pop()))
     run()
     return stage_op_ms(hlo, "jit_decode_round", run, calls)

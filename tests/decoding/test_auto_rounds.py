@@ -82,10 +82,11 @@ def test_the_chooser_runs_every_round_of_the_set_without_compiling(decoder):
     with compile_clock() as warming:
         pool.warm_up()
     counted = memory_maps.pool_programs("ddtree", 2, 8, False, False, None, 3)
-    assert counted.rounds == 2 * 3 * len(pool.tiers) + memory_maps.OWN_PROGRAMS
+    assert counted.rounds == 2 * 3 * len(pool.shape.tiers) + memory_maps.OWN_PROGRAMS
     assert warming.count <= counted.prefills + counted.rounds
     pool.chooser.probe_every = 4  # every round of the set runs within the few rounds here
-    assert set(pool.chooser.base) == {(n, t) for n in pool.round_set.names for t in pool.tiers}
+    tiers = pool.shape.tiers
+    assert set(pool.chooser.base) == {(n, t) for n in pool.round_set.names for t in tiers}
     assert set(pool.chooser.rounds.values()) == {0} and pool.chooser.tokens == {"ar": 1.0}
     greedy = [RowRequest(prompt, 48, [0]) for prompt in prompts(11, 2)]
     sampled = RowRequest(greedy[0].prompt, 24, [0], jaxdd.Sampling(0.8, 0.95, 0, 3))

@@ -26,6 +26,7 @@ from jaxdd.runtime.compile_time import compile_clock
 from jaxdd.testing.oracle import OracleDrafter, patched_reference_drafter
 from jaxdd.testing.profiles import examples
 from jaxdd.testing.reference import drafter_config, hf_greedy
+from jaxdd.testing.rounds import BatchRound
 
 PROMPTS = [[5, 17, 3, 250, 9, 1, 77], [200, 4, 4, 91, 36, 12, 8, 150, 61, 7, 33]]
 MAX_NEW = 24
@@ -235,8 +236,10 @@ def test_rounds_update_caches_in_place(models, method):
     cache four times (the written cache read through a bitcast), and every round
     transposed the drafter's keys and values for its attention matmuls."""
     _, _, decoder = models
-    plan, state = decoder.start([PROMPTS[1]], method=method, max_new_tokens=MAX_NEW, block_size=4)
-    lowered = decoder.lower_round(plan, state)
+    batch_round = BatchRound.of(
+        decoder, [PROMPTS[1]], method=method, max_new_tokens=MAX_NEW, block_size=4
+    )
+    lowered, state = batch_round.lower(), batch_round.state
     caches = [*state.target_cache.latent, *state.target_cache.rope]
     if method != "ar":
         caches += [*state.draft_cache.keys, *state.draft_cache.values]

@@ -35,7 +35,7 @@ def test_fp8_drafter_kv_gives_the_target_tokens_and_keeps_the_acceptance(pair):
     exact = SpeculativeDecoder(*pair)
     greedy = exact.generate(prompt, method="ar", **common).tokens
     fp8 = SpeculativeDecoder(*pair, drafter_kv="fp8")
-    _, state = fp8.start([prompt], max_new_tokens=8)
+    state = fp8.admitted([prompt], max_new_tokens=8).state
     assert state.draft_cache.keys[0].dtype == jnp.float8_e4m3fn
     assert state.target_cache.latent[0].dtype == jnp.float32  # the verify's cache is untouched
     serving = RowPool.serving(fp8, method="dflash", rows=2, max_len=128)  # the server's pool

@@ -40,7 +40,7 @@ def test_the_count_from_the_flags_is_what_the_pool_warms_up(pool):
     programs = memory_maps.pool_programs("dflash", 2, 80, True, True, None)
     assert pool.shape.buckets() == [16, 32, 48, 64, 80]
     assert len(pool.shape.warm_up_requests(True)) == programs.prefills == 5 * 2 + 1 + 5
-    assert programs.rounds == 2 * len(pool.tiers) + memory_maps.OWN_PROGRAMS == 8
+    assert programs.rounds == 2 * len(pool.shape.tiers) + memory_maps.OWN_PROGRAMS == 8
     unscored = memory_maps.pool_programs("dflash", 2, 80, False, False, 40)
     assert unscored.prefills == 5 + 1  # a prompt past one chunk
 

@@ -76,8 +76,8 @@ def drive(pool: RowPool, seed: int, ops: list[tuple]) -> tuple[int, int]:
                 conversation, prompt, tokens, cached = running[update.owner]
                 tokens += update.tokens
                 if update.first:
-                    hits += update.cached
-                    cached = update.cached
+                    hits += update.cached_tokens
+                    cached = update.cached_tokens
                     running[update.owner] = (conversation, prompt, tokens, cached)
                 if update.finish is None:
                     continue

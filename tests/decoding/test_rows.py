@@ -14,6 +14,7 @@ from jaxdd.decoding.requests import RowRequest
 from jaxdd.decoding.rows import RowPool
 from jaxdd.errors import InputError
 from jaxdd.runtime.compile_time import compile_clock
+from jaxdd.serve.jobs import SERVER_WORDS
 
 
 @pytest.fixture(scope="module")
@@ -167,22 +168,22 @@ def test_admissions_and_releases_while_rounds_are_in_flight(decoder):
 def test_requests_past_the_pool_are_refused(decoder):
     pool = RowPool.serving(decoder, method="dflash", rows=1, max_len=40, max_prompt=16)
     with pytest.raises(InputError, match="max-len 40"):
-        pool.check(RowRequest([1, 2, 3], 38, [0], jaxdd.Sampling()))
+        pool.check(RowRequest([1, 2, 3], 38, [0], jaxdd.Sampling()), SERVER_WORDS)
     with pytest.raises(InputError, match="at most 16"):
-        pool.check(RowRequest([1] * 17, 2, [0], jaxdd.Sampling()))
+        pool.check(RowRequest([1] * 17, 2, [0], jaxdd.Sampling()), SERVER_WORDS)
     with pytest.raises(InputError, match="outside the vocabulary"):
-        pool.check(RowRequest([1, 4096], 2, [0], jaxdd.Sampling()))
+        pool.check(RowRequest([1, 4096], 2, [0], jaxdd.Sampling()), SERVER_WORDS)
     with pytest.raises(InputError, match="logprobs: this pool computes none"):
-        pool.check(RowRequest([1, 2], 2, [0], jaxdd.Sampling(), logprobs=0))
+        pool.check(RowRequest([1, 2], 2, [0], jaxdd.Sampling(), logprobs=0), SERVER_WORDS)
     scoring = RowPool.serving(
         decoder, method="dflash", rows=1, max_len=40, max_prompt=16, max_logprobs=2
     )
     with pytest.raises(InputError, match=r"logprobs: must be an integer in \[0, 2\], got 3"):
-        scoring.check(RowRequest([1, 2], 2, [0], jaxdd.Sampling(), logprobs=3))
+        scoring.check(RowRequest([1, 2], 2, [0], jaxdd.Sampling(), logprobs=3), SERVER_WORDS)
     with pytest.raises(InputError, match="max_tokens: must be an integer >= 1, got 0"):
-        scoring.check(RowRequest([1, 2], 0, [0], jaxdd.Sampling(), logprobs=2))
+        scoring.check(RowRequest([1, 2], 0, [0], jaxdd.Sampling(), logprobs=2), SERVER_WORDS)
     with pytest.raises(InputError, match="logprobs: scoring the prompt needs logprobs"):
-        scoring.check(RowRequest([1, 2], 0, [0], jaxdd.Sampling(), score_prompt=True))
+        scoring.check(RowRequest([1, 2], 0, [0], jaxdd.Sampling(), score_prompt=True), SERVER_WORDS)
     scored = RowRequest([1, 2], 0, [0], jaxdd.Sampling(), 1, True)
     assert scoring.check(scored) == scored
 
@@ -225,7 +226,7 @@ def test_a_pool_of_pages_holds_short_requests_beside_a_long_one(decoder):
     options = {"method": "dflash", "rows": 18, "max_len": max_len, "max_prompt": 16}
     page = 64
     pool = RowPool.serving(decoder, cache_tokens=18 * page, **options)
-    assert pool.cache_tokens == 18 * page < 17 * pool.slots
+    assert pool.cache_tokens == 18 * page < 17 * pool.shape.slots
     assert all(pool.shape.start(r) <= page < pool.shape.reach(r) for r in (long, short[0]))
     pool.warm_up()
     assert pool.admissible([long, *short]) == 17  # the 18th finds a row and a page, and waits
@@ -270,6 +271,6 @@ def test_a_row_asks_for_the_rounds_in_flight_it_runs_in(decoder):
     pool.dispatch()
     one_round = pool.shape.round_tokens
     assert asked[0] == {first: 12 + one_round}
-    assert asked[1] == {first: 12 + pool.width + one_round}
-    assert asked[2] == {first: 12 + 2 * pool.width + one_round, second: 5 + one_round}
+    assert asked[1] == {first: 12 + pool.shape.spec.width + one_round}
+    assert asked[2] == {first: 12 + 2 * pool.shape.spec.width + one_round, second: 5 + one_round}
     pool.release_all()

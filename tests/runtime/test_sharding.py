@@ -165,7 +165,7 @@ def test_parameters_and_caches_are_sharded(checkpoints, mode):
         assert array.sharding.spec == spec
         assert len(array.sharding.device_set) == 8
         assert array.addressable_shards[0].data.size * 8 == array.size
-    _, state = dec.start([PROMPT], max_new_tokens=8)
+    state = dec.admitted([PROMPT], max_new_tokens=8).state
     for latent in state.target_cache.latent:
         assert latent.sharding.is_fully_replicated  # one latent row serves every head
         assert len(latent.sharding.device_set) == 8

@@ -168,7 +168,7 @@ def test_striped_gives_the_tokens_of_one_device(request, one_device, page):
 
 def test_striped_cache_is_split_along_its_pages(striped_in_runtime_pages):
     dec = striped_in_runtime_pages
-    _, state = dec.start([PROMPT], max_new_tokens=8)
+    state = dec.admitted([PROMPT], max_new_tokens=8).state
     latent = state.target_cache.latent[0]
     assert latent.sharding.spec == PAGES
     assert latent.addressable_shards[0].data.shape[0] == latent.shape[0] // 8
@@ -189,7 +189,8 @@ def test_the_kernel_form_over_fp8_drafter_kv_gives_the_same_tokens(checkpoints, 
     cache striped: the target's tokens (the drafts may change, the tokens may not)."""
     dec = decoder(checkpoints, 8, cache_layout="striped", attention="pallas", drafter_kv="fp8")
     dec.stripes = Stripes(dec.mesh, PAGE)
-    assert dec.start([PROMPT], max_new_tokens=8)[1].draft_cache.keys[0].dtype == jnp.float8_e4m3fn
+    state = dec.admitted([PROMPT], max_new_tokens=8).state
+    assert state.draft_cache.keys[0].dtype == jnp.float8_e4m3fn
     names = ["dflash", "ddtree"]  # greedy: sampled tokens follow the drafts they were offered
     tokens = {name: result[0] for name, result in generate(dec, names).items()}
     assert tokens == {name: one_device[name][0] for name in names}
@@ -246,7 +247,7 @@ def test_a_striped_prefix_cache_hit_gives_one_devices_tokens(striped, alone):
     assert compiles.count == 0 and len(said) == 20
     # the first turn's prompt and answer (less the newest token and the drafter's lag of a
     # round), in whole pages of 4
-    assert none == 0 and found == (len(PROMPT) + 19 - pool.width) // PAGE * PAGE
+    assert none == 0 and found == (len(PROMPT) + 19 - pool.shape.spec.width) // PAGE * PAGE
     expected = alone.generate(
         history, method="ddtree", budget=12, max_new_tokens=16, stop_token_ids=[], sampling=sampling
     )

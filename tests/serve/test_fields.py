@@ -135,7 +135,7 @@ CASES = [(path, field) for path in PATHS for field in REFUSED[path]]
 def client(pool):
     """The HTTP side of a server on the demo pair (chat by its own template) whose scheduler
     never becomes ready."""
-    scheduler = Scheduler(pool, Metrics(pool.block), max_waiting=1)
+    scheduler = Scheduler(pool, Metrics(pool.shape.spec.block), max_waiting=1)
     tokenizer = load_tokenizer(DEMO / "target")
     template = tokenizer.chat_template
     server = Server(scheduler, tokenizer, "kimi-mini", [0], template, None)
@@ -207,7 +207,7 @@ def test_token_prompts_are_decoded_only_to_echo(pool, monkeypatch):
     tokenizer = load_tokenizer(DEMO / "target")
     decoded = []
     monkeypatch.setattr(tokenizer, "decode", lambda ids: decoded.append(list(ids)) or "")
-    scheduler = Scheduler(pool, Metrics(pool.block), max_waiting=1)
+    scheduler = Scheduler(pool, Metrics(pool.shape.spec.block), max_waiting=1)
     client = TestClient(create_app(Server(scheduler, tokenizer, "kimi-mini", [0], None, None)))
     body = {"prompt": [[5, 6], [7]], "max_tokens": 2}
     assert passes_every_check(client.post("/v1/completions", json=body))
@@ -231,7 +231,7 @@ def test_echo_of_no_token_without_logprobs_needs_no_rows(pool, client, prompt, s
     body["stream_options"] = {"include_usage": True} if stream else None
     compiling = client.post("/v1/completions", json=body)
     assert compiling.status_code == 503 and compiling.json()["error"]["code"] == "not_ready"
-    scheduler = Scheduler(pool, Metrics(pool.block), max_waiting=1)
+    scheduler = Scheduler(pool, Metrics(pool.shape.spec.block), max_waiting=1)
     scheduler.ready.set()
     server = Server(scheduler, tokenizer, "kimi-mini", [0], None, None)
     response = TestClient(create_app(server)).post("/v1/completions", json=body)

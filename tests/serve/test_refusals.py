@@ -23,7 +23,7 @@ def refusals(client: TestClient) -> dict[str, float]:
 
 
 def test_compiling_and_draining_refusals_are_counted(pool):
-    scheduler = Scheduler(pool, Metrics(pool.block), max_waiting=1)
+    scheduler = Scheduler(pool, Metrics(pool.shape.spec.block), max_waiting=1)
     client = TestClient(create_app(Server(scheduler, None, "kimi-mini", [0], None, None)))
     assert refusals(client) == dict.fromkeys(REFUSALS, 0.0)
     body = {"prompt": [1, 2], "max_tokens": 2}
@@ -39,7 +39,7 @@ def test_compiling_and_draining_refusals_are_counted(pool):
 def test_api_key_and_access_log(pool, capsys):
     """With a key, every route but /health and /metrics wants it (a 401 with OpenAI's body,
     counted as unauthorized); each request gets one access-log line."""
-    scheduler = Scheduler(pool, Metrics(pool.block), max_waiting=1)
+    scheduler = Scheduler(pool, Metrics(pool.shape.spec.block), max_waiting=1)
     server = Server(scheduler, None, "kimi-mini", [0], None, None, "s3cret", True)
     client = TestClient(create_app(server))
     body = {"prompt": [1, 2], "max_tokens": 2}

@@ -25,7 +25,8 @@ class FakePool:
     first with its prefill's), a row ends at its length; every call that a device
     would see is logged. ``faulty``: the dispatches (counted from 1) that raise."""
 
-    method, block, budget, prefix_cache = "dflash", 4, None, False
+    shape = types.SimpleNamespace(rows=ROWS, spec=types.SimpleNamespace(block=4))
+    prefix_cache = False
     cache_tokens, cache_usage = 64 * ROWS, 0.0  # a row's worth of pages each: rows decide
     paused_rounds = 0  # so no row waits for pages
     chooser = Chooser(("dflash-4",))  # one round: what /metrics counts
@@ -116,7 +117,7 @@ def lead(
     channel = Broadcast(
         ROWS, MAX_PROMPT, 3600, leads=True, broadcast=lambda values: sent.append(values) or values
     )
-    scheduler = Scheduler(pool, Metrics(pool.block), max_waiting=16, channel=channel)
+    scheduler = Scheduler(pool, Metrics(pool.shape.spec.block), max_waiting=16, channel=channel)
     scheduler.start()
     assert scheduler.ready.wait(10)
     events: list[list[Event]] = [[] for _ in jobs]
@@ -150,7 +151,7 @@ def follow(pool: FakePool, sent: list) -> tuple[Scheduler, int]:
     """Run a follower on ``sent`` until it stops: (its scheduler, the broadcasts it left unread)."""
     replay = iter(sent)
     channel = Broadcast(ROWS, MAX_PROMPT, 3600, leads=False, broadcast=lambda _: next(replay))
-    scheduler = Scheduler(pool, Metrics(pool.block), max_waiting=16, channel=channel)
+    scheduler = Scheduler(pool, Metrics(pool.shape.spec.block), max_waiting=16, channel=channel)
     scheduler.start()
     scheduler.join()
     return scheduler, len(list(replay))

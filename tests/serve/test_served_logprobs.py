@@ -42,7 +42,7 @@ def served():
         max_prompt=32,
         max_logprobs=K,
     )
-    scheduler = Scheduler(pool, Metrics(pool.block), max_waiting=8)
+    scheduler = Scheduler(pool, Metrics(pool.shape.spec.block), max_waiting=8)
     stops = model_stop_ids(target.config, tokenizer)
     server = Server(scheduler, tokenizer, "kimi-mini", stops, tokenizer.chat_template, None)
     client = TestClient(create_app(server))
