@@ -350,7 +350,7 @@ class SpeculativeDecoder:
         if options.budget == "auto":
             pool.time_rounds()  # the set compiled now: its rounds are timed, not compiled, later
         pool.admit(requests, owners=list(range(len(requests))))
-        batch = RoundBatch(shape.spec, jax.device_put(pool.host_settings()))
+        batch = RoundBatch(shape.spec, pool.settings.device())
         trained = None if self.drafter is None else self.drafter.config.block_size
         lower = lambda: self.lower_round(batch, pool.state)
         self._round_sizes.check(lower, batch.spec, pool.state, batch.settings, trained)

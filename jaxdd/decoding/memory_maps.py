@@ -163,7 +163,7 @@ def maps_taken(lowered: jax.stages.Lowered) -> int:
 def program_maps(pool) -> tuple[int, int]:
     """(maps of ``pool``'s longest prefill, of its full round), each compiled once: what
     ``PROGRAM_MAPS`` records."""
-    one = pool.host_settings(slice(0, 1))
+    one = pool.settings.host(slice(0, 1))
     tokens, count, seeds = pad_requests([RowRequest([1], 1, [], GREEDY)], 1, pool.shape.max_prompt)
     prefill = prefill_row.lower(
         pool.shape.spec,
@@ -177,7 +177,7 @@ def program_maps(pool) -> tuple[int, int]:
         pool.decoder.mesh,
         bool(pool.shape.spec.top_logprobs),  # scoring the prompt too, where the pool may
     )
-    settings = jax.device_put(pool.host_settings())
+    settings = pool.settings.device()
     return maps_taken(prefill), maps_taken(
         decode_round.lower(pool.shape.spec, pool.models, pool.state, settings)
     )

@@ -44,7 +44,6 @@ import numpy as np
 from jaxdd.cache import RowTable
 from jaxdd.cache.pages import PageTable
 from jaxdd.decoding.checks import (
-    MAX_STOP_TOKENS,
     OWN_WORDS,
     PoolOptions,
     Words,
@@ -61,7 +60,8 @@ from jaxdd.decoding.requests import (
     pad_requests,
 )
 from jaxdd.decoding.round_set import round_name, round_set
-from jaxdd.decoding.sampling import GREEDY, SamplingArrays
+from jaxdd.decoding.row_settings import HostSettings
+from jaxdd.decoding.sampling import GREEDY
 from jaxdd.decoding.speculation import Chooser, Ticket
 from jaxdd.decoding.state import DecodeState, RoundSpec, RowSettings
 from jaxdd.decoding.updates import DeviceReport, read_updates
@@ -85,19 +85,12 @@ class RowPool:
         self.models = decoder.models_for(shape.spec)  # every round of the set reads these
         self.round_set = round_set(decoder, shape.spec, shape.greedy_spec, auto)
         self.chooser = Chooser(self.round_set.names)
-        # Host copies of the per-row settings; the device copy is replaced whole at
-        # the first round after admissions (a few hundred bytes), free rows keep their
-        # last request's settings: a done row changes nothing whatever they say.
-        self._max_length = np.full((shape.rows,), 2, np.int32)
-        self._stop_ids = np.full((shape.rows, MAX_STOP_TOKENS), -1, np.int32)
-        self._sampling = [GREEDY] * shape.rows
-        self._paused = np.zeros((shape.rows,), bool)  # rows waiting this round for pages
         self.paused_rounds = 0  # rounds a row waited for pages, over every row
-        self.settings: RowSettings | None = None  # the device copy, made when a round needs it
         self.state: DecodeState | None = None
         self.table: RowTable[RowEntry] = RowTable(shape.rows)  # which request holds each row
         # which pages each row holds, and which the prefix cache keeps
         self.pages = PageTable(shape.rows, shape.paging, prefix_cache)
+        self.settings = HostSettings(shape.rows, self.pages)
         # Reports not yet read: the prefills since the last dispatch,
         # and per round dispatched those before it and its own.
         self._prefilled: list[DeviceReport] = []
@@ -181,7 +174,7 @@ class RowPool:
         padded = prompt_bucket(self.shape.prefill_chunk if entry.chunked else end - start)
         part = dataclasses.replace(request, prompt=request.prompt[start:end])
         tokens, count, seeds = pad_requests([part], 1, padded)
-        one = self.host_settings(slice(row, row + 1))
+        one = self.settings.host(slice(row, row + 1))
         mesh = self.decoder.mesh
         spec = self.shape.spec
         args = (spec, self.models, self.state, np.int32(row), tokens, count, one, seeds, mesh)
@@ -208,12 +201,11 @@ class RowPool:
         tokens, prompt_len, seeds = pad_requests(requests, self.shape.rows, padded)
         # rows 0, 1, ...: the table is empty
         rows = [self._hold(request, owner) for request, owner in zip(requests, owners, strict=True)]
-        # the prefill and every round read them
-        self.settings = jax.device_put(self.host_settings())
+        settings = self.settings.device()  # the prefill and every round read them
         mesh = self.decoder.mesh
         score = any(r.score_prompt for r in requests)
         paging, spec = self.shape.paging, self.shape.spec
-        args = (spec, self.models, tokens, prompt_len, self.settings, seeds, paging, mesh)
+        args = (spec, self.models, tokens, prompt_len, settings, seeds, paging, mesh)
         self.state, report = self.programs.prefill_new(*args, score)
         for row, request in zip(rows, requests, strict=True):
             self.pages.insert(row, request.prompt)  # its rows are in both caches once prefilled
@@ -233,12 +225,7 @@ class RowPool:
         entry.cached_tokens = self.pages.take(row, self.shape.start(request), prompt, reach)
         rest = len(request.prompt) - entry.cached_tokens
         entry.chunked = prompt is not None and rest > (self.shape.prefill_chunk or rest)
-        stops = np.full((MAX_STOP_TOKENS,), -1, np.int32)
-        stops[: len(request.stop_ids)] = request.stop_ids
-        self._max_length[row] = len(request.prompt) + request.max_new_tokens
-        self._stop_ids[row] = stops
-        self._sampling[row] = request.sampling
-        self.settings = None
+        self.settings.hold(row, request)
         return row
 
     def release(self, row: int) -> None:
@@ -252,8 +239,7 @@ class RowPool:
             self.pages.insert(row, self._committed(entry))
         self.table.release(row)
         self.pages.release(row)
-        self._paused[row] = False
-        self.settings = None
+        self.settings.free(row)
 
     def _committed(self, entry: RowEntry) -> list[int]:
         """The tokens whose rows both caches hold for certain: the prompt, and what the rounds
@@ -275,13 +261,12 @@ class RowPool:
         """Free every row (their requests failed); rounds in flight still finish."""
         self.table.clear()
         self.pages.clear()
-        self._paused[:] = False
-        self.settings = None
+        self.settings.free()
 
     def admissible(self, requests: list[RowRequest], release: tuple[int, ...] = ()) -> int:
         """How many of ``requests`` (checked), in order, find a free row and their pages once
         ``release``'s rows are free: admission waits for pages as for rows."""
-        if set(np.flatnonzero(self._paused)) - set(release):
+        if set(np.flatnonzero(self.settings.paused)) - set(release):
             return 0  # the pages that free up go to the rows that wait first: none waits forever
         busy = {row for row, _ in self.table.items()}
         rows = len(self.free_rows()) + len(set(release) & busy)
@@ -335,7 +320,7 @@ class RowPool:
             if entry.next is not None:
                 self._prefill_next(row, entry)
         self._grow()
-        sampled = any(not self._sampling[row].greedy for row, _ in self.table.items())
+        sampled = self.settings.sampled([row for row, _ in self.table.items()])
         return sampled, next(t for t in self.shape.tiers if t > self.table.highest())
 
     def _grow(self) -> None:
@@ -348,26 +333,23 @@ class RowPool:
         length = lambda e: len(e.request.prompt) + max(e.produced - 1, 0)  # committed, known
         ahead = lambda e: ran[id(e)] * self.shape.spec.width + self.shape.round_tokens
         wants = {row: length(e) + ahead(e) for row, e in self.table.items() if e.next is None}
-        paused, held = np.zeros_like(self._paused), self.pages.held
+        paused, held = np.zeros_like(self.settings.paused), self.pages.held
         paused[self.pages.grow(wants)] = True
-        if self.pages.held != held or (paused != self._paused).any():
-            self.settings = None  # the new tables and pauses reach the device with this round
-        self._paused = paused
+        if self.pages.held != held:
+            self.settings.changed()  # the new tables reach the device with this round
+        self.settings.pause(paused)
         self.paused_rounds += int(paused.sum())
 
     def _run_round(self, spec: RoundSpec, tier: int, ticket: Ticket | None = None) -> None:
-        if self.settings is None:
-            self.settings = jax.device_put(self.host_settings())
+        settings = self.settings.device()
         if tier == self.shape.rows:
-            self.state, report = self.programs.decode_round(
-                spec, self.models, self.state, self.settings
-            )
+            self.state, report = self.programs.decode_round(spec, self.models, self.state, settings)
         else:
             self.state, report = self.programs.front_round(
-                spec, self.models, self.state, self.settings, tier
+                spec, self.models, self.state, settings, tier
             )
         trace = spec.trace if spec.method != "ar" else 0
-        running = [(row, e) for row, e in self.table.items() if not self._paused[row]]
+        running = [(row, e) for row, e in self.table.items() if not self.settings.paused[row]]
         holders = [(row, row, e) for row, e in running if e.next is None]
         proposed = 0 if spec.method == "ar" else spec.budget or spec.block - 1
         own = DeviceReport(
@@ -409,8 +391,8 @@ class RowPool:
             while entry.next is not None:
                 self._prefill_next(row, entry)
         self.pages.grow({row: self.shape.reach(e.request) for row, e in self.table.items()})
-        self.settings = jax.device_put(self.host_settings())
-        return self.settings
+        self.settings.changed()
+        return self.settings.device()
 
     def time_rounds(self) -> None:
         """Run each round of the set at each tier over a short request, timed for the chooser
@@ -425,12 +407,6 @@ class RowPool:
                     self._run_round(spec, tier)
                     self.collect()
         self.release(row)
-
-    def host_settings(self, rows: slice = slice(None)) -> RowSettings:
-        """The per-row settings of ``rows`` as host arrays."""
-        sampling = SamplingArrays.of(self._sampling[rows])
-        pages, paused = self.pages.table[rows].copy(), self._paused[rows].copy()
-        return RowSettings(self._max_length[rows], self._stop_ids[rows], sampling, pages, paused)
 
     def _empty_state(self) -> DecodeState:
         """Every row done until a request is inserted (``RowShape.state_maker``)."""

@@ -236,7 +236,7 @@ def test_a_pool_of_pages_holds_short_requests_beside_a_long_one(decoder):
     waiting = short[16:]
     for _ in range(400):  # bounded: every request ends within its max_tokens rounds
         # none is admitted while a row waits for pages: they go to the waiting rows first
-        assert not (pool._paused.any() and pool.admissible(short))
+        assert not (pool.settings.paused.any() and pool.admissible(short))
         if waiting and pool.admissible(waiting):
             owner[pool.admit([pool.check(waiting.pop())])[0]] = 17
         if not pool.busy:
