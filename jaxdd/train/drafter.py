@@ -92,12 +92,16 @@ def position_weights(block_size: int) -> jax.Array:
     return jnp.exp(-jnp.arange(block_size - 1) / gamma)
 
 
-def dflash_loss(drafter: DFlashDrafter, target: KimiTarget, tokens, features, anchors) -> jax.Array:
-    """Block cross-entropy weighted by position (``position_weights``)."""
-    logits, labels = block_logits(drafter, target, tokens, features, anchors)
-    weights = position_weights(drafter.config.block_size)
+def weighted_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Block cross-entropy of logits [N, B-1, V] weighted by position (``position_weights``)."""
+    weights = position_weights(labels.shape[1] + 1)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     return (loss * weights).sum() / (labels.shape[0] * weights.sum())
+
+
+def dflash_loss(drafter: DFlashDrafter, target: KimiTarget, tokens, features, anchors) -> jax.Array:
+    """The position-weighted block cross-entropy of the blocks at ``anchors``."""
+    return weighted_loss(*block_logits(drafter, target, tokens, features, anchors))
 
 
 @nnx.jit
@@ -111,9 +115,7 @@ def drafter_step(drafter, optimizer, target, tokens, features, anchors) -> jax.A
 def drafter_eval(drafter, target, tokens, features, anchors) -> tuple[jax.Array, jax.Array]:
     """(loss, accuracy of the greedy draft per mask slot [B-1])."""
     logits, labels = block_logits(drafter, target, tokens, features, anchors)
-    return dflash_loss(drafter, target, tokens, features, anchors), (
-        jnp.argmax(logits, -1) == labels
-    ).mean(0)
+    return weighted_loss(logits, labels), (jnp.argmax(logits, -1) == labels).mean(0)
 
 
 def random_anchors(
