@@ -20,10 +20,14 @@ from jaxdd.models.target import KimiTarget
 from pallas_kernels.tree_operands import TreeOperands
 
 
-def packed_attention(ops: TreeOperands, *, scale: float, anchors: jax.Array, block: int):
+def packed_attention(
+    ops: TreeOperands, *, scale: float, anchors: jax.Array, block: int
+) -> jax.Array:
     """The drafter's attention [R, A*B, g, hd] for rows of ``A`` packed blocks of ``block``
     tokens (a tree-attention kernel's operands, each KV head a row): a query of block a sees
     the cached slots before ``anchors`` [R, A] and the keys of its own block."""
+    # the drafter's latent queries are zero (keys ride as rope), and its one-block view
+    # (length, tail_mask) gives way to the anchors' view
     q = ops.q_rope
     own = jnp.arange(q.shape[1]) // block
     context = jnp.einsum("rqgh,rsh->rgqs", q, ops.cache_rope) * scale
