@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.short <= args.long:
         parser.error(f"--short must be in [1, --long {args.long}], got {args.short}")
+    for flag, path in (("--target", args.target / "tokenizer.json"), ("--drafter", args.drafter)):
+        if not path.exists():
+            parser.error(f"{flag}: {path} does not exist")
     try:
         prompts = held_out_prompts(
             args.target, args.files, args.long, args.short, args.max_new_tokens
