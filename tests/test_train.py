@@ -195,8 +195,13 @@ def test_validation_loss_by_position_bucket():
     assert bucket_losses(per_position) == {"0-127": 3.0, "128-255": 2.0, "256-511": 127.5}
 
 
-def test_continuations_after_contexts_of_any_length_and_their_buckets():
-    from jaxdd.train.continuations import TrainingData, greedy_continuations, padded_length
+def test_continuations_after_contexts_of_any_length_and_their_buckets(tmp_path):
+    from jaxdd.train.continuations import (
+        TrainingData,
+        greedy_continuations,
+        padded_length,
+        target_features,
+    )
     from jaxdd.train.drafter import random_anchors
 
     target = jaxdd.Target(KimiTarget(KimiConfig.from_hf(SMALL), jnp.float32, rngs=nnx.Rngs(0)))
@@ -215,13 +220,50 @@ def test_continuations_after_contexts_of_any_length_and_their_buckets():
     data = TrainingData(
         {"train": rng.integers(2, 512, (4, 900 + 8)).astype(np.int32)}, {"train": contexts}, 8
     )
-    buckets = data.buckets(target.model, (0,), "train", chunk=2)
+    buckets = data.buckets(target.model, (0,), "train", tmp_path, chunk_tokens=512)
     assert sorted(buckets) == [256, 512, 1024]
     assert buckets[256].contexts.tolist() == [64, 100] and buckets[1024].tokens.shape == (1, 1024)
     assert buckets[512].features.shape == (1, 512, SMALL["hidden_size"])
     np.testing.assert_array_equal(buckets[512].tokens[0], data.tokens["train"][1, :512])
+    # the features file holds each row's bf16 features; a second call (a resumed run) keeps it
+    rows = buckets[256]
+    expected = target_features(target.model, jnp.asarray(rows.tokens), (0,)).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(rows.features.read([1, 0]), np.asarray(expected)[[1, 0]])
+    written = rows.features.path.stat().st_mtime_ns
+    again = data.buckets(target.model, (0,), "train", tmp_path, chunk_tokens=512)
+    assert again[256].features.path.stat().st_mtime_ns == written
 
     first = np.array([64, 300, 5])
     anchors = random_anchors(rng, 3, 50, first + 8, 4, first)
     assert (anchors >= first[:, None]).all() and (anchors <= (first + 4)[:, None]).all()
     assert len(np.unique(anchors[0])) == 5  # every start with a whole block after it
+
+
+def test_packed_blocks_draft_as_each_block_alone_at_inference():
+    from jaxdd.cache import DraftCache
+    from jaxdd.config import DrafterConfig
+    from jaxdd.models.drafter import DFlashDrafter
+    from jaxdd.train.blocks import block_logits
+    from jaxdd.train.continuations import target_features
+    from jaxdd.train.drafter import drafter_hf_config
+
+    target = KimiTarget(KimiConfig.from_hf(SMALL), jnp.float32, rngs=nnx.Rngs(0))
+    config = DrafterConfig.from_hf(drafter_hf_config(target.config, block_size=4, layers=2))
+    drafter = DFlashDrafter(config, jnp.float32, rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(5)
+    tokens = jnp.asarray(rng.integers(2, 512, (2, 32)), jnp.int32)
+    features = target_features(target, tokens, config.target_layer_ids)
+    anchors = jnp.asarray([[1, 9, 10, 28], [20, 3, 20, 12]], jnp.int32)  # overlapping blocks
+    logits, labels = block_logits(drafter, target, tokens, features, anchors)
+    assert logits.shape == (8, 3, 512)
+    for row, (sequence, anchor) in enumerate(np.ndindex(2, 4)):
+        a = int(anchors[sequence, anchor])
+        # inference: the context before the anchor injected into a cache of its own
+        cache = DraftCache.zeros(config, 1, 32, jnp.float32)
+        context = features[sequence : sequence + 1, :a]
+        cache = drafter.inject(cache, context, jnp.arange(a)[None], jnp.asarray([a]))
+        alone, _ = drafter.draft_logits(
+            target, cache, tokens[sequence, a][None], jnp.asarray([a]), jnp.asarray([4]), 4
+        )
+        np.testing.assert_allclose(logits[row], alone[0], atol=1e-4, rtol=1e-4)
+        assert labels[row].tolist() == tokens[sequence, a + 1 : a + 4].tolist()

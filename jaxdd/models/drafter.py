@@ -269,16 +269,26 @@ class DFlashDrafter(nnx.Module):
 
         The block is embedded with the target's embedding and read out through its lm_head.
         """
+        positions = start[:, None] + jnp.arange(block)[None, :]
+        hidden, cache = self(
+            self.block_embeds(target, bonus, block), positions, cache, block_len, kernel
+        )
+        return self.readout(target, hidden[:, 1:]), cache
+
+    def block_embeds(self, target, bonus: jax.Array, block: int) -> jax.Array:
+        """The embeddings [B, block, D] of the blocks ``[bonus, MASK x (block-1)]`` (bonus [B])."""
         c = self.config
         masks = jnp.full((bonus.shape[0], block - 1), c.mask_token_id, jnp.int32)
         noise = jnp.concatenate([bonus[:, None], masks], axis=1)
-        embeds = target.embed_tokens(noise) * c.input_embedding_scale
-        positions = start[:, None] + jnp.arange(block)[None, :]
-        hidden, cache = self(embeds, positions, cache, block_len, kernel)
-        logits = target.logits(hidden[:, 1:]) * c.output_multiplier
+        return target.embed_tokens(noise) * c.input_embedding_scale
+
+    def readout(self, target, hidden: jax.Array) -> jax.Array:
+        """Draft logits of final-normed hidden states, through the target's lm_head."""
+        c = self.config
+        logits = target.logits(hidden) * c.output_multiplier
         if c.final_logit_softcapping is not None:
             logits = jnp.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
-        return logits, cache
+        return logits
 
 
 def abstract_drafter(config: DrafterConfig, dtype: jnp.dtype) -> tuple[nnx.GraphDef, nnx.State]:

@@ -5,12 +5,14 @@ A draft is accepted when it equals the target's greedy choice, so that is the la
 a corpus window of ``context`` tokens (drawn from ``MIN_CONTEXT`` up to a maximum, so the
 drafter learns to draft after contexts anywhere in the window it will serve) followed by
 ``generated`` greedy tokens; anchors lie in the generated part. Sequences are grouped by
-their padded length (a power of two), one compiled training step per group.
+their padded length (a power of two), one compiled training step per group. The target's
+features of a group are GiBs at 2,048 tokens: they are kept in a file, a step reads its rows.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,8 @@ from jaxdd.train.tokenizer import END_OF_TEXT
 
 MIN_CONTEXT = 64
 VALIDATION_SEQUENCES = 16
+# prompt tokens per prefill call: a batch's attention activations stay within ~1 GiB
+PREFILL_CHUNK = 256
 
 
 def greedy_continuations(
@@ -36,7 +40,7 @@ def greedy_continuations(
 ) -> np.ndarray:
     """[N, max prompt + new_tokens]: each prompt (a row of ints, any length) followed by the
     target's greedy continuation (no stop token), padded on the right with 0. Prompts of
-    similar length are decoded together."""
+    similar length are decoded together, prefilled ``PREFILL_CHUNK`` tokens a call."""
     decoder = SpeculativeDecoder(target)
     prompts = [np.asarray(p, np.int32) for p in prompts]
     order = np.argsort([len(p) for p in prompts], kind="stable")
@@ -48,6 +52,7 @@ def greedy_continuations(
             method="ar",
             max_new_tokens=new_tokens,
             stop_token_ids=[],
+            prefill_chunk=PREFILL_CHUNK,
         )
         for i, result in zip(chunk, results, strict=True):
             rows[i] = np.concatenate([prompts[i], np.asarray(result.tokens, np.int32)])
@@ -69,20 +74,52 @@ def padded_length(tokens: int) -> int:
 
 
 @dataclass(frozen=True)
+class FeatureFile:
+    """The target's features [N, T, K*D] of one group in bf16 (as the bf16 target hands them
+    over at inference), in a raw file of whole rows: a step reads its batch's rows."""
+
+    path: Path
+    shape: tuple[int, int, int]
+
+    def read(self, rows) -> np.ndarray:
+        """Features [len(rows), T, K*D] (bf16) of ``rows``."""
+        size = self.shape[1] * self.shape[2]
+        out = np.empty((len(rows), size), np.uint16)
+        with self.path.open("rb") as f:
+            for i, row in enumerate(rows):
+                f.seek(int(row) * size * 2)
+                f.readinto(out[i])
+        return out.view(jnp.bfloat16).reshape(len(rows), *self.shape[1:])
+
+    @classmethod
+    def write(
+        cls, path: Path, shape: tuple[int, int, int], parts: Iterable[jax.Array]
+    ) -> FeatureFile:
+        """The file of ``parts`` (features of consecutive rows, made as they are written),
+        written atomically; one already there, of the right size, is kept (a resumed run's)."""
+        if not path.exists() or path.stat().st_size != 2 * int(np.prod(shape)):
+            partial = path.with_name(f".{path.name}.partial")
+            with partial.open("wb") as f:
+                for part in parts:
+                    f.write(np.asarray(part.astype(jnp.bfloat16)).view(np.uint16).tobytes())
+            os.replace(partial, path)
+        return cls(path, shape)
+
+
+@dataclass(frozen=True)
 class Bucket:
-    """Sequences padded to one length: tokens [N, T], the target's features [N, T, K*D]
-    (bf16, as the bf16 target hands them over at inference), contexts [N] (where each
-    sequence's generated part starts)."""
+    """Sequences padded to one length: tokens [N, T], the target's features (``FeatureFile``),
+    contexts [N] (where each sequence's generated part starts)."""
 
     tokens: np.ndarray
-    features: np.ndarray
+    features: FeatureFile
     contexts: np.ndarray
 
 
 @dataclass(frozen=True)
 class TrainingData:
     """Train and validation sequences with their contexts, kept on disk (the greedy
-    continuations are most of the data's cost; a resumed run reads them back)."""
+    continuations and the features are the data's cost; a resumed run reads them back)."""
 
     tokens: dict[str, np.ndarray]
     contexts: dict[str, np.ndarray]
@@ -134,24 +171,30 @@ class TrainingData:
         os.replace(partial, path)
         return data
 
-    def buckets(self, target: KimiTarget, taps: tuple[int, ...], split_name: str, chunk: int = 8):
-        """{padded length: Bucket} of one split, with the target's features."""
+    def buckets(
+        self,
+        target: KimiTarget,
+        taps: tuple[int, ...],
+        split_name: str,
+        directory: Path,
+        chunk_tokens: int = 4096,
+    ) -> dict[int, Bucket]:
+        """{padded length: Bucket} of one split, the target's features in files under
+        ``directory``, computed ``chunk_tokens`` tokens a call."""
         tokens, contexts = self.tokens[split_name], self.contexts[split_name]
         lengths = np.array([padded_length(c + self.generated) for c in contexts])
+        directory.mkdir(parents=True, exist_ok=True)
         out = {}
         for size in sorted(set(lengths.tolist())):
             rows = np.flatnonzero(lengths == size)
             padded = np.zeros((len(rows), size), np.int32)
             padded[:, : min(size, tokens.shape[1])] = tokens[rows, :size]
-            features = np.concatenate(
-                [
-                    np.asarray(
-                        target_features(target, jnp.asarray(padded[i : i + chunk]), taps).astype(
-                            jnp.bfloat16
-                        )
-                    )
-                    for i in range(0, len(rows), chunk)
-                ]
+            chunk = max(1, chunk_tokens // size)
+            parts = (
+                target_features(target, jnp.asarray(padded[i : i + chunk]), taps)
+                for i in range(0, len(padded), chunk)
             )
+            shape = (len(rows), size, len(taps) * target.config.hidden_size)
+            features = FeatureFile.write(directory / f"{split_name}_{size}.bf16", shape, parts)
             out[size] = Bucket(padded, features, contexts[rows])
         return out

@@ -7,15 +7,17 @@
 Data (``jaxdd.train.continuations``): the target's own greedy continuations (192 tokens) of
 --sequences corpus windows of 64 to --max-context tokens; anchors lie in the generated part.
 The frozen target's tapped hidden states of every sequence are computed once, before
-training, and held in host memory in bf16. Per step: a batch of sequences of one padded
-length is drawn; random anchor positions a are drawn in every sequence; each block is
-[x_a, MASK x (B-1)] at positions a .. a+B-1, sees the target features of the tokens before a
-(KV injection, exactly as at inference) and itself bidirectionally, and mask slot i is trained
-to predict x_{a+i} with cross-entropy weighted by exp(-(i-1)/gamma), gamma = 7 for B = 16
-scaled to the block size (later positions matter less: a draft is only useful while all before
-it are right). Writes OUT_DIR (z-lab DFlash layout: config.json with dflash_config +
-safetensors) and the history; saves itself every few minutes (OUT_DIR_checkpoints, with the
-data in OUT_DIR_data.npz) and resumes from there when started again.
+training, and kept on disk in bf16 (OUT_DIR_features; a step reads its rows). Per step: a
+batch of sequences of one padded length is drawn; random anchor positions a are drawn in every
+sequence; each block is [x_a, MASK x (B-1)] at positions a .. a+B-1, sees the target features
+of the tokens before a (KV injection, exactly as at inference) and itself bidirectionally
+(all blocks of a sequence in one row over its one cache: ``jaxdd.train.blocks``), and mask
+slot i is trained to predict x_{a+i} with cross-entropy weighted by exp(-(i-1)/gamma), gamma
+= 7 for B = 16 scaled to the block size (later positions matter less: a draft is only useful
+while all before it are right). Writes OUT_DIR (z-lab DFlash layout: config.json with
+dflash_config + safetensors) and the history; saves itself every few minutes
+(OUT_DIR_checkpoints, with the data in OUT_DIR_data.npz and OUT_DIR_features) and resumes from
+there when started again.
 """
 
 from __future__ import annotations
@@ -37,10 +39,10 @@ from tokenizers import Tokenizer
 import jaxdd
 from convert.jaxdd_to_hf import export
 from jaxdd import cli
-from jaxdd.cache import DraftCache
 from jaxdd.config import DrafterConfig
 from jaxdd.models.drafter import DFlashDrafter
 from jaxdd.models.target import KimiTarget
+from jaxdd.train.blocks import block_logits
 from jaxdd.train.continuations import MIN_CONTEXT, TrainingData
 from jaxdd.train.resume import (
     TrainingCheckpoints,
@@ -90,37 +92,16 @@ def position_weights(block_size: int) -> jax.Array:
     return jnp.exp(-jnp.arange(block_size - 1) / gamma)
 
 
-def block_logits(drafter: DFlashDrafter, target: KimiTarget, tokens, features, anchors):
-    """(draft logits [N*A, B-1, V], labels [N*A, B-1]) for the blocks
-    anchored at ``anchors`` [N, A] in tokens [N, T], each seeing the frozen
-    target's features [N, T, K*D] of the tokens before its anchor."""
-    n, t = tokens.shape
-    block = drafter.config.block_size
-    rows = n * anchors.shape[1]
-    sequence = jnp.repeat(jnp.arange(n), anchors.shape[1])
-    anchor = anchors.reshape(-1)
-    # The same KV injection as at inference, once per sequence: every position's
-    # context K/V is cached, and each block gets its sequence's cache with
-    # length = its anchor, so it sees the tokens before the anchor only.
-    cache = DraftCache.zeros(drafter.config, n, t, drafter.dtype)
-    positions = jnp.broadcast_to(jnp.arange(t), (n, t))
-    cache = drafter.inject(cache, features, positions, jnp.zeros((n,), jnp.int32))
-    per_block = [
-        tuple(layer[sequence] for layer in buffers) for buffers in (cache.keys, cache.values)
-    ]
-    cache = cache.replace(keys=per_block[0], values=per_block[1], length=anchor)
-    full = jnp.full((rows,), block, jnp.int32)
-    logits, _ = drafter.draft_logits(target, cache, tokens[sequence, anchor], anchor, full, block)
-    labels = tokens[sequence[:, None], anchor[:, None] + jnp.arange(1, block)[None, :]]
-    return logits, labels
+def weighted_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Block cross-entropy of logits [N, B-1, V] weighted by position (``position_weights``)."""
+    weights = position_weights(labels.shape[1] + 1)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return (loss * weights).sum() / (labels.shape[0] * weights.sum())
 
 
 def dflash_loss(drafter: DFlashDrafter, target: KimiTarget, tokens, features, anchors) -> jax.Array:
-    """Block cross-entropy weighted by position (``position_weights``)."""
-    logits, labels = block_logits(drafter, target, tokens, features, anchors)
-    weights = position_weights(drafter.config.block_size)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    return (loss * weights).sum() / (labels.shape[0] * weights.sum())
+    """The position-weighted block cross-entropy of the blocks at ``anchors``."""
+    return weighted_loss(*block_logits(drafter, target, tokens, features, anchors))
 
 
 @nnx.jit
@@ -134,9 +115,7 @@ def drafter_step(drafter, optimizer, target, tokens, features, anchors) -> jax.A
 def drafter_eval(drafter, target, tokens, features, anchors) -> tuple[jax.Array, jax.Array]:
     """(loss, accuracy of the greedy draft per mask slot [B-1])."""
     logits, labels = block_logits(drafter, target, tokens, features, anchors)
-    return dflash_loss(drafter, target, tokens, features, anchors), (
-        jnp.argmax(logits, -1) == labels
-    ).mean(0)
+    return weighted_loss(logits, labels), (jnp.argmax(logits, -1) == labels).mean(0)
 
 
 def random_anchors(
@@ -219,7 +198,7 @@ def evaluate(
             drafter,
             target,
             jnp.asarray(b.tokens),
-            jnp.asarray(b.features, jnp.float32),
+            jnp.asarray(b.features.read(range(len(b.contexts))), jnp.float32),
             anchors[size],
         )
         for size, b in buckets.items()
@@ -265,7 +244,7 @@ def draw_batch(
     rows = rng.integers(0, len(bucket.contexts), batch)
     first = bucket.contexts[rows]
     chosen = random_anchors(rng, batch, per_sequence, first + generated, block, first)
-    features = jnp.asarray(bucket.features[rows], jnp.float32)
+    features = jnp.asarray(bucket.features.read(rows), jnp.float32)
     return jnp.asarray(bucket.tokens[rows]), features, jnp.asarray(chosen)
 
 
@@ -312,8 +291,9 @@ def train(target_dir: Path, out: Path, options: DrafterTraining) -> dict:
         generated=options.generated,
         seed=options.seed,
     )
-    train_set = data.buckets(target, config.target_layer_ids, "train")
-    validation_set = data.buckets(target, config.target_layer_ids, "validation")
+    feature_dir = out.parent / f"{out.name}_features"
+    train_set = data.buckets(target, config.target_layer_ids, "train", feature_dir)
+    validation_set = data.buckets(target, config.target_layer_ids, "validation", feature_dir)
     print(f"data and target features in {(time.perf_counter() - started) / 60:.1f} min", flush=True)
     validation_anchors = fixed_anchors(
         validation_set, options.anchors, options.generated, config.block_size
