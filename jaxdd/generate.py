@@ -306,7 +306,8 @@ def run(argv: list[str] | None) -> int:
     if args.json:
         text = tokenizer.decode(result.tokens) if tokenizer is not None else None
         ids = {"prompt_ids": list(prompt_ids), "output_ids": result.tokens, "text": text}
-        print(json.dumps({**ids, **report, "acceptance_lengths": result.acceptance_lengths}))
+        line = json.dumps({**ids, **report, "acceptance_lengths": result.acceptance_lengths})
+        print(line, flush=True)  # whole, before the collectives' own lines (gloo) reach stdout
         return 0
     stream.close()
     print(summary_line(report), file=sys.stderr)
