@@ -51,13 +51,11 @@ from jaxdd.types import (
     TreeLogits,
 )
 
-# a request's fields as ``generate_batch`` names them; a batch's pool is sized for its requests,
-# so the one limit a request can pass is the model's
+# where ``generate_batch`` names a field otherwise than jaxdd; a batch's pool is sized for its
+# requests, so the one limit a request can pass is the model's
 API_WORDS = Words(
     prompt="token_ids",
-    max_new_tokens="max_new_tokens",
     stop_ids="stop_token_ids",
-    logprobs="logprobs",
     max_len="the model's max_position_embeddings",
     max_prompt="the model's max_position_embeddings less a new token",
     max_logprobs="logprobs",

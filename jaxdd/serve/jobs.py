@@ -15,12 +15,10 @@ from jaxdd.serve import protocol
 from jaxdd.serve.scheduler import Event, Job, NotReady, QueueFull, Scheduler
 from jaxdd.weights.tokenizer import TextTokenizer
 
-# a request's fields and the pool's limits as the API and the server's flags name them
+# where the API and the server's flags name a field or limit otherwise than jaxdd (``Words``)
 SERVER_WORDS = Words(
-    prompt="prompt",
     max_new_tokens="max_tokens",
     stop_ids="stop_token_ids",
-    logprobs="logprobs",
     max_len="the server's --max-len",
     max_prompt="--max-prompt",
     max_logprobs="--max-logprobs",
